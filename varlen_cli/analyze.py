@@ -1,0 +1,339 @@
+"""``varlen analyze``: each sample's length and difficulty, computed across workers.
+
+Each worker takes a contiguous, balanced range of work units (row groups, batches, byte chunks),
+computes lengths and difficulty with Arrow compute and numpy, learns its first sample_id from the
+all-gathered row counts, and writes ``part-RRRRR.parquet``. Rank 0 writes the manifest once all
+parts exist, then renames the directory into place. The concatenated parts are identical for any
+number of workers.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+import numpy as np
+
+from . import artifacts
+from .difficulty import DifficultySpec, call_function, load_function, parse_difficulty, rarity
+from .dist import Dist, fault_point, run_distributed, session
+from .errors import InputError, UsageError
+from .lengths import (
+    LengthSpec,
+    auto_length,
+    check_frames_per_second,
+    compute_lengths,
+    load_tokenizer,
+    numeric_values,
+    parse_length,
+    token_lengths,
+)
+from .progress import JobProgress
+from .sources import DEFAULT_CHUNK_BYTES, SourceFile, Unit, assign, discover, fingerprint, make_units, read_unit
+from .stats import distribution
+
+
+@dataclass(frozen=True)
+class AnalyzeConfig:
+    """Options of ``varlen analyze`` (see ``varlen analyze --help``)."""
+
+    sources: tuple
+    output: str
+    length: str = "auto"
+    tokenizer: Optional[str] = None
+    special_tokens: bool = True
+    frames_per_second: Optional[float] = None
+    difficulty: str = "length"
+    nproc: int = 1
+    overwrite: bool = False
+    device: str = "cpu"
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    progress: bool = True
+
+
+@dataclass
+class AnalyzeResult:
+    output: str
+    num_samples: int
+    num_files: int
+    num_parts: int
+    length: str
+    difficulty: str
+    stats: dict
+    difficulty_stats: dict
+    seconds: float
+    manifest: dict = field(repr=False, default_factory=dict)
+
+
+def analyze(config: AnalyzeConfig) -> Optional[AnalyzeResult]:
+    """Run ``varlen analyze``; returns the result on rank 0 (None on other ranks)."""
+    _check_config(config)
+    out = artifacts.AtomicDir(config.output, config.overwrite)
+    out.check()
+    return run_distributed(_analyze_worker, replace(config, nproc=1), config.nproc, cleanup=[out.tmp])
+
+
+def _check_config(config: AnalyzeConfig) -> None:
+    if not config.sources:
+        raise UsageError("give at least one SOURCE")
+    if config.length != "auto":
+        parse_length(config.length)
+    parse_difficulty(config.difficulty)
+    check_frames_per_second(config.frames_per_second)
+    if config.chunk_bytes < 1:
+        raise UsageError("chunk_bytes must be positive")
+
+
+class _Work:
+    """What one worker needs to turn a unit into lengths and difficulty values."""
+
+    def __init__(self, config: AnalyzeConfig, files: list[SourceFile]):
+        self.config = config
+        self.files = files
+        self.difficulty = parse_difficulty(config.difficulty)
+        self.tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else None
+        self.length = parse_length(config.length) if config.length != "auto" else self._auto_length()
+        if self.length.kind == "tokens" and self.tokenizer is None:
+            raise UsageError(f"--length {self.length} needs --tokenizer FILE")
+        if self.difficulty.kind == "vocab-rarity" and self.length.kind not in ("tokens", "list"):
+            raise UsageError(
+                "--difficulty vocab-rarity needs token ids: use --length tokens:COLUMN --tokenizer FILE "
+                "or --length list:COLUMN on a column of token ids"
+            )
+        self.function = load_function(self.difficulty) if self.difficulty.kind == "function" else None
+        columns = [self.length.column]
+        if self.difficulty.kind == "value" and self.difficulty.column not in columns:
+            columns.append(self.difficulty.column)
+        self.columns = columns
+
+    def _auto_length(self) -> LengthSpec:
+        f = self.files[0]
+        from .sources import TEXT_COLUMN, read_unit as _read
+
+        if f.format == "text":
+            names, types = [TEXT_COLUMN], {}
+        else:
+            schema = _schema_of(f)
+            names, types = schema.names, {n: schema.field(n).type for n in schema.names}
+        return auto_length(names, types, self.tokenizer is not None)
+
+    def where(self, unit: Unit) -> str:
+        return self.files[unit.file].path
+
+    def read(self, unit: Unit, all_columns: bool = False):
+        f = self.files[unit.file]
+        if all_columns:
+            return read_unit(f, unit, _all_columns(f))
+        return read_unit(f, unit, self.columns)
+
+    def lengths_and_ids(self, unit: Unit, want_ids: bool):
+        """Lengths of the unit's rows (and flat token ids when ``want_ids``), plus the table read."""
+        table = self.read(unit, all_columns=self.function is not None)
+        column = table.column(self.length.column)
+        where = self.where(unit)
+        if want_ids and self.length.kind == "tokens":
+            if len(column) and column.null_count:
+                raise InputError(f"column '{self.length.column}' has {column.null_count} null values in {where}")
+            lengths, ids = token_lengths(self.tokenizer, column.combine_chunks() if len(column) else column,
+                                         self.config.special_tokens, with_ids=True)
+            return lengths, ids, table
+        lengths = compute_lengths(column, self.length, where, self.tokenizer, self.config.special_tokens,
+                                  self.config.frames_per_second)
+        ids = None
+        if want_ids:
+            import pyarrow.compute as pc
+
+            flat = pc.list_flatten(column.combine_chunks()) if len(column) else None
+            if flat is not None and not _is_int(flat.type):
+                raise InputError(f"--difficulty vocab-rarity needs integer token ids, but '{self.length.column}' holds {flat.type}")
+            ids = flat.to_numpy(zero_copy_only=False).astype(np.int64) if flat is not None else np.zeros(0, np.int64)
+            if len(ids) and ids.min() < 0:
+                raise InputError(f"column '{self.length.column}' has negative token ids in {where}")
+        return lengths, ids, table
+
+    def difficulty_values(self, unit: Unit, lengths: np.ndarray, table) -> np.ndarray:
+        kind = self.difficulty.kind
+        if kind == "length":
+            return lengths.astype(np.float64)
+        if kind == "value":
+            if len(table) == 0:
+                return np.zeros(0)
+            return numeric_values(table.column(self.difficulty.column), self.difficulty.column, self.where(unit),
+                                  "difficulty column")
+        if kind == "function":
+            import pyarrow as pa
+
+            batch = table.combine_chunks().to_batches()
+            batch = batch[0] if batch else pa.RecordBatch.from_pylist([], schema=table.schema)
+            return call_function(self.function, self.difficulty, batch, self.where(unit))
+        raise AssertionError(kind)
+
+
+def _schema_of(f: SourceFile):
+    from .sources import _open_arrow, _parquet_file
+
+    if f.format == "parquet":
+        return _parquet_file(f.path).schema_arrow
+    if f.format == "arrow":
+        return _open_arrow(f.path)[0].schema
+    # JSONL: the first rows tell the columns.
+    import pyarrow as pa
+
+    from .sources import _read_jsonl
+
+    with open(f.path, "rb") if not f.compression else pa.input_stream(f.path, compression=f.compression) as fh:
+        head = fh.read(1 << 20)
+    cut = head.rfind(b"\n")
+    sample = head[: cut + 1] if cut >= 0 else head
+    import pyarrow.json as pj
+
+    try:
+        return pj.read_json(pa.BufferReader(sample)).schema if sample.strip() else pa.schema([])
+    except pa.ArrowInvalid as exc:
+        raise InputError(f"invalid JSONL in {f.path}: {exc}") from None
+
+
+def _all_columns(f: SourceFile) -> list[str]:
+    from .sources import TEXT_COLUMN
+
+    return [TEXT_COLUMN] if f.format == "text" else list(_schema_of(f).names)
+
+
+def _is_int(t) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_integer(t)
+
+
+def _analyze_worker(config: AnalyzeConfig) -> Optional[AnalyzeResult]:
+    t0 = time.perf_counter()
+    with session(config.device) as d:
+        out = artifacts.AtomicDir(config.output, config.overwrite)
+        if d.is_main:
+            out.check()
+            out.create()
+        d.barrier()
+        try:
+            result = _analyze_in_group(config, d, out, t0)
+        except BaseException:
+            if d.is_main and not d.distributed:
+                out.abort()
+            raise
+        return result
+
+
+def _analyze_in_group(config: AnalyzeConfig, d: Dist, out: artifacts.AtomicDir, t0: float):
+    files = discover(config.sources)
+    units = make_units(files, config.chunk_bytes)
+    lo, hi = assign(units, d.world_size, d.rank)
+    mine = units[lo:hi]
+    work = _Work(config, files)
+    rarity_mode = work.difficulty.kind == "vocab-rarity"
+    total_weight = sum(u.weight for u in units) * (2 if rarity_mode else 1)
+
+    lengths_parts, diff_parts, unit_rows = [], [], []
+    max_id, counts = -1, None
+    with JobProgress(d, total_weight, "analyze", show=config.progress) as bar:
+        for unit in mine:
+            lengths, ids, table = work.lengths_and_ids(unit, want_ids=rarity_mode)
+            lengths_parts.append(lengths)
+            unit_rows.append(len(lengths))
+            if rarity_mode:
+                if len(ids):
+                    max_id = max(max_id, int(ids.max()))
+                    counts = _add_counts(counts, ids)
+            else:
+                diff_parts.append(work.difficulty_values(unit, lengths, table))
+            bar.advance(unit.weight)
+            fault_point("analyze.unit")
+        bar.wait_for_peers(sum(u.weight for u in units))
+        if rarity_mode:
+            vocab = int(d.all_reduce(np.array([max_id + 1], dtype=np.int64), op="max")[0])
+            if work.tokenizer is not None:
+                vocab = max(vocab, work.tokenizer.get_vocab_size(with_added_tokens=True))
+            local = np.zeros(vocab, dtype=np.int64)
+            if counts is not None:
+                local[: len(counts)] = counts
+            global_counts = d.all_reduce(local)
+            for unit, lengths in zip(mine, lengths_parts):
+                _, ids, _ = work.lengths_and_ids(unit, want_ids=True)
+                diff_parts.append(rarity(lengths, ids, global_counts))
+                bar.advance(unit.weight)
+            bar.wait_for_peers(total_weight)
+
+    lengths = np.concatenate(lengths_parts) if lengths_parts else np.zeros(0, np.int64)
+    difficulty = np.concatenate(diff_parts) if diff_parts else np.zeros(0, np.float64)
+    rows = d.all_gather_int(len(lengths))
+    total_rows = int(rows.sum())
+    if total_rows == 0:
+        raise InputError("the sources hold no samples (empty dataset)")
+    first_id = int(rows[: d.rank].sum())
+
+    import pyarrow as pa
+
+    table = pa.table({
+        "sample_id": pa.array(np.arange(first_id, first_id + len(lengths), dtype=np.int64)),
+        "length": pa.array(lengths.astype(np.int64, copy=False)),
+        "difficulty": pa.array(difficulty.astype(np.float64, copy=False)),
+    })
+    artifacts.write_parquet(table, out.file(artifacts.part_name(d.rank)))
+
+    # Rows per file, for the dataset fingerprint: each rank knows its units' rows.
+    per_file = np.zeros(len(files), dtype=np.int64)
+    np.add.at(per_file, np.array([u.file for u in mine], dtype=np.int64), np.array(unit_rows, dtype=np.int64))
+    per_file = d.all_reduce(per_file)
+    length_stats = distribution(lengths, d)
+    diff_stats = _float_stats(difficulty, d)
+    d.barrier()  # every part is written
+    if not d.is_main:
+        return None
+    fp = fingerprint(files, per_file.tolist())
+    parts = [{"file": artifacts.part_name(r), "rows": int(n)} for r, n in enumerate(rows)]
+    cfg = artifacts.config_dict(config)
+    cfg["length"] = str(work.length)
+    manifest = {
+        "format": artifacts.METRICS_FORMAT,
+        "format_version": artifacts.FORMAT_VERSION,
+        "kind": "metrics",
+        "stage": "analyze",
+        **artifacts.provenance(),
+        "config": cfg,
+        "world_size": d.world_size,
+        "dataset": fp,
+        "artifact_id": artifacts.artifact_id("analyze", cfg, fp["digest"], rows.tolist()),
+        "order": {"by": ["sample_id"], "descending": False},
+        "columns": {"sample_id": "int64", "length": "int64", "difficulty": "float64"},
+        "num_rows": total_rows,
+        "parts": parts,
+        "stats": {"length": length_stats, "difficulty": diff_stats},
+    }
+    artifacts.atomic_write_json(out.file(artifacts.MANIFEST_NAME), manifest)
+    out.commit()
+    return AnalyzeResult(
+        output=out.path, num_samples=total_rows, num_files=len(files), num_parts=len(parts), length=str(work.length),
+        difficulty=str(work.difficulty), stats=length_stats, difficulty_stats=diff_stats,
+        seconds=time.perf_counter() - t0, manifest=manifest,
+    )
+
+
+def _add_counts(counts: Optional[np.ndarray], ids: np.ndarray) -> np.ndarray:
+    new = np.bincount(ids)
+    if counts is None:
+        return new
+    if len(new) > len(counts):
+        new[: len(counts)] += counts
+        return new
+    counts[: len(new)] += new
+    return counts
+
+
+def _float_stats(values: np.ndarray, d: Dist) -> dict:
+    n = len(values)
+    agg = d.all_reduce(np.array([n, values.sum() if n else 0.0], dtype=np.float64))
+    lo = d.all_reduce(np.array([values.min() if n else np.inf]), op="min")[0]
+    hi = d.all_reduce(np.array([values.max() if n else -np.inf]), op="max")[0]
+    count = int(agg[0])
+    return {"count": count, "min": float(lo) if count else 0.0, "max": float(hi) if count else 0.0,
+            "mean": float(agg[1] / count) if count else 0.0}

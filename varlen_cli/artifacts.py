@@ -1,0 +1,212 @@
+"""On-disk artifacts: atomic output directories and files, manifests, fingerprints, row ranges.
+
+Formats are specified in ``docs/formats.md``. A metrics directory (from ``varlen analyze``) and a
+sorted directory (from ``varlen sort``) share one layout: ``part-00000.parquet ...`` whose
+concatenation in name order is the artifact's row order, plus ``manifest.json``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from dataclasses import asdict, is_dataclass
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from . import __version__
+from .errors import InputError, OutputError
+
+MANIFEST_NAME = "_manifest.json"  # "_" so pyarrow datasets skip it
+METRICS_FORMAT = "varlen-metrics"
+FORMAT_VERSION = 1
+# Config fields that say how a stage ran, not what it computed: left out of artifact ids.
+RUNTIME_FIELDS = frozenset({"nproc", "overwrite", "device", "progress", "output", "debug", "quiet"})
+
+
+def part_name(index: int) -> str:
+    return f"part-{index:05d}.parquet"
+
+
+def config_dict(config: Any) -> dict:
+    """A JSON-ready dict of a config dataclass (tuples become lists)."""
+    data = asdict(config) if is_dataclass(config) else dict(config)
+    return json.loads(json.dumps(data, default=str))
+
+
+def digest(obj: Any) -> str:
+    """A short stable hash of a JSON-serialisable object."""
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def artifact_id(stage: str, config: Any, input_id: str, rows: Sequence[int]) -> str:
+    """Identity of an artifact: what produced it from what, independent of the number of workers."""
+    cfg = {k: v for k, v in config_dict(config).items() if k not in RUNTIME_FIELDS}
+    return digest({"stage": stage, "config": cfg, "input": input_id, "rows": int(sum(rows))})
+
+
+def provenance() -> dict:
+    import platform
+    import sys
+
+    return {
+        "varlen_version": __version__,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "python": sys.version.split()[0],
+        "host": platform.node(),
+    }
+
+
+# -- atomic outputs --------------------------------------------------------------------------------
+def check_output_free(path: str, overwrite: bool, what: str = "output") -> None:
+    if os.path.lexists(path) and not overwrite:
+        raise OutputError(f"{what} {path} already exists; pass --overwrite to replace it")
+
+
+class AtomicDir:
+    """A directory written by all ranks into a temporary sibling, renamed into place at the end.
+
+    The temporary name is deterministic (``.NAME.varlen-tmp`` beside the output), so every rank
+    and the local launcher agree on it without communicating, and a stale one from a killed run is
+    removed by the next run. Until :meth:`commit`, nothing exists at the final path.
+    """
+
+    def __init__(self, path: str, overwrite: bool = False):
+        self.path = os.path.abspath(path)
+        parent, name = os.path.split(self.path)
+        self.tmp = os.path.join(parent, f".{name}.varlen-tmp")
+        self.old = os.path.join(parent, f".{name}.varlen-old")
+        self.overwrite = overwrite
+
+    def check(self) -> None:
+        check_output_free(self.path, self.overwrite)
+        if os.path.exists(self.path) and not os.path.isdir(self.path):
+            raise OutputError(f"output {self.path} exists and is not a directory")
+
+    def create(self) -> None:
+        """Rank 0: start a fresh temporary directory (other ranks wait at a barrier after this)."""
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        try:
+            os.makedirs(self.tmp)
+        except OSError as exc:
+            raise OutputError(f"cannot create output directory next to {self.path}: {exc.strerror}") from None
+
+    def file(self, name: str) -> str:
+        return os.path.join(self.tmp, name)
+
+    def commit(self) -> None:
+        """Rank 0, after every rank finished writing: move the result into place."""
+        if os.path.lexists(self.path):
+            shutil.rmtree(self.old, ignore_errors=True)
+            os.rename(self.path, self.old)
+            os.rename(self.tmp, self.path)
+            shutil.rmtree(self.old, ignore_errors=True)
+        else:
+            os.rename(self.tmp, self.path)
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def atomic_write_json(path: str, data: Any) -> None:
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "w") as fh:
+        json.dump(data, fh, indent=2, sort_keys=False, default=str)
+        fh.write("\n")
+    os.replace(tmp, path)
+
+
+# -- manifests and reading -------------------------------------------------------------------------
+def read_manifest(path: str, what: str = "metrics directory", hint: str = "create one with `varlen analyze`") -> dict:
+    """The manifest of a metrics or sorted directory; a clear error for anything else."""
+    if not os.path.exists(path):
+        raise InputError(f"{path} does not exist")
+    if not os.path.isdir(path):
+        raise InputError(f"{path} is not a varlen {what}; {hint}")
+    manifest_path = os.path.join(path, MANIFEST_NAME)
+    if not os.path.isfile(manifest_path):
+        raise InputError(f"{path} is not a varlen {what} (no {MANIFEST_NAME}); {hint}")
+    try:
+        with open(manifest_path) as fh:
+            manifest = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise InputError(f"cannot read {manifest_path}: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != METRICS_FORMAT:
+        raise InputError(f"{path} is not a varlen {what} ({MANIFEST_NAME} has no format '{METRICS_FORMAT}'); {hint}")
+    if manifest.get("format_version", 0) > FORMAT_VERSION:
+        raise InputError(f"{path} was written by a newer varlen (format {manifest['format_version']}); upgrade varlen")
+    for part in manifest.get("parts", []):
+        if not os.path.isfile(os.path.join(path, part["file"])):
+            raise InputError(f"{path} is incomplete: {part['file']} listed in {MANIFEST_NAME} is missing")
+    return manifest
+
+
+def row_bounds(total: int, world_size: int, rank: int) -> tuple[int, int]:
+    """The contiguous, balanced slice [start, stop) of ``total`` rows that ``rank`` owns."""
+    start = total * rank // world_size
+    stop = total * (rank + 1) // world_size
+    return start, stop
+
+
+def read_row_range(path: str, manifest: dict, start: int, stop: int, columns: Sequence[str] | None = None):
+    """Rows [start, stop) of a metrics or sorted directory as one Arrow table, reading only the
+    row groups that overlap the range."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pieces = []
+    offset = 0
+    schema = None
+    for part in manifest["parts"]:
+        n = int(part["rows"])
+        lo, hi = max(start, offset), min(stop, offset + n)
+        part_path = os.path.join(path, part["file"])
+        if hi > lo or schema is None:
+            try:
+                pf = pq.ParquetFile(part_path)
+            except Exception as exc:
+                raise InputError(f"cannot read {part_path}: {exc}") from None
+            schema = pf.schema_arrow if columns is None else pa.schema([pf.schema_arrow.field(c) for c in columns])
+        if hi > lo:
+            rg_offset = 0
+            for rg in range(pf.num_row_groups):
+                rg_rows = pf.metadata.row_group(rg).num_rows
+                a, b = max(lo - offset, rg_offset), min(hi - offset, rg_offset + rg_rows)
+                if b > a:
+                    table = pf.read_row_group(rg, columns=list(columns) if columns else None)
+                    pieces.append(table.slice(a - rg_offset, b - a))
+                rg_offset += rg_rows
+        offset += n
+    if not pieces:
+        if schema is None:
+            schema = metrics_schema()
+        return schema.empty_table()
+    return pa.concat_tables(pieces) if len(pieces) > 1 else pieces[0]
+
+
+def metrics_schema():
+    import pyarrow as pa
+
+    return pa.schema([("sample_id", pa.int64()), ("length", pa.int64()), ("difficulty", pa.float64())])
+
+
+def write_parquet(table, path: str, row_group_size: int = 1 << 20) -> None:
+    import pyarrow.parquet as pq
+
+    try:
+        pq.write_table(table, path, row_group_size=row_group_size, compression="zstd", compression_level=1)
+    except OSError as exc:
+        raise OutputError(f"cannot write {path}: {exc}") from None
+
+
+def rows_per_part(parts: Iterable[dict]) -> list[int]:
+    return [int(p["rows"]) for p in parts]
+
+
+def as_int64(values) -> np.ndarray:
+    return np.asarray(values, dtype=np.int64)

@@ -1,0 +1,86 @@
+"""The ``varlen`` command line: one small typer adapter per stage, over the library functions.
+
+Each command lives in its own module (``varlen_cli/cli/<stage>.py``) and is registered here.
+Heavy imports (torch, pyarrow, the stage modules) happen inside the commands, so ``varlen --help``
+stays instant.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable
+
+import typer
+
+app = typer.Typer(
+    name="varlen",
+    help="Prepare variable-length datasets for training: analyze lengths, sort, and plan token-budget batches.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+@app.callback()
+def _root(
+    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks for errors (also VARLEN_DEBUG=1)."),
+    version: bool = typer.Option(False, "--version", help="Print the varlen version and exit.", is_eager=True),
+) -> None:
+    """varlen: length analysis, distributed sample sort and batch planning for variable-length samples."""
+    if version:
+        from varlen_cli import __version__
+
+        typer.echo(f"varlen {__version__}")
+        raise typer.Exit()
+    if debug:
+        os.environ["VARLEN_DEBUG"] = "1"
+
+
+def run_command(fn: Callable[[Any], Any], config: Any) -> Any:
+    """Call a stage; a user error becomes one line on stderr and its documented exit code."""
+    from varlen_cli.errors import VarlenError
+
+    debug = bool(os.environ.get("VARLEN_DEBUG"))
+    try:
+        return fn(config)
+    except VarlenError as exc:
+        if debug:
+            import traceback
+
+            traceback.print_exc()
+            worker_tb = getattr(exc, "worker_traceback", None)
+            if worker_tb:
+                sys.stderr.write("worker traceback:\n" + worker_tb)
+        sys.stderr.write(f"varlen: error: {exc.message}\n")
+        raise typer.Exit(exc.exit_code)
+    except KeyboardInterrupt:
+        sys.stderr.write("varlen: interrupted\n")
+        raise typer.Exit(130)
+    except Exception as exc:
+        if debug:
+            raise
+        sys.stderr.write(f"varlen: internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)\n")
+        raise typer.Exit(1)
+
+
+def _register() -> None:
+    from varlen_cli.cli import analyze as _analyze
+
+    _analyze.register(app)
+    for name in ("sort", "plan", "run", "inspect", "validate"):
+        try:
+            module = __import__(f"varlen_cli.cli.{name}", fromlist=["register"])
+        except ModuleNotFoundError as exc:
+            if exc.name != f"varlen_cli.cli.{name}":
+                raise
+            continue
+        module.register(app)
+
+
+_register()
+
+
+def main() -> None:
+    app()

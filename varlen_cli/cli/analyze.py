@@ -1,0 +1,40 @@
+"""``varlen analyze``: adapter over :func:`varlen_cli.analyze.analyze`."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+
+from varlen_cli.cli import common
+
+
+def analyze_command(
+    sources: List[str] = typer.Argument(..., help="Parquet/Arrow/JSONL/text files, directories, globs, or a Hugging Face save_to_disk directory.", show_default=False),
+    output: str = typer.Option(..., "-o", "--output", help="Metrics directory to write (part-*.parquet + manifest.json).", show_default=False),
+    length: str = typer.Option("auto", "--length", help="KIND:COLUMN with KIND list, tokens, chars, bytes, words or value; 'auto' picks input_ids, then text."),
+    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="tokenizer.json for --length tokens:COLUMN (truncation and padding are switched off).", show_default=False),
+    special_tokens: bool = typer.Option(True, "--special-tokens/--no-special-tokens", help="Count the tokenizer's special tokens (BOS/EOS, CLS/SEP)."),
+    frames_per_second: Optional[float] = typer.Option(None, "--frames-per-second", help="With --length value:COLUMN in seconds: frames = ceil(seconds x F).", show_default=False),
+    difficulty: str = typer.Option("length", "--difficulty", help="Curriculum key: length, value:COLUMN, vocab-rarity, or MODULE:FUNCTION (RecordBatch -> one value per row)."),
+    nproc: int = common.NPROC,
+    device: str = common.DEVICE,
+    overwrite: bool = common.OVERWRITE,
+    progress: bool = common.PROGRESS,
+) -> None:
+    """Compute each sample's length and difficulty, distributed over workers."""
+    from varlen_cli import report
+    from varlen_cli.analyze import AnalyzeConfig, analyze
+
+    config = AnalyzeConfig(
+        sources=tuple(sources), output=output, length=length, tokenizer=tokenizer, special_tokens=special_tokens,
+        frames_per_second=frames_per_second, difficulty=difficulty, nproc=nproc, overwrite=overwrite,
+        device=device, progress=progress,
+    )
+    result = common.run(analyze, config)
+    if result is not None:
+        report.print_analyze(result)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("analyze", no_args_is_help=True)(analyze_command)

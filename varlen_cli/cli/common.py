@@ -1,0 +1,16 @@
+"""Options shared by several commands, so they read the same everywhere."""
+
+from __future__ import annotations
+
+import typer
+
+NPROC = typer.Option(1, "--nproc", help="Local worker processes to launch (torch elastic); under torchrun leave at 1.")
+DEVICE = typer.Option("cpu", "--device", help="cpu (gloo) or cuda (nccl).")
+OVERWRITE = typer.Option(False, "--overwrite", help="Replace an existing output (written atomically either way).")
+PROGRESS = typer.Option(True, "--progress/--no-progress", help="Show a progress bar on rank 0 (only on a terminal).")
+
+
+def run(fn, config):
+    from varlen_cli.cli import run_command
+
+    return run_command(fn, config)

@@ -1,0 +1,371 @@
+"""Process groups: the one module that owns ``torch.distributed``.
+
+A stage runs in one of three ways, and calls :func:`session` to get a :class:`Dist` either way:
+
+* world size 1 in-process, with no environment at all: no process group, and torch is not even
+  imported (collectives are identities);
+* under ``torchrun`` (or any launcher that sets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``): a gloo
+  group on CPU, nccl with ``device="cuda"``, created here and destroyed at the end;
+* with ``--nproc N``: :func:`launch` starts N local workers through torch's elastic launcher
+  (the engine behind torchrun), each of which then takes the torchrun path.
+
+A worker that fails makes the whole job fail: the elastic agent stops the other workers, and
+:func:`launch` re-raises the failing worker's own error (a user error keeps its one-line message).
+Collectives also carry a timeout (``VARLEN_TIMEOUT`` seconds, default 1800) as a backstop.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from .errors import ERROR_CLASSES, UsageError, VarlenError, WorkerError
+
+DEFAULT_TIMEOUT_S = 1800.0
+_PROGRESS_KEY = "varlen/progress"
+
+
+def collective_timeout() -> float:
+    """Seconds a collective may wait for a peer before the job fails (``VARLEN_TIMEOUT``)."""
+    return float(os.environ.get("VARLEN_TIMEOUT", DEFAULT_TIMEOUT_S))
+
+
+def in_launched_worker() -> bool:
+    """True when a launcher (torchrun, ``--nproc``) set this process's rank and world size."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+class Dist:
+    """This process's rank and world size, and the few collectives the stages use.
+
+    Arrays go in and come out as numpy; with world size 1 every collective is an identity and
+    torch is never imported.
+    """
+
+    def __init__(self, rank: int = 0, world_size: int = 1, local_rank: int = 0, device: str = "cpu", group=None):
+        self.rank = rank
+        self.world_size = world_size
+        self.local_rank = local_rank
+        self.device = device
+        self._group = group
+        self._store = None
+        self._progress_seen = 0
+
+    def __repr__(self) -> str:
+        return f"Dist(rank={self.rank}, world_size={self.world_size}, device={self.device!r})"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    # -- collectives -------------------------------------------------------------------------
+    def _torch(self):
+        import torch
+        import torch.distributed as tdist
+
+        return torch, tdist
+
+    def _to_device(self, tensor):
+        return tensor.cuda() if self.device == "cuda" else tensor
+
+    def barrier(self) -> None:
+        if self.distributed:
+            _, tdist = self._torch()
+            tdist.barrier()
+
+    def all_gather_object(self, obj: Any) -> list:
+        """Every rank's ``obj`` (picklable, produced by varlen itself), in rank order."""
+        if not self.distributed:
+            return [obj]
+        _, tdist = self._torch()
+        out: list = [None] * self.world_size
+        tdist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        if not self.distributed:
+            return obj
+        _, tdist = self._torch()
+        box = [obj]
+        tdist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def all_reduce(self, array: np.ndarray, op: str = "sum") -> np.ndarray:
+        """Element-wise sum, max or min of a numeric array over all ranks."""
+        array = np.ascontiguousarray(array)
+        if not self.distributed:
+            return array.copy()
+        torch, tdist = self._torch()
+        tensor = self._to_device(torch.from_numpy(array.copy()))
+        reduce_op = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN}[op]
+        tdist.all_reduce(tensor, op=reduce_op)
+        return tensor.cpu().numpy()
+
+    def all_gather_int(self, value: int) -> np.ndarray:
+        """Every rank's integer, as an int64 array in rank order."""
+        if not self.distributed:
+            return np.array([value], dtype=np.int64)
+        torch, tdist = self._torch()
+        mine = self._to_device(torch.tensor([value], dtype=torch.int64))
+        out = [self._to_device(torch.zeros(1, dtype=torch.int64)) for _ in range(self.world_size)]
+        tdist.all_gather(out, mine)
+        return np.array([int(t.item()) for t in out], dtype=np.int64)
+
+    def all_gather_array(self, array: np.ndarray) -> list[np.ndarray]:
+        """Every rank's 1-D array (lengths may differ), in rank order."""
+        array = np.ascontiguousarray(array)
+        if not self.distributed:
+            return [array]
+        torch, tdist = self._torch()
+        sizes = self.all_gather_int(len(array))
+        width = int(sizes.max()) if len(sizes) else 0
+        padded = np.zeros(width, dtype=array.dtype)
+        padded[: len(array)] = array
+        mine = self._to_device(torch.from_numpy(padded))
+        out = [self._to_device(torch.zeros(width, dtype=mine.dtype)) for _ in range(self.world_size)]
+        tdist.all_gather(out, mine)
+        return [t.cpu().numpy()[: int(n)] for t, n in zip(out, sizes)]
+
+    # -- whole-job progress ------------------------------------------------------------------
+    def _progress_store(self):
+        if not self.distributed:
+            return None
+        if self._store is None:
+            try:
+                from torch.distributed.distributed_c10d import _get_default_store
+
+                self._store = _get_default_store()
+            except Exception:  # pragma: no cover - private API moved: fall back to local progress
+                self._store = False
+        return self._store or None
+
+    def add_progress(self, amount: int) -> int:
+        """Add this rank's finished work to the job-wide counter; return the job-wide total so far."""
+        store = self._progress_store()
+        if store is None:
+            self._progress_seen += int(amount)
+            return self._progress_seen
+        self._progress_seen = int(store.add(_PROGRESS_KEY, int(amount)))
+        return self._progress_seen
+
+    def progress_total(self) -> int:
+        """The job-wide counter without adding to it."""
+        return self.add_progress(0)
+
+
+@contextmanager
+def session(device: str = "cpu") -> Iterator[Dist]:
+    """The :class:`Dist` of this process: world size 1, or the launcher's group (created here).
+
+    A process group that the caller already initialised is reused and left alone.
+    """
+    if device not in ("cpu", "cuda"):
+        raise UsageError(f"--device must be 'cpu' or 'cuda', not {device!r}")
+    if "torch" in sys.modules:
+        import torch.distributed as tdist
+
+        if tdist.is_available() and tdist.is_initialized():
+            local = int(os.environ.get("LOCAL_RANK", 0))
+            yield Dist(tdist.get_rank(), tdist.get_world_size(), local, device)
+            return
+    if not in_launched_worker() or int(os.environ["WORLD_SIZE"]) == 1:
+        if device == "cuda":
+            _set_cuda_device(0)
+        yield Dist(0, 1, 0, device)
+        return
+    import datetime
+
+    import torch.distributed as tdist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if device == "cuda":
+        _set_cuda_device(local)
+    backend = "nccl" if device == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=collective_timeout())
+    try:
+        tdist.init_process_group(backend=backend, timeout=timeout)
+    except Exception as exc:
+        raise WorkerError(f"could not join the process group ({backend}): {exc}") from exc
+    try:
+        yield Dist(rank, world, local, device)
+    finally:
+        try:
+            tdist.destroy_process_group()
+        except Exception:  # pragma: no cover - best effort on the way out
+            pass
+
+
+def _set_cuda_device(local_rank: int) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UsageError("--device cuda was given but torch sees no CUDA device")
+    torch.cuda.set_device(local_rank % torch.cuda.device_count())
+
+
+# -- local launcher (--nproc) ----------------------------------------------------------------------
+def check_nproc(nproc: int) -> None:
+    if nproc < 1:
+        raise UsageError(f"--nproc must be at least 1, got {nproc}")
+    if nproc > 1 and in_launched_worker():
+        raise UsageError("--nproc cannot be used under torchrun; torchrun already started the workers")
+
+
+def launch(entry: Callable[[Any], Any], config: Any, nproc: int, cleanup: Sequence[str] = ()) -> Any:
+    """Run ``entry(config)`` in ``nproc`` local workers through torch's elastic launcher.
+
+    Returns rank 0's return value. If any worker fails, the others are stopped, the paths in
+    ``cleanup`` are removed, and the failing worker's error is raised here: its own
+    :class:`VarlenError` when it had one, else a :class:`WorkerError` naming the worker.
+    """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    error_dir = tempfile.mkdtemp(prefix="varlen-launch-")
+    threads = str(max(1, (os.cpu_count() or 1) // nproc))
+    worker_env = {"OMP_NUM_THREADS": threads, "RAYON_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "true",
+                  "VARLEN_ERROR_DIR": error_dir}
+    config_ = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"varlen-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        monitor_interval=0.05,
+        start_method="spawn",
+        local_addr="127.0.0.1",
+        logs_specs=DefaultLogsSpecs(log_dir=os.path.join(error_dir, "logs")),
+    )
+    try:
+        with _quiet_elastic_logs(), _environ(worker_env):
+            results = elastic_launch(config_, _worker_entry)(entry, config)
+    except ChildFailedError as exc:
+        for path in cleanup:
+            shutil.rmtree(path, ignore_errors=True)
+        raise _worker_failure(exc, error_dir) from None
+    except BaseException:
+        for path in cleanup:
+            shutil.rmtree(path, ignore_errors=True)
+        raise
+    finally:
+        shutil.rmtree(error_dir, ignore_errors=True)
+    return results.get(0)
+
+
+def _worker_entry(entry: Callable[[Any], Any], config: Any) -> Any:
+    """Top of every launched worker: run the stage, and on failure leave a record for the parent."""
+    try:
+        return entry(config)
+    except BaseException as exc:  # noqa: BLE001 - re-raised as an exit code below
+        code = exc.exit_code if isinstance(exc, VarlenError) else 1
+        if isinstance(exc, SystemExit):
+            raise
+        record = {
+            "rank": int(os.environ.get("RANK", 0)),
+            "type": type(exc).__name__ if isinstance(exc, VarlenError) else "internal",
+            "message": exc.message if isinstance(exc, VarlenError) else f"{type(exc).__name__}: {exc}",
+            "exit_code": code,
+            "traceback": traceback.format_exc(),
+            "time": time.time(),
+        }
+        error_dir = os.environ.get("VARLEN_ERROR_DIR")
+        if error_dir:
+            path = os.path.join(error_dir, f"rank-{record['rank']:05d}.json")
+            with open(path + ".tmp", "w") as fh:
+                json.dump(record, fh)
+            os.replace(path + ".tmp", path)
+        sys.exit(code)
+
+
+def _worker_failure(exc, error_dir: str) -> VarlenError:
+    records = []
+    for name in sorted(os.listdir(error_dir)):
+        if name.endswith(".json"):
+            with open(os.path.join(error_dir, name)) as fh:
+                records.append(json.load(fh))
+    # A user error explains the failure best; other workers then fail only as a consequence.
+    user = [r for r in records if r["type"] in ERROR_CLASSES and r["type"] != "WorkerError"]
+    if user:
+        first = min(user, key=lambda r: r["time"])
+        error = ERROR_CLASSES[first["type"]](first["message"])
+    elif records:
+        first = min(records, key=lambda r: r["time"])
+        error = WorkerError(f"worker {first['rank']} failed: {first['message']}")
+    else:
+        rank, failure = exc.get_first_failure()
+        code = failure.exitcode
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        error = WorkerError(f"worker {rank} {how}; all workers were stopped")
+        first = None
+    if first is not None:
+        error.worker_traceback = first["traceback"]  # type: ignore[attr-defined]
+    return error
+
+
+@contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+
+@contextmanager
+def _quiet_elastic_logs() -> Iterator[None]:
+    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.distributed.launcher",
+                                                      "torch.distributed.elastic.multiprocessing")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def run_distributed(entry: Callable[[Any], Any], config: Any, nproc: int, cleanup: Sequence[str] = ()) -> Any:
+    """Run a stage: in this process (world size 1 or under torchrun), or in ``nproc`` local workers."""
+    check_nproc(nproc)
+    if nproc == 1:
+        return entry(config)
+    return launch(entry, config, nproc, cleanup=cleanup)
+
+
+def fault_point(name: str) -> None:
+    """Test hook: ``VARLEN_FAULT=NAME:RANK`` kills this worker (SIGKILL) when it reaches NAME.
+
+    Used by the fault-injection tests to check that a dead worker fails the whole job.
+    """
+    spec = os.environ.get("VARLEN_FAULT")
+    if not spec:
+        return
+    point, _, rank = spec.rpartition(":")
+    if point == name and int(os.environ.get("RANK", 0)) == int(rank):
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,57 @@
+"""User-facing errors and their exit codes.
+
+A user mistake raises a :class:`VarlenError` subclass; the command line prints its message as one
+line on stderr (no traceback unless ``--debug``) and exits with the class's code:
+
+====  =====================================================================
+code  meaning
+====  =====================================================================
+1     internal error (a bug: please report it with the ``--debug`` traceback)
+2     bad option or option value (:class:`UsageError`)
+3     bad input data: missing, unreadable or invalid source or artifact (:class:`InputError`)
+4     output problem: exists without ``--overwrite``, or unwritable (:class:`OutputError`)
+5     a distributed worker failed or timed out (:class:`WorkerError`)
+====  =====================================================================
+"""
+
+from __future__ import annotations
+
+
+class VarlenError(Exception):
+    """Base class of errors caused by the user's input or environment, not by a bug."""
+
+    exit_code = 1
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:  # pragma: no cover - trivial
+        return self.message
+
+
+class UsageError(VarlenError):
+    """An option or combination of options is invalid."""
+
+    exit_code = 2
+
+
+class InputError(VarlenError):
+    """A source, column, value or input artifact is missing or invalid."""
+
+    exit_code = 3
+
+
+class OutputError(VarlenError):
+    """The output exists (without --overwrite) or cannot be written."""
+
+    exit_code = 4
+
+
+class WorkerError(VarlenError):
+    """A distributed worker died, failed without a user error, or a collective timed out."""
+
+    exit_code = 5
+
+
+ERROR_CLASSES = {cls.__name__: cls for cls in (VarlenError, UsageError, InputError, OutputError, WorkerError)}

@@ -1,0 +1,205 @@
+"""Per-sample lengths (``--length KIND:COLUMN``) computed with Arrow compute and numpy.
+
+Kinds:
+
+========  ===================================================================================
+list      number of elements of a list column (token ids, frames)
+tokens    tokens of a text column through a ``tokenizer.json`` (HF tokenizers, batched calls)
+chars     Unicode characters of a text column
+bytes     UTF-8 bytes of a text (or binary) column
+words     whitespace-separated words of a text column
+value     a numeric column as it is (precomputed token counts), or seconds times
+          ``--frames-per-second`` rounded up (audio durations)
+========  ===================================================================================
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from dataclasses import dataclass
+from operator import attrgetter
+from typing import Sequence
+
+import numpy as np
+
+from .errors import InputError, UsageError
+
+LENGTH_KINDS = ("list", "tokens", "chars", "bytes", "words", "value")
+TEXT_KINDS = ("tokens", "chars", "bytes", "words")
+TOKENIZE_BATCH = 8192
+
+
+@dataclass(frozen=True)
+class LengthSpec:
+    kind: str
+    column: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.column}"
+
+
+def parse_length(text: str) -> LengthSpec:
+    kind, sep, column = text.partition(":")
+    if not sep or not column or kind not in LENGTH_KINDS:
+        raise UsageError(f"--length must be KIND:COLUMN with KIND one of {', '.join(LENGTH_KINDS)}; got {text!r}")
+    return LengthSpec(kind, column)
+
+
+def auto_length(schema_names: Sequence[str], schema_types: dict, has_tokenizer: bool) -> LengthSpec:
+    """The length a user most likely means when --length is not given."""
+    import pyarrow as pa
+
+    for name in ("input_ids", "tokens", "token_ids"):
+        if name in schema_names and _is_list(schema_types[name]):
+            return LengthSpec("list", name)
+    if "text" in schema_names:
+        return LengthSpec("tokens" if has_tokenizer else "chars", "text")
+    for name in ("num_tokens", "length", "duration"):
+        if name in schema_names and (pa.types.is_integer(schema_types[name]) or pa.types.is_floating(schema_types[name])):
+            return LengthSpec("value", name)
+    raise UsageError(
+        "cannot guess the length column; pass --length KIND:COLUMN (columns: " + ", ".join(schema_names) + ")"
+    )
+
+
+def _is_list(t) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t) or (
+        hasattr(pa.types, "is_list_view") and (pa.types.is_list_view(t) or pa.types.is_large_list_view(t))
+    )
+
+
+def _is_text(t) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or (
+        hasattr(pa.types, "is_string_view") and pa.types.is_string_view(t)
+    )
+
+
+def load_tokenizer(path: str):
+    """A HF ``tokenizers.Tokenizer`` with truncation and padding switched off.
+
+    Shipped tokenizer.json files often fix truncation and padding (at 128, say), which would make
+    every length the same; lengths must be the true token counts.
+    """
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise UsageError("--tokenizer needs the 'tokenizers' package: pip install 'varlen-cli[tokenizers]'") from None
+    if not os.path.isfile(path):
+        raise InputError(f"tokenizer file {path} does not exist")
+    try:
+        tok = Tokenizer.from_file(path)
+    except Exception as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise InputError(f"{path} is not a valid tokenizer.json: {first}") from None
+    tok.no_truncation()
+    tok.no_padding()
+    return tok
+
+
+def encode(tokenizer, texts: list, add_special_tokens: bool):
+    fast = getattr(tokenizer, "encode_batch_fast", None) or tokenizer.encode_batch
+    return fast(texts, add_special_tokens=add_special_tokens)
+
+
+def token_lengths(tokenizer, column, add_special_tokens: bool = True, with_ids: bool = False):
+    """Token counts of a text column (and the flat token ids when ``with_ids``)."""
+    n = len(column)
+    lengths = np.empty(n, dtype=np.int64)
+    id_chunks = []
+    for start in range(0, n, TOKENIZE_BATCH):
+        texts = column.slice(start, TOKENIZE_BATCH).to_pylist()
+        encodings = encode(tokenizer, texts, add_special_tokens)
+        stop = start + len(texts)
+        # map() iterates in C; len(Encoding) is implemented by the tokenizer itself.
+        lengths[start:stop] = np.fromiter(map(len, encodings), dtype=np.int64, count=len(texts))
+        if with_ids:
+            ids = itertools.chain.from_iterable(map(attrgetter("ids"), encodings))
+            id_chunks.append(np.fromiter(ids, dtype=np.int64, count=int(lengths[start:stop].sum())))
+    if with_ids:
+        return lengths, (np.concatenate(id_chunks) if id_chunks else np.zeros(0, np.int64))
+    return lengths
+
+
+def compute_lengths(column, spec: LengthSpec, where: str, tokenizer=None, add_special_tokens: bool = True,
+                    frames_per_second: float | None = None) -> np.ndarray:
+    """Lengths (int64) of one Arrow column; ``where`` names the file in error messages."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    t = column.type
+    if len(column) == 0:
+        return np.zeros(0, dtype=np.int64)
+    if column.null_count:
+        raise InputError(f"column '{spec.column}' has {column.null_count} null values in {where}")
+    kind = spec.kind
+    if kind == "list":
+        if not _is_list(t):
+            raise InputError(f"--length list:{spec.column} needs a list column, but '{spec.column}' is {t} in {where}")
+        return pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    if kind == "value":
+        return value_lengths(column, spec.column, where, frames_per_second)
+    if kind == "bytes" and (pa.types.is_binary(t) or pa.types.is_large_binary(t)):
+        return pc.binary_length(column).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    if not _is_text(t):
+        raise InputError(f"--length {kind}:{spec.column} needs a text column, but '{spec.column}' is {t} in {where}")
+    if kind == "chars":
+        out = pc.utf8_length(column)
+    elif kind == "bytes":
+        out = pc.binary_length(column)
+    elif kind == "words":
+        out = pc.count_substring_regex(column, pattern=r"\S+")
+    else:  # tokens
+        if tokenizer is None:
+            raise UsageError("--length tokens:COLUMN needs --tokenizer FILE")
+        return token_lengths(tokenizer, column, add_special_tokens)
+    return out.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+
+
+def numeric_values(column, name: str, where: str, what: str) -> np.ndarray:
+    """A numeric column as float64, refusing nulls, NaN and negative values."""
+    import pyarrow as pa
+
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    t = column.type
+    if not (pa.types.is_integer(t) or pa.types.is_floating(t)):
+        raise InputError(f"{what} '{name}' must be numeric, but it is {t} in {where}")
+    if column.null_count:
+        raise InputError(f"column '{name}' has {column.null_count} null values in {where}")
+    values = column.to_numpy(zero_copy_only=False).astype(np.float64, copy=False)
+    bad = np.isnan(values)
+    if bad.any():
+        raise InputError(f"column '{name}' has {int(bad.sum())} NaN values in {where}")
+    neg = values < 0
+    if neg.any():
+        raise InputError(f"column '{name}' has {int(neg.sum())} negative values in {where} (first: {values[neg][0]:g})")
+    return values
+
+
+def value_lengths(column, name: str, where: str, frames_per_second: float | None) -> np.ndarray:
+    import pyarrow as pa
+
+    values = numeric_values(column, name, where, "length column")
+    if frames_per_second is not None:
+        return np.ceil(values * frames_per_second - 1e-9).astype(np.int64)
+    if pa.types.is_integer(column.type):
+        return column.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    if not np.all(np.isfinite(values)) or np.any(values != np.floor(values)):
+        raise InputError(
+            f"length column '{name}' has fractional values in {where}; pass --frames-per-second F "
+            "to turn seconds into frames"
+        )
+    return values.astype(np.int64)
+
+
+def check_frames_per_second(fps: float | None) -> None:
+    if fps is not None and (not math.isfinite(fps) or fps <= 0):
+        raise UsageError(f"--frames-per-second must be a positive number, got {fps}")

@@ -1,0 +1,378 @@
+"""Input datasets: finding the files, cutting them into work units, reading a unit as Arrow.
+
+Formats (by extension; ``.gz`` allowed on the line formats):
+
+* Parquet (``.parquet``, ``.pq``): one unit per row group (big row groups are cut into row slices).
+* Arrow IPC file or stream (``.arrow``, ``.feather``, ``.ipc``), memory-mapped: one unit per batch.
+* A Hugging Face ``save_to_disk`` directory (``state.json`` beside ``data-*.arrow``).
+* JSONL (``.jsonl``, ``.ndjson``, ``.json`` with one object per line): byte-range chunks cut at
+  line ends (a compressed file is one unit). Blank lines are skipped, as Arrow and ``datasets`` do.
+* Plain text (``.txt``, ``.text``): one sample per ``\\n``-terminated line, column ``text``
+  (``\\r\\n`` accepted); byte-range chunks like JSONL.
+
+``sample_id`` is the row index over all files in sorted path order, rows in file order; that is the
+index of a map-style dataset built over the same files.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .errors import InputError
+
+PARQUET_EXT = (".parquet", ".pq")
+ARROW_EXT = (".arrow", ".feather", ".ipc")
+JSONL_EXT = (".jsonl", ".ndjson", ".json")
+TEXT_EXT = (".txt", ".text")
+TEXT_COLUMN = "text"
+DEFAULT_CHUNK_BYTES = 32 << 20
+MAX_UNIT_ROWS = 1 << 20
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """One data file: its path, format (parquet, arrow, jsonl, text), size, compression."""
+
+    path: str
+    format: str
+    size: int
+    compression: str | None = None
+    rows: int = -1  # known from metadata for parquet and arrow, -1 for line formats
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A piece of one file that one worker reads whole: a row slice or a byte range."""
+
+    file: int  # index into the sorted file list
+    part: int  # row group (parquet) or record batch (arrow); -1 for line formats
+    start: int  # first row within the part, or first byte (line formats)
+    stop: int  # end row within the part, or end byte
+    rows: int  # rows in the unit, -1 while unknown (line formats)
+    weight: int  # rows, or estimated rows for line formats: what workers are balanced on
+
+
+def _format_of(path: str) -> tuple[str | None, str | None]:
+    lower = path.lower()
+    compression = None
+    if lower.endswith(".gz"):
+        compression, lower = "gzip", lower[:-3]
+    if lower.endswith(PARQUET_EXT) and compression is None:
+        return "parquet", None
+    if lower.endswith(ARROW_EXT) and compression is None:
+        return "arrow", None
+    if lower.endswith(JSONL_EXT):
+        return "jsonl", compression
+    if lower.endswith(TEXT_EXT):
+        return "text", compression
+    return None, None
+
+
+def _hf_dataset_files(directory: str) -> list[str] | None:
+    state_path = os.path.join(directory, "state.json")
+    if os.path.isfile(os.path.join(directory, "dataset_dict.json")):
+        splits = ", ".join(sorted(d for d in os.listdir(directory) if os.path.isdir(os.path.join(directory, d))))
+        raise InputError(f"{directory} is a Hugging Face DatasetDict; pass one split directory ({splits})")
+    if not os.path.isfile(state_path):
+        return None
+    try:
+        with open(state_path) as fh:
+            state = json.load(fh)
+        return [os.path.join(directory, f["filename"]) for f in state["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise InputError(f"cannot read the Hugging Face dataset state {state_path}: {exc}") from None
+
+
+def _expand(source: str) -> list[str]:
+    if any(ch in source for ch in "*?["):
+        matches = sorted(glob.glob(source, recursive=True))
+        if not matches:
+            raise InputError(f"no files match {source}")
+        out = []
+        for m in matches:
+            out.extend(_expand(m) if os.path.isdir(m) else [m])
+        return out
+    if not os.path.exists(source):
+        raise InputError(f"source {source} does not exist")
+    if os.path.isdir(source):
+        hf = _hf_dataset_files(source)
+        if hf is not None:
+            return hf
+        found = []
+        for root, dirs, files in os.walk(source):
+            dirs[:] = [d for d in dirs if not d.startswith((".", "_"))]
+            for name in files:
+                if not name.startswith((".", "_")) and _format_of(name)[0] is not None:
+                    found.append(os.path.join(root, name))
+        if not found:
+            raise InputError(f"no data files (Parquet, Arrow, JSONL, text) found in directory {source}")
+        return found
+    return [source]
+
+
+def discover(sources: Sequence[str]) -> list[SourceFile]:
+    """Resolve files, directories and globs into data files in sorted path order."""
+    if not sources:
+        raise InputError("no sources given")
+    paths = sorted({os.path.abspath(p) for s in sources for p in _expand(str(s))})
+    files = []
+    for path in paths:
+        fmt, compression = _format_of(path)
+        if fmt is None:
+            raise InputError(
+                f"unsupported source file {path}: expected .parquet, .arrow/.feather, .jsonl[.gz] or .txt[.gz]"
+            )
+        if not os.access(path, os.R_OK):
+            raise InputError(f"source {path} is not readable")
+        size = os.path.getsize(path)
+        rows = -1
+        if fmt == "parquet":
+            rows = _parquet_file(path).metadata.num_rows
+        elif fmt == "arrow":
+            rows = sum(n for n in _arrow_batch_rows(path))
+        files.append(SourceFile(path, fmt, size, compression, rows))
+    return files
+
+
+def _parquet_file(path: str):
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path)
+    except Exception as exc:
+        raise InputError(f"cannot read Parquet file {path}: {exc}") from None
+
+
+def _open_arrow(path: str):
+    """(reader, is_file_format) of a memory-mapped Arrow IPC file or stream."""
+    import pyarrow as pa
+
+    try:
+        source = pa.memory_map(path)
+    except Exception as exc:
+        raise InputError(f"cannot read Arrow file {path}: {exc}") from None
+    try:
+        return pa.ipc.open_file(source), True
+    except Exception:
+        source.seek(0)
+    try:
+        return pa.ipc.open_stream(source), False
+    except Exception as exc:
+        raise InputError(f"cannot read Arrow file {path}: {exc}") from None
+
+
+def _arrow_batch_rows(path: str) -> list[int]:
+    reader, is_file = _open_arrow(path)
+    try:
+        if is_file:
+            return [reader.get_batch(i).num_rows for i in range(reader.num_record_batches)]
+        return [batch.num_rows for batch in reader]
+    except Exception as exc:
+        raise InputError(f"cannot read Arrow file {path}: {exc}") from None
+
+
+# -- units ------------------------------------------------------------------------------------------
+def make_units(files: Sequence[SourceFile], chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> list[Unit]:
+    """Cut every file into units, in global row order."""
+    units: list[Unit] = []
+    for i, f in enumerate(files):
+        if f.format == "parquet":
+            md = _parquet_file(f.path).metadata
+            units.extend(_row_units(i, [md.row_group(g).num_rows for g in range(md.num_row_groups)]))
+        elif f.format == "arrow":
+            units.extend(_row_units(i, _arrow_batch_rows(f.path)))
+        elif f.compression is not None:
+            units.append(Unit(i, -1, 0, f.size, -1, max(1, _estimate_rows(f.path, f.size, compressed=True))))
+        else:
+            bounds = _line_aligned_bounds(f.path, f.size, chunk_bytes)
+            rate = _rows_per_byte(f.path)
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                units.append(Unit(i, -1, a, b, -1, max(1, int(round((b - a) * rate)))))
+    return units
+
+
+def _row_units(file_index: int, part_rows: Sequence[int]) -> list[Unit]:
+    out = []
+    for part, n in enumerate(part_rows):
+        for a in range(0, max(n, 1), MAX_UNIT_ROWS):
+            b = min(n, a + MAX_UNIT_ROWS)
+            out.append(Unit(file_index, part, a, b, b - a, b - a))
+    return out
+
+
+def _rows_per_byte(path: str, probe: int = 1 << 20) -> float:
+    with open(path, "rb") as fh:
+        head = fh.read(probe)
+    if not head:
+        return 0.0
+    return max(1, head.count(b"\n")) / len(head)
+
+
+def _estimate_rows(path: str, size: int, compressed: bool) -> int:
+    # A gzip file's size says little about its rows; three times the compressed size is a
+    # typical text ratio, good enough for balancing.
+    return int(size * 3 * 0.01) if compressed else int(size * _rows_per_byte(path))
+
+
+def _line_aligned_bounds(path: str, size: int, chunk_bytes: int) -> list[int]:
+    bounds = [0]
+    with open(path, "rb") as fh:
+        target = chunk_bytes
+        while target < size:
+            fh.seek(target)
+            pos = target
+            while True:
+                block = fh.read(1 << 16)
+                if not block:
+                    pos = size
+                    break
+                nl = block.find(b"\n")
+                if nl >= 0:
+                    pos += nl + 1
+                    break
+                pos += len(block)
+            if pos >= size:
+                break
+            if pos > bounds[-1]:
+                bounds.append(pos)
+            target = pos + chunk_bytes
+    bounds.append(size)
+    return bounds
+
+
+def assign(units: Sequence[Unit], world_size: int, rank: int) -> tuple[int, int]:
+    """The contiguous range [lo, hi) of units for ``rank``, balanced on the units' weights."""
+    weights = np.fromiter((u.weight for u in units), dtype=np.int64, count=len(units))
+    cum = np.concatenate([[0], np.cumsum(weights)])
+    total = cum[-1]
+    targets = total * np.arange(world_size + 1) / world_size
+    # Unit i goes to the rank whose share holds the unit's midpoint.
+    mids = (cum[:-1] + cum[1:]) / 2.0
+    owner = np.minimum(np.searchsorted(targets, mids, side="right") - 1, world_size - 1)
+    lo = int(np.searchsorted(owner, rank, side="left"))
+    hi = int(np.searchsorted(owner, rank, side="right"))
+    return lo, hi
+
+
+# -- reading -----------------------------------------------------------------------------------------
+def read_unit(f: SourceFile, unit: Unit, columns: Sequence[str]):
+    """The unit's rows with the given columns, as an Arrow table."""
+    try:
+        if f.format == "parquet":
+            table = _parquet_file(f.path).read_row_group(unit.part, columns=_existing(f, columns))
+            table = table.slice(unit.start, unit.stop - unit.start)
+        elif f.format == "arrow":
+            reader, _ = _open_arrow(f.path)
+            import pyarrow as pa
+
+            batch = _arrow_batch(reader, unit.part)
+            table = pa.Table.from_batches([batch]).slice(unit.start, unit.stop - unit.start)
+        elif f.format == "jsonl":
+            table = _read_jsonl(f, unit)
+        else:
+            table = _read_text(f, unit)
+    except InputError:
+        raise
+    except Exception as exc:
+        raise InputError(f"cannot read {f.path}: {exc}") from None
+    missing = [c for c in columns if c not in table.column_names]
+    if missing:
+        if table.num_rows == 0 and f.format in ("jsonl", "text"):
+            import pyarrow as pa
+
+            return pa.table({c: pa.array([], pa.null()) for c in columns})
+        raise InputError(
+            f"column '{missing[0]}' not found in {f.path} (columns: {', '.join(table.column_names) or 'none'})"
+        )
+    return table.select(list(columns))
+
+
+def _existing(f: SourceFile, columns: Sequence[str]) -> list[str]:
+    names = _parquet_file(f.path).schema_arrow.names
+    for c in columns:
+        if c not in names:
+            raise InputError(f"column '{c}' not found in {f.path} (columns: {', '.join(names)})")
+    return list(columns)
+
+
+def _arrow_batch(reader, index: int):
+    if hasattr(reader, "get_batch"):
+        return reader.get_batch(index)
+    for i, batch in enumerate(reader):
+        if i == index:
+            return batch
+    raise IndexError(index)
+
+
+def _read_bytes(f: SourceFile, unit: Unit) -> bytes:
+    if f.compression:
+        import pyarrow as pa
+
+        with pa.input_stream(f.path, compression=f.compression) as stream:
+            return stream.read()
+    with open(f.path, "rb") as fh:
+        fh.seek(unit.start)
+        return fh.read(unit.stop - unit.start)
+
+
+def _read_jsonl(f: SourceFile, unit: Unit):
+    import pyarrow as pa
+    import pyarrow.json as pj
+
+    data = _read_bytes(f, unit)
+    if not data.strip():
+        return pa.table({})
+    block = max(1 << 20, min(len(data), 16 << 20))
+    try:
+        return pj.read_json(pa.BufferReader(data), read_options=pj.ReadOptions(block_size=block))
+    except pa.ArrowInvalid as exc:
+        if "straddling" in str(exc).lower():
+            return pj.read_json(pa.BufferReader(data), read_options=pj.ReadOptions(block_size=len(data) + 1))
+        where = f"bytes {unit.start}-{unit.stop}" if not f.compression else "file"
+        raise InputError(f"invalid JSONL in {f.path} ({where}): {exc}") from None
+
+
+def _read_text(f: SourceFile, unit: Unit):
+    """Lines as a large_string column built straight on the bytes (no Python loop per line)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    data = _read_bytes(f, unit)
+    buf = np.frombuffer(data, dtype=np.uint8)
+    newlines = np.flatnonzero(buf == 10)
+    ends = newlines + 1
+    if len(buf) and (len(ends) == 0 or ends[-1] != len(buf)):
+        ends = np.append(ends, len(buf))
+    offsets = np.concatenate([[0], ends]).astype(np.int64)
+    arr = pa.Array.from_buffers(pa.large_string(), len(ends), [None, pa.py_buffer(offsets), pa.py_buffer(data)])
+    try:
+        arr.validate(full=True)
+    except pa.ArrowInvalid:
+        raise InputError(f"{f.path} is not valid UTF-8 text") from None
+    # Drop each line's terminator: "\n", or "\r\n".
+    arr = pc.replace_substring_regex(arr, pattern="\r?\n$", replacement="", max_replacements=1)
+    return pa.table({TEXT_COLUMN: arr})
+
+
+def fingerprint(files: Sequence[SourceFile], rows_per_file: Sequence[int]) -> dict:
+    """Identity of the dataset: file names relative to their common folder, sizes and row counts."""
+    from .artifacts import digest
+
+    root = os.path.commonpath([os.path.dirname(f.path) for f in files]) if files else ""
+    entries = [
+        {"path": os.path.relpath(f.path, root), "size": f.size, "rows": int(n), "format": f.format}
+        for f, n in zip(files, rows_per_file)
+    ]
+    return {
+        "digest": digest(entries),
+        "root": root,
+        "num_files": len(files),
+        "num_rows": int(sum(rows_per_file)),
+        "files": entries,
+    }

@@ -1,0 +1,47 @@
+"""Summary statistics of a length column across all workers (exact percentiles, no gather of rows)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .dist import Dist
+
+EXACT_MAX = 1 << 22  # lengths up to 4M: exact percentiles from an all-reduced bincount
+LOG_BINS = 64
+
+
+def log2_histogram(values: np.ndarray) -> np.ndarray:
+    """Counts per power-of-two bin: bin 0 holds 0, bin k holds [2**(k-1), 2**k)."""
+    v = np.asarray(values, dtype=np.int64)
+    bins = np.zeros(len(v), dtype=np.int64)
+    pos = v > 0
+    bins[pos] = np.floor(np.log2(v[pos])).astype(np.int64) + 1
+    return np.bincount(bins, minlength=LOG_BINS)[:LOG_BINS]
+
+
+def distribution(local: np.ndarray, d: Dist, quantiles=(0.5, 0.9, 0.99)) -> dict:
+    """count, total, min, mean, percentiles, max and a log2 histogram of integer lengths over all ranks."""
+    local = np.asarray(local, dtype=np.int64)
+    n = len(local)
+    agg = d.all_reduce(np.array([n, int(local.sum()) if n else 0], dtype=np.int64))
+    count, total = int(agg[0]), int(agg[1])
+    lo = d.all_reduce(np.array([local.min() if n else np.iinfo(np.int64).max], dtype=np.int64), op="min")[0]
+    hi = d.all_reduce(np.array([local.max() if n else -1], dtype=np.int64), op="max")[0]
+    hist = d.all_reduce(log2_histogram(local))
+    out = {"count": count, "total": total, "min": int(lo) if count else 0, "max": int(hi) if count else 0,
+           "mean": total / count if count else 0.0}
+    if count and hi <= EXACT_MAX and lo >= 0:
+        counts = d.all_reduce(np.bincount(local, minlength=int(hi) + 1))
+        cum = np.cumsum(counts)
+        for q in quantiles:
+            out[f"p{round(q * 100)}"] = int(np.searchsorted(cum, q * count, side="left"))
+    else:
+        # Huge lengths: percentiles from the log2 histogram's upper bin edges (approximate).
+        cum = np.cumsum(hist)
+        for q in quantiles:
+            k = int(np.searchsorted(cum, q * count, side="left")) if count else 0
+            out[f"p{round(q * 100)}"] = (1 << k) - 1 if k else 0
+        out["approximate_percentiles"] = True
+    last = int(np.max(np.flatnonzero(hist))) + 1 if hist.any() else 1
+    out["histogram"] = {"log2_bins": hist[:last].tolist()}
+    return out
