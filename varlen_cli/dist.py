@@ -305,7 +305,18 @@ def _worker_failure(exc, error_dir: str) -> VarlenError:
                 records.append(json.load(fh))
     # A user error explains the failure best; other workers then fail only as a consequence.
     user = [r for r in records if r["type"] in ERROR_CLASSES and r["type"] != "WorkerError"]
-    if user:
+    # A worker killed by a signal leaves no record; its peers then fail on the closed connection,
+    # and the killed worker, not they, is the cause.
+    recorded = {r["rank"] for r in records}
+    # (The agent stops the other workers with SIGTERM: those are not the cause.)
+    killed = sorted(rank for rank, f in getattr(exc, "failures", {}).items()
+                    if rank not in recorded and f.exitcode is not None and f.exitcode < 0)
+    killed.sort(key=lambda rank: exc.failures[rank].exitcode == -signal.SIGTERM)
+    if not user and killed:
+        code = exc.failures[killed[0]].exitcode
+        error = WorkerError(f"worker {killed[0]} was killed by signal {-code}; all workers were stopped")
+        first = None
+    elif user:
         first = min(user, key=lambda r: r["time"])
         error = ERROR_CLASSES[first["type"]](first["message"])
     elif records:
@@ -339,7 +350,8 @@ def _environ(values: dict[str, str]) -> Iterator[None]:
 @contextmanager
 def _quiet_elastic_logs() -> Iterator[None]:
     loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.distributed.launcher",
-                                                      "torch.distributed.elastic.multiprocessing")]
+                                                      "torch.distributed.elastic.multiprocessing",
+                                                      "torch.multiprocessing")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.CRITICAL)

@@ -11,6 +11,7 @@ code  meaning
 3     bad input data: missing, unreadable or invalid source or artifact (:class:`InputError`)
 4     output problem: exists without ``--overwrite``, or unwritable (:class:`OutputError`)
 5     a distributed worker failed or timed out (:class:`WorkerError`)
+6     ``varlen validate`` found violations (:data:`VALIDATION_FAILED`)
 ====  =====================================================================
 """
 
@@ -53,5 +54,7 @@ class WorkerError(VarlenError):
 
     exit_code = 5
 
+
+VALIDATION_FAILED = 6
 
 ERROR_CLASSES = {cls.__name__: cls for cls in (VarlenError, UsageError, InputError, OutputError, WorkerError)}

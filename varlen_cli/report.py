@@ -12,6 +12,8 @@ def console():
 
 
 def _fmt(x: Any) -> str:
+    if isinstance(x, bool) or x is None:
+        return str(x).lower()
     if isinstance(x, float):
         return f"{x:,.2f}" if abs(x) < 1e6 else f"{x:,.0f}"
     if isinstance(x, int):

@@ -23,17 +23,21 @@ app = typer.Typer(
 )
 
 
-@app.callback()
-def _root(
-    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks for errors (also VARLEN_DEBUG=1)."),
-    version: bool = typer.Option(False, "--version", help="Print the varlen version and exit.", is_eager=True),
-) -> None:
-    """varlen: length analysis, distributed sample sort and batch planning for variable-length samples."""
-    if version:
+def _print_version(value: bool) -> None:
+    if value:
         from varlen_cli import __version__
 
         typer.echo(f"varlen {__version__}")
         raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks for errors (also VARLEN_DEBUG=1)."),
+    version: bool = typer.Option(False, "--version", help="Print the varlen version and exit.", is_eager=True,
+                                 callback=_print_version),
+) -> None:
+    """varlen: length analysis, distributed sample sort and batch planning for variable-length samples."""
     if debug:
         os.environ["VARLEN_DEBUG"] = "1"
 
@@ -82,5 +86,33 @@ def _register() -> None:
 _register()
 
 
+def click_module():
+    """The click that typer runs on: recent typer versions vendor their own copy."""
+    try:
+        from typer import _click as click  # typer >= 0.25
+    except ImportError:  # pragma: no cover - older typer uses click itself
+        import click
+    return click
+
+
 def main() -> None:
-    app()
+    """Entry point: typer's own usage errors also become one line on stderr with exit code 2."""
+    exceptions = click_module().exceptions
+    try:
+        code = app(standalone_mode=False)
+    except typer.Exit as exc:  # older typer/click raise it instead of returning the code
+        code = getattr(exc, "exit_code", 0)
+    except (typer.Abort, KeyboardInterrupt):
+        sys.stderr.write("varlen: interrupted\n")
+        code = 130
+    except exceptions.UsageError as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":
+            exc.show()
+            sys.exit(0)
+        where = exc.ctx.command_path if exc.ctx is not None else "varlen"
+        sys.stderr.write(f"varlen: error: {exc.format_message()} (see `{where} --help`)\n")
+        code = 2
+    except exceptions.ClickException as exc:
+        sys.stderr.write(f"varlen: error: {exc.format_message()}\n")
+        code = exc.exit_code
+    sys.exit(code if isinstance(code, int) else 0)

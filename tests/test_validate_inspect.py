@@ -1,0 +1,126 @@
+"""`varlen validate` catches each kind of broken plan; `varlen inspect` shows every artifact."""
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from tests.conftest import sample
+from varlen_cli.analyze import AnalyzeConfig, analyze
+from varlen_cli.cli import app
+from varlen_cli.errors import InputError
+from varlen_cli.inspect import InspectConfig, inspect_artifact
+from varlen_cli.plan import PlanConfig, plan
+from varlen_cli.validate import ValidateConfig, validate
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vi")
+    metrics = str(root / "metrics")
+    analyze(AnalyzeConfig(sources=(sample("tokenized.parquet"),), output=metrics, progress=False))
+    plan_path = str(root / "plan.parquet")
+    plan(PlanConfig(input=metrics, output=plan_path, max_tokens=1024, dp=2, grad_accum=2, epochs=2, num_shapes=4))
+    return root, metrics, plan_path
+
+
+def _tampered(src: str, dst: str, edit) -> str:
+    """A copy of the plan with one column edited, metadata kept."""
+    table = pq.read_table(src)
+    cols = {name: table.column(name).to_pylist() for name in table.column_names}
+    edit(cols)
+    out = pa.table({name: pa.array(cols[name], type=table.schema.field(name).type) for name in table.column_names},
+                   schema=table.schema)
+    pq.write_table(out, dst)
+    return dst
+
+
+def test_valid_plan_passes_every_check(made):
+    _, metrics, plan_path = made
+    result = validate(ValidateConfig(plan_path, metrics=metrics))
+    assert result.ok, [c.detail for c in result.violations]
+    assert {c.name for c in result.checks} >= {"layout", "coverage", "budget", "shapes", "lr_scale", "fingerprint"}
+
+
+def _dup_first_sample(c):
+    c["sample_ids"][1] = c["sample_ids"][1] + [c["sample_ids"][0][0]]
+    c["num_samples"][1] += 1
+
+
+def _over_budget(c):
+    c["seqlen"][0] = 4096
+
+
+def _wrong_lr(c):
+    c["lr_scale"] = [v * 1.5 for v in c["lr_scale"]]
+
+
+def _bad_layout(c):
+    c["rank"][0], c["rank"][2] = c["rank"][2], c["rank"][0]
+
+
+def _drop_sample(c):
+    c["sample_ids"][0] = c["sample_ids"][0][1:]
+    c["num_samples"][0] -= 1
+
+
+@pytest.mark.parametrize("edit,check,message", [
+    (_dup_first_sample, "coverage", "appear more than once in an epoch"),
+    (_drop_sample, "coverage", "missing from an epoch and not listed as dropped"),
+    (_over_budget, "budget", "microbatches over the budget 1024"),
+    (_wrong_lr, "lr_scale", "rows whose lr_scale is not linear"),
+    (_bad_layout, "layout", "rank out of (step, rank, micro) order"),
+])
+def test_validate_reports_each_violation(made, tmp_path, edit, check, message):
+    _, metrics, plan_path = made
+    bad = _tampered(plan_path, str(tmp_path / "bad.parquet"), edit)
+    result = validate(ValidateConfig(bad, metrics=metrics))
+    assert not result.ok
+    assert check in {c.name for c in result.violations}
+    assert any(message in c.detail for c in result.violations if c.name == check)
+    cli = runner.invoke(app, ["validate", bad, "--metrics", metrics])
+    assert cli.exit_code == 6
+
+
+def test_validate_refuses_plan_of_another_dataset(made, tmp_path):
+    _, _, plan_path = made
+    other = str(tmp_path / "other")
+    analyze(AnalyzeConfig(sources=(sample("audio_manifest.jsonl"),), output=other, length="value:duration",
+                          frames_per_second=100, progress=False))
+    result = validate(ValidateConfig(plan_path, metrics=other))
+    fp = [c for c in result.checks if c.name == "fingerprint"][0]
+    assert not fp.ok and "re-run `varlen analyze` and `varlen plan`" in fp.detail
+
+
+@pytest.mark.parametrize("path,message", [
+    ("missing.parquet", "does not exist"),
+    ("notaplan.parquet", "is not a varlen plan"),
+])
+def test_validate_bad_inputs(tmp_path, path, message):
+    pq.write_table(pa.table({"x": [1]}), tmp_path / "notaplan.parquet")
+    with pytest.raises(InputError, match=message):
+        validate(ValidateConfig(str(tmp_path / path)))
+
+
+def test_inspect_metrics_plan_and_step(made):
+    _, metrics, plan_path = made
+    info = inspect_artifact(InspectConfig(metrics))
+    assert info["kind"] == "metrics" and info["manifest"]["num_rows"] == 2000
+    info = inspect_artifact(InspectConfig(plan_path, step=3))
+    meta = info["metadata"]
+    assert info["kind"] == "plan" and info["series"]["steps"] == meta["num_steps"]
+    assert len(info["step"]) == meta["dp"] * meta["grad_accum"]
+    assert {r["step"] for r in info["step"]} == {3}
+    assert sum(info["series"]["real_tokens_per_rank"]) == 2 * 89106  # two epochs of the sample data
+    for args in (["inspect", metrics], ["inspect", plan_path, "--step", "0"]):
+        out = runner.invoke(app, args)
+        assert out.exit_code == 0, out.output
+    out = runner.invoke(app, ["inspect", plan_path, "--json"])
+    assert json.loads(out.output)["metadata"]["dp"] == 2
+    out = runner.invoke(app, ["inspect", plan_path, "--step", "100000"])
+    assert out.exit_code == 2 and "outside the plan's steps" in out.output

@@ -1,0 +1,30 @@
+"""``varlen inspect``: adapter over :func:`varlen_cli.inspect.inspect_artifact`."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from varlen_cli.cli import common
+
+
+def inspect_command(
+    path: str = typer.Argument(..., help="A metrics directory, a sorted directory or a plan file.", show_default=False),
+    step: Optional[int] = typer.Option(None, "--step", help="Plans: also show the microbatches of step N.", show_default=False),
+    json_output: bool = typer.Option(False, "--json", help="Print everything as JSON (for scripts)."),
+) -> None:
+    """Show an artifact's config, provenance and statistics, with terminal histograms."""
+    from varlen_cli.inspect import InspectConfig, inspect_artifact, render
+
+    info = common.run(inspect_artifact, InspectConfig(path=path, step=step))
+    if json_output:
+        import json
+
+        typer.echo(json.dumps(info, indent=2, default=str))
+    else:
+        render(info)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("inspect", no_args_is_help=True)(inspect_command)

@@ -1,0 +1,100 @@
+"""``varlen run``: adapter over :func:`varlen_cli.run.run`.
+
+Its options are the stage commands' own options, merged from their signatures (so every option of
+analyze, sort and plan is available, with the same name and help, and none is declared twice).
+Options several stages share (``--seed``, ``--nproc``, ``--device``, ``--overwrite``,
+``--progress``) are given once and go to every stage that has them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from typing import List
+
+import typer
+
+from varlen_cli.cli import analyze as analyze_cli
+from varlen_cli.cli import common
+from varlen_cli.cli import plan as plan_cli
+from varlen_cli.cli import sort as sort_cli
+
+# Positional inputs and outputs of the stages: `run` sets them itself.
+_NOT_FORWARDED = {"sources", "output", "metrics_dir", "input_dir", "single_file"}
+_RUN_LEVEL = {"nproc", "device", "overwrite", "progress"}
+_STAGES = (("analyze", analyze_cli.analyze_command), ("sort", sort_cli.sort_command), ("plan", plan_cli.plan_command))
+
+
+def _stage_params():
+    """{stage: [param names]} and the merged keyword parameters, in stage order, each name once."""
+    per_stage, merged = {}, {}
+    for stage, fn in _STAGES:
+        names = []
+        hints = typing.get_type_hints(fn)  # the modules use `from __future__ import annotations`
+        for name, param in inspect.signature(fn).parameters.items():
+            if name in _NOT_FORWARDED:
+                continue
+            if name not in _RUN_LEVEL:
+                names.append(name)
+            merged.setdefault(name, param.replace(annotation=hints[name]))
+        per_stage[stage] = names
+    return per_stage, merged
+
+
+_PER_STAGE, _MERGED = _stage_params()
+
+
+def run_command(sources: List[str], output: str, **options) -> None:
+    from varlen_cli.run import RunConfig, run
+
+    stage_opts = {stage: {k: options[k] for k in names} for stage, names in _PER_STAGE.items()}
+    stage_opts["plan"]["overwrite"] = True
+    config = RunConfig(
+        sources=tuple(sources), output=output, analyze=stage_opts["analyze"], sort=stage_opts["sort"],
+        plan={k: v for k, v in stage_opts["plan"].items() if k != "overwrite"},
+        nproc=options["nproc"], device=options["device"], overwrite=options["overwrite"], progress=options["progress"],
+    )
+    result = common.run(run, config)
+    if result is not None:
+        print_run(result)
+
+
+def print_run(result) -> None:
+    from varlen_cli import report
+    from varlen_cli.plan.stats import print_summary
+
+    report.print_analyze(result.analyze)
+    if result.sort is not None:
+        sort_cli.print_sort(result.sort)
+    print_summary(result.plan)
+    c = report.console()
+    if result.auto_max_tokens:
+        c.print(f"--max-tokens not given: used {result.auto_max_tokens:,} (the larger of 16,384 and the longest sample)")
+    c.print(f"[bold]varlen run[/] → {result.output} in {result.seconds:.2f} s "
+            f"(metrics/, {'sorted/, ' if result.sort is not None else ''}plan.parquet)")
+
+
+_SIGNATURE = inspect.Signature(
+    [
+        inspect.Parameter("sources", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=List[str],
+                          default=typer.Argument(..., help="Sources, as for `varlen analyze`: files, directories, globs.", show_default=False)),
+        inspect.Parameter("output", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=str,
+                          default=typer.Option(..., "-o", "--output", help="Output directory: metrics/, sorted/ (when the order needs it), plan.parquet, _run.json.", show_default=False)),
+    ]
+    + [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in _MERGED.values()]
+)
+
+
+def _run_entry(*args, **kwargs):
+    bound = _SIGNATURE.bind(*args, **kwargs)
+    values = dict(bound.arguments)
+    return run_command(values.pop("sources"), values.pop("output"), **values)
+
+
+_run_entry.__signature__ = _SIGNATURE
+_run_entry.__annotations__ = {p.name: p.annotation for p in _SIGNATURE.parameters.values()}
+_run_entry.__doc__ = "Run the whole pipeline (analyze, sort when the order needs it, plan) in one launch."
+
+
+def register(app: typer.Typer) -> None:
+    app.command("run", no_args_is_help=True)(_run_entry)

@@ -1,0 +1,350 @@
+"""``varlen validate``: re-check every invariant of a plan, independently of the planner.
+
+The checks read the plan (and optionally the metrics directory it was built from) and recompute
+everything from scratch, vectorised: a plan of millions of microbatches validates in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from . import artifacts
+from .errors import InputError
+
+PLAN_FORMAT = "varlen-plan"
+REQUIRED_COLUMNS = ("epoch", "step", "rank", "micro", "sample_ids", "num_samples", "seqlen", "batch_size", "tokens",
+                    "lr_scale", "shape_id")
+MAX_EXAMPLES = 5
+
+
+@dataclass(frozen=True)
+class ValidateConfig:
+    """Options of ``varlen validate``."""
+
+    plan: str
+    metrics: Optional[str] = None
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str = ""
+    skipped: bool = False
+
+
+@dataclass
+class ValidateResult:
+    plan: str
+    checks: list = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    @property
+    def violations(self) -> list:
+        return [c for c in self.checks if not c.ok]
+
+
+def read_plan_metadata(path: str) -> tuple[dict, object]:
+    """The plan's ``varlen`` metadata and its Parquet schema; a clear error for anything else."""
+    import pyarrow.parquet as pq
+
+    if not os.path.exists(path):
+        raise InputError(f"plan {path} does not exist")
+    if os.path.isdir(path):
+        raise InputError(f"{path} is a directory, not a plan file; create a plan with `varlen plan`")
+    try:
+        schema = pq.read_schema(path)
+    except Exception as exc:
+        raise InputError(f"{path} is not a readable Parquet plan: {exc}") from None
+    raw = (schema.metadata or {}).get(b"varlen")
+    meta = None
+    if raw is not None:
+        try:
+            meta = json.loads(raw)
+        except ValueError:
+            meta = None
+    if not isinstance(meta, dict) or meta.get("format") != PLAN_FORMAT:
+        raise InputError(f"{path} is not a varlen plan (no '{PLAN_FORMAT}' metadata); create one with `varlen plan`")
+    return meta, schema
+
+
+def validate(config: ValidateConfig) -> ValidateResult:
+    """Check a plan; returns every check's outcome (``result.ok`` when all hold)."""
+    import pyarrow.parquet as pq
+
+    meta, schema = read_plan_metadata(config.plan)
+    missing = [c for c in REQUIRED_COLUMNS if c not in schema.names]
+    result = ValidateResult(config.plan)
+    result.checks.append(Check("columns", not missing, f"missing: {', '.join(missing)}" if missing else
+                               f"{len(schema.names)} columns"))
+    if missing:
+        return result
+    table = pq.read_table(config.plan)
+    cols = _columns(table)
+    pcfg = meta.get("config", {})
+    dp, accum = int(meta["dp"]), int(meta["grad_accum"])
+    packing = meta.get("packing")
+
+    lengths = None
+    if config.metrics:
+        manifest = artifacts.read_manifest(config.metrics)
+        fp = _check_fingerprint(meta, manifest, config.metrics)
+        result.checks.append(fp)
+        if fp.ok:  # lengths of another dataset would only produce noise
+            lengths = _metrics_lengths(config.metrics, manifest)
+    n_samples = int(meta.get("input", {}).get("num_rows", 0))
+
+    result.checks.append(_check_layout(cols, dp, accum, meta))
+    result.checks.append(_check_counts(cols))
+    result.checks.append(_check_coverage(cols, meta, n_samples, packing, lengths))
+    result.checks.append(_check_budget(cols, pcfg, packing, lengths))
+    result.checks.append(_check_shapes(cols, meta, pcfg))
+    result.checks.append(_check_step_totals(cols))
+    result.checks.append(_check_lr(cols, meta))
+    return result
+
+
+def _columns(table) -> dict:
+    import pyarrow.compute as pc
+
+    out = {name: table.column(name).to_numpy() for name in table.column_names
+           if name not in ("sample_ids", "sample_lengths", "sample_rows", "sample_starts")}
+    ids = table.column("sample_ids").combine_chunks()
+    out["flat_ids"] = pc.list_flatten(ids).to_numpy(zero_copy_only=False).astype(np.int64)
+    out["flat_parent"] = pc.list_parent_indices(ids).to_numpy(zero_copy_only=False).astype(np.int64)
+    out["list_len"] = pc.list_value_length(ids).to_numpy(zero_copy_only=False).astype(np.int64)
+    for name in ("sample_lengths", "sample_rows", "sample_starts"):
+        if name in table.column_names:
+            out["flat_" + name] = pc.list_flatten(table.column(name).combine_chunks()).to_numpy(
+                zero_copy_only=False).astype(np.int64)
+    return out
+
+
+def _examples(mask: np.ndarray, values: np.ndarray) -> str:
+    where = np.flatnonzero(mask)[:MAX_EXAMPLES]
+    return ", ".join(str(int(v)) for v in values[where])
+
+
+def _check_fingerprint(meta: dict, manifest: dict, metrics_path: str) -> Check:
+    inp = meta.get("input", {})
+    want_digest = inp.get("dataset_digest")
+    have_digest = manifest.get("dataset", {}).get("digest")
+    if want_digest and have_digest and want_digest != have_digest:
+        return Check("fingerprint", False, f"plan was built from dataset {want_digest}, {metrics_path} describes "
+                     f"{have_digest}; re-run `varlen analyze` and `varlen plan`")
+    if int(inp.get("num_rows", -1)) != int(manifest.get("num_rows", -2)):
+        return Check("fingerprint", False, f"plan input had {inp.get('num_rows')} samples, {metrics_path} has "
+                     f"{manifest.get('num_rows')}; re-run `varlen plan`")
+    if inp.get("artifact_id") not in (None, manifest.get("artifact_id")) and manifest.get("kind") == inp.get("kind"):
+        return Check("fingerprint", False, f"plan was built from another {inp.get('kind')} artifact "
+                     f"({inp.get('artifact_id')}, now {manifest.get('artifact_id')}); re-run `varlen plan`")
+    return Check("fingerprint", True, f"dataset {have_digest}")
+
+
+def _metrics_lengths(path: str, manifest: dict) -> np.ndarray:
+    table = artifacts.read_row_range(path, manifest, 0, int(manifest["num_rows"]), ["sample_id", "length"])
+    ids = table.column("sample_id").to_numpy()
+    lengths = np.zeros(int(manifest["num_rows"]), dtype=np.int64)
+    lengths[ids] = table.column("length").to_numpy()
+    return lengths
+
+
+def _check_layout(c: dict, dp: int, accum: int, meta: dict) -> Check:
+    n = len(c["step"])
+    if n % (dp * accum):
+        return Check("layout", False, f"{n} microbatches is not a multiple of dp x grad_accum = {dp * accum}")
+    steps = n // (dp * accum)
+    want_step = np.repeat(np.arange(steps), dp * accum)
+    want_rank = np.tile(np.repeat(np.arange(dp), accum), steps)
+    want_micro = np.tile(np.arange(accum), steps * dp)
+    problems = []
+    for name, want in (("step", want_step), ("rank", want_rank), ("micro", want_micro)):
+        bad = c[name] != want
+        if bad.any():
+            problems.append(f"{name} out of (step, rank, micro) order at rows {_examples(bad, np.arange(n))}")
+    if int(meta.get("num_steps", steps)) != steps:
+        problems.append(f"metadata says {meta.get('num_steps')} steps, the plan has {steps}")
+    epochs = c["epoch"]
+    if n and (np.diff(epochs) < 0).any():
+        problems.append("epochs decrease")
+    if problems:
+        return Check("layout", False, "; ".join(problems))
+    return Check("layout", True, f"{steps} steps x {dp} ranks x {accum} microbatches")
+
+
+def _check_counts(c: dict) -> Check:
+    bad = c["num_samples"] != c["list_len"]
+    bad_b = c["batch_size"] < c["num_samples"]
+    if bad.any() or bad_b.any():
+        return Check("counts", False, f"num_samples != len(sample_ids) in {int(bad.sum())} rows; batch_size < "
+                     f"num_samples in {int(bad_b.sum())} rows")
+    return Check("counts", True, "num_samples and batch_size consistent")
+
+
+def _check_coverage(c: dict, meta: dict, n: int, packing, lengths) -> Check:
+    dropped = np.asarray(meta.get("dropped", {}).get("sample_ids", []), dtype=np.int64)
+    ids, parent = c["flat_ids"], c["flat_parent"]
+    if len(ids) and (ids.min() < 0 or ids.max() >= max(n, 1)):
+        return Check("coverage", False, f"sample ids outside 0..{n - 1}")
+    epoch = c["epoch"][parent].astype(np.int64)
+    epochs = int(meta.get("epochs", int(epoch.max()) + 1 if len(epoch) else 1))
+    split = bool(packing and packing.get("split_long"))
+    problems = []
+    if split and lengths is not None and "flat_sample_starts" in c:
+        # Tokens of every sample exactly once per epoch: chunks tile [0, length).
+        key = epoch * n + ids
+        order = np.lexsort((c["flat_sample_starts"], key))
+        k, s, ln = key[order], c["flat_sample_starts"][order], c["flat_sample_lengths"][order]
+        first = np.concatenate([[True], k[1:] != k[:-1]])
+        expect_start = np.where(first, 0, np.concatenate([[0], (s + ln)[:-1]]))
+        if (s != expect_start).any():
+            problems.append("split chunks overlap or leave gaps")
+        covered = np.zeros(epochs * n, dtype=np.int64)
+        np.add.at(covered, k, ln)
+        counts = covered.reshape(epochs, n)
+        want = np.broadcast_to(lengths, (epochs, n)).copy()
+        want[:, dropped] = 0
+        bad = counts != want
+        if bad.any():
+            problems.append(f"{int(bad.sum())} (epoch, sample) pairs do not have all their tokens exactly once")
+    else:
+        counts = np.bincount(epoch * n + ids, minlength=epochs * n).reshape(epochs, max(n, 1))[:, :n]
+        expected = np.ones((epochs, n), dtype=np.int64)
+        expected[:, dropped] = 0
+        dup = counts > expected
+        miss = counts < expected
+        if dup.any():
+            problems.append(f"{int(dup.sum())} samples appear more than once in an epoch (e.g. ids "
+                            f"{_examples(dup.any(axis=0), np.arange(n))})")
+        if miss.any():
+            problems.append(f"{int(miss.sum())} samples are missing from an epoch and not listed as dropped (e.g. ids "
+                            f"{_examples(miss.any(axis=0), np.arange(n))})")
+    if problems:
+        return Check("coverage", False, "; ".join(problems))
+    return Check("coverage", True, f"{n - len(dropped)} samples exactly once in each of {epochs} epochs"
+                 + (f", {len(dropped)} listed as dropped" if len(dropped) else ""))
+
+
+def _check_budget(c: dict, pcfg: dict, packing, lengths) -> Check:
+    problems = []
+    if packing:
+        T = int(packing["seq_len"])
+        if "flat_sample_rows" in c:
+            R = c["batch_size"][c["flat_parent"]]
+            bad_row = c["flat_sample_rows"] >= R
+            if bad_row.any():
+                problems.append(f"{int(bad_row.sum())} entries in a row beyond batch_size")
+            row_key = c["flat_parent"] * int(c["batch_size"].max() or 1) + c["flat_sample_rows"]
+            fill = np.bincount(row_key, weights=c["flat_sample_lengths"]) if len(row_key) else np.zeros(0)
+            over = fill > T
+            if over.any():
+                problems.append(f"{int(over.sum())} packed rows hold more than seq_len {T} tokens")
+            cap = packing.get("max_per_row")
+            if cap:
+                per_row = np.bincount(row_key) if len(row_key) else np.zeros(0)
+                if (per_row > int(cap)).any():
+                    problems.append(f"{int((per_row > int(cap)).sum())} rows hold more than {cap} samples")
+        detail = f"every packed row <= {T} tokens"
+    else:
+        max_tokens = pcfg.get("max_tokens")
+        attn = float(pcfg.get("attention_cost") or 0.0)
+        B, T = c["batch_size"].astype(np.float64), c["seqlen"].astype(np.float64)
+        cost = B * T + attn * B * T * T
+        if max_tokens is not None:
+            over = cost > float(max_tokens) + 1e-9
+            if over.any():
+                problems.append(f"{int(over.sum())} microbatches over the budget {max_tokens} (e.g. rows "
+                                f"{_examples(over, np.arange(len(over)))})")
+        max_samples = pcfg.get("max_samples")
+        if max_samples and (c["num_samples"] > int(max_samples)).any():
+            problems.append(f"microbatches with more than --max-samples {max_samples} samples")
+        detail = f"B x T{' + A x B x T^2' if attn else ''} <= {max_tokens} in every microbatch"
+    if lengths is not None and not packing:
+        longest = np.zeros(len(c["seqlen"]), dtype=np.int64)
+        if len(c["flat_ids"]):
+            np.maximum.at(longest, c["flat_parent"], lengths[c["flat_ids"]])
+        short = longest > c["seqlen"]
+        if short.any():
+            problems.append(f"{int(short.sum())} microbatches have a sample longer than their seqlen")
+        tok = np.bincount(c["flat_parent"], weights=lengths[c["flat_ids"]], minlength=len(c["seqlen"]))
+        if (tok.astype(np.int64) != c["tokens"]).any():
+            problems.append("tokens column differs from the sum of the samples' lengths")
+    if problems:
+        return Check("budget", False, "; ".join(problems))
+    return Check("budget", True, detail)
+
+
+def _check_shapes(c: dict, meta: dict, pcfg: dict) -> Check:
+    problems = []
+    T = c["seqlen"]
+    k = pcfg.get("num_shapes")
+    distinct_t = len(np.unique(T))
+    if k and distinct_t > int(k):
+        problems.append(f"{distinct_t} distinct seqlens, more than --num-shapes {k}")
+    shapes = meta.get("shapes") or []
+    if len(shapes):
+        sid = c["shape_id"]
+        if sid.min() < 0 or sid.max() >= len(shapes):
+            problems.append("shape_id outside the metadata's shapes")
+        else:
+            shape_arr = np.asarray(shapes, dtype=np.int64).reshape(-1, 2)
+            want_b, want_t = shape_arr[sid, 0], shape_arr[sid, 1]
+            if (want_t != T).any():
+                problems.append(f"{int((want_t != T).sum())} rows whose seqlen differs from their shape")
+            fixed_b = want_b > 0
+            if (fixed_b & (want_b != c["batch_size"])).any():
+                problems.append("rows whose batch_size differs from their static shape")
+    if pcfg.get("static_shapes"):
+        pairs = len(np.unique(c["batch_size"].astype(np.int64) * (1 << 32) + T))
+        if k and pairs != int(k) and distinct_t == int(k):
+            problems.append(f"static shapes: {pairs} (B, T) pairs for {k} buckets")
+    if pcfg.get("same_shape_per_step"):
+        step = c["step"]
+        key = c["batch_size"].astype(np.int64) * (1 << 32) + T
+        order = np.lexsort((key, step))
+        s, kk = step[order], key[order]
+        same_step = s[1:] == s[:-1]
+        if (same_step & (kk[1:] != kk[:-1])).any():
+            problems.append("a step mixes shapes (--same-shape-per-step)")
+    if problems:
+        return Check("shapes", False, "; ".join(problems))
+    return Check("shapes", True, f"{distinct_t} distinct seqlens, {len(shapes)} shapes")
+
+
+def _check_step_totals(c: dict) -> Check:
+    if "step_samples" not in c or "step_tokens" not in c:
+        return Check("step totals", True, "no step_samples/step_tokens columns", skipped=True)
+    step = c["step"]
+    samples = np.bincount(step, weights=c["num_samples"])
+    tokens = np.bincount(step, weights=c["tokens"])
+    bad = (samples[step] != c["step_samples"]) | (tokens[step] != c["step_tokens"])
+    if bad.any():
+        return Check("step totals", False, f"step_samples/step_tokens wrong in {int(bad.sum())} rows")
+    return Check("step totals", True, "step_samples and step_tokens match their steps")
+
+
+def _check_lr(c: dict, meta: dict) -> Check:
+    mode = meta.get("lr_scaling", meta.get("config", {}).get("lr_scaling", "none"))
+    by = meta.get("lr_scale_by", meta.get("config", {}).get("lr_scale_by", "samples"))
+    base = meta.get("base_batch_size")
+    step = c["step"]
+    per_step = np.bincount(step, weights=c["tokens"] if by == "tokens" else c["num_samples"])[step]
+    if mode == "none":
+        want = np.ones(len(step))
+    else:
+        if not base:
+            return Check("lr_scale", False, "metadata has no base_batch_size")
+        ratio = per_step / float(base)
+        want = ratio if mode == "linear" else np.sqrt(ratio)
+    bad = ~np.isclose(c["lr_scale"], want, rtol=1e-9, atol=1e-12)
+    if bad.any():
+        return Check("lr_scale", False, f"{int(bad.sum())} rows whose lr_scale is not {mode}({by} / {base})")
+    return Check("lr_scale", True, f"{mode} in step {by}" + (f" / {base:g}" if base and mode != "none" else ""))
