@@ -20,7 +20,7 @@ def _docs_text() -> str:
 
 def _commands():
     group = typer.main.get_command(app)
-    ctx = click.Context(group)
+    ctx = click.core.Context(group)
     return [(name, group.get_command(ctx, name)) for name in group.list_commands(ctx)]
 
 
@@ -37,9 +37,9 @@ def test_command_and_options_documented(name, command):
     assert command.help and command.help.strip(), f"command {name} has no help"
     assert f"varlen {name}" in docs, f"`varlen {name}` is not in README.md or docs/"
     for param in command.params:
-        if isinstance(param, click.Option):
+        if param.param_type_name == "option":
             assert param.help and param.help.strip(), f"{name} {param.opts[0]} has no help text"
             longs = [o for o in param.opts + param.secondary_opts if o.startswith("--") and o != "--help"]
             assert any(o in docs for o in longs), f"{name} option {longs} is not documented in README.md or docs/"
-        elif isinstance(param, click.Argument):
+        elif param.param_type_name == "argument":
             assert getattr(param, "help", None), f"{name} argument {param.name} has no help text"

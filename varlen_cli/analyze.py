@@ -9,17 +9,16 @@ number of workers.
 
 from __future__ import annotations
 
-import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 
 from . import artifacts
-from .difficulty import DifficultySpec, call_function, load_function, parse_difficulty, rarity
+from .difficulty import call_function, load_function, parse_difficulty, rarity
 from .dist import Dist, fault_point, run_distributed, session
-from .errors import InputError, UsageError
+from .errors import InputError, OutputError, UsageError
 from .lengths import (
     LengthSpec,
     auto_length,
@@ -31,8 +30,11 @@ from .lengths import (
     token_lengths,
 )
 from .progress import JobProgress
-from .sources import DEFAULT_CHUNK_BYTES, SourceFile, Unit, assign, discover, fingerprint, make_units, read_unit
+from .sources import DEFAULT_CHUNK_BYTES, Reader, SourceFile, Unit, assign, discover, fingerprint, make_units
 from .stats import distribution
+
+
+RARITY_CACHE_BYTES = 512 << 20  # token ids a worker keeps between the two vocab-rarity passes
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,7 @@ def analyze(config: AnalyzeConfig) -> Optional[AnalyzeResult]:
     _check_config(config)
     out = artifacts.AtomicDir(config.output, config.overwrite)
     out.check()
-    return run_distributed(_analyze_worker, replace(config, nproc=1), config.nproc, cleanup=[out.tmp])
+    return run_distributed(_analyze_worker, config, config.nproc, cleanup=[out.tmp])
 
 
 def _check_config(config: AnalyzeConfig) -> None:
@@ -107,26 +109,27 @@ class _Work:
         if self.difficulty.kind == "value" and self.difficulty.column not in columns:
             columns.append(self.difficulty.column)
         self.columns = columns
+        self.reader = Reader()
 
     def _auto_length(self) -> LengthSpec:
-        f = self.files[0]
-        from .sources import TEXT_COLUMN, read_unit as _read
+        from .sources import TEXT_COLUMN
 
-        if f.format == "text":
-            names, types = [TEXT_COLUMN], {}
-        else:
+        # The first file that has columns tells (empty JSONL files have none).
+        for f in self.files:
+            if f.format == "text":
+                return auto_length([TEXT_COLUMN], {}, self.tokenizer is not None)
             schema = _schema_of(f)
-            names, types = schema.names, {n: schema.field(n).type for n in schema.names}
-        return auto_length(names, types, self.tokenizer is not None)
+            if schema.names:
+                return auto_length(schema.names, {n: schema.field(n).type for n in schema.names},
+                                   self.tokenizer is not None)
+        raise InputError("the sources hold no samples (empty dataset)")
 
     def where(self, unit: Unit) -> str:
         return self.files[unit.file].path
 
     def read(self, unit: Unit, all_columns: bool = False):
         f = self.files[unit.file]
-        if all_columns:
-            return read_unit(f, unit, _all_columns(f))
-        return read_unit(f, unit, self.columns)
+        return self.reader.read(f, unit, None if all_columns else self.columns)
 
     def lengths_and_ids(self, unit: Unit, want_ids: bool):
         """Lengths of the unit's rows (and flat token ids when ``want_ids``), plus the table read."""
@@ -145,10 +148,12 @@ class _Work:
         if want_ids:
             import pyarrow.compute as pc
 
-            flat = pc.list_flatten(column.combine_chunks()) if len(column) else None
+            flat = pc.list_flatten(column) if len(column) else None
             if flat is not None and not _is_int(flat.type):
                 raise InputError(f"--difficulty vocab-rarity needs integer token ids, but '{self.length.column}' holds {flat.type}")
-            ids = flat.to_numpy(zero_copy_only=False).astype(np.int64) if flat is not None else np.zeros(0, np.int64)
+            ids = flat.to_numpy(zero_copy_only=False) if flat is not None else np.zeros(0, np.int64)
+            if ids.dtype.kind != "i":
+                ids = ids.astype(np.int64)
             if len(ids) and ids.min() < 0:
                 raise InputError(f"column '{self.length.column}' has negative token ids in {where}")
         return lengths, ids, table
@@ -183,8 +188,11 @@ def _schema_of(f: SourceFile):
 
     from .sources import _read_jsonl
 
-    with open(f.path, "rb") if not f.compression else pa.input_stream(f.path, compression=f.compression) as fh:
-        head = fh.read(1 << 20)
+    try:
+        with open(f.path, "rb") if not f.compression else pa.input_stream(f.path, compression=f.compression) as fh:
+            head = fh.read(1 << 20)
+    except OSError as exc:
+        raise InputError(f"cannot read {f.path}: {exc}") from None
     cut = head.rfind(b"\n")
     sample = head[: cut + 1] if cut >= 0 else head
     import pyarrow.json as pj
@@ -193,12 +201,6 @@ def _schema_of(f: SourceFile):
         return pj.read_json(pa.BufferReader(sample)).schema if sample.strip() else pa.schema([])
     except pa.ArrowInvalid as exc:
         raise InputError(f"invalid JSONL in {f.path}: {exc}") from None
-
-
-def _all_columns(f: SourceFile) -> list[str]:
-    from .sources import TEXT_COLUMN
-
-    return [TEXT_COLUMN] if f.format == "text" else list(_schema_of(f).names)
 
 
 def _is_int(t) -> bool:
@@ -218,7 +220,9 @@ def _analyze_worker(config: AnalyzeConfig) -> Optional[AnalyzeResult]:
         try:
             result = _analyze_in_group(config, d, out, t0)
         except BaseException:
-            if d.is_main and not d.distributed:
+            # Rank 0 removes the temporary directory (under --nproc the launcher does it as well;
+            # under torchrun nobody else would). A peer still writing then fails too.
+            if d.is_main:
                 out.abort()
             raise
         return result
@@ -234,6 +238,8 @@ def _analyze_in_group(config: AnalyzeConfig, d: Dist, out: artifacts.AtomicDir, 
     total_weight = sum(u.weight for u in units) * (2 if rarity_mode else 1)
 
     lengths_parts, diff_parts, unit_rows = [], [], []
+    ids_cache: list = []  # vocab-rarity: each unit's token ids, kept while they fit RARITY_CACHE_BYTES
+    cached_bytes = 0
     max_id, counts = -1, None
     with JobProgress(d, total_weight, "analyze", show=config.progress) as bar:
         for unit in mine:
@@ -244,8 +250,14 @@ def _analyze_in_group(config: AnalyzeConfig, d: Dist, out: artifacts.AtomicDir, 
                 if len(ids):
                     max_id = max(max_id, int(ids.max()))
                     counts = _add_counts(counts, ids)
+                if ids_cache is not None and cached_bytes + ids.nbytes <= RARITY_CACHE_BYTES:
+                    ids_cache.append(ids)
+                    cached_bytes += ids.nbytes
+                else:
+                    ids_cache = None  # too big: the second pass reads (and tokenizes) again
             else:
                 diff_parts.append(work.difficulty_values(unit, lengths, table))
+            del table
             bar.advance(unit.weight)
             fault_point("analyze.unit")
         bar.wait_for_peers(sum(u.weight for u in units))
@@ -257,10 +269,11 @@ def _analyze_in_group(config: AnalyzeConfig, d: Dist, out: artifacts.AtomicDir, 
             if counts is not None:
                 local[: len(counts)] = counts
             global_counts = d.all_reduce(local)
-            for unit, lengths in zip(mine, lengths_parts):
-                _, ids, _ = work.lengths_and_ids(unit, want_ids=True)
+            for k, (unit, lengths) in enumerate(zip(mine, lengths_parts)):
+                ids = ids_cache[k] if ids_cache is not None else work.lengths_and_ids(unit, want_ids=True)[1]
                 diff_parts.append(rarity(lengths, ids, global_counts))
                 bar.advance(unit.weight)
+            ids_cache = None
             bar.wait_for_peers(total_weight)
 
     lengths = np.concatenate(lengths_parts) if lengths_parts else np.zeros(0, np.int64)
@@ -271,14 +284,7 @@ def _analyze_in_group(config: AnalyzeConfig, d: Dist, out: artifacts.AtomicDir, 
         raise InputError("the sources hold no samples (empty dataset)")
     first_id = int(rows[: d.rank].sum())
 
-    import pyarrow as pa
-
-    table = pa.table({
-        "sample_id": pa.array(np.arange(first_id, first_id + len(lengths), dtype=np.int64)),
-        "length": pa.array(lengths.astype(np.int64, copy=False)),
-        "difficulty": pa.array(difficulty.astype(np.float64, copy=False)),
-    })
-    artifacts.write_parquet(table, out.file(artifacts.part_name(d.rank)))
+    _write_part(out.file(artifacts.part_name(d.rank)), first_id, lengths, difficulty)
 
     # Rows per file, for the dataset fingerprint: each rank knows its units' rows.
     per_file = np.zeros(len(files), dtype=np.int64)
@@ -316,6 +322,24 @@ def _analyze_in_group(config: AnalyzeConfig, d: Dist, out: artifacts.AtomicDir, 
         difficulty=str(work.difficulty), stats=length_stats, difficulty_stats=diff_stats,
         seconds=time.perf_counter() - t0, manifest=manifest,
     )
+
+
+def _write_part(path: str, first_id: int, lengths: np.ndarray, difficulty: np.ndarray) -> None:
+    """One part file. ``sample_id`` is a run of consecutive integers: delta encoding stores it in
+    almost nothing and writes fast; dictionaries only where values repeat (lengths, difficulty)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({
+        "sample_id": pa.array(np.arange(first_id, first_id + len(lengths), dtype=np.int64)),
+        "length": pa.array(lengths.astype(np.int64, copy=False)),
+        "difficulty": pa.array(difficulty.astype(np.float64, copy=False)),
+    })
+    try:
+        pq.write_table(table, path, row_group_size=1 << 20, compression="zstd", compression_level=1,
+                       use_dictionary=["length", "difficulty"], column_encoding={"sample_id": "DELTA_BINARY_PACKED"})
+    except OSError as exc:
+        raise OutputError(f"cannot write {path}: {exc}") from None
 
 
 def _add_counts(counts: Optional[np.ndarray], ids: np.ndarray) -> np.ndarray:

@@ -146,6 +146,26 @@ def read_manifest(path: str, what: str = "metrics directory", hint: str = "creat
     return manifest
 
 
+def check_fresh(path: str, manifest: dict, rerun: str) -> None:
+    """Refuse an artifact whose input artifact was rebuilt (with other content) after it was made.
+
+    A sorted directory records the ``artifact_id`` of the metrics directory it came from; if that
+    directory now holds another artifact, the sorted rows are stale. Moved or deleted inputs cannot
+    be checked and pass.
+    """
+    inp = manifest.get("input") or {}
+    src, want = inp.get("path"), inp.get("artifact_id")
+    if not src or not want or not os.path.isfile(os.path.join(src, MANIFEST_NAME)):
+        return
+    try:
+        with open(os.path.join(src, MANIFEST_NAME)) as fh:
+            have = json.load(fh).get("artifact_id")
+    except (OSError, ValueError):
+        return
+    if have != want:
+        raise InputError(f"{path} is stale: {src} was rebuilt after it (artifact {want}, now {have}); re-run `{rerun}`")
+
+
 def row_bounds(total: int, world_size: int, rank: int) -> tuple[int, int]:
     """The contiguous, balanced slice [start, stop) of ``total`` rows that ``rank`` owns."""
     start = total * rank // world_size

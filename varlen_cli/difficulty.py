@@ -86,7 +86,12 @@ def rarity(lengths: np.ndarray, ids: np.ndarray, counts: np.ndarray) -> np.ndarr
     if total == 0:
         return np.zeros(len(lengths))
     neg_logp = np.log(float(total)) - np.log(counts[ids].astype(np.float64))
-    cs = np.concatenate([[0.0], np.cumsum(neg_logp)])
-    ends = np.cumsum(lengths)
-    sums = cs[ends] - cs[ends - lengths]
-    return np.divide(sums, lengths, out=np.zeros(len(lengths)), where=lengths > 0)
+    # Per-sample sums with reduceat over the non-empty samples: each sum only depends on the
+    # sample's own tokens (not on where a work unit starts, as differences of a running sum would).
+    lengths = np.asarray(lengths, dtype=np.int64)
+    starts = np.cumsum(lengths) - lengths
+    nonempty = lengths > 0
+    sums = np.zeros(len(lengths))
+    if nonempty.any():
+        sums[nonempty] = np.add.reduceat(neg_logp, starts[nonempty])
+    return np.divide(sums, lengths, out=np.zeros(len(lengths)), where=nonempty)

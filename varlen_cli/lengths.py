@@ -29,6 +29,9 @@ from .errors import InputError, UsageError
 LENGTH_KINDS = ("list", "tokens", "chars", "bytes", "words", "value")
 TEXT_KINDS = ("tokens", "chars", "bytes", "words")
 TOKENIZE_BATCH = 8192
+# A word is a run of non-whitespace, whitespace being exactly what Python's str.split() splits on
+# (RE2's \s alone is ASCII only and misses \v, \x1c-\x1f, \x85 and the Unicode spaces).
+WORD_PATTERN = r"[^\s\x{0b}\x{1c}-\x{1f}\x{85}\p{Z}]+"
 
 
 @dataclass(frozen=True)
@@ -132,8 +135,8 @@ def compute_lengths(column, spec: LengthSpec, where: str, tokenizer=None, add_sp
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    if isinstance(column, pa.ChunkedArray):
-        column = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    if isinstance(column, pa.ChunkedArray) and column.num_chunks == 1:
+        column = column.chunk(0)  # several chunks (Arrow files) stay chunked: no copy of the values
     t = column.type
     if len(column) == 0:
         return np.zeros(0, dtype=np.int64)
@@ -155,7 +158,7 @@ def compute_lengths(column, spec: LengthSpec, where: str, tokenizer=None, add_sp
     elif kind == "bytes":
         out = pc.binary_length(column)
     elif kind == "words":
-        out = pc.count_substring_regex(column, pattern=r"\S+")
+        out = pc.count_substring_regex(column, pattern=WORD_PATTERN)
     else:  # tokens
         if tokenizer is None:
             raise UsageError("--length tokens:COLUMN needs --tokenizer FILE")
@@ -163,35 +166,37 @@ def compute_lengths(column, spec: LengthSpec, where: str, tokenizer=None, add_sp
     return out.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
 
 
-def numeric_values(column, name: str, where: str, what: str) -> np.ndarray:
-    """A numeric column as float64, refusing nulls, NaN and negative values."""
+def numeric_values(column, name: str, where: str, what: str, as_float: bool = True) -> np.ndarray:
+    """A numeric column as numpy (float64, or as stored when ``as_float`` is False), refusing nulls,
+    NaN and negative values. One pass (the minimum) when the values are fine."""
     import pyarrow as pa
 
     if isinstance(column, pa.ChunkedArray):
-        column = column.combine_chunks()
+        column = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
     t = column.type
     if not (pa.types.is_integer(t) or pa.types.is_floating(t)):
         raise InputError(f"{what} '{name}' must be numeric, but it is {t} in {where}")
     if column.null_count:
         raise InputError(f"column '{name}' has {column.null_count} null values in {where}")
-    values = column.to_numpy(zero_copy_only=False).astype(np.float64, copy=False)
-    bad = np.isnan(values)
-    if bad.any():
-        raise InputError(f"column '{name}' has {int(bad.sum())} NaN values in {where}")
-    neg = values < 0
-    if neg.any():
-        raise InputError(f"column '{name}' has {int(neg.sum())} negative values in {where} (first: {values[neg][0]:g})")
-    return values
+    values = column.to_numpy(zero_copy_only=False)
+    if len(values):
+        low = values.min()  # NaN if any value is NaN
+        if values.dtype.kind == "f" and np.isnan(low):
+            raise InputError(f"column '{name}' has {int(np.isnan(values).sum())} NaN values in {where}")
+        if low < 0:
+            neg = values < 0
+            raise InputError(f"column '{name}' has {int(neg.sum())} negative values in {where} (first: {values[neg][0]:g})")
+        if values.dtype.kind == "f" and np.isinf(values.max()):
+            raise InputError(f"column '{name}' has {int(np.isinf(values).sum())} infinite values in {where}")
+    return values.astype(np.float64, copy=False) if as_float else values
 
 
 def value_lengths(column, name: str, where: str, frames_per_second: float | None) -> np.ndarray:
-    import pyarrow as pa
-
-    values = numeric_values(column, name, where, "length column")
+    values = numeric_values(column, name, where, "length column", as_float=False)
     if frames_per_second is not None:
         return np.ceil(values * frames_per_second - 1e-9).astype(np.int64)
-    if pa.types.is_integer(column.type):
-        return column.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    if values.dtype.kind in "iu":
+        return values.astype(np.int64, copy=False)
     if not np.all(np.isfinite(values)) or np.any(values != np.floor(values)):
         raise InputError(
             f"length column '{name}' has fractional values in {where}; pass --frames-per-second F "

@@ -59,3 +59,9 @@ def print_analyze(result) -> None:
     c = console()
     c.print(t)
     c.print(h)
+    empty = s["histogram"]["log2_bins"][0] if s["histogram"]["log2_bins"] else 0
+    if empty:
+        import sys
+
+        sys.stderr.write(f"varlen: warning: {empty:,} samples have length 0; they are kept "
+                         "(plans still schedule them; they add no tokens)\n")

@@ -91,12 +91,17 @@ def _hf_dataset_files(directory: str) -> list[str] | None:
 
 def _expand(source: str) -> list[str]:
     if any(ch in source for ch in "*?["):
+        # Like a directory, a glob takes the data files it matches, skipping names that start with
+        # "_" or "." (_metadata, _SUCCESS, .crc) and files of other formats.
         matches = sorted(glob.glob(source, recursive=True))
-        if not matches:
-            raise InputError(f"no files match {source}")
         out = []
         for m in matches:
-            out.extend(_expand(m) if os.path.isdir(m) else [m])
+            if os.path.isdir(m):
+                out.extend(_expand(m))
+            elif not os.path.basename(m).startswith(("_", ".")) and _format_of(m)[0] is not None:
+                out.append(m)
+        if not out:
+            raise InputError(f"no data files (Parquet, Arrow, JSONL, text) match {source}")
         return out
     if not os.path.exists(source):
         raise InputError(f"source {source} does not exist")
@@ -186,7 +191,9 @@ def make_units(files: Sequence[SourceFile], chunk_bytes: int = DEFAULT_CHUNK_BYT
             md = _parquet_file(f.path).metadata
             units.extend(_row_units(i, [md.row_group(g).num_rows for g in range(md.num_row_groups)]))
         elif f.format == "arrow":
-            units.extend(_row_units(i, _arrow_batch_rows(f.path)))
+            # Record batches are often small (Hugging Face writes 1,000 rows each): one unit is a
+            # row range of the whole file, read from the memory map without copying.
+            units.extend(_row_units(i, [f.rows], whole_file=True))
         elif f.compression is not None:
             units.append(Unit(i, -1, 0, f.size, -1, max(1, _estimate_rows(f.path, f.size, compressed=True))))
         else:
@@ -197,12 +204,12 @@ def make_units(files: Sequence[SourceFile], chunk_bytes: int = DEFAULT_CHUNK_BYT
     return units
 
 
-def _row_units(file_index: int, part_rows: Sequence[int]) -> list[Unit]:
+def _row_units(file_index: int, part_rows: Sequence[int], whole_file: bool = False) -> list[Unit]:
     out = []
     for part, n in enumerate(part_rows):
         for a in range(0, max(n, 1), MAX_UNIT_ROWS):
             b = min(n, a + MAX_UNIT_ROWS)
-            out.append(Unit(file_index, part, a, b, b - a, b - a))
+            out.append(Unit(file_index, -1 if whole_file else part, a, b, b - a, b - a))
     return out
 
 
@@ -261,61 +268,99 @@ def assign(units: Sequence[Unit], world_size: int, rank: int) -> tuple[int, int]
 
 
 # -- reading -----------------------------------------------------------------------------------------
-def read_unit(f: SourceFile, unit: Unit, columns: Sequence[str]):
-    """The unit's rows with the given columns, as an Arrow table."""
+class Reader:
+    """Reads units as Arrow tables, keeping the current file open between units.
+
+    A worker reads its units in order, so the cache holds one file (a Parquet footer, or an Arrow
+    file's memory map) and one decoded Parquet row group, which a big row group cut into several
+    units is then decoded once for.
+    """
+
+    def __init__(self):
+        self._path = None
+        self._handle = None
+        self._group_key = None
+        self._group = None
+
+    def _open(self, f: SourceFile):
+        if self._path != f.path:
+            self._path, self._handle, self._group_key, self._group = f.path, None, None, None
+            if f.format == "parquet":
+                self._handle = _parquet_file(f.path)
+            elif f.format == "arrow":
+                self._handle = _read_arrow_table(f.path)
+        return self._handle
+
+    def read(self, f: SourceFile, unit: Unit, columns: Sequence[str] | None):
+        """The unit's rows with the given columns (all columns for None), as an Arrow table."""
+        try:
+            if f.format == "parquet":
+                pf = self._open(f)
+                names = pf.schema_arrow.names
+                wanted = names if columns is None else list(columns)
+                for c in wanted:
+                    if c not in names:
+                        raise InputError(f"column '{c}' not found in {f.path} (columns: {', '.join(names)})")
+                key = (unit.part, tuple(wanted))
+                if self._group_key != key:
+                    self._group_key, self._group = None, None
+                    self._group = pf.read_row_group(unit.part, columns=wanted)
+                    self._group_key = key
+                table = self._group
+                if unit.start != 0 or unit.stop != table.num_rows:
+                    table = table.slice(unit.start, unit.stop - unit.start)
+            elif f.format == "arrow":
+                table = self._open(f).slice(unit.start, unit.stop - unit.start)
+            elif f.format == "jsonl":
+                table = _read_jsonl(f, unit)
+            else:
+                table = _read_text(f, unit)
+        except InputError:
+            raise
+        except Exception as exc:
+            raise InputError(f"cannot read {f.path}: {_first_line(exc)}") from None
+        if columns is None:
+            return table
+        missing = [c for c in columns if c not in table.column_names]
+        if missing:
+            if table.num_rows == 0 and f.format in ("jsonl", "text"):
+                import pyarrow as pa
+
+                return pa.table({c: pa.array([], pa.null()) for c in columns})
+            raise InputError(
+                f"column '{missing[0]}' not found in {f.path} (columns: {', '.join(table.column_names) or 'none'})"
+            )
+        return table.select(list(columns))
+
+
+def read_unit(f: SourceFile, unit: Unit, columns: Sequence[str] | None):
+    """The unit's rows with the given columns (all for None), as an Arrow table (no caching)."""
+    return Reader().read(f, unit, columns)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _read_arrow_table(path: str):
+    """The whole Arrow IPC file or stream as a table backed by the memory map (no copy)."""
+    reader, _ = _open_arrow(path)
     try:
-        if f.format == "parquet":
-            table = _parquet_file(f.path).read_row_group(unit.part, columns=_existing(f, columns))
-            table = table.slice(unit.start, unit.stop - unit.start)
-        elif f.format == "arrow":
-            reader, _ = _open_arrow(f.path)
-            import pyarrow as pa
-
-            batch = _arrow_batch(reader, unit.part)
-            table = pa.Table.from_batches([batch]).slice(unit.start, unit.stop - unit.start)
-        elif f.format == "jsonl":
-            table = _read_jsonl(f, unit)
-        else:
-            table = _read_text(f, unit)
-    except InputError:
-        raise
+        return reader.read_all()
     except Exception as exc:
-        raise InputError(f"cannot read {f.path}: {exc}") from None
-    missing = [c for c in columns if c not in table.column_names]
-    if missing:
-        if table.num_rows == 0 and f.format in ("jsonl", "text"):
-            import pyarrow as pa
-
-            return pa.table({c: pa.array([], pa.null()) for c in columns})
-        raise InputError(
-            f"column '{missing[0]}' not found in {f.path} (columns: {', '.join(table.column_names) or 'none'})"
-        )
-    return table.select(list(columns))
-
-
-def _existing(f: SourceFile, columns: Sequence[str]) -> list[str]:
-    names = _parquet_file(f.path).schema_arrow.names
-    for c in columns:
-        if c not in names:
-            raise InputError(f"column '{c}' not found in {f.path} (columns: {', '.join(names)})")
-    return list(columns)
-
-
-def _arrow_batch(reader, index: int):
-    if hasattr(reader, "get_batch"):
-        return reader.get_batch(index)
-    for i, batch in enumerate(reader):
-        if i == index:
-            return batch
-    raise IndexError(index)
+        raise InputError(f"cannot read Arrow file {path}: {_first_line(exc)}") from None
 
 
 def _read_bytes(f: SourceFile, unit: Unit) -> bytes:
     if f.compression:
         import pyarrow as pa
 
-        with pa.input_stream(f.path, compression=f.compression) as stream:
-            return stream.read()
+        try:
+            with pa.input_stream(f.path, compression=f.compression) as stream:
+                return stream.read()
+        except OSError as exc:
+            raise InputError(f"cannot read {f.path}: {exc}") from None
     with open(f.path, "rb") as fh:
         fh.seek(unit.start)
         return fh.read(unit.stop - unit.start)
@@ -339,24 +384,38 @@ def _read_jsonl(f: SourceFile, unit: Unit):
 
 
 def _read_text(f: SourceFile, unit: Unit):
-    """Lines as a large_string column built straight on the bytes (no Python loop per line)."""
+    """Lines as a large_string column built straight on the bytes (no Python loop per line).
+
+    A line ends at ``\\n``; a ``\\r`` just before it is part of the terminator. Empty lines are
+    samples (of length 0); a last line without ``\\n`` is a sample too.
+    """
     import pyarrow as pa
-    import pyarrow.compute as pc
 
     data = _read_bytes(f, unit)
     buf = np.frombuffer(data, dtype=np.uint8)
     newlines = np.flatnonzero(buf == 10)
-    ends = newlines + 1
-    if len(buf) and (len(ends) == 0 or ends[-1] != len(buf)):
-        ends = np.append(ends, len(buf))
-    offsets = np.concatenate([[0], ends]).astype(np.int64)
-    arr = pa.Array.from_buffers(pa.large_string(), len(ends), [None, pa.py_buffer(offsets), pa.py_buffer(data)])
+    starts = np.concatenate([[0], newlines + 1])
+    ends = np.append(newlines, len(buf))  # exclusive end of each line's text
+    if len(buf) == 0 or buf[-1] == 10:
+        starts, ends = starts[:-1], ends[:-1]  # nothing after the last newline
+    # "\r\n": the "\r" belongs to the terminator.
+    has_cr = ends > starts
+    has_cr[has_cr] = buf[ends[has_cr] - 1] == 13
+    ends = ends - has_cr
+    offsets = np.zeros(len(starts) + 1, dtype=np.int64)
+    np.cumsum(ends - starts, out=offsets[1:])
+    if offsets[-1] == len(buf):
+        values = data
+    else:  # drop the terminators: one vectorised copy
+        keep = np.ones(len(buf), dtype=bool)
+        keep[newlines] = False
+        keep[ends[has_cr]] = False
+        values = buf[keep].tobytes()
+    arr = pa.Array.from_buffers(pa.large_string(), len(starts), [None, pa.py_buffer(offsets), pa.py_buffer(values)])
     try:
         arr.validate(full=True)
     except pa.ArrowInvalid:
         raise InputError(f"{f.path} is not valid UTF-8 text") from None
-    # Drop each line's terminator: "\n", or "\r\n".
-    arr = pc.replace_substring_regex(arr, pattern="\r?\n$", replacement="", max_replacements=1)
     return pa.table({TEXT_COLUMN: arr})
 
 

@@ -13,30 +13,42 @@ LOG_BINS = 64
 def log2_histogram(values: np.ndarray) -> np.ndarray:
     """Counts per power-of-two bin: bin 0 holds 0, bin k holds [2**(k-1), 2**k)."""
     v = np.asarray(values, dtype=np.int64)
-    bins = np.zeros(len(v), dtype=np.int64)
-    pos = v > 0
-    bins[pos] = np.floor(np.log2(v[pos])).astype(np.int64) + 1
-    return np.bincount(bins, minlength=LOG_BINS)[:LOG_BINS]
+    # frexp's exponent of v > 0 is floor(log2 v) + 1 (exact: no rounding of a log), and 0 for 0.
+    bins = np.frexp(v.astype(np.float64))[1] if len(v) else np.zeros(0, dtype=np.int64)
+    return np.bincount(bins, minlength=LOG_BINS)[:LOG_BINS].astype(np.int64)
+
+
+def _log2_from_counts(counts: np.ndarray) -> np.ndarray:
+    """The log2 histogram of the values whose exact counts (value -> count) are ``counts``."""
+    hist = np.zeros(LOG_BINS, dtype=np.int64)
+    if len(counts) == 0:
+        return hist
+    edges = [0] + [1 << k for k in range(LOG_BINS - 1) if (1 << k) < len(counts)]  # bin k starts at 2**(k-1)
+    sums = np.add.reduceat(counts, edges)
+    hist[: len(sums)] = sums
+    return hist
 
 
 def distribution(local: np.ndarray, d: Dist, quantiles=(0.5, 0.9, 0.99)) -> dict:
     """count, total, min, mean, percentiles, max and a log2 histogram of integer lengths over all ranks."""
     local = np.asarray(local, dtype=np.int64)
     n = len(local)
-    agg = d.all_reduce(np.array([n, int(local.sum()) if n else 0], dtype=np.int64))
-    count, total = int(agg[0]), int(agg[1])
+    sums = d.all_reduce(np.array([n, int(local.sum()) if n else 0], dtype=np.int64))
+    count, total = int(sums[0]), int(sums[1])
     lo = d.all_reduce(np.array([local.min() if n else np.iinfo(np.int64).max], dtype=np.int64), op="min")[0]
     hi = d.all_reduce(np.array([local.max() if n else -1], dtype=np.int64), op="max")[0]
-    hist = d.all_reduce(log2_histogram(local))
     out = {"count": count, "total": total, "min": int(lo) if count else 0, "max": int(hi) if count else 0,
            "mean": total / count if count else 0.0}
     if count and hi <= EXACT_MAX and lo >= 0:
+        # One exact bincount gives the percentiles and the histogram.
         counts = d.all_reduce(np.bincount(local, minlength=int(hi) + 1))
+        hist = _log2_from_counts(counts)
         cum = np.cumsum(counts)
         for q in quantiles:
             out[f"p{round(q * 100)}"] = int(np.searchsorted(cum, q * count, side="left"))
     else:
         # Huge lengths: percentiles from the log2 histogram's upper bin edges (approximate).
+        hist = d.all_reduce(log2_histogram(local))
         cum = np.cumsum(hist)
         for q in quantiles:
             k = int(np.searchsorted(cum, q * count, side="left")) if count else 0

@@ -103,7 +103,7 @@ def validate(config: ValidateConfig) -> ValidateResult:
     n_samples = int(meta.get("input", {}).get("num_rows", 0))
 
     result.checks.append(_check_layout(cols, dp, accum, meta))
-    result.checks.append(_check_counts(cols))
+    result.checks.append(_check_counts(cols, packed=bool(packing)))
     result.checks.append(_check_coverage(cols, meta, n_samples, packing, lengths))
     result.checks.append(_check_budget(cols, pcfg, packing, lengths))
     result.checks.append(_check_shapes(cols, meta, pcfg))
@@ -180,9 +180,10 @@ def _check_layout(c: dict, dp: int, accum: int, meta: dict) -> Check:
     return Check("layout", True, f"{steps} steps x {dp} ranks x {accum} microbatches")
 
 
-def _check_counts(c: dict) -> Check:
+def _check_counts(c: dict, packed: bool) -> Check:
     bad = c["num_samples"] != c["list_len"]
-    bad_b = c["batch_size"] < c["num_samples"]
+    # Packed plans: batch_size is the number of rows R, each holding several samples.
+    bad_b = np.zeros(len(bad), dtype=bool) if packed else c["batch_size"] < c["num_samples"]
     if bad.any() or bad_b.any():
         return Check("counts", False, f"num_samples != len(sample_ids) in {int(bad.sum())} rows; batch_size < "
                      f"num_samples in {int(bad_b.sum())} rows")

@@ -10,9 +10,9 @@ from varlen_cli.cli import common
 
 
 def analyze_command(
-    sources: List[str] = typer.Argument(..., help="Parquet/Arrow/JSONL/text files, directories, globs, or a Hugging Face save_to_disk directory.", show_default=False),
-    output: str = typer.Option(..., "-o", "--output", help="Metrics directory to write (part-*.parquet + manifest.json).", show_default=False),
-    length: str = typer.Option("auto", "--length", help="KIND:COLUMN with KIND list, tokens, chars, bytes, words or value; 'auto' picks input_ids, then text."),
+    sources: List[str] = typer.Argument(..., metavar="SOURCE", help="Parquet/Arrow/JSONL/text files, directories, globs, or a Hugging Face save_to_disk directory; rows are numbered over the files in sorted path order.", show_default=False),
+    output: str = typer.Option(..., "-o", "--output", help="Metrics directory to write (part-*.parquet + _manifest.json), atomically.", show_default=False),
+    length: str = typer.Option("auto", "--length", help="KIND:COLUMN with KIND list, tokens, chars, bytes, words or value; 'auto' picks a list column input_ids/tokens/token_ids, then text (tokens with --tokenizer, else chars), then num_tokens/length/duration."),
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="tokenizer.json for --length tokens:COLUMN (truncation and padding are switched off).", show_default=False),
     special_tokens: bool = typer.Option(True, "--special-tokens/--no-special-tokens", help="Count the tokenizer's special tokens (BOS/EOS, CLS/SEP)."),
     frames_per_second: Optional[float] = typer.Option(None, "--frames-per-second", help="With --length value:COLUMN in seconds: frames = ceil(seconds x F).", show_default=False),

@@ -1,0 +1,60 @@
+"""``varlen_cli.loader``: consume a ``varlen plan`` in a PyTorch trainer.
+
+Imports only torch, numpy and pyarrow. The one-line path::
+
+    from varlen_cli.loader import Plan, dataloader_for_plan, VariableBatchSizeLR
+
+    plan = Plan.open("plan.parquet")
+    loader = dataloader_for_plan(dataset, plan)          # rank from torch.distributed / env
+    scheduler = VariableBatchSizeLR(base_scheduler, plan)
+    for epoch in range(loader.batch_sampler.epoch, plan.epochs):
+        loader.batch_sampler.set_epoch(epoch)
+        for batch in loader:                              # grad_accum microbatches per step
+            ...
+
+See ``docs/loader.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Union
+
+from .collate import IGNORE_INDEX, PadCollate, PlanDataset, Samples, causal_padding_mask, pad_collate
+from .lr import VariableBatchSizeLR
+from .plan_file import Microbatch, Plan, PlanError
+from .sampler import MicrobatchIndices, PlanBatchSampler, resolve_rank
+
+__all__ = [
+    "IGNORE_INDEX", "Microbatch", "MicrobatchIndices", "PadCollate", "Plan", "PlanBatchSampler", "PlanDataset",
+    "PlanError", "Samples", "VariableBatchSizeLR", "causal_padding_mask", "dataloader_for_plan", "pad_collate",
+    "resolve_rank",
+]
+
+
+def dataloader_for_plan(dataset, plan: Union[Plan, str], rank: Optional[int] = None,
+                        world_size: Optional[int] = None, collate_fn: Optional[Callable[[Any], Any]] = None,
+                        num_workers: int = 0, pin_memory: bool = False, epoch: int = 0, check_length: bool = True,
+                        **kwargs):
+    """A ``DataLoader`` over ``dataset`` that yields this rank's microbatches of ``plan``, collated.
+
+    The dataset is wrapped in :class:`PlanDataset` so that ``collate_fn`` (default
+    :class:`PadCollate`, or ``PackedCollate`` for a packed plan) sees each microbatch's plan row.
+    ``loader.batch_sampler`` is the
+    :class:`PlanBatchSampler` (``set_epoch``, ``state_dict``, ``load_state_dict``). With
+    ``check_length`` the plan is validated against ``len(dataset)``. Extra keyword arguments
+    go to ``DataLoader`` (``prefetch_factor``, ``persistent_workers``, ...).
+    """
+    from torch.utils.data import DataLoader
+
+    plan = plan if isinstance(plan, Plan) else Plan.open(plan)
+    sampler = PlanBatchSampler(plan, rank, world_size, num_samples=len(dataset) if check_length else None,
+                               epoch=epoch)
+    if collate_fn is None:
+        if plan.packing:  # packed plans: the packed-row collate (imported only when needed)
+            from .packed import PackedCollate
+
+            collate_fn = PackedCollate()
+        else:
+            collate_fn = PadCollate()
+    return DataLoader(PlanDataset(dataset), batch_sampler=sampler, collate_fn=collate_fn,
+                      num_workers=num_workers, pin_memory=pin_memory, **kwargs)

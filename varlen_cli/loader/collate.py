@@ -1,0 +1,190 @@
+"""Padding collate: samples of one microbatch to a ``B x T`` batch at the plan's shape."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+from .plan_file import Microbatch, PlanError
+
+IGNORE_INDEX = -100
+
+
+class Samples(list):
+    """The dataset items of one microbatch, with the plan row as ``.info`` (see :class:`PlanDataset`)."""
+
+    info: Optional[Microbatch]
+
+    def __init__(self, items, info: Optional[Microbatch] = None):
+        super().__init__(items)
+        self.info = info
+
+
+class PlanDataset(torch.utils.data.Dataset):
+    """Wraps a map-style dataset so that the collate function receives the microbatch's plan row.
+
+    ``DataLoader`` calls ``__getitems__`` with the sampler's :class:`MicrobatchIndices`; this
+    returns the items as :class:`Samples` carrying the same ``.info``. Indexing and ``len()``
+    pass through to the wrapped dataset (its own ``__getitems__`` is used when it has one).
+    """
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        return self.dataset[index]
+
+    def __getitems__(self, indices: Sequence[int]) -> Samples:
+        getitems = getattr(self.dataset, "__getitems__", None)
+        items = getitems(list(indices)) if getitems else [self.dataset[i] for i in indices]
+        return Samples(items, getattr(indices, "info", None))
+
+
+def _as_array(item: Any, key: str) -> np.ndarray:
+    if isinstance(item, dict):
+        item = item[key]
+    if isinstance(item, torch.Tensor):
+        return item.detach().cpu().numpy().reshape(-1)
+    return np.asarray(item).reshape(-1)
+
+
+def causal_padding_mask(lengths, seqlen: int, batch_size: Optional[int] = None) -> torch.Tensor:
+    """A ``B x T x T`` boolean mask (True = may attend): causal, and keys limited to real tokens.
+
+    Padding positions (and every position of a padding row) attend to themselves only, so that
+    softmax over a row never sees all ``-inf`` (no NaN); their outputs are excluded from the loss.
+    Use with ``scaled_dot_product_attention(attn_mask=mask[:, None])``.
+    """
+    lengths = torch.as_tensor(np.asarray(lengths, dtype=np.int64))
+    b = len(lengths) if batch_size is None else batch_size
+    if b > len(lengths):
+        lengths = torch.cat([lengths, torch.zeros(b - len(lengths), dtype=torch.int64)])
+    pos = torch.arange(seqlen)
+    causal = pos[None, :] <= pos[:, None]  # [query, key]
+    key_real = pos[None, :] < lengths[:, None]  # B x T
+    mask = causal[None] & key_real[:, None, :]
+    return mask | torch.eye(seqlen, dtype=torch.bool)[None]
+
+
+class PadCollate:
+    """Collate the samples of a microbatch into padded tensors at the plan's shape.
+
+    Each item is a sequence of token ids (list, numpy array or 1-D tensor) or a dict holding one
+    under ``key``. With a plan row (``Samples.info``, set by :class:`PlanDataset`) the batch is
+    padded to the plan's ``seqlen`` T and ``batch_size`` B (for static-shape plans B can exceed
+    the sample count: the extra rows are padding rows, fully masked); without one, to the longest
+    sample rounded up to ``pad_multiple`` and to the number of samples.
+
+    Returns a dict:
+
+    ``input_ids`` (B x T long), ``attention_mask`` (B x T bool, True on real tokens),
+    ``labels`` (B x T long: next-token targets with ``shift_labels``, else the input ids; ``-100``
+    wherever there is no target), ``loss_mask`` (``labels != -100``), ``position_ids`` (B x T),
+    ``sample_ids`` (B long, -1 on padding rows), optionally ``attention_mask_3d`` (B x T x T bool,
+    see :func:`causal_padding_mask`), and the counts ``num_samples``, ``num_tokens`` (real tokens),
+    ``loss_tokens`` (targets in this microbatch) and, from the plan, ``step_samples``,
+    ``step_tokens`` and ``step_loss_tokens`` (targets in the whole step over all ranks and micros:
+    divide the summed token losses by it, times the world size under DDP's gradient averaging,
+    to get the exact per-token mean of the step with no extra communication), plus ``info``.
+    """
+
+    def __init__(self, pad_id: int = 0, key: str = "input_ids", shift_labels: bool = True,
+                 attention_mask_3d: bool = False, pad_multiple: int = 1, dtype: torch.dtype = torch.long):
+        if pad_multiple < 1:
+            raise ValueError("pad_multiple must be >= 1")
+        self.pad_id = pad_id
+        self.key = key
+        self.shift_labels = shift_labels
+        self.attention_mask_3d = attention_mask_3d
+        self.pad_multiple = pad_multiple
+        self.dtype = dtype
+
+    def __call__(self, samples: Sequence[Any]) -> dict:
+        info: Optional[Microbatch] = getattr(samples, "info", None)
+        arrays = [_as_array(item, self.key) for item in samples]  # one per sample of the microbatch
+        lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
+        n = len(arrays)
+        longest = int(lengths.max()) if n else 0
+        if info is not None and info.sample_rows is not None:
+            raise PlanError(f"step {info.step} comes from a packed plan (--packing): collate it with "
+                            f"varlen_cli.loader.packed.PackedCollate, not PadCollate")
+        if info is not None:
+            seqlen, batch = info.seqlen, max(info.batch_size, n)
+            if n != info.num_samples:
+                raise PlanError(f"step {info.step} micro {info.micro}: the plan has {info.num_samples} samples, "
+                                f"the collate received {n}")
+            if longest > seqlen:
+                i = int(np.argmax(lengths))
+                raise PlanError(f"sample {int(info.sample_ids[i])} has {longest} tokens but its microbatch "
+                                f"(step {info.step}) is planned at seqlen {seqlen}: the plan was made for "
+                                f"different lengths (another dataset, column or tokenizer)")
+        else:
+            seqlen = -(-longest // self.pad_multiple) * self.pad_multiple
+            batch = n
+        total = int(lengths.sum())
+        flat = np.concatenate(arrays) if n else np.zeros(0, dtype=np.int64)
+        starts = np.cumsum(lengths) - lengths
+        # each token's index in the flattened B x T batch: row * T + position in its sample
+        where = np.arange(total) + np.repeat(np.arange(n) * seqlen - starts, lengths)
+        ids = np.full(batch * seqlen, self.pad_id, dtype=np.int64)
+        ids[where] = flat
+        ids = ids.reshape(batch, seqlen)
+        lengths_b = np.zeros(batch, dtype=np.int64)
+        lengths_b[:n] = lengths
+        pos = np.arange(seqlen)
+        attention = pos[None, :] < lengths_b[:, None]
+        if self.shift_labels:
+            labels = np.full((batch, seqlen), IGNORE_INDEX, dtype=np.int64)
+            labels[:, :-1] = ids[:, 1:]
+            labels[pos[None, :] >= lengths_b[:, None] - 1] = IGNORE_INDEX
+            loss_tokens = total - int(np.count_nonzero(lengths))
+        else:
+            labels = np.where(attention, ids, IGNORE_INDEX)
+            loss_tokens = total
+        sample_ids = np.full(batch, -1, dtype=np.int64)
+        if info is not None:
+            sample_ids[:n] = info.sample_ids
+        labels_t = torch.from_numpy(labels)
+        out = {
+            "input_ids": torch.from_numpy(ids) if self.dtype == torch.long else torch.from_numpy(ids).to(self.dtype),
+            "attention_mask": torch.from_numpy(attention),
+            "labels": labels_t,
+            "loss_mask": torch.from_numpy(labels != IGNORE_INDEX),
+            "position_ids": _positions(batch, seqlen),
+            "sample_ids": torch.from_numpy(sample_ids),
+            "num_samples": n,
+            "num_tokens": total,
+            "loss_tokens": loss_tokens,
+            "step_samples": None,
+            "step_tokens": None,
+            "step_loss_tokens": None,
+            "info": info,
+        }
+        if info is not None:
+            out["step_samples"] = info.step_samples
+            out["step_tokens"] = info.step_tokens
+            out["step_loss_tokens"] = info.step_tokens - (info.step_samples if self.shift_labels else 0)
+        if self.attention_mask_3d:
+            out["attention_mask_3d"] = causal_padding_mask(lengths, seqlen, batch)
+        return out
+
+
+_POSITIONS: dict = {}
+
+
+def _positions(batch: int, seqlen: int) -> torch.Tensor:
+    """``B x T`` position ids (a read-only expanded view of one cached ``arange`` per T)."""
+    row = _POSITIONS.get(seqlen)
+    if row is None:
+        row = _POSITIONS[seqlen] = torch.arange(seqlen)
+    return row.expand(batch, seqlen)
+
+
+def pad_collate(samples: Sequence[Any]) -> dict:
+    """:class:`PadCollate` with its defaults (pad id 0, shifted next-token labels)."""
+    return PadCollate()(samples)

@@ -1,0 +1,79 @@
+"""``VariableBatchSizeLR``: the plan's per-step ``lr_scale`` on top of any LR schedule."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
+import numpy as np
+
+from .plan_file import Plan
+
+
+class VariableBatchSizeLR:
+    """Multiply the learning rate of a base schedule (or a bare optimizer) by the plan's ``lr_scale``.
+
+    Each :meth:`step` restores the unscaled LRs into the optimizer, steps the base scheduler (so
+    warm-up, cosine and chainable schedulers see their own values), then applies the scale of the
+    new global step. Create it *after* the base scheduler, and call ``step()`` once per optimizer
+    step, in place of the base scheduler's ``step()``. Steps beyond the plan use a scale of 1.
+
+    ``state_dict()`` holds the global step, the unscaled LRs and the base scheduler's state; load
+    it after the optimizer's state (it rewrites the param groups' ``lr``).
+    """
+
+    def __init__(self, scheduler_or_optimizer: Any, plan: Union[Plan, Sequence[float], np.ndarray],
+                 start_step: int = 0):
+        if hasattr(scheduler_or_optimizer, "param_groups"):
+            self.optimizer, self.scheduler = scheduler_or_optimizer, None
+        elif hasattr(scheduler_or_optimizer, "optimizer") and hasattr(scheduler_or_optimizer, "step"):
+            self.optimizer, self.scheduler = scheduler_or_optimizer.optimizer, scheduler_or_optimizer
+        else:
+            raise TypeError("VariableBatchSizeLR wraps a torch optimizer or an LR scheduler")
+        scales = plan.lr_scales() if isinstance(plan, Plan) else plan
+        self.scales = np.asarray(scales, dtype=np.float64)
+        self.step_index = int(start_step)
+        self._unscaled = [float(g["lr"]) for g in self.optimizer.param_groups]
+        self._apply()
+
+    def scale(self, step: Optional[int] = None) -> float:
+        """The plan's ``lr_scale`` at ``step`` (default: the current step); 1.0 past the plan's end."""
+        step = self.step_index if step is None else step
+        return float(self.scales[step]) if 0 <= step < len(self.scales) else 1.0
+
+    def _apply(self) -> None:
+        s = self.scale()
+        for group, lr in zip(self.optimizer.param_groups, self._unscaled):
+            group["lr"] = lr * s
+        self._last_lr = [lr * s for lr in self._unscaled]
+
+    def step(self, *args, **kwargs) -> None:
+        """Advance one optimizer step: restore, step the base schedule, apply the new step's scale.
+
+        Arguments go to the base scheduler's ``step`` (e.g. the metric of ``ReduceLROnPlateau``).
+        """
+        for group, lr in zip(self.optimizer.param_groups, self._unscaled):
+            group["lr"] = lr
+        if self.scheduler is not None:
+            self.scheduler.step(*args, **kwargs)
+        self._unscaled = [float(g["lr"]) for g in self.optimizer.param_groups]
+        self.step_index += 1
+        self._apply()
+
+    def get_last_lr(self) -> list[float]:
+        """The LRs in use now (scaled)."""
+        return list(self._last_lr)
+
+    def get_unscaled_lr(self) -> list[float]:
+        """The base schedule's LRs now (before the plan's scale)."""
+        return list(self._unscaled)
+
+    def state_dict(self) -> dict:
+        return {"step": self.step_index, "unscaled": list(self._unscaled),
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.step_index = int(state["step"])
+        self._unscaled = [float(x) for x in state["unscaled"]]
+        self._apply()

@@ -1,0 +1,370 @@
+"""Reading a plan file: metadata, per-rank microbatches, O(1) seeks, validation.
+
+A plan (``varlen plan``, format in ``docs/formats.md``) is one Parquet file with one row per
+microbatch in ``(step, rank, micro)`` order, ``dp * grad_accum`` rows per step. The reader never
+loads the whole file: it keeps one decoded row group at a time and finds the row group of a step
+from the row groups' ``step`` statistics, so seeking to any step reads one row group.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+PLAN_FORMAT = "varlen-plan"
+FORMAT_VERSION = 1
+METADATA_KEY = b"varlen"
+
+#: Columns every plan has (docs/formats.md).
+REQUIRED_COLUMNS = ("epoch", "step", "rank", "micro", "sample_ids", "num_samples", "seqlen", "batch_size",
+                    "tokens", "lr_scale", "shape_id", "step_samples", "step_tokens")
+#: Extra columns of packed plans, passed through to :class:`Microbatch` when present.
+PACKED_COLUMNS = ("sample_lengths", "sample_rows", "sample_starts")
+_SCALARS = ("epoch", "step", "rank", "micro", "num_samples", "seqlen", "batch_size", "tokens", "lr_scale",
+            "shape_id", "step_samples", "step_tokens")
+
+
+class PlanError(ValueError):
+    """The plan does not fit the dataset, the world size or the loader (one clear line)."""
+
+
+@dataclass(frozen=True)
+class Microbatch:
+    """One row of a plan: the samples one data-parallel rank runs in one forward/backward."""
+
+    epoch: int
+    step: int
+    rank: int
+    micro: int
+    sample_ids: np.ndarray  # int64, in the order the loader yields them
+    num_samples: int
+    seqlen: int  # padded sequence length T (packed: the row length)
+    batch_size: int  # padded batch size B >= num_samples (packed: rows per microbatch)
+    tokens: int  # real tokens in this microbatch
+    lr_scale: float
+    shape_id: int
+    step_samples: int  # real samples in the whole step (all ranks, all micros)
+    step_tokens: int  # real tokens in the whole step
+    sample_lengths: Optional[np.ndarray] = None  # packed plans
+    sample_rows: Optional[np.ndarray] = None
+    sample_starts: Optional[np.ndarray] = None
+
+    @property
+    def position(self) -> tuple[int, int, int]:
+        """``(epoch, step, micro)``: where this microbatch sits in the plan."""
+        return (self.epoch, self.step, self.micro)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The padded ``(B, T)`` of this microbatch."""
+        return (self.batch_size, self.seqlen)
+
+
+class _Group:
+    """One decoded row group: scalar columns as numpy arrays, list columns as offsets + values."""
+
+    def __init__(self, table: pa.Table, first_row: int):
+        self.first_row = first_row
+        self.num_rows = table.num_rows
+        self.scalars = {name: table.column(name).to_numpy() for name in _SCALARS}
+        self.lists = {}
+        for name in ("sample_ids",) + PACKED_COLUMNS:
+            if name in table.column_names:
+                self.lists[name] = _offsets_values(table.column(name))
+
+    def microbatch(self, row: int) -> Microbatch:
+        i = row - self.first_row
+        s = self.scalars
+        lists = {}
+        for name, (offsets, values) in self.lists.items():
+            lists[name] = values[offsets[i]:offsets[i + 1]]
+        return Microbatch(
+            epoch=int(s["epoch"][i]), step=int(s["step"][i]), rank=int(s["rank"][i]), micro=int(s["micro"][i]),
+            sample_ids=lists["sample_ids"], num_samples=int(s["num_samples"][i]), seqlen=int(s["seqlen"][i]),
+            batch_size=int(s["batch_size"][i]), tokens=int(s["tokens"][i]), lr_scale=float(s["lr_scale"][i]),
+            shape_id=int(s["shape_id"][i]), step_samples=int(s["step_samples"][i]),
+            step_tokens=int(s["step_tokens"][i]), sample_lengths=lists.get("sample_lengths"),
+            sample_rows=lists.get("sample_rows"), sample_starts=lists.get("sample_starts"),
+        )
+
+
+def _offsets_values(column) -> tuple[np.ndarray, np.ndarray]:
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if isinstance(array, pa.ChunkedArray):  # an empty chunked array combines to a chunked array
+        array = pa.array([], type=array.type)
+    offsets = array.offsets.to_numpy().astype(np.int64)
+    values = pc.list_flatten(array).to_numpy(zero_copy_only=False)
+    return offsets - offsets[0], values
+
+
+class Plan:
+    """A plan file opened for reading. Use :meth:`Plan.open`."""
+
+    def __init__(self, path: str, parquet: pq.ParquetFile, meta: dict):
+        self.path = path
+        self._pf = parquet
+        self.meta = meta
+        self.row_groups_read = 0  # how many row groups this reader decoded (seeks read one)
+        self._group: Optional[_Group] = None
+        self._group_index = -1
+        self._lr_scales: Optional[np.ndarray] = None
+        self.dp = int(meta.get("dp", 0))
+        self.grad_accum = int(meta.get("grad_accum", 0))
+        self.num_steps = int(meta.get("num_steps", 0))
+        self.steps_per_epoch = tuple(int(s) for s in meta.get("steps_per_epoch", ()))
+        self._epoch_starts = np.concatenate([[0], np.cumsum(self.steps_per_epoch, dtype=np.int64)])
+        self._check_layout()
+        self._index_row_groups()
+
+    # -- opening ---------------------------------------------------------------------------
+    @classmethod
+    def open(cls, path, *, num_samples: Optional[int] = None, world_size: Optional[int] = None) -> "Plan":
+        """Open a plan file; with ``num_samples`` / ``world_size`` also :meth:`validate` against them."""
+        path = os.fspath(path)
+        if not os.path.exists(path):
+            raise PlanError(f"plan file not found: {path}")
+        if os.path.isdir(path):
+            raise PlanError(f"{path} is a directory, not a plan file (make one with `varlen plan`)")
+        try:
+            parquet = pq.ParquetFile(path)
+        except Exception as exc:  # pyarrow raises several types for a non-Parquet file
+            raise PlanError(f"{path} is not a readable Parquet file: {exc}") from None
+        raw = (parquet.schema_arrow.metadata or {}).get(METADATA_KEY)
+        if raw is None:
+            raise PlanError(f"{path} is not a varlen plan: no 'varlen' schema metadata (make one with `varlen plan`)")
+        try:
+            meta = json.loads(raw)
+        except ValueError:
+            raise PlanError(f"{path} has unreadable 'varlen' schema metadata (not JSON)") from None
+        if not isinstance(meta, dict) or meta.get("format") != PLAN_FORMAT:
+            fmt = meta.get("format") if isinstance(meta, dict) else None
+            raise PlanError(f"{path} is not a varlen plan (format {fmt!r}, expected {PLAN_FORMAT!r})")
+        version = meta.get("format_version")
+        if version != FORMAT_VERSION:
+            raise PlanError(f"{path} has plan format version {version}; this loader reads version {FORMAT_VERSION}")
+        plan = cls(path, parquet, meta)
+        if num_samples is not None or world_size is not None:
+            plan.validate(num_samples=num_samples, world_size=world_size)
+        return plan
+
+    def _check_layout(self) -> None:
+        names = set(self._pf.schema_arrow.names)
+        missing = [c for c in REQUIRED_COLUMNS if c not in names]
+        if missing:
+            raise PlanError(f"{self.path} lacks plan columns: {', '.join(missing)}")
+        for key in ("dp", "grad_accum", "num_steps", "steps_per_epoch"):
+            if key not in self.meta:
+                raise PlanError(f"{self.path} lacks '{key}' in its plan metadata")
+        if self.dp < 1 or self.grad_accum < 1:
+            raise PlanError(f"{self.path} has dp={self.dp}, grad_accum={self.grad_accum}; both must be >= 1")
+        if sum(self.steps_per_epoch) != self.num_steps:
+            raise PlanError(f"{self.path} is inconsistent: steps_per_epoch sums to {sum(self.steps_per_epoch)} "
+                            f"but num_steps is {self.num_steps}")
+        rows = self._pf.metadata.num_rows
+        if rows != self.num_steps * self.dp * self.grad_accum:
+            raise PlanError(f"{self.path} is inconsistent: {rows} rows, expected num_steps x dp x grad_accum = "
+                            f"{self.num_steps} x {self.dp} x {self.grad_accum}")
+
+    def _index_row_groups(self) -> None:
+        """First row and step range of every row group, from the footer's statistics."""
+        md = self._pf.metadata
+        step_col = self._pf.schema_arrow.get_field_index("step")
+        n = md.num_row_groups
+        first_rows = np.zeros(n + 1, dtype=np.int64)
+        min_steps = np.zeros(n, dtype=np.int64)
+        stats_ok = True
+        for g in range(n):  # one entry per row group (a few thousand microbatches each)
+            rg = md.row_group(g)
+            first_rows[g + 1] = first_rows[g] + rg.num_rows
+            st = rg.column(step_col).statistics
+            if st is None or not st.has_min_max:
+                stats_ok = False
+            else:
+                min_steps[g] = st.min
+        per_step = self.dp * self.grad_accum
+        if not stats_ok:  # no statistics: the fixed layout still gives each row group's first step
+            min_steps = first_rows[:-1] // per_step
+        # Rows are in (step, rank, micro) order with per_step rows a step, so a row group's first
+        # step and first row must agree; a row group may start in the middle of a step.
+        expected = first_rows[:-1] // per_step
+        nonempty = first_rows[1:] > first_rows[:-1]
+        if np.any(min_steps[nonempty] != expected[nonempty]):
+            g = int(np.flatnonzero(nonempty & (min_steps != expected))[0])
+            raise PlanError(f"{self.path} rows are not in (step, rank, micro) order: row group {g} starts at step "
+                            f"{int(min_steps[g])}, expected {int(expected[g])}")
+        self._first_rows = first_rows
+        self._nonempty = np.flatnonzero(nonempty)
+        self._starts = first_rows[self._nonempty]
+        self._min_steps = min_steps[self._nonempty]
+
+    # -- metadata --------------------------------------------------------------------------
+    @property
+    def epochs(self) -> int:
+        return len(self.steps_per_epoch)
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.num_steps * self.dp * self.grad_accum
+
+    @property
+    def shapes(self) -> list[tuple[int, int]]:
+        """``(B, T)`` per ``shape_id`` (B is 0 where the batch size varies)."""
+        return [(int(b), int(t)) for b, t in self.meta.get("shapes", [])]
+
+    @property
+    def warmup_steps(self) -> int:
+        return int(self.meta.get("warmup_steps", 0) or 0)
+
+    @property
+    def static_shapes(self) -> bool:
+        """True when every shape has a fixed batch size (``--static-shapes`` or packing)."""
+        shapes = self.shapes
+        return bool(shapes) and all(b > 0 for b, _ in shapes)
+
+    @property
+    def packing(self) -> Optional[dict]:
+        return self.meta.get("packing")
+
+    @property
+    def config(self) -> dict:
+        return self.meta.get("config", {})
+
+    @property
+    def stats(self) -> dict:
+        return self.meta.get("stats", {})
+
+    @property
+    def input(self) -> dict:
+        return self.meta.get("input", {}) or {}
+
+    @property
+    def dropped(self) -> dict:
+        return self.meta.get("dropped", {}) or {}
+
+    @property
+    def fingerprint(self) -> str:
+        """A short hash of the plan's metadata: identifies the plan in sampler states."""
+        raw = self._pf.schema_arrow.metadata[METADATA_KEY]
+        return hashlib.sha256(raw).hexdigest()[:16]
+
+    def epoch_start(self, epoch: int) -> int:
+        """The global step where ``epoch`` starts."""
+        self.check_epoch(epoch)
+        return int(self._epoch_starts[epoch])
+
+    def epoch_of(self, step: int) -> int:
+        """The epoch that global ``step`` belongs to."""
+        self.check_step(step)
+        return int(np.searchsorted(self._epoch_starts[1:], step, side="right"))
+
+    def check_epoch(self, epoch: int) -> None:
+        if not 0 <= epoch < self.epochs:
+            raise PlanError(f"epoch {epoch} is out of range: the plan has {self.epochs} epoch(s) "
+                            f"(re-plan with --epochs {epoch + 1} to train longer)")
+
+    def check_step(self, step: int) -> None:
+        if not 0 <= step < self.num_steps:
+            raise PlanError(f"step {step} is out of range: the plan has {self.num_steps} steps")
+
+    def __repr__(self) -> str:
+        return (f"Plan({self.path!r}, dp={self.dp}, grad_accum={self.grad_accum}, epochs={self.epochs}, "
+                f"steps={self.num_steps}, shapes={len(self.shapes)})")
+
+    # -- validation ------------------------------------------------------------------------
+    def validate(self, num_samples: Optional[int] = None, world_size: Optional[int] = None) -> None:
+        """Check the plan against the dataset's length and the data-parallel world size."""
+        if world_size is not None and world_size != self.dp:
+            raise PlanError(f"the plan was made for {self.dp} data-parallel rank(s) but the world size is "
+                            f"{world_size}: re-plan with --dp {world_size} (with model parallelism, pass the "
+                            f"data-parallel rank and world size explicitly)")
+        if num_samples is None:
+            return
+        expected = self.input.get("num_rows")
+        if expected is not None and int(expected) != int(num_samples):
+            raise PlanError(f"the plan was made for a dataset of {int(expected)} samples but the dataset has "
+                            f"{int(num_samples)}: re-run `varlen analyze` and `varlen plan` on this dataset")
+        largest = self._max_sample_id()
+        if largest is not None and largest >= num_samples:
+            raise PlanError(f"the plan uses sample id {largest} but the dataset has only {int(num_samples)} samples")
+
+    def _max_sample_id(self) -> Optional[int]:
+        """The largest sample id, from the row groups' statistics (no data read)."""
+        md = self._pf.metadata
+        path = None
+        for i in range(md.num_columns):
+            if md.schema.column(i).path.startswith("sample_ids."):
+                path = i
+                break
+        if path is None or md.num_row_groups == 0:
+            return None
+        largest = -1
+        for g in range(md.num_row_groups):
+            st = md.row_group(g).column(path).statistics
+            if st is None or not st.has_min_max:
+                return None
+            largest = max(largest, int(st.max))
+        return largest
+
+    # -- reading ---------------------------------------------------------------------------
+    def _row_group_of(self, row: int) -> int:
+        """The row group holding ``row``: a binary search over the footer's row-group bounds."""
+        k = int(np.searchsorted(self._starts, row, side="right")) - 1
+        return int(self._nonempty[k])
+
+    def _load(self, row: int) -> _Group:
+        g = self._group
+        if g is not None and g.first_row <= row < g.first_row + g.num_rows:
+            return g
+        index = self._row_group_of(row)
+        columns = list(REQUIRED_COLUMNS) + [c for c in PACKED_COLUMNS if c in self._pf.schema_arrow.names]
+        table = self._pf.read_row_group(index, columns=columns)
+        self.row_groups_read += 1
+        self._group = _Group(table, int(self._first_rows[index]))
+        self._group_index = index
+        return self._group
+
+    def microbatch(self, step: int, rank: int, micro: int) -> Microbatch:
+        """The microbatch of ``rank`` at ``(step, micro)``; reads at most one row group."""
+        self.check_step(step)
+        self.check_rank(rank)
+        if not 0 <= micro < self.grad_accum:
+            raise PlanError(f"micro {micro} is out of range: the plan has grad_accum={self.grad_accum}")
+        row = (step * self.dp + rank) * self.grad_accum + micro
+        mb = self._load(row).microbatch(row)
+        if (mb.step, mb.rank, mb.micro) != (step, rank, micro):
+            raise PlanError(f"{self.path} rows are not in (step, rank, micro) order: row {row} holds "
+                            f"(step {mb.step}, rank {mb.rank}, micro {mb.micro}), expected ({step}, {rank}, {micro})")
+        return mb
+
+    def check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.dp:
+            raise PlanError(f"rank {rank} is out of range for a plan with dp={self.dp}")
+
+    def microbatches(self, rank: int, start_step: int = 0, start_micro: int = 0,
+                     stop_step: Optional[int] = None) -> Iterator[Microbatch]:
+        """This rank's microbatches from ``(start_step, start_micro)`` up to ``stop_step`` (exclusive)."""
+        stop = self.num_steps if stop_step is None else min(stop_step, self.num_steps)
+        micro = start_micro
+        for step in range(start_step, stop):
+            for m in range(micro, self.grad_accum):
+                yield self.microbatch(step, rank, m)
+            micro = 0
+
+    def step(self, step: int) -> list[Microbatch]:
+        """All microbatches of one step, in (rank, micro) order."""
+        return [self.microbatch(step, r, m) for r in range(self.dp) for m in range(self.grad_accum)]
+
+    def lr_scales(self) -> np.ndarray:
+        """The ``lr_scale`` of every global step (reads the one float column, once)."""
+        if self._lr_scales is None:
+            column = self._pf.read(columns=["lr_scale"]).column("lr_scale").to_numpy()
+            self._lr_scales = np.ascontiguousarray(column[:: self.dp * self.grad_accum], dtype=np.float64)
+        return self._lr_scales

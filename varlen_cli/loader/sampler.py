@@ -1,0 +1,146 @@
+"""A batch sampler that yields this rank's microbatches of a plan, resumable in O(1)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Iterator, Optional, Union
+
+from .plan_file import Microbatch, Plan, PlanError
+
+
+def resolve_rank(rank: Optional[int] = None, world_size: Optional[int] = None) -> tuple[int, int]:
+    """``(rank, world_size)``: explicit arguments, else torch.distributed, else ``RANK``/``WORLD_SIZE``, else 0/1."""
+    if rank is not None and world_size is not None:
+        return int(rank), int(world_size)
+    found = None
+    if "torch.distributed" in sys.modules or "torch" in sys.modules:
+        import torch.distributed as tdist
+
+        if tdist.is_available() and tdist.is_initialized():
+            found = (tdist.get_rank(), tdist.get_world_size())
+    if found is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        found = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+    if found is None:
+        found = (0, 1)
+    return (int(rank) if rank is not None else found[0], int(world_size) if world_size is not None else found[1])
+
+
+class MicrobatchIndices(list):
+    """The sample ids of one microbatch (a plain ``list`` of ints), with the plan row as ``.info``.
+
+    ``DataLoader`` hands this to the dataset's ``__getitems__`` (see :class:`PlanDataset`), which is
+    how the collate function learns the microbatch's padded shape and token counts. It pickles
+    with its ``.info``, so it survives the trip to DataLoader worker processes.
+    """
+
+    info: Microbatch
+
+    def __init__(self, ids, info: Microbatch):
+        super().__init__(ids)
+        self.info = info
+
+
+def _as_info(obj: Any) -> Microbatch:
+    if isinstance(obj, Microbatch):
+        return obj
+    info = getattr(obj, "info", None)
+    if isinstance(info, Microbatch):
+        return info
+    if isinstance(obj, dict) and isinstance(obj.get("info"), Microbatch):
+        return obj["info"]
+    raise TypeError("expected a Microbatch, MicrobatchIndices or a collated batch with an 'info' entry")
+
+
+class PlanBatchSampler:
+    """Yields this rank's microbatches (lists of sample ids) of one epoch, in plan order.
+
+    Use as ``DataLoader(dataset, batch_sampler=sampler)``; every rank yields exactly
+    ``grad_accum`` microbatches per step and the same number of steps. All ranks share one
+    position ``(epoch, step, micro)``, so one rank's :meth:`state_dict` resumes every rank.
+    """
+
+    def __init__(self, plan: Union[Plan, str, os.PathLike], rank: Optional[int] = None,
+                 world_size: Optional[int] = None, *, num_samples: Optional[int] = None, epoch: int = 0):
+        self.plan = plan if isinstance(plan, Plan) else Plan.open(plan)
+        self.rank, self.world_size = resolve_rank(rank, world_size)
+        self.plan.validate(num_samples=num_samples, world_size=self.world_size)
+        self.plan.check_rank(self.rank)
+        self.epoch = 0
+        self._resume: Optional[tuple[int, int]] = None  # (step, micro) to start the epoch at
+        self._next: Optional[tuple[int, int, int]] = None  # position after the last yielded microbatch
+        self.set_epoch(epoch)
+
+    # -- epochs ----------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch the next iteration yields (a resume position in that epoch is kept)."""
+        self.plan.check_epoch(epoch)
+        if epoch != self.epoch:
+            self._resume = None
+            self._next = None
+        self.epoch = int(epoch)
+
+    def _bounds(self) -> tuple[int, int, int]:
+        start = self.plan.epoch_start(self.epoch)
+        stop = start + self.plan.steps_per_epoch[self.epoch]
+        if self._resume is not None:
+            return self._resume[0], self._resume[1], stop
+        return start, 0, stop
+
+    def __len__(self) -> int:
+        """Microbatches the next iteration yields (fewer after a mid-epoch resume)."""
+        step, micro, stop = self._bounds()
+        return max(0, (stop - step) * self.plan.grad_accum - micro)
+
+    def __iter__(self) -> Iterator[MicrobatchIndices]:
+        step, micro, stop = self._bounds()
+        for mb in self.plan.microbatches(self.rank, step, micro, stop):
+            self._next = self._after(mb)
+            yield MicrobatchIndices(mb.sample_ids.tolist(), mb)
+        self._resume = None  # the epoch is done: the next iteration starts the epoch from its beginning
+
+    # -- resuming --------------------------------------------------------------------------
+    def _after(self, mb: Microbatch) -> tuple[int, int, int]:
+        """The position right after ``mb``: the next micro, the next step, or the next epoch."""
+        if mb.micro + 1 < self.plan.grad_accum:
+            return (mb.epoch, mb.step, mb.micro + 1)
+        step = mb.step + 1
+        end = self.plan.epoch_start(mb.epoch) + self.plan.steps_per_epoch[mb.epoch]
+        if step < end:
+            return (mb.epoch, step, 0)
+        return (mb.epoch + 1, step, 0)
+
+    def state_dict(self, after: Any = None) -> dict:
+        """The position to resume at, as a small dict.
+
+        Without ``after``: right after the last microbatch this sampler yielded (exact with
+        ``num_workers=0``). A DataLoader with worker processes runs the sampler ahead of training
+        (prefetching), so there pass the last batch the model consumed: ``state_dict(after=batch)``
+        (a collated batch with an ``info`` entry, a :class:`Microbatch` or :class:`MicrobatchIndices`).
+        """
+        if after is not None:
+            info = _as_info(after)
+            epoch, step, micro = self._after(info)
+        elif self._next is not None:
+            epoch, step, micro = self._next
+        else:
+            step, micro, _ = self._bounds()
+            epoch = self.epoch
+        return {"plan": self.plan.fingerprint, "epoch": int(epoch), "step": int(step), "micro": int(micro),
+                "dp": self.plan.dp}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at ``state``'s position: the next iteration starts there (no fast-forwarding)."""
+        if state.get("plan") != self.plan.fingerprint:
+            raise PlanError("the sampler state was saved with a different plan file; resume with the same plan")
+        epoch, step, micro = int(state["epoch"]), int(state["step"]), int(state["micro"])
+        if epoch == self.plan.epochs and micro == 0 and step == self.plan.num_steps:
+            self.epoch, self._resume, self._next = epoch - 1, (step, 0), None  # the plan is finished
+            return
+        self.plan.check_epoch(epoch)
+        start = self.plan.epoch_start(epoch)
+        if not (start <= step < start + self.plan.steps_per_epoch[epoch]) or not 0 <= micro < self.plan.grad_accum:
+            raise PlanError(f"invalid sampler state: (epoch {epoch}, step {step}, micro {micro}) is not in the plan")
+        self.epoch = epoch
+        self._resume = (step, micro)
+        self._next = None

@@ -1,0 +1,716 @@
+"""Padding-free packing: samples concatenated into rows of exactly ``seq_len`` tokens.
+
+:func:`pack` assigns every sample (or every chunk of a too-long sample, with ``split_long``) to a
+row of ``seq_len`` tokens so that as few rows as possible are needed, optionally with at most
+``max_per_row`` samples in a row. The result, a :class:`Packing`, lists the items row by row; the
+planner groups rows into microbatches of R rows and the loader (:mod:`varlen_cli.loader.packed`)
+rebuilds them into ``input_ids``, ``position_ids`` and ``cu_seqlens``.
+
+Algorithm: global best-fit decreasing (BFD), exact, vectorised by distinct length.
+
+* Items are taken in decreasing length (ties in input order). All items of one length ``L`` are
+  placed together: best fit puts an item in the open row with the smallest remaining space
+  ``r >= L``; after that the row's space is ``r - L``, still the smallest that fits, so best fit
+  for equal items means *walk the rows in increasing remaining space, giving each row
+  ``min(r // L, free slots)`` items* until the items run out, then open new rows holding
+  ``min(seq_len // L, max_per_row)`` items each. That is what the code does, so the result is the
+  textbook BFD packing (ties between rows of equal space broken deterministically).
+* Open rows are kept in buckets by remaining space (a stack of row-id arrays per value of ``r``,
+  plus a sorted list of non-empty buckets). Each step works on whole numpy arrays of row ids: the
+  Python loop runs once per distinct length and per bucket touched, never per sample. A row that
+  is full (``r == 0``) or has ``max_per_row`` samples leaves the buckets.
+* Cost: O(N log N) for the sort plus O(D log T + N) for the placement, D <= seq_len distinct
+  lengths: about 0.5-1.5 s per 1M samples on one core, up to ~5 s when the cap fallback below
+  runs (see ``benchmarks/packing.md``).
+* With ``max_per_row``, plain BFD fills rows with a few long items and leaves the shortest ones to
+  the last rows, hundreds per row. :func:`_repair_cap` packs without the cap and then swaps: ``j``
+  short items of a crowded row (``s`` tokens) trade places with one item of exactly ``s`` tokens
+  from a row with ``j - 1`` free slots, so no row's tokens change and BFD's row count is kept.
+  When that fails (a cap near the mean count per row, floods of 1-3 token items), :func:`_global`
+  also packs a fixed random permutation in large windows with a cap-aware search
+  (:func:`_deal_then_bfd`: the longest items dealt layer by layer over the minimum number of rows,
+  each row keeping space and slots for short items, then BFD of the rest), handing each window's
+  least-filled rows on to the next, and keeps whichever packing has fewer rows.
+
+Orders: ``"shuffle"`` packs globally and emits rows in a seeded random order (BFD creates long-first
+rows; shuffling removes that bias); ``"curriculum"`` packs consecutive windows of the input order
+(the input is sorted by difficulty) and emits each window's rows ordered by their samples' mean
+input position, so difficulty still rises row by row; the few least-filled rows of a window are
+not emitted but handed on to the next window. Without an explicit ``window`` it starts at
+:data:`CURRICULUM_WINDOW_ROWS` rows' worth of samples and grows x8 until efficiency is within 0.1%
+of the bound -- up to the whole dataset when difficulty is the length (windows of similar lengths
+cannot fill rows). ``"none"`` emits rows in the order they were opened.
+
+Zero-length samples take no tokens but count as samples: each appears exactly once, in the row(s)
+with the fewest samples (respecting ``max_per_row``); rows are only opened for them when no row has a
+free slot. The loader gives them no ``cu_seqlens`` segment.
+
+This module imports only numpy (and :mod:`varlen_cli.errors`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from .errors import InputError, UsageError
+
+ORDERS = ("shuffle", "curriculum", "none")
+NO_CAP = np.iinfo(np.int64).max // 4
+CURRICULUM_WINDOW_ROWS = 2048
+"""Default curriculum window: about this many rows' worth of samples (efficiency >= 99.9% on the
+benchmarked distributions, while difficulty still rises every ~2k rows)."""
+
+
+@dataclass
+class Packing:
+    """Items (samples or chunks of samples) assigned to rows of ``seq_len`` tokens.
+
+    Items are sorted by ``(item_row, position in row)``; a row is the concatenation of its items,
+    each item being tokens ``[item_start, item_start + item_length)`` of input sample
+    ``item_sample`` (a position in the input arrays, not a sample_id). What is left of a row up
+    to ``seq_len`` is padding.
+    """
+
+    item_sample: np.ndarray  # int64 input position per item
+    item_start: np.ndarray  # int64 first token of the sample this item holds (0 unless split)
+    item_length: np.ndarray  # int64 tokens of the item
+    item_row: np.ndarray  # int64 row of each item, non-decreasing
+    num_rows: int
+    seq_len: int
+    dropped: np.ndarray  # int64 input positions dropped as too long (drop_long)
+    max_per_row: Optional[int] = None
+    order: str = "none"
+    num_samples: int = 0  # input samples (including dropped ones)
+    num_split: int = 0  # input samples cut into several chunks (split_long)
+    window: Optional[int] = None  # curriculum window in samples
+    seconds: float = 0.0
+    _offsets: Optional[np.ndarray] = field(default=None, repr=False, compare=False)
+
+    # ---- sizes -----------------------------------------------------------------------------
+    @property
+    def num_items(self) -> int:
+        return int(len(self.item_sample))
+
+    @property
+    def tokens(self) -> int:
+        """Real tokens in all rows."""
+        return int(self.item_length.sum())
+
+    @property
+    def efficiency(self) -> float:
+        """Real tokens / (rows x seq_len); 1.0 for an empty packing."""
+        return self.tokens / (self.num_rows * self.seq_len) if self.num_rows else 1.0
+
+    @property
+    def min_rows(self) -> int:
+        """A lower bound on the rows any packing needs: tokens / seq_len, items longer than half a
+        row (two never share one), and samples / max_per_row."""
+        if not self.num_items:
+            return 0
+        big = int(np.count_nonzero(2 * self.item_length > self.seq_len))
+        cap = -(-self.num_items // self.max_per_row) if self.max_per_row else 1
+        return max(-(-self.tokens // self.seq_len), big, cap, 1)
+
+    @property
+    def efficiency_bound(self) -> float:
+        """The efficiency of :attr:`min_rows` rows: no packing of these items can do better."""
+        return self.tokens / (self.min_rows * self.seq_len) if self.min_rows else 1.0
+
+    # ---- per row ---------------------------------------------------------------------------
+    def row_offsets(self) -> np.ndarray:
+        """CSR offsets: items of row ``r`` are ``offsets[r]:offsets[r + 1]`` (length num_rows + 1)."""
+        if self._offsets is None:
+            self._offsets = np.searchsorted(self.item_row, np.arange(self.num_rows + 1), side="left").astype(np.int64)
+        return self._offsets
+
+    def samples_per_row(self) -> np.ndarray:
+        return np.diff(self.row_offsets())
+
+    def row_tokens(self) -> np.ndarray:
+        return np.bincount(self.item_row, weights=self.item_length, minlength=self.num_rows).astype(np.int64)
+
+    def item_offset(self) -> np.ndarray:
+        """First position of each item inside its row."""
+        csum = np.cumsum(self.item_length) - self.item_length
+        return csum - csum[self.row_offsets()[self.item_row]] if self.num_items else csum
+
+    def stats(self) -> dict:
+        """Summary statistics (JSON-serialisable) for the plan metadata and the summary table."""
+        spr = self.samples_per_row()
+        return {
+            "seq_len": self.seq_len,
+            "max_per_row": self.max_per_row,
+            "order": self.order,
+            "window": self.window,
+            "rows": self.num_rows,
+            "items": self.num_items,
+            "samples": self.num_samples,
+            "tokens": self.tokens,
+            "efficiency": self.efficiency,
+            "efficiency_bound": self.efficiency_bound,
+            "min_rows": self.min_rows,
+            "samples_per_row_mean": float(spr.mean()) if len(spr) else 0.0,
+            "samples_per_row_max": int(spr.max()) if len(spr) else 0,
+            "split_samples": self.num_split,
+            "dropped": int(len(self.dropped)),
+            "seconds": self.seconds,
+        }
+
+
+# ---- validation --------------------------------------------------------------------------------
+
+def _check_args(lengths, seq_len, max_per_row, order, split_long, drop_long, window) -> np.ndarray:
+    if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
+        raise UsageError(f"--seq-len must be a positive integer, got {seq_len!r}")
+    if max_per_row is not None and (isinstance(max_per_row, bool) or not isinstance(max_per_row, (int, np.integer))
+                                    or max_per_row < 1):
+        raise UsageError(f"--max-per-row must be a positive integer, got {max_per_row!r}")
+    if order not in ORDERS:
+        raise UsageError(f"unknown packing order {order!r} (expected one of: {', '.join(ORDERS)})")
+    if split_long and drop_long:
+        raise UsageError("--split-long and --drop-long are mutually exclusive")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1):
+        raise UsageError(f"packing window must be a positive number of samples, got {window!r}")
+    arr = np.asarray(lengths)
+    if arr.ndim != 1:
+        raise InputError(f"sample lengths must be a 1-D array, got shape {arr.shape}")
+    if arr.dtype.kind not in "iub":
+        if arr.size and arr.dtype.kind == "f" and np.all(np.isfinite(arr)) and np.all(arr == np.floor(arr)):
+            pass
+        elif arr.size:
+            raise InputError(f"sample lengths must be integers, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.size and arr.min() < 0:
+        neg = int(np.count_nonzero(arr < 0))
+        raise InputError(f"{neg:,} sample length(s) are negative (smallest: {int(arr.min()):,})")
+    return arr
+
+
+# ---- best-fit decreasing -----------------------------------------------------------------------
+
+class _Buckets:
+    """Open rows grouped by remaining space: a stack of row-id arrays per space value."""
+
+    __slots__ = ("stacks", "keys")
+
+    def __init__(self):
+        self.stacks: dict = {}
+        self.keys: list = []  # sorted spaces with a non-empty stack
+
+    def push(self, space: int, rows: np.ndarray) -> None:
+        st = self.stacks.get(space)
+        if st is None:
+            self.stacks[space] = [rows]
+            bisect.insort(self.keys, space)
+        else:
+            st.append(rows)
+
+    def push_many(self, rows: np.ndarray, space: np.ndarray) -> None:
+        if not len(rows):
+            return
+        if space[0] == space[-1] and (len(space) < 3 or bool(np.all(space == space[0]))):
+            self.push(int(space[0]), rows)
+            return
+        o = np.argsort(space, kind="stable")
+        rows, space = rows[o], space[o]
+        cut = np.flatnonzero(np.diff(space)) + 1
+        lo = 0
+        for hi in list(cut) + [len(space)]:
+            self.push(int(space[lo]), rows[lo:hi])
+            lo = hi
+
+    def pop(self, space: int, n: int) -> np.ndarray:
+        """Up to n row ids from the stack of ``space`` (the caller removes an emptied key)."""
+        st = self.stacks[space]
+        a = st[-1]
+        if len(a) > n:
+            st[-1] = a[: len(a) - n]
+            return a[len(a) - n:]
+        st.pop()
+        if len(a) == n or not st:
+            return a
+        parts, n = [a], n - len(a)
+        while n > 0 and st:
+            a = st[-1]
+            if len(a) > n:
+                st[-1] = a[: len(a) - n]
+                parts.append(a[len(a) - n:])
+                n = 0
+            else:
+                st.pop()
+                parts.append(a)
+                n -= len(a)
+        return np.concatenate(parts)
+
+
+def _bfd(lens: np.ndarray, seq_len: int, cap: int, init_used: Optional[np.ndarray] = None,
+         init_space: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray, int]:
+    """Best-fit decreasing of positive lengths <= seq_len into rows with at most ``cap`` items.
+
+    ``init_used``/``init_space``: rows already open (items in them, space left), numbered first.
+    Returns ``(order, row, num_rows)``: ``order`` is the placement order (indices into ``lens``,
+    decreasing length, ties by index) and ``row[i]`` the row of item ``order[i]``; rows are numbered
+    in the order they were opened.
+    """
+    n = len(lens)
+    order = np.argsort(-lens, kind="stable")
+    row_of = np.empty(n, dtype=np.int64)
+    r0 = 0 if init_used is None else len(init_used)
+    if n == 0:
+        return order, row_of, r0
+    sl = lens[order]
+    cut = np.flatnonzero(np.diff(sl)) + 1
+    starts = np.concatenate(([0], cut)).tolist()
+    ends = np.concatenate((cut, [n])).tolist()
+    glens = sl[starts].tolist()
+    used = np.zeros(n + r0, dtype=np.int64)  # items per row
+    nrows = r0
+    buckets = _Buckets()
+    if r0:
+        used[:r0] = init_used
+        ok = (init_space > 0) & (init_used < cap)
+        buckets.push_many(np.flatnonzero(ok), init_space[ok])
+    keys = buckets.keys
+    for L, s, e in zip(glens, starts, ends):
+        need, pos = e - s, s
+        pending = []
+        i = bisect.bisect_left(keys, L)
+        while need and i < len(keys):
+            r = keys[i]
+            k = r // L
+            stack = buckets.stacks[r]
+            while need and stack:
+                rows = buckets.pop(r, -(-need // k))
+                if cap >= NO_CAP:
+                    take = np.full(len(rows), k, dtype=np.int64)
+                else:
+                    take = np.minimum(k, cap - used[rows])
+                total = int(take.sum())
+                if total > need:
+                    cs = np.cumsum(take)
+                    q = int(np.searchsorted(cs, need, side="left"))
+                    if q + 1 < len(rows):
+                        stack.append(rows[q + 1:])
+                    rows, take = rows[: q + 1], take[: q + 1].copy()
+                    take[-1] -= int(cs[q]) - need
+                    total = need
+                row_of[pos:pos + total] = np.repeat(rows, take)
+                pos += total
+                need -= total
+                used[rows] += take
+                pending.append((rows, r - take * L))
+            if not stack:
+                del buckets.stacks[r]
+                keys.pop(i)
+            else:
+                i += 1
+        if need:
+            per = min(seq_len // L, cap)
+            nb = -(-need // per)
+            rows = np.arange(nrows, nrows + nb, dtype=np.int64)
+            nrows += nb
+            take = np.full(nb, per, dtype=np.int64)
+            take[-1] = need - per * (nb - 1)
+            row_of[pos:pos + need] = np.repeat(rows, take)
+            used[rows] = take
+            pending.append((rows, seq_len - take * L))
+        for rows, space in pending:
+            keep = space > 0
+            if cap < NO_CAP:
+                keep &= used[rows] < cap
+            if not keep.all():
+                rows, space = rows[keep], space[keep]
+            buckets.push_many(rows, space)
+    return order, row_of, nrows
+
+
+def _deal_then_bfd(lens: np.ndarray, seq_len: int, cap: int, nrows: int, rounds: int):
+    """Cap-aware packing: open ``nrows`` rows, deal the ``rounds * nrows`` longest items to them
+    layer by layer (each layer's longest item to the least-loaded row, skipping items that do not
+    fit), then best-fit the rest (decreasing) into the space left, opening rows only if needed.
+    Every row gets the same share of long items and keeps space *and* free slots for the short
+    ones, which plain BFD gives away: it fills rows with a few long items and leaves the short
+    ones to rows of their own that hit the cap long before they are full."""
+    n = len(lens)
+    order = np.argsort(-lens, kind="stable")
+    load = np.zeros(nrows, dtype=np.int64)
+    used = np.zeros(nrows, dtype=np.int64)
+    row_of = np.full(n, -1, dtype=np.int64)
+    for j in range(0, min(n, rounds * nrows), nrows):
+        idx = order[j:j + nrows]
+        L = lens[idx]
+        rs = np.argsort(load, kind="stable")[: len(idx)]
+        ok = (load[rs] + L <= seq_len) & (used[rs] < cap)
+        row_of[idx[ok]] = rs[ok]
+        load[rs[ok]] += L[ok]
+        used[rs[ok]] += 1
+    dealt = row_of >= 0
+    first = order[dealt[order]]  # dealt items, in dealing order (longest first)
+    rest = np.flatnonzero(~dealt)
+    o, r, total = _bfd(lens[rest], seq_len, cap, used, seq_len - load)
+    return np.concatenate((first, rest[o])), np.concatenate((row_of[first], r)), total
+
+
+def _repair_cap(lens: np.ndarray, cap: int, order: np.ndarray, row: np.ndarray, nrows: int):
+    """Bring an uncapped packing under ``cap`` samples per row by exact-size swaps, keeping every
+    row's tokens: in a row over the cap, ``j`` of its short items (``s`` tokens in all) trade places
+    with one item of exactly ``s`` tokens from a row with ``j - 1`` free slots. Each swap lowers
+    the crowded row's count by ``j - 1`` and changes no row's tokens, so the packing keeps BFD's
+    row count. The loop runs once per swap (crowded rows are the few that collected the shortest
+    samples). Returns ``(order, row)``, or None if some row cannot be fixed this way."""
+    n = len(lens)
+    item_row = np.empty(n, dtype=np.int64)
+    item_row[order] = row
+    counts = np.bincount(item_row, minlength=nrows).astype(np.int64)
+    over = np.flatnonzero(counts > cap)
+    if not len(over):
+        return order, row
+    avg = n / max(nrows, 1)
+    if cap - avg < 1:
+        return None
+    jmax = int(max(2, cap - math.ceil(avg)))  # items moved out per swap, at most
+    free = cap - counts
+    crowded = np.zeros(nrows, dtype=bool)
+    crowded[over] = True
+    # donors: items of uncrowded rows with a free slot, grouped by length (cursor per length)
+    donor = np.flatnonzero(~crowded[item_row] & (free[item_row] >= 1))
+    donor = donor[np.argsort(lens[donor], kind="stable")]
+    maxlen = int(lens.max())
+    first = np.searchsorted(lens[donor], np.arange(maxlen + 2), side="left")
+    cursor = first[:-1].copy()
+    end = first[1:]
+    donor_l = donor.tolist()
+
+    def find(s: int, need: int) -> int:
+        """A donor item of exactly s tokens whose row has ``need`` free slots, or -1."""
+        c, stop = int(cursor[s]), int(end[s])
+        while c < stop and (free[item_row[donor_l[c]]] < 1 or crowded[item_row[donor_l[c]]]):
+            c += 1  # rows without a free slot never give again
+        cursor[s] = c
+        for k in range(c, min(stop, c + 16)):
+            d = donor_l[k]
+            if free[item_row[d]] >= need and not crowded[item_row[d]]:
+                donor_l[k], donor_l[c] = donor_l[c], donor_l[k]
+                cursor[s] = c + 1
+                return d
+        return -1
+
+    # give up early when swaps make slow progress (small groups): the fallback is cheaper then
+    budget = 4 * int((counts[over] - cap).sum()) // max(1, jmax - 1) + 100
+    for r in over.tolist():
+        mine = np.flatnonzero(item_row == r)
+        mine = mine[np.argsort(lens[mine], kind="stable")].tolist()  # shortest first
+        pos = 0
+        while counts[r] > cap:
+            e = int(counts[r] - cap)
+            hit = None
+            for j in range(min(e + 1, jmax), 1, -1):
+                if pos + j > len(mine):
+                    continue
+                base = int(lens[mine[pos:pos + j - 1]].sum())
+                # the j-1 shortest left plus one more, tried from the next shortest upward
+                for k in range(pos + j - 1, min(len(mine), pos + j + 15)):
+                    s = base + int(lens[mine[k]])
+                    if s > maxlen:
+                        break
+                    d = find(s, j - 1)
+                    if d >= 0:
+                        hit = (j, k, d)
+                        break
+                if hit:
+                    break
+            if hit is None:
+                return None
+            j, k, d = hit
+            budget -= 1
+            if budget < 0:
+                return None
+            group = mine[pos:pos + j - 1] + [mine[k]]
+            dr = int(item_row[d])
+            item_row[group] = dr
+            item_row[d] = r
+            counts[r] -= j - 1
+            counts[dr] += j - 1
+            free[r] += j - 1
+            free[dr] -= j - 1
+            del mine[k]
+            del mine[pos:pos + j - 1]  # the donor now sits in r; it is never moved out again
+    o2 = order[np.argsort(item_row[order], kind="stable")]
+    return o2, item_row[o2]
+
+
+def _min_rows(lens: np.ndarray, seq_len: int, cap: int) -> int:
+    if not len(lens):
+        return 0
+    bound = max(-(-int(lens.sum()) // seq_len), int(np.count_nonzero(2 * lens > seq_len)), 1)
+    return bound if cap >= NO_CAP else max(bound, -(-len(lens) // cap))
+
+
+SLACK = 0.0002
+"""A packing within this fraction of the lower bound on rows is good enough: the
+cap-aware search stops there."""
+
+
+def _good_enough(nrows: int, bound: int) -> bool:
+    return nrows <= bound + int(SLACK * bound)
+
+
+def _pack_positive(lens: np.ndarray, seq_len: int, cap: int, search: bool = True):
+    """BFD; with a cap that BFD does not meet near the lower bound, also the dealt variants with a
+    few numbers of dealing rounds, keeping the packing with the fewest rows (first found on ties)."""
+    if cap < NO_CAP and len(lens):
+        # uncapped BFD, then exact-size swaps out of the rows over the cap: BFD's row count kept
+        free_o, free_r, free_n = _bfd(lens, seq_len, NO_CAP)
+        fixed = _repair_cap(lens, cap, free_o, free_r, free_n)
+        if fixed is not None:
+            return fixed[0], fixed[1], free_n
+    best = _bfd(lens, seq_len, cap)
+    if cap >= NO_CAP or not len(lens) or not search:
+        return best
+    bound = _min_rows(lens, seq_len, cap)
+    if _good_enough(best[2], bound):
+        return best
+    avg = len(lens) / bound
+    tried = {}
+
+    def attempt(k):
+        nonlocal best
+        if k < 1 or k >= cap or k in tried or _good_enough(best[2], bound):
+            return
+        cand = _deal_then_bfd(lens, seq_len, cap, bound, k)
+        tried[k] = cand[2]
+        if cand[2] < best[2]:
+            best = cand
+
+    for f in (0.3, 0.6, 0.9):
+        attempt(min(cap - 1, max(1, int(round(avg * f)))))
+    if tried:
+        k0 = min(tried, key=lambda k: (tried[k], k))
+        attempt(k0 - 1)
+        attempt(k0 + 1)
+    return best
+
+
+def _place_zeros(row_counts: np.ndarray, n0: int, cap: int) -> tuple[np.ndarray, int]:
+    """Rows for ``n0`` zero-length items: water-fill the rows with the fewest items (under ``cap``),
+    opening new rows only when no slot is left. Returns (row per zero item, rows added)."""
+    nrows = len(row_counts)
+    if n0 == 0:
+        return np.empty(0, dtype=np.int64), 0
+    c = row_counts.astype(np.int64)
+    free = (cap - c) if cap < NO_CAP else np.full(nrows, n0, dtype=np.int64)
+    free = np.maximum(free, 0)
+    into_old = min(n0, int(free.sum())) if nrows else 0
+    parts = []
+    if into_old:
+        # smallest level lam such that sum(clip(lam - c, 0, free)) >= into_old
+        top = np.minimum(c + free, c.max() + into_old)
+
+        def filled(lam):
+            return int(np.clip(lam - c, 0, top - c).sum())
+
+        lo, hi = int(c.min()), int(top.max())
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if filled(mid) >= into_old:
+                hi = mid
+            else:
+                lo = mid + 1
+        base = np.clip(lo - 1 - c, 0, top - c)  # everything below the last level
+        extra = into_old - int(base.sum())
+        at_last = np.flatnonzero((c <= lo - 1) & (top >= lo))[:extra]
+        base[at_last] += 1
+        parts.append(np.repeat(np.arange(nrows, dtype=np.int64), base))
+    rest = n0 - into_old
+    added = 0
+    if rest:
+        per = rest if cap >= NO_CAP else cap
+        added = -(-rest // per)
+        parts.append(nrows + np.arange(rest, dtype=np.int64) // per)
+    return np.concatenate(parts), added
+
+
+def _pack_items(lens: np.ndarray, seq_len: int, cap: int, search: bool = True) -> tuple[np.ndarray, np.ndarray, int]:
+    """Pack items (lengths <= seq_len, zeros allowed). Returns (order, row, num_rows): item
+    ``order[i]`` goes to row ``row[i]``; within a row, items keep the order of ``order``."""
+    pos_mask = lens > 0
+    if pos_mask.all():
+        return _pack_positive(lens, seq_len, cap, search)
+    nz = np.flatnonzero(pos_mask)
+    zeros = np.flatnonzero(~pos_mask)
+    o, r, nrows = _pack_positive(lens[nz], seq_len, cap, search)
+    counts = np.bincount(r, minlength=nrows)
+    zr, added = _place_zeros(counts, len(zeros), cap)
+    return np.concatenate((nz[o], zeros)), np.concatenate((r, zr)), nrows + added
+
+
+def _curriculum(lens: np.ndarray, seq_len: int, cap: int, window: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Pack consecutive windows of the input order; rows of a window ordered by their items' mean
+    position; the least-filled rows of a window (at most 1% of them, with fill < 99.9%) move on to
+    the next window. Returns (items in final order, row per item, num_rows)."""
+    n = len(lens)
+    out_items, out_rows = [], []
+    nrows = 0
+    carry = np.empty(0, dtype=np.int64)
+    for w0 in range(0, n, window):
+        last = w0 + window >= n
+        idx = np.concatenate((carry, np.arange(w0, min(n, w0 + window), dtype=np.int64)))
+        o, r, wr = _pack_items(lens[idx], seq_len, cap)
+        items = idx[o]
+        if not last and wr > 1:
+            fill = np.bincount(r, weights=lens[items], minlength=wr)
+            worst = np.argsort(fill, kind="stable")[: max(1, wr // 100)]
+            worst = worst[fill[worst] < 0.999 * seq_len]
+            if len(worst):
+                hand_on = np.zeros(wr, dtype=bool)
+                hand_on[worst] = True
+                moved = hand_on[r]
+                carry = np.sort(items[moved])
+                items, r = items[~moved], r[~moved]
+                # renumber the remaining rows densely
+                keep_rows = np.flatnonzero(~hand_on)
+                remap = np.full(wr, -1, dtype=np.int64)
+                remap[keep_rows] = np.arange(len(keep_rows))
+                r = remap[r]
+                wr = len(keep_rows)
+            else:
+                carry = np.empty(0, dtype=np.int64)
+        else:
+            carry = np.empty(0, dtype=np.int64)
+        # order rows by the mean input position of their items (difficulty rank)
+        mean_pos = np.bincount(r, weights=items, minlength=wr) / np.maximum(np.bincount(r, minlength=wr), 1)
+        rank = np.empty(wr, dtype=np.int64)
+        rank[np.argsort(mean_pos, kind="stable")] = np.arange(wr)
+        out_items.append(items)
+        out_rows.append(nrows + rank[r])
+        nrows += wr
+    if not out_items:
+        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64), 0
+    return np.concatenate(out_items), np.concatenate(out_rows), nrows
+
+
+def _rank_rows(items: np.ndarray, rows: np.ndarray, nrows: int) -> np.ndarray:
+    """Renumber rows by the mean input position of their items (stable)."""
+    mean_pos = np.bincount(rows, weights=items, minlength=nrows) / np.maximum(np.bincount(rows, minlength=nrows), 1)
+    rank = np.empty(nrows, dtype=np.int64)
+    rank[np.argsort(mean_pos, kind="stable")] = np.arange(nrows)
+    return rank[rows]
+
+
+def _global(ilen: np.ndarray, seq_len: int, cap: int, bound: int):
+    """Global packing: BFD (uncapped BFD + swaps under a cap); if a cap still costs rows, also a
+    fixed random permutation packed in large windows with the cap-aware search; the fewer rows win."""
+    items, rows, nrows = _pack_items(ilen, seq_len, cap, search=False)
+    if cap < NO_CAP and not _good_enough(nrows, bound):
+        mix = np.random.default_rng(0x5EED).permutation(len(ilen))
+        w_items, w_rows, w_nrows = _curriculum(ilen[mix], seq_len, cap, 16 * default_window(ilen, seq_len))
+        if w_nrows < nrows:
+            items, rows, nrows = mix[w_items], w_rows, w_nrows
+    return items, rows, nrows
+
+
+def default_window(lengths: np.ndarray, seq_len: int) -> int:
+    """Curriculum window in samples: about :data:`CURRICULUM_WINDOW_ROWS` rows' worth."""
+    n = len(lengths)
+    mean = float(np.minimum(lengths, seq_len).mean()) if n else 1.0
+    return max(1, int(math.ceil(CURRICULUM_WINDOW_ROWS * seq_len / max(mean, 1.0))))
+
+
+def pack(lengths: np.ndarray, seq_len: int, *, max_per_row: Optional[int] = None, order: str = "shuffle",
+         seed: int = 0, split_long: bool = False, drop_long: bool = False,
+         window: Optional[int] = None) -> Packing:
+    """Pack samples of the given lengths into rows of ``seq_len`` tokens (see the module docstring).
+
+    ``lengths[i]`` is the length of input position ``i``; with ``order="curriculum"`` the input is
+    already in difficulty order. ``max_per_row`` caps the samples (items) per row. Samples longer
+    than ``seq_len`` raise :class:`InputError` unless ``split_long`` (cut into chunks of at most
+    ``seq_len``: full rows plus one remainder chunk) or ``drop_long`` (listed in ``dropped``).
+    ``window`` (curriculum only) is the number of consecutive samples packed together.
+    The same arguments always give the same packing.
+    """
+    import time
+
+    t0 = time.perf_counter()
+    lens = _check_args(lengths, seq_len, max_per_row, order, split_long, drop_long, window)
+    seq_len = int(seq_len)
+    cap = int(max_per_row) if max_per_row is not None else NO_CAP
+    n = len(lens)
+    long_mask = lens > seq_len
+    num_long = int(np.count_nonzero(long_mask))
+    dropped = np.empty(0, dtype=np.int64)
+    num_split = 0
+    if num_long and not (split_long or drop_long):
+        raise InputError(
+            f"{num_long:,} sample(s) longer than the packed row length {seq_len:,} (longest: {int(lens.max()):,}); "
+            "use --split-long to cut them into chunks or --drop-long to drop them")
+    if num_long and drop_long:
+        dropped = np.flatnonzero(long_mask).astype(np.int64)
+        sample = np.flatnonzero(~long_mask).astype(np.int64)
+        start = np.zeros(len(sample), dtype=np.int64)
+        ilen = lens[sample]
+    elif num_long:  # split_long
+        num_split = num_long
+        chunks = np.where(long_mask, -(-lens // seq_len), 1)
+        sample = np.repeat(np.arange(n, dtype=np.int64), chunks)
+        first = np.cumsum(chunks) - chunks
+        k = np.arange(len(sample), dtype=np.int64) - np.repeat(first, chunks)
+        start = k * seq_len
+        ilen = np.minimum(lens[sample] - start, seq_len)
+    else:
+        sample = np.arange(n, dtype=np.int64)
+        start = np.zeros(n, dtype=np.int64)
+        ilen = lens
+    positive = ilen[ilen > 0]
+    bound = _min_rows(positive, seq_len, cap)
+    if order == "curriculum":
+        # Windows of the input (difficulty) order. Without an explicit window, start at about
+        # CURRICULUM_WINDOW_ROWS rows' worth and grow it (x8) until the packing is within 0.1% of the
+        # best possible: when difficulty correlates with length (difficulty = length), small windows
+        # hold similar lengths that cannot fill rows, and the window grows up to the whole dataset
+        # (global packing, rows ordered by their samples' mean difficulty rank).
+        w = int(window) if window is not None else default_window(ilen, seq_len)
+        while True:
+            if w >= len(ilen):
+                items, rows, nrows = _global(ilen, seq_len, cap, bound)
+                rows = _rank_rows(items, rows, nrows)
+            else:
+                items, rows, nrows = _curriculum(ilen, seq_len, cap, w)
+            if window is not None or w >= len(ilen) or nrows <= bound / 0.999:
+                break
+            w = min(len(ilen), w * 8)
+        window = w
+    else:
+        items, rows, nrows = _global(ilen, seq_len, cap, bound)
+        if order == "shuffle":
+            rows = np.random.default_rng(seed).permutation(nrows)[rows]
+    # sort by (row, placement order): the placement order is the current position
+    srt = np.argsort(rows, kind="stable")
+    items, rows = items[srt], rows[srt]
+    return Packing(
+        item_sample=sample[items], item_start=start[items], item_length=ilen[items].astype(np.int64),
+        item_row=rows.astype(np.int64), num_rows=int(nrows), seq_len=seq_len, dropped=dropped,
+        max_per_row=int(max_per_row) if max_per_row is not None else None, order=order, num_samples=n,
+        num_split=num_split, window=int(window) if order == "curriculum" else None,
+        seconds=time.perf_counter() - t0)
+
+
+def next_fit(lengths: np.ndarray, seq_len: int, max_per_row: Optional[int] = None) -> np.ndarray:
+    """Baseline: next-fit in input order (what streaming packers such as ``group_texts`` without
+    splitting do). Returns the row of each sample. Sequential, so it runs a tight loop over samples:
+    for benchmarks only."""
+    lens = np.asarray(lengths, dtype=np.int64).tolist()
+    cap = max_per_row or NO_CAP
+    rows = []
+    row, used, cnt = 0, 0, 0
+    for L in lens:
+        if used + L > seq_len or cnt >= cap:
+            row, used, cnt = row + 1, 0, 0
+        rows.append(row)
+        used += L
+        cnt += 1
+    return np.asarray(rows, dtype=np.int64)

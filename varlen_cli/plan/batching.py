@@ -1,0 +1,295 @@
+"""Microbatch formers: turn an ordered sequence of samples into microbatches under the budget.
+
+Every former returns a :class:`Microbatches` (samples as CSR: ``samples[offsets[k]:offsets[k+1]]``
+are microbatch ``k``), in the order the plan will use them. Layout, LR and writing only ever see
+this structure, so padded and packed plans share them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from .shapes import Budget, ShapeMap
+
+
+@dataclass
+class Microbatches:
+    samples: np.ndarray  # int64 input positions, microbatch after microbatch
+    offsets: np.ndarray  # int64, M + 1
+    seqlen: np.ndarray  # int64 padded T per microbatch
+    batch_size: np.ndarray  # int64 padded B per microbatch
+    tokens: np.ndarray  # int64 real tokens per microbatch
+    # packed plans: per entry of ``samples``
+    item_length: Optional[np.ndarray] = None
+    item_start: Optional[np.ndarray] = None
+    item_row: Optional[np.ndarray] = None  # row inside the microbatch
+    step_aligned: bool = False  # consecutive groups of dp*grad_accum microbatches are steps already
+    dropped_tail: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+    @property
+    def count(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def num_samples(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def take(self, order: np.ndarray) -> "Microbatches":
+        """The microbatches in the given order (a permutation or a subset)."""
+        order = np.asarray(order, dtype=np.int64)
+        counts = np.diff(self.offsets)[order]
+        new_off = np.zeros(len(order) + 1, dtype=np.int64)
+        np.cumsum(counts, out=new_off[1:])
+        idx = segment_gather(self.offsets[order], counts, new_off)
+
+        def g(a):
+            return None if a is None else a[idx]
+
+        return Microbatches(self.samples[idx], new_off, self.seqlen[order], self.batch_size[order],
+                            self.tokens[order], g(self.item_length), g(self.item_start), g(self.item_row),
+                            self.step_aligned, self.dropped_tail)
+
+
+def segment_gather(starts: np.ndarray, counts: np.ndarray, new_offsets: np.ndarray) -> np.ndarray:
+    """Indices that concatenate segments ``[starts[k], starts[k] + counts[k])`` (vectorised)."""
+    total = int(new_offsets[-1])
+    if total == 0:
+        return np.zeros(0, np.int64)
+    shift = np.repeat(starts - new_offsets[:-1], counts)
+    return np.arange(total, dtype=np.int64) + shift
+
+
+def segment_max(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    if len(offsets) <= 1:
+        return np.zeros(0, values.dtype)
+    return np.maximum.reduceat(values, offsets[:-1])
+
+
+def segment_sum(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    if len(offsets) <= 1:
+        return np.zeros(0, np.int64)
+    return np.add.reduceat(values, offsets[:-1]).astype(np.int64)
+
+
+def stable_argsort_int(keys: np.ndarray) -> np.ndarray:
+    """Stable argsort of non-negative integer keys in O(N): numpy radix-sorts 16-bit keys, so sort
+    by 16-bit digits, least significant first."""
+    k = np.asarray(keys, dtype=np.int64)
+    if not len(k):
+        return np.zeros(0, np.int64)
+    hi = int(k.max())
+    if int(k.min()) < 0 or hi >= 1 << 48:
+        return np.argsort(k, kind="stable")
+    order = None
+    shift = 0
+    while True:
+        digit = ((k if order is None else k[order]) >> shift & 0xFFFF).astype(np.uint16)
+        step = np.argsort(digit, kind="stable")
+        order = step if order is None else order[step]
+        shift += 16
+        if hi >> shift == 0:
+            return order.astype(np.int64)
+
+
+def finalize_padded(samples: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, shape: ShapeMap,
+                    budget: Budget, static: bool, fixed_batch: Optional[int] = None,
+                    step_aligned: bool = False) -> Microbatches:
+    """Seqlen, padded batch size and tokens of microbatches given by samples/offsets."""
+    lens = lengths[samples]
+    seqlen = shape(segment_max(lens, offsets)) if len(samples) else np.zeros(0, np.int64)
+    counts = np.diff(offsets)
+    if static:
+        batch = budget.cap(seqlen) if fixed_batch is None else np.full(len(counts), fixed_batch, np.int64)
+    else:
+        batch = counts.astype(np.int64)
+    return Microbatches(samples, offsets, seqlen.astype(np.int64), batch.astype(np.int64),
+                        segment_sum(lens, offsets), step_aligned=step_aligned)
+
+
+# -- greedy consecutive microbatches ---------------------------------------------------------------
+def greedy_offsets(padded: np.ndarray, cap: np.ndarray, closed: bool = False) -> np.ndarray:
+    """Offsets of greedy consecutive microbatches: each takes as many next samples as fit, i.e. while
+    the count stays <= the smallest cap of its members (cap depends on the padded length only).
+
+    Non-decreasing ``padded`` (length-sorted sequences, buckets): a loop per run of equal cap with
+    ``arange``, O(N + runs). Otherwise a loop per microbatch over growing windows. ``closed``
+    (static shapes on sorted input): no microbatch spans two padded lengths, so every bucket keeps
+    its own (B, T) shape.
+    """
+    n = len(padded)
+    if n == 0:
+        return np.zeros(1, np.int64)
+    if n == 1 or bool(np.all(padded[1:] >= padded[:-1])):
+        return _greedy_sorted(cap, padded if closed else cap, closed)
+    return _greedy_general(cap)
+
+
+def _greedy_sorted(cap: np.ndarray, run_key: np.ndarray, closed: bool) -> np.ndarray:
+    n = len(cap)
+    # a microbatch ending at j may start at j - cap[j] + 1 or later; strictly increasing in j
+    earliest = np.arange(n, dtype=np.int64) - cap + 1
+    change = np.flatnonzero(run_key[1:] != run_key[:-1]) + 1
+    run_stop = np.append(change, n)
+    run_of = np.zeros(n, dtype=np.int64)
+    run_of[change] = 1
+    np.cumsum(run_of, out=run_of)
+    pieces = []
+    i = 0
+    while i < n:
+        b = int(run_stop[run_of[i]])
+        c = int(cap[i])
+        k = (b - i) // c
+        if k:
+            pieces.append(np.arange(i, i + k * c, c, dtype=np.int64))
+            i += k * c
+        if i < b:  # a microbatch that starts in this run and may reach into the next ones
+            end = b - 1 if closed else int(np.searchsorted(earliest, i, side="right")) - 1
+            pieces.append(np.array([i], dtype=np.int64))
+            i = end + 1
+    pieces.append(np.array([n], dtype=np.int64))
+    return np.concatenate(pieces)
+
+
+def _greedy_general(cap: np.ndarray) -> np.ndarray:
+    n = len(cap)
+    starts = []
+    i = 0
+    w = 64
+    while i < n:
+        while True:
+            hi = min(n, i + w)
+            mincap = np.minimum.accumulate(cap[i:hi])
+            bad = np.flatnonzero(np.arange(1, hi - i + 1) > mincap)
+            if len(bad) or hi == n:
+                m = int(bad[0]) if len(bad) else hi - i
+                break
+            w *= 2
+        starts.append(i)
+        i += max(m, 1)
+        w = max(64, 2 * m)
+    starts.append(n)
+    return np.array(starts, dtype=np.int64)
+
+
+def form_sequence(seq: np.ndarray, lengths: np.ndarray, shape: ShapeMap, budget: Budget, static: bool,
+                  padded: Optional[np.ndarray] = None) -> Microbatches:
+    """Consecutive samples of ``seq`` (curriculum, reverse, bucket-shuffle) greedily under the budget;
+    ``padded`` (shape(lengths[seq])) when the caller has it already."""
+    if padded is None:
+        padded = shape(lengths[seq])
+    if len(padded) > 1 and bool(np.all(padded[1:] <= padded[:-1])) and not bool(np.all(padded[1:] == padded[:-1])):
+        # non-increasing (reverse order): form on the ascending sequence, then reverse everything
+        rev = seq[::-1]
+        off = greedy_offsets(padded[::-1], budget.cap(padded[::-1]), static)
+        mb = finalize_padded(rev, off, lengths, shape, budget, static)
+        return mb.take(np.arange(mb.count - 1, -1, -1, dtype=np.int64))
+    off = greedy_offsets(padded, budget.cap(padded), static)
+    return finalize_padded(seq, off, lengths, shape, budget, static)
+
+
+def bucket_sequence(canon: np.ndarray, padded: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """bucket-shuffle: samples grouped by padded length (``padded`` is aligned with ``canon``), in
+    random order inside each group. Returns the sequence and its padded lengths."""
+    perm = rng.permutation(len(canon))
+    order = perm[stable_argsort_int(padded[perm])]
+    return canon[order], padded[order]
+
+
+def form_random(canon: np.ndarray, lengths: np.ndarray, shape: ShapeMap, budget: Budget, static: bool,
+                rng: np.random.Generator) -> tuple[Microbatches, int]:
+    """The padded fixed-batch baseline: random order, a fixed B that fits the longest sample."""
+    perm = canon[rng.permutation(len(canon))]
+    t_max = int(shape(lengths[canon]).max()) if len(canon) else 1
+    b = max(int(budget.cap(np.array([t_max]))[0]), 1)
+    off = np.append(np.arange(0, len(perm), b, dtype=np.int64), len(perm)).astype(np.int64)
+    return finalize_padded(perm, off, lengths, shape, budget, static, fixed_batch=b), b
+
+
+# -- same shape per step ---------------------------------------------------------------------------
+def form_same_shape(seq: np.ndarray, lengths: np.ndarray, shape: ShapeMap, budget: Budget, static: bool,
+                    slots: int) -> tuple[Microbatches, np.ndarray]:
+    """Microbatches whose consecutive groups of ``slots`` (= dp x grad_accum) share one (B, T).
+
+    Samples are grouped by padded length (stable, so ``seq``'s order survives inside a group);
+    walking the lengths upwards, every time a full step's worth (slots x cap(T)) has gathered it
+    becomes full steps at that T; the rest is carried up (its samples fit the larger T). What is
+    left at the top joins the last group, spread evenly over a multiple of ``slots`` microbatches
+    (padding rows). Returns the microbatches (step-aligned) and
+    the positions that could not be placed (only when too few samples are left for one step).
+    """
+    padded = shape(lengths[seq])
+    order = stable_argsort_int(padded)
+    seq2 = seq[order]
+    t_sorted = padded[order]
+    n = len(seq2)
+    bounds = np.append(np.flatnonzero(t_sorted[1:] != t_sorted[:-1]) + 1, n) if n else np.zeros(0, np.int64)
+
+    def fit(count: int, t: int) -> tuple[int, int]:
+        c = int(budget.cap(np.array([t]))[0])
+        if count < slots or c < 1:
+            return 0, 0
+        m = slots * -(-(-(-count // c)) // slots)
+        if m <= count:
+            return m, count
+        m = slots * (count // slots)
+        return m, min(count, m * c)
+
+    groups = []  # [lo, used, m, t]
+    lo = 0
+    for b in bounds.tolist():
+        # full steps only (slots microbatches of c samples); the rest is carried up to the next T
+        c = int(budget.cap(np.array([int(t_sorted[b - 1])]))[0])
+        full = (b - lo) // (slots * c)
+        if full:
+            used = full * slots * c
+            groups.append([lo, used, full * slots, int(t_sorted[lo + used - 1])])
+            lo += used
+    leftover = np.zeros(0, np.int64)
+    t_top = int(t_sorted[n - 1]) if n else 0
+    while lo < n:  # samples left over at the top: merge them into the previous group(s)
+        if not groups:
+            m, used = fit(n - lo, t_top)
+            if m:
+                groups.append([lo, used, m, int(t_sorted[lo + used - 1])])
+                lo += used
+            leftover = seq2[lo:]
+            break
+        glo = groups.pop()[0]
+        m, used = fit(n - glo, t_top)
+        if m and used == n - glo:
+            groups.append([glo, used, m, t_top])
+            lo = n
+        else:
+            lo = glo
+    off_parts, seqlens, batches = [], [], []
+    for glo, used, m, t in groups:
+        off_parts.append(glo + (np.arange(m, dtype=np.int64) * used) // m)
+        seqlens.append(np.full(m, t, np.int64))
+        b = int(budget.cap(np.array([t]))[0]) if static else -(-used // m)
+        batches.append(np.full(m, b, np.int64))
+    end = groups[-1][0] + groups[-1][1] if groups else 0
+    offsets = np.append(np.concatenate(off_parts) if off_parts else np.zeros(0, np.int64), end).astype(np.int64)
+    samples = seq2[:end]
+    lens = lengths[samples]
+    mb = Microbatches(samples, offsets, np.concatenate(seqlens) if seqlens else np.zeros(0, np.int64),
+                      np.concatenate(batches) if batches else np.zeros(0, np.int64), segment_sum(lens, offsets),
+                      step_aligned=True)
+    return mb, leftover
+
+
+# -- packed ----------------------------------------------------------------------------------------
+def packed_microbatches(samples, item_start, item_length, item_row, num_rows: int, seq_len: int, rows_per_mb: int,
+                        count: int) -> Microbatches:
+    """Spread ``num_rows`` rows (items sorted by row) evenly over ``count`` microbatches of at most
+    ``rows_per_mb`` rows each, keeping row order."""
+    row_mb = (np.arange(num_rows, dtype=np.int64) * count) // max(num_rows, 1)  # microbatch of each row
+    first_row = np.searchsorted(row_mb, np.arange(count), side="left")
+    mb_of_item = row_mb[item_row]
+    offsets = np.searchsorted(mb_of_item, np.arange(count + 1), side="left").astype(np.int64)
+    local_row = item_row - first_row[mb_of_item]
+    return Microbatches(samples, offsets, np.full(count, seq_len, np.int64), np.full(count, rows_per_mb, np.int64),
+                        segment_sum(item_length, offsets) if count else np.zeros(0, np.int64),
+                        item_length=item_length, item_start=item_start, item_row=local_row)

@@ -1,0 +1,263 @@
+"""Steps x ranks x micro: tail splitting, compile warm-up, same shape per step, and balancing the
+microbatches of each step across data-parallel ranks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+
+from ..errors import InputError
+from .batching import Microbatches, packed_microbatches, stable_argsort_int
+from .shapes import pair_ids
+
+LPT_MAX_DP = 64  # above this many ranks, deal serpentine instead of LPT (cost O(M * dp))
+
+
+def tail_message(num: int, slots: int, dp: int, grad_accum: int, what: str = "samples") -> str:
+    return (f"{num:,} {what} cannot fill {slots:,} microbatch slots ({slots // (dp * grad_accum):,} step(s) x dp {dp} "
+            f"x grad-accum {grad_accum}) without duplicating samples; lower --dp/--grad-accum or pass --tail drop")
+
+
+def fix_tail_padded(mb: Microbatches, slots: int, dp: int, grad_accum: int, tail: str,
+                    refinalize: Callable[[np.ndarray, np.ndarray], Microbatches]) -> tuple[Microbatches, np.ndarray]:
+    """Make the microbatch count a multiple of ``slots`` = dp x grad_accum by splitting the fullest
+    microbatches in two (never duplicating, never dropping). Only when there are fewer samples than
+    slots: ``tail="drop"`` drops the smallest microbatches (returned), else an InputError."""
+    m = mb.count
+    target = slots * -(-m // slots)
+    if target == m:
+        return mb, np.zeros(0, np.int64)
+    n = len(mb.samples)
+    offsets = mb.offsets
+    if n >= target:
+        extra = target - m
+        while extra > 0:
+            counts = np.diff(offsets)
+            cand = np.flatnonzero(counts >= 2)
+            pick = cand[np.argsort(-counts[cand], kind="stable")[:extra]]
+            mids = offsets[pick] + counts[pick] // 2
+            offsets = np.sort(np.concatenate([offsets, mids]))
+            extra -= len(pick)
+        return refinalize(mb.samples, offsets), np.zeros(0, np.int64)
+    keep_count = slots * (m // slots)
+    if tail != "drop" or keep_count == 0:
+        raise InputError(tail_message(n, target, dp, grad_accum) if tail != "drop" else
+                         f"{n:,} samples are fewer than the {slots:,} microbatches of one step (dp x grad-accum); "
+                         "nothing would be left after --tail drop: lower --dp/--grad-accum")
+    counts = np.diff(offsets)
+    # drop the microbatches with the fewest samples (the latest among equals)
+    rank = np.lexsort((-np.arange(m), counts))
+    drop = np.sort(rank[: m - keep_count])
+    mask = np.ones(m, dtype=bool)
+    mask[drop] = False
+    keep = np.flatnonzero(mask)
+    dropped = np.concatenate([mb.samples[offsets[k]:offsets[k + 1]] for k in drop.tolist()])
+    kept = mb.take(keep)
+    return refinalize(kept.samples, kept.offsets), dropped
+
+
+def fix_tail_packed(samples: np.ndarray, start: np.ndarray, length: np.ndarray, item_row: np.ndarray, num_rows: int,
+                    rows_per_mb: int, seq_len: int, slots: int, dp: int, grad_accum: int,
+                    tail: str) -> tuple[Microbatches, np.ndarray]:
+    """Packed plans: spread the rows (items sorted by global row) over a multiple of ``slots``
+    microbatches of at most R rows (the rest are padding rows), splitting the fullest rows when
+    there are fewer rows than microbatches."""
+    m = -(-num_rows // rows_per_mb)
+    target = slots * -(-m // slots)
+    dropped = np.zeros(0, np.int64)
+    items = len(samples)
+    if items < target:
+        keep_mbs = slots * (m // slots)
+        if tail != "drop" or keep_mbs == 0:
+            raise InputError(tail_message(items, target, dp, grad_accum, "packed samples") if tail != "drop" else
+                             f"{items:,} packed samples are fewer than the {slots:,} microbatches of one step "
+                             "(dp x grad-accum); nothing would be left after --tail drop: lower --dp/--grad-accum")
+        keep_rows = min(num_rows, keep_mbs * rows_per_mb)
+        cut = int(np.searchsorted(item_row, keep_rows, side="left"))
+        dropped = samples[cut:]
+        keep = np.arange(len(samples)) < cut
+        keep &= ~np.isin(samples, dropped)  # a split sample goes whole: no half-dropped samples
+        dropped = np.unique(dropped)
+        samples, start, length, item_row = samples[keep], start[keep], length[keep], item_row[keep]
+        flag = np.ones(len(item_row), dtype=bool)
+        flag[1:] = item_row[1:] != item_row[:-1]
+        item_row = np.cumsum(flag) - 1
+        num_rows, target = int(flag.sum()), keep_mbs
+        if len(samples) < target:
+            raise InputError(tail_message(len(samples), target, dp, grad_accum, "packed samples"))
+    while num_rows < target:  # split the fullest rows in two
+        row_off = np.searchsorted(item_row, np.arange(num_rows + 1), side="left")
+        cnt = np.diff(row_off)
+        cand = np.flatnonzero(cnt >= 2)
+        pick = cand[np.argsort(-cnt[cand], kind="stable")[: target - num_rows]]
+        flag = np.ones(len(item_row), dtype=bool)
+        flag[1:] = item_row[1:] != item_row[:-1]
+        flag[row_off[pick] + cnt[pick] // 2] = True
+        item_row = np.cumsum(flag) - 1
+        num_rows += len(pick)
+    out = packed_microbatches(samples, start, length, item_row, num_rows, seq_len, rows_per_mb, target)
+    return out, dropped
+
+
+def balanced_shuffle(cost: np.ndarray, slots: int, rng: np.random.Generator, window_steps: int = 64) -> np.ndarray:
+    """A random microbatch order whose steps hold microbatches of similar cost: shuffle, sort by cost
+    inside windows of ``window_steps`` steps, cut into steps, shuffle the steps. Random at the
+    window level, and the ranks of a step finish together (straggler near 1 even with grad_accum 1,
+    where balancing inside a step cannot help)."""
+    m = len(cost)
+    perm = rng.permutation(m)
+    window = np.arange(m) // (window_steps * slots)
+    seq = perm[np.lexsort((cost[perm], window))]
+    steps = m // slots
+    return seq.reshape(steps, slots)[rng.permutation(steps)].reshape(-1)
+
+
+# -- ranks -----------------------------------------------------------------------------------------
+def assign_ranks(cost: np.ndarray, dp: int, grad_accum: int) -> np.ndarray:
+    """Rank of every microbatch of a (steps x slots) cost matrix: each rank gets ``grad_accum`` per
+    step, loads as equal as possible. LPT (largest first onto the least-loaded rank with a free
+    slot), vectorised across steps; serpentine dealing for very many ranks."""
+    steps, slots = cost.shape
+    if steps == 0:
+        return np.zeros((0, slots), np.int64)
+    order = np.argsort(-cost, axis=1, kind="stable")
+    if dp == 1:
+        return np.zeros((steps, slots), np.int64)
+    rank = np.empty((steps, slots), np.int64)
+    rows = np.arange(steps)
+    if dp > LPT_MAX_DP:
+        p = np.arange(slots)
+        rnd, within = p // dp, p % dp
+        deal = np.where(rnd % 2 == 0, within, dp - 1 - within)
+        rank[rows[:, None], order] = deal[None, :]
+        return rank
+    load = np.zeros((steps, dp), np.float64)
+    used = np.zeros((steps, dp), np.int64)
+    for j in range(slots):
+        idx = order[:, j]
+        c = cost[rows, idx]
+        r = np.argmin(np.where(used < grad_accum, load, np.inf), axis=1)
+        rank[rows, idx] = r
+        load[rows, r] += c
+        used[rows, r] += 1
+    return rank
+
+
+@dataclass
+class Layout:
+    order: np.ndarray  # microbatch index per plan row (rows in (step, rank, micro) order)
+    step: np.ndarray  # epoch-local step per row
+    rank: np.ndarray
+    micro: np.ndarray
+    warmup_steps: int = 0
+    warmup_missing: int = 0  # (shape, rank) pairs the warm-up could not cover
+
+
+def shape_ids(seqlen: np.ndarray, batch: Optional[np.ndarray]) -> np.ndarray:
+    return pair_ids(np.zeros(len(seqlen), np.int64) if batch is None else batch, seqlen)[2]
+
+
+def same_shape_steps(mb: Microbatches, slots: int) -> None:
+    """All microbatches of a step (consecutive groups of ``slots``) get the step's largest T and B."""
+    if not mb.count:
+        return
+    t = mb.seqlen.reshape(-1, slots).max(axis=1)
+    b = mb.batch_size.reshape(-1, slots).max(axis=1)
+    mb.seqlen = np.repeat(t, slots)
+    mb.batch_size = np.repeat(b, slots)
+
+
+def layout_epoch(mb: Microbatches, cost: np.ndarray, dp: int, grad_accum: int, *, warmup: bool,
+                 same_shape: bool, static: bool) -> Layout:
+    slots = dp * grad_accum
+    m = mb.count
+    steps = m // slots
+    assert steps * slots == m, (m, slots)
+    seq_index = np.arange(m, dtype=np.int64)
+    warmup_steps, missing = 0, 0
+    step_of = seq_index // slots
+    fixed_rank = None
+    fixed_micro = None
+    if warmup and m:
+        if same_shape:
+            seq_index, warmup_steps, missing = _warmup_steps(mb, slots)
+            step_of = np.empty(m, np.int64)
+            step_of[seq_index] = np.arange(m) // slots
+        else:
+            seq_index, fixed_rank, fixed_micro, warmup_steps, missing = _warmup_micro(mb, dp, grad_accum, static)
+            step_of = np.empty(m, np.int64)
+            step_of[seq_index] = np.arange(m) // slots
+    # position of each microbatch in the (re)ordered sequence
+    pos = np.empty(m, np.int64)
+    pos[seq_index] = np.arange(m)
+    cost_mat = cost[seq_index].reshape(steps, slots)
+    rank_mat = assign_ranks(cost_mat, dp, grad_accum)
+    rank = np.empty(m, np.int64)
+    rank[seq_index] = rank_mat.reshape(-1)
+    micro_key = pos.copy()
+    if fixed_rank is not None:
+        w = warmup_steps * slots
+        head = seq_index[:w]
+        rank[head] = fixed_rank
+        micro_key[head] = fixed_micro
+    order = np.lexsort((micro_key, rank, step_of))
+    micro = np.arange(m, dtype=np.int64) % grad_accum
+    return Layout(order, step_of[order], rank[order], micro, warmup_steps, missing)
+
+
+def _warmup_steps(mb: Microbatches, slots: int):
+    """Same shape per step: the first step of every shape (largest T first) moves to the front."""
+    steps = mb.count // slots
+    sid = shape_ids(mb.seqlen[::slots], mb.batch_size[::slots])
+    t = mb.seqlen[::slots]
+    first = np.full(sid.max() + 1, -1, np.int64)
+    rev = np.arange(steps)[::-1]
+    first[sid[rev]] = rev  # first step of each shape
+    lead = first[np.argsort(-t[first], kind="stable")]
+    rest = np.setdiff1d(np.arange(steps), lead)
+    step_order = np.concatenate([lead, rest])
+    seq_index = (step_order[:, None] * slots + np.arange(slots)[None, :]).reshape(-1)
+    return seq_index, len(lead), 0
+
+
+def _warmup_micro(mb: Microbatches, dp: int, grad_accum: int, static: bool):
+    """Every rank meets every shape in the first ceil(K / grad_accum) steps: rank r's j-th warm-up
+    micro has the j-th shape (largest T first, so the allocator sees the peak early)."""
+    slots = dp * grad_accum
+    m = mb.count
+    sid = shape_ids(mb.seqlen, mb.batch_size if static else None)
+    k = int(sid.max()) + 1
+    # T of each shape id, largest first
+    t_of = np.zeros(k, np.int64)
+    t_of[sid] = mb.seqlen
+    shape_order = np.argsort(-t_of, kind="stable")
+    w = min(-(-k // grad_accum), m // slots)
+    o = stable_argsort_int(sid)
+    starts = np.searchsorted(sid[o], np.arange(k), side="left")
+    rank_in = np.arange(m) - starts[sid[o]]
+    grid = np.full((w, dp, grad_accum), -1, np.int64)
+    missing = 0
+    for j, s in enumerate(shape_order.tolist()):
+        hi = starts[s + 1] if s + 1 < k else m
+        picks = o[starts[s]:min(hi, starts[s] + dp)]
+        if j >= w * grad_accum:
+            missing += dp
+            continue
+        ws, a = divmod(j, grad_accum)
+        grid[ws, : len(picks), a] = picks
+        missing += dp - len(picks)
+    used = np.zeros(m, bool)
+    flat = grid.reshape(-1)
+    used[flat[flat >= 0]] = True
+    free = np.flatnonzero(~used)
+    holes = np.flatnonzero(flat < 0)
+    flat[holes] = free[: len(holes)]
+    used[flat] = True
+    rest = np.flatnonzero(~used)
+    # warm-up rows are listed in (step, rank, micro) order already
+    seq_index = np.concatenate([flat, rest])
+    ranks = np.tile(np.repeat(np.arange(dp), grad_accum), w)
+    micros = np.tile(np.arange(grad_accum), w * dp)
+    return seq_index, ranks, micros, w, missing

@@ -1,0 +1,106 @@
+"""Writing the plan: one Parquet file per docs/formats.md, row groups of whole steps, schema
+metadata under the key ``varlen``, written to a temporary file then renamed (atomic)."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from typing import Optional
+
+import numpy as np
+
+from ..errors import OutputError
+
+PLAN_FORMAT = "varlen-plan"
+PLAN_FORMAT_VERSION = 1
+ROW_GROUP_TARGET = 4096  # microbatches per row group (rounded to whole steps)
+DICTIONARY_COLUMNS = frozenset({"epoch", "rank", "micro", "num_samples", "seqlen", "batch_size", "lr_scale", "shape_id",
+                                "step_samples", "step_tokens"})
+
+
+def plan_schema(packed: bool, metadata: Optional[dict] = None):
+    import pyarrow as pa
+
+    fields = [
+        ("epoch", pa.int32()), ("step", pa.int64()), ("rank", pa.int32()), ("micro", pa.int32()),
+        ("sample_ids", pa.list_(pa.int64())), ("num_samples", pa.int32()), ("seqlen", pa.int32()),
+        ("batch_size", pa.int32()), ("tokens", pa.int64()), ("lr_scale", pa.float64()), ("shape_id", pa.int32()),
+        ("step_samples", pa.int64()), ("step_tokens", pa.int64()),
+    ]
+    if packed:
+        fields += [("sample_lengths", pa.list_(pa.int32())), ("sample_rows", pa.list_(pa.int32())),
+                   ("sample_starts", pa.list_(pa.int32()))]
+    schema = pa.schema(fields)
+    if metadata is not None:
+        schema = schema.with_metadata({"varlen": json.dumps(metadata, default=str)})
+    return schema
+
+
+def rows_per_group(slots: int) -> int:
+    return slots * max(1, ROW_GROUP_TARGET // slots)
+
+
+def check_output(path: str, overwrite: bool) -> None:
+    if os.path.isdir(path):
+        raise OutputError(f"output {path} is a directory; give a file name such as plan.parquet")
+    if os.path.lexists(path) and not overwrite:
+        raise OutputError(f"output {path} already exists; pass --overwrite to replace it")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise OutputError(f"cannot write {path}: directory {parent} does not exist")
+
+
+def write_plan(path: str, overwrite: bool, cols: dict, offsets: np.ndarray, items: dict, metadata: dict,
+               slots: int) -> None:
+    """``cols``: per-row numpy arrays; ``offsets`` (rows + 1) and ``items`` (``sample_ids`` and, for
+    packed plans, ``sample_lengths``/``sample_rows``/``sample_starts``) the list columns as CSR."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    check_output(path, overwrite)
+    packed = "sample_lengths" in items
+    schema = plan_schema(packed, metadata)
+    path = os.path.abspath(path)
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.varlen-tmp-{uuid.uuid4().hex[:8]}")
+    n = len(offsets) - 1
+    group = rows_per_group(slots)
+    types = {f.name: f.type for f in schema}
+    try:
+        # dictionary-encode the low-cardinality columns only (trying it on sample ids costs 2x the write)
+        dict_cols = [c for c in schema.names if c in DICTIONARY_COLUMNS]
+        with pq.ParquetWriter(tmp, schema, compression="zstd", compression_level=1, use_dictionary=dict_cols) as w:
+            for lo in range(0, max(n, 1), group):
+                hi = min(n, lo + group)
+                a, b = int(offsets[lo]), int(offsets[hi])
+                local = (offsets[lo:hi + 1] - a).astype(np.int32)
+                arrays = []
+                for name in schema.names:
+                    if name in items:
+                        values = pa.array(items[name][a:b], type=types[name].value_type)
+                        arrays.append(pa.ListArray.from_arrays(pa.array(local, pa.int32()), values))
+                    else:
+                        arrays.append(pa.array(cols[name][lo:hi], type=types[name]))
+                w.write_table(pa.Table.from_arrays(arrays, schema=schema))
+        check_output(path, overwrite)  # another process may have created it meanwhile
+        os.replace(tmp, path)
+    except OSError as exc:
+        _remove(tmp)
+        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def read_plan_metadata(path: str) -> dict:
+    import pyarrow.parquet as pq
+
+    md = pq.read_schema(path).metadata or {}
+    return json.loads(md[b"varlen"])
