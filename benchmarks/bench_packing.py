@@ -98,9 +98,22 @@ def run_varlen(lengths, T, cap, order):
             "seconds": secs}
 
 
-def run_next_fit(lengths, T, cap):
-    from varlen_cli.packing import next_fit
+def next_fit(lengths, seq_len, max_per_row=None):
+    """Next-fit in input order (streaming packers without splitting): the row of each sample.
+    Sequential by nature, so a plain loop over samples."""
+    cap = max_per_row or (1 << 62)
+    rows = np.empty(len(lengths), dtype=np.int64)
+    row, used, cnt = 0, 0, 0
+    for i, L in enumerate(np.asarray(lengths, dtype=np.int64).tolist()):
+        if used + L > seq_len or cnt >= cap:
+            row, used, cnt = row + 1, 0, 0
+        rows[i] = row
+        used += L
+        cnt += 1
+    return rows
 
+
+def run_next_fit(lengths, T, cap):
     t0 = time.perf_counter()
     rows = next_fit(lengths, T, cap)
     secs = time.perf_counter() - t0

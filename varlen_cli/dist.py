@@ -239,6 +239,11 @@ def launch(entry: Callable[[Any], Any], config: Any, nproc: int, cleanup: Sequen
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    # spawn is safe in any process (threads, CUDA, tokenizer pools); the command line asks for fork
+    # (see cli.main), which starts workers ~2x faster because they need not import torch again.
+    start_method = os.environ.get("VARLEN_START_METHOD", "spawn")
+    if start_method not in ("spawn", "fork", "forkserver"):
+        raise UsageError(f"VARLEN_START_METHOD must be spawn, fork or forkserver, not {start_method!r}")
     error_dir = tempfile.mkdtemp(prefix="varlen-launch-")
     threads = str(max(1, (os.cpu_count() or 1) // nproc))
     worker_env = {"OMP_NUM_THREADS": threads, "RAYON_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "true",
@@ -252,7 +257,7 @@ def launch(entry: Callable[[Any], Any], config: Any, nproc: int, cleanup: Sequen
         rdzv_endpoint="127.0.0.1:0",
         max_restarts=0,
         monitor_interval=0.05,
-        start_method="spawn",
+        start_method=start_method,
         local_addr="127.0.0.1",
         logs_specs=DefaultLogsSpecs(log_dir=os.path.join(error_dir, "logs")),
     )

@@ -20,8 +20,8 @@ Algorithm: global best-fit decreasing (BFD), exact, vectorised by distinct lengt
   Python loop runs once per distinct length and per bucket touched, never per sample. A row that
   is full (``r == 0``) or has ``max_per_row`` samples leaves the buckets.
 * Cost: O(N log N) for the sort plus O(D log T + N) for the placement, D <= seq_len distinct
-  lengths: about 0.5-1.5 s per 1M samples on one core, up to ~5 s when the cap fallback below
-  runs (see ``benchmarks/packing.md``).
+  lengths: about 0.2-0.9 s per 1M samples on one core, 0.5-2.2 s under a cap, 5-11 s when the
+  cap fallback below runs (see ``benchmarks/packing.md``).
 * With ``max_per_row``, plain BFD fills rows with a few long items and leaves the shortest ones to
   the last rows, hundreds per row. :func:`_repair_cap` packs without the cap and then swaps: ``j``
   short items of a crowded row (``s`` tokens) trade places with one item of exactly ``s`` tokens
@@ -697,20 +697,3 @@ def pack(lengths: np.ndarray, seq_len: int, *, max_per_row: Optional[int] = None
         max_per_row=int(max_per_row) if max_per_row is not None else None, order=order, num_samples=n,
         num_split=num_split, window=int(window) if order == "curriculum" else None,
         seconds=time.perf_counter() - t0)
-
-
-def next_fit(lengths: np.ndarray, seq_len: int, max_per_row: Optional[int] = None) -> np.ndarray:
-    """Baseline: next-fit in input order (what streaming packers such as ``group_texts`` without
-    splitting do). Returns the row of each sample. Sequential, so it runs a tight loop over samples:
-    for benchmarks only."""
-    lens = np.asarray(lengths, dtype=np.int64).tolist()
-    cap = max_per_row or NO_CAP
-    rows = []
-    row, used, cnt = 0, 0, 0
-    for L in lens:
-        if used + L > seq_len or cnt >= cap:
-            row, used, cnt = row + 1, 0, 0
-        rows.append(row)
-        used += L
-        cnt += 1
-    return np.asarray(rows, dtype=np.int64)

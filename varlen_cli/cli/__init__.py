@@ -98,6 +98,10 @@ def click_module():
 def main() -> None:
     """Entry point: typer's own usage errors also become one line on stderr with exit code 2."""
     exceptions = click_module().exceptions
+    # A fresh command-line process holds no threads, CUDA context or tokenizer pool yet, so `--nproc`
+    # workers can be forked (about twice as fast to start as spawned ones, which re-import torch).
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("VARLEN_START_METHOD", "fork")
     try:
         code = app(standalone_mode=False)
     except typer.Exit as exc:  # older typer/click raise it instead of returning the code

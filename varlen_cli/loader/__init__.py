@@ -21,13 +21,15 @@ from typing import Any, Callable, Optional, Union
 
 from .collate import IGNORE_INDEX, PadCollate, PlanDataset, Samples, causal_padding_mask, pad_collate
 from .lr import VariableBatchSizeLR
+from .packed import PackedCollate, PackedLayoutError, block_causal_mask, collate_packed, packed_layout
 from .plan_file import Microbatch, Plan, PlanError
 from .sampler import MicrobatchIndices, PlanBatchSampler, resolve_rank
 
 __all__ = [
-    "IGNORE_INDEX", "Microbatch", "MicrobatchIndices", "PadCollate", "Plan", "PlanBatchSampler", "PlanDataset",
-    "PlanError", "Samples", "VariableBatchSizeLR", "causal_padding_mask", "dataloader_for_plan", "pad_collate",
-    "resolve_rank",
+    "IGNORE_INDEX", "Microbatch", "MicrobatchIndices", "PackedCollate", "PackedLayoutError", "PadCollate", "Plan",
+    "PlanBatchSampler", "PlanDataset", "PlanError", "Samples", "VariableBatchSizeLR", "block_causal_mask",
+    "causal_padding_mask", "collate_packed", "dataloader_for_plan", "packed_layout",
+    "pad_collate", "resolve_rank",
 ]
 
 
@@ -50,9 +52,7 @@ def dataloader_for_plan(dataset, plan: Union[Plan, str], rank: Optional[int] = N
     sampler = PlanBatchSampler(plan, rank, world_size, num_samples=len(dataset) if check_length else None,
                                epoch=epoch)
     if collate_fn is None:
-        if plan.packing:  # packed plans: the packed-row collate (imported only when needed)
-            from .packed import PackedCollate
-
+        if plan.packing:  # packed plans: rows of concatenated samples, cu_seqlens, position ids
             collate_fn = PackedCollate()
         else:
             collate_fn = PadCollate()
