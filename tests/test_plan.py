@@ -261,3 +261,25 @@ def test_bad_inputs(dirs, tmp_path, args, src, code, message):
     assert res.stderr.strip() == f"varlen: error: {want}" if hasattr(res, "stderr") else want in res.output
     if "--output-exists" not in args and code != 4:
         assert not out.exists()
+
+
+def test_reverse_order_survives_a_tail_split(tmp_path):
+    """Regression (found by hypothesis in CI): splitting a reverse-order microbatch for the tail must
+    keep the halves in sequence order, so steps stay non-increasing in difficulty."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from tests.plan_helpers import write_metrics
+    from varlen_cli.plan import PlanConfig, plan
+
+    lengths = np.array([0] * 9 + [1, 2])
+    src = write_metrics(str(tmp_path / "in"), lengths, sorted_by="length")
+    out = str(tmp_path / "p.parquet")
+    plan(PlanConfig(input=src, output=out, max_tokens=64, dp=1, grad_accum=2, order="reverse", max_samples=5))
+    rows = pq.read_table(out).select(["step", "sample_ids"]).to_pylist()
+    per_step = {}
+    for r in rows:
+        per_step.setdefault(r["step"], []).extend(lengths[r["sample_ids"]].tolist())
+    steps = [per_step[s] for s in sorted(per_step)]
+    assert all(min(a) >= max(b) for a, b in zip(steps, steps[1:]))
+    assert [i for r in rows for i in r["sample_ids"]] == list(range(10, -1, -1))

@@ -181,11 +181,10 @@ def form_sequence(seq: np.ndarray, lengths: np.ndarray, shape: ShapeMap, budget:
     if padded is None:
         padded = shape(lengths[seq])
     if len(padded) > 1 and bool(np.all(padded[1:] <= padded[:-1])) and not bool(np.all(padded[1:] == padded[:-1])):
-        # non-increasing (reverse order): form on the ascending sequence, then reverse everything
-        rev = seq[::-1]
+        # non-increasing (reverse order): cut the ascending sequence, then map the cuts back, so the
+        # samples inside each microbatch stay in sequence order too (a tail split keeps that order)
         off = greedy_offsets(padded[::-1], budget.cap(padded[::-1]), static)
-        mb = finalize_padded(rev, off, lengths, shape, budget, static)
-        return mb.take(np.arange(mb.count - 1, -1, -1, dtype=np.int64))
+        return finalize_padded(seq, len(seq) - off[::-1], lengths, shape, budget, static)
     off = greedy_offsets(padded, budget.cap(padded), static)
     return finalize_padded(seq, off, lengths, shape, budget, static)
 
