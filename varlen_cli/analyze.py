@@ -211,21 +211,8 @@ def _is_int(t) -> bool:
 
 def _analyze_worker(config: AnalyzeConfig) -> Optional[AnalyzeResult]:
     t0 = time.perf_counter()
-    with session(config.device) as d:
-        out = artifacts.AtomicDir(config.output, config.overwrite)
-        if d.is_main:
-            out.check()
-            out.create()
-        d.barrier()
-        try:
-            result = _analyze_in_group(config, d, out, t0)
-        except BaseException:
-            # Rank 0 removes the temporary directory (under --nproc the launcher does it as well;
-            # under torchrun nobody else would). A peer still writing then fails too.
-            if d.is_main:
-                out.abort()
-            raise
-        return result
+    with session(config.device) as d, artifacts.atomic_dir_for_group(d, config.output, config.overwrite) as out:
+        return _analyze_in_group(config, d, out, t0)
 
 
 def _analyze_in_group(config: AnalyzeConfig, d: Dist, out: artifacts.AtomicDir, t0: float):

@@ -13,8 +13,9 @@ import os
 import shutil
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import asdict, is_dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -111,6 +112,27 @@ class AtomicDir:
 
     def abort(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+@contextmanager
+def atomic_dir_for_group(d, path: str, overwrite: bool) -> Iterator[AtomicDir]:
+    """An :class:`AtomicDir` shared by every rank of ``d`` (a :class:`~varlen_cli.dist.Dist`).
+
+    Rank 0 checks the output and creates the temporary directory while the others wait; if the
+    stage fails on rank 0, rank 0 removes it (under ``--nproc`` the launcher does so as well,
+    under torchrun nobody else would). A peer still writing then fails too.
+    """
+    out = AtomicDir(path, overwrite)
+    if d.is_main:
+        out.check()
+        out.create()
+    d.barrier()
+    try:
+        yield out
+    except BaseException:
+        if d.is_main:
+            out.abort()
+        raise
 
 
 def atomic_write_json(path: str, data: Any) -> None:

@@ -195,18 +195,8 @@ class _Clock:
 
 def _sort_worker(config: SortConfig) -> Optional[SortResult]:
     t0 = time.perf_counter()
-    with session(config.device) as d:
-        out = artifacts.AtomicDir(config.output, config.overwrite)
-        if d.is_main:
-            out.check()
-            out.create()
-        d.barrier()
-        try:
-            return _sort_in_group(config, d, out, t0)
-        except BaseException:
-            if d.is_main and not d.distributed:
-                out.abort()
-            raise
+    with session(config.device) as d, artifacts.atomic_dir_for_group(d, config.output, config.overwrite) as out:
+        return _sort_in_group(config, d, out, t0)
 
 
 def _sort_in_group(config: SortConfig, d: Dist, out: artifacts.AtomicDir, t0: float) -> Optional[SortResult]:
