@@ -26,3 +26,19 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("ci", derandomize=True, deadline=None)
 settings.register_profile("dev", deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+
+def assert_user_error(result, code: int, message) -> None:
+    """A CLI result that failed as a user error: exit ``code`` and exactly one stderr line,
+    ``varlen: error: MESSAGE`` (``message`` a string to equal, or a compiled pattern to fullmatch)."""
+    import re
+
+    assert result.exit_code == code, (result.exit_code, result.output)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("varlen: error: "), result.stderr
+    got = lines[0][len("varlen: error: "):]
+    if isinstance(message, re.Pattern):
+        assert message.fullmatch(got), got
+    else:
+        assert got == message
+    assert "Traceback" not in result.output

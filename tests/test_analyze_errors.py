@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.analyze_helpers import leftovers, run, text_table, write_jsonl, write_parquet
-from tests.conftest import sample
+from tests.conftest import assert_user_error, sample
 from varlen_cli.cli import app
 from varlen_cli.errors import InputError, OutputError, UsageError
 
@@ -165,14 +165,7 @@ def test_bad_input(tmp_path, monkeypatch, case):
     args, message, code = CASES[case](work)
     out = tmp_path / "out"
     result = CliRunner().invoke(app, ["analyze", *args, "-o", str(out), "--no-progress"])
-    assert result.exit_code == code, (result.exit_code, result.output)
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("varlen: error: "), result.stderr
-    got = lines[0][len("varlen: error: "):]
-    if isinstance(message, re.Pattern):
-        assert message.fullmatch(got), got
-    else:
-        assert got == message
+    assert_user_error(result, code, message)
     assert result.stdout == ""
     assert leftovers(tmp_path) == []  # neither the output nor its temporary directory
 

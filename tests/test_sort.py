@@ -11,6 +11,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
+from tests.conftest import assert_user_error
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
@@ -346,14 +348,7 @@ def test_bad_input(tmp_path, case):
     args, message, code = CASES[case](tmp_path)
     out = tmp_path / "out"
     result = CliRunner().invoke(app, ["sort", *args, "-o", str(out), "--no-progress"])
-    assert result.exit_code == code, (result.exit_code, result.output)
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("varlen: error: "), result.stderr
-    got = lines[0][len("varlen: error: "):]
-    if isinstance(message, re.Pattern):
-        assert message.fullmatch(got), got
-    else:
-        assert got == message
+    assert_user_error(result, code, message)
     assert result.stdout == ""
     assert not os.path.lexists(out) and not any(n.startswith(".out") for n in os.listdir(tmp_path))
 
