@@ -61,3 +61,25 @@ def test_run_refuses_existing_output_and_unknown_stage_option(tmp_path):
         run(RunConfig(sources=(sample("tokenized.parquet"),), output=str(out)))
     with pytest.raises(UsageError, match="unknown plan option"):
         run(RunConfig(sources=(sample("tokenized.parquet"),), output=str(tmp_path / "x"), plan={"budget": 3}))
+
+
+def test_stages_under_torchrun_match_one_process(tmp_path):
+    """`torchrun -m varlen_cli STAGE`: the launcher's environment path (not --nproc) gives the same
+    artifacts as one in-process worker; a user error is reported with the failing rank."""
+    env = dict(os.environ, VARLEN_NO_PROGRESS="1", OMP_NUM_THREADS="1")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "-m", "varlen_cli"]
+    src = sample("text.jsonl")
+    steps = [["analyze", src, "-o", str(tmp_path / "m2"), "--length", "words:text"],
+             ["sort", str(tmp_path / "m2"), "-o", str(tmp_path / "s2"), "--ties", "shuffle", "--seed", "3"]]
+    for args in steps:
+        proc = subprocess.run(torchrun + args, capture_output=True, text=True, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    assert _cli("analyze", src, "-o", str(tmp_path / "m1"), "--length", "words:text").returncode == 0
+    assert _cli("sort", str(tmp_path / "m1"), "-o", str(tmp_path / "s1"), "--ties", "shuffle", "--seed", "3").returncode == 0
+    assert len(os.listdir(tmp_path / "m2")) == 3  # two parts and the manifest
+    assert pq.read_table(tmp_path / "m1").equals(pq.read_table(tmp_path / "m2"))
+    assert pq.read_table(tmp_path / "s1").equals(pq.read_table(tmp_path / "s2"))
+    proc = subprocess.run(torchrun + steps[1], capture_output=True, text=True, env=env)  # output exists now
+    assert proc.returncode != 0
+    assert "varlen: error: [rank 0] output" in proc.stderr and "already exists; pass --overwrite" in proc.stderr

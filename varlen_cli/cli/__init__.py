@@ -57,7 +57,9 @@ def run_command(fn: Callable[[Any], Any], config: Any) -> Any:
             worker_tb = getattr(exc, "worker_traceback", None)
             if worker_tb:
                 sys.stderr.write("worker traceback:\n" + worker_tb)
-        sys.stderr.write(f"varlen: error: {exc.message}\n")
+        # Under torchrun every rank runs this; say which one failed (the others may only be its victims).
+        rank = f"[rank {os.environ.get('RANK')}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        sys.stderr.write(f"varlen: error: {rank}{exc.message}\n")
         raise typer.Exit(exc.exit_code)
     except KeyboardInterrupt:
         sys.stderr.write("varlen: interrupted\n")
