@@ -97,7 +97,11 @@ def check_plan(path, lengths, *, max_tokens=None, dp=1, grad_accum=1, attention_
     st = {}
     for k in range(m):
         s = st.setdefault(d["step"][k], [0, 0, set()])
-        s[0] += d["num_samples"][k]
+        if packed and "sample_starts" in d:  # a split sample counts once, with its last chunk
+            ends = np.asarray(d["sample_starts"][k]) + np.asarray(d["sample_lengths"][k])
+            s[0] += int(np.count_nonzero(ends == lengths[np.asarray(ids[k], dtype=np.int64)]))
+        else:
+            s[0] += d["num_samples"][k]
         s[1] += d["tokens"][k]
         s[2].add(d["lr_scale"][k])
     for k in range(m):

@@ -124,3 +124,19 @@ def test_inspect_metrics_plan_and_step(made):
     assert json.loads(out.output)["metadata"]["dp"] == 2
     out = runner.invoke(app, ["inspect", plan_path, "--step", "100000"])
     assert out.exit_code == 2 and "outside the plan's steps" in out.output
+
+
+def test_split_samples_count_once_in_step_samples(made, tmp_path):
+    """--split-long: a sample cut into chunks counts once in step_samples (with its last chunk), so a
+    trainer's step_tokens - step_samples is exactly the step's next-token targets."""
+    _, metrics, _ = made
+    out = str(tmp_path / "split.parquet")
+    plan(PlanConfig(input=metrics, output=out, packing=True, seq_len=128, split_long=True, dp=2, grad_accum=1))
+    t = pq.read_table(out)
+    steps = t.column("step").to_numpy()
+    first_row_of_step = np.flatnonzero(np.r_[True, steps[1:] != steps[:-1]])
+    ids = [i for row in t.column("sample_ids").to_pylist() for i in row]
+    assert len(ids) > 2000  # some of the 2,000 samples (up to 404 tokens) were split
+    assert int(t.column("step_samples").to_numpy()[first_row_of_step].sum()) == 2000
+    result = validate(ValidateConfig(out, metrics=metrics))
+    assert result.ok, [c.detail for c in result.violations]

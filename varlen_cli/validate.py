@@ -320,11 +320,26 @@ def _check_shapes(c: dict, meta: dict, pcfg: dict) -> Check:
     return Check("shapes", True, f"{distinct_t} distinct seqlens, {len(shapes)} shapes")
 
 
+def _completed(c: dict) -> np.ndarray:
+    """Samples each microbatch completes: its entries, except the non-final chunks of split samples
+    (a split sample counts once per epoch, in the microbatch with its last chunk)."""
+    if "flat_sample_starts" not in c or not len(c["flat_ids"]):
+        return c["num_samples"]
+    ids, parent = c["flat_ids"], c["flat_parent"]
+    key = c["epoch"][parent].astype(np.int64) * (int(ids.max()) + 1) + ids
+    order = np.lexsort((c["flat_sample_starts"], key))
+    last = np.ones(len(order), dtype=bool)
+    last[:-1] = key[order][1:] != key[order][:-1]
+    final = np.zeros(len(key), dtype=bool)
+    final[order[last]] = True
+    return np.bincount(parent, weights=final, minlength=len(c["step"]))
+
+
 def _check_step_totals(c: dict) -> Check:
     if "step_samples" not in c or "step_tokens" not in c:
         return Check("step totals", True, "no step_samples/step_tokens columns", skipped=True)
     step = c["step"]
-    samples = np.bincount(step, weights=c["num_samples"])
+    samples = np.bincount(step, weights=_completed(c))
     tokens = np.bincount(step, weights=c["tokens"])
     bad = (samples[step] != c["step_samples"]) | (tokens[step] != c["step_tokens"])
     if bad.any():
@@ -337,7 +352,7 @@ def _check_lr(c: dict, meta: dict) -> Check:
     by = meta.get("lr_scale_by", meta.get("config", {}).get("lr_scale_by", "samples"))
     base = meta.get("base_batch_size")
     step = c["step"]
-    per_step = np.bincount(step, weights=c["tokens"] if by == "tokens" else c["num_samples"])[step]
+    per_step = np.bincount(step, weights=c["tokens"] if by == "tokens" else _completed(c))[step]
     if mode == "none":
         want = np.ones(len(step))
     else:

@@ -309,7 +309,8 @@ def plan(config: PlanConfig) -> PlanResult:
 
 def _finish(c, manifest, sample_id, length, epochs, tail_dropped, long_pos, packing_stats, rows_per_mb, budget,
             shape, slots, t0, fixed_batch=None) -> PlanResult:
-    cols = {k: [] for k in ("epoch", "step", "rank", "micro", "num_samples", "seqlen", "batch_size", "tokens", "cost")}
+    cols = {k: [] for k in ("epoch", "step", "rank", "micro", "num_samples", "seqlen", "batch_size", "tokens", "cost",
+                            "completed")}
     items = {"sample_ids": [], "sample_lengths": [], "sample_rows": [], "sample_starts": []}
     counts_all = []
     steps_per_epoch, samples_per_epoch = [], []
@@ -331,6 +332,14 @@ def _finish(c, manifest, sample_id, length, epochs, tail_dropped, long_pos, pack
         cols["tokens"].append(mb.tokens)
         cols["cost"].append(cost)
         items["sample_ids"].append(sample_id[mb.samples])
+        # Samples each microbatch completes: every entry, except the non-final chunks of a split
+        # sample (a split sample counts once, where its last token is), for step_samples.
+        if c.packing and c.split_long and len(mb.samples):
+            final = mb.item_start + mb.item_length == length[mb.samples]
+            parent = np.repeat(np.arange(mb.count), np.diff(mb.offsets))
+            cols["completed"].append(np.bincount(parent, weights=final, minlength=mb.count).astype(np.int64))
+        else:
+            cols["completed"].append(np.diff(mb.offsets))
         if c.packing:
             items["sample_lengths"].append(mb.item_length)
             items["sample_rows"].append(mb.item_row)
@@ -349,7 +358,7 @@ def _finish(c, manifest, sample_id, length, epochs, tail_dropped, long_pos, pack
     offsets = np.zeros(len(counts) + 1, np.int64)
     np.cumsum(counts, out=offsets[1:])
     step = col["step"].astype(np.int64)
-    step_samples = np.bincount(step, weights=counts, minlength=num_steps).astype(np.int64)
+    step_samples = np.bincount(step, weights=col["completed"], minlength=num_steps).astype(np.int64)
     step_tokens = np.bincount(step, weights=col["tokens"], minlength=num_steps).astype(np.int64)
     scales, base = lr.lr_scales(step_samples, step_tokens, c.lr_scaling, c.lr_scale_by, c.base_batch_size)
 
