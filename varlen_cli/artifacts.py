@@ -15,9 +15,7 @@ import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import asdict, is_dataclass
-from typing import Any, Iterable, Iterator, Sequence
-
-import numpy as np
+from typing import Any, Iterator, Sequence
 
 from . import __version__
 from .errors import InputError, OutputError
@@ -245,10 +243,3 @@ def write_parquet(table, path: str, row_group_size: int = 1 << 20) -> None:
     except OSError as exc:
         raise OutputError(f"cannot write {path}: {exc}") from None
 
-
-def rows_per_part(parts: Iterable[dict]) -> list[int]:
-    return [int(p["rows"]) for p in parts]
-
-
-def as_int64(values) -> np.ndarray:
-    return np.asarray(values, dtype=np.int64)

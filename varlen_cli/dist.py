@@ -98,14 +98,6 @@ class Dist:
         tdist.all_gather_object(out, obj)
         return out
 
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        if not self.distributed:
-            return obj
-        _, tdist = self._torch()
-        box = [obj]
-        tdist.broadcast_object_list(box, src=src)
-        return box[0]
-
     def all_reduce(self, array: np.ndarray, op: str = "sum") -> np.ndarray:
         """Element-wise sum, max or min of a numeric array over all ranks."""
         array = np.ascontiguousarray(array)
@@ -126,21 +118,6 @@ class Dist:
         out = [self._to_device(torch.zeros(1, dtype=torch.int64)) for _ in range(self.world_size)]
         tdist.all_gather(out, mine)
         return np.array([int(t.item()) for t in out], dtype=np.int64)
-
-    def all_gather_array(self, array: np.ndarray) -> list[np.ndarray]:
-        """Every rank's 1-D array (lengths may differ), in rank order."""
-        array = np.ascontiguousarray(array)
-        if not self.distributed:
-            return [array]
-        torch, tdist = self._torch()
-        sizes = self.all_gather_int(len(array))
-        width = int(sizes.max()) if len(sizes) else 0
-        padded = np.zeros(width, dtype=array.dtype)
-        padded[: len(array)] = array
-        mine = self._to_device(torch.from_numpy(padded))
-        out = [self._to_device(torch.zeros(width, dtype=mine.dtype)) for _ in range(self.world_size)]
-        tdist.all_gather(out, mine)
-        return [t.cpu().numpy()[: int(n)] for t, n in zip(out, sizes)]
 
     # -- whole-job progress ------------------------------------------------------------------
     def _progress_store(self):
