@@ -26,10 +26,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from varlen_cli.analyze import AnalyzeConfig, _Work, _float_stats, _write_part, analyze  # noqa: E402
-from varlen_cli.dist import Dist  # noqa: E402
-from varlen_cli.sources import Reader, discover, make_units  # noqa: E402
-from varlen_cli.stats import distribution  # noqa: E402
+from varlen_cli.analyze.core import AnalyzeConfig, _float_stats, _Work, _write_part, analyze  # noqa: E402
+from varlen_cli.analyze.sources import Reader, discover, make_units  # noqa: E402
+from varlen_cli.analyze.stats import distribution  # noqa: E402
+from varlen_cli.runtime.dist import Dist  # noqa: E402
 
 
 def median_time(fn, repeats: int) -> float:
@@ -81,7 +81,7 @@ def phases(config: AnalyzeConfig, out_file: str) -> dict:
     t1 = time.perf_counter()
     lengths, diffs = [], []
     for u, t in zip(units, tables):
-        from varlen_cli.lengths import compute_lengths
+        from varlen_cli.analyze.lengths import compute_lengths
 
         n = compute_lengths(t.column(work.length.column), work.length, "", None, True, config.frames_per_second)
         lengths.append(n)

@@ -69,8 +69,8 @@ def overhead(args) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
     import torch
-
     from tiny_lm import TinyGPT, loss_sum
+
     from varlen_cli.loader import Plan, dataloader_for_plan
 
     torch.set_num_threads(args.threads)
@@ -154,8 +154,8 @@ def overhead(args) -> None:
 def _variant(args) -> None:
     """One variant in this process; prints one JSON line."""
     import torch
-
     from tiny_lm import TinyGPT, TokenDataset, loss_sum
+
     from varlen_cli.loader import PadCollate, Plan, dataloader_for_plan
 
     torch.set_num_threads(args.threads)

@@ -1,4 +1,4 @@
-"""Benchmark padding-free packing (``varlen_cli.packing.pack``) against other packers, same inputs.
+"""Benchmark padding-free packing (``varlen_cli.plan.packing.pack``) against other packers, same inputs.
 
 For each length distribution (synthetic, and the Debian corpora tokenised when
 ``benchmarks/corpora.py`` can build them) and each ``--max-per-row`` cap it packs the same
@@ -88,7 +88,7 @@ def corpus_lengths(name: str, work: str, n: int) -> np.ndarray | None:
 # ---- packers -----------------------------------------------------------------------------------
 
 def run_varlen(lengths, T, cap, order):
-    from varlen_cli.packing import pack
+    from varlen_cli.plan.packing import pack
 
     t0 = time.perf_counter()
     p = pack(lengths, T, max_per_row=cap, order=order, seed=0, drop_long=True)

@@ -52,7 +52,7 @@ def write_metrics_dir(path: str, lengths: np.ndarray, sorted_by_length: bool = F
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from varlen_cli import artifacts
+    from varlen_cli.runtime import artifacts
 
     ids = np.arange(len(lengths), dtype=np.int64)
     if sorted_by_length:
@@ -92,9 +92,9 @@ def _child_plan(args) -> None:
     """Run one plan in this (fresh) process; print seconds and peak RSS as JSON."""
     import resource
 
-    from varlen_cli.plan import PlanConfig, plan
-
     import pyarrow.parquet  # noqa: F401  (imported before timing: the plan's own work is measured)
+
+    from varlen_cli.plan import PlanConfig, plan
 
     cfg = json.loads(args.config)
     # machine-speed reference in the same process: sort 1M random int64 (median of 3)

@@ -61,7 +61,7 @@ def make_metrics(path: str, rows: int, parts: int, seed: int = 0) -> None:
     import pyarrow.parquet as pq
 
     sys.path.insert(0, ROOT)
-    from varlen_cli import artifacts
+    from varlen_cli.runtime import artifacts
 
     os.makedirs(path, exist_ok=True)
     rng = np.random.default_rng(seed)

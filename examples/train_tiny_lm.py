@@ -39,8 +39,8 @@ if ROOT not in sys.path:
     sys.path.insert(1, ROOT)
 
 import torch  # noqa: E402
-
 from tiny_lm import TinyGPT, TokenDataset, loss_sum, warmup_cosine  # noqa: E402
+
 from varlen_cli.loader import PadCollate, Plan, VariableBatchSizeLR, dataloader_for_plan  # noqa: E402
 
 

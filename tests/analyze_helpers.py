@@ -11,8 +11,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from varlen_cli import artifacts
 from varlen_cli.analyze import AnalyzeConfig, analyze
+from varlen_cli.runtime import artifacts
 
 WORDS = ["alpha", "béta", "gamma", "δέλτα", "ε", "zeta", "eta", "théta", "iota", "kappa", "日本語", "x"]
 

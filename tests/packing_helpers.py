@@ -6,7 +6,7 @@ import numpy as np
 
 
 def check_packing(p, lengths, seq_len, max_per_row=None, split_long=False, drop_long=False):
-    """Assert every invariant of a :class:`varlen_cli.packing.Packing` against its input."""
+    """Assert every invariant of a :class:`varlen_cli.plan.packing.Packing` against its input."""
     lengths = np.asarray(lengths, dtype=np.int64)
     n = len(lengths)
     assert p.seq_len == seq_len and p.num_samples == n

@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from varlen_cli import artifacts
+from varlen_cli.runtime import artifacts
 
 
 def write_metrics(path, lengths, difficulty=None, *, sorted_by=None, parts=1, split_points=None, descending=False):

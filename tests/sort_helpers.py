@@ -11,8 +11,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from varlen_cli import artifacts
-from varlen_cli import sortkeys as sk
+from varlen_cli.runtime import artifacts
+from varlen_cli.sort import keys as sk
 
 
 def write_metrics(path, columns: dict, parts=1, row_group_size: int = 1000, schema: pa.Schema | None = None,
@@ -176,10 +176,11 @@ def sort_many(configs: list) -> list:
     created here so that every sort reuses it), to keep multi-process tests fast."""
     import torch.distributed as tdist
 
-    from varlen_cli.sort import _sort_worker
+    from varlen_cli.runtime.executor import run_in_session
+    from varlen_cli.sort import run_in_group
 
     tdist.init_process_group("gloo")
     try:
-        return [_sort_worker(c) for c in configs]
+        return [run_in_session(run_in_group, c) for c in configs]
     finally:
         tdist.destroy_process_group()

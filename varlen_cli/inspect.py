@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 
-from . import artifacts
 from .errors import InputError, UsageError
+from .runtime import artifacts
 from .validate import read_plan_metadata
 
 SERIES_BINS = 48
@@ -23,7 +22,7 @@ SPARK = " ▁▂▃▄▅▆▇█"
 @dataclass(frozen=True)
 class InspectConfig:
     path: str
-    step: Optional[int] = None
+    step: int | None = None
 
 
 def inspect_artifact(config: InspectConfig) -> dict:
@@ -129,7 +128,7 @@ def render(info: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from .report import _fmt, histogram_lines
+    from .cli.report import _fmt, histogram_lines
 
     console = Console()
     if info["kind"] != "plan":

@@ -17,12 +17,14 @@ import os
 import shutil
 import time
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Optional
+from typing import Any
 
-from . import artifacts
-from .analyze import AnalyzeConfig, _analyze_worker
-from .dist import run_distributed, session
-from .errors import UsageError
+from . import analyze as analyze_stage
+from .analyze import AnalyzeConfig
+from .errors import OutputError, UsageError
+from .runtime import artifacts
+from .runtime.dist import run_distributed, session
+from .runtime.executor import run_in_session
 
 SORTED_ORDERS = ("curriculum", "reverse")
 AUTO_MIN_BUDGET = 16384
@@ -56,7 +58,7 @@ class RunResult:
     analyze: Any
     sort: Any
     plan: Any
-    auto_max_tokens: Optional[int]
+    auto_max_tokens: int | None
     seconds: float
 
 
@@ -91,28 +93,27 @@ def stage_configs(config: RunConfig):
     return a, s, p
 
 
-def run(config: RunConfig) -> Optional[RunResult]:
+def run(config: RunConfig) -> RunResult | None:
     """Run the pipeline; returns the result on rank 0 (None on other ranks)."""
     if not config.sources:
         raise UsageError("give at least one SOURCE")
-    from .analyze import _check_config as check_analyze
-    from .plan.core import check_config as check_plan
-    from .sort import _check_config as check_sort
+    from . import plan as plan_stage
+    from . import sort as sort_stage
 
     a, s, p = stage_configs(config)  # checks the option names early
-    check_analyze(a)
+    analyze_stage.check(a)
     if s is not None:
-        check_sort(s)
+        sort_stage.check(s)
     if p.max_tokens is not None or p.packing:
-        check_plan(p)
+        plan_stage.check(p)
     artifacts.check_output_free(config.output, config.overwrite)
     out = os.path.abspath(config.output)
     return run_distributed(_run_worker, replace(config, nproc=1), config.nproc, cleanup=[out])
 
 
-def _run_worker(config: RunConfig) -> Optional[RunResult]:
+def _run_worker(config: RunConfig) -> RunResult | None:
+    from . import sort as sort_stage
     from .plan import plan as make_plan
-    from .sort import _sort_worker
 
     t0 = time.perf_counter()
     out = os.path.abspath(config.output)
@@ -124,13 +125,11 @@ def _run_worker(config: RunConfig) -> Optional[RunResult]:
             try:
                 os.makedirs(out)
             except OSError as exc:
-                from .errors import OutputError
-
                 raise OutputError(f"cannot create output directory {out}: {exc.strerror}") from None
         d.barrier()
         try:
-            analyzed = _analyze_worker(a)
-            sorted_ = _sort_worker(s) if s is not None else None
+            analyzed = run_in_session(analyze_stage.run_in_group, a)
+            sorted_ = run_in_session(sort_stage.run_in_group, s) if s is not None else None
             result = None
             if d.is_main:
                 auto = None

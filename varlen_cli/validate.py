@@ -9,12 +9,11 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Optional
 
 import numpy as np
 
-from . import artifacts
 from .errors import InputError
+from .runtime import artifacts
 
 PLAN_FORMAT = "varlen-plan"
 REQUIRED_COLUMNS = ("epoch", "step", "rank", "micro", "sample_ids", "num_samples", "seqlen", "batch_size", "tokens",
@@ -27,7 +26,7 @@ class ValidateConfig:
     """Options of ``varlen validate``."""
 
     plan: str
-    metrics: Optional[str] = None
+    metrics: str | None = None
 
 
 @dataclass

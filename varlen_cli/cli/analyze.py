@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-from typing import List, Optional
-
 import typer
 
 from varlen_cli.cli import common
 
 
 def analyze_command(
-    sources: List[str] = typer.Argument(..., metavar="SOURCE", help="Parquet/Arrow/JSONL/text files, directories, globs, or a Hugging Face save_to_disk directory; rows are numbered over the files in sorted path order.", show_default=False),
+    sources: list[str] = typer.Argument(..., metavar="SOURCE", help="Parquet/Arrow/JSONL/text files, directories, globs, or a Hugging Face save_to_disk directory; rows are numbered over the files in sorted path order.", show_default=False),
     output: str = typer.Option(..., "-o", "--output", help="Metrics directory to write (part-*.parquet + _manifest.json), atomically.", show_default=False),
     length: str = typer.Option("auto", "--length", help="KIND:COLUMN with KIND list, tokens, chars, bytes, words or value; 'auto' picks a list column input_ids/tokens/token_ids, then text (tokens with --tokenizer, else chars), then num_tokens/length/duration."),
-    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="tokenizer.json for --length tokens:COLUMN (truncation and padding are switched off).", show_default=False),
+    tokenizer: str | None = typer.Option(None, "--tokenizer", help="tokenizer.json for --length tokens:COLUMN (truncation and padding are switched off).", show_default=False),
     special_tokens: bool = typer.Option(True, "--special-tokens/--no-special-tokens", help="Count the tokenizer's special tokens (BOS/EOS, CLS/SEP)."),
-    frames_per_second: Optional[float] = typer.Option(None, "--frames-per-second", help="With --length value:COLUMN in seconds: frames = ceil(seconds x F).", show_default=False),
+    frames_per_second: float | None = typer.Option(None, "--frames-per-second", help="With --length value:COLUMN in seconds: frames = ceil(seconds x F).", show_default=False),
     difficulty: str = typer.Option("length", "--difficulty", help="Curriculum key: length, value:COLUMN, vocab-rarity, or MODULE:FUNCTION (RecordBatch -> one value per row)."),
     nproc: int = common.NPROC,
     device: str = common.DEVICE,
@@ -23,8 +21,8 @@ def analyze_command(
     progress: bool = common.PROGRESS,
 ) -> None:
     """Compute each sample's length and difficulty, distributed over workers."""
-    from varlen_cli import report
     from varlen_cli.analyze import AnalyzeConfig, analyze
+    from varlen_cli.cli import report
 
     config = AnalyzeConfig(
         sources=tuple(sources), output=output, length=length, tokenizer=tokenizer, special_tokens=special_tokens,

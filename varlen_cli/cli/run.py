@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import inspect
 import typing
-from typing import List
 
 import typer
 
@@ -44,7 +43,7 @@ def _stage_params():
 _PER_STAGE, _MERGED = _stage_params()
 
 
-def run_command(sources: List[str], output: str, **options) -> None:
+def run_command(sources: list[str], output: str, **options) -> None:
     from varlen_cli.run import RunConfig, run
 
     stage_opts = {stage: {k: options[k] for k in names} for stage, names in _PER_STAGE.items()}
@@ -60,7 +59,7 @@ def run_command(sources: List[str], output: str, **options) -> None:
 
 
 def print_run(result) -> None:
-    from varlen_cli import report
+    from varlen_cli.cli import report
     from varlen_cli.plan.stats import print_summary
 
     report.print_analyze(result.analyze)
@@ -76,7 +75,7 @@ def print_run(result) -> None:
 
 _SIGNATURE = inspect.Signature(
     [
-        inspect.Parameter("sources", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=List[str],
+        inspect.Parameter("sources", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=list[str],
                           default=typer.Argument(..., help="Sources, as for `varlen analyze`: files, directories, globs.", show_default=False)),
         inspect.Parameter("output", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=str,
                           default=typer.Option(..., "-o", "--output", help="Output directory: metrics/, sorted/ (when the order needs it), plan.parquet, _run.json.", show_default=False)),

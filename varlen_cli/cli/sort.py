@@ -37,7 +37,7 @@ def print_sort(result) -> None:
     """The summary table: rows, rows per worker, balance, seconds per phase."""
     from rich.table import Table
 
-    from varlen_cli import report
+    from varlen_cli.cli import report
 
     o = result.order
     rows = result.rows_per_worker

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 
 from varlen_cli.cli import common
@@ -11,7 +9,7 @@ from varlen_cli.cli import common
 
 def validate_command(
     plan: str = typer.Argument(..., help="Plan Parquet file written by `varlen plan`.", show_default=False),
-    metrics: Optional[str] = typer.Option(None, "--metrics", help="Metrics or sorted directory the plan was built from: also checks the fingerprint, seqlens and token counts.", show_default=False),
+    metrics: str | None = typer.Option(None, "--metrics", help="Metrics or sorted directory the plan was built from: also checks the fingerprint, seqlens and token counts.", show_default=False),
     json_output: bool = typer.Option(False, "--json", help="Print the checks as JSON instead of a table."),
 ) -> None:
     """Re-check every invariant of a plan; exit 0 only when all hold (6 when any is violated)."""

@@ -17,7 +17,8 @@ See ``docs/loader.md``.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any, Optional, Union
 
 from .collate import IGNORE_INDEX, PadCollate, PlanDataset, Samples, causal_padding_mask, pad_collate
 from .lr import VariableBatchSizeLR
@@ -33,8 +34,8 @@ __all__ = [
 ]
 
 
-def dataloader_for_plan(dataset, plan: Union[Plan, str], rank: Optional[int] = None,
-                        world_size: Optional[int] = None, collate_fn: Optional[Callable[[Any], Any]] = None,
+def dataloader_for_plan(dataset, plan: Plan | str, rank: int | None = None,
+                        world_size: int | None = None, collate_fn: Callable[[Any], Any] | None = None,
                         num_workers: int = 0, pin_memory: bool = False, epoch: int = 0, check_length: bool = True,
                         **kwargs):
     """A ``DataLoader`` over ``dataset`` that yields this rank's microbatches of ``plan``, collated.

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -15,9 +16,9 @@ IGNORE_INDEX = -100
 class Samples(list):
     """The dataset items of one microbatch, with the plan row as ``.info`` (see :class:`PlanDataset`)."""
 
-    info: Optional[Microbatch]
+    info: Microbatch | None
 
-    def __init__(self, items, info: Optional[Microbatch] = None):
+    def __init__(self, items, info: Microbatch | None = None):
         super().__init__(items)
         self.info = info
 
@@ -53,7 +54,7 @@ def _as_array(item: Any, key: str) -> np.ndarray:
     return np.asarray(item).reshape(-1)
 
 
-def causal_padding_mask(lengths, seqlen: int, batch_size: Optional[int] = None) -> torch.Tensor:
+def causal_padding_mask(lengths, seqlen: int, batch_size: int | None = None) -> torch.Tensor:
     """A ``B x T x T`` boolean mask (True = may attend): causal, and keys limited to real tokens.
 
     Padding positions (and every position of a padding row) attend to themselves only, so that
@@ -105,7 +106,7 @@ class PadCollate:
         self.dtype = dtype
 
     def __call__(self, samples: Sequence[Any]) -> dict:
-        info: Optional[Microbatch] = getattr(samples, "info", None)
+        info: Microbatch | None = getattr(samples, "info", None)
         arrays = [_as_array(item, self.key) for item in samples]  # one per sample of the microbatch
         lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
         n = len(arrays)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -21,7 +22,7 @@ class VariableBatchSizeLR:
     it after the optimizer's state (it rewrites the param groups' ``lr``).
     """
 
-    def __init__(self, scheduler_or_optimizer: Any, plan: Union[Plan, Sequence[float], np.ndarray],
+    def __init__(self, scheduler_or_optimizer: Any, plan: Plan | Sequence[float] | np.ndarray,
                  start_step: int = 0):
         if hasattr(scheduler_or_optimizer, "param_groups"):
             self.optimizer, self.scheduler = scheduler_or_optimizer, None
@@ -35,7 +36,7 @@ class VariableBatchSizeLR:
         self._unscaled = [float(g["lr"]) for g in self.optimizer.param_groups]
         self._apply()
 
-    def scale(self, step: Optional[int] = None) -> float:
+    def scale(self, step: int | None = None) -> float:
         """The plan's ``lr_scale`` at ``step`` (default: the current step); 1.0 past the plan's end."""
         step = self.step_index if step is None else step
         return float(self.scales[step]) if 0 <= step < len(self.scales) else 1.0

@@ -25,7 +25,8 @@ Imports only numpy and torch.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -112,7 +113,7 @@ def packed_layout(sample_lengths, sample_rows, seq_len: int, rows: int) -> dict:
     }
 
 
-def block_causal_mask(segment_ids, *, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def block_causal_mask(segment_ids, *, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``R x T x T`` attention mask of packed rows: query ``i`` may attend key ``j`` iff both are in
     the same entry (equal non-zero segment id) and ``j <= i``. Padding queries attend to themselves
     only, so no softmax row is empty (no NaN); exclude them from the loss.

@@ -11,8 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -53,9 +53,9 @@ class Microbatch:
     shape_id: int
     step_samples: int  # real samples in the whole step (all ranks, all micros)
     step_tokens: int  # real tokens in the whole step
-    sample_lengths: Optional[np.ndarray] = None  # packed plans
-    sample_rows: Optional[np.ndarray] = None
-    sample_starts: Optional[np.ndarray] = None
+    sample_lengths: np.ndarray | None = None  # packed plans
+    sample_rows: np.ndarray | None = None
+    sample_starts: np.ndarray | None = None
 
     @property
     def position(self) -> tuple[int, int, int]:
@@ -113,9 +113,9 @@ class Plan:
         self._pf = parquet
         self.meta = meta
         self.row_groups_read = 0  # how many row groups this reader decoded (seeks read one)
-        self._group: Optional[_Group] = None
+        self._group: _Group | None = None
         self._group_index = -1
-        self._lr_scales: Optional[np.ndarray] = None
+        self._lr_scales: np.ndarray | None = None
         self.dp = int(meta.get("dp", 0))
         self.grad_accum = int(meta.get("grad_accum", 0))
         self.num_steps = int(meta.get("num_steps", 0))
@@ -126,7 +126,7 @@ class Plan:
 
     # -- opening ---------------------------------------------------------------------------
     @classmethod
-    def open(cls, path, *, num_samples: Optional[int] = None, world_size: Optional[int] = None) -> "Plan":
+    def open(cls, path, *, num_samples: int | None = None, world_size: int | None = None) -> Plan:
         """Open a plan file; with ``num_samples`` / ``world_size`` also :meth:`validate` against them."""
         path = os.fspath(path)
         if not os.path.exists(path):
@@ -230,7 +230,7 @@ class Plan:
         return bool(shapes) and all(b > 0 for b, _ in shapes)
 
     @property
-    def packing(self) -> Optional[dict]:
+    def packing(self) -> dict | None:
         return self.meta.get("packing")
 
     @property
@@ -279,7 +279,7 @@ class Plan:
                 f"steps={self.num_steps}, shapes={len(self.shapes)})")
 
     # -- validation ------------------------------------------------------------------------
-    def validate(self, num_samples: Optional[int] = None, world_size: Optional[int] = None) -> None:
+    def validate(self, num_samples: int | None = None, world_size: int | None = None) -> None:
         """Check the plan against the dataset's length and the data-parallel world size."""
         if world_size is not None and world_size != self.dp:
             raise PlanError(f"the plan was made for {self.dp} data-parallel rank(s) but the world size is "
@@ -295,7 +295,7 @@ class Plan:
         if largest is not None and largest >= num_samples:
             raise PlanError(f"the plan uses sample id {largest} but the dataset has only {int(num_samples)} samples")
 
-    def _max_sample_id(self) -> Optional[int]:
+    def _max_sample_id(self) -> int | None:
         """The largest sample id, from the row groups' statistics (no data read)."""
         md = self._pf.metadata
         path = None
@@ -349,7 +349,7 @@ class Plan:
             raise PlanError(f"rank {rank} is out of range for a plan with dp={self.dp}")
 
     def microbatches(self, rank: int, start_step: int = 0, start_micro: int = 0,
-                     stop_step: Optional[int] = None) -> Iterator[Microbatch]:
+                     stop_step: int | None = None) -> Iterator[Microbatch]:
         """This rank's microbatches from ``(start_step, start_micro)`` up to ``stop_step`` (exclusive)."""
         stop = self.num_steps if stop_step is None else min(stop_step, self.num_steps)
         micro = start_micro

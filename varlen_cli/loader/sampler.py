@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Iterator, Optional, Union
+from collections.abc import Iterator
+from typing import Any
 
 from .plan_file import Microbatch, Plan, PlanError
 
 
-def resolve_rank(rank: Optional[int] = None, world_size: Optional[int] = None) -> tuple[int, int]:
+def resolve_rank(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
     """``(rank, world_size)``: explicit arguments, else torch.distributed, else ``RANK``/``WORLD_SIZE``, else 0/1."""
     if rank is not None and world_size is not None:
         return int(rank), int(world_size)
@@ -60,15 +61,15 @@ class PlanBatchSampler:
     position ``(epoch, step, micro)``, so one rank's :meth:`state_dict` resumes every rank.
     """
 
-    def __init__(self, plan: Union[Plan, str, os.PathLike], rank: Optional[int] = None,
-                 world_size: Optional[int] = None, *, num_samples: Optional[int] = None, epoch: int = 0):
+    def __init__(self, plan: Plan | str | os.PathLike, rank: int | None = None,
+                 world_size: int | None = None, *, num_samples: int | None = None, epoch: int = 0):
         self.plan = plan if isinstance(plan, Plan) else Plan.open(plan)
         self.rank, self.world_size = resolve_rank(rank, world_size)
         self.plan.validate(num_samples=num_samples, world_size=self.world_size)
         self.plan.check_rank(self.rank)
         self.epoch = 0
-        self._resume: Optional[tuple[int, int]] = None  # (step, micro) to start the epoch at
-        self._next: Optional[tuple[int, int, int]] = None  # position after the last yielded microbatch
+        self._resume: tuple[int, int] | None = None  # (step, micro) to start the epoch at
+        self._next: tuple[int, int, int] | None = None  # position after the last yielded microbatch
         self.set_epoch(epoch)
 
     # -- epochs ----------------------------------------------------------------------------

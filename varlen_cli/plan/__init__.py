@@ -13,6 +13,6 @@ plan atomically. See ``docs/plan.md`` and ``docs/formats.md``.
 
 from __future__ import annotations
 
-from .core import ORDERS, TAILS, PlanConfig, PlanResult, plan
+from .core import ORDERS, TAILS, PlanConfig, PlanResult, check, plan
 
-__all__ = ["ORDERS", "TAILS", "PlanConfig", "PlanResult", "plan"]
+__all__ = ["ORDERS", "TAILS", "PlanConfig", "PlanResult", "check", "plan"]

@@ -8,7 +8,6 @@ this structure, so padded and packed plans share them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import numpy as np
 
@@ -23,9 +22,9 @@ class Microbatches:
     batch_size: np.ndarray  # int64 padded B per microbatch
     tokens: np.ndarray  # int64 real tokens per microbatch
     # packed plans: per entry of ``samples``
-    item_length: Optional[np.ndarray] = None
-    item_start: Optional[np.ndarray] = None
-    item_row: Optional[np.ndarray] = None  # row inside the microbatch
+    item_length: np.ndarray | None = None
+    item_start: np.ndarray | None = None
+    item_row: np.ndarray | None = None  # row inside the microbatch
     step_aligned: bool = False  # consecutive groups of dp*grad_accum microbatches are steps already
     dropped_tail: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
@@ -37,7 +36,7 @@ class Microbatches:
     def num_samples(self) -> np.ndarray:
         return np.diff(self.offsets)
 
-    def take(self, order: np.ndarray) -> "Microbatches":
+    def take(self, order: np.ndarray) -> Microbatches:
         """The microbatches in the given order (a permutation or a subset)."""
         order = np.asarray(order, dtype=np.int64)
         counts = np.diff(self.offsets)[order]
@@ -95,7 +94,7 @@ def stable_argsort_int(keys: np.ndarray) -> np.ndarray:
 
 
 def finalize_padded(samples: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, shape: ShapeMap,
-                    budget: Budget, static: bool, fixed_batch: Optional[int] = None,
+                    budget: Budget, static: bool, fixed_batch: int | None = None,
                     step_aligned: bool = False) -> Microbatches:
     """Seqlen, padded batch size and tokens of microbatches given by samples/offsets."""
     lens = lengths[samples]
@@ -175,7 +174,7 @@ def _greedy_general(cap: np.ndarray) -> np.ndarray:
 
 
 def form_sequence(seq: np.ndarray, lengths: np.ndarray, shape: ShapeMap, budget: Budget, static: bool,
-                  padded: Optional[np.ndarray] = None) -> Microbatches:
+                  padded: np.ndarray | None = None) -> Microbatches:
     """Consecutive samples of ``seq`` (curriculum, reverse, bucket-shuffle) greedily under the budget;
     ``padded`` (shape(lengths[seq])) when the caller has it already."""
     if padded is None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 import numpy as np
 
-from .. import __version__, artifacts
+from .. import __version__
 from ..errors import InputError, UsageError
+from ..runtime import artifacts
 from . import batching, layout, lr, stats, writer
 from .shapes import Budget, ShapeMap, choose_edges, pair_ids
 
@@ -24,29 +24,29 @@ class PlanConfig:
 
     input: str
     output: str
-    max_tokens: Optional[int] = None
+    max_tokens: int | None = None
     dp: int = 1
     grad_accum: int = 1
     order: str = "bucket-shuffle"
     seed: int = 0
     epochs: int = 1
-    curriculum_epochs: Optional[int] = None
+    curriculum_epochs: int | None = None
     lr_scaling: str = "linear"
     lr_scale_by: str = "samples"
-    base_batch_size: Optional[float] = None
+    base_batch_size: float | None = None
     pad_multiple: int = 1
-    num_shapes: Optional[int] = None
+    num_shapes: int | None = None
     static_shapes: bool = False
     compile_warmup: bool = False
     same_shape_per_step: bool = False
-    max_samples: Optional[int] = None
+    max_samples: int | None = None
     attention_cost: float = 0.0
     drop_long: bool = False
     tail: str = "split"
     packing: bool = False
-    seq_len: Optional[int] = None
-    rows_per_microbatch: Optional[int] = None
-    max_per_row: Optional[int] = None
+    seq_len: int | None = None
+    rows_per_microbatch: int | None = None
+    max_per_row: int | None = None
     split_long: bool = False
     overwrite: bool = False
 
@@ -58,7 +58,7 @@ class PlanResult:
     num_steps: int
     num_microbatches: int
     stats: dict
-    packing: Optional[dict]
+    packing: dict | None
     dropped_ids: np.ndarray
     seconds: float
     metadata: dict = field(repr=False, default_factory=dict)
@@ -74,7 +74,7 @@ def _positive(name: str, value, allow_none: bool = True) -> None:
         raise UsageError(f"{name} must be >= 1 (got {value})")
 
 
-def check_config(c: PlanConfig) -> None:
+def check(c: PlanConfig) -> None:
     if not c.packing and c.max_tokens is None:
         raise UsageError("--max-tokens is required (or --packing --seq-len T)")
     _positive("--max-tokens", c.max_tokens)
@@ -190,7 +190,7 @@ def plan(config: PlanConfig) -> PlanResult:
     """Run ``varlen plan``: read the input, plan every epoch, write the plan; returns the summary."""
     t0 = time.perf_counter()
     c = config
-    check_config(c)
+    check(c)
     writer.check_output(c.output, c.overwrite)
     manifest, sample_id, length = read_input(c.input)
     kind = manifest.get("kind", "metrics")
@@ -248,7 +248,7 @@ def plan(config: PlanConfig) -> PlanResult:
         dropped = np.zeros(0, np.int64)
         if c.packing:
             seq = cur if mode in ("curriculum", "reverse") else canon
-            from varlen_cli.packing import pack
+            from .packing import pack
 
             p = pack(length[seq], c.seq_len, max_per_row=c.max_per_row,
                      order="curriculum" if mode in ("curriculum", "reverse") else "shuffle",

@@ -3,8 +3,8 @@ microbatches of each step across data-parallel ranks."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import numpy as np
 
@@ -155,7 +155,7 @@ class Layout:
     warmup_missing: int = 0  # (shape, rank) pairs the warm-up could not cover
 
 
-def shape_ids(seqlen: np.ndarray, batch: Optional[np.ndarray]) -> np.ndarray:
+def shape_ids(seqlen: np.ndarray, batch: np.ndarray | None) -> np.ndarray:
     return pair_ids(np.zeros(len(seqlen), np.int64) if batch is None else batch, seqlen)[2]
 
 

@@ -3,8 +3,6 @@ b is the step's real sample count (or token count with ``--lr-scale-by tokens``)
 
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 
 SCALINGS = ("linear", "sqrt", "none")
@@ -12,7 +10,7 @@ SCALE_BY = ("samples", "tokens")
 
 
 def lr_scales(step_samples: np.ndarray, step_tokens: np.ndarray, scaling: str, scale_by: str,
-              base: Optional[float]) -> tuple[np.ndarray, float]:
+              base: float | None) -> tuple[np.ndarray, float]:
     """(lr_scale per step, the base used). The base defaults to the mean step size in the same unit."""
     b = np.asarray(step_tokens if scale_by == "tokens" else step_samples, dtype=np.float64)
     if base is None:

@@ -4,7 +4,6 @@ pads to (``--pad-multiple``, ``--num-shapes``), and padding-minimising bucket ed
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 
@@ -16,8 +15,8 @@ class Budget:
     """Cost of a padded microbatch: ``B*T`` (+ ``A*B*T^2`` with ``--attention-cost A``), bounded by
     ``max_tokens``; ``max_samples`` caps B."""
 
-    max_tokens: Optional[int]
-    max_samples: Optional[int] = None
+    max_tokens: int | None
+    max_samples: int | None = None
     attention_cost: float = 0.0
 
     def cost(self, batch, seqlen) -> np.ndarray:
@@ -66,7 +65,7 @@ class Budget:
 class ShapeMap:
     """Length -> padded seqlen T: round up to ``pad_multiple``, then up to the next bucket edge."""
 
-    def __init__(self, pad_multiple: int = 1, edges: Optional[np.ndarray] = None):
+    def __init__(self, pad_multiple: int = 1, edges: np.ndarray | None = None):
         self.pad_multiple = int(pad_multiple)
         self.edges = None if edges is None else np.asarray(edges, dtype=np.int64)
 

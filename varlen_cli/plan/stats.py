@@ -45,7 +45,7 @@ def print_summary(result) -> None:
     """The rich table ``varlen plan`` prints at the end."""
     from rich.table import Table
 
-    from ..report import _fmt, console
+    from ..cli.report import _fmt, console
 
     s = result.stats
     t = Table(title=f"varlen plan → {result.output}", show_header=False)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from typing import Optional
 
 import numpy as np
 
@@ -19,7 +18,7 @@ DICTIONARY_COLUMNS = frozenset({"epoch", "rank", "micro", "num_samples", "seqlen
                                 "step_samples", "step_tokens"})
 
 
-def plan_schema(packed: bool, metadata: Optional[dict] = None):
+def plan_schema(packed: bool, metadata: dict | None = None):
     import pyarrow as pa
 
     fields = [

@@ -1,4 +1,4 @@
-"""Packing (varlen_cli.packing.pack): invariants, BFD exactness, orders, errors, efficiency."""
+"""Packing (varlen_cli.plan.packing.pack): invariants, BFD exactness, orders, errors, efficiency."""
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 
 from tests.conftest import sample
 from tests.packing_helpers import check_packing, reference_bfd
-from varlen_cli import packing as P
 from varlen_cli.errors import InputError, UsageError
-from varlen_cli.packing import pack
+from varlen_cli.plan import packing as P
+from varlen_cli.plan.packing import pack
 
 
 @st.composite

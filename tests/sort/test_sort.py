@@ -11,12 +11,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
-from tests.conftest import assert_user_error
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
+from tests.conftest import assert_user_error
 from tests.sort_helpers import (
     DISTRIBUTIONS,
     concat,
@@ -29,11 +28,11 @@ from tests.sort_helpers import (
     simulate,
     write_metrics,
 )
-from varlen_cli import artifacts
-from varlen_cli import sortkeys as sk
 from varlen_cli.cli import app
 from varlen_cli.errors import InputError
+from varlen_cli.runtime import artifacts
 from varlen_cli.sort import SortConfig, sort
+from varlen_cli.sort import keys as sk
 
 COLUMNS = ("sample_id", "length", "difficulty")
 

@@ -26,12 +26,13 @@ import tempfile
 import time
 import traceback
 import uuid
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
-from .errors import ERROR_CLASSES, UsageError, VarlenError, WorkerError
+from ..errors import ERROR_CLASSES, UsageError, VarlenError, WorkerError
 
 DEFAULT_TIMEOUT_S = 1800.0
 _PROGRESS_KEY = "varlen/progress"

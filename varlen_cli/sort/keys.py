@@ -18,12 +18,13 @@ unsigned order of the packed bits (torch sorts int64, not uint64).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 import numpy as np
 
-from .errors import InputError
+from ..errors import InputError
 
 _SIGN = np.uint64(1 << 63)
 _EXACT_FLOAT_INT = float(1 << 53)  # floats that are integers up to here are coded exactly as int64
@@ -103,7 +104,7 @@ class FieldStats:
     dtype: str
     count: int = 0
     nan: int = 0
-    first_nan_id: Optional[int] = None  # smallest sample_id with a NaN key, for the error message
+    first_nan_id: int | None = None  # smallest sample_id with a NaN key, for the error message
     integral: bool = True  # floats: every non-NaN value is an integer of magnitude <= 2**53
     negzero: bool = False  # floats: some value is -0.0
     vmin: Any = None  # smallest and largest non-NaN values (None: no such value)
@@ -116,7 +117,7 @@ class FieldStats:
         return self.vmin is not None
 
 
-def _column_stats(name: str, values: np.ndarray, ids: Optional[np.ndarray]) -> FieldStats:
+def _column_stats(name: str, values: np.ndarray, ids: np.ndarray | None) -> FieldStats:
     s = FieldStats(column=name, dtype=values.dtype.str, count=len(values))
     if not len(values):
         return s
@@ -144,7 +145,7 @@ def _column_stats(name: str, values: np.ndarray, ids: Optional[np.ndarray]) -> F
     return s
 
 
-def local_stats(spec: "KeySpec", columns: dict) -> list[FieldStats]:
+def local_stats(spec: KeySpec, columns: dict) -> list[FieldStats]:
     """This rank's stats of each ``by`` column, then of ``sample_id`` when it is the tie-break."""
     ids = columns.get("sample_id")
     out = [_column_stats(name, columns[name], ids) for name in spec.by]
@@ -186,7 +187,7 @@ class KeySpec:
     nan: str = "error"  # "error" or "last"
 
     @property
-    def tie_column(self) -> Optional[str]:
+    def tie_column(self) -> str | None:
         """The hidden last field: None when ``sample_id`` already is a key with ``--ties id``."""
         if self.ties == "id" and "sample_id" in self.by:
             return None
@@ -338,7 +339,7 @@ def decodable(spec: KeySpec, stats: list[FieldStats], lay: Layout, dtypes: dict)
 
 
 def decode(spec: KeySpec, stats: list[FieldStats], lay: Layout, words: Sequence[np.ndarray], name: str,
-           index: Optional[int], dtype, extra_bits: int = 0) -> np.ndarray:
+           index: int | None, dtype, extra_bits: int = 0) -> np.ndarray:
     """The values of column ``name`` from the key words (see :func:`decodable`)."""
     n = len(words[0])
     if index is None:  # a key column whose values are all equal

@@ -18,13 +18,13 @@ from __future__ import annotations
 import itertools
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Sequence
 
 import numpy as np
 
-from .errors import InputError, UsageError
+from ..errors import InputError, UsageError
 
 LENGTH_KINDS = ("list", "tokens", "chars", "bytes", "words", "value")
 TEXT_KINDS = ("tokens", "chars", "bytes", "words")

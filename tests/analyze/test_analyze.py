@@ -11,15 +11,14 @@ import textwrap
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from tests.analyze_helpers import ipc_bytes, read_metrics, run, text_table, write_arrow_file, write_jsonl, write_parquet
 from tests.conftest import sample
-from varlen_cli import artifacts
 from varlen_cli.cli import app
+from varlen_cli.runtime import artifacts
 
 TOKENIZER = sample("tokenizer.json")
 
@@ -223,7 +222,7 @@ def test_jsonl_sample_data_equals_parquet(tmp_path):
 
 def test_vocab_rarity_without_the_id_cache(tmp_path, monkeypatch):
     """Over the cache budget, the second pass reads and tokenizes again: same result."""
-    from varlen_cli import analyze as analyze_module
+    from varlen_cli.analyze import core as analyze_module
 
     _, cached = run(tmp_path / "c", sample("text.parquet"), length="tokens:text", tokenizer=TOKENIZER,
                     difficulty="vocab-rarity")
@@ -236,7 +235,7 @@ def test_vocab_rarity_without_the_id_cache(tmp_path, monkeypatch):
 @settings(max_examples=50, deadline=None)
 @given(lengths=st.lists(st.integers(0, 6), min_size=1, max_size=30), cut=st.integers(0, 30), seed=st.integers(0, 99))
 def test_rarity_does_not_depend_on_unit_boundaries(lengths, cut, seed):
-    from varlen_cli.difficulty import rarity
+    from varlen_cli.analyze.difficulty import rarity
 
     lengths = np.array(lengths, dtype=np.int64)
     ids = np.random.default_rng(seed).integers(0, 5, int(lengths.sum()))

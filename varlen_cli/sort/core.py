@@ -2,7 +2,7 @@
 
 Each worker reads a contiguous slice of the input rows (``artifacts.row_bounds``), builds the
 packed composite key of its rows (``--by`` columns, then the tie-break: ``sample_id`` or a seeded
-hash of it; see :mod:`varlen_cli.sortkeys`) and sorts them locally. The workers then agree on exact
+hash of it; see :mod:`varlen_cli.sort.keys`) and sorts them locally. The workers then agree on exact
 splitters by a distributed selection over the composite key: the key is a total order, so the
 splitters put global rows ``[N*r/P, N*(r+1)/P)`` on rank r, whatever the key distribution (all keys
 equal included). Rows travel with ``all_to_all_single`` (counts first, then each column), each rank
@@ -20,15 +20,15 @@ import math
 import os
 import time
 from dataclasses import dataclass, field, replace
-from typing import Optional
 
 import numpy as np
 
-from . import artifacts
-from . import sortkeys as sk
-from .dist import Dist, check_nproc, fault_point, run_distributed, session
-from .errors import InputError, OutputError, UsageError
-from .progress import JobProgress
+from ..errors import InputError, OutputError, UsageError
+from ..runtime import artifacts
+from ..runtime.dist import Dist, check_nproc, fault_point
+from ..runtime.executor import execute
+from ..runtime.progress import JobProgress
+from . import keys as sk
 
 PHASES = ("read", "keys", "local_sort", "splitters", "exchange", "merge", "write")
 TIES = ("id", "shuffle")
@@ -76,17 +76,12 @@ class SortResult:
     manifest: dict = field(repr=False, default_factory=dict)
 
 
-def sort(config: SortConfig) -> Optional[SortResult]:
+def sort(config: SortConfig) -> SortResult | None:
     """Run ``varlen sort``; returns the result on rank 0 (None on other ranks)."""
     config = replace(config, by=parse_by(config.by))
-    _check_config(config)
-    manifest = _read_input(config.metrics_dir)
-    _check_columns(config, manifest)
-    out = artifacts.AtomicDir(config.output, config.overwrite)
-    if os.path.realpath(out.path) == os.path.realpath(config.metrics_dir):
-        raise UsageError("the output directory must differ from the input directory")
-    out.check()
-    return run_distributed(_sort_worker, replace(config, nproc=1), config.nproc, cleanup=[out.tmp])
+    check(config)
+    check_input(config)
+    return execute(run_in_group, config)
 
 
 def parse_by(by) -> tuple:
@@ -99,7 +94,15 @@ def parse_by(by) -> tuple:
     return names
 
 
-def _check_config(config: SortConfig) -> None:
+def check_input(config: SortConfig) -> None:
+    """Refuse a metrics directory that is not one, or lacks the ``--by`` columns."""
+    _check_columns(config, _read_input(config.metrics_dir))
+    if os.path.realpath(config.output) == os.path.realpath(config.metrics_dir):
+        raise UsageError("the output directory must differ from the input directory")
+
+
+def check(config: SortConfig) -> None:
+    """Refuse bad options before any worker starts (``config.by`` already parsed)."""
     if config.ties not in TIES:
         raise UsageError(f"--ties must be 'id' or 'shuffle', not {config.ties!r}")
     if config.nan not in NAN_POLICIES:
@@ -193,13 +196,8 @@ class _Clock:
         self._last = now
 
 
-def _sort_worker(config: SortConfig) -> Optional[SortResult]:
-    t0 = time.perf_counter()
-    with session(config.device) as d, artifacts.atomic_dir_for_group(d, config.output, config.overwrite) as out:
-        return _sort_in_group(config, d, out, t0)
-
-
-def _sort_in_group(config: SortConfig, d: Dist, out: artifacts.AtomicDir, t0: float) -> Optional[SortResult]:
+def run_in_group(config: SortConfig, d: Dist, out: artifacts.AtomicDir, t0: float) -> SortResult | None:
+    """One rank's share of ``varlen sort``, writing into the shared temporary output ``out``."""
     path = config.metrics_dir
     manifest = _read_input(path)
     schema = _check_columns(config, manifest)
@@ -519,7 +517,7 @@ def _boundary(spec: sk.KeySpec, cols: dict, words: list, shift: int, m: int) -> 
     return info
 
 
-def _peak_rss() -> Optional[int]:
+def _peak_rss() -> int | None:
     """This process's peak resident memory so far, in bytes, from the OS (None where unknown)."""
     try:
         import resource

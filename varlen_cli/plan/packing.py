@@ -53,11 +53,10 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
-from typing import Optional
 
 import numpy as np
 
-from .errors import InputError, UsageError
+from ..errors import InputError, UsageError
 
 ORDERS = ("shuffle", "curriculum", "none")
 NO_CAP = np.iinfo(np.int64).max // 4
@@ -83,13 +82,13 @@ class Packing:
     num_rows: int
     seq_len: int
     dropped: np.ndarray  # int64 input positions dropped as too long (drop_long)
-    max_per_row: Optional[int] = None
+    max_per_row: int | None = None
     order: str = "none"
     num_samples: int = 0  # input samples (including dropped ones)
     num_split: int = 0  # input samples cut into several chunks (split_long)
-    window: Optional[int] = None  # curriculum window in samples
+    window: int | None = None  # curriculum window in samples
     seconds: float = 0.0
-    _offsets: Optional[np.ndarray] = field(default=None, repr=False, compare=False)
+    _offsets: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     # ---- sizes -----------------------------------------------------------------------------
     @property
@@ -248,8 +247,8 @@ class _Buckets:
         return np.concatenate(parts)
 
 
-def _bfd(lens: np.ndarray, seq_len: int, cap: int, init_used: Optional[np.ndarray] = None,
-         init_space: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray, int]:
+def _bfd(lens: np.ndarray, seq_len: int, cap: int, init_used: np.ndarray | None = None,
+         init_space: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, int]:
     """Best-fit decreasing of positive lengths <= seq_len into rows with at most ``cap`` items.
 
     ``init_used``/``init_space``: rows already open (items in them, space left), numbered first.
@@ -621,9 +620,9 @@ def default_window(lengths: np.ndarray, seq_len: int) -> int:
     return max(1, int(math.ceil(CURRICULUM_WINDOW_ROWS * seq_len / max(mean, 1.0))))
 
 
-def pack(lengths: np.ndarray, seq_len: int, *, max_per_row: Optional[int] = None, order: str = "shuffle",
+def pack(lengths: np.ndarray, seq_len: int, *, max_per_row: int | None = None, order: str = "shuffle",
          seed: int = 0, split_long: bool = False, drop_long: bool = False,
-         window: Optional[int] = None) -> Packing:
+         window: int | None = None) -> Packing:
     """Pack samples of the given lengths into rows of ``seq_len`` tokens (see the module docstring).
 
     ``lengths[i]`` is the length of input position ``i``; with ``order="curriculum"`` the input is

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from tests.conftest import sample
 from tests.plan_helpers import check_plan, epoch_ids, read_plan, write_metrics
 from varlen_cli.cli import app
-from varlen_cli.errors import InputError, OutputError, UsageError
+from varlen_cli.errors import InputError, OutputError
 from varlen_cli.plan import PlanConfig, plan
 
 runner = CliRunner()

@@ -19,12 +19,12 @@ from __future__ import annotations
 import glob
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
-from .errors import InputError
+from ..errors import InputError
 
 PARQUET_EXT = (".parquet", ".pq")
 ARROW_EXT = (".arrow", ".feather", ".ipc")
@@ -421,7 +421,7 @@ def _read_text(f: SourceFile, unit: Unit):
 
 def fingerprint(files: Sequence[SourceFile], rows_per_file: Sequence[int]) -> dict:
     """Identity of the dataset: file names relative to their common folder, sizes and row counts."""
-    from .artifacts import digest
+    from ..runtime.artifacts import digest
 
     root = os.path.commonpath([os.path.dirname(f.path) for f in files]) if files else ""
     entries = [

@@ -13,12 +13,13 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, is_dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
-from . import __version__
-from .errors import InputError, OutputError
+from .. import __version__
+from ..errors import InputError, OutputError
 
 MANIFEST_NAME = "_manifest.json"  # "_" so pyarrow datasets skip it
 METRICS_FORMAT = "varlen-metrics"
@@ -114,7 +115,7 @@ class AtomicDir:
 
 @contextmanager
 def atomic_dir_for_group(d, path: str, overwrite: bool) -> Iterator[AtomicDir]:
-    """An :class:`AtomicDir` shared by every rank of ``d`` (a :class:`~varlen_cli.dist.Dist`).
+    """An :class:`AtomicDir` shared by every rank of ``d`` (a :class:`~varlen_cli.runtime.dist.Dist`).
 
     Rank 0 checks the output and creates the temporary directory while the others wait; if the
     stage fails on rank 0, rank 0 removes it (under ``--nproc`` the launcher does so as well,

@@ -13,10 +13,19 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from tests.analyze_helpers import ipc_bytes, leftovers, read_metrics, run, text_table, write_jsonl, write_parquet, write_text
+from tests.analyze_helpers import (
+    ipc_bytes,
+    leftovers,
+    read_metrics,
+    run,
+    text_table,
+    write_jsonl,
+    write_parquet,
+    write_text,
+)
 from tests.conftest import ROOT, sample
-from varlen_cli import artifacts
 from varlen_cli.errors import InputError, WorkerError
+from varlen_cli.runtime import artifacts
 
 TOK = sample("tokenizer.json")
 RUNTIME_KEYS = {"created_at", "world_size", "parts", "host", "python"}

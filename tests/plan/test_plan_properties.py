@@ -5,7 +5,6 @@ import tempfile
 
 import numpy as np
 import pyarrow.parquet as pq
-import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 

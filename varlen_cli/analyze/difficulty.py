@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import InputError, UsageError
+from ..errors import InputError, UsageError
 
 
 @dataclass(frozen=True)

@@ -28,10 +28,17 @@ class JobProgress:
         self._progress = None
         self._task = None
 
-    def __enter__(self) -> "JobProgress":
+    def __enter__(self) -> JobProgress:
         if self.show:
             from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
 
             console = Console(file=sys.stderr)
             self._progress = Progress(

@@ -23,7 +23,7 @@ from tests.analyze_helpers import (
     write_parquet,
     write_text,
 )
-from varlen_cli.sources import SourceFile, Unit, _read_text, discover, make_units
+from varlen_cli.analyze.sources import SourceFile, _read_text, discover, make_units
 
 N = 300
 
@@ -148,7 +148,7 @@ def test_byte_range_chunks_give_identical_output(tmp_path, fmt):
 
 
 def test_big_parquet_row_group_cut_into_units(tmp_path, monkeypatch):
-    from varlen_cli import sources
+    from varlen_cli.analyze import sources
 
     monkeypatch.setattr(sources, "MAX_UNIT_ROWS", 64)
     table = pa.table({"n": pa.array(np.arange(1000) % 17, pa.int32())})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .dist import Dist
+from ..runtime.dist import Dist
 
 EXACT_MAX = 1 << 22  # lengths up to 4M: exact percentiles from an all-reduced bincount
 LOG_BINS = 64

@@ -9,9 +9,17 @@ import os
 import numpy as np
 import pytest
 
-from tests.sort_helpers import distribution, manifest_of, metrics_columns, read_sorted, reference_order, sort_many, write_metrics
-from varlen_cli import dist
+from tests.sort_helpers import (
+    distribution,
+    manifest_of,
+    metrics_columns,
+    read_sorted,
+    reference_order,
+    sort_many,
+    write_metrics,
+)
 from varlen_cli.errors import WorkerError
+from varlen_cli.runtime import dist
 from varlen_cli.sort import SortConfig, sort
 
 N = 20_011

@@ -12,7 +12,7 @@ from varlen_cli.loader.collate import PlanDataset
 from varlen_cli.loader.packed import PackedCollate, PackedLayoutError, block_causal_mask, collate_packed
 from varlen_cli.loader.plan_file import Microbatch
 from varlen_cli.loader.sampler import MicrobatchIndices
-from varlen_cli.packing import pack
+from varlen_cli.plan.packing import pack
 
 
 def _tokens():

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 import numpy as np
 
-from . import artifacts
+from ..errors import InputError, OutputError, UsageError
+from ..runtime import artifacts
+from ..runtime.dist import Dist, fault_point
+from ..runtime.executor import execute
+from ..runtime.progress import JobProgress
 from .difficulty import call_function, load_function, parse_difficulty, rarity
-from .dist import Dist, fault_point, run_distributed, session
-from .errors import InputError, OutputError, UsageError
 from .lengths import (
     LengthSpec,
     auto_length,
@@ -29,10 +30,8 @@ from .lengths import (
     parse_length,
     token_lengths,
 )
-from .progress import JobProgress
 from .sources import DEFAULT_CHUNK_BYTES, Reader, SourceFile, Unit, assign, discover, fingerprint, make_units
 from .stats import distribution
-
 
 RARITY_CACHE_BYTES = 512 << 20  # token ids a worker keeps between the two vocab-rarity passes
 
@@ -44,9 +43,9 @@ class AnalyzeConfig:
     sources: tuple
     output: str
     length: str = "auto"
-    tokenizer: Optional[str] = None
+    tokenizer: str | None = None
     special_tokens: bool = True
-    frames_per_second: Optional[float] = None
+    frames_per_second: float | None = None
     difficulty: str = "length"
     nproc: int = 1
     overwrite: bool = False
@@ -69,15 +68,14 @@ class AnalyzeResult:
     manifest: dict = field(repr=False, default_factory=dict)
 
 
-def analyze(config: AnalyzeConfig) -> Optional[AnalyzeResult]:
+def analyze(config: AnalyzeConfig) -> AnalyzeResult | None:
     """Run ``varlen analyze``; returns the result on rank 0 (None on other ranks)."""
-    _check_config(config)
-    out = artifacts.AtomicDir(config.output, config.overwrite)
-    out.check()
-    return run_distributed(_analyze_worker, config, config.nproc, cleanup=[out.tmp])
+    check(config)
+    return execute(run_in_group, config)
 
 
-def _check_config(config: AnalyzeConfig) -> None:
+def check(config: AnalyzeConfig) -> None:
+    """Refuse bad options before any worker starts."""
     if not config.sources:
         raise UsageError("give at least one SOURCE")
     if config.length != "auto":
@@ -186,7 +184,6 @@ def _schema_of(f: SourceFile):
     # JSONL: the first rows tell the columns.
     import pyarrow as pa
 
-    from .sources import _read_jsonl
 
     try:
         with open(f.path, "rb") if not f.compression else pa.input_stream(f.path, compression=f.compression) as fh:
@@ -209,13 +206,8 @@ def _is_int(t) -> bool:
     return pa.types.is_integer(t)
 
 
-def _analyze_worker(config: AnalyzeConfig) -> Optional[AnalyzeResult]:
-    t0 = time.perf_counter()
-    with session(config.device) as d, artifacts.atomic_dir_for_group(d, config.output, config.overwrite) as out:
-        return _analyze_in_group(config, d, out, t0)
-
-
-def _analyze_in_group(config: AnalyzeConfig, d: Dist, out: artifacts.AtomicDir, t0: float):
+def run_in_group(config: AnalyzeConfig, d: Dist, out: artifacts.AtomicDir, t0: float) -> AnalyzeResult | None:
+    """One rank's share of ``varlen analyze``, writing into the shared temporary output ``out``."""
     files = discover(config.sources)
     units = make_units(files, config.chunk_bytes)
     lo, hi = assign(units, d.world_size, d.rank)
@@ -329,7 +321,7 @@ def _write_part(path: str, first_id: int, lengths: np.ndarray, difficulty: np.nd
         raise OutputError(f"cannot write {path}: {exc}") from None
 
 
-def _add_counts(counts: Optional[np.ndarray], ids: np.ndarray) -> np.ndarray:
+def _add_counts(counts: np.ndarray | None, ids: np.ndarray) -> np.ndarray:
     new = np.bincount(ids)
     if counts is None:
         return new

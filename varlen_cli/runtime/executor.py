@@ -1,0 +1,41 @@
+"""One executor for every stage: run a stage's ``run_in_group`` on 1..N workers.
+
+A stage is two public functions over its config dataclass (which has ``output``, ``overwrite``,
+``nproc`` and ``device`` fields):
+
+- ``check(config)``: validate the options and inputs before any worker starts (cheap, rank-free);
+- ``run_in_group(config, d, out, t0)``: the work of one rank of the process group ``d``
+  (:class:`~varlen_cli.runtime.dist.Dist`), writing into the shared temporary output ``out``
+  (:class:`~varlen_cli.runtime.artifacts.AtomicDir`); returns the result on rank 0.
+
+:func:`execute` runs a stage as world size 1 in this process, under torchrun, or in ``nproc``
+local workers; :func:`run_in_session` runs it inside a process group that already exists (what
+``varlen run`` does to chain stages in one launch).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+from . import artifacts
+from .dist import run_distributed, session
+
+RunInGroup = Callable[[Any, Any, artifacts.AtomicDir, float], Any]
+
+
+def run_in_session(run_in_group: RunInGroup, config: Any) -> Any:
+    """One worker's run of a stage: join (or reuse) the process group, share the atomic output."""
+    t0 = time.perf_counter()
+    with session(config.device) as d, artifacts.atomic_dir_for_group(d, config.output, config.overwrite) as out:
+        return run_in_group(config, d, out, t0)
+
+
+def execute(run_in_group: RunInGroup, config: Any) -> Any:
+    """Run a (checked) stage on ``config.nproc`` workers; the result on rank 0, None elsewhere."""
+    out = artifacts.AtomicDir(config.output, config.overwrite)
+    out.check()
+    entry = functools.partial(run_in_session, run_in_group)
+    return run_distributed(entry, config, config.nproc, cleanup=[out.tmp])
