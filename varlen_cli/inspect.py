@@ -1,19 +1,19 @@
 """``varlen inspect``: any varlen artifact as its config, provenance and statistics.
 
-:func:`inspect_artifact` returns a JSON-ready dict (what ``--json`` prints); :func:`render` turns it
-into rich tables with terminal histograms.
+:func:`inspect_artifact` returns a JSON-ready dict (what ``--json`` prints); :func:`tables` turns it
+into tables of text (:class:`TextTable`, with terminal histograms and sparklines) that the CLI prints.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import format
 from .errors import InputError, UsageError
 from .runtime import artifacts
-from .validate import read_plan_metadata
 
 SERIES_BINS = 48
 SPARK = " ▁▂▃▄▅▆▇█"
@@ -30,13 +30,17 @@ def inspect_artifact(config: InspectConfig) -> dict:
     if os.path.isdir(path):
         if config.step is not None:
             raise UsageError("--step applies to plans, not to metrics or sorted directories")
-        manifest = artifacts.read_manifest(path, what="artifact", hint="expected a metrics or sorted directory, or a plan")
+        manifest = artifacts.read_manifest(path, what="artifact",
+                                           hint="expected a metrics or sorted directory, or a plan")
         return {"kind": manifest.get("kind", "metrics"), "path": os.path.abspath(path), "manifest": manifest,
                 "balance": _balance([p["rows"] for p in manifest.get("parts", [])])}
     if not os.path.exists(path):
         raise InputError(f"{path} does not exist")
-    meta, _ = read_plan_metadata(path)
-    out = {"kind": "plan", "path": os.path.abspath(path), "metadata": meta, "series": _plan_series(path)}
+    try:
+        meta, _ = format.read_plan_metadata(path)
+    except format.FormatError as exc:
+        raise InputError(str(exc)) from None
+    out = {"kind": "plan", "path": os.path.abspath(path), "metadata": meta, "series": plan_series(path, meta)}
     if config.step is not None:
         out["step"] = _plan_step(path, config.step, int(meta.get("num_steps", 0)))
     return out
@@ -47,8 +51,11 @@ def _balance(rows: list) -> float:
     return float(rows.max() / rows.mean()) if len(rows) and rows.mean() > 0 else 1.0
 
 
-def _plan_series(path: str) -> dict:
-    """Per-step tokens, samples, lr_scale and straggler; per-rank totals (no sample ids read)."""
+def plan_series(path: str, meta: dict) -> dict:
+    """Per-step tokens, samples, lr_scale and straggler; per-rank totals (no sample ids read).
+
+    The straggler is :func:`varlen_cli.format.straggler` over the cost the plan recorded
+    (:func:`varlen_cli.format.plan_straggler_cost`), so it matches the plan's own statistics."""
     import pyarrow.parquet as pq
 
     cols = ["step", "rank", "num_samples", "tokens", "batch_size", "seqlen", "lr_scale"]
@@ -57,19 +64,21 @@ def _plan_series(path: str) -> dict:
     rank = t.column("rank").to_numpy()
     if len(step) == 0:
         return {"steps": 0}
-    n_steps, n_ranks = int(step.max()) + 1, int(rank.max()) + 1
+    n_steps, n_ranks = int(step.max()) + 1, max(int(rank.max()) + 1, int(meta.get("dp", 1)))
     tokens = t.column("tokens").to_numpy().astype(np.float64)
-    padded = t.column("batch_size").to_numpy().astype(np.float64) * t.column("seqlen").to_numpy()
+    batch_size, seqlen = t.column("batch_size").to_numpy(), t.column("seqlen").to_numpy()
+    padded = batch_size.astype(np.float64) * seqlen
+    cost_spec = format.plan_straggler_cost(meta)
+    cost = format.microbatch_cost(cost_spec, tokens, batch_size, seqlen)
     samples = t.column("num_samples").to_numpy().astype(np.float64)
     lr = t.column("lr_scale").to_numpy()
     step_tokens = np.bincount(step, weights=tokens, minlength=n_steps)
     step_samples = np.bincount(step, weights=samples, minlength=n_steps)
     step_lr = np.zeros(n_steps)
     step_lr[step] = lr
-    rank_cost = np.zeros((n_steps, n_ranks))
-    np.add.at(rank_cost, (step, rank), padded)
-    mean = rank_cost.mean(axis=1)
-    straggler = np.divide(rank_cost.max(axis=1), mean, out=np.ones(n_steps), where=mean > 0)
+    rank_padded = np.zeros((n_steps, n_ranks))
+    np.add.at(rank_padded, (step, rank), padded)
+    straggler = format.straggler(step.astype(np.int64), rank.astype(np.int64), cost, n_ranks)
     return {
         "steps": n_steps,
         "ranks": n_ranks,
@@ -79,7 +88,8 @@ def _plan_series(path: str) -> dict:
         "straggler": _binned(straggler),
         "straggler_mean": float(straggler.mean()),
         "straggler_max": float(straggler.max()),
-        "padded_tokens_per_rank": rank_cost.sum(axis=0).tolist(),
+        "straggler_cost": cost_spec,
+        "padded_tokens_per_rank": rank_padded.sum(axis=0).tolist(),
         "real_tokens_per_rank": np.bincount(rank, weights=tokens, minlength=n_ranks).tolist(),
     }
 
@@ -108,8 +118,7 @@ def _plan_step(path: str, step: int, num_steps: int) -> list:
             continue
         t = pf.read_row_group(rg)
         t = t.filter(pc.equal(t.column("step"), step))
-        rows.extend(t.drop_columns([c for c in ("sample_lengths", "sample_rows", "sample_starts")
-                                    if c in t.column_names]).to_pylist())
+        rows.extend(t.drop_columns([c for c in format.PACKED_COLUMN_NAMES if c in t.column_names]).to_pylist())
     return rows
 
 
@@ -124,91 +133,109 @@ def sparkline(values: list) -> str:
     return "".join(SPARK[i] for i in idx)
 
 
-def render(info: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
+@dataclass
+class TextTable:
+    """A table of text cells for the CLI to print: ``columns`` are ``(header, justify)`` pairs."""
 
-    from .cli.report import _fmt, histogram_lines
+    title: str
+    columns: list
+    rows: list = field(default_factory=list)
+    show_header: bool = True
 
-    console = Console()
+
+def _key_value(title: str, justify: str = "left") -> TextTable:
+    return TextTable(title, [("what", "left"), ("value", justify)], show_header=False)
+
+
+def tables(info: dict) -> list[TextTable]:
+    """The text tables ``varlen inspect`` shows for ``info`` (from :func:`inspect_artifact`)."""
     if info["kind"] != "plan":
-        m = info["manifest"]
-        t = Table(title=f"{m.get('kind', 'metrics')} directory {info['path']}", show_header=False)
-        t.add_column("what", style="bold")
-        t.add_column("value")
-        for key in ("stage", "varlen_version", "created_at", "host", "world_size", "num_rows", "artifact_id"):
-            t.add_row(key, _fmt(m.get(key)))
-        t.add_row("dataset", f"{m['dataset']['num_files']} files, {m['dataset']['num_rows']:,} rows, digest {m['dataset']['digest']}")
-        if m.get("input"):
-            t.add_row("input", f"{m['input'].get('path')} ({m['input'].get('artifact_id')})")
-        order = m.get("order", {})
-        t.add_row("order", ", ".join(order.get("by", [])) + (" descending" if order.get("descending") else ""))
-        t.add_row("parts", f"{len(m['parts'])} (balance max/mean rows {info['balance']:.3f})")
-        for key, value in m.get("config", {}).items():
-            t.add_row(f"config.{key}", _fmt(value))
-        console.print(t)
-        s = m["stats"]["length"]
-        st = Table(title="length statistics", show_header=False)
-        st.add_column("stat", style="bold")
-        st.add_column("value", justify="right")
-        for key in ("count", "total", "min", "p50", "p90", "p99", "max", "mean"):
-            st.add_row(key, _fmt(s.get(key)))
-        console.print(st)
-        h = Table(title="lengths (log2 bins)")
-        h.add_column("length")
-        h.add_column("samples", justify="right")
-        h.add_column("")
-        for row in histogram_lines(s["histogram"]["log2_bins"]):
-            h.add_row(*row)
-        console.print(h)
-        return
-    meta, series = info["metadata"], info["series"]
-    t = Table(title=f"plan {info['path']}", show_header=False)
-    t.add_column("what", style="bold")
-    t.add_column("value")
+        return _directory_tables(info)
+    out = _plan_tables(info)
+    if info["series"].get("steps"):
+        out += _series_tables(info["series"])
+    if "step" in info:
+        out.append(_step_table(info["step"]))
+    return out
+
+
+def render(info: dict) -> None:
+    """Print :func:`tables` (kept for the CLI adapter, which should call ``report.print_tables``)."""
+    from .cli.report import print_tables
+
+    print_tables(tables(info))
+
+
+def _directory_tables(info: dict) -> list[TextTable]:
+    from .cli.report import fmt, histogram_lines
+
+    m = info["manifest"]
+    t = _key_value(f"{m.get('kind', 'metrics')} directory {info['path']}")
+    for key in ("stage", "varlen_version", "created_at", "host", "world_size", "num_rows", "artifact_id"):
+        t.rows.append((key, fmt(m.get(key))))
+    ds = m["dataset"]
+    t.rows.append(("dataset", f"{ds['num_files']} files, {ds['num_rows']:,} rows, digest {ds['digest']}"))
+    if m.get("input"):
+        t.rows.append(("input", f"{m['input'].get('path')} ({m['input'].get('artifact_id')})"))
+    order = m.get("order", {})
+    t.rows.append(("order", ", ".join(order.get("by", [])) + (" descending" if order.get("descending") else "")))
+    t.rows.append(("parts", f"{len(m['parts'])} (balance max/mean rows {info['balance']:.3f})"))
+    t.rows += [(f"config.{key}", fmt(value)) for key, value in m.get("config", {}).items()]
+    s = m["stats"]["length"]
+    st = TextTable("length statistics", [("stat", "left"), ("value", "right")], show_header=False)
+    st.rows = [(key, fmt(s.get(key))) for key in ("count", "total", "min", "p50", "p90", "p99", "max", "mean")]
+    h = TextTable("lengths (log2 bins)", [("length", "left"), ("samples", "right"), ("", "left")])
+    h.rows = list(histogram_lines(s["histogram"]["log2_bins"]))
+    return [t, st, h]
+
+
+def _plan_tables(info: dict) -> list[TextTable]:
+    from .cli.report import fmt
+
+    meta = info["metadata"]
+    t = _key_value(f"plan {info['path']}")
     for key in ("varlen_version", "created_at", "dp", "grad_accum", "epochs", "num_steps", "num_microbatches",
                 "warmup_steps", "base_batch_size", "lr_scaling"):
-        t.add_row(key, _fmt(meta.get(key)))
+        t.rows.append((key, fmt(meta.get(key))))
     inp = meta.get("input", {})
-    t.add_row("input", f"{inp.get('path')} ({inp.get('kind')}, {inp.get('num_rows')} rows, dataset {inp.get('dataset_digest')})")
-    t.add_row("shapes", ", ".join(f"{b or '*'}x{T}" for b, T in (meta.get("shapes") or [])[:16])
-              + (" ..." if len(meta.get("shapes") or []) > 16 else ""))
+    t.rows.append(("input", f"{inp.get('path')} ({inp.get('kind')}, {inp.get('num_rows')} rows, "
+                            f"dataset {inp.get('dataset_digest')})"))
+    shapes = meta.get("shapes") or []
+    shown = ", ".join(f"{b or '*'}x{T}" for b, T in shapes[:16])
+    t.rows.append(("shapes", shown + (" ..." if len(shapes) > 16 else "")))
     if meta.get("packing"):
-        t.add_row("packing", ", ".join(f"{k}={v}" for k, v in meta["packing"].items()))
-    dropped = meta.get("dropped", {})
-    t.add_row("dropped", _fmt(dropped.get("count", 0)))
-    console.print(t)
-    st = Table(title="statistics", show_header=False)
-    st.add_column("stat", style="bold")
-    st.add_column("value", justify="right")
-    for key, value in (meta.get("stats") or {}).items():
-        if not isinstance(value, (list, dict)):
-            st.add_row(key, _fmt(value))
-    console.print(st)
-    if series.get("steps"):
-        sp = Table(title=f"over {series['steps']:,} steps (each column: mean of 1/{len(series['tokens_per_step']['binned_mean'])} of the steps)")
-        sp.add_column("series", style="bold")
-        sp.add_column("min", justify="right")
-        sp.add_column("max", justify="right")
-        sp.add_column("")
-        for name in ("tokens_per_step", "samples_per_step", "lr_scale", "straggler"):
-            s = series[name]
-            sp.add_row(name, _fmt(s["min"]), _fmt(s["max"]), sparkline(s["binned_mean"]))
-        console.print(sp)
-        rk = Table(title="per-rank balance")
-        rk.add_column("rank", justify="right")
-        rk.add_column("real tokens", justify="right")
-        rk.add_column("padded tokens", justify="right")
-        for r, (real, pad) in enumerate(zip(series["real_tokens_per_rank"], series["padded_tokens_per_rank"])):
-            rk.add_row(str(r), _fmt(int(real)), _fmt(int(pad)))
-        console.print(rk)
-    if "step" in info:
-        stt = Table(title="microbatches of the step")
-        for col in ("rank", "micro", "num_samples", "batch_size", "seqlen", "tokens", "lr_scale", "sample_ids"):
-            stt.add_column(col, justify="right")
-        for row in info["step"]:
-            ids = row["sample_ids"]
-            shown = ", ".join(map(str, ids[:8])) + (" ..." if len(ids) > 8 else "")
-            stt.add_row(*(_fmt(row[c]) for c in ("rank", "micro", "num_samples", "batch_size", "seqlen", "tokens",
-                                                   "lr_scale")), shown)
-        console.print(stt)
+        t.rows.append(("packing", ", ".join(f"{k}={v}" for k, v in meta["packing"].items())))
+    t.rows.append(("dropped", fmt(meta.get("dropped", {}).get("count", 0))))
+    cost = format.plan_straggler_cost(meta)
+    t.rows.append(("straggler cost", ", ".join(f"{k}={v}" for k, v in cost.items())))
+    st = TextTable("statistics", [("stat", "left"), ("value", "right")], show_header=False)
+    st.rows = [(key, fmt(value)) for key, value in (meta.get("stats") or {}).items()
+               if not isinstance(value, (list, dict))]
+    return [t, st]
+
+
+def _series_tables(series: dict) -> list[TextTable]:
+    from .cli.report import fmt
+
+    bins = len(series["tokens_per_step"]["binned_mean"])
+    sp = TextTable(f"over {series['steps']:,} steps (each column: mean of 1/{bins} of the steps)",
+                   [("series", "left"), ("min", "right"), ("max", "right"), ("", "left")])
+    for name in ("tokens_per_step", "samples_per_step", "lr_scale", "straggler"):
+        s = series[name]
+        sp.rows.append((name, fmt(s["min"]), fmt(s["max"]), sparkline(s["binned_mean"])))
+    rk = TextTable("per-rank balance", [("rank", "right"), ("real tokens", "right"), ("padded tokens", "right")])
+    for r, (real, pad) in enumerate(zip(series["real_tokens_per_rank"], series["padded_tokens_per_rank"])):
+        rk.rows.append((str(r), fmt(int(real)), fmt(int(pad))))
+    return [sp, rk]
+
+
+def _step_table(step_rows: list) -> TextTable:
+    from .cli.report import fmt
+
+    names = ("rank", "micro", "num_samples", "batch_size", "seqlen", "tokens", "lr_scale")
+    stt = TextTable("microbatches of the step", [(c, "right") for c in names + ("sample_ids",)])
+    for row in step_rows:
+        ids = row["sample_ids"]
+        shown = ", ".join(map(str, ids[:8])) + (" ..." if len(ids) > 8 else "")
+        stt.rows.append(tuple(fmt(row[c]) for c in names) + (shown,))
+    return stt

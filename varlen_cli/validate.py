@@ -6,18 +6,15 @@ everything from scratch, vectorised: a plan of millions of microbatches validate
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import format
 from .errors import InputError
 from .runtime import artifacts
 
-PLAN_FORMAT = "varlen-plan"
-REQUIRED_COLUMNS = ("epoch", "step", "rank", "micro", "sample_ids", "num_samples", "seqlen", "batch_size", "tokens",
-                    "lr_scale", "shape_id")
 MAX_EXAMPLES = 5
 
 
@@ -51,40 +48,27 @@ class ValidateResult:
         return [c for c in self.checks if not c.ok]
 
 
-def read_plan_metadata(path: str) -> tuple[dict, object]:
-    """The plan's ``varlen`` metadata and its Parquet schema; a clear error for anything else."""
-    import pyarrow.parquet as pq
-
+def _read_plan_metadata(path: str) -> tuple[dict, object]:
+    """The plan's metadata and Parquet schema (:func:`varlen_cli.format.read_plan_metadata`); an
+    :class:`InputError` for anything else."""
     if not os.path.exists(path):
         raise InputError(f"plan {path} does not exist")
-    if os.path.isdir(path):
-        raise InputError(f"{path} is a directory, not a plan file; create a plan with `varlen plan`")
     try:
-        schema = pq.read_schema(path)
-    except Exception as exc:
-        raise InputError(f"{path} is not a readable Parquet plan: {exc}") from None
-    raw = (schema.metadata or {}).get(b"varlen")
-    meta = None
-    if raw is not None:
-        try:
-            meta = json.loads(raw)
-        except ValueError:
-            meta = None
-    if not isinstance(meta, dict) or meta.get("format") != PLAN_FORMAT:
-        raise InputError(f"{path} is not a varlen plan (no '{PLAN_FORMAT}' metadata); create one with `varlen plan`")
-    return meta, schema
+        return format.read_plan_metadata(path)
+    except format.FormatError as exc:
+        raise InputError(str(exc)) from None
 
 
 def validate(config: ValidateConfig) -> ValidateResult:
     """Check a plan; returns every check's outcome (``result.ok`` when all hold)."""
     import pyarrow.parquet as pq
 
-    meta, schema = read_plan_metadata(config.plan)
-    missing = [c for c in REQUIRED_COLUMNS if c not in schema.names]
+    meta, schema = _read_plan_metadata(config.plan)
+    problems = format.plan_schema_problems(schema, meta)
     result = ValidateResult(config.plan)
-    result.checks.append(Check("columns", not missing, f"missing: {', '.join(missing)}" if missing else
+    result.checks.append(Check("columns", not problems, "; ".join(problems) if problems else
                                f"{len(schema.names)} columns"))
-    if missing:
+    if problems:
         return result
     table = pq.read_table(config.plan)
     cols = _columns(table)
@@ -115,12 +99,12 @@ def _columns(table) -> dict:
     import pyarrow.compute as pc
 
     out = {name: table.column(name).to_numpy() for name in table.column_names
-           if name not in ("sample_ids", "sample_lengths", "sample_rows", "sample_starts")}
+           if name not in format.PLAN_LIST_COLUMNS}
     ids = table.column("sample_ids").combine_chunks()
     out["flat_ids"] = pc.list_flatten(ids).to_numpy(zero_copy_only=False).astype(np.int64)
     out["flat_parent"] = pc.list_parent_indices(ids).to_numpy(zero_copy_only=False).astype(np.int64)
     out["list_len"] = pc.list_value_length(ids).to_numpy(zero_copy_only=False).astype(np.int64)
-    for name in ("sample_lengths", "sample_rows", "sample_starts"):
+    for name in format.PACKED_COLUMN_NAMES:
         if name in table.column_names:
             out["flat_" + name] = pc.list_flatten(table.column(name).combine_chunks()).to_numpy(
                 zero_copy_only=False).astype(np.int64)
@@ -335,8 +319,6 @@ def _completed(c: dict) -> np.ndarray:
 
 
 def _check_step_totals(c: dict) -> Check:
-    if "step_samples" not in c or "step_tokens" not in c:
-        return Check("step totals", True, "no step_samples/step_tokens columns", skipped=True)
     step = c["step"]
     samples = np.bincount(step, weights=_completed(c))
     tokens = np.bincount(step, weights=c["tokens"])

@@ -131,9 +131,10 @@ def test_dataloader_workers_state_after_batch(tmp_path):
 
 
 def test_loader_imports_only_torch_numpy_pyarrow():
+    # varlen_cli.format (the plan format's one definition) imports only pyarrow, numpy and json
     code = ("import sys, varlen_cli.loader; bad = sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('typer', 'rich', 'click') or (m.startswith('varlen_cli.') and not m.startswith('varlen_cli.loader'))); "
-            "print(bad)")
+            "('typer', 'rich', 'click') or (m.startswith('varlen_cli.') and not m.startswith('varlen_cli.loader')"
+            " and m != 'varlen_cli.format')); print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -167,14 +168,16 @@ def _bad(kind, tmp_path, good):
     if kind == "missing":
         return lambda: Plan.open(p), f"plan file not found: {p}"
     if kind == "directory":
-        return lambda: Plan.open(str(tmp_path)), f"{tmp_path} is a directory, not a plan file (make one with `varlen plan`)"
+        return (lambda: Plan.open(str(tmp_path)),
+                f"{tmp_path} is a directory, not a plan file (make one with `varlen plan`)")
     if kind == "not-parquet":
         with open(p, "w") as fh:
             fh.write("hello")
         return lambda: Plan.open(p), f"{p} is not a readable Parquet file"
     if kind == "no-metadata":
         pq.write_table(pa.table({"a": [1]}), p)
-        return lambda: Plan.open(p), f"{p} is not a varlen plan: no 'varlen' schema metadata (make one with `varlen plan`)"
+        return (lambda: Plan.open(p),
+                f"{p} is not a varlen plan: no 'varlen' schema metadata (make one with `varlen plan`)")
     if kind == "metrics-not-plan":
         _rewrite(good, p, {"format": "varlen-metrics"})
         return lambda: Plan.open(p), f"{p} is not a varlen plan (format 'varlen-metrics', expected 'varlen-plan')"

@@ -47,8 +47,8 @@ class TinyLM(nn.Module):
         self.heads = heads
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Embedding(max_pos, d)
-        self.blocks = nn.ModuleList(nn.ModuleDict(dict(ln1=nn.LayerNorm(d), qkv=nn.Linear(d, 3 * d), out=nn.Linear(d, d),
-                                                       ln2=nn.LayerNorm(d), mlp=nn.Sequential(
+        self.blocks = nn.ModuleList(nn.ModuleDict(dict(ln1=nn.LayerNorm(d), qkv=nn.Linear(d, 3 * d),
+                                                       out=nn.Linear(d, d), ln2=nn.LayerNorm(d), mlp=nn.Sequential(
                                                            nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))))
                                     for _ in range(layers))
         self.head = nn.Linear(d, vocab)
@@ -170,7 +170,8 @@ def test_dict_items_padding_and_errors():
     assert b["segment_ids"][2].tolist() == [0] * 6 and torch.all(b["labels"][2] == -100)
     with pytest.raises(PackedLayoutError, match=r"^sample 1 has 3 tokens but the plan packs tokens 0\.\.4 of it"):
         collate_packed(data, [5, 4], [0, 1], [0, 0], seq_len=6, rows=2, sample_ids=[0, 1])
-    with pytest.raises(PackedLayoutError, match=r"^packed microbatch: row 0 holds 8 tokens, more than the row length 6"):
+    with pytest.raises(PackedLayoutError,
+                       match=r"^packed microbatch: row 0 holds 8 tokens, more than the row length 6"):
         collate_packed(data, [5, 3], [0, 0], [0, 0], seq_len=6, rows=1)
     with pytest.raises(PackedLayoutError, match="entries are not in row order"):
         collate_packed(data, [5, 3], [1, 0], [0, 0], seq_len=6, rows=2)

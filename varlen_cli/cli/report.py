@@ -11,7 +11,8 @@ def console():
     return Console()
 
 
-def _fmt(x: Any) -> str:
+def fmt(x: Any) -> str:
+    """A value as a table cell: thousands separators, 2 decimals, lower-case booleans and none."""
     if isinstance(x, bool) or x is None:
         return str(x).lower()
     if isinstance(x, float):
@@ -19,6 +20,23 @@ def _fmt(x: Any) -> str:
     if isinstance(x, int):
         return f"{x:,}"
     return str(x)
+
+
+_fmt = fmt  # the old name, until every caller uses fmt
+
+
+def print_tables(tables) -> None:
+    """Print :class:`varlen_cli.inspect.TextTable` s as rich tables (first column bold)."""
+    from rich.table import Table
+
+    out = console()
+    for spec in tables:
+        t = Table(title=spec.title, show_header=spec.show_header)
+        for k, (name, justify) in enumerate(spec.columns):
+            t.add_column(name, justify=justify, style="bold" if k == 0 and not spec.show_header else None)
+        for row in spec.rows:
+            t.add_row(*row)
+        out.print(t)
 
 
 def histogram_lines(log2_bins: list, width: int = 30) -> list[tuple[str, str, str]]:

@@ -18,7 +18,7 @@ See ``docs/loader.md``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Optional, Union
+from typing import Any
 
 from .collate import IGNORE_INDEX, PadCollate, PlanDataset, Samples, causal_padding_mask, pad_collate
 from .lr import VariableBatchSizeLR

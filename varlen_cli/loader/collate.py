@@ -10,7 +10,7 @@ import torch
 
 from .plan_file import Microbatch, PlanError
 
-IGNORE_INDEX = -100
+IGNORE_INDEX = -100  # label of positions without a target (PyTorch's cross_entropy default)
 
 
 class Samples(list):
@@ -46,7 +46,8 @@ class PlanDataset(torch.utils.data.Dataset):
         return Samples(items, getattr(indices, "info", None))
 
 
-def _as_array(item: Any, key: str) -> np.ndarray:
+def sample_array(item: Any, key: str) -> np.ndarray:
+    """One sample's tokens as a flat numpy array (``item[key]`` for a dict sample)."""
     if isinstance(item, dict):
         item = item[key]
     if isinstance(item, torch.Tensor):
@@ -107,7 +108,7 @@ class PadCollate:
 
     def __call__(self, samples: Sequence[Any]) -> dict:
         info: Microbatch | None = getattr(samples, "info", None)
-        arrays = [_as_array(item, self.key) for item in samples]  # one per sample of the microbatch
+        arrays = [sample_array(item, self.key) for item in samples]  # one per sample of the microbatch
         lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
         n = len(arrays)
         longest = int(lengths.max()) if n else 0

@@ -31,19 +31,11 @@ from typing import Any
 import numpy as np
 import torch
 
-IGNORE_INDEX = -100
+from .collate import IGNORE_INDEX, sample_array
 
 
 class PackedLayoutError(ValueError):
     """A packed microbatch does not fit its row length, or the dataset does not fit the plan."""
-
-
-def _item_array(item: Any, key: str) -> np.ndarray:
-    if isinstance(item, dict):
-        item = item[key]
-    if isinstance(item, torch.Tensor):
-        return item.detach().cpu().numpy().reshape(-1)
-    return np.asarray(item).reshape(-1)
 
 
 def packed_layout(sample_lengths, sample_rows, seq_len: int, rows: int) -> dict:
@@ -163,7 +155,7 @@ def collate_packed(samples: Sequence[Any], sample_lengths, sample_rows, sample_s
     if len(samples) != n or len(starts) != n:
         raise PackedLayoutError(f"packed microbatch: {n} planned entries but {len(samples)} dataset items")
     lay = packed_layout(lengths, sample_rows, seq_len, rows)
-    arrays = [_item_array(item, key) for item in samples]
+    arrays = [sample_array(item, key) for item in samples]
     full = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=n)
     ends = starts + lengths
     # an entry must lie inside its sample; an unsplit entry (start 0, sample fits a row) must be the sample

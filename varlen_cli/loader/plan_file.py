@@ -9,7 +9,6 @@ from the row groups' ``step`` statistics, so seeking to any step reads one row g
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,17 +18,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-PLAN_FORMAT = "varlen-plan"
-FORMAT_VERSION = 1
-METADATA_KEY = b"varlen"
+from .. import format
 
-#: Columns every plan has (docs/formats.md).
-REQUIRED_COLUMNS = ("epoch", "step", "rank", "micro", "sample_ids", "num_samples", "seqlen", "batch_size",
-                    "tokens", "lr_scale", "shape_id", "step_samples", "step_tokens")
-#: Extra columns of packed plans, passed through to :class:`Microbatch` when present.
-PACKED_COLUMNS = ("sample_lengths", "sample_rows", "sample_starts")
-_SCALARS = ("epoch", "step", "rank", "micro", "num_samples", "seqlen", "batch_size", "tokens", "lr_scale",
-            "shape_id", "step_samples", "step_tokens")
+PLAN_FORMAT = format.PLAN_FORMAT
+FORMAT_VERSION = format.PLAN_FORMAT_VERSION
+
+#: Columns every plan has (defined in :mod:`varlen_cli.format`, described in docs/formats.md).
+REQUIRED_COLUMNS = tuple(name for name, _ in format.PLAN_COLUMNS)
+#: Extra columns of packed plans, passed through to :class:`Microbatch`.
+PACKED_COLUMNS = format.PACKED_COLUMN_NAMES
 
 
 class PlanError(ValueError):
@@ -74,7 +71,7 @@ class _Group:
     def __init__(self, table: pa.Table, first_row: int):
         self.first_row = first_row
         self.num_rows = table.num_rows
-        self.scalars = {name: table.column(name).to_numpy() for name in _SCALARS}
+        self.scalars = {name: table.column(name).to_numpy() for name in format.PLAN_SCALAR_COLUMNS}
         self.lists = {}
         for name in ("sample_ids",) + PACKED_COLUMNS:
             if name in table.column_names:
@@ -114,7 +111,6 @@ class Plan:
         self.meta = meta
         self.row_groups_read = 0  # how many row groups this reader decoded (seeks read one)
         self._group: _Group | None = None
-        self._group_index = -1
         self._lr_scales: np.ndarray | None = None
         self.dp = int(meta.get("dp", 0))
         self.grad_accum = int(meta.get("grad_accum", 0))
@@ -129,40 +125,19 @@ class Plan:
     def open(cls, path, *, num_samples: int | None = None, world_size: int | None = None) -> Plan:
         """Open a plan file; with ``num_samples`` / ``world_size`` also :meth:`validate` against them."""
         path = os.fspath(path)
-        if not os.path.exists(path):
-            raise PlanError(f"plan file not found: {path}")
-        if os.path.isdir(path):
-            raise PlanError(f"{path} is a directory, not a plan file (make one with `varlen plan`)")
         try:
-            parquet = pq.ParquetFile(path)
-        except Exception as exc:  # pyarrow raises several types for a non-Parquet file
-            raise PlanError(f"{path} is not a readable Parquet file: {exc}") from None
-        raw = (parquet.schema_arrow.metadata or {}).get(METADATA_KEY)
-        if raw is None:
-            raise PlanError(f"{path} is not a varlen plan: no 'varlen' schema metadata (make one with `varlen plan`)")
-        try:
-            meta = json.loads(raw)
-        except ValueError:
-            raise PlanError(f"{path} has unreadable 'varlen' schema metadata (not JSON)") from None
-        if not isinstance(meta, dict) or meta.get("format") != PLAN_FORMAT:
-            fmt = meta.get("format") if isinstance(meta, dict) else None
-            raise PlanError(f"{path} is not a varlen plan (format {fmt!r}, expected {PLAN_FORMAT!r})")
-        version = meta.get("format_version")
-        if version != FORMAT_VERSION:
-            raise PlanError(f"{path} has plan format version {version}; this loader reads version {FORMAT_VERSION}")
+            parquet, meta = format.open_plan_file(path)
+        except format.FormatError as exc:
+            raise PlanError(str(exc)) from None
         plan = cls(path, parquet, meta)
         if num_samples is not None or world_size is not None:
             plan.validate(num_samples=num_samples, world_size=world_size)
         return plan
 
     def _check_layout(self) -> None:
-        names = set(self._pf.schema_arrow.names)
-        missing = [c for c in REQUIRED_COLUMNS if c not in names]
-        if missing:
-            raise PlanError(f"{self.path} lacks plan columns: {', '.join(missing)}")
-        for key in ("dp", "grad_accum", "num_steps", "steps_per_epoch"):
-            if key not in self.meta:
-                raise PlanError(f"{self.path} lacks '{key}' in its plan metadata")
+        problems = format.plan_schema_problems(self._pf.schema_arrow, self.meta)
+        if problems:
+            raise PlanError(f"{self.path} {problems[0]}")
         if self.dp < 1 or self.grad_accum < 1:
             raise PlanError(f"{self.path} has dp={self.dp}, grad_accum={self.grad_accum}; both must be >= 1")
         if sum(self.steps_per_epoch) != self.num_steps:
@@ -252,7 +227,7 @@ class Plan:
     @property
     def fingerprint(self) -> str:
         """A short hash of the plan's metadata: identifies the plan in sampler states."""
-        raw = self._pf.schema_arrow.metadata[METADATA_KEY]
+        raw = format.raw_plan_metadata(self._pf.schema_arrow)
         return hashlib.sha256(raw).hexdigest()[:16]
 
     def epoch_start(self, epoch: int) -> int:
@@ -328,7 +303,6 @@ class Plan:
         table = self._pf.read_row_group(index, columns=columns)
         self.row_groups_read += 1
         self._group = _Group(table, int(self._first_rows[index]))
-        self._group_index = index
         return self._group
 
     def microbatch(self, step: int, rank: int, micro: int) -> Microbatch:

@@ -3,41 +3,33 @@ metadata under the key ``varlen``, written to a temporary file then renamed (ato
 
 from __future__ import annotations
 
-import json
 import os
 import uuid
 
 import numpy as np
 
+from .. import format
 from ..errors import OutputError
 
-PLAN_FORMAT = "varlen-plan"
-PLAN_FORMAT_VERSION = 1
+PLAN_FORMAT = format.PLAN_FORMAT  # the names the planner uses; format.py defines them
+PLAN_FORMAT_VERSION = format.PLAN_FORMAT_VERSION
 ROW_GROUP_TARGET = 4096  # microbatches per row group (rounded to whole steps)
 DICTIONARY_COLUMNS = frozenset({"epoch", "rank", "micro", "num_samples", "seqlen", "batch_size", "lr_scale", "shape_id",
                                 "step_samples", "step_tokens"})
-
-
-def plan_schema(packed: bool, metadata: dict | None = None):
-    import pyarrow as pa
-
-    fields = [
-        ("epoch", pa.int32()), ("step", pa.int64()), ("rank", pa.int32()), ("micro", pa.int32()),
-        ("sample_ids", pa.list_(pa.int64())), ("num_samples", pa.int32()), ("seqlen", pa.int32()),
-        ("batch_size", pa.int32()), ("tokens", pa.int64()), ("lr_scale", pa.float64()), ("shape_id", pa.int32()),
-        ("step_samples", pa.int64()), ("step_tokens", pa.int64()),
-    ]
-    if packed:
-        fields += [("sample_lengths", pa.list_(pa.int32())), ("sample_rows", pa.list_(pa.int32())),
-                   ("sample_starts", pa.list_(pa.int32()))]
-    schema = pa.schema(fields)
-    if metadata is not None:
-        schema = schema.with_metadata({"varlen": json.dumps(metadata, default=str)})
-    return schema
+plan_schema = format.plan_schema
 
 
 def rows_per_group(slots: int) -> int:
     return slots * max(1, ROW_GROUP_TARGET // slots)
+
+
+def plan_metadata(metadata: dict, packed: bool) -> dict:
+    """``metadata`` with the keys the format owns filled in: format name and version, and the
+    straggler cost (the planner's budget cost, or tokens for packed plans) unless already there."""
+    budget = metadata.get("budget") or {}
+    owned = {"format": format.PLAN_FORMAT, "format_version": format.PLAN_FORMAT_VERSION,
+             format.STRAGGLER_COST_KEY: format.straggler_cost(packed, budget.get("attention_cost") or 0.0)}
+    return {**owned, **metadata}
 
 
 def check_output(path: str, overwrite: bool) -> None:
@@ -59,7 +51,7 @@ def write_plan(path: str, overwrite: bool, cols: dict, offsets: np.ndarray, item
 
     check_output(path, overwrite)
     packed = "sample_lengths" in items
-    schema = plan_schema(packed, metadata)
+    schema = format.plan_schema(packed, plan_metadata(metadata, packed))
     path = os.path.abspath(path)
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.varlen-tmp-{uuid.uuid4().hex[:8]}")
     n = len(offsets) - 1
@@ -97,9 +89,3 @@ def _remove(path: str) -> None:
     except OSError:
         pass
 
-
-def read_plan_metadata(path: str) -> dict:
-    import pyarrow.parquet as pq
-
-    md = pq.read_schema(path).metadata or {}
-    return json.loads(md[b"varlen"])

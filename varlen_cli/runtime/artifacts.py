@@ -18,18 +18,17 @@ from contextlib import contextmanager
 from dataclasses import asdict, is_dataclass
 from typing import Any
 
-from .. import __version__
+from .. import __version__, format
 from ..errors import InputError, OutputError
 
-MANIFEST_NAME = "_manifest.json"  # "_" so pyarrow datasets skip it
-METRICS_FORMAT = "varlen-metrics"
-FORMAT_VERSION = 1
+# The directory format is defined in varlen_cli.format; these are the names the stages use.
+MANIFEST_NAME = format.MANIFEST_NAME
+METRICS_FORMAT = format.METRICS_FORMAT
+FORMAT_VERSION = format.METRICS_FORMAT_VERSION
+part_name = format.part_name
+metrics_schema = format.metrics_schema
 # Config fields that say how a stage ran, not what it computed: left out of artifact ids.
 RUNTIME_FIELDS = frozenset({"nproc", "overwrite", "device", "progress", "output", "debug", "quiet"})
-
-
-def part_name(index: int) -> str:
-    return f"part-{index:05d}.parquet"
 
 
 def config_dict(config: Any) -> dict:
@@ -228,12 +227,6 @@ def read_row_range(path: str, manifest: dict, start: int, stop: int, columns: Se
             schema = metrics_schema()
         return schema.empty_table()
     return pa.concat_tables(pieces) if len(pieces) > 1 else pieces[0]
-
-
-def metrics_schema():
-    import pyarrow as pa
-
-    return pa.schema([("sample_id", pa.int64()), ("length", pa.int64()), ("difficulty", pa.float64())])
 
 
 def write_parquet(table, path: str, row_group_size: int = 1 << 20) -> None:

@@ -1,0 +1,191 @@
+"""The one definition of every varlen artifact's format (``docs/formats.md`` describes it in prose).
+
+Names, format names and versions, required columns and their types, metadata keys, metadata
+read/write helpers and the per-step straggler cost. The plan writer, ``varlen validate``,
+``varlen inspect``, the runtime's manifest reader and the loader all import it, so they cannot
+disagree. Imports only pyarrow, numpy and json (the loader may use it: no torch, typer or rich).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+# -- metrics and sorted directories ------------------------------------------------------------------
+MANIFEST_NAME = "_manifest.json"  # "_" so pyarrow datasets skip it
+METRICS_FORMAT = "varlen-metrics"
+METRICS_FORMAT_VERSION = 1
+#: Columns of every part of a metrics or sorted directory, in order.
+METRICS_COLUMNS = (("sample_id", pa.int64()), ("length", pa.int64()), ("difficulty", pa.float64()))
+
+
+def part_name(index: int) -> str:
+    """File name of part ``index`` of a metrics or sorted directory."""
+    return f"part-{index:05d}.parquet"
+
+
+def metrics_schema() -> pa.Schema:
+    return pa.schema(list(METRICS_COLUMNS))
+
+
+# -- plan files --------------------------------------------------------------------------------------
+PLAN_FORMAT = "varlen-plan"
+PLAN_FORMAT_VERSION = 1
+#: Schema-metadata key holding the plan's JSON metadata.
+PLAN_METADATA_KEY = "varlen"
+#: Columns of every plan, in file order.
+PLAN_COLUMNS = (
+    ("epoch", pa.int32()), ("step", pa.int64()), ("rank", pa.int32()), ("micro", pa.int32()),
+    ("sample_ids", pa.list_(pa.int64())), ("num_samples", pa.int32()), ("seqlen", pa.int32()),
+    ("batch_size", pa.int32()), ("tokens", pa.int64()), ("lr_scale", pa.float64()), ("shape_id", pa.int32()),
+    ("step_samples", pa.int64()), ("step_tokens", pa.int64()),
+)
+#: Extra columns of packed plans (metadata ``packing`` is not null), after :data:`PLAN_COLUMNS`.
+PACKED_PLAN_COLUMNS = (
+    ("sample_lengths", pa.list_(pa.int32())), ("sample_rows", pa.list_(pa.int32())),
+    ("sample_starts", pa.list_(pa.int32())),
+)
+PLAN_LIST_COLUMNS = tuple(name for name, t in PLAN_COLUMNS + PACKED_PLAN_COLUMNS if pa.types.is_list(t))
+PLAN_SCALAR_COLUMNS = tuple(name for name, t in PLAN_COLUMNS if not pa.types.is_list(t))
+PACKED_COLUMN_NAMES = tuple(name for name, _ in PACKED_PLAN_COLUMNS)
+#: Metadata keys a reader needs to lay the rows out.
+PLAN_LAYOUT_KEYS = ("dp", "grad_accum", "num_steps", "steps_per_epoch")
+#: Metadata key naming the per-microbatch cost the plan's straggler statistics use.
+STRAGGLER_COST_KEY = "straggler_cost"
+
+
+class FormatError(ValueError):
+    """A file is not the artifact it should be (one line; callers turn it into their error type)."""
+
+
+def plan_columns(packed: bool) -> tuple:
+    """``(name, type)`` of every column a plan has (packed or padded)."""
+    return PLAN_COLUMNS + (PACKED_PLAN_COLUMNS if packed else ())
+
+
+def plan_schema(packed: bool, metadata: dict | None = None) -> pa.Schema:
+    """The schema the plan writer writes, with ``metadata`` encoded under :data:`PLAN_METADATA_KEY`."""
+    schema = pa.schema(list(plan_columns(packed)))
+    if metadata is not None:
+        schema = schema.with_metadata(encode_plan_metadata(metadata))
+    return schema
+
+
+def encode_plan_metadata(metadata: dict) -> dict:
+    return {PLAN_METADATA_KEY: json.dumps(metadata, default=str)}
+
+
+def raw_plan_metadata(schema: pa.Schema) -> bytes | None:
+    """The undecoded metadata bytes (hashed by the loader to identify a plan)."""
+    return (schema.metadata or {}).get(PLAN_METADATA_KEY.encode())
+
+
+def decode_plan_metadata(schema: pa.Schema, path: str) -> dict:
+    """The plan metadata of a Parquet schema; :class:`FormatError` when it is not a supported plan."""
+    raw = raw_plan_metadata(schema)
+    if raw is None:
+        raise FormatError(f"{path} is not a varlen plan: no '{PLAN_METADATA_KEY}' schema metadata "
+                          "(make one with `varlen plan`)")
+    try:
+        meta = json.loads(raw)
+    except ValueError:
+        raise FormatError(f"{path} has unreadable '{PLAN_METADATA_KEY}' schema metadata (not JSON)") from None
+    if not isinstance(meta, dict) or meta.get("format") != PLAN_FORMAT:
+        fmt = meta.get("format") if isinstance(meta, dict) else None
+        raise FormatError(f"{path} is not a varlen plan (format {fmt!r}, expected {PLAN_FORMAT!r})")
+    version = meta.get("format_version")
+    if version != PLAN_FORMAT_VERSION:
+        raise FormatError(f"{path} has plan format version {version}; this loader reads version {PLAN_FORMAT_VERSION}")
+    return meta
+
+
+def open_plan_file(path: str) -> tuple[pq.ParquetFile, dict]:
+    """A plan file opened for reading and its metadata; :class:`FormatError` for anything else."""
+    if not os.path.exists(path):
+        raise FormatError(f"plan file not found: {path}")
+    if os.path.isdir(path):
+        raise FormatError(f"{path} is a directory, not a plan file (make one with `varlen plan`)")
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as exc:  # pyarrow raises several types for a non-Parquet file
+        raise FormatError(f"{path} is not a readable Parquet file: {exc}") from None
+    return parquet, decode_plan_metadata(parquet.schema_arrow, path)
+
+
+def read_plan_metadata(path: str) -> tuple[dict, pa.Schema]:
+    """A plan's metadata and Parquet schema (footer only); :class:`FormatError` for anything else."""
+    parquet, meta = open_plan_file(path)
+    return meta, parquet.schema_arrow
+
+
+def _same_kind(have: pa.DataType, want: pa.DataType) -> bool:
+    """Integer for integer, float for float, list of integers for list of integers (any width)."""
+    if pa.types.is_list(want) or pa.types.is_large_list(want):
+        return (pa.types.is_list(have) or pa.types.is_large_list(have)) and _same_kind(have.value_type,
+                                                                                         want.value_type)
+    if pa.types.is_integer(want):
+        return pa.types.is_integer(have)
+    return pa.types.is_floating(have)
+
+
+def plan_schema_problems(schema: pa.Schema, meta: dict) -> list[str]:
+    """What makes a plan's columns or layout metadata unusable, each phrased after the file's name
+    (``f"{path} {problem}"``); empty when every required column and key is there with its type."""
+    packed = bool(meta.get("packing"))
+    names = set(schema.names)
+    columns = plan_columns(packed)
+    missing = [name for name, _ in columns if name not in names]
+    problems = []
+    if missing:
+        problems.append(f"lacks plan columns: {', '.join(missing)}")
+    for name, want in columns:
+        if name in names and not _same_kind(schema.field(name).type, want):
+            problems.append(f"has column {name} of type {schema.field(name).type}, expected {want}")
+    problems += [f"lacks '{key}' in its plan metadata" for key in PLAN_LAYOUT_KEYS if key not in meta]
+    return problems
+
+
+# -- straggler: one cost, one formula ----------------------------------------------------------------
+def straggler_cost(packed: bool, attention_cost: float = 0.0) -> dict:
+    """The per-microbatch cost a plan balances ranks on (recorded under :data:`STRAGGLER_COST_KEY`):
+    real tokens for packed plans, the padded budget cost ``B*T (+ A*B*T^2)`` otherwise."""
+    if packed:
+        return {"kind": "tokens"}
+    return {"kind": "padded", "attention_cost": float(attention_cost or 0.0)}
+
+
+def plan_straggler_cost(meta: dict) -> dict:
+    """The cost a plan's straggler statistics used: recorded in its metadata, or (older plans) the
+    one its packing and budget imply."""
+    recorded = meta.get(STRAGGLER_COST_KEY)
+    if isinstance(recorded, dict) and recorded.get("kind") in ("tokens", "padded"):
+        return recorded
+    budget = meta.get("budget") or {}
+    return straggler_cost(bool(meta.get("packing")), budget.get("attention_cost") or 0.0)
+
+
+def microbatch_cost(spec: dict, tokens, batch_size, seqlen) -> np.ndarray:
+    """Cost of each microbatch under ``spec`` (from :func:`straggler_cost`), as float64."""
+    if spec["kind"] == "tokens":
+        return np.asarray(tokens, dtype=np.float64)
+    b = np.asarray(batch_size, dtype=np.int64)
+    t = np.asarray(seqlen, dtype=np.int64)
+    attention = float(spec.get("attention_cost") or 0.0)
+    if attention:
+        bf, tf = b.astype(np.float64), t.astype(np.float64)
+        return bf * tf + attention * bf * tf * tf
+    return (b * t).astype(np.float64)
+
+
+def straggler(step: np.ndarray, rank: np.ndarray, cost: np.ndarray, dp: int) -> np.ndarray:
+    """Per step: the busiest rank's cost / the mean rank cost (1.0 = balanced)."""
+    if not len(step):
+        return np.zeros(0)
+    steps = int(step.max()) + 1
+    load = np.bincount(step * dp + rank, weights=cost, minlength=steps * dp).reshape(steps, dp)
+    mean = load.mean(axis=1)
+    return np.where(mean > 0, load.max(axis=1) / np.where(mean > 0, mean, 1), 1.0)
