@@ -9,10 +9,12 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.conftest import sample
+from varlen_cli import format as fmt
 from varlen_cli.analyze import AnalyzeConfig, analyze
 from varlen_cli.cli import app
 from varlen_cli.errors import InputError
-from varlen_cli.inspect import InspectConfig, inspect_artifact
+from varlen_cli.inspect import InspectConfig, inspect_artifact, tables
+from varlen_cli.loader import Plan, PlanError
 from varlen_cli.plan import PlanConfig, plan
 from varlen_cli.validate import ValidateConfig, validate
 
@@ -140,3 +142,107 @@ def test_split_samples_count_once_in_step_samples(made, tmp_path):
     assert int(t.column("step_samples").to_numpy()[first_row_of_step].sum()) == 2000
     result = validate(ValidateConfig(out, metrics=metrics))
     assert result.ok, [c.detail for c in result.violations]
+
+
+@pytest.fixture(scope="module")
+def packed_plan(made):
+    root, metrics, _ = made
+    out = str(root / "packed.parquet")
+    plan(PlanConfig(input=metrics, output=out, packing=True, seq_len=512, dp=2, grad_accum=2))
+    return out
+
+
+def _plan_of(kind, made, packed_plan):
+    return made[2] if kind == "padded" else packed_plan
+
+
+def _without(src: str, dst: str, column: str) -> str:
+    table = pq.read_table(src)
+    pq.write_table(table.drop_columns([column]).replace_schema_metadata(table.schema.metadata), dst)
+    return dst
+
+
+PADDED_COLUMNS = [name for name, _ in fmt.plan_columns(packed=False)]
+PACKED_COLUMNS = [name for name, _ in fmt.plan_columns(packed=True)]
+
+
+@pytest.mark.parametrize("kind,column",
+                         [("padded", c) for c in PADDED_COLUMNS] + [("packed", c) for c in PACKED_COLUMNS])
+def test_validate_and_loader_agree_on_every_column(made, packed_plan, tmp_path, kind, column):
+    """Dropping any column of a plan makes both `varlen validate` and `Plan.open` reject it."""
+    src = _plan_of(kind, made, packed_plan)
+    assert validate(ValidateConfig(src, metrics=made[1])).ok and Plan.open(src)  # the intact plan passes both
+    bad = _without(src, str(tmp_path / "bad.parquet"), column)
+    result = validate(ValidateConfig(bad))
+    assert not result.ok and [c.name for c in result.violations] == ["columns"]
+    assert column in result.violations[0].detail
+    with pytest.raises(PlanError, match=rf"lacks plan columns: {column}$"):
+        Plan.open(bad)
+    cli = runner.invoke(app, ["validate", bad])
+    assert cli.exit_code == 6 and f"lacks plan columns: {column}" in cli.output
+
+
+@pytest.mark.parametrize("column,value", [("lr_scale", "x"), ("step_samples", 1.5), ("sample_ids", [1.5])])
+def test_validate_and_loader_agree_on_column_types(made, tmp_path, column, value):
+    src = made[2]
+    table = pq.read_table(src)
+    bad = str(tmp_path / "bad.parquet")
+    replaced = table.set_column(table.schema.get_field_index(column), column, pa.array([value] * table.num_rows))
+    pq.write_table(replaced.replace_schema_metadata(table.schema.metadata), bad)
+    result = validate(ValidateConfig(bad))
+    assert not result.ok and f"has column {column} of type" in result.violations[0].detail
+    with pytest.raises(PlanError, match=f"has column {column} of type"):
+        Plan.open(bad)
+
+
+def _independent_straggler(path: str, cost_of) -> tuple[float, float]:
+    """Per step: max over ranks of the summed microbatch cost / mean over ranks, from the rows."""
+    rows = pq.read_table(path, columns=["step", "rank", "tokens", "batch_size", "seqlen"]).to_pylist()
+    load: dict = {}
+    for r in rows:
+        load.setdefault(r["step"], {}).setdefault(r["rank"], 0.0)
+        load[r["step"]][r["rank"]] += cost_of(r)
+    ratios = [max(v.values()) / (sum(v.values()) / 2) for v in load.values()]  # dp = 2 in both plans
+    return sum(ratios) / len(ratios), max(ratios)
+
+
+@pytest.mark.parametrize("kind", ["attention", "packed"])
+def test_inspect_straggler_equals_plan_summary(made, packed_plan, tmp_path, kind):
+    """One straggler: the plan records its cost; inspect and the plan's summary show the same numbers,
+    and both equal a per-row recomputation (attention term for padded plans, tokens for packed)."""
+    _, metrics, _ = made
+    if kind == "attention":
+        path = str(tmp_path / "attn.parquet")
+        result = plan(PlanConfig(input=metrics, output=path, max_tokens=1024, dp=2, grad_accum=1,
+                                 attention_cost=0.002, order="random"))
+        stats = result.stats
+
+        def cost_of(r):
+            return r["batch_size"] * r["seqlen"] + 0.002 * r["batch_size"] * r["seqlen"] ** 2
+    else:
+        path = packed_plan
+        stats = json.loads(pq.read_schema(path).metadata[b"varlen"])["stats"]
+
+        def cost_of(r):
+            return float(r["tokens"])
+    meta = json.loads(pq.read_schema(path).metadata[b"varlen"])
+    want = {"kind": "tokens"} if kind == "packed" else {"kind": "padded", "attention_cost": 0.002}
+    assert meta[fmt.STRAGGLER_COST_KEY] == want
+    series = inspect_artifact(InspectConfig(path))["series"]
+    assert series["straggler_cost"] == want
+    mean, worst = _independent_straggler(path, cost_of)
+    assert series["straggler_mean"] == pytest.approx(stats["straggler_mean"], rel=1e-12)
+    assert series["straggler_max"] == pytest.approx(stats["straggler_max"], rel=1e-12)
+    assert (mean, worst) == pytest.approx((stats["straggler_mean"], stats["straggler_max"]), rel=1e-9)
+    if kind == "attention":  # B x T alone (what inspect used to show) gives another number here
+        bt_mean, _ = _independent_straggler(path, lambda r: r["batch_size"] * r["seqlen"])
+        assert bt_mean != pytest.approx(mean, rel=1e-6)
+
+
+def test_inspect_tables_are_text(made):
+    """The library returns text tables; printing them is the CLI's job."""
+    _, metrics, plan_path = made
+    for info in (inspect_artifact(InspectConfig(metrics)), inspect_artifact(InspectConfig(plan_path, step=0))):
+        out = tables(info)
+        assert out and all(isinstance(cell, str) for t in out for row in t.rows for cell in row)
+        assert all(len(row) == len(t.columns) for t in out for row in t.rows)
