@@ -215,7 +215,7 @@ def run_in_group(config: SortConfig, d: Dist, out: artifacts.AtomicDir, t0: floa
         if total:
             cols, words, lay, shift = _sort_rows(config, spec, d, cols, total, clock, bar)
         else:
-            words, lay, shift = [np.zeros(0, np.int64)], sk.Layout(), 0
+            words, lay, shift = [np.zeros(0, np.int64)], sk.KeyLayout(), 0
             bar.advance(0)
 
         # Boundaries: key values for the manifest, and a check that no two rows share a sample_id
@@ -385,7 +385,7 @@ def _sort_rows(config, spec, d: Dist, cols: dict, total: int, clock: _Clock, bar
     return cols, words, lay, shift
 
 
-def _id_order(lay: sk.Layout, stats, keycols: dict, words: list, n: int):
+def _id_order(lay: sk.KeyLayout, stats, keycols: dict, words: list, n: int):
     """Sort a one-word key whose low field is sample_id, when this rank's sample ids are the
     contiguous run first, first+1, ...: the sorted words then give back each row's index, so
     ``np.sort`` replaces an ``argsort`` (a metrics directory's slices are such runs)."""
@@ -444,7 +444,7 @@ def _torch_lex_order(torch, words: list):
     return order
 
 
-def _sort_rows_torch(config, d: Dist, cols: dict, words: list, lay: sk.Layout, total: int, clock: _Clock, bar):
+def _sort_rows_torch(config, d: Dist, cols: dict, words: list, lay: sk.KeyLayout, total: int, clock: _Clock, bar):
     import torch
 
     P = d.world_size
