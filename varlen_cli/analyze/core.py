@@ -16,6 +16,7 @@ import numpy as np
 
 from ..errors import InputError, OutputError, UsageError
 from ..runtime import artifacts
+from ..runtime.choices import Device, check_choices, doc
 from ..runtime.dist import Dist, fault_point
 from ..runtime.executor import execute
 from ..runtime.progress import JobProgress
@@ -40,18 +41,23 @@ RARITY_CACHE_BYTES = 512 << 20  # token ids a worker keeps between the two vocab
 class AnalyzeConfig:
     """Options of ``varlen analyze`` (see ``varlen analyze --help``)."""
 
-    sources: tuple
-    output: str
-    length: str = "auto"
-    tokenizer: str | None = None
-    special_tokens: bool = True
-    frames_per_second: float | None = None
-    difficulty: str = "length"
-    nproc: int = 1
-    overwrite: bool = False
-    device: str = "cpu"
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    progress: bool = True
+    sources: tuple = doc(help="Parquet/Arrow/JSONL/text files, directories, globs, or a Hugging Face save_to_disk "
+                              "directory; rows are numbered over the files in sorted path order.")
+    output: str = doc(help="Metrics directory to write (part-*.parquet + _manifest.json), atomically.")
+    length: str = doc("auto", "KIND:COLUMN with KIND list, tokens, chars, bytes, words or value; 'auto' picks a list "
+                              "column input_ids/tokens/token_ids, then text (tokens with --tokenizer, else chars), "
+                              "then num_tokens/length/duration.")
+    tokenizer: str | None = doc(None, "tokenizer.json for --length tokens:COLUMN (truncation and padding are switched "
+                                      "off).")
+    special_tokens: bool = doc(True, "Count the tokenizer's special tokens (BOS/EOS, CLS/SEP).")
+    frames_per_second: float | None = doc(None, "With --length value:COLUMN in seconds: frames = ceil(seconds x F).")
+    difficulty: str = doc("length", "Curriculum key: length, value:COLUMN, vocab-rarity, or MODULE:FUNCTION "
+                                    "(RecordBatch -> one value per row).")
+    nproc: int = doc(1, "Local worker processes to launch (torch elastic); under torchrun leave at 1.")
+    overwrite: bool = doc(False, "Replace an existing output (written atomically either way).")
+    device: Device = doc("cpu", "cpu (gloo) or cuda (nccl).")
+    chunk_bytes: int = doc(DEFAULT_CHUNK_BYTES, "Bytes of input a worker reads per chunk.")
+    progress: bool = doc(True, "Show a progress bar on rank 0 (only on a terminal).")
 
 
 @dataclass
@@ -76,6 +82,7 @@ def analyze(config: AnalyzeConfig) -> AnalyzeResult | None:
 
 def check(config: AnalyzeConfig) -> None:
     """Refuse bad options before any worker starts."""
+    check_choices(config)
     if not config.sources:
         raise UsageError("give at least one SOURCE")
     if config.length != "auto":

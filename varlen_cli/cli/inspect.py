@@ -9,7 +9,10 @@ from varlen_cli.cli import common
 
 def inspect_command(
     path: str = typer.Argument(..., help="A metrics directory, a sorted directory or a plan file.", show_default=False),
-    step: int | None = typer.Option(None, "--step", help="Plans: also show the microbatches of step N.", show_default=False),
+    step: int | None = typer.Option(
+        None, "--step", show_default=False,
+        help="Plans: also show the microbatches of step N.",
+    ),
     json_output: bool = typer.Option(False, "--json", help="Print everything as JSON (for scripts)."),
 ) -> None:
     """Show an artifact's config, provenance and statistics, with terminal histograms."""

@@ -5,35 +5,112 @@ from __future__ import annotations
 import typer
 
 from varlen_cli.cli import common
+from varlen_cli.runtime.choices import LrScaleBy, LrScaling, Order, Tail
 
 
 def plan_command(
-    input_dir: str = typer.Argument(..., help="Metrics directory (varlen analyze) or sorted directory (varlen sort; needed for --order curriculum/reverse).", show_default=False),
-    output: str = typer.Option(..., "-o", "--output", help="Plan file to write (Parquet, one row per microbatch).", show_default=False),
-    max_tokens: int | None = typer.Option(None, "--max-tokens", help="Hard budget: padded B x T of every microbatch (plus A x B x T^2 with --attention-cost). Required unless --packing.", show_default=False),
+    input_dir: str = typer.Argument(
+        ..., show_default=False,
+        help="Metrics directory (varlen analyze) or sorted directory (varlen sort; needed for --order "
+        "curriculum/reverse).",
+    ),
+    output: str = typer.Option(
+        ..., "-o", "--output", show_default=False,
+        help="Plan file to write (Parquet, one row per microbatch).",
+    ),
+    max_tokens: int | None = typer.Option(
+        None, "--max-tokens", show_default=False,
+        help="Hard budget: padded B x T of every microbatch (plus A x B x T^2 with --attention-cost). Required unless "
+        "--packing.",
+    ),
     dp: int = typer.Option(1, "--dp", help="Data-parallel ranks: every step has dp x grad-accum microbatches."),
     grad_accum: int = typer.Option(1, "--grad-accum", help="Microbatches per rank per optimizer step."),
-    order: str = typer.Option("bucket-shuffle", "--order", help="curriculum (sorted input's order), reverse, bucket-shuffle (near-equal lengths, batches shuffled) or random (padded fixed-batch baseline)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of every shuffle (different per epoch, same plan for the same seed)."),
-    epochs: int = typer.Option(1, "--epochs", help="Epochs to plan; every sample once per epoch, steps counted across epochs."),
-    curriculum_epochs: int | None = typer.Option(None, "--curriculum-epochs", help="With --order curriculum/reverse: switch to bucket-shuffle after this many epochs.", show_default=False),
-    lr_scaling: str = typer.Option("linear", "--lr-scaling", help="Per-step LR scale: linear (b / base), sqrt, or none (1)."),
-    lr_scale_by: str = typer.Option("samples", "--lr-scale-by", help="What b counts: samples or tokens of the step."),
-    base_batch_size: float | None = typer.Option(None, "--base-batch-size", help="The b at which lr_scale is 1 (default: the plan's mean step size, recorded in the metadata).", show_default=False),
-    pad_multiple: int = typer.Option(1, "--pad-multiple", help="Round every padded T up to a multiple of M (8 or 64 suit GPUs)."),
-    num_shapes: int | None = typer.Option(None, "--num-shapes", help="At most K distinct T, bucket edges chosen to minimise padding on this data.", show_default=False),
-    static_shapes: bool = typer.Option(False, "--static-shapes", help="Also fix B per bucket (padding rows): exactly the K (B, T) shapes of --num-shapes."),
-    compile_warmup: bool = typer.Option(False, "--compile-warmup", help="Reorder the first steps so every rank meets every shape early (largest first); recorded as warmup_steps."),
-    same_shape_per_step: bool = typer.Option(False, "--same-shape-per-step", help="All microbatches of a step share one B x T (pipeline parallelism)."),
-    max_samples: int | None = typer.Option(None, "--max-samples", help="Cap on the samples (B) of a microbatch.", show_default=False),
-    attention_cost: float = typer.Option(0.0, "--attention-cost", help="A: a microbatch costs B*T + A*B*T^2 against --max-tokens (bounds attention memory)."),
-    drop_long: bool = typer.Option(False, "--drop-long", help="Drop samples that fit no microbatch (ids and count recorded) instead of failing."),
-    tail: str = typer.Option("split", "--tail", help="split: split microbatches so every rank gets grad-accum per step (fails only with fewer samples than slots); drop: then drop the smallest tail microbatches (ids recorded)."),
-    packing: bool = typer.Option(False, "--packing", help="Padding-free plan: samples packed into rows of --seq-len tokens, R rows per microbatch."),
-    seq_len: int | None = typer.Option(None, "--seq-len", help="Packed row length T (with --packing).", show_default=False),
-    rows_per_microbatch: int | None = typer.Option(None, "--rows-per-microbatch", help="R packed rows per microbatch (default: --max-tokens // --seq-len, else 1).", show_default=False),
-    max_per_row: int | None = typer.Option(None, "--max-per-row", help="Cap on the samples in one packed row.", show_default=False),
-    split_long: bool = typer.Option(False, "--split-long", help="With --packing: cut samples longer than --seq-len into chunks (recorded as start/length segments)."),
+    order: Order = typer.Option(
+        "bucket-shuffle", "--order",
+        help="curriculum (sorted input's order), reverse, bucket-shuffle (near-equal lengths, batches shuffled) or "
+        "random (padded fixed-batch baseline).",
+    ),
+    seed: int = typer.Option(
+        0, "--seed",
+        help="Seed of every shuffle (different per epoch, same plan for the same seed).",
+    ),
+    epochs: int = typer.Option(
+        1, "--epochs",
+        help="Epochs to plan; every sample once per epoch, steps counted across epochs.",
+    ),
+    curriculum_epochs: int | None = typer.Option(
+        None, "--curriculum-epochs", show_default=False,
+        help="With --order curriculum/reverse: switch to bucket-shuffle after this many epochs.",
+    ),
+    lr_scaling: LrScaling = typer.Option(
+        "linear", "--lr-scaling",
+        help="Per-step LR scale: linear (b / base), sqrt, or none (1).",
+    ),
+    lr_scale_by: LrScaleBy = typer.Option(
+        "samples", "--lr-scale-by",
+        help="What b counts: samples or tokens of the step.",
+    ),
+    base_batch_size: float | None = typer.Option(
+        None, "--base-batch-size", show_default=False,
+        help="The b at which lr_scale is 1 (default: the plan's mean step size, recorded in the metadata).",
+    ),
+    pad_multiple: int = typer.Option(
+        1, "--pad-multiple",
+        help="Round every padded T up to a multiple of M (8 or 64 suit GPUs).",
+    ),
+    num_shapes: int | None = typer.Option(
+        None, "--num-shapes", show_default=False,
+        help="At most K distinct T, bucket edges chosen to minimise padding on this data.",
+    ),
+    static_shapes: bool = typer.Option(
+        False, "--static-shapes",
+        help="Also fix B per bucket (padding rows): exactly the K (B, T) shapes of --num-shapes.",
+    ),
+    compile_warmup: bool = typer.Option(
+        False, "--compile-warmup",
+        help="Reorder the first steps so every rank meets every shape early (largest first); recorded as warmup_steps.",
+    ),
+    same_shape_per_step: bool = typer.Option(
+        False, "--same-shape-per-step",
+        help="All microbatches of a step share one B x T (pipeline parallelism).",
+    ),
+    max_samples: int | None = typer.Option(
+        None, "--max-samples", show_default=False,
+        help="Cap on the samples (B) of a microbatch.",
+    ),
+    attention_cost: float = typer.Option(
+        0.0, "--attention-cost",
+        help="A: a microbatch costs B*T + A*B*T^2 against --max-tokens (bounds attention memory).",
+    ),
+    drop_long: bool = typer.Option(
+        False, "--drop-long",
+        help="Drop samples that fit no microbatch (ids and count recorded) instead of failing.",
+    ),
+    tail: Tail = typer.Option(
+        "split", "--tail",
+        help="split: split microbatches so every rank gets grad-accum per step (fails only with fewer samples than "
+        "slots); drop: then drop the smallest tail microbatches (ids recorded).",
+    ),
+    packing: bool = typer.Option(
+        False, "--packing",
+        help="Padding-free plan: samples packed into rows of --seq-len tokens, R rows per microbatch.",
+    ),
+    seq_len: int | None = typer.Option(
+        None, "--seq-len", show_default=False,
+        help="Packed row length T (with --packing).",
+    ),
+    rows_per_microbatch: int | None = typer.Option(
+        None, "--rows-per-microbatch", show_default=False,
+        help="R packed rows per microbatch (default: --max-tokens // --seq-len, else 1).",
+    ),
+    max_per_row: int | None = typer.Option(
+        None, "--max-per-row", show_default=False,
+        help="Cap on the samples in one packed row.",
+    ),
+    split_long: bool = typer.Option(
+        False, "--split-long",
+        help="With --packing: cut samples longer than --seq-len into chunks (recorded as start/length segments).",
+    ),
     overwrite: bool = common.OVERWRITE,
 ) -> None:
     """Write a token-budget batch plan (Parquet): microbatches, ranks, steps, shapes and LR scales."""

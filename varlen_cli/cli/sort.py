@@ -5,19 +5,35 @@ from __future__ import annotations
 import typer
 
 from varlen_cli.cli import common
+from varlen_cli.runtime.choices import Device, NanPolicy, Ties
 
 
 def sort_command(
-    metrics_dir: str = typer.Argument(..., metavar="METRICS_DIR", help="Metrics directory from `varlen analyze` (or a sorted directory) to sort.", show_default=False),
-    output: str = typer.Option(..., "-o", "--output", help="Sorted directory to write (part-*.parquet + _manifest.json).", show_default=False),
+    metrics_dir: str = typer.Argument(
+        ..., metavar="METRICS_DIR", show_default=False,
+        help="Metrics directory from `varlen analyze` (or a sorted directory) to sort.",
+    ),
+    output: str = typer.Option(
+        ..., "-o", "--output", show_default=False,
+        help="Sorted directory to write (part-*.parquet + _manifest.json).",
+    ),
     by: str = typer.Option("difficulty", "--by", help="Key column(s), comma-separated, most significant first."),
-    descending: bool = typer.Option(False, "--descending", help="Largest keys first (ties still ascending by sample_id)."),
-    ties: str = typer.Option("id", "--ties", help="Order of equal keys: id (ascending sample_id) or shuffle (seeded hash of sample_id)."),
+    descending: bool = typer.Option(
+        False, "--descending",
+        help="Largest keys first (ties still ascending by sample_id).",
+    ),
+    ties: Ties = typer.Option(
+        "id", "--ties",
+        help="Order of equal keys: id (ascending sample_id) or shuffle (seeded hash of sample_id).",
+    ),
     seed: int = typer.Option(0, "--seed", help="Seed of --ties shuffle."),
-    nan: str = typer.Option("error", "--nan", help="NaN keys: error (refuse) or last (after all other keys)."),
-    single_file: bool = typer.Option(False, "--single-file", help="Write one part-00000.parquet, streamed in rank order, instead of one part per worker."),
+    nan: NanPolicy = typer.Option("error", "--nan", help="NaN keys: error (refuse) or last (after all other keys)."),
+    single_file: bool = typer.Option(
+        False, "--single-file",
+        help="Write one part-00000.parquet, streamed in rank order, instead of one part per worker.",
+    ),
     nproc: int = common.NPROC,
-    device: str = common.DEVICE,
+    device: Device = common.DEVICE,
     overwrite: bool = common.OVERWRITE,
     progress: bool = common.PROGRESS,
 ) -> None:

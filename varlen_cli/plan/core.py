@@ -11,47 +11,61 @@ import numpy as np
 from .. import __version__
 from ..errors import InputError, UsageError
 from ..runtime import artifacts
+from ..runtime.choices import LrScaleBy, LrScaling, Order, Tail, check_choices, doc, values
 from . import batching, layout, lr, stats, writer
 from .batching import Microbatches
 from .layout import EpochLayout
 from .orders import CURRICULAR, EpochInputs, Formers
 from .shapes import Budget, ShapeMap, choose_edges, pair_ids
 
-ORDERS = ("curriculum", "reverse", "bucket-shuffle", "random")
-TAILS = ("split", "drop")
+ORDERS = values(Order)
+TAILS = values(Tail)
 
 
 @dataclass(frozen=True)
 class PlanConfig:
     """Options of ``varlen plan`` (see ``varlen plan --help`` and docs/plan.md)."""
 
-    input: str
-    output: str
-    max_tokens: int | None = None
-    dp: int = 1
-    grad_accum: int = 1
-    order: str = "bucket-shuffle"
-    seed: int = 0
-    epochs: int = 1
-    curriculum_epochs: int | None = None
-    lr_scaling: str = "linear"
-    lr_scale_by: str = "samples"
-    base_batch_size: float | None = None
-    pad_multiple: int = 1
-    num_shapes: int | None = None
-    static_shapes: bool = False
-    compile_warmup: bool = False
-    same_shape_per_step: bool = False
-    max_samples: int | None = None
-    attention_cost: float = 0.0
-    drop_long: bool = False
-    tail: str = "split"
-    packing: bool = False
-    seq_len: int | None = None
-    rows_per_microbatch: int | None = None
-    max_per_row: int | None = None
-    split_long: bool = False
-    overwrite: bool = False
+    input: str = doc(help="Metrics directory (varlen analyze) or sorted directory (varlen sort; needed for --order "
+                          "curriculum/reverse).")
+    output: str = doc(help="Plan file to write (Parquet, one row per microbatch).")
+    max_tokens: int | None = doc(None, "Hard budget: padded B x T of every microbatch (plus A x B x T^2 with "
+                                       "--attention-cost). Required unless --packing.")
+    dp: int = doc(1, "Data-parallel ranks: every step has dp x grad-accum microbatches.")
+    grad_accum: int = doc(1, "Microbatches per rank per optimizer step.")
+    order: Order = doc("bucket-shuffle", "curriculum (sorted input's order), reverse, bucket-shuffle (near-equal "
+                                         "lengths, batches shuffled) or random (padded fixed-batch baseline).")
+    seed: int = doc(0, "Seed of every shuffle (different per epoch, same plan for the same seed).")
+    epochs: int = doc(1, "Epochs to plan; every sample once per epoch, steps counted across epochs.")
+    curriculum_epochs: int | None = doc(None, "With --order curriculum/reverse: switch to bucket-shuffle after this "
+                                              "many epochs.")
+    lr_scaling: LrScaling = doc("linear", "Per-step LR scale: linear (b / base), sqrt, or none (1).")
+    lr_scale_by: LrScaleBy = doc("samples", "What b counts: samples or tokens of the step.")
+    base_batch_size: float | None = doc(None, "The b at which lr_scale is 1 (default: the plan's mean step size, "
+                                              "recorded in the metadata).")
+    pad_multiple: int = doc(1, "Round every padded T up to a multiple of M (8 or 64 suit GPUs).")
+    num_shapes: int | None = doc(None, "At most K distinct T, bucket edges chosen to minimise padding on this data.")
+    static_shapes: bool = doc(False, "Also fix B per bucket (padding rows): exactly the K (B, T) shapes of "
+                                     "--num-shapes.")
+    compile_warmup: bool = doc(False, "Reorder the first steps so every rank meets every shape early (largest first); "
+                                      "recorded as warmup_steps.")
+    same_shape_per_step: bool = doc(False, "All microbatches of a step share one B x T (pipeline parallelism).")
+    max_samples: int | None = doc(None, "Cap on the samples (B) of a microbatch.")
+    attention_cost: float = doc(0.0, "A: a microbatch costs B*T + A*B*T^2 against --max-tokens (bounds attention "
+                                     "memory).")
+    drop_long: bool = doc(False, "Drop samples that fit no microbatch (ids and count recorded) instead of failing.")
+    tail: Tail = doc("split", "split: split microbatches so every rank gets grad-accum per step (fails only with "
+                              "fewer samples than slots); drop: then drop the smallest tail microbatches (ids "
+                              "recorded).")
+    packing: bool = doc(False, "Padding-free plan: samples packed into rows of --seq-len tokens, R rows per "
+                               "microbatch.")
+    seq_len: int | None = doc(None, "Packed row length T (with --packing).")
+    rows_per_microbatch: int | None = doc(None, "R packed rows per microbatch (default: --max-tokens // --seq-len, "
+                                                "else 1).")
+    max_per_row: int | None = doc(None, "Cap on the samples in one packed row.")
+    split_long: bool = doc(False, "With --packing: cut samples longer than --seq-len into chunks (recorded as "
+                                  "start/length segments).")
+    overwrite: bool = doc(False, "Replace an existing output (written atomically either way).")
 
 
 @dataclass
@@ -78,6 +92,7 @@ def _positive(name: str, value, allow_none: bool = True) -> None:
 
 
 def check(c: PlanConfig) -> None:
+    check_choices(c)
     if not c.packing and c.max_tokens is None:
         raise UsageError("--max-tokens is required (or --packing --seq-len T)")
     _positive("--max-tokens", c.max_tokens)
@@ -87,14 +102,6 @@ def check(c: PlanConfig) -> None:
     _positive("--pad-multiple", c.pad_multiple, False)
     _positive("--num-shapes", c.num_shapes)
     _positive("--max-samples", c.max_samples)
-    if c.order not in ORDERS:
-        raise UsageError(f"--order must be one of {', '.join(ORDERS)} (got {c.order!r})")
-    if c.tail not in TAILS:
-        raise UsageError(f"--tail must be one of {', '.join(TAILS)} (got {c.tail!r})")
-    if c.lr_scaling not in lr.SCALINGS:
-        raise UsageError(f"--lr-scaling must be one of {', '.join(lr.SCALINGS)} (got {c.lr_scaling!r})")
-    if c.lr_scale_by not in lr.SCALE_BY:
-        raise UsageError(f"--lr-scale-by must be one of {', '.join(lr.SCALE_BY)} (got {c.lr_scale_by!r})")
     if c.base_batch_size is not None and not c.base_batch_size > 0:
         raise UsageError(f"--base-batch-size must be > 0 (got {c.base_batch_size})")
     if not c.attention_cost >= 0:
