@@ -182,12 +182,12 @@ class _Work:
 
 
 def _schema_of(f: SourceFile):
-    from .sources import _open_arrow, _parquet_file
+    from .sources import open_arrow, parquet_file
 
     if f.format == "parquet":
-        return _parquet_file(f.path).schema_arrow
+        return parquet_file(f.path).schema_arrow
     if f.format == "arrow":
-        return _open_arrow(f.path)[0].schema
+        return open_arrow(f.path)[0].schema
     # JSONL: the first rows tell the columns.
     import pyarrow as pa
 
@@ -281,33 +281,37 @@ def run_in_group(config: AnalyzeConfig, d: Dist, out: artifacts.AtomicDir, t0: f
     d.barrier()  # every part is written
     if not d.is_main:
         return None
-    fp = fingerprint(files, per_file.tolist())
-    parts = [{"file": artifacts.part_name(r), "rows": int(n)} for r, n in enumerate(rows)]
+    manifest = _manifest(config, str(work.length), d.world_size, fingerprint(files, per_file.tolist()), rows,
+                         {"length": length_stats, "difficulty": diff_stats})
+    artifacts.atomic_write_json(out.file(artifacts.MANIFEST_NAME), manifest)
+    out.commit()
+    return AnalyzeResult(
+        output=out.path, num_samples=total_rows, num_files=len(files), num_parts=len(manifest["parts"]),
+        length=str(work.length), difficulty=str(work.difficulty), stats=length_stats, difficulty_stats=diff_stats,
+        seconds=time.perf_counter() - t0, manifest=manifest,
+    )
+
+
+def _manifest(config: AnalyzeConfig, length: str, world_size: int, fp: dict, rows: np.ndarray, stats: dict) -> dict:
+    """The metrics directory's ``_manifest.json`` (``rows``: rows per part, in rank order)."""
     cfg = artifacts.config_dict(config)
-    cfg["length"] = str(work.length)
-    manifest = {
+    cfg["length"] = length
+    return {
         "format": artifacts.METRICS_FORMAT,
         "format_version": artifacts.FORMAT_VERSION,
         "kind": "metrics",
         "stage": "analyze",
         **artifacts.provenance(),
         "config": cfg,
-        "world_size": d.world_size,
+        "world_size": world_size,
         "dataset": fp,
         "artifact_id": artifacts.artifact_id("analyze", cfg, fp["digest"], rows.tolist()),
         "order": {"by": ["sample_id"], "descending": False},
         "columns": {"sample_id": "int64", "length": "int64", "difficulty": "float64"},
-        "num_rows": total_rows,
-        "parts": parts,
-        "stats": {"length": length_stats, "difficulty": diff_stats},
+        "num_rows": int(rows.sum()),
+        "parts": [{"file": artifacts.part_name(r), "rows": int(n)} for r, n in enumerate(rows)],
+        "stats": stats,
     }
-    artifacts.atomic_write_json(out.file(artifacts.MANIFEST_NAME), manifest)
-    out.commit()
-    return AnalyzeResult(
-        output=out.path, num_samples=total_rows, num_files=len(files), num_parts=len(parts), length=str(work.length),
-        difficulty=str(work.difficulty), stats=length_stats, difficulty_stats=diff_stats,
-        seconds=time.perf_counter() - t0, manifest=manifest,
-    )
 
 
 def _write_part(path: str, first_id: int, lengths: np.ndarray, difficulty: np.ndarray) -> None:

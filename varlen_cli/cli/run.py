@@ -44,6 +44,7 @@ _PER_STAGE, _MERGED = _stage_params()
 
 
 def run_command(sources: list[str], output: str, **options) -> None:
+    from varlen_cli.cli import report
     from varlen_cli.run import RunConfig, run
 
     stage_opts = {stage: {k: options[k] for k in names} for stage, names in _PER_STAGE.items()}
@@ -54,23 +55,7 @@ def run_command(sources: list[str], output: str, **options) -> None:
     )
     result = common.run(run, config)
     if result is not None:
-        print_run(result)
-
-
-def print_run(result) -> None:
-    from varlen_cli.cli import report
-    from varlen_cli.plan.stats import print_summary
-
-    report.print_analyze(result.analyze)
-    if result.sort is not None:
-        sort_cli.print_sort(result.sort)
-    print_summary(result.plan)
-    c = report.console()
-    if result.auto_max_tokens:
-        c.print(f"--max-tokens not given: used {result.auto_max_tokens:,} "
-                "(the larger of 16,384 and the longest sample)")
-    c.print(f"[bold]varlen run[/] → {result.output} in {result.seconds:.2f} s "
-            f"(metrics/, {'sorted/, ' if result.sort is not None else ''}plan.parquet)")
+        report.print_run(result)
 
 
 _SIGNATURE = inspect.Signature(

@@ -40,33 +40,3 @@ def summary(*, num_steps: int, num_microbatches: int, samples: int, tokens: int,
         "epochs": int(epochs),
         "seconds": float(seconds),
     }
-
-
-def print_summary(result) -> None:
-    """The rich table ``varlen plan`` prints at the end."""
-    from rich.table import Table
-
-    from ..cli.report import _fmt, console
-
-    s = result.stats
-    t = Table(title=f"varlen plan → {result.output}", show_header=False)
-    t.add_column("what", style="bold")
-    t.add_column("value", justify="right")
-    rows = [
-        ("order", result.order), ("epochs", s["epochs"]), ("steps", s["steps"]),
-        ("microbatches", s["microbatches"]), ("samples", s["samples"]), ("tokens", s["tokens"]),
-        ("samples / microbatch", s["mean_samples_per_microbatch"]),
-        ("padding %", f"{s['padding_pct']:.2f}"), ("budget fill %", f"{s['budget_fill_pct']:.2f}"),
-        ("straggler mean / max", f"{s['straggler_mean']:.3f} / {s['straggler_max']:.3f}"),
-        ("distinct shapes", s["distinct_shapes"]),
-        ("lr_scale min / max", f"{s['lr_scale_min']:.3f} / {s['lr_scale_max']:.3f}"),
-        ("dropped samples", s["dropped"]),
-    ]
-    if s.get("warmup_steps"):
-        rows.append(("compile warm-up steps", s["warmup_steps"]))
-    if result.packing:
-        rows.append(("packing efficiency %", f"{100 * result.packing['efficiency']:.3f}"))
-    rows.append(("seconds", s["seconds"]))
-    for label, value in rows:
-        t.add_row(label, _fmt(value))
-    console().print(t)

@@ -209,9 +209,9 @@ def run_in_group(config: SortConfig, d: Dist, out: artifacts.AtomicDir, t0: floa
         bar.advance(hi - lo)
         clock.lap("read")
         if total:
-            cols, words, lay, shift = _sort_rows(config, spec, d, cols, total, clock, bar)
+            cols, words, _, shift = _sort_rows(config, spec, d, cols, total, clock, bar)
         else:
-            words, lay, shift = [np.zeros(0, np.int64)], sk.KeyLayout(), 0
+            words, shift = [np.zeros(0, np.int64)], 0
             bar.advance(0)
 
         # Boundaries: key values for the manifest, and a check that no two rows share a sample_id
@@ -319,18 +319,8 @@ def _sort_rows(config, spec, d: Dist, cols: dict, total: int, clock: _Clock, bar
         del keycols
         return _sort_rows_torch(config, d, cols, words, lay, total, clock, bar) + (lay, 0)
 
-    # Local sort.
     mask = np.int64((1 << ib) - 1)
-    if index_trick:
-        w = words[0]
-        w |= np.arange(n, dtype=np.int64)
-        w.sort()
-        order = w & mask
-    else:
-        order = _id_order(lay, stats, keycols, words, n)
-        if order is None:
-            order = sk.lex_order(words)
-            words = [w[order] for w in words]
+    order, words = _local_sort(lay, stats, keycols, words, n, mask if index_trick else None)
     del keycols
     # Columns the sorted words give back (keys, sample_id) are neither permuted nor exchanged.
     dtypes = {name: a.dtype for name, a in cols.items()}
@@ -379,6 +369,21 @@ def _sort_rows(config, spec, d: Dist, cols: dict, total: int, clock: _Clock, bar
         cols[name] = sk.decode(spec, stats, lay, words, name, index, dtypes[name], extra_bits=shift)
     clock.lap("merge")
     return cols, words, lay, shift
+
+
+def _local_sort(lay: sk.KeyLayout, stats, keycols: dict, words: list, n: int, mask: np.int64 | None):
+    """(order, words): this rank's row order by key and the key words in that order. ``mask`` (the
+    row-index bits) when the one word has room for a row index: then it sorts as plain integers."""
+    if mask is not None:
+        w = words[0]
+        w |= np.arange(n, dtype=np.int64)
+        w.sort()
+        return w & mask, words
+    order = _id_order(lay, stats, keycols, words, n)
+    if order is None:
+        order = sk.lex_order(words)
+        words = [w[order] for w in words]
+    return order, words
 
 
 def _id_order(lay: sk.KeyLayout, stats, keycols: dict, words: list, n: int):
