@@ -11,8 +11,8 @@ import typing
 import pytest
 from typer.testing import CliRunner
 
-from varlen_cli.cli import app
 from varlen_cli.cli import analyze as analyze_cli
+from varlen_cli.cli import app
 from varlen_cli.cli import plan as plan_cli
 from varlen_cli.cli import sort as sort_cli
 from varlen_cli.runtime.choices import check_choices, field_help

@@ -223,26 +223,43 @@ def test_packed_plan(dirs, tmp_path):
 
 
 BAD = [
-    (["--max-tokens", "3"], "tiny", 3, "the budget is below every sample: --max-tokens 3 fits none of the 3 samples (the shortest has 5 tokens)"),
-    (["--max-tokens", "4096"], "long", 3, "2 samples do not fit the budget --max-tokens 4,096 (the longest has 6,000 tokens); raise --max-tokens or pass --drop-long"),
+    (["--max-tokens", "3"], "tiny", 3, "the budget is below every sample: --max-tokens 3 fits none of the 3 samples "
+                                       "(the shortest has 5 tokens)"),
+    (["--max-tokens", "4096"], "long", 3, "2 samples do not fit the budget --max-tokens 4,096 (the longest has 6,000 "
+                                          "tokens); raise --max-tokens or pass --drop-long"),
     (["--max-tokens", "100", "--dp", "0"], "tiny", 2, "--dp must be >= 1 (got 0)"),
     (["--max-tokens", "100", "--grad-accum", "0"], "tiny", 2, "--grad-accum must be >= 1 (got 0)"),
     (["--max-tokens", "0"], "tiny", 2, "--max-tokens must be >= 1 (got 0)"),
     ([], "tiny", 2, "--max-tokens is required (or --packing --seq-len T)"),
-    (["--max-tokens", "100", "--order", "curriculum"], "tiny", 2, "--order curriculum needs a sorted input, but {tiny} is a metrics directory (sample_id order); sort it first: `varlen sort {tiny} -o SORTED_DIR`"),
-    (["--max-tokens", "100"], "empty_dir", 3, "{empty_dir} is not a varlen metrics or sorted directory (no _manifest.json); create one with `varlen analyze` (and `varlen sort` for curriculum order)"),
+    (["--max-tokens", "100", "--order", "curriculum"], "tiny", 2, "--order curriculum needs a sorted input, but {tiny} "
+                                                                  "is a metrics directory (sample_id order); sort it "
+                                                                  "first: `varlen sort {tiny} -o SORTED_DIR`"),
+    (["--max-tokens", "100"], "empty_dir", 3, "{empty_dir} is not a varlen metrics or sorted directory (no "
+                                              "_manifest.json); create one with `varlen analyze` (and `varlen sort` "
+                                              "for curriculum order)"),
     (["--max-tokens", "100"], "missing", 3, "{missing} does not exist"),
-    (["--max-tokens", "100", "--static-shapes"], "tiny", 2, "--static-shapes needs --num-shapes K (the number of (B, T) shapes)"),
-    (["--max-tokens", "100", "--dp", "4"], "tiny", 3, "3 samples cannot fill 4 microbatch slots (1 step(s) x dp 4 x grad-accum 1) without duplicating samples; lower --dp/--grad-accum or pass --tail drop"),
-    (["--max-tokens", "100", "--dp", "4", "--tail", "drop"], "tiny", 3, "3 samples are fewer than the 4 microbatches of one step (dp x grad-accum); nothing would be left after --tail drop: lower --dp/--grad-accum"),
-    (["--max-tokens", "100", "--curriculum-epochs", "1"], "tiny", 2, "--curriculum-epochs needs --order curriculum or reverse"),
+    (["--max-tokens", "100", "--static-shapes"], "tiny", 2, "--static-shapes needs --num-shapes K (the number of (B, "
+                                                            "T) shapes)"),
+    (["--max-tokens", "100", "--dp", "4"], "tiny", 3, "3 samples cannot fill 4 microbatch slots (1 step(s) x dp 4 x "
+                                                      "grad-accum 1) without duplicating samples; lower "
+                                                      "--dp/--grad-accum or pass --tail drop"),
+    (["--max-tokens", "100", "--dp", "4", "--tail", "drop"], "tiny", 3, "3 samples are fewer than the 4 microbatches "
+                                                                        "of one step (dp x grad-accum); nothing would "
+                                                                        "be left after --tail drop: lower "
+                                                                        "--dp/--grad-accum"),
+    (["--max-tokens", "100", "--curriculum-epochs", "1"], "tiny", 2, "--curriculum-epochs needs --order curriculum or "
+                                                                     "reverse"),
     (["--max-tokens", "100", "--seq-len", "64"], "tiny", 2, "--seq-len needs --packing"),
     (["--packing"], "tiny", 2, "--packing needs --seq-len T (the packed row length)"),
-    (["--packing", "--seq-len", "1000"], "long", 3, "2 samples are longer than --seq-len 1,000 (the longest has 6,000 tokens); pass --split-long, --drop-long or a larger --seq-len"),
-    (["--packing", "--seq-len", "100", "--drop-long", "--split-long"], "long", 2, "--drop-long and --split-long exclude each other"),
-    (["--packing", "--seq-len", "1000", "--max-tokens", "500"], "tiny", 2, "--seq-len 1000 does not fit the budget --max-tokens 500"),
+    (["--packing", "--seq-len", "1000"], "long", 3, "2 samples are longer than --seq-len 1,000 (the longest has 6,000 "
+                                                    "tokens); pass --split-long, --drop-long or a larger --seq-len"),
+    (["--packing", "--seq-len", "100", "--drop-long", "--split-long"], "long", 2, "--drop-long and --split-long "
+                                                                                  "exclude each other"),
+    (["--packing", "--seq-len", "1000", "--max-tokens", "500"], "tiny", 2, "--seq-len 1000 does not fit the budget "
+                                                                           "--max-tokens 500"),
     (["--max-tokens", "100", "--attention-cost", "-1"], "tiny", 2, "--attention-cost must be >= 0 (got -1.0)"),
-    (["--max-tokens", "100", "--output-exists"], "tiny", 4, "output {out} already exists; pass --overwrite to replace it"),
+    (["--max-tokens", "100", "--output-exists"], "tiny", 4, "output {out} already exists; pass --overwrite to replace "
+                                                            "it"),
 ]
 
 
@@ -281,7 +298,8 @@ def test_bad_choices(dirs, tmp_path, monkeypatch, capsys, name, value, message, 
         plan(PlanConfig(input=dirs["tiny"], output=str(out), max_tokens=100, **{name: value}))
     assert info.value.message == message and info.value.exit_code == 2
     flag = "--" + name.replace("_", "-")
-    monkeypatch.setattr("sys.argv", ["varlen", "plan", dirs["tiny"], "-o", str(out), "--max-tokens", "100", flag, value])
+    argv = ["varlen", "plan", dirs["tiny"], "-o", str(out), "--max-tokens", "100", flag, value]
+    monkeypatch.setattr("sys.argv", argv)
     with pytest.raises(SystemExit) as exited:
         main()
     assert exited.value.code == 2

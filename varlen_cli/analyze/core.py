@@ -155,7 +155,8 @@ class _Work:
 
             flat = pc.list_flatten(column) if len(column) else None
             if flat is not None and not _is_int(flat.type):
-                raise InputError(f"--difficulty vocab-rarity needs integer token ids, but '{self.length.column}' holds {flat.type}")
+                raise InputError(f"--difficulty vocab-rarity needs integer token ids, but '{self.length.column}' holds "
+                                 f"{flat.type}")
             ids = flat.to_numpy(zero_copy_only=False) if flat is not None else np.zeros(0, np.int64)
             if ids.dtype.kind != "i":
                 ids = ids.astype(np.int64)
