@@ -19,7 +19,7 @@ changes the plan for a given seed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -28,6 +28,9 @@ from . import batching, layout
 from .batching import Microbatches
 from .shapes import Budget, ShapeMap
 
+if TYPE_CHECKING:
+    from .core import PlanConfig
+
 CURRICULAR = ("curriculum", "reverse")
 
 
@@ -35,7 +38,7 @@ CURRICULAR = ("curriculum", "reverse")
 class EpochInputs:
     """What every epoch is formed from (fixed for the whole plan)."""
 
-    config: object  # PlanConfig
+    config: PlanConfig
     length: np.ndarray  # int64 per input row
     shape: ShapeMap
     budget: Budget
@@ -169,7 +172,7 @@ class Formers:
     same_shape: SameShapeFormer = field(default_factory=SameShapeFormer)
     packing: PackingFormer = field(default_factory=PackingFormer)
 
-    def for_epoch(self, config, mode: str) -> Former:
+    def for_epoch(self, config: PlanConfig, mode: str) -> Former:
         """The strategy for an epoch planned in ``mode`` (the order, or bucket-shuffle after the curriculum)."""
         if config.packing:
             return self.packing
