@@ -298,6 +298,9 @@ def test_bad_choices(dirs, tmp_path, monkeypatch, capsys, name, value, message, 
         plan(PlanConfig(input=dirs["tiny"], output=str(out), max_tokens=100, **{name: value}))
     assert info.value.message == message and info.value.exit_code == 2
     flag = "--" + name.replace("_", "-")
+    # main() defaults VARLEN_START_METHOD to fork for its fresh process; keep that out of this test process
+    # (later multi-worker tests would fork a threaded pytest), and restore the variable afterwards.
+    monkeypatch.setenv("VARLEN_START_METHOD", os.environ.get("VARLEN_START_METHOD", "spawn"))
     argv = ["varlen", "plan", dirs["tiny"], "-o", str(out), "--max-tokens", "100", flag, value]
     monkeypatch.setattr("sys.argv", argv)
     with pytest.raises(SystemExit) as exited:

@@ -358,6 +358,9 @@ def test_bad_choices(tmp_path, monkeypatch, capsys, name, value, message, cli_me
     with pytest.raises(UsageError) as info:
         sort(SortConfig(metrics_dir=src, output=str(out), progress=False, **{name: value}))
     assert info.value.message == message and info.value.exit_code == 2
+    # main() defaults VARLEN_START_METHOD to fork for its fresh process; keep that out of this test process
+    # (later multi-worker tests would fork a threaded pytest), and restore the variable afterwards.
+    monkeypatch.setenv("VARLEN_START_METHOD", os.environ.get("VARLEN_START_METHOD", "spawn"))
     monkeypatch.setattr("sys.argv", ["varlen", "sort", src, "-o", str(out), f"--{name}", value])
     with pytest.raises(SystemExit) as exited:
         main()
