@@ -61,7 +61,8 @@ def make_numeric_parquet(path: str, rows: int, mean_list: float, compression: st
         lens = np.clip(rng.lognormal(np.log(mean_list) - 0.32, 0.8, n), 1, 4096).astype(np.int32)
         offsets = np.zeros(n + 1, dtype=np.int32)
         np.cumsum(lens, out=offsets[1:])
-        ids = pa.ListArray.from_arrays(pa.array(offsets), pa.array(rng.integers(0, 32000, int(offsets[-1]), dtype=np.int32)))
+        ids = pa.ListArray.from_arrays(pa.array(offsets),
+                                       pa.array(rng.integers(0, 32000, int(offsets[-1]), dtype=np.int32)))
         table = pa.table({"num_tokens": lens, "duration": lens / 100.0, "input_ids": ids})
         if writer is None:
             writer = pq.ParquetWriter(path + ".tmp", table.schema, compression=compression)
@@ -115,8 +116,8 @@ def bench_numeric(args) -> None:
         config = AnalyzeConfig(sources=(path,), output=out, length=length, frames_per_second=fps, overwrite=True,
                                progress=False)
         column = length.split(":")[1]
-        t_read_only = median_time(lambda: pq.read_table(path, columns=[column]), args.repeats)
-        t = median_time(lambda: analyze(config), args.repeats)
+        t_read_only = median_time(lambda column=column: pq.read_table(path, columns=[column]), args.repeats)
+        t = median_time(lambda config=config: analyze(config), args.repeats)
         ph = [phases(config, os.path.join(args.work, "phase.parquet")) for _ in range(args.repeats)]
         med = {k: statistics.median(p[k] for p in ph) for k in ("read", "compute", "write")}
         n = md.num_rows
@@ -211,7 +212,8 @@ def main() -> None:
     p.add_argument("--mean-list", type=float, default=10.0, help="mean elements per input_ids list")
     p.add_argument("--compression", default="snappy", help="compression of the input Parquet")
     p = sub.add_parser("tokens", help="token counting vs raw encode_batch_fast (and datasets.map)")
-    p.add_argument("--corpus", default="fortunes", help="fortunes, manpages or manpages-paragraphs (benchmarks/corpora.py)")
+    p.add_argument("--corpus", default="fortunes", help="fortunes, manpages or manpages-paragraphs "
+                                                        "(benchmarks/corpora.py)")
     p.add_argument("--repeat", type=int, default=10, help="corpus copies, for a longer run")
     p.add_argument("--tokenizer", default=os.path.join(ROOT, "sample_data", "tokenizer.json"))
     p.add_argument("--no-nproc2", dest="nproc2", action="store_false", help="skip the 2-worker run")

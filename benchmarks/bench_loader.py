@@ -76,7 +76,8 @@ def overhead(args) -> None:
     torch.set_num_threads(args.threads)
     work = tempfile.mkdtemp(prefix="bench-loader-")
     rng = np.random.default_rng(0)
-    lengths = np.clip(rng.lognormal(5.5, 0.8, size=args.samples).astype(np.int64), 8, min(args.max_len, args.max_tokens))
+    lengths = np.clip(rng.lognormal(5.5, 0.8, size=args.samples).astype(np.int64), 8,
+                      min(args.max_len, args.max_tokens))
     pq.write_table(pa.table({"length": lengths}), os.path.join(work, "lengths.parquet"))
     t0 = time.perf_counter()
     metrics = _analyze(os.path.join(work, "lengths.parquet"), os.path.join(work, "metrics"), "value:length")
@@ -99,7 +100,7 @@ def overhead(args) -> None:
         loader = dataloader_for_plan(data, plan_path)
         t = time.perf_counter()
         n = 0
-        for batch in loader:
+        for _ in loader:
             n += 1
         loader_ms.append((time.perf_counter() - t) / n * 1e3 * plan.grad_accum)
     # 2. a realistic step on the same batches: small GPT forward + backward + AdamW
@@ -273,7 +274,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="runs per measurement (median)")
     p.add_argument("--compile-repeats", type=int, default=1, help="lm: runs of the compiled variant")
     p.add_argument("--model-steps", type=int, default=6, help="overhead: model steps timed")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: a shared 2-core machine slows down badly with more)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: a shared 2-core machine slows down "
+                                                          "badly with more)")
     p.add_argument("--d-model", type=int, default=None, help="model width")
     p.add_argument("--layers", type=int, default=None, help="transformer blocks")
     p.add_argument("--heads", type=int, default=4, help="attention heads")

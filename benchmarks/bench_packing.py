@@ -170,7 +170,8 @@ def run_worker(python, code, args, timeout):
         script = f.name
     try:
         r = subprocess.run([python, script, *map(str, args)], capture_output=True, text=True, timeout=timeout,
-                           env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+                           env={**os.environ, "TOKENIZERS_PARALLELISM": "false",
+                                "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
                                 "TQDM_DISABLE": "1"})
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout} s"}
@@ -229,18 +230,19 @@ def main() -> None:
             npy_small = os.path.join(tmp, "small.npy")
             np.save(npy_small, small.astype(np.int64))
             for cap in caps:
-                runs = [("varlen shuffle", lambda: run_varlen(lengths, T, cap, "shuffle"), lengths),
-                        ("varlen curriculum", lambda: run_varlen(np.sort(lengths), T, cap, "curriculum"), lengths),
-                        ("next-fit", lambda: run_next_fit(lengths, T, cap), lengths)]
+                # default arguments bind this iteration's cap and arrays to each runner
+                runs = [("varlen shuffle", lambda c=cap, x=lengths: run_varlen(x, T, c, "shuffle"), lengths),
+                        ("varlen curriculum", lambda c=cap, x=lengths: run_varlen(np.sort(x), T, c, "curriculum"),
+                         lengths),
+                        ("next-fit", lambda c=cap, x=lengths: run_next_fit(x, T, c), lengths)]
                 if args.axolotl_python:
-                    runs.append(("axolotl multipack", lambda: run_worker(args.axolotl_python, WORKER_AXOLOTL,
-                                                                         [npy, T, cap or 0], args.peer_timeout),
-                                 lengths))
+                    runs.append(("axolotl multipack", lambda c=cap, f=npy: run_worker(
+                        args.axolotl_python, WORKER_AXOLOTL, [f, T, c or 0], args.peer_timeout), lengths))
                 if args.trl_python and cap is None:  # TRL has no cap
                     for mode in ("batches", "global"):
                         name = "trl bfd" + (" global" if mode == "global" else "")
-                        runs.append((name, (lambda m=mode: run_worker(args.trl_python, WORKER_TRL,
-                                                                      [npy_small, T, m], args.peer_timeout)), small))
+                        runs.append((name, (lambda m=mode, npy_small=npy_small: run_worker(
+                            args.trl_python, WORKER_TRL, [npy_small, T, m], args.peer_timeout)), small))
                 for name, fn, lens in runs:
                     outs = []
                     reps = 1 if name in ("next-fit",) or name.startswith(("trl", "axolotl")) else args.repeat

@@ -69,7 +69,8 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, args.world, port, args.rows, args.keys, q)) for r in range(args.world)]
+    procs = [ctx.Process(target=_worker, args=(r, args.world, port, args.rows, args.keys, q))
+             for r in range(args.world)]
     for p in procs:
         p.start()
     for p in procs:

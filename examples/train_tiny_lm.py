@@ -90,7 +90,8 @@ def compile_count() -> int:
 def train(args: argparse.Namespace) -> dict:
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else torch.device("cpu")
+    device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda"
+              else torch.device("cpu"))
     if world > 1 and not torch.distributed.is_initialized():
         torch.distributed.init_process_group("nccl" if args.device == "cuda" else "gloo")
     dist = torch.distributed.is_initialized()
@@ -216,7 +217,8 @@ def _train(args, rank, world, device, dist) -> dict:
         "padding_pct": 100.0 * (1 - real / padded) if padded else 0.0,
         "shapes": sorted(list(s) for s in shapes_seen), "compiled_shapes": len(shapes_seen) if args.compile else 0,
         "compiles": total_compiles,
-        "compiles_after_warmup": total_compiles - compiles_at_warmup_end if compiles_at_warmup_end is not None else None,
+        "compiles_after_warmup": (total_compiles - compiles_at_warmup_end
+                                  if compiles_at_warmup_end is not None else None),
         "compiler_resets": resets,
     })
     if args.log_dir:

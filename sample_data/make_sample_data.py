@@ -70,7 +70,8 @@ def main() -> None:
     trainer = trainers.BpeTrainer(vocab_size=2000, special_tokens=["[UNK]", "[PAD]", "[BOS]", "[EOS]"])
     tok.train_from_iterator(texts, trainer=trainer)
     bos, eos = tok.token_to_id("[BOS]"), tok.token_to_id("[EOS]")
-    tok.post_processor = processors.TemplateProcessing(single="[BOS] $A [EOS]", special_tokens=[("[BOS]", bos), ("[EOS]", eos)])
+    tok.post_processor = processors.TemplateProcessing(single="[BOS] $A [EOS]",
+                                                       special_tokens=[("[BOS]", bos), ("[EOS]", eos)])
     # Like many shipped tokenizer.json files, fix truncation and padding: varlen must undo both.
     tok.enable_truncation(max_length=128)
     tok.enable_padding(length=128, pad_id=tok.token_to_id("[PAD]"), pad_token="[PAD]")
@@ -78,7 +79,8 @@ def main() -> None:
     tok.no_truncation()
     tok.no_padding()
     ids = [e.ids for e in tok.encode_batch(texts)]
-    pq.write_table(pa.table({"id": pa.array(range(len(texts)), pa.int64()), "input_ids": pa.array(ids, pa.list_(pa.int32()))}),
+    pq.write_table(pa.table({"id": pa.array(range(len(texts)), pa.int64()),
+                             "input_ids": pa.array(ids, pa.list_(pa.int32()))}),
                    os.path.join(HERE, "tokenized.parquet"), row_group_size=500)
     print("wrote", ", ".join(sorted(f for f in os.listdir(HERE) if not f.endswith(".py"))))
 

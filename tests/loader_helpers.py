@@ -81,9 +81,11 @@ def write_plan(path, lengths, *, dp=1, grad_accum=1, epochs=1, max_tokens=512, o
         first = []
         if static_shapes and compile_warmup and epoch == 0:
             warmup_steps = math.ceil(len(shapes) / grad_accum)
-            shape_of = lambda mb: int(np.searchsorted(levels, round_up(max(lengths[mb].max(), 1), pad_multiple)))
+            def shape_of(mb):
+                return int(np.searchsorted(levels, round_up(max(lengths[mb].max(), 1), pad_multiple)))
+
             for w in range(warmup_steps):
-                for r in range(dp):
+                for _ in range(dp):
                     for m in range(grad_accum):
                         want = (w * grad_accum + m) % len(shapes)
                         j = next(j for j, mb in enumerate(mbs) if shape_of(mb) == want)
@@ -137,7 +139,8 @@ def write_plan(path, lengths, *, dp=1, grad_accum=1, epochs=1, max_tokens=512, o
         "format": "varlen-plan", "format_version": 1, "varlen_version": "test", "created_at": "test",
         "config": {"max_tokens": max_tokens, "dp": dp, "grad_accum": grad_accum, "order": order, "seed": seed,
                    "epochs": epochs, "static_shapes": static_shapes, "compile_warmup": compile_warmup},
-        "input": {"path": "test", "kind": "metrics", "artifact_id": "test", "num_rows": n if num_rows is None else num_rows,
+        "input": {"path": "test", "kind": "metrics", "artifact_id": "test",
+                  "num_rows": n if num_rows is None else num_rows,
                   "dataset_digest": "test"},
         "dp": dp, "grad_accum": grad_accum, "epochs": epochs, "num_steps": step, "steps_per_epoch": steps_per_epoch,
         "num_microbatches": len(rows), "shapes": shapes, "warmup_steps": warmup_steps,
@@ -173,12 +176,9 @@ class SyntheticTokens:
 
 
 def real_plan(tmp_path, source=TOKENIZED, **options):
-    """A plan made by ``varlen analyze`` + ``varlen_cli.plan`` on ``source``, or None while the planner is missing."""
-    try:
-        from varlen_cli.plan import PlanConfig, plan
-    except ImportError:
-        return None
+    """A plan made by ``varlen analyze`` + ``varlen_cli.plan`` on ``source`` (a broken import fails the test)."""
     from varlen_cli.analyze import AnalyzeConfig, analyze
+    from varlen_cli.plan import PlanConfig, plan
 
     metrics = os.path.join(str(tmp_path), "metrics")
     if not os.path.exists(metrics):

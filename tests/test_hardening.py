@@ -104,7 +104,8 @@ def test_zero_length_samples_are_kept_with_a_warning(tmp_path):
     result = runner.invoke(app, ["run", src, "-o", str(tmp_path / "out"), "--length", "words:text", "--no-progress"])
     assert result.exit_code == 0, result.output
     assert "varlen: warning: 2 samples have length 0; they are kept" in result.stderr
-    ids = sorted(i for row in pq.read_table(tmp_path / "out" / "plan.parquet").column("sample_ids").to_pylist() for i in row)
+    rows = pq.read_table(tmp_path / "out" / "plan.parquet").column("sample_ids").to_pylist()
+    ids = sorted(i for row in rows for i in row)
     assert ids == [0, 1, 2, 3]
 
 
@@ -113,7 +114,8 @@ def test_usage_errors_are_one_line_with_exit_code_2(tmp_path):
     for args, message in [
         (["analyze", sample("text.parquet")], "Missing option '-o' / '--output'"),
         (["plan", "x", "-o", "y", "--bogus"], "No such option: --bogus"),
-        (["analyze", sample("text.parquet"), "-o", str(tmp_path / "m"), "--length", "nope"], "--length must be KIND:COLUMN"),
+        (["analyze", sample("text.parquet"), "-o", str(tmp_path / "m"), "--length", "nope"], "--length must be "
+                                                                                             "KIND:COLUMN"),
         (["plan", "x", "-o", "y", "--max-tokens", "10", "--dp", "0"], "--dp must be >= 1"),
     ]:
         proc = subprocess.run([sys.executable, "-m", "varlen_cli", *args], capture_output=True, text=True, env=env)

@@ -49,7 +49,8 @@ def test_run_curriculum_two_workers_matches_one_worker(tmp_path):
 def test_run_failure_leaves_no_output(tmp_path):
     out = tmp_path / "out"
     with pytest.raises(InputError, match="samples do not fit the budget --max-tokens 100"):
-        run(RunConfig(sources=(sample("tokenized.parquet"),), output=str(out), plan={"max_tokens": 100}, progress=False))
+        run(RunConfig(sources=(sample("tokenized.parquet"),), output=str(out), plan={"max_tokens": 100},
+                      progress=False))
     assert not out.exists()
     assert [p for p in os.listdir(tmp_path)] == []
 
@@ -76,7 +77,8 @@ def test_stages_under_torchrun_match_one_process(tmp_path):
         proc = subprocess.run(torchrun + args, capture_output=True, text=True, env=env)
         assert proc.returncode == 0, proc.stderr[-2000:]
     assert _cli("analyze", src, "-o", str(tmp_path / "m1"), "--length", "words:text").returncode == 0
-    assert _cli("sort", str(tmp_path / "m1"), "-o", str(tmp_path / "s1"), "--ties", "shuffle", "--seed", "3").returncode == 0
+    sorted_ = _cli("sort", str(tmp_path / "m1"), "-o", str(tmp_path / "s1"), "--ties", "shuffle", "--seed", "3")
+    assert sorted_.returncode == 0
     assert len(os.listdir(tmp_path / "m2")) == 3  # two parts and the manifest
     assert pq.read_table(tmp_path / "m1").equals(pq.read_table(tmp_path / "m2"))
     assert pq.read_table(tmp_path / "s1").equals(pq.read_table(tmp_path / "s2"))

@@ -14,6 +14,7 @@ import numpy as np
 from . import format
 from .errors import InputError, UsageError
 from .runtime import artifacts
+from .runtime.text import fmt, histogram_lines
 
 SERIES_BINS = 48
 SPARK = " ▁▂▃▄▅▆▇█"
@@ -159,15 +160,7 @@ def tables(info: dict) -> list[TextTable]:
     return out
 
 
-def render(info: dict) -> None:
-    """Print :func:`tables` (kept for the CLI adapter, which should call ``report.print_tables``)."""
-    from .cli.report import print_tables
-
-    print_tables(tables(info))
-
-
 def _directory_tables(info: dict) -> list[TextTable]:
-    from .cli.report import fmt, histogram_lines
 
     m = info["manifest"]
     t = _key_value(f"{m.get('kind', 'metrics')} directory {info['path']}")
@@ -190,7 +183,6 @@ def _directory_tables(info: dict) -> list[TextTable]:
 
 
 def _plan_tables(info: dict) -> list[TextTable]:
-    from .cli.report import fmt
 
     meta = info["metadata"]
     t = _key_value(f"plan {info['path']}")
@@ -215,7 +207,6 @@ def _plan_tables(info: dict) -> list[TextTable]:
 
 
 def _series_tables(series: dict) -> list[TextTable]:
-    from .cli.report import fmt
 
     bins = len(series["tokens_per_step"]["binned_mean"])
     sp = TextTable(f"over {series['steps']:,} steps (each column: mean of 1/{bins} of the steps)",
@@ -230,7 +221,6 @@ def _series_tables(series: dict) -> list[TextTable]:
 
 
 def _step_table(step_rows: list) -> TextTable:
-    from .cli.report import fmt
 
     names = ("rank", "micro", "num_samples", "batch_size", "seqlen", "tokens", "lr_scale")
     stt = TextTable("microbatches of the step", [(c, "right") for c in names + ("sample_ids",)])

@@ -23,6 +23,7 @@ from . import analyze as analyze_stage
 from .analyze import AnalyzeConfig
 from .errors import OutputError, UsageError
 from .runtime import artifacts
+from .runtime.choices import Device, check_choices
 from .runtime.dist import run_distributed, session
 from .runtime.executor import run_in_session
 
@@ -47,7 +48,7 @@ class RunConfig:
     sort: dict = field(default_factory=dict)
     plan: dict = field(default_factory=dict)
     nproc: int = 1
-    device: str = "cpu"
+    device: Device = "cpu"
     overwrite: bool = False
     progress: bool = True
 
@@ -95,6 +96,7 @@ def stage_configs(config: RunConfig):
 
 def run(config: RunConfig) -> RunResult | None:
     """Run the pipeline; returns the result on rank 0 (None on other ranks)."""
+    check_choices(config)
     if not config.sources:
         raise UsageError("give at least one SOURCE")
     from . import plan as plan_stage
@@ -145,7 +147,8 @@ def _run_worker(config: RunConfig) -> RunResult | None:
                     "format": "varlen-run", "format_version": 1, **artifacts.provenance(),
                     "config": artifacts.config_dict(config), "auto_max_tokens": auto,
                     "metrics": {"path": "metrics", "artifact_id": analyzed.manifest.get("artifact_id")},
-                    "sorted": {"path": "sorted", "artifact_id": sorted_.manifest.get("artifact_id")} if sorted_ else None,
+                    "sorted": ({"path": "sorted", "artifact_id": sorted_.manifest.get("artifact_id")}
+                               if sorted_ else None),
                     "plan": {"path": "plan.parquet", "num_steps": planned.num_steps},
                 }
                 artifacts.atomic_write_json(os.path.join(out, RUN_MANIFEST), manifest)

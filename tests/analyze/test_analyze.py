@@ -149,7 +149,8 @@ def test_difficulty_user_function(tmp_path, monkeypatch):
     # A module in the current directory is found too (as `python -m` would), and plain lists work.
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    (cwd / "varlen_cwd_scores.py").write_text("def neg_id(batch):\n    return [-float(i) for i in batch.column('id').to_pylist()]\n")
+    (cwd / "varlen_cwd_scores.py").write_text("def neg_id(batch):\n    return [-float(i) for i in "
+                                              "batch.column('id').to_pylist()]\n")
     monkeypatch.chdir(cwd)
     _, got = run(tmp_path / "g", sample("text.jsonl"), length="chars:text", difficulty="varlen_cwd_scores:neg_id")
     assert got.column("difficulty").to_pylist() == [-float(i) for i in range(2000)]

@@ -48,7 +48,8 @@ CASES = {
         [str((t / "bad.jsonl").write_text('{"text": "a"}\n{"text": \n') and t / "bad.jsonl"), "--length", "chars:text"],
         re.compile(re.escape(f"invalid JSONL in {t / 'bad.jsonl'} (bytes 0-24): ") + r".+"), 3),
     "not utf-8 text": lambda t: (
-        [str((t / "bad.txt").write_bytes(b"ok\n\xff\xfe\n") and t / "bad.txt")], f"{t / 'bad.txt'} is not valid UTF-8 text", 3),
+        [str((t / "bad.txt").write_bytes(b"ok\n\xff\xfe\n") and t / "bad.txt")], f"{t / 'bad.txt'} is not valid UTF-8 "
+                                                                                 "text", 3),
     "DatasetDict directory": lambda t: (
         [str(_dataset_dict(t))],
         f"{t / 'dd'} is a Hugging Face DatasetDict; pass one split directory (test, train)", 3),
@@ -63,7 +64,8 @@ CASES = {
         f"--length list:text needs a list column, but 'text' is string in {sample('text.parquet')}", 3),
     "wrong column type (text)": lambda t: (
         [sample("tokenized.parquet"), "--length", "chars:input_ids"],
-        f"--length chars:input_ids needs a text column, but 'input_ids' is list<element: int32> in {sample('tokenized.parquet')}", 3),
+        "--length chars:input_ids needs a text column, but 'input_ids' is list<element: int32> in "
+        f"{sample('tokenized.parquet')}", 3),
     "wrong column type (value)": lambda t: (
         [sample("text.parquet"), "--length", "value:text"],
         f"length column 'text' must be numeric, but it is string in {sample('text.parquet')}", 3),
@@ -81,9 +83,11 @@ CASES = {
         [write_parquet(text_table(0), t / "e.parquet"), "--length", "chars:text"],
         "the sources hold no samples (empty dataset)", 3),
     "missing tokenizer": lambda t: (
-        [sample("text.parquet"), "--tokenizer", str(t / "tok.json")], f"tokenizer file {t / 'tok.json'} does not exist", 3),
+        [sample("text.parquet"), "--tokenizer", str(t / "tok.json")],
+        f"tokenizer file {t / 'tok.json'} does not exist", 3),
     "invalid tokenizer": lambda t: (
-        [sample("text.parquet"), "--tokenizer", str((t / "tok.json").write_text('{"version": "1.0"}') and t / "tok.json")],
+        [sample("text.parquet"), "--tokenizer",
+         str((t / "tok.json").write_text('{"version": "1.0"}') and t / "tok.json")],
         re.compile(re.escape(f"{t / 'tok.json'} is not a valid tokenizer.json: ") + r"[^\n]+"), 3),
     "tokens without tokenizer": lambda t: (
         [sample("text.parquet"), "--length", "tokens:text"], "--length tokens:text needs --tokenizer FILE", 2),
@@ -108,7 +112,8 @@ CASES = {
         [_numbers(t, [1.0, -3.0, 2.0, -1.0]), "--length", "value:n"],
         f"column 'n' has 2 negative values in {t / 'n.parquet'} (first: -3)", 3),
     "NaN values": lambda t: (
-        [_numbers(t, [1.0, float("nan"), 2.0]), "--length", "value:n"], f"column 'n' has 1 NaN values in {t / 'n.parquet'}", 3),
+        [_numbers(t, [1.0, float("nan"), 2.0]), "--length", "value:n"], "column 'n' has 1 NaN values in "
+                                                                        f"{t / 'n.parquet'}", 3),
     "infinite values": lambda t: (
         [_numbers(t, [1.0, float("inf")]), "--length", "value:n", "--frames-per-second", "10"],
         f"column 'n' has 1 infinite values in {t / 'n.parquet'}", 3),

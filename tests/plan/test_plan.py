@@ -223,28 +223,43 @@ def test_packed_plan(dirs, tmp_path):
 
 
 BAD = [
-    (["--max-tokens", "3"], "tiny", 3, "the budget is below every sample: --max-tokens 3 fits none of the 3 samples (the shortest has 5 tokens)"),
-    (["--max-tokens", "4096"], "long", 3, "2 samples do not fit the budget --max-tokens 4,096 (the longest has 6,000 tokens); raise --max-tokens or pass --drop-long"),
+    (["--max-tokens", "3"], "tiny", 3, "the budget is below every sample: --max-tokens 3 fits none of the 3 samples "
+                                       "(the shortest has 5 tokens)"),
+    (["--max-tokens", "4096"], "long", 3, "2 samples do not fit the budget --max-tokens 4,096 (the longest has 6,000 "
+                                          "tokens); raise --max-tokens or pass --drop-long"),
     (["--max-tokens", "100", "--dp", "0"], "tiny", 2, "--dp must be >= 1 (got 0)"),
     (["--max-tokens", "100", "--grad-accum", "0"], "tiny", 2, "--grad-accum must be >= 1 (got 0)"),
     (["--max-tokens", "0"], "tiny", 2, "--max-tokens must be >= 1 (got 0)"),
     ([], "tiny", 2, "--max-tokens is required (or --packing --seq-len T)"),
-    (["--max-tokens", "100", "--order", "sorted"], "tiny", 2, "--order must be one of curriculum, reverse, bucket-shuffle, random (got 'sorted')"),
-    (["--max-tokens", "100", "--order", "curriculum"], "tiny", 2, "--order curriculum needs a sorted input, but {tiny} is a metrics directory (sample_id order); sort it first: `varlen sort {tiny} -o SORTED_DIR`"),
-    (["--max-tokens", "100"], "empty_dir", 3, "{empty_dir} is not a varlen metrics or sorted directory (no _manifest.json); create one with `varlen analyze` (and `varlen sort` for curriculum order)"),
+    (["--max-tokens", "100", "--order", "curriculum"], "tiny", 2, "--order curriculum needs a sorted input, but {tiny} "
+                                                                  "is a metrics directory (sample_id order); sort it "
+                                                                  "first: `varlen sort {tiny} -o SORTED_DIR`"),
+    (["--max-tokens", "100"], "empty_dir", 3, "{empty_dir} is not a varlen metrics or sorted directory (no "
+                                              "_manifest.json); create one with `varlen analyze` (and `varlen sort` "
+                                              "for curriculum order)"),
     (["--max-tokens", "100"], "missing", 3, "{missing} does not exist"),
-    (["--max-tokens", "100", "--static-shapes"], "tiny", 2, "--static-shapes needs --num-shapes K (the number of (B, T) shapes)"),
-    (["--max-tokens", "100", "--dp", "4"], "tiny", 3, "3 samples cannot fill 4 microbatch slots (1 step(s) x dp 4 x grad-accum 1) without duplicating samples; lower --dp/--grad-accum or pass --tail drop"),
-    (["--max-tokens", "100", "--dp", "4", "--tail", "drop"], "tiny", 3, "3 samples are fewer than the 4 microbatches of one step (dp x grad-accum); nothing would be left after --tail drop: lower --dp/--grad-accum"),
-    (["--max-tokens", "100", "--curriculum-epochs", "1"], "tiny", 2, "--curriculum-epochs needs --order curriculum or reverse"),
+    (["--max-tokens", "100", "--static-shapes"], "tiny", 2, "--static-shapes needs --num-shapes K (the number of (B, "
+                                                            "T) shapes)"),
+    (["--max-tokens", "100", "--dp", "4"], "tiny", 3, "3 samples cannot fill 4 microbatch slots (1 step(s) x dp 4 x "
+                                                      "grad-accum 1) without duplicating samples; lower "
+                                                      "--dp/--grad-accum or pass --tail drop"),
+    (["--max-tokens", "100", "--dp", "4", "--tail", "drop"], "tiny", 3, "3 samples are fewer than the 4 microbatches "
+                                                                        "of one step (dp x grad-accum); nothing would "
+                                                                        "be left after --tail drop: lower "
+                                                                        "--dp/--grad-accum"),
+    (["--max-tokens", "100", "--curriculum-epochs", "1"], "tiny", 2, "--curriculum-epochs needs --order curriculum or "
+                                                                     "reverse"),
     (["--max-tokens", "100", "--seq-len", "64"], "tiny", 2, "--seq-len needs --packing"),
     (["--packing"], "tiny", 2, "--packing needs --seq-len T (the packed row length)"),
-    (["--packing", "--seq-len", "1000"], "long", 3, "2 samples are longer than --seq-len 1,000 (the longest has 6,000 tokens); pass --split-long, --drop-long or a larger --seq-len"),
-    (["--packing", "--seq-len", "100", "--drop-long", "--split-long"], "long", 2, "--drop-long and --split-long exclude each other"),
-    (["--packing", "--seq-len", "1000", "--max-tokens", "500"], "tiny", 2, "--seq-len 1000 does not fit the budget --max-tokens 500"),
-    (["--max-tokens", "100", "--lr-scaling", "cubic"], "tiny", 2, "--lr-scaling must be one of linear, sqrt, none (got 'cubic')"),
+    (["--packing", "--seq-len", "1000"], "long", 3, "2 samples are longer than --seq-len 1,000 (the longest has 6,000 "
+                                                    "tokens); pass --split-long, --drop-long or a larger --seq-len"),
+    (["--packing", "--seq-len", "100", "--drop-long", "--split-long"], "long", 2, "--drop-long and --split-long "
+                                                                                  "exclude each other"),
+    (["--packing", "--seq-len", "1000", "--max-tokens", "500"], "tiny", 2, "--seq-len 1000 does not fit the budget "
+                                                                           "--max-tokens 500"),
     (["--max-tokens", "100", "--attention-cost", "-1"], "tiny", 2, "--attention-cost must be >= 0 (got -1.0)"),
-    (["--max-tokens", "100", "--output-exists"], "tiny", 4, "output {out} already exists; pass --overwrite to replace it"),
+    (["--max-tokens", "100", "--output-exists"], "tiny", 4, "output {out} already exists; pass --overwrite to replace "
+                                                            "it"),
 ]
 
 
@@ -261,6 +276,40 @@ def test_bad_inputs(dirs, tmp_path, args, src, code, message):
     assert res.stderr.strip() == f"varlen: error: {want}" if hasattr(res, "stderr") else want in res.output
     if "--output-exists" not in args and code != 4:
         assert not out.exists()
+
+
+# Choice options are Literal types: typer rejects a bad value before the library runs (one line through
+# `varlen`'s main), and the library's generic check rejects it from Python with the message it always had.
+BAD_CHOICES = [
+    ("order", "sorted", "--order must be one of curriculum, reverse, bucket-shuffle, random (got 'sorted')",
+     "'sorted' is not one of 'curriculum', 'reverse', 'bucket-shuffle', 'random'"),
+    ("lr_scaling", "cubic", "--lr-scaling must be one of linear, sqrt, none (got 'cubic')",
+     "'cubic' is not one of 'linear', 'sqrt', 'none'"),
+]
+
+
+@pytest.mark.parametrize("name,value,message,cli_message", BAD_CHOICES, ids=[b[0] for b in BAD_CHOICES])
+def test_bad_choices(dirs, tmp_path, monkeypatch, capsys, name, value, message, cli_message):
+    from varlen_cli.cli import main
+    from varlen_cli.errors import UsageError
+
+    out = tmp_path / "plan.parquet"
+    with pytest.raises(UsageError) as info:
+        plan(PlanConfig(input=dirs["tiny"], output=str(out), max_tokens=100, **{name: value}))
+    assert info.value.message == message and info.value.exit_code == 2
+    flag = "--" + name.replace("_", "-")
+    # main() defaults VARLEN_START_METHOD to fork for its fresh process; keep that out of this test process
+    # (later multi-worker tests would fork a threaded pytest), and restore the variable afterwards.
+    monkeypatch.setenv("VARLEN_START_METHOD", os.environ.get("VARLEN_START_METHOD", "spawn"))
+    argv = ["varlen", "plan", dirs["tiny"], "-o", str(out), "--max-tokens", "100", flag, value]
+    monkeypatch.setattr("sys.argv", argv)
+    with pytest.raises(SystemExit) as exited:
+        main()
+    assert exited.value.code == 2
+    err = capsys.readouterr().err  # ends "(see `PROG plan --help`)"; PROG depends on how python was started
+    assert err.startswith(f"varlen: error: Invalid value for '{flag}': Value error, {cli_message}. (see `")
+    assert err.endswith("plan --help`)\n") and err.count("\n") == 1
+    assert not out.exists()
 
 
 def test_reverse_order_survives_a_tail_split(tmp_path):

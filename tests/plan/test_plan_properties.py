@@ -13,7 +13,8 @@ from varlen_cli.errors import InputError
 from varlen_cli.plan import PlanConfig, plan
 from varlen_cli.plan.shapes import Budget, ShapeMap
 
-SETTINGS = settings(max_examples=int(os.environ.get("PLAN_EXAMPLES", "80")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=int(os.environ.get("PLAN_EXAMPLES", "80")), deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
 
 lengths_st = st.one_of(
     st.lists(st.integers(0, 400), min_size=1, max_size=300),
@@ -68,7 +69,8 @@ def test_padded_plan_properties(lengths, o, diff_is_length):
             assert ("below every sample" in msg and not fits.any()) or "microbatch" in msg, msg
             return
         d, md = check_plan(out, L, max_tokens=o["max_tokens"], dp=o["dp"], grad_accum=o["grad_accum"],
-                           attention_cost=o["attention_cost"], max_samples=o["max_samples"] if o["static_shapes"] is False else None)
+                           attention_cost=o["attention_cost"],
+                           max_samples=o["max_samples"] if o["static_shapes"] is False else None)
         fits = _fits(L, o)
         too_long = set(np.flatnonzero(~fits).tolist())
         assert set(md["dropped"]["too_long_ids"]) == too_long

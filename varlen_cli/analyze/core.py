@@ -16,6 +16,7 @@ import numpy as np
 
 from ..errors import InputError, OutputError, UsageError
 from ..runtime import artifacts
+from ..runtime.choices import Device, check_choices, doc
 from ..runtime.dist import Dist, fault_point
 from ..runtime.executor import execute
 from ..runtime.progress import JobProgress
@@ -40,18 +41,23 @@ RARITY_CACHE_BYTES = 512 << 20  # token ids a worker keeps between the two vocab
 class AnalyzeConfig:
     """Options of ``varlen analyze`` (see ``varlen analyze --help``)."""
 
-    sources: tuple
-    output: str
-    length: str = "auto"
-    tokenizer: str | None = None
-    special_tokens: bool = True
-    frames_per_second: float | None = None
-    difficulty: str = "length"
-    nproc: int = 1
-    overwrite: bool = False
-    device: str = "cpu"
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    progress: bool = True
+    sources: tuple = doc(help="Parquet/Arrow/JSONL/text files, directories, globs, or a Hugging Face save_to_disk "
+                              "directory; rows are numbered over the files in sorted path order.")
+    output: str = doc(help="Metrics directory to write (part-*.parquet + _manifest.json), atomically.")
+    length: str = doc("auto", "KIND:COLUMN with KIND list, tokens, chars, bytes, words or value; 'auto' picks a list "
+                              "column input_ids/tokens/token_ids, then text (tokens with --tokenizer, else chars), "
+                              "then num_tokens/length/duration.")
+    tokenizer: str | None = doc(None, "tokenizer.json for --length tokens:COLUMN (truncation and padding are switched "
+                                      "off).")
+    special_tokens: bool = doc(True, "Count the tokenizer's special tokens (BOS/EOS, CLS/SEP).")
+    frames_per_second: float | None = doc(None, "With --length value:COLUMN in seconds: frames = ceil(seconds x F).")
+    difficulty: str = doc("length", "Curriculum key: length, value:COLUMN, vocab-rarity, or MODULE:FUNCTION "
+                                    "(RecordBatch -> one value per row).")
+    nproc: int = doc(1, "Local worker processes to launch (torch elastic); under torchrun leave at 1.")
+    overwrite: bool = doc(False, "Replace an existing output (written atomically either way).")
+    device: Device = doc("cpu", "cpu (gloo) or cuda (nccl).")
+    chunk_bytes: int = doc(DEFAULT_CHUNK_BYTES, "Bytes of input a worker reads per chunk.")
+    progress: bool = doc(True, "Show a progress bar on rank 0 (only on a terminal).")
 
 
 @dataclass
@@ -76,6 +82,7 @@ def analyze(config: AnalyzeConfig) -> AnalyzeResult | None:
 
 def check(config: AnalyzeConfig) -> None:
     """Refuse bad options before any worker starts."""
+    check_choices(config)
     if not config.sources:
         raise UsageError("give at least one SOURCE")
     if config.length != "auto":
@@ -148,7 +155,8 @@ class _Work:
 
             flat = pc.list_flatten(column) if len(column) else None
             if flat is not None and not _is_int(flat.type):
-                raise InputError(f"--difficulty vocab-rarity needs integer token ids, but '{self.length.column}' holds {flat.type}")
+                raise InputError(f"--difficulty vocab-rarity needs integer token ids, but '{self.length.column}' holds "
+                                 f"{flat.type}")
             ids = flat.to_numpy(zero_copy_only=False) if flat is not None else np.zeros(0, np.int64)
             if ids.dtype.kind != "i":
                 ids = ids.astype(np.int64)
@@ -175,12 +183,12 @@ class _Work:
 
 
 def _schema_of(f: SourceFile):
-    from .sources import _open_arrow, _parquet_file
+    from .sources import open_arrow, parquet_file
 
     if f.format == "parquet":
-        return _parquet_file(f.path).schema_arrow
+        return parquet_file(f.path).schema_arrow
     if f.format == "arrow":
-        return _open_arrow(f.path)[0].schema
+        return open_arrow(f.path)[0].schema
     # JSONL: the first rows tell the columns.
     import pyarrow as pa
 
@@ -274,33 +282,37 @@ def run_in_group(config: AnalyzeConfig, d: Dist, out: artifacts.AtomicDir, t0: f
     d.barrier()  # every part is written
     if not d.is_main:
         return None
-    fp = fingerprint(files, per_file.tolist())
-    parts = [{"file": artifacts.part_name(r), "rows": int(n)} for r, n in enumerate(rows)]
+    manifest = _manifest(config, str(work.length), d.world_size, fingerprint(files, per_file.tolist()), rows,
+                         {"length": length_stats, "difficulty": diff_stats})
+    artifacts.atomic_write_json(out.file(artifacts.MANIFEST_NAME), manifest)
+    out.commit()
+    return AnalyzeResult(
+        output=out.path, num_samples=total_rows, num_files=len(files), num_parts=len(manifest["parts"]),
+        length=str(work.length), difficulty=str(work.difficulty), stats=length_stats, difficulty_stats=diff_stats,
+        seconds=time.perf_counter() - t0, manifest=manifest,
+    )
+
+
+def _manifest(config: AnalyzeConfig, length: str, world_size: int, fp: dict, rows: np.ndarray, stats: dict) -> dict:
+    """The metrics directory's ``_manifest.json`` (``rows``: rows per part, in rank order)."""
     cfg = artifacts.config_dict(config)
-    cfg["length"] = str(work.length)
-    manifest = {
+    cfg["length"] = length
+    return {
         "format": artifacts.METRICS_FORMAT,
         "format_version": artifacts.FORMAT_VERSION,
         "kind": "metrics",
         "stage": "analyze",
         **artifacts.provenance(),
         "config": cfg,
-        "world_size": d.world_size,
+        "world_size": world_size,
         "dataset": fp,
         "artifact_id": artifacts.artifact_id("analyze", cfg, fp["digest"], rows.tolist()),
         "order": {"by": ["sample_id"], "descending": False},
         "columns": {"sample_id": "int64", "length": "int64", "difficulty": "float64"},
-        "num_rows": total_rows,
-        "parts": parts,
-        "stats": {"length": length_stats, "difficulty": diff_stats},
+        "num_rows": int(rows.sum()),
+        "parts": [{"file": artifacts.part_name(r), "rows": int(n)} for r, n in enumerate(rows)],
+        "stats": stats,
     }
-    artifacts.atomic_write_json(out.file(artifacts.MANIFEST_NAME), manifest)
-    out.commit()
-    return AnalyzeResult(
-        output=out.path, num_samples=total_rows, num_files=len(files), num_parts=len(parts), length=str(work.length),
-        difficulty=str(work.difficulty), stats=length_stats, difficulty_stats=diff_stats,
-        seconds=time.perf_counter() - t0, manifest=manifest,
-    )
 
 
 def _write_part(path: str, first_id: int, lengths: np.ndarray, difficulty: np.ndarray) -> None:

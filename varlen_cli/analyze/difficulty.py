@@ -70,13 +70,15 @@ def call_function(fn, spec: DifficultySpec, batch, where: str) -> np.ndarray:
             out = out.to_numpy(zero_copy_only=False) if "pyarrow" in type(out).__module__ else out.to_numpy()
         values = np.asarray(out, dtype=np.float64).reshape(-1)
     except (TypeError, ValueError) as exc:
-        raise InputError(f"difficulty function {spec.column} must return numbers, got {type(out).__name__}: {exc}") from None
+        raise InputError(f"difficulty function {spec.column} must return numbers, "
+                         f"got {type(out).__name__}: {exc}") from None
     if len(values) != batch.num_rows:
         raise InputError(
             f"difficulty function {spec.column} returned {len(values)} values for {batch.num_rows} rows (on {where})"
         )
     if np.isnan(values).any():
-        raise InputError(f"difficulty function {spec.column} returned NaN for {int(np.isnan(values).sum())} rows (on {where})")
+        raise InputError(f"difficulty function {spec.column} returned NaN for {int(np.isnan(values).sum())} rows (on "
+                         f"{where})")
     return values
 
 

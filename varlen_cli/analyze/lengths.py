@@ -60,7 +60,9 @@ def auto_length(schema_names: Sequence[str], schema_types: dict, has_tokenizer: 
     if "text" in schema_names:
         return LengthSpec("tokens" if has_tokenizer else "chars", "text")
     for name in ("num_tokens", "length", "duration"):
-        if name in schema_names and (pa.types.is_integer(schema_types[name]) or pa.types.is_floating(schema_types[name])):
+        numeric = name in schema_names and (pa.types.is_integer(schema_types[name])
+                                            or pa.types.is_floating(schema_types[name]))
+        if numeric:
             return LengthSpec("value", name)
     raise UsageError(
         "cannot guess the length column; pass --length KIND:COLUMN (columns: " + ", ".join(schema_names) + ")"
@@ -185,7 +187,8 @@ def numeric_values(column, name: str, where: str, what: str, as_float: bool = Tr
             raise InputError(f"column '{name}' has {int(np.isnan(values).sum())} NaN values in {where}")
         if low < 0:
             neg = values < 0
-            raise InputError(f"column '{name}' has {int(neg.sum())} negative values in {where} (first: {values[neg][0]:g})")
+            raise InputError(f"column '{name}' has {int(neg.sum())} negative values in {where} (first: "
+                             f"{values[neg][0]:g})")
         if values.dtype.kind == "f" and np.isinf(values.max()):
             raise InputError(f"column '{name}' has {int(np.isinf(values).sum())} infinite values in {where}")
     return values.astype(np.float64, copy=False) if as_float else values

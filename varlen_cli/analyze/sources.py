@@ -138,14 +138,14 @@ def discover(sources: Sequence[str]) -> list[SourceFile]:
         size = os.path.getsize(path)
         rows = -1
         if fmt == "parquet":
-            rows = _parquet_file(path).metadata.num_rows
+            rows = parquet_file(path).metadata.num_rows
         elif fmt == "arrow":
             rows = sum(n for n in _arrow_batch_rows(path))
         files.append(SourceFile(path, fmt, size, compression, rows))
     return files
 
 
-def _parquet_file(path: str):
+def parquet_file(path: str):
     import pyarrow.parquet as pq
 
     try:
@@ -154,7 +154,7 @@ def _parquet_file(path: str):
         raise InputError(f"cannot read Parquet file {path}: {exc}") from None
 
 
-def _open_arrow(path: str):
+def open_arrow(path: str):
     """(reader, is_file_format) of a memory-mapped Arrow IPC file or stream."""
     import pyarrow as pa
 
@@ -173,7 +173,7 @@ def _open_arrow(path: str):
 
 
 def _arrow_batch_rows(path: str) -> list[int]:
-    reader, is_file = _open_arrow(path)
+    reader, is_file = open_arrow(path)
     try:
         if is_file:
             return [reader.get_batch(i).num_rows for i in range(reader.num_record_batches)]
@@ -188,7 +188,7 @@ def make_units(files: Sequence[SourceFile], chunk_bytes: int = DEFAULT_CHUNK_BYT
     units: list[Unit] = []
     for i, f in enumerate(files):
         if f.format == "parquet":
-            md = _parquet_file(f.path).metadata
+            md = parquet_file(f.path).metadata
             units.extend(_row_units(i, [md.row_group(g).num_rows for g in range(md.num_row_groups)]))
         elif f.format == "arrow":
             # Record batches are often small (Hugging Face writes 1,000 rows each): one unit is a
@@ -286,7 +286,7 @@ class Reader:
         if self._path != f.path:
             self._path, self._handle, self._group_key, self._group = f.path, None, None, None
             if f.format == "parquet":
-                self._handle = _parquet_file(f.path)
+                self._handle = parquet_file(f.path)
             elif f.format == "arrow":
                 self._handle = _read_arrow_table(f.path)
         return self._handle
@@ -333,11 +333,6 @@ class Reader:
         return table.select(list(columns))
 
 
-def read_unit(f: SourceFile, unit: Unit, columns: Sequence[str] | None):
-    """The unit's rows with the given columns (all for None), as an Arrow table (no caching)."""
-    return Reader().read(f, unit, columns)
-
-
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
@@ -345,7 +340,7 @@ def _first_line(exc: BaseException) -> str:
 
 def _read_arrow_table(path: str):
     """The whole Arrow IPC file or stream as a table backed by the memory map (no copy)."""
-    reader, _ = _open_arrow(path)
+    reader, _ = open_arrow(path)
     try:
         return reader.read_all()
     except Exception as exc:

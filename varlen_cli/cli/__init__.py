@@ -61,15 +61,15 @@ def run_command(fn: Callable[[Any], Any], config: Any) -> Any:
         # Under torchrun every rank runs this; say which one failed (the others may only be its victims).
         rank = f"[rank {os.environ.get('RANK')}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
         sys.stderr.write(f"varlen: error: {rank}{exc.message}\n")
-        raise typer.Exit(exc.exit_code)
+        raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt:
         sys.stderr.write("varlen: interrupted\n")
-        raise typer.Exit(130)
+        raise typer.Exit(130) from None
     except Exception as exc:
         if debug:
             raise
         sys.stderr.write(f"varlen: internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)\n")
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
 
 
 def _register() -> None:
@@ -77,12 +77,7 @@ def _register() -> None:
 
     _analyze.register(app)
     for name in ("sort", "plan", "run", "inspect", "validate"):
-        try:
-            module = __import__(f"varlen_cli.cli.{name}", fromlist=["register"])
-        except ModuleNotFoundError as exc:
-            if exc.name != f"varlen_cli.cli.{name}":
-                raise
-            continue
+        module = __import__(f"varlen_cli.cli.{name}", fromlist=["register"])
         module.register(app)
 
 

@@ -5,18 +5,43 @@ from __future__ import annotations
 import typer
 
 from varlen_cli.cli import common
+from varlen_cli.runtime.choices import Device
 
 
 def analyze_command(
-    sources: list[str] = typer.Argument(..., metavar="SOURCE", help="Parquet/Arrow/JSONL/text files, directories, globs, or a Hugging Face save_to_disk directory; rows are numbered over the files in sorted path order.", show_default=False),
-    output: str = typer.Option(..., "-o", "--output", help="Metrics directory to write (part-*.parquet + _manifest.json), atomically.", show_default=False),
-    length: str = typer.Option("auto", "--length", help="KIND:COLUMN with KIND list, tokens, chars, bytes, words or value; 'auto' picks a list column input_ids/tokens/token_ids, then text (tokens with --tokenizer, else chars), then num_tokens/length/duration."),
-    tokenizer: str | None = typer.Option(None, "--tokenizer", help="tokenizer.json for --length tokens:COLUMN (truncation and padding are switched off).", show_default=False),
-    special_tokens: bool = typer.Option(True, "--special-tokens/--no-special-tokens", help="Count the tokenizer's special tokens (BOS/EOS, CLS/SEP)."),
-    frames_per_second: float | None = typer.Option(None, "--frames-per-second", help="With --length value:COLUMN in seconds: frames = ceil(seconds x F).", show_default=False),
-    difficulty: str = typer.Option("length", "--difficulty", help="Curriculum key: length, value:COLUMN, vocab-rarity, or MODULE:FUNCTION (RecordBatch -> one value per row)."),
+    sources: list[str] = typer.Argument(
+        ..., metavar="SOURCE", show_default=False,
+        help="Parquet/Arrow/JSONL/text files, directories, globs, or a Hugging Face save_to_disk directory; rows are "
+        "numbered over the files in sorted path order.",
+    ),
+    output: str = typer.Option(
+        ..., "-o", "--output", show_default=False,
+        help="Metrics directory to write (part-*.parquet + _manifest.json), atomically.",
+    ),
+    length: str = typer.Option(
+        "auto", "--length",
+        help="KIND:COLUMN with KIND list, tokens, chars, bytes, words or value; 'auto' picks a list column "
+        "input_ids/tokens/token_ids, then text (tokens with --tokenizer, else chars), then num_tokens/length/duration.",
+    ),
+    tokenizer: str | None = typer.Option(
+        None, "--tokenizer", show_default=False,
+        help="tokenizer.json for --length tokens:COLUMN (truncation and padding are switched off).",
+    ),
+    special_tokens: bool = typer.Option(
+        True, "--special-tokens/--no-special-tokens",
+        help="Count the tokenizer's special tokens (BOS/EOS, CLS/SEP).",
+    ),
+    frames_per_second: float | None = typer.Option(
+        None, "--frames-per-second", show_default=False,
+        help="With --length value:COLUMN in seconds: frames = ceil(seconds x F).",
+    ),
+    difficulty: str = typer.Option(
+        "length", "--difficulty",
+        help="Curriculum key: length, value:COLUMN, vocab-rarity, or MODULE:FUNCTION (RecordBatch -> one value per "
+        "row).",
+    ),
     nproc: int = common.NPROC,
-    device: str = common.DEVICE,
+    device: Device = common.DEVICE,
     overwrite: bool = common.OVERWRITE,
     progress: bool = common.PROGRESS,
 ) -> None:

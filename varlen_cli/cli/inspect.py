@@ -9,11 +9,15 @@ from varlen_cli.cli import common
 
 def inspect_command(
     path: str = typer.Argument(..., help="A metrics directory, a sorted directory or a plan file.", show_default=False),
-    step: int | None = typer.Option(None, "--step", help="Plans: also show the microbatches of step N.", show_default=False),
+    step: int | None = typer.Option(
+        None, "--step", show_default=False,
+        help="Plans: also show the microbatches of step N.",
+    ),
     json_output: bool = typer.Option(False, "--json", help="Print everything as JSON (for scripts)."),
 ) -> None:
     """Show an artifact's config, provenance and statistics, with terminal histograms."""
-    from varlen_cli.inspect import InspectConfig, inspect_artifact, render
+    from varlen_cli.cli.report import print_tables
+    from varlen_cli.inspect import InspectConfig, inspect_artifact, tables
 
     info = common.run(inspect_artifact, InspectConfig(path=path, step=step))
     if json_output:
@@ -21,7 +25,7 @@ def inspect_command(
 
         typer.echo(json.dumps(info, indent=2, default=str))
     else:
-        render(info)
+        print_tables(tables(info))
 
 
 def register(app: typer.Typer) -> None:

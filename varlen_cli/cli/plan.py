@@ -5,40 +5,143 @@ from __future__ import annotations
 import typer
 
 from varlen_cli.cli import common
+from varlen_cli.runtime.choices import LrScaleBy, LrScaling, Order, Tail
+
+# Options whose help does not fit on the signature's line.
+INPUT_DIR = typer.Argument(
+    ..., show_default=False,
+    help="Metrics directory (varlen analyze) or sorted directory (varlen sort; needed for --order "
+    "curriculum/reverse).",
+)
+OUTPUT = typer.Option(
+    ..., "-o", "--output", show_default=False,
+    help="Plan file to write (Parquet, one row per microbatch).",
+)
+MAX_TOKENS = typer.Option(
+    None, "--max-tokens", show_default=False,
+    help="Hard budget: padded B x T of every microbatch (plus A x B x T^2 with --attention-cost). Required unless "
+    "--packing.",
+)
+ORDER = typer.Option(
+    "bucket-shuffle", "--order",
+    help="curriculum (sorted input's order), reverse, bucket-shuffle (near-equal lengths, batches shuffled) or "
+    "random (padded fixed-batch baseline).",
+)
+SEED = typer.Option(
+    0, "--seed",
+    help="Seed of every shuffle (different per epoch, same plan for the same seed).",
+)
+EPOCHS = typer.Option(
+    1, "--epochs",
+    help="Epochs to plan; every sample once per epoch, steps counted across epochs.",
+)
+CURRICULUM_EPOCHS = typer.Option(
+    None, "--curriculum-epochs", show_default=False,
+    help="With --order curriculum/reverse: switch to bucket-shuffle after this many epochs.",
+)
+LR_SCALING = typer.Option(
+    "linear", "--lr-scaling",
+    help="Per-step LR scale: linear (b / base), sqrt, or none (1).",
+)
+LR_SCALE_BY = typer.Option(
+    "samples", "--lr-scale-by",
+    help="What b counts: samples or tokens of the step.",
+)
+BASE_BATCH_SIZE = typer.Option(
+    None, "--base-batch-size", show_default=False,
+    help="The b at which lr_scale is 1 (default: the plan's mean step size, recorded in the metadata).",
+)
+PAD_MULTIPLE = typer.Option(
+    1, "--pad-multiple",
+    help="Round every padded T up to a multiple of M (8 or 64 suit GPUs).",
+)
+NUM_SHAPES = typer.Option(
+    None, "--num-shapes", show_default=False,
+    help="At most K distinct T, bucket edges chosen to minimise padding on this data.",
+)
+STATIC_SHAPES = typer.Option(
+    False, "--static-shapes",
+    help="Also fix B per bucket (padding rows): exactly the K (B, T) shapes of --num-shapes.",
+)
+COMPILE_WARMUP = typer.Option(
+    False, "--compile-warmup",
+    help="Reorder the first steps so every rank meets every shape early (largest first); recorded as warmup_steps.",
+)
+SAME_SHAPE_PER_STEP = typer.Option(
+    False, "--same-shape-per-step",
+    help="All microbatches of a step share one B x T (pipeline parallelism).",
+)
+MAX_SAMPLES = typer.Option(
+    None, "--max-samples", show_default=False,
+    help="Cap on the samples (B) of a microbatch.",
+)
+ATTENTION_COST = typer.Option(
+    0.0, "--attention-cost",
+    help="A: a microbatch costs B*T + A*B*T^2 against --max-tokens (bounds attention memory).",
+)
+DROP_LONG = typer.Option(
+    False, "--drop-long",
+    help="Drop samples that fit no microbatch (ids and count recorded) instead of failing.",
+)
+TAIL = typer.Option(
+    "split", "--tail",
+    help="split: split microbatches so every rank gets grad-accum per step (fails only with fewer samples than "
+    "slots); drop: then drop the smallest tail microbatches (ids recorded).",
+)
+PACKING = typer.Option(
+    False, "--packing",
+    help="Padding-free plan: samples packed into rows of --seq-len tokens, R rows per microbatch.",
+)
+SEQ_LEN = typer.Option(
+    None, "--seq-len", show_default=False,
+    help="Packed row length T (with --packing).",
+)
+ROWS_PER_MICROBATCH = typer.Option(
+    None, "--rows-per-microbatch", show_default=False,
+    help="R packed rows per microbatch (default: --max-tokens // --seq-len, else 1).",
+)
+MAX_PER_ROW = typer.Option(
+    None, "--max-per-row", show_default=False,
+    help="Cap on the samples in one packed row.",
+)
+SPLIT_LONG = typer.Option(
+    False, "--split-long",
+    help="With --packing: cut samples longer than --seq-len into chunks (recorded as start/length segments).",
+)
 
 
 def plan_command(
-    input_dir: str = typer.Argument(..., help="Metrics directory (varlen analyze) or sorted directory (varlen sort; needed for --order curriculum/reverse).", show_default=False),
-    output: str = typer.Option(..., "-o", "--output", help="Plan file to write (Parquet, one row per microbatch).", show_default=False),
-    max_tokens: int | None = typer.Option(None, "--max-tokens", help="Hard budget: padded B x T of every microbatch (plus A x B x T^2 with --attention-cost). Required unless --packing.", show_default=False),
+    input_dir: str = INPUT_DIR,
+    output: str = OUTPUT,
+    max_tokens: int | None = MAX_TOKENS,
     dp: int = typer.Option(1, "--dp", help="Data-parallel ranks: every step has dp x grad-accum microbatches."),
     grad_accum: int = typer.Option(1, "--grad-accum", help="Microbatches per rank per optimizer step."),
-    order: str = typer.Option("bucket-shuffle", "--order", help="curriculum (sorted input's order), reverse, bucket-shuffle (near-equal lengths, batches shuffled) or random (padded fixed-batch baseline)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of every shuffle (different per epoch, same plan for the same seed)."),
-    epochs: int = typer.Option(1, "--epochs", help="Epochs to plan; every sample once per epoch, steps counted across epochs."),
-    curriculum_epochs: int | None = typer.Option(None, "--curriculum-epochs", help="With --order curriculum/reverse: switch to bucket-shuffle after this many epochs.", show_default=False),
-    lr_scaling: str = typer.Option("linear", "--lr-scaling", help="Per-step LR scale: linear (b / base), sqrt, or none (1)."),
-    lr_scale_by: str = typer.Option("samples", "--lr-scale-by", help="What b counts: samples or tokens of the step."),
-    base_batch_size: float | None = typer.Option(None, "--base-batch-size", help="The b at which lr_scale is 1 (default: the plan's mean step size, recorded in the metadata).", show_default=False),
-    pad_multiple: int = typer.Option(1, "--pad-multiple", help="Round every padded T up to a multiple of M (8 or 64 suit GPUs)."),
-    num_shapes: int | None = typer.Option(None, "--num-shapes", help="At most K distinct T, bucket edges chosen to minimise padding on this data.", show_default=False),
-    static_shapes: bool = typer.Option(False, "--static-shapes", help="Also fix B per bucket (padding rows): exactly the K (B, T) shapes of --num-shapes."),
-    compile_warmup: bool = typer.Option(False, "--compile-warmup", help="Reorder the first steps so every rank meets every shape early (largest first); recorded as warmup_steps."),
-    same_shape_per_step: bool = typer.Option(False, "--same-shape-per-step", help="All microbatches of a step share one B x T (pipeline parallelism)."),
-    max_samples: int | None = typer.Option(None, "--max-samples", help="Cap on the samples (B) of a microbatch.", show_default=False),
-    attention_cost: float = typer.Option(0.0, "--attention-cost", help="A: a microbatch costs B*T + A*B*T^2 against --max-tokens (bounds attention memory)."),
-    drop_long: bool = typer.Option(False, "--drop-long", help="Drop samples that fit no microbatch (ids and count recorded) instead of failing."),
-    tail: str = typer.Option("split", "--tail", help="split: split microbatches so every rank gets grad-accum per step (fails only with fewer samples than slots); drop: then drop the smallest tail microbatches (ids recorded)."),
-    packing: bool = typer.Option(False, "--packing", help="Padding-free plan: samples packed into rows of --seq-len tokens, R rows per microbatch."),
-    seq_len: int | None = typer.Option(None, "--seq-len", help="Packed row length T (with --packing).", show_default=False),
-    rows_per_microbatch: int | None = typer.Option(None, "--rows-per-microbatch", help="R packed rows per microbatch (default: --max-tokens // --seq-len, else 1).", show_default=False),
-    max_per_row: int | None = typer.Option(None, "--max-per-row", help="Cap on the samples in one packed row.", show_default=False),
-    split_long: bool = typer.Option(False, "--split-long", help="With --packing: cut samples longer than --seq-len into chunks (recorded as start/length segments)."),
+    order: Order = ORDER,
+    seed: int = SEED,
+    epochs: int = EPOCHS,
+    curriculum_epochs: int | None = CURRICULUM_EPOCHS,
+    lr_scaling: LrScaling = LR_SCALING,
+    lr_scale_by: LrScaleBy = LR_SCALE_BY,
+    base_batch_size: float | None = BASE_BATCH_SIZE,
+    pad_multiple: int = PAD_MULTIPLE,
+    num_shapes: int | None = NUM_SHAPES,
+    static_shapes: bool = STATIC_SHAPES,
+    compile_warmup: bool = COMPILE_WARMUP,
+    same_shape_per_step: bool = SAME_SHAPE_PER_STEP,
+    max_samples: int | None = MAX_SAMPLES,
+    attention_cost: float = ATTENTION_COST,
+    drop_long: bool = DROP_LONG,
+    tail: Tail = TAIL,
+    packing: bool = PACKING,
+    seq_len: int | None = SEQ_LEN,
+    rows_per_microbatch: int | None = ROWS_PER_MICROBATCH,
+    max_per_row: int | None = MAX_PER_ROW,
+    split_long: bool = SPLIT_LONG,
     overwrite: bool = common.OVERWRITE,
 ) -> None:
     """Write a token-budget batch plan (Parquet): microbatches, ranks, steps, shapes and LR scales."""
+    from varlen_cli.cli import report
     from varlen_cli.plan import PlanConfig, plan
-    from varlen_cli.plan.stats import print_summary
 
     config = PlanConfig(
         input=input_dir, output=output, max_tokens=max_tokens, dp=dp, grad_accum=grad_accum, order=order, seed=seed,
@@ -51,7 +154,7 @@ def plan_command(
     )
     result = common.run(plan, config)
     if result is not None:
-        print_summary(result)
+        report.print_plan(result)
 
 
 def register(app: typer.Typer) -> None:

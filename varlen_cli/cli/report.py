@@ -1,28 +1,15 @@
-"""Rich summary tables printed at the end of each stage (rank 0 only)."""
+"""Rich summary tables printed at the end of each stage (rank 0 only): the one place the CLI prints
+results; the library functions return them."""
 
 from __future__ import annotations
 
-from typing import Any
+from varlen_cli.runtime.text import fmt, histogram_lines  # noqa: F401  (re-exported for the CLI)
 
 
 def console():
     from rich.console import Console
 
     return Console()
-
-
-def fmt(x: Any) -> str:
-    """A value as a table cell: thousands separators, 2 decimals, lower-case booleans and none."""
-    if isinstance(x, bool) or x is None:
-        return str(x).lower()
-    if isinstance(x, float):
-        return f"{x:,.2f}" if abs(x) < 1e6 else f"{x:,.0f}"
-    if isinstance(x, int):
-        return f"{x:,}"
-    return str(x)
-
-
-_fmt = fmt  # the old name, until every caller uses fmt
 
 
 def print_tables(tables) -> None:
@@ -39,21 +26,6 @@ def print_tables(tables) -> None:
         out.print(t)
 
 
-def histogram_lines(log2_bins: list, width: int = 30) -> list[tuple[str, str, str]]:
-    """(range, count, bar) rows of a log2 length histogram."""
-    peak = max(log2_bins) if log2_bins else 0
-    rows = []
-    for k, n in enumerate(log2_bins):
-        if k == 0:
-            label = "0"
-        else:
-            lo, hi = 1 << (k - 1), (1 << k) - 1
-            label = f"{lo:,}" if lo == hi else f"{lo:,}-{hi:,}"
-        bar = "█" * (round(width * n / peak) if peak else 0)
-        rows.append((label, f"{n:,}", bar))
-    return rows
-
-
 def print_analyze(result) -> None:
     from rich.table import Table
 
@@ -67,7 +39,7 @@ def print_analyze(result) -> None:
         ("min / p50 / p90 / p99 / max", f"{s['min']:,} / {s['p50']:,} / {s['p90']:,} / {s['p99']:,} / {s['max']:,}"),
         ("mean length", s["mean"]), ("seconds", result.seconds),
     ]:
-        t.add_row(label, _fmt(value))
+        t.add_row(label, fmt(value))
     h = Table(title="lengths (log2 bins)", show_header=True)
     h.add_column("length")
     h.add_column("samples", justify="right")
@@ -83,3 +55,76 @@ def print_analyze(result) -> None:
 
         sys.stderr.write(f"varlen: warning: {empty:,} samples have length 0; they are kept "
                          "(plans still schedule them; they add no tokens)\n")
+
+
+def print_sort(result) -> None:
+    """The summary table: rows, rows per worker, balance, seconds per phase."""
+    from rich.table import Table
+
+    o = result.order
+    rows = result.rows_per_worker
+    order = ",".join(o["by"]) + (" descending" if o["descending"] else "") + f", ties {o['ties']}"
+    if o["ties"] == "shuffle":
+        order += f" (seed {o['seed']})"
+    t = Table(title=f"varlen sort → {result.output}", show_header=False)
+    t.add_column("what", style="bold")
+    t.add_column("value", justify="right")
+    for label, value in [
+        ("rows", result.num_rows), ("order", order), ("workers", result.world_size), ("parts", result.num_parts),
+        ("rows per worker (min / max)", f"{min(rows):,} / {max(rows):,}"),
+        ("balance (max / mean)", f"{result.balance:.3f}"),
+        ("seconds", result.seconds),
+    ]:
+        t.add_row(label, fmt(value))
+    peaks = [p for p in result.peak_rss_bytes if p]
+    if peaks:
+        t.add_row("peak memory per worker (max)", f"{max(peaks) / 2**20:,.0f} MiB")
+    p = Table(title="seconds per phase (slowest worker)", show_header=True)
+    p.add_column("phase")
+    p.add_column("seconds", justify="right")
+    for phase, secs in result.phases.items():
+        p.add_row(phase.replace("_", " "), f"{secs:.2f}")
+    c = console()
+    c.print(t)
+    c.print(p)
+
+
+def print_plan(result) -> None:
+    """The rich table ``varlen plan`` prints at the end."""
+    from rich.table import Table
+
+    s = result.stats
+    t = Table(title=f"varlen plan → {result.output}", show_header=False)
+    t.add_column("what", style="bold")
+    t.add_column("value", justify="right")
+    rows = [
+        ("order", result.order), ("epochs", s["epochs"]), ("steps", s["steps"]),
+        ("microbatches", s["microbatches"]), ("samples", s["samples"]), ("tokens", s["tokens"]),
+        ("samples / microbatch", s["mean_samples_per_microbatch"]),
+        ("padding %", f"{s['padding_pct']:.2f}"), ("budget fill %", f"{s['budget_fill_pct']:.2f}"),
+        ("straggler mean / max", f"{s['straggler_mean']:.3f} / {s['straggler_max']:.3f}"),
+        ("distinct shapes", s["distinct_shapes"]),
+        ("lr_scale min / max", f"{s['lr_scale_min']:.3f} / {s['lr_scale_max']:.3f}"),
+        ("dropped samples", s["dropped"]),
+    ]
+    if s.get("warmup_steps"):
+        rows.append(("compile warm-up steps", s["warmup_steps"]))
+    if result.packing:
+        rows.append(("packing efficiency %", f"{100 * result.packing['efficiency']:.3f}"))
+    rows.append(("seconds", s["seconds"]))
+    for label, value in rows:
+        t.add_row(label, fmt(value))
+    console().print(t)
+
+
+def print_run(result) -> None:
+    print_analyze(result.analyze)
+    if result.sort is not None:
+        print_sort(result.sort)
+    print_plan(result.plan)
+    c = console()
+    if result.auto_max_tokens:
+        c.print(f"--max-tokens not given: used {result.auto_max_tokens:,} "
+                "(the larger of 16,384 and the longest sample)")
+    c.print(f"[bold]varlen run[/] → {result.output} in {result.seconds:.2f} s "
+            f"(metrics/, {'sorted/, ' if result.sort is not None else ''}plan.parquet)")

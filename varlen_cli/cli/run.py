@@ -44,41 +44,29 @@ _PER_STAGE, _MERGED = _stage_params()
 
 
 def run_command(sources: list[str], output: str, **options) -> None:
+    from varlen_cli.cli import report
     from varlen_cli.run import RunConfig, run
 
     stage_opts = {stage: {k: options[k] for k in names} for stage, names in _PER_STAGE.items()}
-    stage_opts["plan"]["overwrite"] = True
     config = RunConfig(
         sources=tuple(sources), output=output, analyze=stage_opts["analyze"], sort=stage_opts["sort"],
-        plan={k: v for k, v in stage_opts["plan"].items() if k != "overwrite"},
+        plan=stage_opts["plan"],
         nproc=options["nproc"], device=options["device"], overwrite=options["overwrite"], progress=options["progress"],
     )
     result = common.run(run, config)
     if result is not None:
-        print_run(result)
-
-
-def print_run(result) -> None:
-    from varlen_cli.cli import report
-    from varlen_cli.plan.stats import print_summary
-
-    report.print_analyze(result.analyze)
-    if result.sort is not None:
-        sort_cli.print_sort(result.sort)
-    print_summary(result.plan)
-    c = report.console()
-    if result.auto_max_tokens:
-        c.print(f"--max-tokens not given: used {result.auto_max_tokens:,} (the larger of 16,384 and the longest sample)")
-    c.print(f"[bold]varlen run[/] → {result.output} in {result.seconds:.2f} s "
-            f"(metrics/, {'sorted/, ' if result.sort is not None else ''}plan.parquet)")
+        report.print_run(result)
 
 
 _SIGNATURE = inspect.Signature(
     [
         inspect.Parameter("sources", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=list[str],
-                          default=typer.Argument(..., help="Sources, as for `varlen analyze`: files, directories, globs.", show_default=False)),
+                          default=typer.Argument(..., show_default=False,
+                                                 help="Sources, as for `varlen analyze`: files, directories, globs.")),
         inspect.Parameter("output", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=str,
-                          default=typer.Option(..., "-o", "--output", help="Output directory: metrics/, sorted/ (when the order needs it), plan.parquet, _run.json.", show_default=False)),
+                          default=typer.Option(..., "-o", "--output", show_default=False,
+                                               help="Output directory: metrics/, sorted/ (when the order needs it), "
+                                               "plan.parquet, _run.json.")),
     ]
     + [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in _MERGED.values()]
 )

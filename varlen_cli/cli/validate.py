@@ -9,7 +9,11 @@ from varlen_cli.cli import common
 
 def validate_command(
     plan: str = typer.Argument(..., help="Plan Parquet file written by `varlen plan`.", show_default=False),
-    metrics: str | None = typer.Option(None, "--metrics", help="Metrics or sorted directory the plan was built from: also checks the fingerprint, seqlens and token counts.", show_default=False),
+    metrics: str | None = typer.Option(
+        None, "--metrics", show_default=False,
+        help="Metrics or sorted directory the plan was built from: also checks the fingerprint, seqlens and token "
+        "counts.",
+    ),
     json_output: bool = typer.Option(False, "--json", help="Print the checks as JSON instead of a table."),
 ) -> None:
     """Re-check every invariant of a plan; exit 0 only when all hold (6 when any is violated)."""

@@ -7,7 +7,7 @@ this structure, so padded and packed plans share them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -25,16 +25,10 @@ class Microbatches:
     item_length: np.ndarray | None = None
     item_start: np.ndarray | None = None
     item_row: np.ndarray | None = None  # row inside the microbatch
-    step_aligned: bool = False  # consecutive groups of dp*grad_accum microbatches are steps already
-    dropped_tail: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     @property
     def count(self) -> int:
         return len(self.offsets) - 1
-
-    @property
-    def num_samples(self) -> np.ndarray:
-        return np.diff(self.offsets)
 
     def take(self, order: np.ndarray) -> Microbatches:
         """The microbatches in the given order (a permutation or a subset)."""
@@ -48,8 +42,7 @@ class Microbatches:
             return None if a is None else a[idx]
 
         return Microbatches(self.samples[idx], new_off, self.seqlen[order], self.batch_size[order],
-                            self.tokens[order], g(self.item_length), g(self.item_start), g(self.item_row),
-                            self.step_aligned, self.dropped_tail)
+                            self.tokens[order], g(self.item_length), g(self.item_start), g(self.item_row))
 
 
 def segment_gather(starts: np.ndarray, counts: np.ndarray, new_offsets: np.ndarray) -> np.ndarray:
@@ -94,8 +87,8 @@ def stable_argsort_int(keys: np.ndarray) -> np.ndarray:
 
 
 def finalize_padded(samples: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, shape: ShapeMap,
-                    budget: Budget, static: bool, fixed_batch: int | None = None,
-                    step_aligned: bool = False) -> Microbatches:
+                    budget: Budget, static: bool,
+                    fixed_batch: int | None = None) -> Microbatches:
     """Seqlen, padded batch size and tokens of microbatches given by samples/offsets."""
     lens = lengths[samples]
     seqlen = shape(segment_max(lens, offsets)) if len(samples) else np.zeros(0, np.int64)
@@ -105,7 +98,7 @@ def finalize_padded(samples: np.ndarray, offsets: np.ndarray, lengths: np.ndarra
     else:
         batch = counts.astype(np.int64)
     return Microbatches(samples, offsets, seqlen.astype(np.int64), batch.astype(np.int64),
-                        segment_sum(lens, offsets), step_aligned=step_aligned)
+                        segment_sum(lens, offsets))
 
 
 # -- greedy consecutive microbatches ---------------------------------------------------------------
@@ -229,7 +222,8 @@ def form_same_shape(seq: np.ndarray, lengths: np.ndarray, shape: ShapeMap, budge
         c = int(budget.cap(np.array([t]))[0])
         if count < slots or c < 1:
             return 0, 0
-        m = slots * -(-(-(-count // c)) // slots)
+        per_mb = -(-count // c)  # microbatches needed at c samples each
+        m = slots * -(-per_mb // slots)
         if m <= count:
             return m, count
         m = slots * (count // slots)
@@ -273,8 +267,7 @@ def form_same_shape(seq: np.ndarray, lengths: np.ndarray, shape: ShapeMap, budge
     samples = seq2[:end]
     lens = lengths[samples]
     mb = Microbatches(samples, offsets, np.concatenate(seqlens) if seqlens else np.zeros(0, np.int64),
-                      np.concatenate(batches) if batches else np.zeros(0, np.int64), segment_sum(lens, offsets),
-                      step_aligned=True)
+                      np.concatenate(batches) if batches else np.zeros(0, np.int64), segment_sum(lens, offsets))
     return mb, leftover
 
 

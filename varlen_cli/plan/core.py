@@ -8,47 +8,64 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import __version__
+from .. import __version__, format
 from ..errors import InputError, UsageError
 from ..runtime import artifacts
+from ..runtime.choices import LrScaleBy, LrScaling, Order, Tail, check_choices, doc, values
 from . import batching, layout, lr, stats, writer
+from .batching import Microbatches
+from .layout import EpochLayout
+from .orders import CURRICULAR, EpochInputs, Formers
 from .shapes import Budget, ShapeMap, choose_edges, pair_ids
 
-ORDERS = ("curriculum", "reverse", "bucket-shuffle", "random")
-TAILS = ("split", "drop")
+ORDERS = values(Order)
+TAILS = values(Tail)
 
 
 @dataclass(frozen=True)
 class PlanConfig:
     """Options of ``varlen plan`` (see ``varlen plan --help`` and docs/plan.md)."""
 
-    input: str
-    output: str
-    max_tokens: int | None = None
-    dp: int = 1
-    grad_accum: int = 1
-    order: str = "bucket-shuffle"
-    seed: int = 0
-    epochs: int = 1
-    curriculum_epochs: int | None = None
-    lr_scaling: str = "linear"
-    lr_scale_by: str = "samples"
-    base_batch_size: float | None = None
-    pad_multiple: int = 1
-    num_shapes: int | None = None
-    static_shapes: bool = False
-    compile_warmup: bool = False
-    same_shape_per_step: bool = False
-    max_samples: int | None = None
-    attention_cost: float = 0.0
-    drop_long: bool = False
-    tail: str = "split"
-    packing: bool = False
-    seq_len: int | None = None
-    rows_per_microbatch: int | None = None
-    max_per_row: int | None = None
-    split_long: bool = False
-    overwrite: bool = False
+    input: str = doc(help="Metrics directory (varlen analyze) or sorted directory (varlen sort; needed for --order "
+                          "curriculum/reverse).")
+    output: str = doc(help="Plan file to write (Parquet, one row per microbatch).")
+    max_tokens: int | None = doc(None, "Hard budget: padded B x T of every microbatch (plus A x B x T^2 with "
+                                       "--attention-cost). Required unless --packing.")
+    dp: int = doc(1, "Data-parallel ranks: every step has dp x grad-accum microbatches.")
+    grad_accum: int = doc(1, "Microbatches per rank per optimizer step.")
+    order: Order = doc("bucket-shuffle", "curriculum (sorted input's order), reverse, bucket-shuffle (near-equal "
+                                         "lengths, batches shuffled) or random (padded fixed-batch baseline).")
+    seed: int = doc(0, "Seed of every shuffle (different per epoch, same plan for the same seed).")
+    epochs: int = doc(1, "Epochs to plan; every sample once per epoch, steps counted across epochs.")
+    curriculum_epochs: int | None = doc(None, "With --order curriculum/reverse: switch to bucket-shuffle after this "
+                                              "many epochs.")
+    lr_scaling: LrScaling = doc("linear", "Per-step LR scale: linear (b / base), sqrt, or none (1).")
+    lr_scale_by: LrScaleBy = doc("samples", "What b counts: samples or tokens of the step.")
+    base_batch_size: float | None = doc(None, "The b at which lr_scale is 1 (default: the plan's mean step size, "
+                                              "recorded in the metadata).")
+    pad_multiple: int = doc(1, "Round every padded T up to a multiple of M (8 or 64 suit GPUs).")
+    num_shapes: int | None = doc(None, "At most K distinct T, bucket edges chosen to minimise padding on this data.")
+    static_shapes: bool = doc(False, "Also fix B per bucket (padding rows): exactly the K (B, T) shapes of "
+                                     "--num-shapes.")
+    compile_warmup: bool = doc(False, "Reorder the first steps so every rank meets every shape early (largest first); "
+                                      "recorded as warmup_steps.")
+    same_shape_per_step: bool = doc(False, "All microbatches of a step share one B x T (pipeline parallelism).")
+    max_samples: int | None = doc(None, "Cap on the samples (B) of a microbatch.")
+    attention_cost: float = doc(0.0, "A: a microbatch costs B*T + A*B*T^2 against --max-tokens (bounds attention "
+                                     "memory).")
+    drop_long: bool = doc(False, "Drop samples that fit no microbatch (ids and count recorded) instead of failing.")
+    tail: Tail = doc("split", "split: split microbatches so every rank gets grad-accum per step (fails only with "
+                              "fewer samples than slots); drop: then drop the smallest tail microbatches (ids "
+                              "recorded).")
+    packing: bool = doc(False, "Padding-free plan: samples packed into rows of --seq-len tokens, R rows per "
+                               "microbatch.")
+    seq_len: int | None = doc(None, "Packed row length T (with --packing).")
+    rows_per_microbatch: int | None = doc(None, "R packed rows per microbatch (default: --max-tokens // --seq-len, "
+                                                "else 1).")
+    max_per_row: int | None = doc(None, "Cap on the samples in one packed row.")
+    split_long: bool = doc(False, "With --packing: cut samples longer than --seq-len into chunks (recorded as "
+                                  "start/length segments).")
+    overwrite: bool = doc(False, "Replace an existing output (written atomically either way).")
 
 
 @dataclass
@@ -75,6 +92,7 @@ def _positive(name: str, value, allow_none: bool = True) -> None:
 
 
 def check(c: PlanConfig) -> None:
+    check_choices(c)
     if not c.packing and c.max_tokens is None:
         raise UsageError("--max-tokens is required (or --packing --seq-len T)")
     _positive("--max-tokens", c.max_tokens)
@@ -84,14 +102,6 @@ def check(c: PlanConfig) -> None:
     _positive("--pad-multiple", c.pad_multiple, False)
     _positive("--num-shapes", c.num_shapes)
     _positive("--max-samples", c.max_samples)
-    if c.order not in ORDERS:
-        raise UsageError(f"--order must be one of {', '.join(ORDERS)} (got {c.order!r})")
-    if c.tail not in TAILS:
-        raise UsageError(f"--tail must be one of {', '.join(TAILS)} (got {c.tail!r})")
-    if c.lr_scaling not in lr.SCALINGS:
-        raise UsageError(f"--lr-scaling must be one of {', '.join(lr.SCALINGS)} (got {c.lr_scaling!r})")
-    if c.lr_scale_by not in lr.SCALE_BY:
-        raise UsageError(f"--lr-scale-by must be one of {', '.join(lr.SCALE_BY)} (got {c.lr_scale_by!r})")
     if c.base_batch_size is not None and not c.base_batch_size > 0:
         raise UsageError(f"--base-batch-size must be > 0 (got {c.base_batch_size})")
     if not c.attention_cost >= 0:
@@ -194,134 +204,104 @@ def plan(config: PlanConfig) -> PlanResult:
     writer.check_output(c.output, c.overwrite)
     manifest, sample_id, length = read_input(c.input)
     kind = manifest.get("kind", "metrics")
-    if c.order in ("curriculum", "reverse") and kind != "sorted":
+    if c.order in CURRICULAR and kind != "sorted":
         raise UsageError(f"--order {c.order} needs a sorted input, but {c.input} is a {kind} directory "
                          f"(sample_id order); sort it first: `varlen sort {c.input} -o SORTED_DIR`")
     budget = Budget(c.max_tokens, c.max_samples, float(c.attention_cost))
-    slots = c.dp * c.grad_accum
+    inputs, long_pos = _epoch_inputs(c, sample_id, length, budget)
+    epochs, fixed_batch = _plan_epochs(c, inputs)
+    cols, items = assemble_columns(c, sample_id, length, epochs, inputs.slots)
+    return _finish(c, manifest, sample_id, epochs, cols, items, long_pos, inputs, fixed_batch, t0)
 
-    # samples that cannot fit at all
+
+def _too_long(c: PlanConfig, length: np.ndarray, budget: Budget, shape: ShapeMap) -> np.ndarray:
+    """Mask of the samples that cannot fit any microbatch; raises unless --drop-long (or none fits)."""
     if c.packing:
-        rows_per_mb = _rows_per_microbatch(c, budget)
         too_long = (length > c.seq_len) if not c.split_long else np.zeros(len(length), bool)
-        shape = ShapeMap(1)
     else:
-        rows_per_mb = None
-        shape = ShapeMap(c.pad_multiple)
         too_long = budget.cap(shape.pad(length)) < 1
     n_long = int(np.count_nonzero(too_long))
     if n_long == len(length):
         if c.packing:
-            raise InputError(f"--seq-len {c.seq_len:,} is below every sample: the shortest has {int(length.min()):,} tokens")
+            raise InputError(f"--seq-len {c.seq_len:,} is below every sample: the shortest has "
+                             f"{int(length.min()):,} tokens")
         raise InputError(f"the budget is below every sample: --max-tokens {c.max_tokens:,} fits none of the "
                          f"{len(length):,} samples (the shortest has {int(length.min()):,} tokens)")
     if n_long and not c.drop_long:
         longest = int(length.max())
         if c.packing:
-            raise InputError(f"{n_long:,} samples are longer than --seq-len {c.seq_len:,} (the longest has {longest:,} "
-                             "tokens); pass --split-long, --drop-long or a larger --seq-len")
+            raise InputError(f"{n_long:,} samples are longer than --seq-len {c.seq_len:,} (the longest has "
+                             f"{longest:,} tokens); pass --split-long, --drop-long or a larger --seq-len")
         raise InputError(f"{n_long:,} samples do not fit the budget --max-tokens {c.max_tokens:,} (the longest has "
                          f"{longest:,} tokens); raise --max-tokens or pass --drop-long")
-    long_pos = np.flatnonzero(too_long)
+    return too_long
 
-    # the sequences epochs start from
-    if c.order in ("curriculum", "reverse"):
-        cur = np.flatnonzero(~too_long) if n_long else np.arange(len(length), dtype=np.int64)
+
+def _epoch_inputs(c: PlanConfig, sample_id: np.ndarray, length: np.ndarray,
+                  budget: Budget) -> tuple[EpochInputs, np.ndarray]:
+    """The sequences epochs start from (long samples removed) and the positions of the long ones."""
+    rows_per_mb = _rows_per_microbatch(c, budget) if c.packing else None
+    shape = ShapeMap(1 if c.packing else c.pad_multiple)
+    too_long = _too_long(c, length, budget, shape)
+    n_long = int(np.count_nonzero(too_long))
+    ordered = None
+    if c.order in CURRICULAR:
+        ordered = np.flatnonzero(~too_long) if n_long else np.arange(len(length), dtype=np.int64)
         if c.order == "reverse":
-            cur = cur[::-1].copy()
-    else:
-        cur = None
+            ordered = ordered[::-1].copy()
     canon = canonical_order(sample_id)
     if n_long:
         canon = canon[~too_long[canon]]
     if c.num_shapes is not None and not c.packing:
         shape = ShapeMap(c.pad_multiple, choose_edges(shape.pad(length[canon]), c.num_shapes))
+    inputs = EpochInputs(c, length, shape, budget, c.dp * c.grad_accum, ordered, canon, rows_per_mb)
+    return inputs, np.flatnonzero(too_long)
 
-    epochs, tail_dropped, packing_stats = [], [], []
-    canon_padded = None  # shape(length[canon]), computed once for all bucket-shuffle epochs
-    fixed_batch = None
+
+@dataclass
+class PlannedEpoch:
+    mb: Microbatches  # in layout order
+    layout: EpochLayout
+    cost: np.ndarray  # per microbatch, layout order
+    mode: str  # the order this epoch was planned in
+    dropped: np.ndarray  # input positions its tail dropped
+    packing_stats: dict | None
+
+
+def _plan_epochs(c: PlanConfig, inputs: EpochInputs) -> tuple[list[PlannedEpoch], int | None]:
+    """Every epoch formed by its order's strategy and laid out; also the random order's fixed batch size."""
+    formers = Formers()
+    epochs = []
     for e in range(c.epochs):
         mode = c.order
         if c.curriculum_epochs is not None and e >= c.curriculum_epochs:
             mode = "bucket-shuffle"
         rng = np.random.default_rng([c.seed, e])
-        dropped = np.zeros(0, np.int64)
-        if c.packing:
-            seq = cur if mode in ("curriculum", "reverse") else canon
-            from .packing import pack
-
-            p = pack(length[seq], c.seq_len, max_per_row=c.max_per_row,
-                     order="curriculum" if mode in ("curriculum", "reverse") else "shuffle",
-                     seed=int(rng.integers(1 << 62)), split_long=c.split_long)
-            packing_stats.append(p.stats())
-            mb, dropped = layout.fix_tail_packed(seq[p.item_sample], p.item_start, p.item_length, p.item_row,
-                                                 p.num_rows, rows_per_mb, c.seq_len, slots, c.dp, c.grad_accum, c.tail)
-        elif c.same_shape_per_step and mode != "random":
-            seq = cur if mode in ("curriculum", "reverse") else canon[rng.permutation(len(canon))]
-            mb, dropped = batching.form_same_shape(seq, length, shape, budget, c.static_shapes, slots)
-            if len(dropped) and c.tail != "drop":
-                raise InputError(layout.tail_message(len(seq), mb.count + slots, c.dp, c.grad_accum))
-            if mb.count == 0:
-                raise InputError(f"{len(seq):,} samples are fewer than the {slots:,} microbatches of one step "
-                                 "(dp x grad-accum); lower --dp/--grad-accum")
-            nsteps = mb.count // slots
-            if mode in ("curriculum", "reverse"):
-                where = np.empty(len(length), np.int64)
-                where[seq] = np.arange(len(seq))
-                step_off = mb.offsets[::slots]
-                key = batching.segment_sum(where[mb.samples], step_off) / np.diff(step_off)
-                step_order = np.argsort(key, kind="stable")
-            else:
-                step_order = rng.permutation(nsteps)
-            mb = mb.take((step_order[:, None] * slots + np.arange(slots)[None, :]).reshape(-1))
-        else:
-            if mode == "random":
-                mb, fixed_batch = batching.form_random(canon, length, shape, budget, c.static_shapes, rng)
-            elif mode == "bucket-shuffle":
-                if canon_padded is None:
-                    canon_padded = shape(length[canon])
-                seq, seq_padded = batching.bucket_sequence(canon, canon_padded, rng)
-                mb = batching.form_sequence(seq, length, shape, budget, c.static_shapes, seq_padded)
-                del seq, seq_padded
-            else:
-                mb = batching.form_sequence(cur, length, shape, budget, c.static_shapes)
-            fb = fixed_batch if mode == "random" else None
-
-            def refinalize(samples, offsets, fb=fb):
-                return batching.finalize_padded(samples, offsets, length, shape, budget, c.static_shapes, fb)
-
-            mb, dropped = layout.fix_tail_padded(mb, slots, c.dp, c.grad_accum, c.tail, refinalize)
-            if mode == "bucket-shuffle":
-                cost = np.asarray(budget.cost(mb.batch_size, mb.seqlen), dtype=np.float64)
-                mb = mb.take(layout.balanced_shuffle(cost, slots, rng))
-            if c.same_shape_per_step:
-                layout.same_shape_steps(mb, slots)
+        formed = formers.for_epoch(c, mode).form(inputs, mode, rng)
+        mb = formed.mb
         cost = (mb.tokens.astype(np.float64) if c.packing else
-                np.asarray(budget.cost(mb.batch_size, mb.seqlen), dtype=np.float64))
+                np.asarray(inputs.budget.cost(mb.batch_size, mb.seqlen), dtype=np.float64))
         lay = layout.layout_epoch(mb, cost, c.dp, c.grad_accum, warmup=c.compile_warmup and e == 0,
                                   same_shape=c.same_shape_per_step or c.packing, static=c.static_shapes)
-        epochs.append((mb.take(lay.order), lay, cost[lay.order], mode))
-        tail_dropped.append(dropped)
-
-    return _finish(c, manifest, sample_id, length, epochs, tail_dropped, long_pos, packing_stats, rows_per_mb,
-                   budget, shape, slots, t0, fixed_batch)
+        epochs.append(PlannedEpoch(mb.take(lay.order), lay, cost[lay.order], mode, formed.dropped,
+                                   formed.packing_stats))
+    return epochs, formers.random.fixed_batch
 
 
-def _finish(c, manifest, sample_id, length, epochs, tail_dropped, long_pos, packing_stats, rows_per_mb, budget,
-            shape, slots, t0, fixed_batch=None) -> PlanResult:
+def _concat(parts: list) -> np.ndarray:
+    """No copy for a single epoch (100M-sample plans: every copy is 800 MB)."""
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def assemble_columns(c: PlanConfig, sample_id: np.ndarray, length: np.ndarray, epochs: list[PlannedEpoch],
+                     slots: int) -> tuple[dict, dict]:
+    """Per-microbatch columns (all epochs, plan order) and per-sample-entry items of the plan."""
     cols = {k: [] for k in ("epoch", "step", "rank", "micro", "num_samples", "seqlen", "batch_size", "tokens", "cost",
                             "completed")}
     items = {"sample_ids": [], "sample_lengths": [], "sample_rows": [], "sample_starts": []}
-    counts_all = []
-    steps_per_epoch, samples_per_epoch = [], []
     step0 = 0
-    warmup_steps, warmup_missing = 0, 0
-    for e, (mb, lay, cost, mode) in enumerate(epochs):
-        nsteps = mb.count // slots
-        steps_per_epoch.append(nsteps)
-        samples_per_epoch.append(len(mb.samples))
-        if e == 0:
-            warmup_steps, warmup_missing = lay.warmup_steps, lay.warmup_missing
+    for e, ep in enumerate(epochs):
+        mb, lay = ep.mb, ep.layout
         cols["epoch"].append(np.full(mb.count, e, np.int64))
         cols["step"].append(lay.step + step0)
         cols["rank"].append(lay.rank)
@@ -330,7 +310,7 @@ def _finish(c, manifest, sample_id, length, epochs, tail_dropped, long_pos, pack
         cols["seqlen"].append(mb.seqlen)
         cols["batch_size"].append(mb.batch_size)
         cols["tokens"].append(mb.tokens)
-        cols["cost"].append(cost)
+        cols["cost"].append(ep.cost)
         items["sample_ids"].append(sample_id[mb.samples])
         # Samples each microbatch completes: every entry, except the non-final chunks of a split
         # sample (a split sample counts once, where its last token is), for step_samples.
@@ -344,16 +324,93 @@ def _finish(c, manifest, sample_id, length, epochs, tail_dropped, long_pos, pack
             items["sample_lengths"].append(mb.item_length)
             items["sample_rows"].append(mb.item_row)
             items["sample_starts"].append(mb.item_start)
-        step0 += nsteps
-    orders = [m for (_, _, _, m) in epochs]
+        step0 += mb.count // slots
+    return ({k: _concat(v) for k, v in cols.items()}, {k: _concat(v) for k, v in items.items() if v})
 
-    def cat(v):  # no copy for a single epoch (100M-sample plans: every copy is 800 MB)
-        return v[0] if len(v) == 1 else np.concatenate(v)
 
-    col = {k: cat(v) for k, v in cols.items()}
-    it = {k: cat(v) for k, v in items.items() if v}
-    del epochs[:]
-    num_steps = step0
+def _budget_tokens(c: PlanConfig, budget: Budget, rows_per_mb: int | None, b: np.ndarray, t: np.ndarray,
+                   tokens: np.ndarray) -> float:
+    """The per-microbatch token budget; asserts no microbatch is over it."""
+    if c.packing:
+        over = int(np.count_nonzero(tokens > b * t))
+        if c.max_tokens is not None:
+            over += int(np.count_nonzero(~budget.fits(b, t)))
+        budget_tokens = float(c.max_tokens) if c.max_tokens is not None else float(rows_per_mb * c.seq_len)
+    else:
+        over = int(np.count_nonzero(~budget.fits(b, t)))
+        budget_tokens = float(c.max_tokens)
+    assert over == 0, f"internal error: {over} microbatches over budget"
+    return budget_tokens
+
+
+def _packing_info(c: PlanConfig, rows_per_mb: int, epochs: list[PlannedEpoch], items: dict, offsets: np.ndarray,
+                  tokens: np.ndarray) -> dict:
+    packing_stats = [ep.packing_stats for ep in epochs]
+    rows_used = int((batching.segment_max(items["sample_rows"], offsets) + 1).sum()) if len(offsets) > 1 else 0
+    eff = float(tokens.sum()) / (rows_used * c.seq_len) if rows_used else 1.0
+    return {"seq_len": int(c.seq_len), "rows_per_microbatch": int(rows_per_mb), "max_per_row": c.max_per_row,
+            "efficiency": eff, "split_long": bool(c.split_long),
+            "split_samples": int(sum(p["split_samples"] for p in packing_stats)),
+            "samples_per_row_mean": float(np.mean([p["samples_per_row_mean"] for p in packing_stats])),
+            "samples_per_row_max": int(max(p["samples_per_row_max"] for p in packing_stats))}
+
+
+@dataclass
+class Dropped:
+    """Samples the plan leaves out: too long for any microbatch (every epoch) or dropped by --tail drop."""
+
+    long_ids: np.ndarray
+    tail_ids: list  # per epoch
+    epochs: int
+
+    @property
+    def tail_count(self) -> int:
+        return int(sum(len(x) for x in self.tail_ids))
+
+    @property
+    def count(self) -> int:
+        return len(self.long_ids) * self.epochs + self.tail_count
+
+    def all_ids(self) -> np.ndarray:
+        if not (len(self.long_ids) or self.tail_count):
+            return np.zeros(0, np.int64)
+        return np.unique(np.concatenate([self.long_ids] + self.tail_ids))
+
+    def to_dict(self, all_ids: np.ndarray) -> dict:
+        return {"count": self.count, "reason": {"too_long": len(self.long_ids) * self.epochs, "tail": self.tail_count},
+                "sample_ids": all_ids.tolist(), "too_long_ids": self.long_ids.tolist(),
+                "tail": [{"epoch": e, "sample_ids": ids.tolist()} for e, ids in enumerate(self.tail_ids) if len(ids)]}
+
+
+def build_metadata(c: PlanConfig, manifest: dict, num_rows: int, epochs: list[PlannedEpoch], *, num_steps: int,
+                   num_microbatches: int, shapes: list, base_batch_size, inputs: EpochInputs, fixed_batch: int | None,
+                   packing: dict | None, dropped: dict, summary: dict) -> dict:
+    """The plan's key-value metadata (see docs/plan.md)."""
+    input_info = {"path": os.path.abspath(c.input), "kind": manifest.get("kind"),
+                  "artifact_id": manifest.get("artifact_id"), "num_rows": int(num_rows),
+                  "dataset_digest": (manifest.get("dataset") or {}).get("digest")}
+    return {
+        "format": format.PLAN_FORMAT, "format_version": format.PLAN_FORMAT_VERSION,
+        format.STRAGGLER_COST_KEY: format.straggler_cost(c.packing, c.attention_cost or 0.0),
+        "varlen_version": __version__, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "config": artifacts.config_dict(c), "input": input_info,
+        "dp": c.dp, "grad_accum": c.grad_accum, "epochs": c.epochs, "num_steps": num_steps,
+        "steps_per_epoch": [ep.mb.count // inputs.slots for ep in epochs], "num_microbatches": num_microbatches,
+        "orders": [ep.mode for ep in epochs],
+        "shapes": shapes, "warmup_steps": epochs[0].layout.warmup_steps,
+        "base_batch_size": base_batch_size, "lr_scaling": c.lr_scaling, "lr_scale_by": c.lr_scale_by,
+        "budget": {"max_tokens": c.max_tokens, "max_samples": c.max_samples, "attention_cost": c.attention_cost},
+        "shape_map": inputs.shape.to_dict(), "fixed_batch_size": fixed_batch,
+        "packing": packing,
+        "dropped": dropped,
+        "stats": summary,
+    }
+
+
+def _finish(c: PlanConfig, manifest: dict, sample_id: np.ndarray, epochs: list[PlannedEpoch], col: dict, it: dict,
+            long_pos: np.ndarray, inputs: EpochInputs, fixed_batch: int | None, t0: float) -> PlanResult:
+    """Step columns, LR, shapes, statistics and metadata; writes the plan."""
+    num_steps = sum(ep.mb.count // inputs.slots for ep in epochs)
     counts = col["num_samples"].astype(np.int64)
     offsets = np.zeros(len(counts) + 1, np.int64)
     np.cumsum(counts, out=offsets[1:])
@@ -369,58 +426,23 @@ def _finish(c, manifest, sample_id, length, epochs, tail_dropped, long_pos, pack
     shapes = [[int(x), int(y)] for x, y in zip(shape_b.tolist(), shape_t.tolist())]
 
     b, t = col["batch_size"].astype(np.int64), col["seqlen"].astype(np.int64)
-    if c.packing:
-        over = int(np.count_nonzero(col["tokens"] > b * t))
-        if c.max_tokens is not None:
-            over += int(np.count_nonzero(~budget.fits(b, t)))
-        budget_tokens = float(c.max_tokens) if c.max_tokens is not None else float(rows_per_mb * c.seq_len)
-    else:
-        over = int(np.count_nonzero(~budget.fits(b, t)))
-        budget_tokens = float(c.max_tokens)
-    assert over == 0, f"internal error: {over} microbatches over budget"
-    strag = stats.straggler(step, col["rank"].astype(np.int64), col["cost"], c.dp)
-
-    tail_ids = [sample_id[d] for d in tail_dropped]
-    long_ids = sample_id[long_pos]
-    n_tail = int(sum(len(x) for x in tail_ids))
-    dropped_all = np.unique(np.concatenate([long_ids] + tail_ids)) if (len(long_ids) or n_tail) else np.zeros(0, np.int64)
-    dropped_count = len(long_ids) * c.epochs + n_tail
+    budget_tokens = _budget_tokens(c, inputs.budget, inputs.rows_per_mb, b, t, col["tokens"])
+    strag = format.straggler(step, col["rank"].astype(np.int64), col["cost"], c.dp)
+    dropped = Dropped(sample_id[long_pos], [sample_id[ep.dropped] for ep in epochs], c.epochs)
+    dropped_all = dropped.all_ids()
+    lay0 = epochs[0].layout
     summary = stats.summary(
         num_steps=num_steps, num_microbatches=len(counts), samples=int(counts.sum()), tokens=int(col["tokens"].sum()),
         padded_tokens=int((b * t).sum()), budget_tokens=budget_tokens, strag=strag, shapes=len(shapes), lr=scales,
-        dropped=dropped_count, over_budget=over, warmup_steps=warmup_steps, epochs=c.epochs,
-        samples_per_epoch=samples_per_epoch, seconds=time.perf_counter() - t0)
-    if warmup_missing:
-        summary["warmup_missing"] = int(warmup_missing)
-    packing = None
-    if c.packing:
-        rows_used = int((batching.segment_max(it["sample_rows"], offsets) + 1).sum()) if len(counts) else 0
-        eff = float(col["tokens"].sum()) / (rows_used * c.seq_len) if rows_used else 1.0
-        packing = {"seq_len": int(c.seq_len), "rows_per_microbatch": int(rows_per_mb), "max_per_row": c.max_per_row,
-                   "efficiency": eff, "split_long": bool(c.split_long),
-                   "split_samples": int(sum(p["split_samples"] for p in packing_stats)),
-                   "samples_per_row_mean": float(np.mean([p["samples_per_row_mean"] for p in packing_stats])),
-                   "samples_per_row_max": int(max(p["samples_per_row_max"] for p in packing_stats))}
-    input_info = {"path": os.path.abspath(c.input), "kind": manifest.get("kind"),
-                  "artifact_id": manifest.get("artifact_id"), "num_rows": int(len(sample_id)),
-                  "dataset_digest": (manifest.get("dataset") or {}).get("digest")}
-    metadata = {
-        "format": writer.PLAN_FORMAT, "format_version": writer.PLAN_FORMAT_VERSION,
-        "varlen_version": __version__, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "config": artifacts.config_dict(c), "input": input_info,
-        "dp": c.dp, "grad_accum": c.grad_accum, "epochs": c.epochs, "num_steps": num_steps,
-        "steps_per_epoch": steps_per_epoch, "num_microbatches": len(counts),
-        "orders": orders,
-        "shapes": shapes, "warmup_steps": warmup_steps,
-        "base_batch_size": base, "lr_scaling": c.lr_scaling, "lr_scale_by": c.lr_scale_by,
-        "budget": {"max_tokens": c.max_tokens, "max_samples": c.max_samples, "attention_cost": c.attention_cost},
-        "shape_map": shape.to_dict(), "fixed_batch_size": fixed_batch,
-        "packing": packing,
-        "dropped": {"count": dropped_count, "reason": {"too_long": len(long_ids) * c.epochs, "tail": n_tail},
-                    "sample_ids": dropped_all.tolist(), "too_long_ids": long_ids.tolist(),
-                    "tail": [{"epoch": e, "sample_ids": ids.tolist()} for e, ids in enumerate(tail_ids) if len(ids)]},
-        "stats": summary,
-    }
+        dropped=dropped.count, over_budget=0, warmup_steps=lay0.warmup_steps, epochs=c.epochs,
+        samples_per_epoch=[len(ep.mb.samples) for ep in epochs], seconds=time.perf_counter() - t0)
+    if lay0.warmup_missing:
+        summary["warmup_missing"] = int(lay0.warmup_missing)
+    packing = (_packing_info(c, inputs.rows_per_mb, epochs, it, offsets, col["tokens"]) if c.packing else None)
+    metadata = build_metadata(c, manifest, len(sample_id), epochs, num_steps=num_steps, num_microbatches=len(counts),
+                              shapes=shapes, base_batch_size=base, inputs=inputs, fixed_batch=fixed_batch,
+                              packing=packing, dropped=dropped.to_dict(dropped_all), summary=summary)
+    del epochs[:]
     row_cols = {
         "epoch": col["epoch"].astype(np.int32), "step": step, "rank": col["rank"].astype(np.int32),
         "micro": col["micro"].astype(np.int32), "num_samples": counts.astype(np.int32),
@@ -433,7 +455,7 @@ def _finish(c, manifest, sample_id, length, epochs, tail_dropped, long_pos, pack
               "sample_rows": it["sample_rows"].astype(np.int32), "sample_starts": it["sample_starts"].astype(np.int32)}
     else:
         it = {"sample_ids": it["sample_ids"]}
-    writer.write_plan(c.output, c.overwrite, row_cols, offsets, it, metadata, slots)
+    writer.write_plan(c.output, c.overwrite, row_cols, offsets, it, metadata, inputs.slots)
     summary["seconds"] = time.perf_counter() - t0
     return PlanResult(output=os.path.abspath(c.output), order=c.order, num_steps=num_steps,
                       num_microbatches=len(counts), stats=summary, packing=packing, dropped_ids=dropped_all,

@@ -146,7 +146,7 @@ def assign_ranks(cost: np.ndarray, dp: int, grad_accum: int) -> np.ndarray:
 
 
 @dataclass
-class Layout:
+class EpochLayout:
     order: np.ndarray  # microbatch index per plan row (rows in (step, rank, micro) order)
     step: np.ndarray  # epoch-local step per row
     rank: np.ndarray
@@ -170,7 +170,7 @@ def same_shape_steps(mb: Microbatches, slots: int) -> None:
 
 
 def layout_epoch(mb: Microbatches, cost: np.ndarray, dp: int, grad_accum: int, *, warmup: bool,
-                 same_shape: bool, static: bool) -> Layout:
+                 same_shape: bool, static: bool) -> EpochLayout:
     slots = dp * grad_accum
     m = mb.count
     steps = m // slots
@@ -204,7 +204,7 @@ def layout_epoch(mb: Microbatches, cost: np.ndarray, dp: int, grad_accum: int, *
         micro_key[head] = fixed_micro
     order = np.lexsort((micro_key, rank, step_of))
     micro = np.arange(m, dtype=np.int64) % grad_accum
-    return Layout(order, step_of[order], rank[order], micro, warmup_steps, missing)
+    return EpochLayout(order, step_of[order], rank[order], micro, warmup_steps, missing)
 
 
 def _warmup_steps(mb: Microbatches, slots: int):
@@ -236,7 +236,6 @@ def _warmup_micro(mb: Microbatches, dp: int, grad_accum: int, static: bool):
     w = min(-(-k // grad_accum), m // slots)
     o = stable_argsort_int(sid)
     starts = np.searchsorted(sid[o], np.arange(k), side="left")
-    rank_in = np.arange(m) - starts[sid[o]]
     grid = np.full((w, dp, grad_accum), -1, np.int64)
     missing = 0
     for j, s in enumerate(shape_order.tolist()):

@@ -13,8 +13,9 @@ import time
 from .dist import Dist
 
 
-def enabled(requested: bool) -> bool:
-    return requested and os.environ.get("VARLEN_NO_PROGRESS") is None
+def enabled() -> bool:
+    """Progress bars are on unless ``VARLEN_NO_PROGRESS`` is set (callers also pass ``show``)."""
+    return os.environ.get("VARLEN_NO_PROGRESS") is None
 
 
 class JobProgress:
@@ -24,7 +25,7 @@ class JobProgress:
         self.d = d
         self.total = max(int(total), 1)
         self.description = description
-        self.show = show and d.is_main and enabled(True)
+        self.show = show and d.is_main and enabled()
         self._progress = None
         self._task = None
 

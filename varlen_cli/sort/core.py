@@ -25,15 +25,16 @@ import numpy as np
 
 from ..errors import InputError, OutputError, UsageError
 from ..runtime import artifacts
+from ..runtime.choices import Device, Engine, NanPolicy, Ties, check_choices, doc, values
 from ..runtime.dist import Dist, check_nproc, fault_point
 from ..runtime.executor import execute
 from ..runtime.progress import JobProgress
 from . import keys as sk
 
 PHASES = ("read", "keys", "local_sort", "splitters", "exchange", "merge", "write")
-TIES = ("id", "shuffle")
-NAN_POLICIES = ("error", "last")
-ENGINES = ("auto", "numpy", "torch")
+TIES = values(Ties)
+NAN_POLICIES = values(NanPolicy)
+ENGINES = values(Engine)
 
 
 @dataclass(frozen=True)
@@ -45,20 +46,22 @@ class SortConfig:
     ``--device cuda``, numpy otherwise); the result is the same.
     """
 
-    metrics_dir: str
-    output: str
-    by: tuple = ("difficulty",)
-    descending: bool = False
-    ties: str = "id"
-    seed: int = 0
-    nan: str = "error"
-    nproc: int = 1
-    device: str = "cpu"
-    single_file: bool = False
-    overwrite: bool = False
-    progress: bool = True
-    row_group_size: int = 1 << 20
-    engine: str = "auto"
+    metrics_dir: str = doc(help="Metrics directory from `varlen analyze` (or a sorted directory) to sort.")
+    output: str = doc(help="Sorted directory to write (part-*.parquet + _manifest.json).")
+    by: tuple = doc(("difficulty",), "Key column(s), comma-separated, most significant first.")
+    descending: bool = doc(False, "Largest keys first (ties still ascending by sample_id).")
+    ties: Ties = doc("id", "Order of equal keys: id (ascending sample_id) or shuffle (seeded hash of sample_id).")
+    seed: int = doc(0, "Seed of --ties shuffle.")
+    nan: NanPolicy = doc("error", "NaN keys: error (refuse) or last (after all other keys).")
+    nproc: int = doc(1, "Local worker processes to launch (torch elastic); under torchrun leave at 1.")
+    device: Device = doc("cpu", "cpu (gloo) or cuda (nccl).")
+    single_file: bool = doc(False, "Write one part-00000.parquet, streamed in rank order, instead of one part per "
+                                   "worker.")
+    overwrite: bool = doc(False, "Replace an existing output (written atomically either way).")
+    progress: bool = doc(True, "Show a progress bar on rank 0 (only on a terminal).")
+    row_group_size: int = doc(1 << 20, "Rows per Parquet row group of the sorted parts.")
+    engine: Engine = doc("auto", "numpy sorts on the CPU with numpy, torch with torch on device (auto: torch with "
+                                 "--device cuda, numpy otherwise); the result is the same.")
 
 
 @dataclass
@@ -103,19 +106,12 @@ def check_input(config: SortConfig) -> None:
 
 def check(config: SortConfig) -> None:
     """Refuse bad options before any worker starts (``config.by`` already parsed)."""
-    if config.ties not in TIES:
-        raise UsageError(f"--ties must be 'id' or 'shuffle', not {config.ties!r}")
-    if config.nan not in NAN_POLICIES:
-        raise UsageError(f"--nan must be 'error' or 'last', not {config.nan!r}")
+    check_choices(config)
     if not isinstance(config.seed, int) or config.seed < 0 or config.seed >= 1 << 64:
         raise UsageError(f"--seed must be an integer from 0 to 2**64-1, got {config.seed!r}")
     if config.row_group_size < 1:
         raise UsageError("row_group_size must be positive")
-    if config.engine not in ENGINES:
-        raise UsageError(f"engine must be one of {', '.join(ENGINES)}, not {config.engine!r}")
     check_nproc(config.nproc)
-    if config.device not in ("cpu", "cuda"):
-        raise UsageError(f"--device must be 'cpu' or 'cuda', not {config.device!r}")
     if config.engine == "numpy" and config.device == "cuda":
         raise UsageError("engine 'numpy' sorts on the CPU; use engine 'torch' (or 'auto') with --device cuda")
 
@@ -213,9 +209,9 @@ def run_in_group(config: SortConfig, d: Dist, out: artifacts.AtomicDir, t0: floa
         bar.advance(hi - lo)
         clock.lap("read")
         if total:
-            cols, words, lay, shift = _sort_rows(config, spec, d, cols, total, clock, bar)
+            cols, words, _, shift = _sort_rows(config, spec, d, cols, total, clock, bar)
         else:
-            words, lay, shift = [np.zeros(0, np.int64)], sk.Layout(), 0
+            words, shift = [np.zeros(0, np.int64)], 0
             bar.advance(0)
 
         # Boundaries: key values for the manifest, and a check that no two rows share a sample_id
@@ -323,18 +319,8 @@ def _sort_rows(config, spec, d: Dist, cols: dict, total: int, clock: _Clock, bar
         del keycols
         return _sort_rows_torch(config, d, cols, words, lay, total, clock, bar) + (lay, 0)
 
-    # Local sort.
     mask = np.int64((1 << ib) - 1)
-    if index_trick:
-        w = words[0]
-        w |= np.arange(n, dtype=np.int64)
-        w.sort()
-        order = w & mask
-    else:
-        order = _id_order(lay, stats, keycols, words, n)
-        if order is None:
-            order = sk.lex_order(words)
-            words = [w[order] for w in words]
+    order, words = _local_sort(lay, stats, keycols, words, n, mask if index_trick else None)
     del keycols
     # Columns the sorted words give back (keys, sample_id) are neither permuted nor exchanged.
     dtypes = {name: a.dtype for name, a in cols.items()}
@@ -385,7 +371,22 @@ def _sort_rows(config, spec, d: Dist, cols: dict, total: int, clock: _Clock, bar
     return cols, words, lay, shift
 
 
-def _id_order(lay: sk.Layout, stats, keycols: dict, words: list, n: int):
+def _local_sort(lay: sk.KeyLayout, stats, keycols: dict, words: list, n: int, mask: np.int64 | None):
+    """(order, words): this rank's row order by key and the key words in that order. ``mask`` (the
+    row-index bits) when the one word has room for a row index: then it sorts as plain integers."""
+    if mask is not None:
+        w = words[0]
+        w |= np.arange(n, dtype=np.int64)
+        w.sort()
+        return w & mask, words
+    order = _id_order(lay, stats, keycols, words, n)
+    if order is None:
+        order = sk.lex_order(words)
+        words = [w[order] for w in words]
+    return order, words
+
+
+def _id_order(lay: sk.KeyLayout, stats, keycols: dict, words: list, n: int):
     """Sort a one-word key whose low field is sample_id, when this rank's sample ids are the
     contiguous run first, first+1, ...: the sorted words then give back each row's index, so
     ``np.sort`` replaces an ``argsort`` (a metrics directory's slices are such runs)."""
@@ -444,7 +445,7 @@ def _torch_lex_order(torch, words: list):
     return order
 
 
-def _sort_rows_torch(config, d: Dist, cols: dict, words: list, lay: sk.Layout, total: int, clock: _Clock, bar):
+def _sort_rows_torch(config, d: Dist, cols: dict, words: list, lay: sk.KeyLayout, total: int, clock: _Clock, bar):
     import torch
 
     P = d.world_size

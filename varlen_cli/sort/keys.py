@@ -205,7 +205,7 @@ def check_nans(spec: KeySpec, stats: list[FieldStats], where: str) -> None:
 
 
 @dataclass
-class Layout:
+class KeyLayout:
     """How the fields are packed: (column, bits, kind) per field, most significant first.
 
     kind: "nan" (1 bit, set for NaN keys), "key" (a --by column's code), "id" (sample_id minus the
@@ -235,9 +235,9 @@ class Layout:
         return sum(f[1] for f in self.fields[index + 1:])
 
 
-def layout(spec: KeySpec, stats: list[FieldStats]) -> Layout:
+def layout(spec: KeySpec, stats: list[FieldStats]) -> KeyLayout:
     """Field widths from the global stats (identical on every rank)."""
-    out = Layout()
+    out = KeyLayout()
     for name, s in zip(spec.by, stats):
         if s.nan and spec.nan == "last":
             out.fields.append((name, 1, "nan"))
@@ -276,7 +276,7 @@ def _code(spec: KeySpec, stats: list[FieldStats], name: str, kind: str, values: 
     return u
 
 
-def pack(spec: KeySpec, stats: list[FieldStats], lay: Layout, columns: dict, n: int, extra_bits: int = 0) -> list:
+def pack(spec: KeySpec, stats: list[FieldStats], lay: KeyLayout, columns: dict, n: int, extra_bits: int = 0) -> list:
     """The packed key words (int64, top bit flipped) of this rank's ``n`` rows.
 
     The bit string of all fields is right-aligned in the words (the least significant field ends at
@@ -318,7 +318,7 @@ def to_signed(u: np.ndarray) -> np.ndarray:
 
 
 # -- decoding key columns back from sorted words --------------------------------------------------
-def decodable(spec: KeySpec, stats: list[FieldStats], lay: Layout, dtypes: dict) -> dict:
+def decodable(spec: KeySpec, stats: list[FieldStats], lay: KeyLayout, dtypes: dict) -> dict:
     """Columns whose values the sorted key words give back exactly: name -> field index in the
     layout, or None for a key column whose values are all equal (a field of width 0).
 
@@ -338,7 +338,7 @@ def decodable(spec: KeySpec, stats: list[FieldStats], lay: Layout, dtypes: dict)
     return out
 
 
-def decode(spec: KeySpec, stats: list[FieldStats], lay: Layout, words: Sequence[np.ndarray], name: str,
+def decode(spec: KeySpec, stats: list[FieldStats], lay: KeyLayout, words: Sequence[np.ndarray], name: str,
            index: int | None, dtype, extra_bits: int = 0) -> np.ndarray:
     """The values of column ``name`` from the key words (see :func:`decodable`)."""
     n = len(words[0])
@@ -367,7 +367,7 @@ def decode(spec: KeySpec, stats: list[FieldStats], lay: Layout, words: Sequence[
     return from_ordinal(u, dtype, s.integral)
 
 
-def word_bounds(lay: Layout, extra_bits: int = 0) -> list[tuple[int, int]]:
+def word_bounds(lay: KeyLayout, extra_bits: int = 0) -> list[tuple[int, int]]:
     """The (min, max) each signed word can take, for the splitter bisection."""
     lo = -(1 << 63)
     out = []

@@ -1,0 +1,185 @@
+"""One microbatch-forming strategy per order, behind one interface.
+
+A :class:`Former` turns one epoch's samples into microbatches whose count is a multiple of
+dp x grad_accum (``form(inputs, mode, rng) -> Formed``). The planner picks one per epoch with
+:meth:`Formers.for_epoch` and then lays every epoch out the same way (``layout.layout_epoch``), so the
+strategies only decide *which samples go together and in which order*:
+
+- ``curriculum`` / ``reverse``: greedy consecutive microbatches over the sorted input (or its reverse);
+- ``bucket-shuffle``: shuffle within length buckets, greedy microbatches, cost-balanced shuffle of them;
+- ``random``: random microbatches (``batching.form_random``);
+- same shape per step (``--same-shape-per-step``, any order but random): whole steps of one shape;
+- packing (``--packing``): rows of ``--seq-len`` tokens (``packing.pack``), spread over microbatches.
+
+Formers may keep state across epochs (the bucket-shuffle padded lengths, the random fixed batch
+size); the draws from ``rng`` are part of the plan's reproducibility contract: changing their order
+changes the plan for a given seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from ..errors import InputError
+from . import batching, layout
+from .batching import Microbatches
+from .shapes import Budget, ShapeMap
+
+if TYPE_CHECKING:
+    from .core import PlanConfig
+
+CURRICULAR = ("curriculum", "reverse")
+
+
+@dataclass
+class EpochInputs:
+    """What every epoch is formed from (fixed for the whole plan)."""
+
+    config: PlanConfig
+    length: np.ndarray  # int64 per input row
+    shape: ShapeMap
+    budget: Budget
+    slots: int  # dp x grad_accum microbatches per step
+    ordered: np.ndarray | None  # curriculum/reverse: input positions in (reversed) sorted order, long ones removed
+    canon: np.ndarray  # input positions in increasing sample_id, long ones removed
+    rows_per_mb: int | None = None  # packing only
+
+
+@dataclass
+class Formed:
+    """One epoch's microbatches (count a multiple of ``slots``) and the input positions its tail dropped."""
+
+    mb: Microbatches
+    dropped: np.ndarray
+    packing_stats: dict | None = None
+
+
+class Former(Protocol):
+    def form(self, inputs: EpochInputs, mode: str, rng: np.random.Generator) -> Formed: ...
+
+
+def _start(inputs: EpochInputs, mode: str) -> np.ndarray:
+    return inputs.ordered if mode in CURRICULAR else inputs.canon
+
+
+def _finish_padded(inputs: EpochInputs, mb: Microbatches, mode: str, rng: np.random.Generator,
+                   fixed_batch: int | None = None) -> Formed:
+    """Tail fix (split the fullest or drop the smallest microbatches), then the per-order touches."""
+    c, length, shape, budget = inputs.config, inputs.length, inputs.shape, inputs.budget
+
+    def refinalize(samples, offsets):
+        return batching.finalize_padded(samples, offsets, length, shape, budget, c.static_shapes, fixed_batch)
+
+    mb, dropped = layout.fix_tail_padded(mb, inputs.slots, c.dp, c.grad_accum, c.tail, refinalize)
+    if mode == "bucket-shuffle":
+        cost = np.asarray(budget.cost(mb.batch_size, mb.seqlen), dtype=np.float64)
+        mb = mb.take(layout.balanced_shuffle(cost, inputs.slots, rng))
+    if c.same_shape_per_step:
+        layout.same_shape_steps(mb, inputs.slots)
+    return Formed(mb, dropped)
+
+
+class SequenceFormer:
+    """curriculum / reverse: greedy consecutive microbatches in the input's (reversed) sorted order."""
+
+    def form(self, inputs: EpochInputs, mode: str, rng: np.random.Generator) -> Formed:
+        c = inputs.config
+        mb = batching.form_sequence(inputs.ordered, inputs.length, inputs.shape, inputs.budget, c.static_shapes)
+        return _finish_padded(inputs, mb, mode, rng)
+
+
+@dataclass
+class BucketShuffleFormer:
+    """bucket-shuffle: shuffle inside length buckets, greedy microbatches, cost-balanced shuffle."""
+
+    canon_padded: np.ndarray | None = None  # shape(length[canon]), computed once for all epochs
+
+    def form(self, inputs: EpochInputs, mode: str, rng: np.random.Generator) -> Formed:
+        c = inputs.config
+        if self.canon_padded is None:
+            self.canon_padded = inputs.shape(inputs.length[inputs.canon])
+        seq, seq_padded = batching.bucket_sequence(inputs.canon, self.canon_padded, rng)
+        mb = batching.form_sequence(seq, inputs.length, inputs.shape, inputs.budget, c.static_shapes, seq_padded)
+        del seq, seq_padded
+        return _finish_padded(inputs, mb, mode, rng)
+
+
+@dataclass
+class RandomFormer:
+    """random: random microbatches; with static shapes one batch size for all (``fixed_batch``)."""
+
+    fixed_batch: int | None = None
+
+    def form(self, inputs: EpochInputs, mode: str, rng: np.random.Generator) -> Formed:
+        c = inputs.config
+        mb, self.fixed_batch = batching.form_random(inputs.canon, inputs.length, inputs.shape, inputs.budget,
+                                                    c.static_shapes, rng)
+        return _finish_padded(inputs, mb, mode, rng, self.fixed_batch)
+
+
+class SameShapeFormer:
+    """--same-shape-per-step: whole steps of one (B, T) shape; steps keep curriculum order or shuffle."""
+
+    def form(self, inputs: EpochInputs, mode: str, rng: np.random.Generator) -> Formed:
+        c, length, slots = inputs.config, inputs.length, inputs.slots
+        seq = inputs.ordered if mode in CURRICULAR else inputs.canon[rng.permutation(len(inputs.canon))]
+        mb, dropped = batching.form_same_shape(seq, length, inputs.shape, inputs.budget, c.static_shapes, slots)
+        if len(dropped) and c.tail != "drop":
+            raise InputError(layout.tail_message(len(seq), mb.count + slots, c.dp, c.grad_accum))
+        if mb.count == 0:
+            raise InputError(f"{len(seq):,} samples are fewer than the {slots:,} microbatches of one step "
+                             "(dp x grad-accum); lower --dp/--grad-accum")
+        nsteps = mb.count // slots
+        if mode in CURRICULAR:
+            where = np.empty(len(length), np.int64)
+            where[seq] = np.arange(len(seq))
+            step_off = mb.offsets[::slots]
+            key = batching.segment_sum(where[mb.samples], step_off) / np.diff(step_off)
+            step_order = np.argsort(key, kind="stable")
+        else:
+            step_order = rng.permutation(nsteps)
+        mb = mb.take((step_order[:, None] * slots + np.arange(slots)[None, :]).reshape(-1))
+        return Formed(mb, dropped)
+
+
+class PackingFormer:
+    """--packing: rows of --seq-len tokens (curriculum keeps order, other orders shuffle)."""
+
+    def form(self, inputs: EpochInputs, mode: str, rng: np.random.Generator) -> Formed:
+        from .packing import pack
+
+        c = inputs.config
+        seq = _start(inputs, mode)
+        p = pack(inputs.length[seq], c.seq_len, max_per_row=c.max_per_row,
+                 order="curriculum" if mode in CURRICULAR else "shuffle",
+                 seed=int(rng.integers(1 << 62)), split_long=c.split_long)
+        mb, dropped = layout.fix_tail_packed(seq[p.item_sample], p.item_start, p.item_length, p.item_row,
+                                             p.num_rows, inputs.rows_per_mb, c.seq_len, inputs.slots, c.dp,
+                                             c.grad_accum, c.tail)
+        return Formed(mb, dropped, p.stats())
+
+
+@dataclass
+class Formers:
+    """The formers of one plan (one instance each, so per-plan state carries across epochs)."""
+
+    sequence: SequenceFormer = field(default_factory=SequenceFormer)
+    bucket_shuffle: BucketShuffleFormer = field(default_factory=BucketShuffleFormer)
+    random: RandomFormer = field(default_factory=RandomFormer)
+    same_shape: SameShapeFormer = field(default_factory=SameShapeFormer)
+    packing: PackingFormer = field(default_factory=PackingFormer)
+
+    def for_epoch(self, config: PlanConfig, mode: str) -> Former:
+        """The strategy for an epoch planned in ``mode`` (the order, or bucket-shuffle after the curriculum)."""
+        if config.packing:
+            return self.packing
+        if config.same_shape_per_step and mode != "random":
+            return self.same_shape
+        if mode == "random":
+            return self.random
+        if mode == "bucket-shuffle":
+            return self.bucket_shuffle
+        return self.sequence

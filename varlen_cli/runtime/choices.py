@@ -1,0 +1,67 @@
+"""Choice options as ``Literal`` types, shared by the stage configs and the typer adapters, and the
+one generic check that a config holds allowed values and documented fields.
+
+The configs annotate their choice fields with these types; typer turns the same types into
+``--help``'s ``<a|b|c>`` lists and rejects other values before a stage runs. A library caller who
+passes a bad string gets one :class:`UsageError` line from :func:`check_choices`.
+
+Config fields are documented once, as ``field(metadata={"help": ...})`` (see :func:`doc`);
+:func:`field_help` reads it back, and ``tests/test_cli_help.py`` asserts the CLI help says the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, Literal
+
+from ..errors import UsageError
+
+Device = Literal["cpu", "cuda"]
+Order = Literal["curriculum", "reverse", "bucket-shuffle", "random"]
+Tail = Literal["split", "drop"]
+LrScaling = Literal["linear", "sqrt", "none"]
+LrScaleBy = Literal["samples", "tokens"]
+Ties = Literal["id", "shuffle"]
+NanPolicy = Literal["error", "last"]
+Engine = Literal["auto", "numpy", "torch"]
+
+
+def values(choice: Any) -> tuple[str, ...]:
+    """The allowed values of a ``Literal`` type."""
+    return tuple(typing.get_args(choice))
+
+
+def doc(default: Any = dataclasses.MISSING, help: str = "", **kwargs) -> Any:
+    """A dataclass field with its one documentation string (``metadata["help"]``)."""
+    return dataclasses.field(default=default, metadata={"help": help}, **kwargs)
+
+
+def field_help(config_type: type, name: str) -> str:
+    """The documentation string of a config field (``doc(help=...)``)."""
+    for f in dataclasses.fields(config_type):
+        if f.name == name:
+            return f.metadata.get("help", "")
+    raise KeyError(name)
+
+
+def _choice_args(hint: Any) -> tuple | None:
+    """The allowed values of a Literal hint (also inside ``X | None``), else None."""
+    if typing.get_origin(hint) is Literal:
+        return typing.get_args(hint)
+    for arg in typing.get_args(hint):
+        if typing.get_origin(arg) is Literal:
+            return typing.get_args(arg)
+    return None
+
+
+def check_choices(config: Any) -> None:
+    """Raise a one-line UsageError for the first ``Literal`` field of ``config`` holding another value."""
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        allowed = _choice_args(hints.get(f.name))
+        value = getattr(config, f.name)
+        if allowed is None or value is None or value in allowed:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        raise UsageError(f"{flag} must be one of {', '.join(allowed)} (got {value!r})")
