@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import InputError
-from .runtime import artifacts
+from .runtime import artifacts, freshness
 
 PLAN_FORMAT = "varlen-plan"
 REQUIRED_COLUMNS = ("epoch", "step", "rank", "micro", "sample_ids", "num_samples", "seqlen", "batch_size", "tokens",
@@ -27,6 +27,7 @@ class ValidateConfig:
 
     plan: str
     metrics: str | None = None
+    allow_stale: bool = False
 
 
 @dataclass
@@ -95,6 +96,7 @@ def validate(config: ValidateConfig) -> ValidateResult:
     lengths = None
     if config.metrics:
         manifest = artifacts.read_manifest(config.metrics)
+        freshness.check_inputs(config.metrics, manifest, config.allow_stale, rerun="varlen sort")
         fp = _check_fingerprint(meta, manifest, config.metrics)
         result.checks.append(fp)
         if fp.ok:  # lengths of another dataset would only produce noise

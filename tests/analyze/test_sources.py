@@ -105,7 +105,7 @@ def test_sorted_path_order_directories_and_globs(tmp_path):
     t = [text_table(40, seed=s, first_id=100 * s) for s in range(5)]
     write_parquet(t[1], data / "b.parquet")
     write_parquet(t[0], data / "a.parquet")
-    write_jsonl(t[2], data / "c.jsonl")
+    write_parquet(t[2], data / "c.parquet")
     write_parquet(t[3], data / "sub" / "d.parquet")
     write_parquet(t[4], data / "_skipped" / "x.parquet")
     write_parquet(t[4], data / ".hidden" / "x.parquet")
@@ -117,10 +117,10 @@ def test_sorted_path_order_directories_and_globs(tmp_path):
     res, got = run(tmp_path / "o1", data, length="chars:text", difficulty="value:id")
     assert got.column("difficulty").to_pylist() == [float(i) for i in expected_ids]
     assert got.column("length").to_pylist() == expected_len
-    assert [f["path"] for f in res.manifest["dataset"]["files"]] == ["a.parquet", "b.parquet", "c.jsonl",
+    assert [f["path"] for f in res.manifest["dataset"]["files"]] == ["a.parquet", "b.parquet", "c.parquet",
                                                                      "sub/d.parquet"]
     # Files given in any order, globs (recursive too), duplicates: the same sorted file list.
-    _, got2 = run(tmp_path / "o2", data / "sub" / "d.parquet", str(data / "*.parquet"), data / "c.jsonl",
+    _, got2 = run(tmp_path / "o2", data / "sub" / "d.parquet", str(data / "*.parquet"), data / "c.parquet",
                   data / "a.parquet", length="chars:text", difficulty="value:id")
     assert ipc_bytes(got2) == ipc_bytes(got)
     _, got3 = run(tmp_path / "o3", str(data / "**" / "[abcd].*"), length="chars:text", difficulty="value:id")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..runtime.dist import Dist
@@ -57,3 +59,22 @@ def distribution(local: np.ndarray, d: Dist, quantiles=(0.5, 0.9, 0.99)) -> dict
     last = int(np.max(np.flatnonzero(hist))) + 1 if hist.any() else 1
     out["histogram"] = {"log2_bins": hist[:last].tolist()}
     return out
+
+
+def float_summary(unit_values, count: int, d: Dist) -> dict:
+    """count, min, max and mean of float values held as per-unit arrays (``unit_values``) on each rank.
+
+    The same for any number of workers, to the last bit: each unit's values (divided by ``count``
+    first, so no sum can overflow) are summed within the unit (units do not depend on the worker
+    count), and the per-unit sums of all ranks are added with ``math.fsum`` (exact, so the order of
+    ranks does not matter).
+    """
+    local = [float(np.sum(np.asarray(v, dtype=np.float64) / count)) for v in unit_values if len(v)] if count else []
+    sums = [s for rank_sums in d.all_gather_object(local) for s in rank_sums]
+    lo = min((float(np.min(v)) for v in unit_values if len(v)), default=math.inf)
+    hi = max((float(np.max(v)) for v in unit_values if len(v)), default=-math.inf)
+    lo = float(d.all_reduce(np.array([lo]), op="min")[0])
+    hi = float(d.all_reduce(np.array([hi]), op="max")[0])
+    if not count:
+        return {"count": int(count), "min": 0.0, "max": 0.0, "mean": 0.0}
+    return {"count": int(count), "min": lo, "max": hi, "mean": math.fsum(sums)}

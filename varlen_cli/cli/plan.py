@@ -35,6 +35,7 @@ def plan_command(
     max_per_row: int | None = typer.Option(None, "--max-per-row", help="Cap on the samples in one packed row.", show_default=False),
     split_long: bool = typer.Option(False, "--split-long", help="With --packing: cut samples longer than --seq-len into chunks (recorded as start/length segments)."),
     overwrite: bool = common.OVERWRITE,
+    allow_stale: bool = common.ALLOW_STALE,
 ) -> None:
     """Write a token-budget batch plan (Parquet): microbatches, ranks, steps, shapes and LR scales."""
     from varlen_cli.plan import PlanConfig, plan
@@ -47,7 +48,7 @@ def plan_command(
         static_shapes=static_shapes, compile_warmup=compile_warmup, same_shape_per_step=same_shape_per_step,
         max_samples=max_samples, attention_cost=attention_cost, drop_long=drop_long, tail=tail, packing=packing,
         seq_len=seq_len, rows_per_microbatch=rows_per_microbatch, max_per_row=max_per_row, split_long=split_long,
-        overwrite=overwrite,
+        overwrite=overwrite, allow_stale=allow_stale,
     )
     result = common.run(plan, config)
     if result is not None:

@@ -10,7 +10,7 @@ import numpy as np
 
 from .. import __version__
 from ..errors import InputError, UsageError
-from ..runtime import artifacts
+from ..runtime import artifacts, freshness
 from . import batching, layout, lr, stats, writer
 from .shapes import Budget, ShapeMap, choose_edges, pair_ids
 
@@ -49,6 +49,7 @@ class PlanConfig:
     max_per_row: int | None = None
     split_long: bool = False
     overwrite: bool = False
+    allow_stale: bool = False
 
 
 @dataclass
@@ -140,13 +141,13 @@ def _rows_per_microbatch(c: PlanConfig, budget: Budget) -> int:
 
 
 # -- input -----------------------------------------------------------------------------------------
-def read_input(path: str) -> tuple[dict, np.ndarray, np.ndarray]:
+def read_input(path: str, allow_stale: bool = False) -> tuple[dict, np.ndarray, np.ndarray]:
     """The manifest, sample ids and lengths of a metrics or sorted directory, in its row order."""
     import pyarrow.parquet as pq
 
     manifest = artifacts.read_manifest(path, what="metrics or sorted directory",
                                        hint="create one with `varlen analyze` (and `varlen sort` for curriculum order)")
-    artifacts.check_fresh(path, manifest, rerun="varlen sort")
+    freshness.check_inputs(path, manifest, allow_stale, rerun="varlen sort")
     ids, lens = [], []
     for part in manifest.get("parts", []):
         p = os.path.join(path, part["file"])
@@ -192,7 +193,7 @@ def plan(config: PlanConfig) -> PlanResult:
     c = config
     check(c)
     writer.check_output(c.output, c.overwrite)
-    manifest, sample_id, length = read_input(c.input)
+    manifest, sample_id, length = read_input(c.input, c.allow_stale)
     kind = manifest.get("kind", "metrics")
     if c.order in ("curriculum", "reverse") and kind != "sorted":
         raise UsageError(f"--order {c.order} needs a sorted input, but {c.input} is a {kind} directory "

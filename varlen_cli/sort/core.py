@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..errors import InputError, OutputError, UsageError
-from ..runtime import artifacts
+from ..runtime import artifacts, freshness
 from ..runtime.dist import Dist, check_nproc, fault_point
 from ..runtime.executor import execute
 from ..runtime.progress import JobProgress
@@ -59,6 +59,7 @@ class SortConfig:
     progress: bool = True
     row_group_size: int = 1 << 20
     engine: str = "auto"
+    allow_stale: bool = False
 
 
 @dataclass
@@ -96,7 +97,9 @@ def parse_by(by) -> tuple:
 
 def check_input(config: SortConfig) -> None:
     """Refuse a metrics directory that is not one, or lacks the ``--by`` columns."""
-    _check_columns(config, _read_input(config.metrics_dir))
+    manifest = _read_input(config.metrics_dir)
+    freshness.check_inputs(config.metrics_dir, manifest, config.allow_stale, rerun="varlen sort")
+    _check_columns(config, manifest)
     if os.path.realpath(config.output) == os.path.realpath(config.metrics_dir):
         raise UsageError("the output directory must differ from the input directory")
 
