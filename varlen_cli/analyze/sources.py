@@ -114,6 +114,8 @@ def _expand(source: str) -> list[tuple[str, bool]]:
         found = discovery.walk_directory(source, _is_data_file_name)
         if not found:
             raise InputError(f"no data files (Parquet, Arrow, JSONL, text) found in directory {source}")
+        if len({_format_of(p)[0] for p in found}) > 1:  # plans are no data (dropped by discover anyway)
+            found = [p for p in found if _format_of(p)[0] != "parquet" or not _is_plan_file(p)]
         discovery.check_single_format(source, found, lambda p: _format_of(p)[0])
         return [(p, False) for p in found]
     parent = os.path.dirname(os.path.abspath(source))
@@ -180,6 +182,13 @@ def _is_varlen_plan(pf) -> bool:
     try:
         return json.loads(raw).get("format") == "varlen-plan"
     except (ValueError, AttributeError):
+        return False
+
+
+def _is_plan_file(path: str) -> bool:
+    try:
+        return _is_varlen_plan(_parquet_file(path))
+    except InputError:
         return False
 
 
@@ -449,31 +458,30 @@ def _read_jsonl(f: SourceFile, unit: Unit):
 def _read_text(f: SourceFile, unit: Unit):
     """Lines as a large_string column built straight on the bytes (no Python loop per line).
 
-    A line ends at ``\\n``; a ``\\r`` just before it is part of the terminator. Empty lines are
-    samples (of length 0); a last line without ``\\n`` is a sample too.
+    Lines end as in Python's universal newlines (and so in the ``datasets`` text loader): at
+    ``\\n``, ``\\r\\n`` or a lone ``\\r``. Empty lines are samples (of length 0); a last line
+    without a terminator is a sample too. Units are cut just after a ``\\n``, which always ends a line.
     """
     import pyarrow as pa
 
     data = _read_bytes(f, unit)
     buf = np.frombuffer(data, dtype=np.uint8)
-    newlines = np.flatnonzero(buf == 10)
-    starts = np.concatenate([[0], newlines + 1])
-    ends = np.append(newlines, len(buf))  # exclusive end of each line's text
-    if len(buf) == 0 or buf[-1] == 10:
-        starts, ends = starts[:-1], ends[:-1]  # nothing after the last newline
-    # "\r\n": the "\r" belongs to the terminator.
-    has_cr = ends > starts
-    has_cr[has_cr] = buf[ends[has_cr] - 1] == 13
-    ends = ends - has_cr
+    is_nl, is_cr = buf == 10, buf == 13
+    cr_alone = is_cr.copy()
+    cr_alone[:-1] &= ~is_nl[1:]  # a CR followed by LF is the first byte of a CRLF
+    term = np.flatnonzero(is_nl | cr_alone)  # last byte of each line terminator
+    starts = np.concatenate([[0], term + 1])
+    crlf = np.zeros(len(term), dtype=bool)
+    crlf[term > 0] = is_nl[term[term > 0]] & is_cr[term[term > 0] - 1]
+    ends = np.append(term - crlf, len(buf))  # exclusive end of each line's text
+    if len(buf) == 0 or is_nl[-1] or is_cr[-1]:
+        starts, ends = starts[:-1], ends[:-1]  # nothing after the last terminator
     offsets = np.zeros(len(starts) + 1, dtype=np.int64)
     np.cumsum(ends - starts, out=offsets[1:])
     if offsets[-1] == len(buf):
         values = data
-    else:  # drop the terminators: one vectorised copy
-        keep = np.ones(len(buf), dtype=bool)
-        keep[newlines] = False
-        keep[ends[has_cr]] = False
-        values = buf[keep].tobytes()
+    else:  # drop the terminators (every CR and LF is part of one): one vectorised copy
+        values = buf[~(is_nl | is_cr)].tobytes()
     arr = pa.Array.from_buffers(pa.large_string(), len(starts), [None, pa.py_buffer(offsets), pa.py_buffer(values)])
     try:
         arr.validate(full=True)
