@@ -27,6 +27,7 @@ from tests.analyze_helpers import ipc_bytes, read_metrics, text_table, write_jso
 from tests.conftest import assert_user_error
 from varlen_cli.cli import app
 
+NOT_DATA = "a varlen metrics or sorted directory, not a dataset; pass the data it was made from"
 STALE_HINT = "re-run `varlen analyze`, or pass --allow-stale if the data was moved or copied on purpose"
 
 
@@ -142,17 +143,18 @@ def _mixed(t):
 
 def _metrics_as_source(t):
     m = analyzed(t)
-    return ["analyze", m], 3, f"{m} is a varlen metrics or sorted directory, not a dataset; pass the data it was made from"
+    return ["analyze", m], 3, f"{m} is {NOT_DATA}"
 
 
 def _sorted_as_source(t):
     s = sorted_dir(t, analyzed(t))
-    return ["analyze", s], 3, f"{s} is a varlen metrics or sorted directory, not a dataset; pass the data it was made from"
+    return ["analyze", s], 3, f"{s} is {NOT_DATA}"
 
 
 def _part_as_source(t):
     m = analyzed(t)
-    return ["analyze", m / "part-00000.parquet"], 3, f"{m / 'part-00000.parquet'} is part of a varlen output ({m}), not a dataset"
+    part = m / "part-00000.parquet"
+    return ["analyze", part], 3, f"{part} is part of a varlen output ({m}), not a dataset"
 
 
 def _plan_as_source(t):
@@ -190,7 +192,8 @@ def _fifo(t):
 
 def _self_link(t):
     os.symlink("self.jsonl", t / "self.jsonl")
-    return ["analyze", t / "self.jsonl"], 3, f"source {t / 'self.jsonl'} is not readable: Too many levels of symbolic links"
+    return (["analyze", t / "self.jsonl"], 3,
+            f"source {t / 'self.jsonl'} is not readable: Too many levels of symbolic links")
 
 
 def _broken_link_in_dir(t):
@@ -213,8 +216,8 @@ def _stale_plan_size(t):
         fh.write('{"id": 99, "text": "more"}\n')
     new = (t / "data" / "b.jsonl").stat().st_size
     return (["plan", m, "-o", t / "p.parquet", "--max-tokens", 4096], 3,
-            f"{m} is stale: source {t / 'data' / 'b.jsonl'} changed size ({size} -> {new} bytes) since `varlen analyze` "
-            f"read it; {STALE_HINT}")
+            f"{m} is stale: source {t / 'data' / 'b.jsonl'} changed size ({size} -> {new} bytes) since "
+            f"`varlen analyze` read it; {STALE_HINT}")
 
 
 def _stale_validate_missing(t):
@@ -259,7 +262,8 @@ def _uint64_length(t):
 def _float_length(t):
     p = numbers(t, "f.parquet", pa.array([1.0, 1e19], pa.float64()))
     return (["analyze", p, "--length", "value:n"], 3,
-            f"length column 'n' has 1 values above 2**63-1 in {p} (first: 10000000000000000000); lengths must fit int64")
+            f"length column 'n' has 1 values above 2**63-1 in {p} (first: 10000000000000000000); "
+            "lengths must fit int64")
 
 
 def _fps_length(t):
@@ -306,7 +310,8 @@ def _fn_exit_on_import(t):
 
 def _fn_scalar(t):
     return _function(t, "varlen_is_scalar", "def f(batch):\n    return 1.5\n",
-                     "difficulty function {spec} returned an array of shape () for 30 rows; expected shape (30,) (on {src})")
+                     "difficulty function {spec} returned an array of shape () for 30 rows; expected shape (30,) "
+                     "(on {src})")
 
 
 def _duplicate_columns(t):

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
-import hashlib
 import os
 import sys
 import textwrap

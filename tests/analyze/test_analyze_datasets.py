@@ -5,11 +5,10 @@
 
 from __future__ import annotations
 
+import datasets
 import pytest
 
 from tests.analyze_helpers import run, text_table, write_arrow_stream, write_jsonl, write_parquet, write_text
-
-import datasets
 
 
 def _load(builder: str, files, cache):
