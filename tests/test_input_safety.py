@@ -21,6 +21,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from tests.analyze_helpers import ipc_bytes, read_metrics, text_table, write_jsonl, write_parquet
@@ -281,6 +283,12 @@ def _function(t, name, body, message, code=3):
             message.format(spec=spec, src=src))
 
 
+def _total_overflow(t):
+    p = numbers(t, "big.parquet", pa.array([2**62, 2**62], pa.int64()))
+    return (["analyze", p, "--length", "value:n"], 3,
+            "the lengths add up to 9223372036854775808, more than 2**63-1; their total must fit int64")
+
+
 def _fn_inf(t):
     return _function(t, "varlen_is_inf", "def f(batch):\n    return [float('inf')] * batch.num_rows\n",
                      "difficulty function {spec} returned infinite values for 30 rows (on {src})")
@@ -362,6 +370,7 @@ BAD_INPUTS = {
     "uint64 length above 2**63": _uint64_length,
     "float length 1e19": _float_length,
     "seconds x fps above 2**63": _fps_length,
+    "lengths adding up past 2**63-1": _total_overflow,
     # 11: difficulty functions
     "function returns inf": _fn_inf,
     "function calls sys.exit(0)": _fn_exit,
@@ -419,6 +428,8 @@ def _add_markers(d, t):
 
 def _add_datasets_metadata(d, t):
     (d / "dataset_info.json").write_text(json.dumps({"features": {"text": {"dtype": "string"}}}))
+    (d / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 512}))  # one line: valid JSONL
+    (d / "config.json").write_text(json.dumps({"text": "not a sample"}))
     (d / "dataset_infos.json").write_text(json.dumps({"default": {}}))
 
 
@@ -451,7 +462,7 @@ def _add_temporaries(d, t):
 POLLUTION = {
     "README, LICENSE, NOTICE, CHANGELOG": _add_docs,
     "_SUCCESS, .DS_Store, .crc, _metadata": _add_markers,
-    "datasets metadata json": _add_datasets_metadata,
+    "datasets and model metadata json": _add_datasets_metadata,
     "metrics directory inside": _add_metrics,
     "sorted directory and plan file inside": _add_sorted_and_plan,
     "varlen run directory inside": _add_run_dir,
@@ -542,3 +553,42 @@ def test_stats_are_byte_identical_for_one_and_two_workers(tmp_path):
     assert stats[0] == stats[1]
     mean = json.loads(stats[0])["difficulty"]["mean"]
     assert mean == pytest.approx(float(np.sum(score.astype(np.longdouble)) / len(score)), rel=1e-12)
+
+
+# -- property: non-data never changes what discovery takes -------------------------------------------
+DATA_NAMES = ["a.jsonl", "b.json", "c.ndjson", "z.jsonl.gz", "readmes.jsonl", "licensed.json"]
+NON_DATA_NAMES = ["README.txt", "README", "LICENSE.jsonl", "Licence-MIT.txt", "NOTICE.json", "notes.md",
+                  "_SUCCESS", "_meta.jsonl", ".DS_Store", ".x.jsonl", "dataset_info.json", "config.json",
+                  "tokenizer.json", "x.csv", "CHANGELOG.rst"]
+DIRS = ["", "sub", "sub/deep", "_private", ".hidden", "two"]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(entries=st.lists(st.tuples(st.sampled_from(DIRS), st.sampled_from(DATA_NAMES + NON_DATA_NAMES)),
+                        min_size=1, max_size=12, unique=True))
+def test_discovery_takes_exactly_the_data_files(tmp_path, entries):
+    """Files are written with valid one-line JSON whatever their name, so only the rules decide.
+    A directory and a ``**`` glob take exactly the data-named files outside ``_``/``.`` folders."""
+    import gzip
+    import tempfile
+
+    from varlen_cli.analyze.sources import discover
+    from varlen_cli.errors import InputError
+
+    root = tempfile.mkdtemp(dir=tmp_path)
+    expected = []
+    for folder, name in entries:
+        os.makedirs(os.path.join(root, folder), exist_ok=True)
+        path = os.path.join(root, folder, name)
+        body = b'{"text": "x"}\n'
+        with open(path, "wb") as fh:
+            fh.write(gzip.compress(body) if name.endswith(".gz") else body)
+        if name in DATA_NAMES and not folder.startswith(("_", ".")):
+            expected.append(os.path.abspath(path))
+    for source in (root, os.path.join(root, "**", "*")):
+        if expected:
+            assert [f.path for f in discover([source])] == sorted(expected)
+        else:
+            with pytest.raises(InputError, match="no data files"):
+                discover([source])
+    shutil.rmtree(root)

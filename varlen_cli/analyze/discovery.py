@@ -4,10 +4,14 @@ A SOURCE is a file, a directory or a glob. A file named explicitly is always tak
 if it is a varlen artifact). A directory is walked and a glob expanded, taking only data files:
 
 * names starting with ``.`` or ``_`` are skipped (``_SUCCESS``, ``_metadata``, ``.DS_Store``,
-  ``.crc`` files, hidden directories and varlen's ``.NAME.varlen-tmp*`` temporaries);
+  ``.crc`` files, hidden directories, ``_temporary/`` and varlen's ``.NAME.varlen-tmp*``
+  temporaries); in a glob, folders count only where its wildcards matched them;
 * documentation and metadata are skipped by name: ``README*``, ``LICENSE*``/``LICENCE*``,
   ``COPYING*``, ``NOTICE*``, ``AUTHORS*``, ``CHANGELOG*``, ``CITATION*``, ``*.md``, ``*.rst``,
-  and the ``datasets`` library's ``dataset_info.json``, ``dataset_infos.json``, ``state.json``;
+  the ``datasets`` library's ``dataset_info.json``, ``dataset_infos.json``, ``state.json``, and a
+  model's ``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``,
+  ``config.json``, ``generation_config.json``, ``vocab.json``/``vocab.txt``, ``merges.txt``, and
+  ``requirements.txt``;
 * files of other formats are skipped (``.csv``, ``.py``, ...);
 * varlen's own outputs are skipped: a directory holding a varlen ``_manifest.json`` (metrics or
   sorted) or ``_run.json`` (``varlen run``), and plan files (Parquet with ``varlen-plan`` metadata,
@@ -32,7 +36,10 @@ from ..errors import InputError
 
 NON_DATA_NAME = re.compile(
     r"(readme|licen[cs]e|copying|notice|authors|changelog|changes|citation|contributing)([-_. ].*)?"
-    r"|.*\.(md|rst|crc)|dataset_infos?\.json|state\.json|dataset_dict\.json|thumbs\.db|desktop\.ini",
+    r"|.*\.(md|rst|crc)|dataset_infos?\.json|state\.json|dataset_dict\.json|thumbs\.db|desktop\.ini"
+    # a model's files kept beside its data
+    r"|tokenizer(_config)?\.json|special_tokens_map\.json|(generation_)?config\.json|vocab\.(json|txt)|merges\.txt"
+    r"|requirements\.txt",
     re.IGNORECASE,
 )
 ARTIFACT_FILES = {"_manifest.json": "varlen-metrics", "_run.json": "varlen-run"}
@@ -110,11 +117,14 @@ def _is_file(entry: os.DirEntry) -> bool:
 
 def expand_glob(pattern: str, is_candidate: Callable[[str], bool]) -> list[str]:
     """Data-file candidates matching ``pattern`` (``**`` recursive); directories it matches are walked."""
+    base = _glob_base(pattern)
     if "**" in pattern:
-        _check_no_loops(_glob_base(pattern))
+        _check_no_loops(base)
     out: list[str] = []
     artifact_dirs: dict[str, bool] = {}
     for match in sorted(glob.glob(pattern, recursive=True)):
+        if _in_skipped_folder(match, base):
+            continue
         if os.path.isdir(match):
             if artifact_kind(match) is None:
                 out.extend(walk_directory(match, is_candidate))
@@ -125,6 +135,14 @@ def expand_glob(pattern: str, is_candidate: Callable[[str], bool]) -> list[str]:
         if is_data_name(name) and is_candidate(name) and not artifact_dirs[parent]:
             out.append(match)
     return out
+
+
+def _in_skipped_folder(match: str, base: str) -> bool:
+    """True when a folder the wildcards matched (below ``base``) starts with ``_`` or ``.``, as a
+    directory walk skips it (``_temporary/``); folders written out in the pattern are the user's choice."""
+    rel = os.path.relpath(match, base or ".")
+    folders = rel.split(os.sep)[:-1] if not os.path.isdir(match) else rel.split(os.sep)
+    return any(f.startswith(("_", ".")) for f in folders if f not in (".", ".."))
 
 
 def _glob_base(pattern: str) -> str:
