@@ -13,7 +13,7 @@ import numpy as np
 
 from . import format
 from .errors import InputError
-from .runtime import artifacts
+from .runtime import artifacts, freshness
 
 MAX_EXAMPLES = 5
 
@@ -24,6 +24,7 @@ class ValidateConfig:
 
     plan: str
     metrics: str | None = None
+    allow_stale: bool = False
 
 
 @dataclass
@@ -79,6 +80,7 @@ def validate(config: ValidateConfig) -> ValidateResult:
     lengths = None
     if config.metrics:
         manifest = artifacts.read_manifest(config.metrics)
+        freshness.check_inputs(config.metrics, manifest, config.allow_stale, rerun="varlen sort")
         fp = _check_fingerprint(meta, manifest, config.metrics)
         result.checks.append(fp)
         if fp.ok:  # lengths of another dataset would only produce noise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -168,8 +169,11 @@ def test_manifest_and_overwrite(tmp_path):
     assert m["columns"] == {"sample_id": "int64", "length": "int64", "difficulty": "float64"}
     assert m["order"]["by"] == ["sample_id"]
     f = m["dataset"]["files"][0]
-    assert f == {"path": "text.parquet", "size": os.path.getsize(sample("text.parquet")), "rows": 2000,
-                 "format": "parquet"}
+    raw = open(sample("text.parquet"), "rb").read()
+    footer = raw[-8 - int.from_bytes(raw[-8:-4], "little"):-8]
+    assert f == {"path": "text.parquet", "size": len(raw), "rows": 2000, "format": "parquet",
+                 "mtime_ns": os.stat(sample("text.parquet")).st_mtime_ns,
+                 "footer": hashlib.sha256(footer).hexdigest()[:16]}
     lengths = np.array(got.column("length").to_pylist())
     s = m["stats"]["length"]
     assert (s["count"], s["total"], s["min"], s["max"]) == (2000, lengths.sum(), lengths.min(), lengths.max())

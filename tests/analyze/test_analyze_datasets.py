@@ -1,15 +1,14 @@
 """``sample_id`` is the index of a map-style Hugging Face ``datasets`` dataset over the same files.
 
-Skipped when ``datasets`` is not installed (it is not a dependency of varlen).
+``datasets`` is in the ``dev`` extra, so CI runs these; a plain install of varlen does not need it.
 """
 
 from __future__ import annotations
 
+import datasets
 import pytest
 
 from tests.analyze_helpers import run, text_table, write_arrow_stream, write_jsonl, write_parquet, write_text
-
-datasets = pytest.importorskip("datasets")
 
 
 def _load(builder: str, files, cache):
@@ -43,13 +42,24 @@ def test_sample_id_is_the_datasets_index(tmp_path, fmt):
     _check(ds, got)
 
 
-def test_sample_id_is_the_datasets_index_text(tmp_path):
+@pytest.mark.parametrize("newline", ["\n", "\r\n", "\r"])
+def test_sample_id_is_the_datasets_index_text(tmp_path, newline):
     lines = ["one", "", "three  words here", "ünïcödé", "", "last"] * 20
-    a = write_text(lines, tmp_path / "a.txt", newline="\r\n")
-    b = write_text(lines[:7], tmp_path / "b.txt", trailing=False)
+    a = write_text(lines, tmp_path / "a.txt", newline=newline)
+    b = write_text(lines[:7], tmp_path / "b.txt", newline=newline, trailing=False)
     ds = _load("text", [a, b], tmp_path / "cache")
     _, got = run(tmp_path / "out", b, a, length="chars:text", chunk_bytes=64)
     _check(ds, got)
+
+
+def test_sample_id_is_the_datasets_index_text_mixed_line_ends(tmp_path):
+    """One file with all three line ends, a "\\r\\n" across a chunk edge, and a last "\\r"."""
+    raw = "a\nbb\r\n\rccc\r\r\ndddd\n\n" * 30 + "é\r"
+    (tmp_path / "m.txt").write_bytes(raw.encode())
+    ds = _load("text", [tmp_path / "m.txt"], tmp_path / "cache")
+    for chunk in (5, 7, 64):
+        _, got = run(tmp_path / f"out{chunk}", tmp_path / "m.txt", length="chars:text", chunk_bytes=chunk)
+        _check(ds, got)
 
 
 def test_sample_id_on_a_save_to_disk_directory(tmp_path):

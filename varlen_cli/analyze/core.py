@@ -32,7 +32,7 @@ from .lengths import (
     token_lengths,
 )
 from .sources import DEFAULT_CHUNK_BYTES, Reader, SourceFile, Unit, assign, discover, fingerprint, make_units
-from .stats import distribution
+from .stats import distribution, float_summary
 
 RARITY_CACHE_BYTES = 512 << 20  # token ids a worker keeps between the two vocab-rarity passes
 
@@ -278,7 +278,7 @@ def run_in_group(config: AnalyzeConfig, d: Dist, out: artifacts.AtomicDir, t0: f
     np.add.at(per_file, np.array([u.file for u in mine], dtype=np.int64), np.array(unit_rows, dtype=np.int64))
     per_file = d.all_reduce(per_file)
     length_stats = distribution(lengths, d)
-    diff_stats = _float_stats(difficulty, d)
+    diff_stats = float_summary(diff_parts, total_rows, d)
     d.barrier()  # every part is written
     if not d.is_main:
         return None
@@ -343,12 +343,3 @@ def _add_counts(counts: np.ndarray | None, ids: np.ndarray) -> np.ndarray:
     counts[: len(new)] += new
     return counts
 
-
-def _float_stats(values: np.ndarray, d: Dist) -> dict:
-    n = len(values)
-    agg = d.all_reduce(np.array([n, values.sum() if n else 0.0], dtype=np.float64))
-    lo = d.all_reduce(np.array([values.min() if n else np.inf]), op="min")[0]
-    hi = d.all_reduce(np.array([values.max() if n else -np.inf]), op="max")[0]
-    count = int(agg[0])
-    return {"count": count, "min": float(lo) if count else 0.0, "max": float(hi) if count else 0.0,
-            "mean": float(agg[1] / count) if count else 0.0}

@@ -47,12 +47,19 @@ def parse_difficulty(text: str) -> DifficultySpec:
 
 def load_function(spec: DifficultySpec):
     module_name, _, func_name = spec.column.partition(":")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    # The current directory is searched for the module, then taken off sys.path again (the caller's
+    # process may be a training script importing varlen as a library).
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
     try:
         module = importlib.import_module(module_name)
-    except Exception as exc:
-        raise UsageError(f"cannot import difficulty module '{module_name}': {type(exc).__name__}: {exc}") from None
+    except (Exception, SystemExit) as exc:
+        raise UsageError(f"cannot import difficulty module '{module_name}': {_describe(exc)}") from None
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
     fn = getattr(module, func_name, None)
     if not callable(fn):
         raise UsageError(f"difficulty module '{module_name}' has no function '{func_name}'")
@@ -61,25 +68,42 @@ def load_function(spec: DifficultySpec):
 
 def call_function(fn, spec: DifficultySpec, batch, where: str) -> np.ndarray:
     """The user function's values for one RecordBatch, checked: one finite number per row."""
+    name = f"difficulty function {spec.column}"
     try:
         out = fn(batch)
-    except Exception as exc:
-        raise InputError(f"difficulty function {spec.column} raised {type(exc).__name__}: {exc} (on {where})") from None
+    except (Exception, SystemExit) as exc:  # sys.exit() in user code must not end varlen with its code
+        raise InputError(f"{name} raised {_describe(exc)} (on {where})") from None
     try:
         if hasattr(out, "to_numpy"):
             out = out.to_numpy(zero_copy_only=False) if "pyarrow" in type(out).__module__ else out.to_numpy()
-        values = np.asarray(out, dtype=np.float64).reshape(-1)
+        values = np.asarray(out, dtype=np.float64)
+    except OverflowError:
+        raise InputError(f"{name} returned a number too large for float64 (on {where})") from None
     except (TypeError, ValueError) as exc:
-        raise InputError(f"difficulty function {spec.column} must return numbers, "
-                         f"got {type(out).__name__}: {exc}") from None
+        raise InputError(f"{name} must return numbers, got {type(out).__name__}: {_first_line(exc)}") from None
+    if values.ndim != 1:
+        raise InputError(f"{name} returned an array of shape {values.shape} for {batch.num_rows} rows; "
+                         f"expected shape ({batch.num_rows},) (on {where})")
     if len(values) != batch.num_rows:
-        raise InputError(
-            f"difficulty function {spec.column} returned {len(values)} values for {batch.num_rows} rows (on {where})"
-        )
-    if np.isnan(values).any():
-        raise InputError(f"difficulty function {spec.column} returned NaN for {int(np.isnan(values).sum())} rows (on "
-                         f"{where})")
+        raise InputError(f"{name} returned {len(values)} values for {batch.num_rows} rows (on {where})")
+    nan = np.isnan(values)
+    if nan.any():
+        raise InputError(f"{name} returned NaN for {int(nan.sum())} rows (on {where})")
+    inf = np.isinf(values)
+    if inf.any():
+        raise InputError(f"{name} returned infinite values for {int(inf.sum())} rows (on {where})")
     return values
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        return f"SystemExit (sys.exit({exc.code!r}))"
+    return f"{type(exc).__name__}: {_first_line(exc)}"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
 
 
 def rarity(lengths: np.ndarray, ids: np.ndarray, counts: np.ndarray) -> np.ndarray:

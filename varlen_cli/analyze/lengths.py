@@ -194,10 +194,16 @@ def numeric_values(column, name: str, where: str, what: str, as_float: bool = Tr
     return values.astype(np.float64, copy=False) if as_float else values
 
 
+INT64_MAX = np.iinfo(np.int64).max
+
+
 def value_lengths(column, name: str, where: str, frames_per_second: float | None) -> np.ndarray:
     values = numeric_values(column, name, where, "length column", as_float=False)
     if frames_per_second is not None:
-        return np.ceil(values * frames_per_second - 1e-9).astype(np.int64)
+        values = np.ceil(values * frames_per_second - 1e-9)
+        _check_fits_int64(values, name, where, f" after --frames-per-second {frames_per_second:g}")
+        return values.astype(np.int64)
+    _check_fits_int64(values, name, where)
     if values.dtype.kind in "iu":
         return values.astype(np.int64, copy=False)
     if not np.all(np.isfinite(values)) or np.any(values != np.floor(values)):
@@ -206,6 +212,16 @@ def value_lengths(column, name: str, where: str, frames_per_second: float | None
             "to turn seconds into frames"
         )
     return values.astype(np.int64)
+
+
+def _check_fits_int64(values: np.ndarray, name: str, where: str, how: str = "") -> None:
+    """Lengths are int64: refuse values a cast would wrap to negative (uint64, or floats >= 2**63)."""
+    if not len(values) or values.dtype.kind == "i":
+        return
+    big = values > INT64_MAX if values.dtype.kind == "u" else ~(values < 2.0**63)  # NaN/inf too
+    if big.any():
+        raise InputError(f"length column '{name}' has {int(big.sum())} values above 2**63-1{how} in {where} "
+                         f"(first: {values[big][0]:.0f}); lengths must fit int64")
 
 
 def check_frames_per_second(fps: float | None) -> None:

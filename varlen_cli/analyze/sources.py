@@ -16,15 +16,16 @@ index of a map-style dataset built over the same files.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import InputError
+from . import discovery
 
 PARQUET_EXT = (".parquet", ".pq")
 ARROW_EXT = (".arrow", ".feather", ".ipc")
@@ -44,6 +45,8 @@ class SourceFile:
     size: int
     compression: str | None = None
     rows: int = -1  # known from metadata for parquet and arrow, -1 for line formats
+    mtime_ns: int = 0  # when discovered: with size, what staleness checks compare
+    footer: str | None = None  # Parquet: hash of the footer (see _footer_digest)
 
 
 @dataclass(frozen=True)
@@ -89,60 +92,129 @@ def _hf_dataset_files(directory: str) -> list[str] | None:
         raise InputError(f"cannot read the Hugging Face dataset state {state_path}: {exc}") from None
 
 
-def _expand(source: str) -> list[str]:
-    if any(ch in source for ch in "*?["):
-        # Like a directory, a glob takes the data files it matches, skipping names that start with
-        # "_" or "." (_metadata, _SUCCESS, .crc) and files of other formats.
-        matches = sorted(glob.glob(source, recursive=True))
-        out = []
-        for m in matches:
-            if os.path.isdir(m):
-                out.extend(_expand(m))
-            elif not os.path.basename(m).startswith(("_", ".")) and _format_of(m)[0] is not None:
-                out.append(m)
+def _is_data_file_name(name: str) -> bool:
+    return _format_of(name)[0] is not None
+
+
+def _expand(source: str) -> list[tuple[str, bool]]:
+    """The data-file candidates of one SOURCE, each with whether the user named it explicitly
+    (see :mod:`varlen_cli.analyze.discovery` for what a directory or glob takes)."""
+    if any(ch in source for ch in discovery.GLOB_CHARS):
+        out = discovery.expand_glob(source, _is_data_file_name)
         if not out:
             raise InputError(f"no data files (Parquet, Arrow, JSONL, text) match {source}")
-        return out
-    if not os.path.exists(source):
+        return [(p, False) for p in out]
+    if not os.path.lexists(source):
         raise InputError(f"source {source} does not exist")
     if os.path.isdir(source):
+        discovery.refuse_artifact_dir(source)
         hf = _hf_dataset_files(source)
         if hf is not None:
-            return hf
-        found = []
-        for root, dirs, files in os.walk(source):
-            dirs[:] = [d for d in dirs if not d.startswith((".", "_"))]
-            for name in files:
-                if not name.startswith((".", "_")) and _format_of(name)[0] is not None:
-                    found.append(os.path.join(root, name))
+            return [(p, True) for p in hf]
+        found = discovery.walk_directory(source, _is_data_file_name)
         if not found:
             raise InputError(f"no data files (Parquet, Arrow, JSONL, text) found in directory {source}")
-        return found
-    return [source]
+        if len({_format_of(p)[0] for p in found}) > 1:  # plans are no data (dropped by discover anyway)
+            found = [p for p in found if _format_of(p)[0] != "parquet" or not _is_plan_file(p)]
+        discovery.check_single_format(source, found, lambda p: _format_of(p)[0])
+        return [(p, False) for p in found]
+    parent = os.path.dirname(os.path.abspath(source))
+    if discovery.artifact_kind(parent) is not None:
+        raise InputError(f"{source} is part of a varlen output ({parent}), not a dataset")
+    return [(source, True)]
 
 
 def discover(sources: Sequence[str]) -> list[SourceFile]:
     """Resolve files, directories and globs into data files in sorted path order."""
     if not sources:
         raise InputError("no sources given")
-    paths = sorted({os.path.abspath(p) for s in sources for p in _expand(str(s))})
+    explicit: dict[str, bool] = {}
+    for s in sources:
+        for p, named in _expand(str(s)):
+            path = os.path.abspath(p)
+            explicit[path] = explicit.get(path, False) or named
     files = []
-    for path in paths:
+    for path in sorted(explicit):
         fmt, compression = _format_of(path)
         if fmt is None:
             raise InputError(
                 f"unsupported source file {path}: expected .parquet, .arrow/.feather, .jsonl[.gz] or .txt[.gz]"
             )
-        if not os.access(path, os.R_OK):
-            raise InputError(f"source {path} is not readable")
-        size = os.path.getsize(path)
-        rows = -1
+        st = _stat_readable(path)
+        rows, footer = -1, None
         if fmt == "parquet":
-            rows = parquet_file(path).metadata.num_rows
+            pf = parquet_file(path)
+            if _is_varlen_plan(pf):
+                if explicit[path]:
+                    raise InputError(f"{path} is a varlen plan, not a dataset")
+                continue  # a plan written inside a source directory is not data
+            _check_unique_columns(pf, path)
+            rows, footer = pf.metadata.num_rows, _footer_digest(path, st.st_size)
         elif fmt == "arrow":
             rows = sum(n for n in _arrow_batch_rows(path))
-        files.append(SourceFile(path, fmt, size, compression, rows))
+        files.append(SourceFile(path, fmt, st.st_size, compression, rows, st.st_mtime_ns, footer))
+    if not files:
+        raise InputError(f"no data files (Parquet, Arrow, JSONL, text) in {', '.join(map(str, sources))}")
     return files
+
+
+def _stat_readable(path: str) -> os.stat_result:
+    """The file's stat; a clear error when it cannot be opened (permissions, a broken or looping
+    link) or is not a regular file (a FIFO would block the reader forever)."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise InputError(f"source {path} is not readable: {exc.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise InputError(f"source {path} is not a regular file")
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as exc:
+        raise InputError(f"source {path} is not readable: {exc.strerror}") from None
+    return st
+
+
+def _is_varlen_plan(pf) -> bool:
+    raw = (pf.schema_arrow.metadata or {}).get(b"varlen")
+    if raw is None:
+        return False
+    try:
+        return json.loads(raw).get("format") == "varlen-plan"
+    except (ValueError, AttributeError):
+        return False
+
+
+def _is_plan_file(path: str) -> bool:
+    try:
+        return _is_varlen_plan(parquet_file(path))
+    except InputError:
+        return False
+
+
+def _check_unique_columns(pf, path: str) -> None:
+    names = [pf.schema_arrow.field(i).name for i in range(len(pf.schema_arrow))]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise InputError(f"{path} has duplicate column names ({', '.join(dup)}); rename them before analyze")
+
+
+def _footer_digest(path: str, size: int) -> str | None:
+    """A hash of the Parquet footer (schema, row groups, statistics): changes when the content is
+    rewritten even where size and mtime do not. One small read at the end of the file."""
+    import hashlib
+
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, size - 8))
+            tail = fh.read(8)
+            n = int.from_bytes(tail[:4], "little")
+            if len(tail) < 8 or tail[4:] != b"PAR1" or n + 8 > size:
+                return None
+            fh.seek(size - 8 - n)
+            return hashlib.sha256(fh.read(n)).hexdigest()[:16]
+    except OSError:
+        return None
 
 
 def parquet_file(path: str):
@@ -381,31 +453,30 @@ def _read_jsonl(f: SourceFile, unit: Unit):
 def _read_text(f: SourceFile, unit: Unit):
     """Lines as a large_string column built straight on the bytes (no Python loop per line).
 
-    A line ends at ``\\n``; a ``\\r`` just before it is part of the terminator. Empty lines are
-    samples (of length 0); a last line without ``\\n`` is a sample too.
+    Lines end as in Python's universal newlines (and so in the ``datasets`` text loader): at
+    ``\\n``, ``\\r\\n`` or a lone ``\\r``. Empty lines are samples (of length 0); a last line
+    without a terminator is a sample too. Units are cut just after a ``\\n``, which always ends a line.
     """
     import pyarrow as pa
 
     data = _read_bytes(f, unit)
     buf = np.frombuffer(data, dtype=np.uint8)
-    newlines = np.flatnonzero(buf == 10)
-    starts = np.concatenate([[0], newlines + 1])
-    ends = np.append(newlines, len(buf))  # exclusive end of each line's text
-    if len(buf) == 0 or buf[-1] == 10:
-        starts, ends = starts[:-1], ends[:-1]  # nothing after the last newline
-    # "\r\n": the "\r" belongs to the terminator.
-    has_cr = ends > starts
-    has_cr[has_cr] = buf[ends[has_cr] - 1] == 13
-    ends = ends - has_cr
+    is_nl, is_cr = buf == 10, buf == 13
+    cr_alone = is_cr.copy()
+    cr_alone[:-1] &= ~is_nl[1:]  # a CR followed by LF is the first byte of a CRLF
+    term = np.flatnonzero(is_nl | cr_alone)  # last byte of each line terminator
+    starts = np.concatenate([[0], term + 1])
+    crlf = np.zeros(len(term), dtype=bool)
+    crlf[term > 0] = is_nl[term[term > 0]] & is_cr[term[term > 0] - 1]
+    ends = np.append(term - crlf, len(buf))  # exclusive end of each line's text
+    if len(buf) == 0 or is_nl[-1] or is_cr[-1]:
+        starts, ends = starts[:-1], ends[:-1]  # nothing after the last terminator
     offsets = np.zeros(len(starts) + 1, dtype=np.int64)
     np.cumsum(ends - starts, out=offsets[1:])
     if offsets[-1] == len(buf):
         values = data
-    else:  # drop the terminators: one vectorised copy
-        keep = np.ones(len(buf), dtype=bool)
-        keep[newlines] = False
-        keep[ends[has_cr]] = False
-        values = buf[keep].tobytes()
+    else:  # drop the terminators (every CR and LF is part of one): one vectorised copy
+        values = buf[~(is_nl | is_cr)].tobytes()
     arr = pa.Array.from_buffers(pa.large_string(), len(starts), [None, pa.py_buffer(offsets), pa.py_buffer(values)])
     try:
         arr.validate(full=True)
@@ -423,8 +494,15 @@ def fingerprint(files: Sequence[SourceFile], rows_per_file: Sequence[int]) -> di
         {"path": os.path.relpath(f.path, root), "size": f.size, "rows": int(n), "format": f.format}
         for f, n in zip(files, rows_per_file)
     ]
+    ident = digest(entries)
+    # When each file was seen (not part of the identity: a copied dataset is the same dataset), so
+    # that sort, plan and validate can refuse metrics of a source rewritten since (runtime.freshness).
+    for entry, f in zip(entries, files):
+        entry["mtime_ns"] = int(f.mtime_ns)
+        if f.footer is not None:
+            entry["footer"] = f.footer
     return {
-        "digest": digest(entries),
+        "digest": ident,
         "root": root,
         "num_files": len(files),
         "num_rows": int(sum(rows_per_file)),

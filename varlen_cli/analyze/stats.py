@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
+from ..errors import InputError
 from ..runtime.dist import Dist
 
 EXACT_MAX = 1 << 22  # lengths up to 4M: exact percentiles from an all-reduced bincount
 LOG_BINS = 64
+INT64_MAX = (1 << 63) - 1
 
 
 def log2_histogram(values: np.ndarray) -> np.ndarray:
@@ -33,8 +37,14 @@ def distribution(local: np.ndarray, d: Dist, quantiles=(0.5, 0.9, 0.99)) -> dict
     """count, total, min, mean, percentiles, max and a log2 histogram of integer lengths over all ranks."""
     local = np.asarray(local, dtype=np.int64)
     n = len(local)
-    sums = d.all_reduce(np.array([n, int(local.sum()) if n else 0], dtype=np.int64))
-    count, total = int(sums[0]), int(sums[1])
+    # The total as an exact integer (an int64 sum could wrap): every rank learns every rank's total,
+    # so all refuse together when it does not fit int64.
+    safe = not n or int(local.max()) <= INT64_MAX // n
+    local_total = int(local.sum()) if safe else sum(int(v) for v in local.tolist())
+    count = int(d.all_reduce(np.array([n], dtype=np.int64))[0])
+    total = sum(d.all_gather_object(local_total))
+    if total > INT64_MAX:
+        raise InputError(f"the lengths add up to {total}, more than 2**63-1; their total must fit int64")
     lo = d.all_reduce(np.array([local.min() if n else np.iinfo(np.int64).max], dtype=np.int64), op="min")[0]
     hi = d.all_reduce(np.array([local.max() if n else -1], dtype=np.int64), op="max")[0]
     out = {"count": count, "total": total, "min": int(lo) if count else 0, "max": int(hi) if count else 0,
@@ -57,3 +67,22 @@ def distribution(local: np.ndarray, d: Dist, quantiles=(0.5, 0.9, 0.99)) -> dict
     last = int(np.max(np.flatnonzero(hist))) + 1 if hist.any() else 1
     out["histogram"] = {"log2_bins": hist[:last].tolist()}
     return out
+
+
+def float_summary(unit_values, count: int, d: Dist) -> dict:
+    """count, min, max and mean of float values held as per-unit arrays (``unit_values``) on each rank.
+
+    The same for any number of workers, to the last bit: each unit's values (divided by ``count``
+    first, so no sum can overflow) are summed within the unit (units do not depend on the worker
+    count), and the per-unit sums of all ranks are added with ``math.fsum`` (exact, so the order of
+    ranks does not matter).
+    """
+    local = [float(np.sum(np.asarray(v, dtype=np.float64) / count)) for v in unit_values if len(v)] if count else []
+    sums = [s for rank_sums in d.all_gather_object(local) for s in rank_sums]
+    lo = min((float(np.min(v)) for v in unit_values if len(v)), default=math.inf)
+    hi = max((float(np.max(v)) for v in unit_values if len(v)), default=-math.inf)
+    lo = float(d.all_reduce(np.array([lo]), op="min")[0])
+    hi = float(d.all_reduce(np.array([hi]), op="max")[0])
+    if not count:
+        return {"count": int(count), "min": 0.0, "max": 0.0, "mean": 0.0}
+    return {"count": int(count), "min": lo, "max": hi, "mean": math.fsum(sums)}

@@ -7,6 +7,11 @@ import typer
 NPROC = typer.Option(1, "--nproc", help="Local worker processes to launch (torch elastic); under torchrun leave at 1.")
 DEVICE = typer.Option("cpu", "--device", help="cpu (gloo) or cuda (nccl).")
 OVERWRITE = typer.Option(False, "--overwrite", help="Replace an existing output (written atomically either way).")
+ALLOW_STALE = typer.Option(
+    False, "--allow-stale",
+    help="Use metrics even if their source files changed (size, mtime) since `varlen analyze`: for data moved or "
+         "copied on purpose.",
+)
 PROGRESS = typer.Option(True, "--progress/--no-progress", help="Show a progress bar on rank 0 (only on a terminal).")
 
 

@@ -138,6 +138,7 @@ def plan_command(
     max_per_row: int | None = MAX_PER_ROW,
     split_long: bool = SPLIT_LONG,
     overwrite: bool = common.OVERWRITE,
+    allow_stale: bool = common.ALLOW_STALE,
 ) -> None:
     """Write a token-budget batch plan (Parquet): microbatches, ranks, steps, shapes and LR scales."""
     from varlen_cli.cli import report
@@ -150,7 +151,7 @@ def plan_command(
         static_shapes=static_shapes, compile_warmup=compile_warmup, same_shape_per_step=same_shape_per_step,
         max_samples=max_samples, attention_cost=attention_cost, drop_long=drop_long, tail=tail, packing=packing,
         seq_len=seq_len, rows_per_microbatch=rows_per_microbatch, max_per_row=max_per_row, split_long=split_long,
-        overwrite=overwrite,
+        overwrite=overwrite, allow_stale=allow_stale,
     )
     result = common.run(plan, config)
     if result is not None:

@@ -36,6 +36,7 @@ def sort_command(
     device: Device = common.DEVICE,
     overwrite: bool = common.OVERWRITE,
     progress: bool = common.PROGRESS,
+    allow_stale: bool = common.ALLOW_STALE,
 ) -> None:
     """Sort a metrics directory globally by key, distributed over workers (sample sort)."""
     from varlen_cli.cli import report
@@ -44,6 +45,7 @@ def sort_command(
     config = SortConfig(
         metrics_dir=metrics_dir, output=output, by=by, descending=descending, ties=ties, seed=seed, nan=nan,
         single_file=single_file, nproc=nproc, device=device, overwrite=overwrite, progress=progress,
+        allow_stale=allow_stale,
     )
     result = common.run(sort, config)
     if result is not None:

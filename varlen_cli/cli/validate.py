@@ -15,12 +15,13 @@ def validate_command(
         "counts.",
     ),
     json_output: bool = typer.Option(False, "--json", help="Print the checks as JSON instead of a table."),
+    allow_stale: bool = common.ALLOW_STALE,
 ) -> None:
     """Re-check every invariant of a plan; exit 0 only when all hold (6 when any is violated)."""
     from varlen_cli.errors import VALIDATION_FAILED
     from varlen_cli.validate import ValidateConfig, validate
 
-    result = common.run(validate, ValidateConfig(plan=plan, metrics=metrics))
+    result = common.run(validate, ValidateConfig(plan=plan, metrics=metrics, allow_stale=allow_stale))
     if json_output:
         import json
 

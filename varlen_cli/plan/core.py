@@ -10,7 +10,7 @@ import numpy as np
 
 from .. import __version__, format
 from ..errors import InputError, UsageError
-from ..runtime import artifacts
+from ..runtime import artifacts, freshness
 from ..runtime.choices import LrScaleBy, LrScaling, Order, Tail, check_choices, doc, values
 from . import batching, layout, lr, stats, writer
 from .batching import Microbatches
@@ -66,6 +66,8 @@ class PlanConfig:
     split_long: bool = doc(False, "With --packing: cut samples longer than --seq-len into chunks (recorded as "
                                   "start/length segments).")
     overwrite: bool = doc(False, "Replace an existing output (written atomically either way).")
+    allow_stale: bool = doc(False, "Use metrics even if their source files changed (size, mtime) since "
+                                   "`varlen analyze`: for data moved or copied on purpose.")
 
 
 @dataclass
@@ -150,13 +152,13 @@ def _rows_per_microbatch(c: PlanConfig, budget: Budget) -> int:
 
 
 # -- input -----------------------------------------------------------------------------------------
-def read_input(path: str) -> tuple[dict, np.ndarray, np.ndarray]:
+def read_input(path: str, allow_stale: bool = False) -> tuple[dict, np.ndarray, np.ndarray]:
     """The manifest, sample ids and lengths of a metrics or sorted directory, in its row order."""
     import pyarrow.parquet as pq
 
     manifest = artifacts.read_manifest(path, what="metrics or sorted directory",
                                        hint="create one with `varlen analyze` (and `varlen sort` for curriculum order)")
-    artifacts.check_fresh(path, manifest, rerun="varlen sort")
+    freshness.check_inputs(path, manifest, allow_stale, rerun="varlen sort")
     ids, lens = [], []
     for part in manifest.get("parts", []):
         p = os.path.join(path, part["file"])
@@ -202,7 +204,7 @@ def plan(config: PlanConfig) -> PlanResult:
     c = config
     check(c)
     writer.check_output(c.output, c.overwrite)
-    manifest, sample_id, length = read_input(c.input)
+    manifest, sample_id, length = read_input(c.input, c.allow_stale)
     kind = manifest.get("kind", "metrics")
     if c.order in CURRICULAR and kind != "sorted":
         raise UsageError(f"--order {c.order} needs a sorted input, but {c.input} is a {kind} directory "

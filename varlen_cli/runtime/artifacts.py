@@ -28,7 +28,7 @@ FORMAT_VERSION = format.METRICS_FORMAT_VERSION
 part_name = format.part_name
 metrics_schema = format.metrics_schema
 # Config fields that say how a stage ran, not what it computed: left out of artifact ids.
-RUNTIME_FIELDS = frozenset({"nproc", "overwrite", "device", "progress", "output", "debug", "quiet"})
+RUNTIME_FIELDS = frozenset({"nproc", "overwrite", "device", "progress", "output", "debug", "quiet", "allow_stale"})
 
 
 def config_dict(config: Any) -> dict:
@@ -158,6 +158,9 @@ def read_manifest(path: str, what: str = "metrics directory", hint: str = "creat
         raise InputError(f"cannot read {manifest_path}: {exc}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != METRICS_FORMAT:
         raise InputError(f"{path} is not a varlen {what} ({MANIFEST_NAME} has no format '{METRICS_FORMAT}'); {hint}")
+    from .manifest_schema import check_manifest_fields
+
+    check_manifest_fields(path, manifest, MANIFEST_NAME)
     if manifest.get("format_version", 0) > FORMAT_VERSION:
         raise InputError(f"{path} was written by a newer varlen (format {manifest['format_version']}); upgrade varlen")
     for part in manifest.get("parts", []):

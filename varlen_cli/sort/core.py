@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..errors import InputError, OutputError, UsageError
-from ..runtime import artifacts
+from ..runtime import artifacts, freshness
 from ..runtime.choices import Device, Engine, NanPolicy, Ties, check_choices, doc, values
 from ..runtime.dist import Dist, check_nproc, fault_point
 from ..runtime.executor import execute
@@ -62,6 +62,8 @@ class SortConfig:
     row_group_size: int = doc(1 << 20, "Rows per Parquet row group of the sorted parts.")
     engine: Engine = doc("auto", "numpy sorts on the CPU with numpy, torch with torch on device (auto: torch with "
                                  "--device cuda, numpy otherwise); the result is the same.")
+    allow_stale: bool = doc(False, "Use metrics even if their source files changed (size, mtime) since "
+                                   "`varlen analyze`: for data moved or copied on purpose.")
 
 
 @dataclass
@@ -99,7 +101,9 @@ def parse_by(by) -> tuple:
 
 def check_input(config: SortConfig) -> None:
     """Refuse a metrics directory that is not one, or lacks the ``--by`` columns."""
-    _check_columns(config, _read_input(config.metrics_dir))
+    manifest = _read_input(config.metrics_dir)
+    freshness.check_inputs(config.metrics_dir, manifest, config.allow_stale, rerun="varlen sort")
+    _check_columns(config, manifest)
     if os.path.realpath(config.output) == os.path.realpath(config.metrics_dir):
         raise UsageError("the output directory must differ from the input directory")
 
