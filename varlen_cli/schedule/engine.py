@@ -1,0 +1,159 @@
+"""The greedy master scheduler, vectorised across steps.
+
+Jobs of one unit (a block of the step's microbatches that shares no worker with the others) are
+numbered ``j = d * S * n + s * n + i`` (``d`` 0 forward / 1 backward, stage ``s``, ``i``-th
+microbatch of the unit). A job may start when its predecessors are done:
+
+* ``F(s, b)`` after ``F(s-1, b)``; ``B(S-1, b)`` after ``F(S-1, b)``; ``B(s, b)`` after ``B(s+1, b)``;
+* with ``flush``: ``B(S-1, b)`` after every ``F(S-1, .)`` of the unit (GPipe: backward after the
+  whole forward);
+* with ``in_flight(s) = L``: the k-th forward of stage s (in priority order) after the (k-L)-th
+  backward of stage s (at most L microbatches hold activations of the stage).
+
+Greedy rule (non-delay list scheduling): whenever a worker is idle and one of its jobs is ready, it
+starts the ready job of smallest ``priority`` (ties: smallest job number). Events are processed in
+time order; decisions at the same time on different workers are independent (durations are > 0).
+
+All steps have the same jobs with different durations, so the scheduler runs every step at once:
+``J`` iterations, each scheduling one job in every step with numpy over the steps. Within one
+iteration only the first unscheduled job of each chain (the jobs of one worker, stage and direction,
+in priority order) is a candidate; for schemes whose chains become ready in priority order
+(``Scheme.chains``, true for the built-in ones) that is exact, otherwise every job is its own chain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import UsageError
+from .schemes import BACKWARD, FORWARD, Scheme
+
+
+@dataclass(frozen=True)
+class Jobs:
+    """The jobs of one unit: ``n`` microbatches ``first .. first+n-1`` of the step over S stages."""
+
+    stages: int
+    n: int
+    first: int
+    micro: np.ndarray  # (J,) microbatch index in the step
+    stage: np.ndarray  # (J,)
+    backward: np.ndarray  # (J,) bool
+    worker: np.ndarray  # (J,) global worker
+    deps: np.ndarray  # (J + 1, D) predecessor job numbers, J = none (row J: the sentinel)
+    rank: np.ndarray  # (J + 1,) position in priority order (sentinel last)
+    chains: np.ndarray  # (C, L + 1) job numbers of each chain in priority order, padded with J
+    chain_worker: np.ndarray  # (C,)
+
+    @property
+    def size(self) -> int:
+        return len(self.micro)
+
+    def index(self, direction: int, stage: int, i) -> np.ndarray:
+        return direction * self.stages * self.n + stage * self.n + np.asarray(i)
+
+
+def build_jobs(scheme: Scheme, unit: int) -> Jobs:
+    """The job table of ``unit`` (microbatches ``unit * n .. (unit+1) * n - 1``) under ``scheme``."""
+    S, n = scheme.stages, scheme.microbatches // scheme.units
+    first = unit * n
+    J = 2 * S * n
+    d_idx, rest = np.divmod(np.arange(J), S * n)
+    s_idx, i_idx = np.divmod(rest, n)
+    micro = first + i_idx
+    direction = [FORWARD, BACKWARD]
+    worker = np.array([scheme.compute(int(s), int(b), direction[d]) for d, s, b in zip(d_idx, s_idx, micro)],
+                      dtype=np.int64)
+    if worker.size and (worker.min() < 0 or worker.max() >= scheme.workers):
+        raise UsageError(f"--schedule {scheme.name}: compute() returned worker {int(worker.max())} "
+                         f"outside 0 .. {scheme.workers - 1}")
+    keys = [scheme.priority(int(s), int(b), direction[d]) for d, s, b in zip(d_idx, s_idx, micro)]
+    order = sorted(range(J), key=lambda j: (keys[j], j))
+    rank = np.empty(J + 1, dtype=np.int64)
+    rank[order] = np.arange(J)
+    rank[J] = J
+    deps = _dependencies(scheme, S, n, J, rank)
+    chains, chain_worker = _chains(scheme, worker, d_idx, s_idx, order, J)
+    return Jobs(stages=S, n=n, first=first, micro=micro, stage=s_idx, backward=d_idx == 1, worker=worker,
+                deps=deps, rank=rank, chains=chains, chain_worker=chain_worker)
+
+
+def _dependencies(scheme: Scheme, S: int, n: int, J: int, rank: np.ndarray) -> np.ndarray:
+    i = np.arange(n)
+    lists: list[list[int]] = [[] for _ in range(J)]
+    fwd = lambda s: s * n + i  # noqa: E731
+    bwd = lambda s: S * n + s * n + i  # noqa: E731
+    for s in range(S):
+        if s:
+            for f, pred in zip(fwd(s), fwd(s - 1)):
+                lists[f].append(int(pred))
+        preds = fwd(S - 1) if s == S - 1 else bwd(s + 1)
+        for b, pred in zip(bwd(s), preds):
+            if scheme.flush and s == S - 1:
+                lists[b].extend(int(x) for x in fwd(S - 1))  # includes its own forward
+            else:
+                lists[b].append(int(pred))
+        limit = scheme.in_flight(s) if scheme.in_flight is not None else None
+        if limit is not None:
+            if limit < 1:
+                raise UsageError(f"--schedule {scheme.name}: in_flight({s}) must be >= 1 (got {limit})")
+            f_order = fwd(s)[np.argsort(rank[fwd(s)], kind="stable")]
+            b_order = bwd(s)[np.argsort(rank[bwd(s)], kind="stable")]
+            for k in range(limit, n):
+                lists[int(f_order[k])].append(int(b_order[k - limit]))
+    width = max(1, max((len(x) for x in lists), default=1))
+    deps = np.full((J + 1, width), J, dtype=np.int64)
+    for j, x in enumerate(lists):
+        deps[j, :len(x)] = x
+    return deps
+
+
+def _chains(scheme: Scheme, worker, d_idx, s_idx, order, J):
+    if scheme.chains:
+        keys = {}
+        for j in order:  # priority order: each chain lists its jobs in that order
+            keys.setdefault((int(worker[j]), int(s_idx[j]), int(d_idx[j])), []).append(j)
+        groups = list(keys.values())
+    else:
+        groups = [[j] for j in order]
+    longest = max(len(g) for g in groups)
+    chains = np.full((len(groups), longest + 1), J, dtype=np.int64)
+    for c, g in enumerate(groups):
+        chains[c, :len(g)] = g
+    chain_worker = np.array([worker[g[0]] for g in groups], dtype=np.int64)
+    return chains, chain_worker
+
+
+def greedy(jobs: Jobs, durations: np.ndarray) -> np.ndarray:
+    """Start times ``(rows, J)`` of the greedy schedule of every row of ``durations`` ``(rows, J)``."""
+    rows, J = durations.shape
+    finish = np.full((rows, J + 1), np.inf)
+    finish[:, J] = 0.0
+    start = np.zeros((rows, J))
+    workers, local = np.unique(jobs.chain_worker, return_inverse=True)
+    free = np.zeros((rows, len(workers)))
+    C = len(jobs.chains)
+    head = np.zeros((rows, C), dtype=np.int64)
+    r = np.arange(rows)
+    cols = np.arange(C)[None, :]
+    for _ in range(J):
+        hj = jobs.chains[cols, head]  # (rows, C) next job of each chain (J: chain done)
+        ready = finish[r[:, None, None], jobs.deps[hj]].max(axis=2)
+        when = np.maximum(ready, free[:, local])
+        when[hj == J] = np.inf
+        t = when.min(axis=1)
+        if not np.all(np.isfinite(t)):
+            raise UsageError("the schedule deadlocks: a job waits for one that can never run (check the "
+                             "scheme's priority, in_flight and compute functions)")
+        w = local[when.argmin(axis=1)]
+        candidate = (when == t[:, None]) & (local[None, :] == w[:, None])
+        c = np.where(candidate, jobs.rank[hj], J + 1).argmin(axis=1)
+        j = hj[r, c]
+        start[r, j] = t
+        end = t + durations[r, j]
+        finish[r, j] = end
+        free[r, w] = end
+        head[r, c] += 1
+    return start
