@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 
 from varlen_cli.cli import common
 
+WORKERS_HELP = ("Workers W (default: dp for ddp/fsdp; groups x S for gpipe/1f1b; lpp/fslpp: groups x R, "
+                "default R = S).")
+GROUPS_HELP = "Data-parallel groups G of the pipelines (default: the plan's dp); must divide dp x grad_accum."
+ATTENTION_HELP = "A: a stage's forward of a microbatch costs B*T + A*B*T^2 (default 0: padded tokens B*T)."
+GANTT_HELP = "Draw step N as a Gantt chart: worker rows, time columns, microbatch ids."
 SCHEDULE_HELP = ("ddp, fsdp, gpipe, 1f1b, lpp, fslpp, all (side by side), or MODULE:FUNCTION returning a "
                  "varlen_cli.schedule.Scheme.")
 
@@ -17,13 +20,13 @@ def simulate_command(
     schedule: str = typer.Option("all", "--schedule", help=SCHEDULE_HELP),
     stages: int = typer.Option(..., "--stages", help="Pipeline stages S the model is cut into (equal cost each).",
                                show_default=False),
-    workers: Optional[int] = typer.Option(None, "--workers", help="Workers W (default: dp for ddp/fsdp, groups x S for the pipelines; lpp/fslpp: groups x R).", show_default=False),
-    groups: Optional[int] = typer.Option(None, "--groups", help="Data-parallel groups G of the pipelines (default: the plan's dp); must divide dp x grad_accum.", show_default=False),
+    workers: int | None = typer.Option(None, "--workers", help=WORKERS_HELP, show_default=False),
+    groups: int | None = typer.Option(None, "--groups", help=GROUPS_HELP, show_default=False),
     backward_ratio: float = typer.Option(2.0, "--backward-ratio", help="Backward time / forward time of a job."),
-    attention_cost: float = typer.Option(0.0, "--attention-cost", help="A: a stage's forward of a microbatch costs B*T + A*B*T^2 (default: padded tokens B*T)."),
-    gantt_step: Optional[int] = typer.Option(None, "--gantt-step", help="Draw step N as a Gantt chart: worker rows, time columns, microbatch ids.", show_default=False),
+    attention_cost: float = typer.Option(0.0, "--attention-cost", help=ATTENTION_HELP),
+    gantt_step: int | None = typer.Option(None, "--gantt-step", help=GANTT_HELP, show_default=False),
     width: int = typer.Option(96, "--width", help="Columns of the Gantt chart."),
-    json_output: bool = typer.Option(False, "--json", help="Print JSON (one object; a list of objects with --schedule all)."),
+    json_output: bool = typer.Option(False, "--json", help="Print JSON: one object, a list with --schedule all."),
 ) -> None:
     """Simulate the plan's steps under parallel schedules: makespan, bubble, peak activations, transfers."""
     from varlen_cli.schedule import SimulateConfig, simulate

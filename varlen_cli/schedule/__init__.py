@@ -8,10 +8,16 @@ step's jobs, and latency, bubble, peak activations and transfers follow. See doc
 from __future__ import annotations
 
 from .engine import Jobs, build_jobs, greedy
-from .schemes import (BACKWARD, FORWARD, SCHEDULES, Scheme, backward_first, breadth_first, depth_first,
-                      make_scheme)
-from .simulate import (PlanCosts, ScheduleResult, SimulateConfig, SimulateResult, read_plan_costs, simulate,
-                       simulate_scheme)
+from .schemes import BACKWARD, FORWARD, SCHEDULES, Scheme, backward_first, breadth_first, depth_first, make_scheme
+from .simulate import (
+                      PlanCosts,
+                      ScheduleResult,
+                      SimulateConfig,
+                      SimulateResult,
+                      read_plan_costs,
+                      simulate,
+                      simulate_scheme,
+)
 
 __all__ = [
     "BACKWARD", "FORWARD", "Jobs", "PlanCosts", "SCHEDULES", "ScheduleResult", "Scheme", "SimulateConfig",

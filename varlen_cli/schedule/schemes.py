@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Callable, Literal, Optional, Union
+from typing import Callable, Literal, Union
 
 from ..errors import UsageError
 
@@ -46,10 +46,10 @@ class Scheme:
     store: Callable[[int], Workers]
     priority: Callable[[int, int, str], tuple]
     flush: bool = False
-    in_flight: Optional[Callable[[int], Optional[int]]] = None
+    in_flight: Callable[[int], int | None] | None = None
     units: int = 1
     groups: int = 1  # data-parallel groups (reporting only)
-    closed_form: Optional[str] = None  # "chain" (DDP/FSDP) or "gpipe": a vectorised exact form exists
+    closed_form: str | None = None  # "chain" (DDP/FSDP) or "gpipe": a vectorised exact form exists
     chains: bool = True  # jobs of one (worker, stage, direction) become ready in priority order
 
     def stored_on(self, stage: int) -> frozenset:
@@ -90,7 +90,7 @@ def data_parallel(name: str, stages: int, microbatches: int, workers: int) -> Sc
                   units=workers, groups=workers, closed_form="chain")
 
 
-def pipeline(name: str, stages: int, microbatches: int, groups: int, per_group: Optional[int] = None) -> Scheme:
+def pipeline(name: str, stages: int, microbatches: int, groups: int, per_group: int | None = None) -> Scheme:
     """GPipe, 1F1B, LPP, FSLPP: G groups of R workers; stage s on worker s mod R of batch b's group.
 
     GPipe and 1F1B have R = S. LPP/FSLPP loop over the R workers when S > R (breadth first).
@@ -139,8 +139,8 @@ def load_user_scheme(spec: str, stages: int, microbatches: int, workers: int) ->
     return scheme
 
 
-def make_scheme(name: str, *, stages: int, microbatches: int, dp: int, workers: Optional[int] = None,
-                groups: Optional[int] = None) -> Scheme:
+def make_scheme(name: str, *, stages: int, microbatches: int, dp: int, workers: int | None = None,
+                groups: int | None = None) -> Scheme:
     """The built-in scheme ``name`` (or ``module:function``) for a plan with ``dp`` ranks.
 
     Defaults: DDP/FSDP run on ``dp`` workers; GPipe/1F1B on ``dp`` groups of S workers; LPP/FSLPP on

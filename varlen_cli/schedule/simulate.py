@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Optional
 
 import numpy as np
 
@@ -29,11 +28,11 @@ class SimulateConfig:
     plan: str
     schedule: str = "all"  # one of SCHEDULES, "all", or MODULE:FUNCTION
     stages: int = 1
-    workers: Optional[int] = None
-    groups: Optional[int] = None
+    workers: int | None = None
+    groups: int | None = None
     backward_ratio: float = 2.0
     attention_cost: float = 0.0
-    gantt_step: Optional[int] = None
+    gantt_step: int | None = None
 
 
 @dataclass(frozen=True)
@@ -70,7 +69,7 @@ class ScheduleResult:
     peak_activation: np.ndarray  # per worker, max over steps, padded tokens of one stage
     activation_transfers: np.ndarray  # per worker, tokens received (activations and gradients)
     weight_transfers: np.ndarray  # per worker, stage weights fetched
-    gantt: Optional[list] = None  # jobs of the --gantt-step step: (worker, start, end, micro, "F"/"B", stage)
+    gantt: list | None = None  # jobs of the --gantt-step step: (worker, start, end, micro, "F"/"B", stage)
 
     @property
     def makespan(self) -> float:
@@ -191,7 +190,7 @@ def _predecessors(jobs: Jobs) -> np.ndarray:
     return pred
 
 
-def simulate_scheme(scheme: Scheme, costs: PlanCosts, r: float, gantt_step: Optional[int] = None,
+def simulate_scheme(scheme: Scheme, costs: PlanCosts, r: float, gantt_step: int | None = None,
                     chunk_jobs: int = 1 << 22) -> ScheduleResult:
     """Schedule every step of the plan under ``scheme`` and gather the per-worker numbers."""
     W, n = scheme.workers, scheme.microbatches // scheme.units
