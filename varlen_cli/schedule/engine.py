@@ -46,6 +46,8 @@ class Jobs:
     rank: np.ndarray  # (J + 1,) position in priority order (sentinel last)
     chains: np.ndarray  # (C, L + 1) job numbers of each chain in priority order, padded with J
     chain_worker: np.ndarray  # (C,)
+    flush: np.ndarray  # forwards every flushed job waits for (empty without flush)
+    flushed: np.ndarray  # (J + 1,) bool: the jobs that wait for the flush (B(S-1, .))
 
     @property
     def size(self) -> int:
@@ -76,8 +78,11 @@ def build_jobs(scheme: Scheme, unit: int) -> Jobs:
     rank[J] = J
     deps = _dependencies(scheme, S, n, J, rank)
     chains, chain_worker = _chains(scheme, worker, d_idx, s_idx, order, J)
+    flushed = np.zeros(J + 1, dtype=bool)
+    flush = np.arange((S - 1) * n, S * n) if scheme.flush else np.zeros(0, dtype=np.int64)
+    flushed[flush + S * n] = True
     return Jobs(stages=S, n=n, first=first, micro=micro, stage=s_idx, backward=d_idx == 1, worker=worker,
-                deps=deps, rank=rank, chains=chains, chain_worker=chain_worker)
+                deps=deps, rank=rank, chains=chains, chain_worker=chain_worker, flush=flush, flushed=flushed)
 
 
 def _dependencies(scheme: Scheme, S: int, n: int, J: int, rank: np.ndarray) -> np.ndarray:
@@ -91,10 +96,7 @@ def _dependencies(scheme: Scheme, S: int, n: int, J: int, rank: np.ndarray) -> n
                 lists[f].append(int(pred))
         preds = fwd(S - 1) if s == S - 1 else bwd(s + 1)
         for b, pred in zip(bwd(s), preds):
-            if scheme.flush and s == S - 1:
-                lists[b].extend(int(x) for x in fwd(S - 1))  # includes its own forward
-            else:
-                lists[b].append(int(pred))
+            lists[b].append(int(pred))  # the flush (GPipe) is applied by greedy() itself
         limit = scheme.in_flight(s) if scheme.in_flight is not None else None
         if limit is not None:
             if limit < 1:
@@ -129,31 +131,44 @@ def _chains(scheme: Scheme, worker, d_idx, s_idx, order, J):
 def greedy(jobs: Jobs, durations: np.ndarray) -> np.ndarray:
     """Start times ``(rows, J)`` of the greedy schedule of every row of ``durations`` ``(rows, J)``."""
     rows, J = durations.shape
-    finish = np.full((rows, J + 1), np.inf)
-    finish[:, J] = 0.0
-    start = np.zeros((rows, J))
-    workers, local = np.unique(jobs.chain_worker, return_inverse=True)
-    free = np.zeros((rows, len(workers)))
-    C = len(jobs.chains)
-    head = np.zeros((rows, C), dtype=np.int64)
     r = np.arange(rows)
-    cols = np.arange(C)[None, :]
+    finish = np.full((J + 1, rows), np.inf)  # job-major, so each gather below reads whole rows of steps
+    finish[J] = 0.0
+    flat = finish.reshape(-1)
+    dep_offsets = [jobs.deps[:, k] * rows for k in range(jobs.deps.shape[1])]
+    dur = np.ascontiguousarray(durations.T)
+    start = np.zeros((J, rows))
+    workers, local = np.unique(jobs.chain_worker, return_inverse=True)
+    free = np.zeros((len(workers), rows))
+    head = np.zeros((len(jobs.chains), rows), dtype=np.int64)
+    chain = np.arange(len(jobs.chains))[:, None]
+    in_flush = np.zeros(J + 1, dtype=bool)
+    in_flush[jobs.flush] = True
+    flush_left, flush_end = np.full(rows, jobs.flush.size), np.zeros(rows)
     for _ in range(J):
-        hj = jobs.chains[cols, head]  # (rows, C) next job of each chain (J: chain done)
-        ready = finish[r[:, None, None], jobs.deps[hj]].max(axis=2)
-        when = np.maximum(ready, free[:, local])
+        hj = jobs.chains[chain, head]  # (C, rows) next job of each chain (J: chain done)
+        ready = flat[dep_offsets[0][hj] + r]
+        for offsets in dep_offsets[1:]:
+            ready = np.maximum(ready, flat[offsets[hj] + r])
+        if jobs.flush.size:  # GPipe: the backward waits until every forward of the last stage is done
+            ready = np.where(jobs.flushed[hj], np.maximum(ready, np.where(flush_left == 0, flush_end, np.inf)), ready)
+        when = np.maximum(ready, free[local])
         when[hj == J] = np.inf
-        t = when.min(axis=1)
+        t = when.min(axis=0)
         if not np.all(np.isfinite(t)):
             raise UsageError("the schedule deadlocks: a job waits for one that can never run (check the "
                              "scheme's priority, in_flight and compute functions)")
-        w = local[when.argmin(axis=1)]
-        candidate = (when == t[:, None]) & (local[None, :] == w[:, None])
-        c = np.where(candidate, jobs.rank[hj], J + 1).argmin(axis=1)
-        j = hj[r, c]
-        start[r, j] = t
-        end = t + durations[r, j]
-        finish[r, j] = end
-        free[r, w] = end
-        head[r, c] += 1
-    return start
+        w = local[when.argmin(axis=0)]
+        candidate = (when == t) & (local[:, None] == w)
+        c = np.where(candidate, jobs.rank[hj], J + 1).argmin(axis=0)
+        j = hj[c, r]
+        start[j, r] = t
+        end = t + dur[j, r]
+        finish[j, r] = end
+        free[w, r] = end
+        head[c, r] += 1
+        if jobs.flush.size:
+            done = in_flush[j]
+            flush_left -= done
+            flush_end = np.where(done, np.maximum(flush_end, end), flush_end)
+    return start.T
