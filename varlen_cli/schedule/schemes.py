@@ -20,6 +20,7 @@ A training step is a set of jobs ``(stage, batch, direction)``: stage ``s`` in `
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass
 from typing import Callable, Literal, Union
 
@@ -129,6 +130,10 @@ def load_user_scheme(spec: str, stages: int, microbatches: int, workers: int) ->
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise UsageError(f"--schedule {spec}: module {module_name!r} has no function {attr!r}")
+    try:
+        inspect.signature(factory).bind(stages=stages, microbatches=microbatches, workers=workers)
+    except (TypeError, ValueError):
+        raise UsageError(f"--schedule {spec}: {attr}() must accept stages=, microbatches=, workers= keywords") from None
     scheme = factory(stages=stages, microbatches=microbatches, workers=workers)
     if not isinstance(scheme, Scheme):
         raise UsageError(f"--schedule {spec}: {attr}() returned {type(scheme).__name__}, not a "
