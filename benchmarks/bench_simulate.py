@@ -6,7 +6,9 @@
 The plan is a real plan file (the columns and metadata of docs/formats.md, written with pyarrow):
 microbatches of random padded shapes (T log-uniform in 64 .. 8192, B = budget // T), so every step
 has different costs. Prints, per schedule, the median of ``--repeats`` runs of the library call
-(plan reading included) and, as a same-run reference, the time to read the plan's costs alone.
+(plan reading included) and two same-run references: the time to read the plan's costs alone, and
+a step-by-step peer (the same scheduler called once per step, rows = 1, on ``--peer-steps`` steps,
+extrapolated to the plan): what the vectorisation over steps buys.
 """
 
 from __future__ import annotations
@@ -53,7 +55,15 @@ def write_synthetic_plan(path: str, *, microbatches: int, dp: int, grad_accum: i
 
 
 def main() -> None:
-    from varlen_cli.schedule import SCHEDULES, SimulateConfig, read_plan_costs, simulate
+    from varlen_cli.schedule import (
+        SCHEDULES,
+        PlanCosts,
+        SimulateConfig,
+        make_scheme,
+        read_plan_costs,
+        simulate,
+        simulate_scheme,
+    )
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--microbatches", type=int, default=1_000_000)
@@ -62,6 +72,7 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--schedules", default=",".join(SCHEDULES))
+    ap.add_argument("--peer-steps", type=int, default=200)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = write_synthetic_plan(os.path.join(tmp, "plan.parquet"), microbatches=args.microbatches, dp=args.dp,
@@ -78,14 +89,24 @@ def main() -> None:
         read = median(lambda: read_plan_costs(path))
         print(f"plan: {args.microbatches:,} microbatches, dp={args.dp}, grad_accum={args.grad_accum}, "
               f"stages={args.stages}; median of {args.repeats}")
-        print(f"{'schedule':10s} {'seconds':>8s} {'x read':>8s} {'bubble':>7s}")
+        costs = read_plan_costs(path)
+        print(f"{'schedule':10s} {'seconds':>8s} {'x read':>8s} {'per-step peer s':>16s} {'speedup':>8s} "
+              f"{'bubble':>7s}")
         print(f"{'(read)':10s} {read:8.2f} {1.0:8.1f}")
         for name in args.schedules.split(","):
             cfg = SimulateConfig(plan=path, schedule=name, stages=args.stages)
             out = {}
             seconds = median(lambda cfg=cfg, out=out: out.setdefault("r", simulate(cfg)))
             bubble = out["r"].results[0].bubble
-            print(f"{name:10s} {seconds:8.2f} {seconds / read:8.1f} {bubble:7.1%}")
+            scheme = make_scheme(name, stages=args.stages, microbatches=costs.per_step, dp=costs.dp)
+            k = min(args.peer_steps, costs.num_steps)
+            t0 = time.perf_counter()
+            for step in range(k):
+                one = PlanCosts(path=path, dp=costs.dp, grad_accum=costs.grad_accum,
+                                cost=costs.cost[step:step + 1], tokens=costs.tokens[step:step + 1])
+                simulate_scheme(scheme, one, 2.0)
+            peer = (time.perf_counter() - t0) / k * costs.num_steps
+            print(f"{name:10s} {seconds:8.2f} {seconds / read:8.1f} {peer:16.1f} {peer / seconds:8.0f} {bubble:7.1%}")
 
 
 if __name__ == "__main__":
