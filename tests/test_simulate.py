@@ -312,3 +312,62 @@ def test_bad_input_one_line_error(tmp_path, name, build, args, code, message):
     if "--stages" not in args:
         argv += ["--stages", "2"]
     assert_user_error(runner.invoke(app, argv), code, message)
+
+
+# -- schedule-aware plans (varlen plan --schedule) -----------------------------------------------------
+def test_candidate_orders_are_permutations():
+    from varlen_cli.schedule.order import candidate_orders
+
+    cost = np.random.default_rng(1).integers(1, 100, (20, 12)).astype(float)
+    for name, perm in candidate_orders(cost, 3, 4).items():
+        assert np.array_equal(np.sort(perm, axis=1), np.broadcast_to(np.arange(12), (20, 12))), name
+        moved = np.take_along_axis(cost, perm, axis=1).reshape(20, 3, 4)
+        if name in ("ascending", "descending", "zigzag"):  # stays on its rank
+            assert np.array_equal(np.sort(moved, axis=2), np.sort(cost.reshape(20, 3, 4), axis=2)), name
+        if name == "descending":
+            assert np.all(np.diff(moved, axis=2) <= 0)
+        if name == "zigzag":
+            assert np.all(moved[:, :, 0] == moved.max(axis=2)) and np.all(moved[:, :, 1] == moved.min(axis=2))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "ddp"])
+def test_schedule_aware_plan(tmp_path, schedule):
+    import pyarrow.parquet as pq
+
+    from tests.plan_helpers import write_metrics
+    from varlen_cli.plan import PlanConfig, plan
+    from varlen_cli.validate import ValidateConfig, validate
+
+    metrics = write_metrics(tmp_path / "m", np.random.default_rng(5).integers(5, 900, 800))
+    common = {"input": metrics, "max_tokens": 4096, "dp": 2, "grad_accum": 4, "order": "random"}
+    base = str(tmp_path / "base.parquet")
+    plan(PlanConfig(output=base, **common))
+    ordered = str(tmp_path / "ordered.parquet")
+    result = plan(PlanConfig(output=ordered, schedule=schedule, stages=3, **common))
+    assert validate(ValidateConfig(plan=ordered, metrics=metrics)).ok
+    a, b = pq.read_table(base).to_pylist(), pq.read_table(ordered).to_pylist()
+    for step in range(result.num_steps):  # same microbatches in every step, maybe moved between slots
+        same = sorted(tuple(r["sample_ids"]) for r in a if r["step"] == step)
+        assert same == sorted(tuple(r["sample_ids"]) for r in b if r["step"] == step)
+    report = result.metadata["schedule"]
+    before, after = run(base, schedule, 3), run(ordered, schedule, 3)
+    assert report["makespan_plan_order"] == pytest.approx(before.makespan)
+    assert report["makespan"] == pytest.approx(after.makespan) and after.makespan <= before.makespan
+    assert np.all(after.steps <= before.steps)
+    assert sum(report["steps_by_order"].values()) == result.num_steps
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--stages", "2"], "--stages needs --schedule (the parallel schedule to order the steps for)"),
+    (["--schedule", "1f1b"], "--schedule needs --stages K (the pipeline stages the schedule runs)"),
+    (["--schedule", "all", "--stages", "2"],
+     "--schedule must be one of ddp, fsdp, gpipe, 1f1b, lpp, fslpp (got 'all')"),
+    (["--schedule", "gpipe", "--stages", "0"], "--stages must be >= 1 (got 0)"),
+])
+def test_plan_schedule_errors(tmp_path, args, message):
+    from tests.plan_helpers import write_metrics
+
+    metrics = write_metrics(tmp_path / "m", [10, 20, 30, 40])
+    result = runner.invoke(app, ["plan", metrics, "-o", str(tmp_path / "p.parquet"), "--max-tokens", "64", *args])
+    assert_user_error(result, 2, message)
+    assert not os.path.exists(tmp_path / "p.parquet")

@@ -36,6 +36,11 @@ def plan_command(
     rows_per_microbatch: Optional[int] = typer.Option(None, "--rows-per-microbatch", help="R packed rows per microbatch (default: --max-tokens // --seq-len, else 1).", show_default=False),
     max_per_row: Optional[int] = typer.Option(None, "--max-per-row", help="Cap on the samples in one packed row.", show_default=False),
     split_long: bool = typer.Option(False, "--split-long", help="With --packing: cut samples longer than --seq-len into chunks (recorded as start/length segments)."),
+    schedule: Optional[str] = typer.Option(
+        None, "--schedule", show_default=False,
+        help="Order each step's microbatches for this parallel schedule (ddp, fsdp, gpipe, 1f1b, lpp, fslpp): "
+             "the best simulated of a few orders per step (docs/schedules.md)."),
+    stages: Optional[int] = typer.Option(None, "--stages", help="Pipeline stages of --schedule.", show_default=False),
     overwrite: bool = common.OVERWRITE,
 ) -> None:
     """Write a token-budget batch plan (Parquet): microbatches, ranks, steps, shapes and LR scales."""
@@ -49,11 +54,17 @@ def plan_command(
         static_shapes=static_shapes, compile_warmup=compile_warmup, same_shape_per_step=same_shape_per_step,
         max_samples=max_samples, attention_cost=attention_cost, drop_long=drop_long, tail=tail, packing=packing,
         seq_len=seq_len, rows_per_microbatch=rows_per_microbatch, max_per_row=max_per_row, split_long=split_long,
-        overwrite=overwrite,
+        overwrite=overwrite, schedule=schedule, stages=stages,
     )
     result = common.run(plan, config)
     if result is not None:
         print_summary(result)
+        ordered = result.metadata.get("schedule")
+        if ordered:
+            typer.echo(f"schedule {ordered['name']} ({ordered['stages']} stages): simulated makespan "
+                       f"{ordered['makespan']:.6g} vs {ordered['makespan_plan_order']:.6g} in plan order "
+                       f"({ordered['gain']:+.2%}), peak activation {ordered['peak_activation']:,.0f} vs "
+                       f"{ordered['peak_activation_plan_order']:,.0f} tokens")
 
 
 def register(app: typer.Typer) -> None:

@@ -49,6 +49,8 @@ class PlanConfig:
     max_per_row: Optional[int] = None
     split_long: bool = False
     overwrite: bool = False
+    schedule: Optional[str] = None  # order each step for this parallel schedule (varlen_cli/schedule/order.py)
+    stages: Optional[int] = None  # pipeline stages of --schedule
 
 
 @dataclass
@@ -103,6 +105,7 @@ def check_config(c: PlanConfig) -> None:
             raise UsageError(f"--curriculum-epochs must be >= 0 (got {c.curriculum_epochs})")
     if c.static_shapes and c.num_shapes is None and not c.packing:
         raise UsageError("--static-shapes needs --num-shapes K (the number of (B, T) shapes)")
+    _check_schedule(c)
     if c.drop_long and c.split_long:
         raise UsageError("--drop-long and --split-long exclude each other")
     if c.packing:
@@ -122,6 +125,20 @@ def check_config(c: PlanConfig) -> None:
                 raise UsageError(f"{name} needs --packing")
         if c.split_long:
             raise UsageError("--split-long needs --packing (a padded microbatch cannot hold part of a sample)")
+
+
+def _check_schedule(c: PlanConfig) -> None:
+    from ..schedule.schemes import SCHEDULES
+
+    if c.schedule is None:
+        if c.stages is not None:
+            raise UsageError("--stages needs --schedule (the parallel schedule to order the steps for)")
+        return
+    if c.schedule not in SCHEDULES:
+        raise UsageError(f"--schedule must be one of {', '.join(SCHEDULES)} (got {c.schedule!r})")
+    if c.stages is None:
+        raise UsageError("--schedule needs --stages K (the pipeline stages the schedule runs)")
+    _positive("--stages", c.stages)
 
 
 def _rows_per_microbatch(c: PlanConfig, budget: Budget) -> int:
@@ -237,7 +254,7 @@ def plan(config: PlanConfig) -> PlanResult:
     if c.num_shapes is not None and not c.packing:
         shape = ShapeMap(c.pad_multiple, choose_edges(shape.pad(length[canon]), c.num_shapes))
 
-    epochs, tail_dropped, packing_stats = [], [], []
+    epochs, tail_dropped, packing_stats, schedule_orders = [], [], [], []
     canon_padded = None  # shape(length[canon]), computed once for all bucket-shuffle epochs
     fixed_batch = None
     for e in range(c.epochs):
@@ -300,15 +317,21 @@ def plan(config: PlanConfig) -> PlanResult:
                 np.asarray(budget.cost(mb.batch_size, mb.seqlen), dtype=np.float64))
         lay = layout.layout_epoch(mb, cost, c.dp, c.grad_accum, warmup=c.compile_warmup and e == 0,
                                   same_shape=c.same_shape_per_step or c.packing, static=c.static_shapes)
+        if c.schedule is not None:  # schedule-aware order within each step: varlen_cli/schedule/order.py
+            from ..schedule.order import reorder_layout
+
+            lay, ordered = reorder_layout(lay, cost, mb.batch_size.astype(np.float64) * mb.seqlen, dp=c.dp,
+                                          grad_accum=c.grad_accum, schedule=c.schedule, stages=c.stages)
+            schedule_orders.append(ordered)
         epochs.append((mb.take(lay.order), lay, cost[lay.order], mode))
         tail_dropped.append(dropped)
 
     return _finish(c, manifest, sample_id, length, epochs, tail_dropped, long_pos, packing_stats, rows_per_mb,
-                   budget, shape, slots, t0, fixed_batch)
+                   budget, shape, slots, t0, fixed_batch, schedule_orders)
 
 
 def _finish(c, manifest, sample_id, length, epochs, tail_dropped, long_pos, packing_stats, rows_per_mb, budget,
-            shape, slots, t0, fixed_batch=None) -> PlanResult:
+            shape, slots, t0, fixed_batch=None, schedule_orders=()) -> PlanResult:
     cols = {k: [] for k in ("epoch", "step", "rank", "micro", "num_samples", "seqlen", "batch_size", "tokens", "cost",
                             "completed")}
     items = {"sample_ids": [], "sample_lengths": [], "sample_rows": [], "sample_starts": []}
@@ -421,6 +444,10 @@ def _finish(c, manifest, sample_id, length, epochs, tail_dropped, long_pos, pack
                     "tail": [{"epoch": e, "sample_ids": ids.tolist()} for e, ids in enumerate(tail_ids) if len(ids)]},
         "stats": summary,
     }
+    if schedule_orders:
+        from ..schedule.order import combined_report
+
+        metadata["schedule"] = combined_report(c.schedule, c.stages, schedule_orders)
     row_cols = {
         "epoch": col["epoch"].astype(np.int32), "step": step, "rank": col["rank"].astype(np.int32),
         "micro": col["micro"].astype(np.int32), "num_samples": counts.astype(np.int32),

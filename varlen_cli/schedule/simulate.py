@@ -70,6 +70,7 @@ class ScheduleResult:
     activation_transfers: np.ndarray  # per worker, tokens received (activations and gradients)
     weight_transfers: np.ndarray  # per worker, stage weights fetched
     gantt: list | None = None  # jobs of the --gantt-step step: (worker, start, end, micro, "F"/"B", stage)
+    step_peak: np.ndarray | None = None  # per step, the largest peak activation of any worker
 
     @property
     def makespan(self) -> float:
@@ -154,18 +155,18 @@ def unit_starts(scheme: Scheme, jobs: Jobs, costs: np.ndarray, r: float) -> tupl
     return greedy(jobs, per_job), per_job
 
 
-def _peak_activation(jobs: Jobs, on: np.ndarray, start, end, tokens) -> float:
-    """Max over time and rows of the padded tokens held by one worker: from F start to B end."""
+def _peak_activation(jobs: Jobs, on: np.ndarray, start, end, tokens) -> np.ndarray:
+    """Per row, the max over time of the padded tokens held by one worker: from F start to B end."""
     f = np.flatnonzero(on & ~jobs.backward)
     if f.size == 0:
-        return 0.0
+        return np.zeros(len(start))
     b = f + jobs.stages * jobs.n  # the backward of the same stage and microbatch
     tok = tokens[:, jobs.micro[f] - jobs.first]
     times = np.concatenate([end[:, b], start[:, f]], axis=1)  # frees first: they win ties (stable sort)
     delta = np.concatenate([-tok, tok], axis=1)
     order = np.argsort(times, axis=1, kind="stable")
     level = np.cumsum(np.take_along_axis(delta, order, axis=1), axis=1)
-    return float(level.max())
+    return level.max(axis=1)
 
 
 def _weight_fetches(jobs: Jobs, on: np.ndarray, start, stored: np.ndarray) -> float:
@@ -194,7 +195,7 @@ def simulate_scheme(scheme: Scheme, costs: PlanCosts, r: float, gantt_step: int 
                     chunk_jobs: int = 1 << 22) -> ScheduleResult:
     """Schedule every step of the plan under ``scheme`` and gather the per-worker numbers."""
     W, n = scheme.workers, scheme.microbatches // scheme.units
-    steps = np.zeros(costs.num_steps)
+    steps, step_peak = np.zeros(costs.num_steps), np.zeros(costs.num_steps)
     peak, moved_in, fetched = np.zeros(W), np.zeros(W), np.zeros(W)
     stored = np.array([[w in scheme.stored_on(s) for w in range(W)] for s in range(scheme.stages)])
     seen, gantt = set(), ([] if gantt_step is not None else None)
@@ -217,7 +218,9 @@ def simulate_scheme(scheme: Scheme, costs: PlanCosts, r: float, gantt_step: int 
             steps[lo:hi] = np.maximum(steps[lo:hi], end.max(axis=1))
             for w in unit_workers:
                 on = jobs.worker == w
-                peak[w] = max(peak[w], _peak_activation(jobs, on, start, end, tok))
+                held = _peak_activation(jobs, on, start, end, tok)
+                peak[w] = max(peak[w], float(held.max()))
+                step_peak[lo:hi] = np.maximum(step_peak[lo:hi], held)
                 fetched[w] += _weight_fetches(jobs, on, start, job_stored)
             tok_sum = tok.sum(axis=0)
             np.add.at(moved_in, jobs.worker[moved], tok_sum[jobs.micro[moved] - jobs.first])
@@ -229,7 +232,7 @@ def simulate_scheme(scheme: Scheme, costs: PlanCosts, r: float, gantt_step: int 
     return ScheduleResult(schedule=scheme.name, workers=W, stages=scheme.stages, groups=scheme.groups,
                           microbatches_per_step=scheme.microbatches, backward_ratio=r, steps=steps, work=work,
                           peak_activation=peak, activation_transfers=moved_in, weight_transfers=fetched,
-                          gantt=gantt)
+                          gantt=gantt, step_peak=step_peak)
 
 
 def check_config(config: SimulateConfig) -> None:
