@@ -157,6 +157,19 @@ def test_proportionate_flow_shop(S, costs, r):
     assert max(e for _, _, e, _, d, _ in one.gantt if d == FORWARD) >= flow
 
 
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "gpipe", "1f1b", "lpp"])
+def test_gantt_of_a_later_step_matches_brute_force(name):
+    rng = np.random.default_rng(7)
+    cost, tokens = rng.integers(1, 30, (5, 6)).astype(float), rng.integers(1, 30, (5, 6)).astype(float)
+    scheme = make_scheme(name, stages=3, microbatches=6, dp=2)
+    res = simulate_scheme(scheme, PlanCosts(path="", dp=2, grad_accum=3, cost=cost, tokens=tokens), 2.0, gantt_step=3)
+    expected, _, _ = brute_force(scheme, cost[3].tolist(), tokens[3].tolist(), 2.0)
+    assert {(s, b, d): (w, a, e) for w, a, e, b, d, s in res.gantt} == expected
+    for k in range(5):
+        assert res.steps[k] == max(e for _, _, e in brute_force(scheme, cost[k].tolist(), tokens[k].tolist(),
+                                                                2.0)[0].values())
+
+
 # -- real plans ---------------------------------------------------------------------------------------
 def _real_plan(tmp_path, **kw):
     from tests.plan_helpers import write_metrics

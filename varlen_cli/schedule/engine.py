@@ -128,47 +128,92 @@ def _chains(scheme: Scheme, worker, d_idx, s_idx, order, J):
     return chains, chain_worker
 
 
+def _extended(jobs: Jobs):
+    """Tables with two sentinels: job J (no dependency, finished at 0) and J+1 (chain done, never ready)."""
+    J = jobs.size
+    done = J + 1
+    chains = np.where(jobs.chains == J, done, jobs.chains)
+    deps = np.vstack([jobs.deps, np.full((1, jobs.deps.shape[1]), done)])
+    rank = np.append(jobs.rank, J + 2)
+    flushed = np.append(jobs.flushed, False)
+    chain_of = np.zeros(J + 2, dtype=np.int64)
+    for c, row in enumerate(jobs.chains):
+        chain_of[row[row < J]] = c
+    users: list[list[int]] = [[] for _ in range(J + 2)]
+    for k in range(J):
+        for d in set(jobs.deps[k].tolist()) - {J}:
+            users[d].append(k)
+    dependents = np.full((J + 2, max(1, max(len(u) for u in users))), done, dtype=np.int64)
+    for d, u in enumerate(users):
+        dependents[d, :len(u)] = u
+    return chains, deps, rank, flushed, chain_of, dependents
+
+
 def greedy(jobs: Jobs, durations: np.ndarray) -> np.ndarray:
-    """Start times ``(rows, J)`` of the greedy schedule of every row of ``durations`` ``(rows, J)``."""
+    """Start times ``(rows, J)`` of the greedy schedule of every row of ``durations`` ``(rows, J)``.
+
+    Each iteration starts one job in every row: the candidate (chain head) with the earliest
+    possible start, ties to the smallest priority rank (any worker's best ready job at that instant
+    is also the best of its own worker). The heads' ready times are kept up to date incrementally:
+    when a job finishes, only its dependents that are chain heads are recomputed.
+    """
     rows, J = durations.shape
+    chains, deps, rank, flushed, chain_of, dependents = _extended(jobs)
     r = np.arange(rows)
-    finish = np.full((J + 1, rows), np.inf)  # job-major, so each gather below reads whole rows of steps
+    finish = np.full((J + 2, rows), np.inf)  # job-major, so each gather reads whole rows of steps
     finish[J] = 0.0
-    flat = finish.reshape(-1)
-    dep_offsets = [jobs.deps[:, k] * rows for k in range(jobs.deps.shape[1])]
     dur = np.ascontiguousarray(durations.T)
     start = np.zeros((J, rows))
     workers, local = np.unique(jobs.chain_worker, return_inverse=True)
     free = np.zeros((len(workers), rows))
-    head = np.zeros((len(jobs.chains), rows), dtype=np.int64)
-    chain = np.arange(len(jobs.chains))[:, None]
-    in_flush = np.zeros(J + 1, dtype=bool)
-    in_flush[jobs.flush] = True
+    C = len(chains)
+    head = np.zeros((C, rows), dtype=np.int64)
+    hj = np.repeat(chains[:, :1], rows, axis=1)  # (C, rows) the next job of each chain
+    head_rank = rank[hj]
     flush_left, flush_end = np.full(rows, jobs.flush.size), np.zeros(rows)
-    for _ in range(J):
-        hj = jobs.chains[chain, head]  # (C, rows) next job of each chain (J: chain done)
-        ready = flat[dep_offsets[0][hj] + r]
-        for offsets in dep_offsets[1:]:
-            ready = np.maximum(ready, flat[offsets[hj] + r])
+    in_flush = np.zeros(J + 2, dtype=bool)
+    in_flush[jobs.flush] = True
+
+    def ready_of(k, cols):
+        """When jobs ``k`` (of rows ``cols``) may start, from what has finished so far."""
+        ready = finish[deps[k, 0], cols]
+        for d in range(1, deps.shape[1]):
+            ready = np.maximum(ready, finish[deps[k, d], cols])
         if jobs.flush.size:  # GPipe: the backward waits until every forward of the last stage is done
-            ready = np.where(jobs.flushed[hj], np.maximum(ready, np.where(flush_left == 0, flush_end, np.inf)), ready)
+            flush_at = np.where(flush_left[cols] == 0, flush_end[cols], np.inf)
+            ready = np.where(flushed[k], np.maximum(ready, flush_at), ready)
+        return ready
+
+    ready = ready_of(hj, r[None, :])
+    big = J + 3
+    for _ in range(J):
         when = np.maximum(ready, free[local])
-        when[hj == J] = np.inf
         t = when.min(axis=0)
         if not np.all(np.isfinite(t)):
             raise UsageError("the schedule deadlocks: a job waits for one that can never run (check the "
                              "scheme's priority, in_flight and compute functions)")
-        w = local[when.argmin(axis=0)]
-        candidate = (when == t) & (local[:, None] == w)
-        c = np.where(candidate, jobs.rank[hj], J + 1).argmin(axis=0)
+        c = np.where(when == t, head_rank, big).argmin(axis=0)
         j = hj[c, r]
-        start[j, r] = t
         end = t + dur[j, r]
+        start[j, r] = t
         finish[j, r] = end
-        free[w, r] = end
-        head[c, r] += 1
+        free[local[c], r] = end
         if jobs.flush.size:
-            done = in_flush[j]
-            flush_left -= done
-            flush_end = np.where(done, np.maximum(flush_end, end), flush_end)
+            last = in_flush[j] & (flush_left == 1)
+            flush_left -= in_flush[j]
+            flush_end = np.where(in_flush[j], np.maximum(flush_end, end), flush_end)
+            if last.any():  # the flush is over in these rows: their waiting heads may start
+                cols = np.flatnonzero(last)
+                ready[:, cols] = ready_of(hj[:, cols], cols[None, :])
+        head[c, r] += 1
+        nxt = chains[c, head[c, r]]
+        hj[c, r] = nxt
+        head_rank[c, r] = rank[nxt]
+        ready[c, r] = ready_of(nxt, r)
+        for m in range(dependents.shape[1]):
+            k = dependents[j, m]
+            ck = chain_of[k]
+            heads = np.flatnonzero(hj[ck, r] == k)
+            if heads.size:
+                ready[ck[heads], heads] = ready_of(k[heads], heads)
     return start.T

@@ -169,6 +169,16 @@ def _peak_activation(jobs: Jobs, on: np.ndarray, start, end, tokens) -> np.ndarr
     return level.max(axis=1)
 
 
+def _unit_peak(scheme: Scheme, jobs: Jobs, on: np.ndarray, start, end, tokens) -> np.ndarray:
+    """Per row, a worker's peak activation; closed forms: one microbatch through all S stages at a
+    time (chain: ``S max(tok)``), or every microbatch of the group at the end of the forward (GPipe)."""
+    if scheme.closed_form == "chain":
+        return scheme.stages * tokens.max(axis=1)
+    if scheme.closed_form == "gpipe":
+        return tokens.sum(axis=1)
+    return _peak_activation(jobs, on, start, end, tokens)
+
+
 def _weight_fetches(jobs: Jobs, on: np.ndarray, start, stored: np.ndarray) -> float:
     """Stage weights a worker fetches: a job of a stage it does not store, unless its previous job
     (in this step) was of the same stage (it keeps the weights in use; the optimizer step ends a step)."""
@@ -191,14 +201,59 @@ def _predecessors(jobs: Jobs) -> np.ndarray:
     return pred
 
 
+@dataclass
+class _Totals:
+    """What :func:`simulate_scheme` adds up over units and chunks of steps."""
+
+    steps: np.ndarray
+    step_peak: np.ndarray
+    peak: np.ndarray
+    moved_in: np.ndarray
+    fetched: np.ndarray
+    gantt: list | None
+
+
+def closed_makespan(scheme: Scheme, costs: np.ndarray, r: float) -> np.ndarray:
+    """Per row, the unit's makespan under a closed form (module docstring of :mod:`.closed`)."""
+    if scheme.closed_form == "chain":
+        return (1.0 + r) * scheme.stages * costs.sum(axis=1)
+    return (1.0 + r) * (costs.sum(axis=1) + (scheme.stages - 1) * costs.max(axis=1))
+
+
+def _chunk(scheme, jobs, c, tok, r, lo, totals, job_stored, gantt_step) -> None:
+    """Schedule steps ``lo .. lo + len(c) - 1`` of one unit and add up their numbers."""
+    rows, hi = len(c), lo + len(c)
+    if scheme.closed_form is None:
+        start, dur = unit_starts(scheme, jobs, c, r)
+        end = start + dur
+        makespan = end.max(axis=1)
+    else:  # the times follow from the costs; each worker's job order is the same in every step
+        makespan = closed_makespan(scheme, c, r)
+        first = 0 if totals.gantt is None or not lo <= gantt_step < hi else gantt_step - lo
+        start, dur = unit_starts(scheme, jobs, c[first:first + 1], r)
+        end = start + dur
+    totals.steps[lo:hi] = np.maximum(totals.steps[lo:hi], makespan)
+    for w in np.unique(jobs.worker):
+        on = jobs.worker == w
+        held = _unit_peak(scheme, jobs, on, start, end, tok)
+        totals.peak[w] = max(totals.peak[w], float(held.max()))
+        totals.step_peak[lo:hi] = np.maximum(totals.step_peak[lo:hi], held)
+        fetches = _weight_fetches(jobs, on, start, job_stored)
+        totals.fetched[w] += fetches * rows if scheme.closed_form is not None else fetches
+    if totals.gantt is not None and lo <= gantt_step < hi:
+        k = 0 if scheme.closed_form is not None else gantt_step - lo
+        totals.gantt.extend((int(jobs.worker[j]), float(start[k, j]), float(end[k, j]), int(jobs.micro[j]),
+                             "B" if jobs.backward[j] else "F", int(jobs.stage[j])) for j in range(jobs.size))
+
+
 def simulate_scheme(scheme: Scheme, costs: PlanCosts, r: float, gantt_step: int | None = None,
-                    chunk_jobs: int = 1 << 22) -> ScheduleResult:
+                    chunk_jobs: int = 1 << 18) -> ScheduleResult:
     """Schedule every step of the plan under ``scheme`` and gather the per-worker numbers."""
     W, n = scheme.workers, scheme.microbatches // scheme.units
-    steps, step_peak = np.zeros(costs.num_steps), np.zeros(costs.num_steps)
-    peak, moved_in, fetched = np.zeros(W), np.zeros(W), np.zeros(W)
+    totals = _Totals(steps=np.zeros(costs.num_steps), step_peak=np.zeros(costs.num_steps), peak=np.zeros(W),
+                     moved_in=np.zeros(W), fetched=np.zeros(W), gantt=[] if gantt_step is not None else None)
     stored = np.array([[w in scheme.stored_on(s) for w in range(W)] for s in range(scheme.stages)])
-    seen, gantt = set(), ([] if gantt_step is not None else None)
+    seen: set = set()
     for unit in range(scheme.units):
         jobs = build_jobs(scheme, unit)
         unit_workers = set(np.unique(jobs.worker).tolist())
@@ -208,31 +263,19 @@ def simulate_scheme(scheme: Scheme, costs: PlanCosts, r: float, gantt_step: int 
         job_stored = stored[jobs.stage, jobs.worker]
         pred = _predecessors(jobs)
         moved = (pred >= 0) & (jobs.worker != jobs.worker[np.maximum(pred, 0)])
+        cost = costs.cost[:, jobs.first:jobs.first + n]
+        tokens = costs.tokens[:, jobs.first:jobs.first + n]
+        tok_sum = tokens.sum(axis=0)
+        np.add.at(totals.moved_in, jobs.worker[moved], tok_sum[jobs.micro[moved] - jobs.first])
         rows_per_chunk = max(1, chunk_jobs // jobs.size)
         for lo in range(0, costs.num_steps, rows_per_chunk):
             hi = min(costs.num_steps, lo + rows_per_chunk)
-            c = costs.cost[lo:hi, jobs.first:jobs.first + n]
-            tok = costs.tokens[lo:hi, jobs.first:jobs.first + n]
-            start, dur = unit_starts(scheme, jobs, c, r)
-            end = start + dur
-            steps[lo:hi] = np.maximum(steps[lo:hi], end.max(axis=1))
-            for w in unit_workers:
-                on = jobs.worker == w
-                held = _peak_activation(jobs, on, start, end, tok)
-                peak[w] = max(peak[w], float(held.max()))
-                step_peak[lo:hi] = np.maximum(step_peak[lo:hi], held)
-                fetched[w] += _weight_fetches(jobs, on, start, job_stored)
-            tok_sum = tok.sum(axis=0)
-            np.add.at(moved_in, jobs.worker[moved], tok_sum[jobs.micro[moved] - jobs.first])
-            if gantt is not None and lo <= gantt_step < hi:
-                k = gantt_step - lo
-                gantt.extend((int(jobs.worker[j]), float(start[k, j]), float(end[k, j]), int(jobs.micro[j]),
-                              "B" if jobs.backward[j] else "F", int(jobs.stage[j])) for j in range(jobs.size))
+            _chunk(scheme, jobs, cost[lo:hi], tokens[lo:hi], r, lo, totals, job_stored, gantt_step)
     work = float((1.0 + r) * scheme.stages * costs.cost.sum())
     return ScheduleResult(schedule=scheme.name, workers=W, stages=scheme.stages, groups=scheme.groups,
-                          microbatches_per_step=scheme.microbatches, backward_ratio=r, steps=steps, work=work,
-                          peak_activation=peak, activation_transfers=moved_in, weight_transfers=fetched,
-                          gantt=gantt, step_peak=step_peak)
+                          microbatches_per_step=scheme.microbatches, backward_ratio=r, steps=totals.steps, work=work,
+                          peak_activation=totals.peak, activation_transfers=totals.moved_in,
+                          weight_transfers=totals.fetched, gantt=totals.gantt, step_peak=totals.step_peak)
 
 
 def check_config(config: SimulateConfig) -> None:
