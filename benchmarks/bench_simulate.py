@@ -7,8 +7,17 @@ The plan is a real plan file (the columns and metadata of docs/formats.md, writt
 microbatches of random padded shapes (T log-uniform in 64 .. 8192, B = budget // T), so every step
 has different costs. Prints, per schedule, the median of ``--repeats`` runs of the library call
 (plan reading included) and two same-run references: the time to read the plan's costs alone, and
-a step-by-step peer (the same scheduler called once per step, rows = 1, on ``--peer-steps`` steps,
-extrapolated to the plan): what the vectorisation over steps buys.
+a step-by-step peer (the same scheduler, job tables built once, called once per step with rows = 1
+on ``--peer-steps`` steps, schedule only, no metrics, extrapolated to the plan): what the
+vectorisation over steps buys.
+
+    PYTHONPATH=. python benchmarks/bench_simulate.py --order-gain --samples 200000 --dp 4 --grad-accum 8 \
+        --stages 4
+
+``--order-gain``: schedule-aware plans (``varlen plan --schedule``). Writes lognormal lengths,
+runs ``varlen analyze`` and ``varlen plan`` (random and bucket-shuffle orders) without and with
+``--schedule`` for 1F1B, GPipe and DDP, and prints the simulated makespan and peak activation of
+both, and the planner's time with and without the reordering.
 """
 
 from __future__ import annotations
@@ -54,6 +63,38 @@ def write_synthetic_plan(path: str, *, microbatches: int, dp: int, grad_accum: i
     return path
 
 
+def order_gain(args) -> None:
+    from varlen_cli.analyze import AnalyzeConfig, analyze
+    from varlen_cli.plan import PlanConfig, plan
+
+    with tempfile.TemporaryDirectory() as tmp:
+        rng = np.random.default_rng(0)
+        lengths = np.clip(rng.lognormal(6.0, 1.0, args.samples), 8, 16384).astype(np.int64)
+        pq.write_table(pa.table({"n": lengths}), os.path.join(tmp, "lengths.parquet"))
+        metrics = os.path.join(tmp, "m")
+        analyze(AnalyzeConfig(sources=(os.path.join(tmp, "lengths.parquet"),), output=metrics, length="value:n",
+                              progress=False))
+        print(f"{args.samples:,} samples, lognormal lengths (median {int(np.median(lengths))}), --max-tokens 16384, "
+              f"dp={args.dp}, grad_accum={args.grad_accum}, stages={args.stages}")
+        print(f"{'order':15s} {'schedule':9s} {'makespan plan order':>20s} {'reordered':>12s} {'gain':>7s} "
+              f"{'peak before':>12s} {'peak after':>11s} {'plan s':>7s} {'+order s':>9s}")
+        for order in ("random", "bucket-shuffle"):
+            common = {"input": metrics, "max_tokens": 16384, "dp": args.dp, "grad_accum": args.grad_accum,
+                      "order": order, "overwrite": True}
+            t0 = time.perf_counter()
+            plan(PlanConfig(output=os.path.join(tmp, "p.parquet"), **common))
+            base_s = time.perf_counter() - t0
+            for name in ("1f1b", "gpipe", "ddp"):
+                t0 = time.perf_counter()
+                res = plan(PlanConfig(output=os.path.join(tmp, "q.parquet"), schedule=name, stages=args.stages,
+                                      **common))
+                sched_s = time.perf_counter() - t0
+                g = res.metadata["schedule"]
+                print(f"{order:15s} {name:9s} {g['makespan_plan_order']:20.4g} {g['makespan']:12.4g} "
+                      f"{g['gain']:7.2%} {g['peak_activation_plan_order']:12,.0f} {g['peak_activation']:11,.0f} "
+                      f"{base_s:7.2f} {sched_s - base_s:9.2f}")
+
+
 def main() -> None:
     from varlen_cli.schedule import (
         SCHEDULES,
@@ -73,7 +114,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--schedules", default=",".join(SCHEDULES))
     ap.add_argument("--peer-steps", type=int, default=200)
+    ap.add_argument("--order-gain", action="store_true", help="measure varlen plan --schedule instead")
+    ap.add_argument("--samples", type=int, default=200_000)
     args = ap.parse_args()
+    if args.order_gain:
+        return order_gain(args)
     with tempfile.TemporaryDirectory() as tmp:
         path = write_synthetic_plan(os.path.join(tmp, "plan.parquet"), microbatches=args.microbatches, dp=args.dp,
                                     grad_accum=args.grad_accum)
@@ -100,11 +145,12 @@ def main() -> None:
             bubble = out["r"].results[0].bubble
             scheme = make_scheme(name, stages=args.stages, microbatches=costs.per_step, dp=costs.dp)
             k = min(args.peer_steps, costs.num_steps)
+            units = [build_jobs(scheme, u) for u in range(scheme.units)]  # built once, outside the timing
+            n = costs.per_step // scheme.units
             t0 = time.perf_counter()
             for step in range(k):
-                one = PlanCosts(path=path, dp=costs.dp, grad_accum=costs.grad_accum,
-                                cost=costs.cost[step:step + 1], tokens=costs.tokens[step:step + 1])
-                simulate_scheme(scheme, one, 2.0)
+                for jobs in units:
+                    unit_starts(scheme, jobs, costs.cost[step:step + 1, jobs.first:jobs.first + n], 2.0)
             peer = (time.perf_counter() - t0) / k * costs.num_steps
             print(f"{name:10s} {seconds:8.2f} {seconds / read:8.1f} {peer:16.1f} {peer / seconds:8.0f} {bubble:7.1%}")
 
