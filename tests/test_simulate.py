@@ -141,6 +141,32 @@ def test_matches_brute_force_event_simulation(case):
     assert res.weight_transfers.tolist() == fetches.tolist()
 
 
+@st.composite
+def arbitrary_schemes(draw):
+    """Any compute/store/priority functions (chains=False: the general scheduler)."""
+    S, N, W = draw(st.integers(1, 3)), draw(st.integers(1, 4)), draw(st.integers(1, 3))
+    where = draw(st.lists(st.integers(0, W - 1), min_size=2 * S * N, max_size=2 * S * N))
+    keys = draw(st.permutations(range(2 * S * N)))
+    owners = draw(st.lists(st.integers(0, W - 1), min_size=S, max_size=S))
+
+    def job(s, b, d):
+        return (d == "B") * S * N + s * N + b
+
+    scheme = Scheme(name="random", stages=S, microbatches=N, workers=W, compute=lambda s, b, d: where[job(s, b, d)],
+                    store=lambda s: owners[s], priority=lambda s, b, d: (keys[job(s, b, d)] // 2,),
+                    flush=draw(st.booleans()))
+    costs = draw(st.lists(st.integers(1, 9), min_size=N, max_size=N))
+    return scheme, costs, draw(st.lists(st.integers(1, 9), min_size=N, max_size=N)), draw(st.sampled_from([1.0, 2.0]))
+
+
+@settings(max_examples=100, deadline=None)
+@given(arbitrary_schemes())
+def test_general_scheduler_matches_brute_force(case):
+    """Arbitrary schemes (workers shared between stages and microbatches, priorities with ties)
+    through the general scheduler."""
+    test_matches_brute_force_event_simulation.hypothesis.inner_test(case)
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.integers(1, 6), st.lists(st.integers(1, 1000), min_size=1, max_size=12), st.sampled_from([0.5, 1.0, 2.0]))
 def test_proportionate_flow_shop(S, costs, r):
@@ -244,8 +270,7 @@ def user_scheme(stages, microbatches, workers):
     from varlen_cli.schedule import breadth_first
 
     return Scheme(name="alternate", stages=stages, microbatches=microbatches, workers=2,
-                  compute=lambda s, b, d: s % 2, store=lambda s: 0, priority=breadth_first(stages), flush=True,
-                  chains=False)
+                  compute=lambda s, b, d: s % 2, store=lambda s: 0, priority=breadth_first(stages), flush=True)
 
 
 def test_user_scheme_module_function(tmp_path):

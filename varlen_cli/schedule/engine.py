@@ -53,9 +53,6 @@ class Jobs:
     def size(self) -> int:
         return len(self.micro)
 
-    def index(self, direction: int, stage: int, i) -> np.ndarray:
-        return direction * self.stages * self.n + stage * self.n + np.asarray(i)
-
 
 def build_jobs(scheme: Scheme, unit: int) -> Jobs:
     """The job table of ``unit`` (microbatches ``unit * n .. (unit+1) * n - 1``) under ``scheme``."""
@@ -68,8 +65,9 @@ def build_jobs(scheme: Scheme, unit: int) -> Jobs:
     direction = [FORWARD, BACKWARD]
     worker = np.array([scheme.compute(int(s), int(b), direction[d]) for d, s, b in zip(d_idx, s_idx, micro)],
                       dtype=np.int64)
-    if worker.size and (worker.min() < 0 or worker.max() >= scheme.workers):
-        raise UsageError(f"--schedule {scheme.name}: compute() returned worker {int(worker.max())} "
+    bad = worker[(worker < 0) | (worker >= scheme.workers)]
+    if bad.size:
+        raise UsageError(f"--schedule {scheme.name}: compute() returned worker {int(bad[0])} "
                          f"outside 0 .. {scheme.workers - 1}")
     keys = [scheme.priority(int(s), int(b), direction[d]) for d, s, b in zip(d_idx, s_idx, micro)]
     order = sorted(range(J), key=lambda j: (keys[j], j))
@@ -88,8 +86,13 @@ def build_jobs(scheme: Scheme, unit: int) -> Jobs:
 def _dependencies(scheme: Scheme, S: int, n: int, J: int, rank: np.ndarray) -> np.ndarray:
     i = np.arange(n)
     lists: list[list[int]] = [[] for _ in range(J)]
-    fwd = lambda s: s * n + i  # noqa: E731
-    bwd = lambda s: S * n + s * n + i  # noqa: E731
+
+    def fwd(s: int) -> np.ndarray:
+        return s * n + i
+
+    def bwd(s: int) -> np.ndarray:
+        return S * n + s * n + i
+
     for s in range(S):
         if s:
             for f, pred in zip(fwd(s), fwd(s - 1)):

@@ -51,7 +51,7 @@ class Scheme:
     units: int = 1
     groups: int = 1  # data-parallel groups (reporting only)
     closed_form: str | None = None  # "chain" (DDP/FSDP) or "gpipe": a vectorised exact form exists
-    chains: bool = True  # jobs of one (worker, stage, direction) become ready in priority order
+    chains: bool = False  # True only if the jobs of one (worker, stage, direction) become ready in priority order
 
     def stored_on(self, stage: int) -> frozenset:
         where = self.store(stage)
@@ -88,7 +88,7 @@ def data_parallel(name: str, stages: int, microbatches: int, workers: int) -> Sc
     store = (lambda s: everyone) if name == "ddp" else (lambda s: s % workers)
     return Scheme(name=name, stages=stages, microbatches=microbatches, workers=workers,
                   compute=lambda s, b, d: b // per, store=store, priority=depth_first(stages),
-                  units=workers, groups=workers, closed_form="chain")
+                  units=workers, groups=workers, closed_form="chain", chains=True)
 
 
 def pipeline(name: str, stages: int, microbatches: int, groups: int, per_group: int | None = None) -> Scheme:
@@ -115,7 +115,7 @@ def pipeline(name: str, stages: int, microbatches: int, groups: int, per_group: 
         kw = {"priority": breadth_first(stages), "flush": True}
     return Scheme(name=name, stages=stages, microbatches=microbatches, workers=groups * r,
                   compute=lambda s, b, d: (b // n) * r + s % r, store=store, units=groups, groups=groups,
-                  closed_form="gpipe" if name == "gpipe" else None, **kw)
+                  closed_form="gpipe" if name == "gpipe" else None, chains=True, **kw)
 
 
 def load_user_scheme(spec: str, stages: int, microbatches: int, workers: int) -> Scheme:
