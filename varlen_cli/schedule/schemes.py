@@ -96,7 +96,7 @@ def pipeline(name: str, stages: int, microbatches: int, groups: int, per_group: 
 
     GPipe and 1F1B have R = S. LPP/FSLPP loop over the R workers when S > R (breadth first).
     Weights: replicated across groups (GPipe, 1F1B, LPP) or stored once, on group (s // R) mod G
-    (FSLPP), which the other groups fetch.
+    (FSLPP), which the other groups fetch. With R = S, LPP and FSLPP schedule exactly as GPipe (closed form).
     """
     n = _check_divides("--groups", groups, microbatches, "the microbatches of a step (dp x grad_accum)")
     r = stages if per_group is None else per_group
@@ -115,7 +115,7 @@ def pipeline(name: str, stages: int, microbatches: int, groups: int, per_group: 
         kw = {"priority": breadth_first(stages), "flush": True}
     return Scheme(name=name, stages=stages, microbatches=microbatches, workers=groups * r,
                   compute=lambda s, b, d: (b // n) * r + s % r, store=store, units=groups, groups=groups,
-                  closed_form="gpipe" if name == "gpipe" else None, chains=True, **kw)
+                  closed_form="gpipe" if name != "1f1b" and r == stages else None, chains=True, **kw)
 
 
 def load_user_scheme(spec: str, stages: int, microbatches: int, workers: int) -> Scheme:

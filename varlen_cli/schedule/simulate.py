@@ -247,7 +247,7 @@ def _chunk(scheme, jobs, c, tok, r, lo, totals, job_stored, gantt_step) -> None:
 
 
 def simulate_scheme(scheme: Scheme, costs: PlanCosts, r: float, gantt_step: int | None = None,
-                    chunk_jobs: int = 1 << 18) -> ScheduleResult:
+                    chunk_jobs: int = 1 << 22) -> ScheduleResult:
     """Schedule every step of the plan under ``scheme`` and gather the per-worker numbers."""
     W, n = scheme.workers, scheme.microbatches // scheme.units
     totals = _Totals(steps=np.zeros(costs.num_steps), step_peak=np.zeros(costs.num_steps), peak=np.zeros(W),
