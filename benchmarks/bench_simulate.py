@@ -107,6 +107,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--schedules", default=",".join(SCHEDULES))
     ap.add_argument("--peer-steps", type=int, default=200)
+    ap.add_argument("--loop-workers", type=int, default=None,
+                    help="R workers per group for lpp/fslpp (default S // 2: two loops; R = S is GPipe)")
     ap.add_argument("--order-gain", action="store_true", help="measure varlen plan --schedule instead")
     ap.add_argument("--samples", type=int, default=200_000)
     args = ap.parse_args()
@@ -125,18 +127,21 @@ def main() -> None:
             return statistics.median(times)
 
         read = median(lambda: read_plan_costs(path))
+        loop = args.loop_workers or max(1, args.stages // 2)
         print(f"plan: {args.microbatches:,} microbatches, dp={args.dp}, grad_accum={args.grad_accum}, "
-              f"stages={args.stages}; median of {args.repeats}")
+              f"stages={args.stages} (lpp/fslpp: {loop} workers per group); median of {args.repeats}")
         costs = read_plan_costs(path)
         print(f"{'schedule':10s} {'seconds':>8s} {'x read':>8s} {'per-step peer s':>16s} {'speedup':>8s} "
               f"{'bubble':>7s}")
         print(f"{'(read)':10s} {read:8.2f} {1.0:8.1f}")
         for name in args.schedules.split(","):
-            cfg = SimulateConfig(plan=path, schedule=name, stages=args.stages)
+            looped = name in ("lpp", "fslpp")
+            workers = costs.dp * loop if looped else None
+            cfg = SimulateConfig(plan=path, schedule=name, stages=args.stages, workers=workers)
             out = {}
             seconds = median(lambda cfg=cfg, out=out: out.setdefault("r", simulate(cfg)))
             bubble = out["r"].results[0].bubble
-            scheme = make_scheme(name, stages=args.stages, microbatches=costs.per_step, dp=costs.dp)
+            scheme = make_scheme(name, stages=args.stages, microbatches=costs.per_step, dp=costs.dp, workers=workers)
             k = min(args.peer_steps, costs.num_steps)
             units = [build_jobs(scheme, u) for u in range(scheme.units)]  # built once, outside the timing
             n = costs.per_step // scheme.units
