@@ -189,14 +189,16 @@ def greedy(jobs: Jobs, durations: np.ndarray) -> np.ndarray:
 
     ready = ready_of(hj, r[None, :])
     big = J + 3
+    job_by_rank = np.zeros(2 * big + 1, dtype=np.int64)
+    job_by_rank[rank[:J]] = np.arange(J)
     for _ in range(J):
         when = np.maximum(ready, free[local])
         t = when.min(axis=0)
         if not np.all(np.isfinite(t)):
             raise UsageError("the schedule deadlocks: a job waits for one that can never run (check the "
                              "scheme's priority, in_flight and compute functions)")
-        c = np.where(when == t, head_rank, big).argmin(axis=0)
-        j = hj[c, r]
+        j = job_by_rank[(head_rank + big * (when != t)).min(axis=0)]  # ranks are unique: no argmin
+        c = chain_of[j]
         end = t + dur[j, r]
         start[j, r] = t
         finish[j, r] = end
