@@ -249,6 +249,10 @@ def test_cli_json_single_and_all(tmp_path):
     every = json.loads(result.stdout)
     assert [o["schedule"] for o in every] == ["ddp", "fsdp", "gpipe", "1f1b", "lpp", "fslpp"]
     assert every[3] == one
+    result = runner.invoke(app, ["simulate", plan, "--schedule", "gpipe", "--stages", "2", "--json",
+                                 "--gantt-step", "4"])
+    out = json.loads(result.stdout)
+    assert len(out["gantt"]) == 2 * 2 * 8 and max(j["end"] for j in out["gantt"]) == out["steps"][4]
 
 
 def test_cli_table_and_gantt(tmp_path):

@@ -93,6 +93,8 @@ class ScheduleResult:
             "peak_activation": self.peak_activation.tolist(),
             "activation_transfers": self.activation_transfers.tolist(),
             "weight_transfers": self.weight_transfers.tolist(),
+            **({"gantt": [dict(zip(("worker", "start", "end", "micro", "direction", "stage"), job))
+                          for job in sorted(self.gantt)]} if self.gantt is not None else {}),
         }
 
 
