@@ -255,6 +255,18 @@ def test_cli_json_single_and_all(tmp_path):
     assert len(out["gantt"]) == 2 * 2 * 8 and max(j["end"] for j in out["gantt"]) == out["steps"][4]
 
 
+def test_cli_all_with_workers_and_groups(tmp_path):
+    """--schedule all: DDP/FSDP on dp workers, --groups for the pipelines, --workers for LPP/FSLPP."""
+    plan = write_plan(tmp_path / "p.parquet", np.full((2, 8), 2), 4, dp=2)
+    result = runner.invoke(app, ["simulate", plan, "--stages", "4", "--workers", "4", "--groups", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    every = json.loads(result.stdout)
+    assert [(o["schedule"], o["workers"], o["groups"]) for o in every] == [
+        ("ddp", 2, 2), ("fsdp", 2, 2), ("gpipe", 8, 2), ("1f1b", 8, 2), ("lpp", 4, 2), ("fslpp", 4, 2)]
+    # LPP, 2 loops over R = 2 workers, B = 4 >= R equal microbatches of 8 tokens: (1 + 2)(2 * 4 + 2 - 1) units
+    assert every[4]["steps"] == [3 * 9 * 8] * 2
+
+
 def test_cli_table_and_gantt(tmp_path):
     plan = uniform(tmp_path, grad_accum=3)
     result = runner.invoke(app, ["simulate", plan, "--schedule", "gpipe", "--stages", "2", "--gantt-step", "0",
