@@ -22,7 +22,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from dataclasses import dataclass
-from typing import Callable, Literal, Union
+from typing import Callable, Union
 
 from ..errors import UsageError
 
@@ -30,7 +30,6 @@ FORWARD = "F"
 BACKWARD = "B"
 
 SCHEDULES = ("ddp", "fsdp", "gpipe", "1f1b", "lpp", "fslpp")
-ScheduleName = Literal["ddp", "fsdp", "gpipe", "1f1b", "lpp", "fslpp", "all"]
 
 Workers = Union[int, tuple]
 
@@ -141,6 +140,8 @@ def load_user_scheme(spec: str, stages: int, microbatches: int, workers: int) ->
     if scheme.stages != stages or scheme.microbatches != microbatches or scheme.workers < 1:
         raise UsageError(f"--schedule {spec}: the scheme must have stages={stages}, microbatches={microbatches} "
                          f"and workers >= 1 (got {scheme.stages}, {scheme.microbatches}, {scheme.workers})")
+    if scheme.units < 1 or microbatches % scheme.units:
+        raise UsageError(f"--schedule {spec}: units={scheme.units} must divide the {microbatches} microbatches")
     return scheme
 
 
