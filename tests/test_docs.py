@@ -24,7 +24,7 @@ def _commands():
     return [(name, group.get_command(ctx, name)) for name in group.list_commands(ctx)]
 
 
-EXPECTED = {"analyze", "sort", "plan", "run", "inspect", "validate"}
+EXPECTED = {"analyze", "sort", "plan", "run", "inspect", "validate", "simulate"}
 
 
 def test_all_stage_commands_exist():

@@ -108,6 +108,12 @@ SPLIT_LONG = typer.Option(
     False, "--split-long",
     help="With --packing: cut samples longer than --seq-len into chunks (recorded as start/length segments).",
 )
+SCHEDULE = typer.Option(
+    None, "--schedule", show_default=False,
+    help="Order each step's microbatches for this parallel schedule (ddp, fsdp, gpipe, 1f1b, lpp, fslpp): the best "
+         "simulated of a few orders per step (docs/schedules.md).",
+)
+STAGES = typer.Option(None, "--stages", show_default=False, help="Pipeline stages of --schedule.")
 
 
 def plan_command(
@@ -139,6 +145,8 @@ def plan_command(
     split_long: bool = SPLIT_LONG,
     overwrite: bool = common.OVERWRITE,
     allow_stale: bool = common.ALLOW_STALE,
+    schedule: str | None = SCHEDULE,
+    stages: int | None = STAGES,
 ) -> None:
     """Write a token-budget batch plan (Parquet): microbatches, ranks, steps, shapes and LR scales."""
     from varlen_cli.cli import report
@@ -151,7 +159,7 @@ def plan_command(
         static_shapes=static_shapes, compile_warmup=compile_warmup, same_shape_per_step=same_shape_per_step,
         max_samples=max_samples, attention_cost=attention_cost, drop_long=drop_long, tail=tail, packing=packing,
         seq_len=seq_len, rows_per_microbatch=rows_per_microbatch, max_per_row=max_per_row, split_long=split_long,
-        overwrite=overwrite, allow_stale=allow_stale,
+        overwrite=overwrite, allow_stale=allow_stale, schedule=schedule, stages=stages,
     )
     result = common.run(plan, config)
     if result is not None:

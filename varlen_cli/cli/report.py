@@ -111,6 +111,12 @@ def print_plan(result) -> None:
         rows.append(("compile warm-up steps", s["warmup_steps"]))
     if result.packing:
         rows.append(("packing efficiency %", f"{100 * result.packing['efficiency']:.3f}"))
+    ordered = result.metadata.get("schedule")
+    if ordered:
+        rows.append((f"{ordered['name']} makespan ({ordered['stages']} stages) vs plan order",
+                     f"{ordered['makespan']:.6g} vs {ordered['makespan_plan_order']:.6g} ({ordered['gain']:+.2%})"))
+        rows.append(("peak activation vs plan order",
+                     f"{ordered['peak_activation']:,.0f} vs {ordered['peak_activation_plan_order']:,.0f} tokens"))
     rows.append(("seconds", s["seconds"]))
     for label, value in rows:
         t.add_row(label, fmt(value))

@@ -68,6 +68,10 @@ class PlanConfig:
     overwrite: bool = doc(False, "Replace an existing output (written atomically either way).")
     allow_stale: bool = doc(False, "Use metrics even if their source files changed (size, mtime) since "
                                    "`varlen analyze`: for data moved or copied on purpose.")
+    schedule: str | None = doc(None, "Order each step's microbatches for this parallel schedule (ddp, fsdp, gpipe, "
+                                     "1f1b, lpp, fslpp): the best simulated of a few orders per step "
+                                     "(docs/schedules.md).")
+    stages: int | None = doc(None, "Pipeline stages of --schedule.")
 
 
 @dataclass
@@ -115,6 +119,7 @@ def check(c: PlanConfig) -> None:
             raise UsageError(f"--curriculum-epochs must be >= 0 (got {c.curriculum_epochs})")
     if c.static_shapes and c.num_shapes is None and not c.packing:
         raise UsageError("--static-shapes needs --num-shapes K (the number of (B, T) shapes)")
+    _check_schedule(c)
     if c.drop_long and c.split_long:
         raise UsageError("--drop-long and --split-long exclude each other")
     if c.packing:
@@ -134,6 +139,20 @@ def check(c: PlanConfig) -> None:
                 raise UsageError(f"{name} needs --packing")
         if c.split_long:
             raise UsageError("--split-long needs --packing (a padded microbatch cannot hold part of a sample)")
+
+
+def _check_schedule(c: PlanConfig) -> None:
+    from ..schedule.schemes import SCHEDULES
+
+    if c.schedule is None:
+        if c.stages is not None:
+            raise UsageError("--stages needs --schedule (the parallel schedule to order the steps for)")
+        return
+    if c.schedule not in SCHEDULES:
+        raise UsageError(f"--schedule must be one of {', '.join(SCHEDULES)} (got {c.schedule!r})")
+    if c.stages is None:
+        raise UsageError("--schedule needs --stages K (the pipeline stages the schedule runs)")
+    _positive("--stages", c.stages)
 
 
 def _rows_per_microbatch(c: PlanConfig, budget: Budget) -> int:
@@ -268,6 +287,7 @@ class PlannedEpoch:
     mode: str  # the order this epoch was planned in
     dropped: np.ndarray  # input positions its tail dropped
     packing_stats: dict | None
+    schedule_order: dict | None = None  # --schedule: the simulated gain of the step order (schedule/order.py)
 
 
 def _plan_epochs(c: PlanConfig, inputs: EpochInputs) -> tuple[list[PlannedEpoch], int | None]:
@@ -285,8 +305,14 @@ def _plan_epochs(c: PlanConfig, inputs: EpochInputs) -> tuple[list[PlannedEpoch]
                 np.asarray(inputs.budget.cost(mb.batch_size, mb.seqlen), dtype=np.float64))
         lay = layout.layout_epoch(mb, cost, c.dp, c.grad_accum, warmup=c.compile_warmup and e == 0,
                                   same_shape=c.same_shape_per_step or c.packing, static=c.static_shapes)
+        ordered = None
+        if c.schedule is not None:  # schedule-aware order within each step
+            from ..schedule.order import reorder_layout
+
+            lay, ordered = reorder_layout(lay, cost, mb.batch_size.astype(np.float64) * mb.seqlen, dp=c.dp,
+                                          grad_accum=c.grad_accum, schedule=c.schedule, stages=c.stages)
         epochs.append(PlannedEpoch(mb.take(lay.order), lay, cost[lay.order], mode, formed.dropped,
-                                   formed.packing_stats))
+                                   formed.packing_stats, ordered))
     return epochs, formers.random.fixed_batch
 
 
@@ -444,6 +470,10 @@ def _finish(c: PlanConfig, manifest: dict, sample_id: np.ndarray, epochs: list[P
     metadata = build_metadata(c, manifest, len(sample_id), epochs, num_steps=num_steps, num_microbatches=len(counts),
                               shapes=shapes, base_batch_size=base, inputs=inputs, fixed_batch=fixed_batch,
                               packing=packing, dropped=dropped.to_dict(dropped_all), summary=summary)
+    if c.schedule is not None:
+        from ..schedule.order import combined_report
+
+        metadata["schedule"] = combined_report(c.schedule, c.stages, [ep.schedule_order for ep in epochs])
     del epochs[:]
     row_cols = {
         "epoch": col["epoch"].astype(np.int32), "step": step, "rank": col["rank"].astype(np.int32),

@@ -1,0 +1,316 @@
+"""``varlen simulate``: what a plan's variable-length microbatches cost under each parallel schedule.
+
+Reads the plan with pyarrow only (no torch), schedules every optimizer step on its own (steps are
+separated by the gradient sync) and sums. See docs/schedules.md for the model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import InputError, UsageError
+from .closed import chain_starts, gpipe_starts
+from .engine import Jobs, build_jobs, greedy
+from .schemes import SCHEDULES, Scheme, make_scheme
+
+PLAN_FORMAT = "varlen-plan"
+_COLUMNS = ("step", "rank", "micro", "batch_size", "seqlen")
+
+
+@dataclass(frozen=True)
+class SimulateConfig:
+    """Options of ``varlen simulate``."""
+
+    plan: str
+    schedule: str = "all"  # one of SCHEDULES, "all", or MODULE:FUNCTION
+    stages: int = 1
+    workers: int | None = None
+    groups: int | None = None
+    backward_ratio: float = 2.0
+    attention_cost: float = 0.0
+    gantt_step: int | None = None
+
+
+@dataclass(frozen=True)
+class PlanCosts:
+    """A plan's microbatches as ``(num_steps, dp * grad_accum)`` arrays in ``(rank, micro)`` order."""
+
+    path: str
+    dp: int
+    grad_accum: int
+    cost: np.ndarray  # forward time of one stage: B*T + A*B*T^2
+    tokens: np.ndarray  # padded tokens B*T: the activations of one stage
+
+    @property
+    def num_steps(self) -> int:
+        return self.cost.shape[0]
+
+    @property
+    def per_step(self) -> int:
+        return self.cost.shape[1]
+
+
+@dataclass
+class ScheduleResult:
+    """One scheme over the whole plan (the ``--json`` object)."""
+
+    schedule: str
+    workers: int
+    stages: int
+    groups: int
+    microbatches_per_step: int
+    backward_ratio: float
+    steps: np.ndarray  # per-step makespan
+    work: float
+    peak_activation: np.ndarray  # per worker, max over steps, padded tokens of one stage
+    activation_transfers: np.ndarray  # per worker, tokens received (activations and gradients)
+    weight_transfers: np.ndarray  # per worker, stage weights fetched
+    gantt: list | None = None  # jobs of the --gantt-step step: (worker, start, end, micro, "F"/"B", stage)
+    step_peak: np.ndarray | None = None  # per step, the largest peak activation of any worker
+
+    @property
+    def makespan(self) -> float:
+        return float(self.steps.sum())
+
+    @property
+    def utilization(self) -> float:
+        return self.work / (self.workers * self.makespan) if self.makespan > 0 else 0.0
+
+    @property
+    def bubble(self) -> float:
+        return 1.0 - self.utilization
+
+    def to_json(self) -> dict:
+        return {
+            "schedule": self.schedule, "workers": self.workers, "stages": self.stages, "groups": self.groups,
+            "microbatches_per_step": self.microbatches_per_step, "backward_ratio": self.backward_ratio,
+            "num_steps": int(len(self.steps)), "makespan": self.makespan, "steps": self.steps.tolist(),
+            "work": self.work, "utilization": self.utilization, "bubble": self.bubble,
+            "peak_activation": self.peak_activation.tolist(),
+            "activation_transfers": self.activation_transfers.tolist(),
+            "weight_transfers": self.weight_transfers.tolist(),
+            **({"gantt": [dict(zip(("worker", "start", "end", "micro", "direction", "stage"), job))
+                          for job in sorted(self.gantt)]} if self.gantt is not None else {}),
+        }
+
+
+@dataclass
+class SimulateResult:
+    plan: str
+    results: list = field(default_factory=list)
+
+
+def read_plan_costs(path: str, attention_cost: float = 0.0) -> PlanCosts:
+    """The plan's per-microbatch costs; a one-line :class:`InputError` for anything not a plan."""
+    import pyarrow.parquet as pq
+
+    if not os.path.exists(path):
+        raise InputError(f"plan {path} does not exist")
+    if os.path.isdir(path):
+        raise InputError(f"{path} is a directory, not a plan file; create a plan with `varlen plan`")
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as exc:  # pyarrow raises several types for a non-Parquet file
+        raise InputError(f"{path} is not a readable Parquet plan: {exc}") from None
+    try:
+        meta = json.loads((pf.schema_arrow.metadata or {}).get(b"varlen", b"null"))
+    except ValueError:
+        meta = None
+    if not isinstance(meta, dict) or meta.get("format") != PLAN_FORMAT:
+        raise InputError(f"{path} is not a varlen plan (no '{PLAN_FORMAT}' metadata); create one with `varlen plan`")
+    missing = [c for c in _COLUMNS if c not in pf.schema_arrow.names]
+    if missing:
+        raise InputError(f"{path} lacks plan columns: {', '.join(missing)}")
+    dp, accum, steps = (int(meta.get(k) or 0) for k in ("dp", "grad_accum", "num_steps"))
+    if dp < 1 or accum < 1 or steps < 1:
+        raise InputError(f"{path} has dp={dp}, grad_accum={accum}, num_steps={steps}: nothing to simulate")
+    table = pf.read(columns=list(_COLUMNS))
+    col = {c: table.column(c).to_numpy().astype(np.int64) for c in _COLUMNS}
+    per_step = dp * accum
+    if table.num_rows != steps * per_step:
+        raise InputError(f"{path} is inconsistent: {table.num_rows} rows, expected num_steps x dp x grad_accum = "
+                         f"{steps} x {dp} x {accum}")
+    position = np.arange(table.num_rows)
+    if (np.any(col["step"] != position // per_step)
+            or np.any(col["rank"] * accum + col["micro"] != position % per_step)):
+        raise InputError(f"{path} rows are not in (step, rank, micro) order")
+    b, t = col["batch_size"].astype(np.float64), col["seqlen"].astype(np.float64)
+    if np.any(b * t <= 0):
+        raise InputError(f"{path} has a microbatch with batch_size x seqlen <= 0")
+    tokens = b * t
+    cost = tokens + attention_cost * tokens * t
+    return PlanCosts(path=path, dp=dp, grad_accum=accum, cost=cost.reshape(steps, per_step),
+                     tokens=tokens.reshape(steps, per_step))
+
+
+def unit_starts(scheme: Scheme, jobs: Jobs, costs: np.ndarray, r: float) -> tuple[np.ndarray, np.ndarray]:
+    """Start times and durations ``(rows, J)`` of one unit's jobs; ``costs`` is ``(rows, n)``."""
+    per_job = costs[:, jobs.micro - jobs.first] * np.where(jobs.backward, r, 1.0)[None, :]
+    if scheme.closed_form == "chain":
+        return chain_starts(costs, scheme.stages, r), per_job
+    if scheme.closed_form == "gpipe":
+        return gpipe_starts(costs, scheme.stages, r), per_job
+    return greedy(jobs, per_job), per_job
+
+
+def _peak_activation(jobs: Jobs, on: np.ndarray, start, end, tokens) -> np.ndarray:
+    """Per row, the max over time of the padded tokens held by one worker: from F start to B end."""
+    f = np.flatnonzero(on & ~jobs.backward)
+    if f.size == 0:
+        return np.zeros(len(start))
+    b = f + jobs.stages * jobs.n  # the backward of the same stage and microbatch
+    tok = tokens[:, jobs.micro[f] - jobs.first]
+    times = np.concatenate([end[:, b], start[:, f]], axis=1)  # frees first: they win ties (stable sort)
+    delta = np.concatenate([-tok, tok], axis=1)
+    order = np.argsort(times, axis=1, kind="stable")
+    level = np.cumsum(np.take_along_axis(delta, order, axis=1), axis=1)
+    return level.max(axis=1)
+
+
+def _unit_peak(scheme: Scheme, jobs: Jobs, on: np.ndarray, start, end, tokens) -> np.ndarray:
+    """Per row, a worker's peak activation; closed forms: one microbatch through all S stages at a
+    time (chain: ``S max(tok)``), or every microbatch of the group at the end of the forward (GPipe)."""
+    if scheme.closed_form == "chain":
+        return scheme.stages * tokens.max(axis=1)
+    if scheme.closed_form == "gpipe":
+        return tokens.sum(axis=1)
+    return _peak_activation(jobs, on, start, end, tokens)
+
+
+def _weight_fetches(jobs: Jobs, on: np.ndarray, start, stored: np.ndarray) -> float:
+    """Stage weights a worker fetches: a job of a stage it does not store, unless its previous job
+    (in this step) was of the same stage (it keeps the weights in use; the optimizer step ends a step)."""
+    j = np.flatnonzero(on)
+    order = np.argsort(start[:, j], axis=1, kind="stable")
+    stage = jobs.stage[j][order]
+    foreign = ~stored[j][order]
+    new = np.ones_like(foreign)
+    new[:, 1:] = stage[:, 1:] != stage[:, :-1]
+    return float(np.count_nonzero(foreign & new))
+
+
+def _predecessors(jobs: Jobs) -> np.ndarray:
+    """The job whose output (activation or gradient) each job consumes; -1 for stage-0 forwards."""
+    S, n = jobs.stages, jobs.n
+    j = np.arange(jobs.size)
+    pred = np.where(jobs.backward, j + n, j - n)  # B(s) <- B(s+1); F(s) <- F(s-1)
+    pred[(jobs.backward) & (jobs.stage == S - 1)] -= S * n + n  # B(S-1) <- F(S-1)
+    pred[~jobs.backward & (jobs.stage == 0)] = -1
+    return pred
+
+
+@dataclass
+class _Totals:
+    """What :func:`simulate_scheme` adds up over units and chunks of steps."""
+
+    steps: np.ndarray
+    step_peak: np.ndarray
+    peak: np.ndarray
+    moved_in: np.ndarray
+    fetched: np.ndarray
+    gantt: list | None
+
+
+def closed_makespan(scheme: Scheme, costs: np.ndarray, r: float) -> np.ndarray:
+    """Per row, the unit's makespan under a closed form (module docstring of :mod:`.closed`)."""
+    if scheme.closed_form == "chain":
+        return (1.0 + r) * scheme.stages * costs.sum(axis=1)
+    return (1.0 + r) * (costs.sum(axis=1) + (scheme.stages - 1) * costs.max(axis=1))
+
+
+def _chunk(scheme, jobs, c, tok, r, lo, totals, job_stored, gantt_step) -> None:
+    """Schedule steps ``lo .. lo + len(c) - 1`` of one unit and add up their numbers."""
+    rows, hi = len(c), lo + len(c)
+    if scheme.closed_form is None:
+        start, dur = unit_starts(scheme, jobs, c, r)
+        end = start + dur
+        makespan = end.max(axis=1)
+    else:  # the times follow from the costs; each worker's job order is the same in every step
+        makespan = closed_makespan(scheme, c, r)
+        first = 0 if totals.gantt is None or not lo <= gantt_step < hi else gantt_step - lo
+        start, dur = unit_starts(scheme, jobs, c[first:first + 1], r)
+        end = start + dur
+    totals.steps[lo:hi] = np.maximum(totals.steps[lo:hi], makespan)
+    for w in np.unique(jobs.worker):
+        on = jobs.worker == w
+        held = _unit_peak(scheme, jobs, on, start, end, tok)
+        totals.peak[w] = max(totals.peak[w], float(held.max()))
+        totals.step_peak[lo:hi] = np.maximum(totals.step_peak[lo:hi], held)
+        fetches = _weight_fetches(jobs, on, start, job_stored)
+        totals.fetched[w] += fetches * rows if scheme.closed_form is not None else fetches
+    if totals.gantt is not None and lo <= gantt_step < hi:
+        k = 0 if scheme.closed_form is not None else gantt_step - lo
+        totals.gantt.extend((int(jobs.worker[j]), float(start[k, j]), float(end[k, j]), int(jobs.micro[j]),
+                             "B" if jobs.backward[j] else "F", int(jobs.stage[j])) for j in range(jobs.size))
+
+
+def simulate_scheme(scheme: Scheme, costs: PlanCosts, r: float, gantt_step: int | None = None,
+                    chunk_jobs: int = 1 << 22) -> ScheduleResult:
+    """Schedule every step of the plan under ``scheme`` and gather the per-worker numbers."""
+    W, n = scheme.workers, scheme.microbatches // scheme.units
+    totals = _Totals(steps=np.zeros(costs.num_steps), step_peak=np.zeros(costs.num_steps), peak=np.zeros(W),
+                     moved_in=np.zeros(W), fetched=np.zeros(W), gantt=[] if gantt_step is not None else None)
+    stored = np.array([[w in scheme.stored_on(s) for w in range(W)] for s in range(scheme.stages)])
+    seen: set = set()
+    for unit in range(scheme.units):
+        jobs = build_jobs(scheme, unit)
+        unit_workers = set(np.unique(jobs.worker).tolist())
+        if seen & unit_workers:
+            raise UsageError(f"--schedule {scheme.name}: units {scheme.units} share workers; use units=1")
+        seen |= unit_workers
+        job_stored = stored[jobs.stage, jobs.worker]
+        pred = _predecessors(jobs)
+        moved = (pred >= 0) & (jobs.worker != jobs.worker[np.maximum(pred, 0)])
+        cost = costs.cost[:, jobs.first:jobs.first + n]
+        tokens = costs.tokens[:, jobs.first:jobs.first + n]
+        tok_sum = tokens.sum(axis=0)
+        np.add.at(totals.moved_in, jobs.worker[moved], tok_sum[jobs.micro[moved] - jobs.first])
+        rows_per_chunk = max(1, chunk_jobs // jobs.size)
+        for lo in range(0, costs.num_steps, rows_per_chunk):
+            hi = min(costs.num_steps, lo + rows_per_chunk)
+            _chunk(scheme, jobs, cost[lo:hi], tokens[lo:hi], r, lo, totals, job_stored, gantt_step)
+    work = float((1.0 + r) * scheme.stages * costs.cost.sum())
+    return ScheduleResult(schedule=scheme.name, workers=W, stages=scheme.stages, groups=scheme.groups,
+                          microbatches_per_step=scheme.microbatches, backward_ratio=r, steps=totals.steps, work=work,
+                          peak_activation=totals.peak, activation_transfers=totals.moved_in,
+                          weight_transfers=totals.fetched, gantt=totals.gantt, step_peak=totals.step_peak)
+
+
+def check_config(config: SimulateConfig) -> None:
+    if config.stages < 1:
+        raise UsageError(f"--stages must be >= 1 (got {config.stages})")
+    if not config.backward_ratio > 0 or not np.isfinite(config.backward_ratio):
+        raise UsageError(f"--backward-ratio must be > 0 (got {config.backward_ratio})")
+    if not config.attention_cost >= 0 or not np.isfinite(config.attention_cost):
+        raise UsageError(f"--attention-cost must be >= 0 (got {config.attention_cost})")
+    if config.workers is not None and config.workers < 1:
+        raise UsageError(f"--workers must be >= 1 (got {config.workers})")
+    if config.groups is not None and config.groups < 1:
+        raise UsageError(f"--groups must be >= 1 (got {config.groups})")
+    if config.schedule not in SCHEDULES + ("all",) and ":" not in config.schedule:
+        raise UsageError(f"--schedule {config.schedule!r} is not one of {', '.join(SCHEDULES)}, all, or "
+                         "MODULE:FUNCTION")
+
+
+def simulate(config: SimulateConfig) -> SimulateResult:
+    """Simulate the plan under one schedule, or under every built-in one (``schedule="all"``)."""
+    check_config(config)
+    costs = read_plan_costs(config.plan, config.attention_cost)
+    if config.gantt_step is not None and not 0 <= config.gantt_step < costs.num_steps:
+        raise UsageError(f"--gantt-step {config.gantt_step} is not a step of the plan (0 .. {costs.num_steps - 1})")
+    names = SCHEDULES if config.schedule == "all" else (config.schedule,)
+    result = SimulateResult(plan=config.plan)
+    for name in names:
+        # With "all", --groups applies to the pipelines and --workers to LPP/FSLPP; DDP/FSDP use dp workers.
+        workers, groups = config.workers, config.groups
+        if config.schedule == "all":
+            workers = workers if name in ("lpp", "fslpp") else None
+            groups = None if name in ("ddp", "fsdp") else groups
+        scheme = make_scheme(name, stages=config.stages, microbatches=costs.per_step, dp=costs.dp,
+                             workers=workers, groups=groups)
+        result.results.append(simulate_scheme(scheme, costs, config.backward_ratio, config.gantt_step))
+    return result
