@@ -23,7 +23,6 @@ import importlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Union
 
 from ..errors import UsageError
 
@@ -32,7 +31,7 @@ BACKWARD = "B"
 
 SCHEDULES = ("ddp", "fsdp", "gpipe", "1f1b", "lpp", "fslpp")
 
-Workers = Union[int, tuple]
+Workers = int | tuple
 
 
 @dataclass(frozen=True)
