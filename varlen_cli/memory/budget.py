@@ -1,0 +1,108 @@
+"""From a memory profile and a limit to the planner's budget, and back to predicted peaks.
+
+The profile says ``peak(B, T) = c0 + c1*B*T + c2*B*T^2``. A microbatch fits the limit
+``L = max_memory * (1 - margin)`` when ``c0 + c1*B*T + c2*B*T^2 <= L``, i.e. (dividing by c1)
+``B*T + (c2/c1)*B*T^2 <= (L - c0)/c1``: exactly the planner's padded budget
+``B*T + A*B*T^2 <= max_tokens`` with ``A = c2/c1`` and ``max_tokens = floor((L - c0)/c1)`` (the
+floor only tightens it). So ``--max-memory`` reuses the planner unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import numpy as np
+
+from ..errors import UsageError
+from . import fit as fitting
+from .profile import coefficients, load_profile
+from .sizes import format_size, parse_size
+
+
+def budget_from_profile(profile: dict, max_memory, margin: float = 0.05) -> tuple[int, float]:
+    """``(max_tokens, attention_cost)`` such that every (B, T) within the planner's budget has a
+    predicted peak <= ``max_memory * (1 - margin)``."""
+    if not (0 <= margin < 1):
+        raise UsageError(f"--memory-margin must be in [0, 1) (got {margin})")
+    limit = parse_size(max_memory) * (1.0 - margin)
+    c0, c1, c2 = coefficients(profile)
+    if limit <= c0:
+        raise UsageError(f"--max-memory {max_memory} (minus the {margin:g} margin: {format_size(limit)}) is below "
+                         f"the profile's fixed memory c0 = {format_size(c0)} (parameters, gradients, optimizer "
+                         "states): no microbatch fits")
+    # c1 = 0 (pure attention growth): use c1' = c2 (one token's worth), a slightly tighter budget
+    c1_eff = c1 if c1 > 0 else c2
+    max_tokens = int(math.floor((limit - c0) / c1_eff))
+    if max_tokens < 1:
+        raise UsageError(f"--max-memory {max_memory} leaves {format_size(limit - c0)} above the fixed memory: "
+                         f"less than one token ({format_size(c1_eff)})")
+    return max_tokens, c2 / c1_eff
+
+
+def plan_config_for_memory(config):
+    """The :class:`~varlen_cli.plan.PlanConfig` with ``max_tokens``/``attention_cost`` derived from
+    ``--memory-profile`` and ``--max-memory`` (config unchanged when neither is given)."""
+    c = config
+    if c.memory_profile is None and c.max_memory is None:
+        return c
+    if c.memory_profile is None or c.max_memory is None:
+        raise UsageError("--max-memory and --memory-profile go together")
+    if c.max_tokens is not None:
+        raise UsageError("--max-tokens and --max-memory exclude each other (the budget comes from the profile)")
+    if c.attention_cost:
+        raise UsageError("--attention-cost and --max-memory exclude each other (A comes from the profile)")
+    profile = load_profile(c.memory_profile)
+    max_tokens, attention_cost = budget_from_profile(profile, c.max_memory, c.memory_margin)
+    return dataclasses.replace(c, max_tokens=max_tokens, attention_cost=attention_cost)
+
+
+def predicted_peaks(coef, batch, seqlen, packed: bool) -> np.ndarray:
+    """Per microbatch: padded ``B x T`` (packed: R rows x T, attention over the whole row)."""
+    del packed  # a packed row attends over at most T tokens: the same bound (docs/memory.md)
+    return fitting.predict(coef, batch, seqlen)
+
+
+def plan_memory_metadata(config, batch, seqlen, shape_id, num_shapes: int, packed: bool) -> Optional[dict]:
+    """The plan metadata's ``memory`` entry: the profile used, the limit, and the predicted peak of
+    every shape (the largest over its microbatches when B varies) and of the whole plan."""
+    if config.memory_profile is None:
+        return None
+    profile = load_profile(config.memory_profile)
+    coef = coefficients(profile)
+    peak = predicted_peaks(coef, batch, seqlen, packed)
+    per_shape = np.zeros(num_shapes)
+    if len(peak):
+        np.maximum.at(per_shape, np.asarray(shape_id, dtype=np.int64), peak)
+    max_memory = parse_size(config.max_memory)
+    return {
+        "max_memory": max_memory, "margin": float(config.memory_margin),
+        "limit": max_memory * (1.0 - config.memory_margin),
+        "profile": {k: profile.get(k) for k in ("mode", "model", "device", "dtype", "torch_version", "optimizer",
+                                                "fit", "fit_error", "created_at", "varlen_version")},
+        "profile_path": config.memory_profile,
+        "packed_attention": "row" if packed else None,
+        "predicted_peak_per_shape": [float(v) for v in per_shape],
+        "predicted_peak_max": float(peak.max()) if len(peak) else float(coef[0]),
+    }
+
+
+def check_memory(batch, seqlen, meta: dict, max_memory, profile_path: Optional[str]):
+    """``(ok, detail)``: does every microbatch's predicted peak stay <= ``max_memory``? The profile
+    is ``profile_path`` or else the one recorded in the plan's metadata."""
+    limit = parse_size(max_memory)
+    if profile_path is not None:
+        coef = coefficients(load_profile(profile_path))
+    elif (meta.get("memory") or {}).get("profile"):
+        coef = coefficients(meta["memory"]["profile"])
+    else:
+        raise UsageError("--max-memory needs --memory-profile (the plan records no memory profile)")
+    peak = predicted_peaks(coef, batch, seqlen, bool(meta.get("packing")))
+    over = peak > limit
+    worst = float(peak.max()) if len(peak) else 0.0
+    if over.any():
+        rows = ", ".join(str(int(i)) for i in np.flatnonzero(over)[:5])
+        return False, (f"{int(over.sum())} microbatches predicted above {format_size(limit)} (largest "
+                       f"{format_size(worst)}; e.g. rows {rows})")
+    return True, f"predicted peak <= {format_size(worst)} <= {format_size(limit)} in every microbatch"
