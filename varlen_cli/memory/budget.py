@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
 
 import numpy as np
 
@@ -64,7 +63,7 @@ def predicted_peaks(coef, batch, seqlen, packed: bool) -> np.ndarray:
     return fitting.predict(coef, batch, seqlen)
 
 
-def plan_memory_metadata(config, batch, seqlen, shape_id, num_shapes: int, packed: bool) -> Optional[dict]:
+def plan_memory_metadata(config, batch, seqlen, shape_id, num_shapes: int, packed: bool) -> dict | None:
     """The plan metadata's ``memory`` entry: the profile used, the limit, and the predicted peak of
     every shape (the largest over its microbatches when B varies) and of the whole plan."""
     if config.memory_profile is None:
@@ -88,7 +87,7 @@ def plan_memory_metadata(config, batch, seqlen, shape_id, num_shapes: int, packe
     }
 
 
-def check_memory(batch, seqlen, meta: dict, max_memory, profile_path: Optional[str]):
+def check_memory(batch, seqlen, meta: dict, max_memory, profile_path: str | None):
     """``(ok, detail)``: does every microbatch's predicted peak stay <= ``max_memory``? The profile
     is ``profile_path`` or else the one recorded in the plan's metadata."""
     limit = parse_size(max_memory)

@@ -3,8 +3,9 @@
 Every shape runs in its own child process (forked on CPU from a parent that has imported torch and
 the model's module but run no torch op; spawned for CUDA). The child builds the model and the
 optimizer, runs one warm-up step at a tiny shape (so libraries, kernels and optimizer states are
-in place), drops the gradients, and then measures one full training step (forward, loss,
-backward, optimizer step) at (B, T) on random ids. Only reading the peak differs by device:
+in place), zeroes the gradients (keeping them allocated, as between accumulation microbatches),
+and measures one full training step (forward, loss, backward, optimizer step) at (B, T) on
+random ids. Only reading the peak differs by device:
 
 - CUDA: ``torch.cuda.max_memory_allocated()`` after ``reset_peak_memory_stats()`` (the reserved
   peak is recorded too). It already counts parameters and optimizer states.
@@ -27,7 +28,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 from ..errors import InputError, UsageError, WorkerError
 
@@ -42,7 +43,7 @@ class MeasureSetup:
     device: str = "cpu"
     dtype: str = "float32"
     optimizer: str = "adamw"
-    vocab_size: Optional[int] = None
+    vocab_size: int | None = None
     seed: int = 0
 
 
@@ -98,7 +99,7 @@ def build(setup: MeasureSetup):
     return model, opt, int(vocab)
 
 
-def _vocab_of(model) -> Optional[int]:
+def _vocab_of(model) -> int | None:
     config = getattr(model, "config", None)
     if getattr(config, "vocab_size", None):
         return int(config.vocab_size)
@@ -249,7 +250,7 @@ def measure_in_process(setup: MeasureSetup, batch: int, seqlen: int, input_ids=N
     gen = torch.Generator().manual_seed(setup.seed)
     warm = torch.randint(0, vocab, WARMUP_SHAPE, generator=gen).to(setup.device)
     training_step(model, opt, warm)
-    model.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=False)  # gradients stay allocated, as between accumulation microbatches
     del warm
     if input_ids is None:
         ids = torch.randint(0, vocab, (batch, seqlen), generator=gen).to(setup.device)

@@ -60,7 +60,8 @@ def load_profile(path: str) -> dict:
         with open(path) as fh:
             profile = json.load(fh)
     except (ValueError, UnicodeDecodeError):
-        raise InputError(f"{path} is not a varlen memory profile (not JSON); create one with `varlen calibrate`") from None
+        raise InputError(f"{path} is not a varlen memory profile (not JSON); "
+                         "create one with `varlen calibrate`") from None
     except OSError as exc:
         raise InputError(f"cannot read memory profile {path}: {exc.strerror or exc}") from None
     return check_profile(profile, path)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from typing import Union
 
 from ..errors import UsageError
 
@@ -15,7 +14,7 @@ UNITS = {
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE]([0-9]+))?\s*([a-zA-Z]*)\s*")
 
 
-def parse_size(value: Union[str, int, float], option: str = "--max-memory") -> int:
+def parse_size(value: str | int | float, option: str = "--max-memory") -> int:
     """Bytes of ``value``: an int, or a number with an optional unit (B, KB/MB/GB/TB = powers of
     1000, KiB/MiB/GiB/TiB = powers of 1024, K/M/G/T = powers of 1000); case-insensitive."""
     if isinstance(value, bool):
