@@ -75,7 +75,7 @@ def _register() -> None:
     from varlen_cli.cli import analyze as _analyze
 
     _analyze.register(app)
-    for name in ("sort", "plan", "run", "inspect", "validate"):
+    for name in ("sort", "plan", "run", "inspect", "validate", "calibrate"):
         try:
             module = __import__(f"varlen_cli.cli.{name}", fromlist=["register"])
         except ModuleNotFoundError as exc:
