@@ -178,6 +178,11 @@ def render(info: dict) -> None:
         t.add_row("packing", ", ".join(f"{k}={v}" for k, v in meta["packing"].items()))
     dropped = meta.get("dropped", {})
     t.add_row("dropped", _fmt(dropped.get("count", 0)))
+    if meta.get("memory"):  # a plan made with --max-memory: predicted peak per shape and the maximum
+        from .memory.budget import memory_rows
+
+        for label, value in memory_rows(meta):
+            t.add_row(label, value)
     console.print(t)
     st = Table(title="statistics", show_header=False)
     st.add_column("stat", style="bold")

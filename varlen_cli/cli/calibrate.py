@@ -11,21 +11,43 @@ from varlen_cli.cli import common
 _DTYPE_HELP = "Parameter dtype: float32, bfloat16, float16 (bf16, fp16, fp32 also accepted)."
 
 
+_HELP = {
+    "output": "Memory profile to write (JSON).",
+    "model": "Measure: MODULE:FUNCTION (or path/file.py:FUNCTION) returning a torch.nn.Module.",
+    "hf_config": "Analytic: a Hugging Face config.json (Llama-family decoder) instead of measuring.",
+    "device": "Measure on cpu (peak resident memory) or cuda (max_memory_allocated).",
+    "optimizer": "Optimizer whose step (and states) the profile includes.",
+    "vocab_size": "Random ids are drawn below V (default: the model's embedding size).",
+    "shapes": "auto (small up to what fits) or BxT,BxT,... (at least 3, with 2 different T).",
+    "max_seqlen": "Longest T calibrated: auto grid (default 2048) or analytic fit range (default: the config's "
+                  "max_position_embeddings, at most 32768).",
+    "calibration_memory": "Auto grid: do not measure shapes above this peak, e.g. 8GiB (CPU default: half the "
+                          "available RAM; CUDA: until out of memory).",
+    "attention": "Analytic: eager materialises B x heads x T^2 scores; sdpa/flash do not.",
+    "checkpointing": "Analytic: activation checkpointing per layer.",
+    "sharding": "Analytic: which model states are split over --world-size ranks.",
+    "world_size": "Analytic: ranks the sharded states are split over.",
+}
+_NO_DEFAULT = {"show_default": False}
+
+
 def calibrate_command(
-    output: str = typer.Option(..., "-o", "--output", help="Memory profile to write (JSON).", show_default=False),
-    model: str | None = typer.Option(None, "--model", help="Measure: MODULE:FUNCTION (or path/file.py:FUNCTION) returning a torch.nn.Module.", show_default=False),
-    hf_config: str | None = typer.Option(None, "--hf-config", help="Analytic: a Hugging Face config.json (Llama-family decoder) instead of measuring.", show_default=False),
-    device: Literal["cpu", "cuda"] = typer.Option("cpu", "--device", help="Measure on cpu (peak resident memory) or cuda (max_memory_allocated)."),
+    output: str = typer.Option(..., "-o", "--output", help=_HELP["output"], **_NO_DEFAULT),
+    model: str | None = typer.Option(None, "--model", help=_HELP["model"], **_NO_DEFAULT),
+    hf_config: str | None = typer.Option(None, "--hf-config", help=_HELP["hf_config"], **_NO_DEFAULT),
+    device: Literal["cpu", "cuda"] = typer.Option("cpu", "--device", help=_HELP["device"]),
     dtype: str = typer.Option("float32", "--dtype", help=_DTYPE_HELP),
-    optimizer: Literal["adamw", "sgd", "none"] = typer.Option("adamw", "--optimizer", help="Optimizer whose step (and states) the profile includes."),
-    vocab_size: int | None = typer.Option(None, "--vocab-size", help="Random ids are drawn below V (default: the model's embedding size).", show_default=False),
-    shapes: str = typer.Option("auto", "--shapes", help="auto (small up to what fits) or BxT,BxT,... (at least 3, with 2 different T)."),
-    max_seqlen: int | None = typer.Option(None, "--max-seqlen", help="Longest T calibrated: auto grid (default 2048) or analytic fit range (default: the config's max_position_embeddings, at most 32768).", show_default=False),
-    calibration_memory: str | None = typer.Option(None, "--calibration-memory", help="Auto grid: do not measure shapes above this peak, e.g. 8GiB (CPU default: half the available RAM; CUDA: until out of memory).", show_default=False),
-    attention: Literal["eager", "sdpa", "flash"] = typer.Option("eager", "--attention", help="Analytic: eager materialises B x heads x T^2 scores; sdpa/flash do not."),
-    checkpointing: bool = typer.Option(False, "--checkpointing", help="Analytic: activation checkpointing per layer."),
-    sharding: Literal["none", "zero1", "zero2", "zero3", "fsdp"] = typer.Option("none", "--sharding", help="Analytic: which model states are split over --world-size ranks."),
-    world_size: int = typer.Option(1, "--world-size", help="Analytic: ranks the sharded states are split over."),
+    optimizer: Literal["adamw", "sgd", "none"] = typer.Option("adamw", "--optimizer", help=_HELP["optimizer"]),
+    vocab_size: int | None = typer.Option(None, "--vocab-size", help=_HELP["vocab_size"], **_NO_DEFAULT),
+    shapes: str = typer.Option("auto", "--shapes", help=_HELP["shapes"]),
+    max_seqlen: int | None = typer.Option(None, "--max-seqlen", help=_HELP["max_seqlen"], **_NO_DEFAULT),
+    calibration_memory: str | None = typer.Option(None, "--calibration-memory", help=_HELP["calibration_memory"],
+                                                  **_NO_DEFAULT),
+    attention: Literal["eager", "sdpa", "flash"] = typer.Option("eager", "--attention", help=_HELP["attention"]),
+    checkpointing: bool = typer.Option(False, "--checkpointing", help=_HELP["checkpointing"]),
+    sharding: Literal["none", "zero1", "zero2", "zero3", "fsdp"] = typer.Option("none", "--sharding",
+                                                                                help=_HELP["sharding"]),
+    world_size: int = typer.Option(1, "--world-size", help=_HELP["world_size"]),
     overwrite: bool = common.OVERWRITE,
     json_output: bool = typer.Option(False, "--json", help="Print the profile as JSON instead of a table."),
 ) -> None:
@@ -57,7 +79,7 @@ def print_profile(profile: dict, path: str) -> None:
     t.add_column("what", style="bold")
     t.add_column("value", justify="right")
     t.add_row("model", str(profile.get("model")))
-    t.add_row("device / dtype / optimizer", f"{profile.get('device')} / {profile.get('dtype')} / {profile.get('optimizer')}")
+    t.add_row("device / dtype / optimizer", " / ".join(str(profile.get(k)) for k in ("device", "dtype", "optimizer")))
     t.add_row("c0 (fixed)", format_size(fit["c0"]))
     t.add_row("c1 (per token)", f"{fit['c1']:,.1f} B")
     t.add_row("c2 (per token x T)", f"{fit['c2']:,.3f} B")

@@ -36,6 +36,9 @@ def plan_command(
     rows_per_microbatch: Optional[int] = typer.Option(None, "--rows-per-microbatch", help="R packed rows per microbatch (default: --max-tokens // --seq-len, else 1).", show_default=False),
     max_per_row: Optional[int] = typer.Option(None, "--max-per-row", help="Cap on the samples in one packed row.", show_default=False),
     split_long: bool = typer.Option(False, "--split-long", help="With --packing: cut samples longer than --seq-len into chunks (recorded as start/length segments)."),
+    memory_profile: Optional[str] = typer.Option(None, "--memory-profile", help="Memory profile from `varlen calibrate`: with --max-memory, the budget comes from it (instead of --max-tokens/--attention-cost).", show_default=False),
+    max_memory: Optional[str] = typer.Option(None, "--max-memory", help="Peak memory per microbatch not to exceed, e.g. 70GiB, 512MB or bytes (needs --memory-profile).", show_default=False),
+    memory_margin: float = typer.Option(0.05, "--memory-margin", help="Plan to a predicted peak of max-memory x (1 - margin)."),
     overwrite: bool = common.OVERWRITE,
 ) -> None:
     """Write a token-budget batch plan (Parquet): microbatches, ranks, steps, shapes and LR scales."""
@@ -49,7 +52,7 @@ def plan_command(
         static_shapes=static_shapes, compile_warmup=compile_warmup, same_shape_per_step=same_shape_per_step,
         max_samples=max_samples, attention_cost=attention_cost, drop_long=drop_long, tail=tail, packing=packing,
         seq_len=seq_len, rows_per_microbatch=rows_per_microbatch, max_per_row=max_per_row, split_long=split_long,
-        overwrite=overwrite,
+        overwrite=overwrite, memory_profile=memory_profile, max_memory=max_memory, memory_margin=memory_margin,
     )
     result = common.run(plan, config)
     if result is not None:

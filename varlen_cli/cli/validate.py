@@ -12,13 +12,16 @@ from varlen_cli.cli import common
 def validate_command(
     plan: str = typer.Argument(..., help="Plan Parquet file written by `varlen plan`.", show_default=False),
     metrics: Optional[str] = typer.Option(None, "--metrics", help="Metrics or sorted directory the plan was built from: also checks the fingerprint, seqlens and token counts.", show_default=False),
+    max_memory: Optional[str] = typer.Option(None, "--max-memory", help="Also check that no microbatch's predicted peak exceeds this (e.g. 70GiB; default: the plan's own --max-memory).", show_default=False),
+    memory_profile: Optional[str] = typer.Option(None, "--memory-profile", help="Memory profile for --max-memory (default: the one the plan was made with).", show_default=False),
     json_output: bool = typer.Option(False, "--json", help="Print the checks as JSON instead of a table."),
 ) -> None:
     """Re-check every invariant of a plan; exit 0 only when all hold (6 when any is violated)."""
     from varlen_cli.errors import VALIDATION_FAILED
     from varlen_cli.validate import ValidateConfig, validate
 
-    result = common.run(validate, ValidateConfig(plan=plan, metrics=metrics))
+    result = common.run(validate, ValidateConfig(plan=plan, metrics=metrics, max_memory=max_memory,
+                                                         memory_profile=memory_profile))
     if json_output:
         import json
 

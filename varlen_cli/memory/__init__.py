@@ -8,14 +8,14 @@ import.
 
 from __future__ import annotations
 
-from .budget import budget_from_profile, check_memory, plan_config_for_memory, predicted_peaks
+from .budget import budget_from_profile, memory_check, plan_config_for_memory, predicted_peaks
 from .calibrate import CalibrateConfig, calibrate, parse_shapes
 from .fit import fit_nnls, fit_points, predict
 from .profile import PROFILE_FORMAT, check_profile, coefficients, load_profile
 from .sizes import format_size, parse_size
 
 __all__ = [
-    "PROFILE_FORMAT", "CalibrateConfig", "budget_from_profile", "calibrate", "check_memory", "check_profile",
-    "coefficients", "fit_nnls", "fit_points", "format_size", "load_profile", "parse_shapes", "parse_size",
+    "PROFILE_FORMAT", "CalibrateConfig", "budget_from_profile", "calibrate", "check_profile", "coefficients",
+    "memory_check", "fit_nnls", "fit_points", "format_size", "load_profile", "parse_shapes", "parse_size",
     "plan_config_for_memory", "predict", "predicted_peaks",
 ]

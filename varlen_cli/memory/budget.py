@@ -87,16 +87,16 @@ def plan_memory_metadata(config, batch, seqlen, shape_id, num_shapes: int, packe
     }
 
 
-def check_memory(batch, seqlen, meta: dict, max_memory, profile_path: str | None):
-    """``(ok, detail)``: does every microbatch's predicted peak stay <= ``max_memory``? The profile
-    is ``profile_path`` or else the one recorded in the plan's metadata."""
-    limit = parse_size(max_memory)
-    if profile_path is not None:
-        coef = coefficients(load_profile(profile_path))
-    elif (meta.get("memory") or {}).get("profile"):
-        coef = coefficients(meta["memory"]["profile"])
-    else:
+def memory_check(batch, seqlen, meta: dict, max_memory, profile_path: str | None):
+    """``(ok, detail)``: does every microbatch's predicted peak stay <= ``max_memory``? Each of the
+    two defaults to what the plan's metadata recorded (a plan made with ``--max-memory``)."""
+    recorded = meta.get("memory") or {}
+    if max_memory is None and "max_memory" not in recorded:
+        raise UsageError("--memory-profile needs --max-memory (the plan records no memory limit)")
+    if profile_path is None and not recorded.get("profile"):
         raise UsageError("--max-memory needs --memory-profile (the plan records no memory profile)")
+    limit = parse_size(max_memory) if max_memory is not None else int(recorded["max_memory"])
+    coef = coefficients(load_profile(profile_path) if profile_path is not None else recorded["profile"])
     peak = predicted_peaks(coef, batch, seqlen, bool(meta.get("packing")))
     over = peak > limit
     worst = float(peak.max()) if len(peak) else 0.0
@@ -105,3 +105,18 @@ def check_memory(batch, seqlen, meta: dict, max_memory, profile_path: str | None
         return False, (f"{int(over.sum())} microbatches predicted above {format_size(limit)} (largest "
                        f"{format_size(worst)}; e.g. rows {rows})")
     return True, f"predicted peak <= {format_size(worst)} <= {format_size(limit)} in every microbatch"
+
+
+def memory_rows(meta: dict) -> list[tuple[str, str]]:
+    """Summary rows of a plan made with ``--max-memory``: the limit, and the predicted peak of the
+    plan and of each shape (``B x T``; ``*`` where B varies)."""
+    mem = meta["memory"]
+    rows = [("max memory (margin)", f"{format_size(mem['max_memory'])} ({100 * mem['margin']:g}%)"),
+            ("predicted peak max", f"{format_size(mem['predicted_peak_max'])} "
+             f"({100 * mem['predicted_peak_max'] / mem['max_memory']:.1f}% of max memory)")]
+    shapes = meta.get("shapes") or []
+    for (b, t), peak in list(zip(shapes, mem["predicted_peak_per_shape"]))[:16]:
+        rows.append((f"  predicted peak {b or '*'}x{t}", format_size(peak)))
+    if len(shapes) > 16:
+        rows.append(("  ...", f"{len(shapes) - 16} more shapes (varlen inspect --json)"))
+    return rows

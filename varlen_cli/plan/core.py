@@ -49,6 +49,9 @@ class PlanConfig:
     max_per_row: Optional[int] = None
     split_long: bool = False
     overwrite: bool = False
+    memory_profile: Optional[str] = None  # varlen calibrate's profile: budget from --max-memory (docs/memory.md)
+    max_memory: Optional[str] = None
+    memory_margin: float = 0.05
 
 
 @dataclass
@@ -190,6 +193,10 @@ def plan(config: PlanConfig) -> PlanResult:
     """Run ``varlen plan``: read the input, plan every epoch, write the plan; returns the summary."""
     t0 = time.perf_counter()
     c = config
+    if c.memory_profile is not None or c.max_memory is not None:  # budget = max_tokens/attention_cost from memory
+        from varlen_cli.memory.budget import plan_config_for_memory
+
+        c = plan_config_for_memory(c)
     check_config(c)
     writer.check_output(c.output, c.overwrite)
     manifest, sample_id, length = read_input(c.input)
@@ -421,6 +428,11 @@ def _finish(c, manifest, sample_id, length, epochs, tail_dropped, long_pos, pack
                     "tail": [{"epoch": e, "sample_ids": ids.tolist()} for e, ids in enumerate(tail_ids) if len(ids)]},
         "stats": summary,
     }
+    if c.memory_profile is not None:
+        from varlen_cli.memory.budget import plan_memory_metadata
+
+        metadata["memory"] = plan_memory_metadata(c, b, t, shape_id, len(shapes), bool(c.packing))
+        summary["predicted_peak_max"] = metadata["memory"]["predicted_peak_max"]
     row_cols = {
         "epoch": col["epoch"].astype(np.int32), "step": step, "rank": col["rank"].astype(np.int32),
         "micro": col["micro"].astype(np.int32), "num_samples": counts.astype(np.int32),

@@ -65,6 +65,10 @@ def print_summary(result) -> None:
         rows.append(("compile warm-up steps", s["warmup_steps"]))
     if result.packing:
         rows.append(("packing efficiency %", f"{100 * result.packing['efficiency']:.3f}"))
+    if result.metadata.get("memory"):
+        from ..memory.budget import memory_rows
+
+        rows += memory_rows(result.metadata)
     rows.append(("seconds", s["seconds"]))
     for label, value in rows:
         t.add_row(label, _fmt(value))
