@@ -47,22 +47,3 @@ class TinyLM(nn.Module):
 
 def tiny_lm() -> nn.Module:
     return TinyLM()
-
-
-def small_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    return LlamaForCausalLM(LlamaConfig(**LLAMA_SMALL))
-
-
-def medium_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    return LlamaForCausalLM(LlamaConfig(**LLAMA_MEDIUM))
-
-
-_LLAMA_COMMON = {"attn_implementation": "eager", "tie_word_embeddings": False, "attention_dropout": 0.0}
-LLAMA_SMALL = dict(_LLAMA_COMMON, vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024)
-LLAMA_MEDIUM = dict(_LLAMA_COMMON, vocab_size=1024, hidden_size=128, intermediate_size=352, num_hidden_layers=3,
-                    num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024)

@@ -1,0 +1,247 @@
+"""Memory-aware budgets: `varlen calibrate` (measured on CPU, analytic from a HF config), `varlen plan
+--max-memory`, validate/inspect, and `varlen_cli.loader.predicted_memory`.
+
+The slow tests measure real training steps of small models on CPU, one fresh process per shape
+(see docs/memory.md for what the CPU peak is); expected values come from those measurements, never
+from the fit's own report."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from tests.conftest import assert_user_error
+from tests.plan_helpers import write_metrics
+from varlen_cli.cli import app
+from varlen_cli.memory import budget_from_profile, fit_nnls, parse_size
+from varlen_cli.memory.profile import PROFILE_FORMAT
+from varlen_cli.plan.shapes import Budget
+
+runner = CliRunner()
+MiB = 1 << 20
+TINY = "tests.memory_models:tiny_lm"
+CALIBRATION_SHAPES = "1x32,8x32,32x32,1x64,4x64,16x64,1x128,4x128,8x128,1x256,2x256,4x256"
+
+
+def _profile(c0=2 * MiB, c1=16_000.0, c2=80.0, **extra) -> dict:
+    out = {"format": PROFILE_FORMAT, "format_version": 1, "mode": "measured", "model": "x:y",
+           "fit": {"c0": c0, "c1": c1, "c2": c2}}
+    out.update(extra)
+    return out
+
+
+def _write(path, obj) -> str:
+    path.write_text(obj if isinstance(obj, str) else json.dumps(obj))
+    return str(path)
+
+
+# -- sizes, fit, budget mapping (fast) -------------------------------------------------------------
+@pytest.mark.parametrize("text, expected", [
+    ("70GiB", 70 << 30), ("512MB", 512 * 10**6), ("1073741824", 1 << 30), ("1.5gib", 3 << 29), ("64 KiB", 65536),
+    ("2G", 2 * 10**9), ("100b", 100), (4096, 4096),
+])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@given(st.floats(0, 1e9), st.floats(1, 1e5), st.floats(0, 1e3))
+def test_fit_recovers_exact_coefficients(c0, c1, c2):
+    b = np.array([1, 4, 16, 1, 8, 2, 1, 3])
+    t = np.array([32, 32, 32, 128, 128, 512, 1024, 700])
+    peak = c0 + c1 * b * t + c2 * b * t * t
+    got = fit_nnls(b, t, peak)
+    assert min(got) >= 0
+    np.testing.assert_allclose(c0 + got[1] * b * t + got[2] * b * t * t + (got[0] - c0), peak, rtol=1e-6)
+
+
+def test_fit_is_non_negative_on_data_a_free_fit_makes_negative():
+    b, t = np.array([1, 2, 4, 1, 2]), np.array([64, 64, 64, 256, 256])
+    peak = 1e6 + 1e4 * b * t - 5.0 * b * t * t  # a free least-squares fit gives c2 < 0
+    c0, c1, c2 = fit_nnls(b, t, peak)
+    assert c0 >= 0 and c1 >= 0 and c2 == 0
+
+
+@given(st.integers(1, 4096), st.integers(1, 8192), st.floats(0.0, 0.5))
+def test_budget_from_profile_is_the_memory_limit(batch, seqlen, margin):
+    """The planner's budget (B*T + A*B*T^2 <= max_tokens) admits (B, T) only if the profile predicts
+    a peak within max_memory * (1 - margin); and it loses less than one token's memory to rounding."""
+    profile = _profile()
+    max_memory = 3 << 30
+    max_tokens, attention_cost = budget_from_profile(profile, max_memory, margin)
+    fits = bool(Budget(max_tokens, None, attention_cost).fits(batch, seqlen))
+    c0, c1, c2 = 2 * MiB, 16_000.0, 80.0
+    peak = c0 + c1 * batch * seqlen + c2 * batch * seqlen**2
+    limit = max_memory * (1 - margin)
+    if fits:
+        assert peak <= limit * (1 + 1e-12)
+    else:
+        assert peak > limit - c1 * (1 + 1e-9)
+
+
+# -- bad inputs (fast) -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("memfiles")
+    return {
+        "good": _write(root / "good.json", _profile()),
+        "notjson": _write(root / "notjson.json", "this is not json"),
+        "other": _write(root / "other.json", {"format": "something-else"}),
+        "negative": _write(root / "negative.json", _profile(c2=-1.0)),
+        "flat": _write(root / "flat.json", _profile(c1=0.0, c2=0.0)),
+        "hf_bad": _write(root / "hf_bad.json", {"model_type": "gpt2", "n_embd": 64}),
+        "hf_good": _write(root / "hf_good.json", {"vocab_size": 100, "hidden_size": 32, "intermediate_size": 64,
+                                                  "num_hidden_layers": 2, "num_attention_heads": 4}),
+        "metrics": write_metrics(root / "metrics", np.random.default_rng(0).integers(10, 200, 300)),
+        "exists": _write(root / "exists.json", "{}"),
+        "root": str(root),
+    }
+
+
+CALIBRATE_ERRORS = [
+    ([], 2, "give exactly one of --model MODULE:FUNCTION (measure) and --hf-config FILE (analytic)"),
+    (["--model", TINY, "--hf-config", "{hf_good}"], 2,
+     "give exactly one of --model MODULE:FUNCTION (measure) and --hf-config FILE (analytic)"),
+    (["--model", "no_colon"], 2, "--model must be MODULE:FUNCTION (got 'no_colon')"),
+    (["--model", "no_such_module_x:f"], 3, "--model: cannot import no_such_module_x: No module named 'no_such_module_x'"),
+    (["--model", "tests.memory_models:nothing"], 3, "--model: tests.memory_models has no function nothing"),
+    (["--model", TINY, "--shapes", "4x"], 2, "--shapes: cannot read '4x' as BxT (example: --shapes 1x64,8x64,2x256)"),
+    (["--model", TINY, "--shapes", "1x64,2x64,4x64"], 2,
+     "--shapes needs at least 3 distinct shapes with at least 2 different T (to fit c0, c1, c2)"),
+    (["--model", TINY, "--dtype", "int8"], 2,
+     "--dtype must be one of float32, bfloat16, float16 (or fp32, bf16, fp16) (got 'int8')"),
+    (["--model", TINY, "--sharding", "zero3"], 2,
+     "--sharding applies to --hf-config (analytic); a measured model runs as it is built"),
+    (["--model", TINY, "--calibration-memory", "lots"], 2,
+     "--calibration-memory: cannot read 'lots' as a size (examples: 70GiB, 512MB, 1073741824)"),
+    (["--hf-config", "{hf_good}", "--shapes", "1x64,2x64,1x128"], 2,
+     "--shapes, --calibration-memory and --vocab-size apply to --model (measured)"),
+    (["--hf-config", "{hf_good}", "--world-size", "8"], 2,
+     "--world-size needs --sharding zero1|zero2|zero3|fsdp (replicated states do not shrink)"),
+    (["--hf-config", "{root}/missing.json"], 3, "--hf-config {root}/missing.json does not exist"),
+    (["--hf-config", "{notjson}"], 3, "--hf-config {notjson} is not JSON"),
+    (["--hf-config", "{hf_bad}"], 3, "--hf-config {hf_bad}: no positive integer vocab_size, hidden_size, "
+     "intermediate_size, num_hidden_layers, num_attention_heads (varlen counts Llama-family decoders: llama, "
+     "mistral, qwen2, ...)"),
+]
+
+
+@pytest.mark.parametrize("args, code, message", CALIBRATE_ERRORS)
+def test_calibrate_bad_inputs(files, tmp_path, args, code, message):
+    args = [a.format(**files) for a in args]
+    if "--calibration-memory" in args:  # the size is read when the grid starts: fail before measuring
+        args += ["--shapes", "auto"]
+    result = runner.invoke(app, ["calibrate", "-o", str(tmp_path / "p.json")] + args)
+    assert_user_error(result, code, message.format(**files))
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_calibrate_refuses_existing_output(files):
+    result = runner.invoke(app, ["calibrate", "--hf-config", files["hf_good"], "-o", files["exists"]])
+    assert_user_error(result, 4, f"output {files['exists']} already exists; pass --overwrite to replace it")
+
+
+PLAN_ERRORS = [
+    (["--max-memory", "1GiB"], 2, "--max-memory and --memory-profile go together"),
+    (["--memory-profile", "{good}"], 2, "--max-memory and --memory-profile go together"),
+    (["--memory-profile", "{good}", "--max-memory", "70 GB?"], 2,
+     "--max-memory: cannot read '70 GB?' as a size (examples: 70GiB, 512MB, 1073741824)"),
+    (["--memory-profile", "{good}", "--max-memory", "0"], 2, "--max-memory must be > 0 (got '0')"),
+    (["--memory-profile", "{good}", "--max-memory", "2MiB"], 2,
+     "--max-memory 2MiB (minus the 0.05 margin: 1.90 MiB) is below the profile's fixed memory c0 = 2.00 MiB "
+     "(parameters, gradients, optimizer states): no microbatch fits"),
+    (["--memory-profile", "{good}", "--max-memory", "1GiB", "--memory-margin", "1.5"], 2,
+     "--memory-margin must be in [0, 1) (got 1.5)"),
+    (["--memory-profile", "{good}", "--max-memory", "1GiB", "--max-tokens", "4096"], 2,
+     "--max-tokens and --max-memory exclude each other (the budget comes from the profile)"),
+    (["--memory-profile", "{good}", "--max-memory", "1GiB", "--attention-cost", "0.01"], 2,
+     "--attention-cost and --max-memory exclude each other (A comes from the profile)"),
+    (["--memory-profile", "{root}/none.json", "--max-memory", "1GiB"], 3,
+     "memory profile {root}/none.json does not exist; create one with `varlen calibrate`"),
+    (["--memory-profile", "{notjson}", "--max-memory", "1GiB"], 3,
+     "{notjson} is not a varlen memory profile (not JSON); create one with `varlen calibrate`"),
+    (["--memory-profile", "{other}", "--max-memory", "1GiB"], 3,
+     '{other} is not a varlen memory profile (no "format": "varlen-memory-profile"); create one with '
+     "`varlen calibrate`"),
+    (["--memory-profile", "{negative}", "--max-memory", "1GiB"], 3,
+     "{negative}: fit coefficients must be finite and >= 0 (got [2097152.0, 16000.0, -1.0])"),
+    (["--memory-profile", "{flat}", "--max-memory", "1GiB"], 3,
+     "{flat}: the fit does not grow with B x T (c1 = c2 = 0); re-run `varlen calibrate`"),
+    (["--memory-profile", "{root}", "--max-memory", "1GiB"], 3,
+     "memory profile {root} is a directory, not a profile file"),
+]
+
+
+@pytest.mark.parametrize("args, code, message", PLAN_ERRORS)
+def test_plan_memory_bad_inputs(files, tmp_path, args, code, message):
+    args = [a.format(**files) for a in args]
+    out = tmp_path / "plan.parquet"
+    result = runner.invoke(app, ["plan", files["metrics"], "-o", str(out)] + args)
+    assert_user_error(result, code, message.format(**files))
+    assert not out.exists()
+
+
+def test_validate_memory_needs_a_profile(files, tmp_path):
+    out = str(tmp_path / "plan.parquet")
+    assert runner.invoke(app, ["plan", files["metrics"], "-o", out, "--max-tokens", "2048"]).exit_code == 0
+    result = runner.invoke(app, ["validate", out, "--max-memory", "1GiB"])
+    assert_user_error(result, 2, "--max-memory needs --memory-profile (the plan records no memory profile)")
+    result = runner.invoke(app, ["validate", out, "--memory-profile", files["good"]])
+    assert_user_error(result, 2, "--memory-profile needs --max-memory (the plan records no memory limit)")
+
+
+# -- plan, validate, inspect, loader with a given profile (fast) -----------------------------------
+def test_plan_with_max_memory_records_predictions(files, tmp_path):
+    from varlen_cli.loader import Plan, predicted_memory
+
+    out = str(tmp_path / "plan.parquet")
+    result = runner.invoke(app, ["plan", files["metrics"], "-o", out, "--memory-profile", files["good"],
+                                 "--max-memory", "64MiB", "--num-shapes", "3", "--dp", "2"])
+    assert result.exit_code == 0, result.output
+    assert "predicted peak max" in result.output
+    plan = Plan.open(out)
+    meta = plan.meta
+    c0, c1, c2 = 2 * MiB, 16_000.0, 80.0
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(out, columns=["step", "batch_size", "seqlen", "shape_id"]).to_pydict()
+    b, s = np.array(t["batch_size"], float), np.array(t["seqlen"], float)
+    peak = c0 + c1 * b * s + c2 * b * s * s
+    assert peak.max() <= 64 * MiB * 0.95 * (1 + 1e-12)
+    assert meta["memory"]["predicted_peak_max"] == pytest.approx(peak.max())
+    for k, shape_peak in enumerate(meta["memory"]["predicted_peak_per_shape"]):
+        assert shape_peak == pytest.approx(peak[np.array(t["shape_id"]) == k].max())
+    step = 3
+    want = int(np.ceil(peak[np.array(t["step"]) == step].max()))
+    assert predicted_memory(plan, step) == want
+    assert predicted_memory(out, step, rank=1) <= want
+    ok = runner.invoke(app, ["validate", out, "--json"])  # no --max-memory: no memory check
+    assert "memory" not in {c["name"] for c in json.loads(ok.stdout)["checks"]}
+    ok = runner.invoke(app, ["validate", out, "--max-memory", "64MiB"])  # profile recorded in the plan
+    assert ok.exit_code == 0, ok.output
+    bad = runner.invoke(app, ["validate", out, "--max-memory", f"{int(peak.max()) - 1}",
+                              "--memory-profile", files["good"]])
+    assert bad.exit_code == 6 and "violation: memory:" in bad.stderr
+    info = json.loads(runner.invoke(app, ["inspect", out, "--json"]).stdout)
+    assert info["metadata"]["memory"]["max_memory"] == 64 * MiB
+    assert "predicted peak max" in runner.invoke(app, ["inspect", out]).output
+
+
+def test_packed_plan_with_max_memory(files, tmp_path):
+    out = str(tmp_path / "packed.parquet")
+    result = runner.invoke(app, ["plan", files["metrics"], "-o", out, "--memory-profile", files["good"],
+                                 "--max-memory", "64MiB", "--packing", "--seq-len", "256"])
+    assert result.exit_code == 0, result.output
+    from varlen_cli.loader import Plan
+
+    plan = Plan.open(out)
+    rows = plan.microbatch(0, 0, 0).batch_size
+    c0, c1, c2 = 2 * MiB, 16_000.0, 80.0
+    limit = 64 * MiB * 0.95
+    # R rows of 256 tokens, attention over whole rows: the most rows that fit
+    assert c0 + c1 * rows * 256 + c2 * rows * 256**2 <= limit < c0 + c1 * (rows + 1) * 256 + c2 * (rows + 1) * 256**2
