@@ -134,8 +134,6 @@ CALIBRATE_ERRORS = [
 @pytest.mark.parametrize("args, code, message", CALIBRATE_ERRORS)
 def test_calibrate_bad_inputs(files, tmp_path, args, code, message):
     args = [a.format(**files) for a in args]
-    if "--calibration-memory" in args:  # the size is read when the grid starts: fail before measuring
-        args += ["--shapes", "auto"]
     result = runner.invoke(app, ["calibrate", "-o", str(tmp_path / "p.json")] + args)
     assert_user_error(result, code, message.format(**files))
     assert not (tmp_path / "p.json").exists()
@@ -245,3 +243,93 @@ def test_packed_plan_with_max_memory(files, tmp_path):
     limit = 64 * MiB * 0.95
     # R rows of 256 tokens, attention over whole rows: the most rows that fit
     assert c0 + c1 * rows * 256 + c2 * rows * 256**2 <= limit < c0 + c1 * (rows + 1) * 256 + c2 * (rows + 1) * 256**2
+
+
+# -- measured on CPU (slow: one fresh process per shape) -------------------------------------------
+def _c_form(fit: dict, b, t) -> float:
+    return fit["c0"] + fit["c1"] * b * t + fit["c2"] * b * t * t
+
+
+@pytest.fixture(scope="module")
+def tiny_profile(tmp_path_factory):
+    from varlen_cli.memory import CalibrateConfig, calibrate
+
+    path = str(tmp_path_factory.mktemp("calib") / "tiny.json")
+    profile = calibrate(CalibrateConfig(output=path, model=TINY, shapes=CALIBRATION_SHAPES))
+    return path, profile
+
+
+@pytest.mark.slow
+def test_measured_profile_predicts_held_out_shapes(tiny_profile):
+    """Within 10% of the measured peak: on the calibration's held-out shapes and on shapes measured
+    afresh here, none of them on the calibration grid."""
+    from varlen_cli.memory.measure import MeasureSetup, measure_shape
+
+    path, profile = tiny_profile
+    on_disk = json.loads(open(path).read())
+    assert on_disk["format"] == PROFILE_FORMAT and on_disk["device"] == "cpu" and on_disk["torch_version"]
+    assert on_disk["model"] == TINY and on_disk["dtype"] == "float32" and on_disk["varlen_version"]
+    fit = on_disk["fit"]
+    assert min(fit["c0"], fit["c1"], fit["c2"]) >= 0 and fit["c2"] > 0  # materialised attention: c2 matters
+    held = [p for p in on_disk["points"] if p["heldout"]]
+    assert len(held) >= 3
+    for p in held:
+        assert abs(_c_form(fit, p["batch_size"], p["seqlen"]) / p["peak_bytes"] - 1) <= 0.10, p
+    setup = MeasureSetup(model=TINY)
+    for b, t in ((6, 96), (3, 192), (24, 48)):
+        measured = measure_shape(setup, b, t)["peak_bytes"]
+        assert abs(_c_form(fit, b, t) / measured - 1) <= 0.10, (b, t, measured)
+    # the attention term is real: at 8x256 it is a large part of the peak
+    assert fit["c2"] * 8 * 256**2 > 0.2 * _c_form(fit, 8, 256)
+
+
+@pytest.mark.slow
+def test_plan_with_max_memory_runs_under_the_limit(tiny_profile, tmp_path):
+    """A plan made with --max-memory X, run through the loader: every microbatch's measured peak
+    (each distinct B x T measured in a fresh process on the loader's own batch; the peak does not
+    depend on the ids' values) is <= X, and the largest uses >= 75% of X."""
+    from varlen_cli.loader import Plan, dataloader_for_plan
+    from varlen_cli.memory.measure import MeasureSetup, measure_shape
+
+    path, _ = tiny_profile
+    lengths = np.random.default_rng(1).integers(24, 250, 600)
+    metrics = write_metrics(tmp_path / "metrics", lengths)
+    out = str(tmp_path / "plan.parquet")
+    limit = 48 * MiB
+    result = runner.invoke(app, ["plan", metrics, "-o", out, "--memory-profile", path, "--max-memory", "48MiB",
+                                 "--num-shapes", "3", "--static-shapes"])
+    assert result.exit_code == 0, result.output
+    plan = Plan.open(out)
+    dataset = [{"input_ids": np.arange(n) % 256} for n in lengths]
+    loader = dataloader_for_plan(dataset, plan, rank=0, world_size=1)
+    first_of_shape = {}
+    for batch in loader:
+        ids = batch["input_ids"]
+        first_of_shape.setdefault(tuple(ids.shape), ids.clamp(min=0).numpy())
+    assert len(first_of_shape) == 3
+    setup = MeasureSetup(model=TINY)
+    peaks = {shape: measure_shape(setup, *shape, input_ids=ids)["peak_bytes"] for shape, ids in first_of_shape.items()}
+    assert max(peaks.values()) <= limit, peaks
+    assert max(peaks.values()) >= 0.75 * limit, peaks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["small", "medium"])
+def test_analytic_profile_matches_measurement(name, tmp_path):
+    """The analytic profile of a config-built Llama (no weights, no torch) against the measured
+    peak of the same model built by transformers: within 15% at short, mid and long shapes."""
+    pytest.importorskip("transformers")
+    from tests import memory_llama
+    from varlen_cli.memory.measure import MeasureSetup, measure_shape
+
+    config = _write(tmp_path / "config.json", memory_llama.config_json(getattr(memory_llama, name.upper())))
+    out = tmp_path / "analytic.json"
+    result = runner.invoke(app, ["calibrate", "--hf-config", config, "--dtype", "fp32", "-o", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    profile = json.loads(out.read_text())
+    assert profile["mode"] == "analytic" and profile["fit_error"]["heldout_max_abs_rel"] is not None
+    setup = MeasureSetup(model=f"tests.memory_llama:{name}_llama")
+    for b, t in ((8, 64), (8, 256), (2, 512)):
+        measured = measure_shape(setup, b, t)
+        assert measured["num_parameters"] == profile["num_parameters"]
+        assert abs(_c_form(profile["fit"], b, t) / measured["peak_bytes"] - 1) <= 0.15, (b, t, measured)

@@ -63,7 +63,15 @@ def _check(c: CalibrateConfig) -> None:
         raise UsageError("give exactly one of --model MODULE:FUNCTION (measure) and --hf-config FILE (analytic)")
     if c.max_seqlen is not None and c.max_seqlen < 1:
         raise UsageError(f"--max-seqlen must be >= 1 (got {c.max_seqlen})")
+    dtype_name(c.dtype)
     if c.model is not None:
+        module, sep, function = c.model.rpartition(":")
+        if not sep or not module or not function:
+            raise UsageError(f"--model must be MODULE:FUNCTION (got {c.model!r})")
+        if c.shapes != "auto":
+            parse_shapes(c.shapes)
+        elif c.calibration_memory is not None:
+            parse_size(c.calibration_memory, "--calibration-memory")
         for name, value, default in (("--attention", c.attention, "eager"), ("--sharding", c.sharding, "none"),
                                      ("--checkpointing", c.checkpointing, False), ("--world-size", c.world_size, 1)):
             if value != default:
