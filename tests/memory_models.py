@@ -47,3 +47,31 @@ class TinyLM(nn.Module):
 
 def tiny_lm() -> nn.Module:
     return TinyLM()
+
+
+BALLAST_BYTES = 48 << 20
+
+
+class Ballast(nn.Module):
+    """A negligible model whose forward also fills a 48 MiB buffer, freed before backward: the
+    step's peak is then that buffer plus almost nothing (checks the CPU peak reading)."""
+
+    def __init__(self, ballast: bool = True):
+        super().__init__()
+        self.embed = nn.Embedding(16, 4)
+        self.ballast = ballast
+
+    def forward(self, input_ids):
+        loss = self.embed(input_ids).square().mean()
+        if self.ballast:
+            buffer = torch.ones(BALLAST_BYTES // 4)
+            loss = loss + buffer[0] * 0
+        return loss  # a scalar: varlen uses it as the loss
+
+
+def ballast() -> nn.Module:
+    return Ballast(True)
+
+
+def no_ballast() -> nn.Module:
+    return Ballast(False)

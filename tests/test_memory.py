@@ -333,3 +333,18 @@ def test_analytic_profile_matches_measurement(name, tmp_path):
         measured = measure_shape(setup, b, t)
         assert measured["num_parameters"] == profile["num_parameters"]
         assert abs(_c_form(profile["fit"], b, t) / measured["peak_bytes"] - 1) <= 0.15, (b, t, measured)
+
+
+@pytest.mark.slow
+def test_cpu_peak_sees_a_known_allocation():
+    """The CPU reading (static tensors + resident growth over the step, in a fresh process) sees a
+    48 MiB buffer that lives only inside forward, and next to nothing without it."""
+    from tests.memory_models import BALLAST_BYTES
+    from varlen_cli.memory.measure import MeasureSetup, measure_shape
+
+    with_buffer = measure_shape(MeasureSetup(model="tests.memory_models:ballast"), 4, 64)
+    without = measure_shape(MeasureSetup(model="tests.memory_models:no_ballast"), 4, 64)
+    assert with_buffer["hwm_reset"] and without["hwm_reset"]
+    assert without["peak_bytes"] - without["static_bytes"] < 2 * MiB
+    grown = with_buffer["peak_bytes"] - with_buffer["static_bytes"]
+    assert BALLAST_BYTES - MiB // 4 <= grown <= BALLAST_BYTES + 2 * MiB, grown  # page-level noise
