@@ -57,10 +57,12 @@ def load_factory(spec: str) -> Callable:
             if not os.path.isfile(module_name):
                 raise InputError(f"--model: file {module_name} does not exist")
             name = "varlen_user_model_" + os.path.splitext(os.path.basename(module_name))[0]
-            loader_spec = importlib.util.spec_from_file_location(name, module_name)
-            module = importlib.util.module_from_spec(loader_spec)
-            sys.modules[name] = module
-            loader_spec.loader.exec_module(module)
+            module = sys.modules.get(name)  # loaded by the parent before forking
+            if module is None or getattr(module, "__file__", None) != os.path.abspath(module_name):
+                loader_spec = importlib.util.spec_from_file_location(name, os.path.abspath(module_name))
+                module = importlib.util.module_from_spec(loader_spec)
+                sys.modules[name] = module
+                loader_spec.loader.exec_module(module)
         else:
             module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
