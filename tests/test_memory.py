@@ -348,3 +348,32 @@ def test_cpu_peak_sees_a_known_allocation():
     assert without["peak_bytes"] - without["static_bytes"] < 2 * MiB
     grown = with_buffer["peak_bytes"] - with_buffer["static_bytes"]
     assert BALLAST_BYTES - MiB // 4 <= grown <= BALLAST_BYTES + 2 * MiB, grown  # page-level noise
+
+
+def test_auto_grid_grows_until_the_calibration_memory():
+    """Synthetic peaks: the grid doubles T, multiplies B by 4, never keeps a shape above the cap,
+    skips (does not measure) a B whose linear extrapolation passes it, and stops at the first T
+    where B = 1 does not fit."""
+    from varlen_cli.memory.calibrate import auto_grid
+
+    c0, c1, c2 = 10 * MiB, 20_000.0, 100.0
+    cap = 200 * MiB
+    measured = []
+
+    def measure(b, t):
+        measured.append((b, t))
+        return {"batch_size": b, "seqlen": t, "peak_bytes": c0 + c1 * b * t + c2 * b * t * t, "static_bytes": c0}
+
+    points = auto_grid(measure, cap, max_seqlen=4096)
+    assert all(p["peak_bytes"] <= cap for p in points)
+    over = [(b, t) for b, t in measured if c0 + c1 * b * t + c2 * b * t * t > cap]
+    assert len(over) <= len({t for _, t in measured})  # at most one miss per T: the rest are extrapolated
+    ts = sorted({p["seqlen"] for p in points})
+    assert ts == [32 * 2**k for k in range(len(ts))]
+    t_next = 2 * ts[-1]
+    assert c0 + c1 * t_next + c2 * t_next**2 > cap or ts[-1] == 4096  # B = 1 at the next T would not fit
+    for t in ts:
+        bs = [p["batch_size"] for p in points if p["seqlen"] == t]
+        assert bs == [4**k for k in range(len(bs))]
+        nxt = 4 * bs[-1]
+        assert c0 + c1 * nxt * t + c2 * nxt * t * t > cap  # the next B would not have fitted
