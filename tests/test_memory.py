@@ -377,3 +377,27 @@ def test_auto_grid_grows_until_the_calibration_memory():
         assert bs == [4**k for k in range(len(bs))]
         nxt = 4 * bs[-1]
         assert c0 + c1 * nxt * t + c2 * nxt * t * t > cap  # the next B would not have fitted
+
+
+def test_packed_plan_per_segment_attention(files, tmp_path):
+    """Packed plans record, beside the whole-row bound the budget guarantees, the per-segment
+    (varlen attention) peak c0 + c1*R*T + c2*sum(s_i^2); the loader reports both."""
+    import pyarrow.parquet as pq
+
+    from varlen_cli.loader import Plan, predicted_memory
+
+    out = str(tmp_path / "packed.parquet")
+    result = runner.invoke(app, ["plan", files["metrics"], "-o", out, "--memory-profile", files["good"],
+                                 "--max-memory", "64MiB", "--packing", "--seq-len", "256", "--grad-accum", "2"])
+    assert result.exit_code == 0, result.output
+    c0, c1, c2 = 2 * MiB, 16_000.0, 80.0
+    rows = pq.read_table(out).to_pylist()
+    seg = [c0 + c1 * r["batch_size"] * r["seqlen"] + c2 * sum(s * s for s in r["sample_lengths"]) for r in rows]
+    full = [c0 + c1 * r["batch_size"] * r["seqlen"] + c2 * r["batch_size"] * r["seqlen"] ** 2 for r in rows]
+    meta = Plan.open(out).meta["memory"]
+    assert meta["predicted_peak_max_per_segment"] == pytest.approx(max(seg))
+    assert meta["predicted_peak_max"] == pytest.approx(max(full)) and max(seg) < max(full)
+    plan = Plan.open(out)
+    step0 = [i for i, r in enumerate(rows) if r["step"] == 0]
+    assert predicted_memory(plan, 0, attention="segment") == int(np.ceil(max(seg[i] for i in step0)))
+    assert predicted_memory(plan, 0) == int(np.ceil(max(full[i] for i in step0)))

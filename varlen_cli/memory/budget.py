@@ -57,15 +57,29 @@ def plan_config_for_memory(config):
     return dataclasses.replace(c, max_tokens=max_tokens, attention_cost=attention_cost)
 
 
-def predicted_peaks(coef, batch, seqlen, packed: bool) -> np.ndarray:
-    """Per microbatch: padded ``B x T`` (packed: R rows x T, attention over the whole row)."""
-    del packed  # a packed row attends over at most T tokens: the same bound (docs/memory.md)
+def predicted_peaks(coef, batch, seqlen, packed: bool = False) -> np.ndarray:
+    """Per microbatch: padded ``B x T``; packed: R rows x T with attention over whole rows (the
+    budget's form; an upper bound for per-segment attention, see :func:`segment_peaks`)."""
+    del packed  # a packed row's tokens attend over at most T tokens: the same bound (docs/memory.md)
     return fitting.predict(coef, batch, seqlen)
 
 
-def plan_memory_metadata(config, batch, seqlen, shape_id, num_shapes: int, packed: bool) -> dict | None:
+def segment_peaks(coef, batch, seqlen, segment_lengths, offsets) -> np.ndarray:
+    """Packed microbatches with per-segment (varlen) attention: ``c0 + c1*R*T + c2*sum(s_i^2)``
+    over the segments ``s_i`` of each microbatch (``offsets``: CSR into ``segment_lengths``)."""
+    c0, c1, c2 = coef
+    counts = np.diff(np.asarray(offsets, dtype=np.int64))
+    parent = np.repeat(np.arange(len(counts)), counts)
+    s = np.asarray(segment_lengths, dtype=np.float64)
+    squares = np.bincount(parent, weights=s * s, minlength=len(counts)) if len(s) else np.zeros(len(counts))
+    return c0 + c1 * np.asarray(batch, dtype=np.float64) * np.asarray(seqlen, dtype=np.float64) + c2 * squares
+
+
+def plan_memory_metadata(config, batch, seqlen, shape_id, num_shapes: int, packed: bool, segment_lengths=None,
+                         offsets=None) -> dict | None:
     """The plan metadata's ``memory`` entry: the profile used, the limit, and the predicted peak of
-    every shape (the largest over its microbatches when B varies) and of the whole plan."""
+    every shape (the largest over its microbatches when B varies) and of the whole plan; packed
+    plans also get the per-segment-attention maximum."""
     if config.memory_profile is None:
         return None
     profile = load_profile(config.memory_profile)
@@ -75,7 +89,7 @@ def plan_memory_metadata(config, batch, seqlen, shape_id, num_shapes: int, packe
     if len(peak):
         np.maximum.at(per_shape, np.asarray(shape_id, dtype=np.int64), peak)
     max_memory = parse_size(config.max_memory)
-    return {
+    out = {
         "max_memory": max_memory, "margin": float(config.memory_margin),
         "limit": max_memory * (1.0 - config.memory_margin),
         "profile": {k: profile.get(k) for k in ("mode", "model", "device", "dtype", "torch_version", "optimizer",
@@ -85,6 +99,10 @@ def plan_memory_metadata(config, batch, seqlen, shape_id, num_shapes: int, packe
         "predicted_peak_per_shape": [float(v) for v in per_shape],
         "predicted_peak_max": float(peak.max()) if len(peak) else float(coef[0]),
     }
+    if packed and segment_lengths is not None and len(peak):
+        out["predicted_peak_max_per_segment"] = float(segment_peaks(coef, batch, seqlen, segment_lengths,
+                                                                    offsets).max())
+    return out
 
 
 def memory_check(batch, seqlen, meta: dict, max_memory, profile_path: str | None):

@@ -431,7 +431,8 @@ def _finish(c, manifest, sample_id, length, epochs, tail_dropped, long_pos, pack
     if c.memory_profile is not None:
         from varlen_cli.memory.budget import plan_memory_metadata
 
-        metadata["memory"] = plan_memory_metadata(c, b, t, shape_id, len(shapes), bool(c.packing))
+        metadata["memory"] = plan_memory_metadata(c, b, t, shape_id, len(shapes), bool(c.packing),
+                                                  it.get("sample_lengths"), offsets)
         summary["predicted_peak_max"] = metadata["memory"]["predicted_peak_max"]
     row_cols = {
         "epoch": col["epoch"].astype(np.int32), "step": step, "rank": col["rank"].astype(np.int32),
