@@ -8,6 +8,7 @@ from the fit's own report."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -401,3 +402,12 @@ def test_packed_plan_per_segment_attention(files, tmp_path):
     step0 = [i for i, r in enumerate(rows) if r["step"] == 0]
     assert predicted_memory(plan, 0, attention="segment") == int(np.ceil(max(seg[i] for i in step0)))
     assert predicted_memory(plan, 0) == int(np.ceil(max(full[i] for i in step0)))
+
+
+def test_plan_names_the_memory_limit_when_samples_do_not_fit(files, tmp_path):
+    result = runner.invoke(app, ["plan", files["metrics"], "-o", str(tmp_path / "p.parquet"), "--memory-profile",
+                                 files["good"], "--max-memory", "4MiB"])
+    # (4 MiB x 0.95 - 2 MiB) / 16000 B = 117 tokens per microbatch; attention A = 80 / 16000
+    assert_user_error(result, 3, re.compile(r"[\d,]+ samples do not fit the budget --max-memory 4MiB \(max_tokens 117 "
+                                            r"from the profile\) \(the longest has \d+ tokens\); raise --max-memory "
+                                            r"or pass --drop-long"))

@@ -217,18 +217,20 @@ def plan(config: PlanConfig) -> PlanResult:
         shape = ShapeMap(c.pad_multiple)
         too_long = budget.cap(shape.pad(length)) < 1
     n_long = int(np.count_nonzero(too_long))
+    budget_name = (f"--max-memory {c.max_memory} (max_tokens {c.max_tokens:,} from the profile)" if c.max_memory
+                   else f"--max-tokens {c.max_tokens:,}" if c.max_tokens is not None else "")
     if n_long == len(length):
         if c.packing:
             raise InputError(f"--seq-len {c.seq_len:,} is below every sample: the shortest has {int(length.min()):,} tokens")
-        raise InputError(f"the budget is below every sample: --max-tokens {c.max_tokens:,} fits none of the "
+        raise InputError(f"the budget is below every sample: {budget_name} fits none of the "
                          f"{len(length):,} samples (the shortest has {int(length.min()):,} tokens)")
     if n_long and not c.drop_long:
         longest = int(length.max())
         if c.packing:
             raise InputError(f"{n_long:,} samples are longer than --seq-len {c.seq_len:,} (the longest has {longest:,} "
                              "tokens); pass --split-long, --drop-long or a larger --seq-len")
-        raise InputError(f"{n_long:,} samples do not fit the budget --max-tokens {c.max_tokens:,} (the longest has "
-                         f"{longest:,} tokens); raise --max-tokens or pass --drop-long")
+        raise InputError(f"{n_long:,} samples do not fit the budget {budget_name} (the longest has "
+                         f"{longest:,} tokens); raise {budget_name.split()[0]} or pass --drop-long")
     long_pos = np.flatnonzero(too_long)
 
     # the sequences epochs start from
