@@ -411,3 +411,59 @@ def test_plan_names_the_memory_limit_when_samples_do_not_fit(files, tmp_path):
     assert_user_error(result, 3, re.compile(r"[\d,]+ samples do not fit the budget --max-memory 4MiB \(max_tokens 117 "
                                             r"from the profile\) \(the longest has \d+ tokens\); raise --max-memory "
                                             r"or pass --drop-long"))
+
+
+def _terms(tmp_path, **options) -> dict:
+    from varlen_cli.memory.analytic import analytic_profile_fields
+
+    config = {"vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+              "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 2048}
+    path = _write(tmp_path / "config.json", config)
+    fields = analytic_profile_fields(path, **options)
+    return {t["name"]: t for t in fields["analytic"]["terms"]}, fields
+
+
+def test_analytic_states_shard_as_documented(tmp_path):
+    """Parameters, gradients and optimizer states divide by the world size exactly for the
+    strategies that shard them (ZeRO-1: states; ZeRO-2: + gradients; ZeRO-3/FSDP: + parameters,
+    plus one gathered layer)."""
+    # parameters of this Llama by hand: embeddings and head 2 x 1000 x 64; per layer q/o 2 x 64 x 64,
+    # k/v 2 x 64 x 16 (2 kv heads of 8 dims), MLP 3 x 64 x 128, two norms 2 x 64; final norm 64
+    layer = 2 * 64 * 64 + 2 * 64 * 16 + 3 * 64 * 128 + 2 * 64
+    params = 2 * 1000 * 64 + 4 * layer + 64
+    base, fields = _terms(tmp_path, dtype="bf16")
+    assert fields["num_parameters"] == params
+    assert base["parameters"]["bytes"] == base["gradients"]["bytes"] == 2 * params
+    assert base["optimizer states"]["bytes"] == 2 * 2 * params
+    for sharding, sharded in (("zero1", {"optimizer states"}), ("zero2", {"optimizer states", "gradients"}),
+                              ("zero3", {"optimizer states", "gradients", "parameters"}),
+                              ("fsdp", {"optimizer states", "gradients", "parameters"})):
+        terms, _ = _terms(tmp_path, dtype="bf16", sharding=sharding, world_size=8)
+        for name in ("parameters", "gradients", "optimizer states"):
+            want = base[name]["bytes"] / (8 if name in sharded else 1)
+            assert terms[name]["bytes"] == want, (sharding, name)
+        assert ("gathered layer" in terms) == (sharding in ("zero3", "fsdp"))
+        if "gathered layer" in terms:
+            assert terms["gathered layer"]["bytes"] == 2 * 2 * layer
+
+
+def test_analytic_attention_and_checkpointing(tmp_path):
+    _, eager = _terms(tmp_path, dtype="float32")
+    _, sdpa = _terms(tmp_path, dtype="float32", attention="sdpa")
+    _, ckpt = _terms(tmp_path, dtype="float32", checkpointing=True)
+    assert eager["fit"]["c2"] > 0 and sdpa["fit"]["c2"] == 0  # only eager materialises scores
+    assert ckpt["fit"]["c1"] < eager["fit"]["c1"] and ckpt["fit"]["c2"] < eager["fit"]["c2"]
+    for fields in (eager, sdpa, ckpt):
+        assert fields["fit"]["c0"] == pytest.approx(4 * 4 * fields["num_parameters"], rel=0.02)  # fp32 AdamW
+
+
+@pytest.mark.slow
+def test_calibrate_command_measures_and_prints(tmp_path):
+    out = tmp_path / "p.json"
+    result = runner.invoke(app, ["calibrate", "--model", "tests.memory_models:no_ballast", "-o", str(out),
+                                 "--shapes", "1x16,4x16,1x32,4x32", "--optimizer", "sgd"])
+    assert result.exit_code == 0, result.output
+    assert "held-out error" in result.output and "c0 (fixed)" in result.output
+    profile = json.loads(out.read_text())
+    assert profile["optimizer"] == "sgd" and len(profile["points"]) == 4 and profile["vocab_size"] == 16
+    assert [p["heldout"] for p in profile["points"]] == [False, True, False, False]
