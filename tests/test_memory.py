@@ -467,3 +467,13 @@ def test_calibrate_command_measures_and_prints(tmp_path):
     profile = json.loads(out.read_text())
     assert profile["optimizer"] == "sgd" and len(profile["points"]) == 4 and profile["vocab_size"] == 16
     assert [p["heldout"] for p in profile["points"]] == [False, True, False, False]
+
+
+def test_memory_package_and_cli_do_not_import_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, varlen_cli.cli, varlen_cli.memory, varlen_cli.plan; "
+            "print('torch' in sys.modules, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
