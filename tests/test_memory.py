@@ -477,3 +477,11 @@ def test_memory_package_and_cli_do_not_import_torch():
             "print('torch' in sys.modules, 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_plan_warns_when_the_margin_is_below_the_fit_error(files, tmp_path):
+    profile = _write(tmp_path / "p.json", _profile(fit_error={"heldout_max_under": 0.08}))
+    result = runner.invoke(app, ["plan", files["metrics"], "-o", str(tmp_path / "p.parquet"), "--memory-profile",
+                                 profile, "--max-memory", "64MiB"])
+    assert result.exit_code == 0, result.output
+    assert "consider --memory-margin 0.09" in " ".join(result.output.split())

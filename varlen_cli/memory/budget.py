@@ -132,6 +132,10 @@ def memory_rows(meta: dict) -> list[tuple[str, str]]:
     rows = [("max memory (margin)", f"{format_size(mem['max_memory'])} ({100 * mem['margin']:g}%)"),
             ("predicted peak max", f"{format_size(mem['predicted_peak_max'])} "
              f"({100 * mem['predicted_peak_max'] / mem['max_memory']:.1f}% of max memory)")]
+    under = ((mem.get("profile") or {}).get("fit_error") or {}).get("heldout_max_under")
+    if under is not None and under > mem["margin"]:
+        rows.append(("warning", f"the profile under-predicted a held-out shape by {100 * under:.1f}% > the margin; "
+                                f"consider --memory-margin {under + 0.01:.2f}"))
     shapes = meta.get("shapes") or []
     for (b, t), peak in list(zip(shapes, mem["predicted_peak_per_shape"]))[:16]:
         rows.append((f"  predicted peak {b or '*'}x{t}", format_size(peak)))
