@@ -198,6 +198,10 @@ def _plan_tables(info: dict) -> list[TextTable]:
     if meta.get("packing"):
         t.rows.append(("packing", ", ".join(f"{k}={v}" for k, v in meta["packing"].items())))
     t.rows.append(("dropped", fmt(meta.get("dropped", {}).get("count", 0))))
+    if meta.get("memory"):  # a plan made with --max-memory: predicted peak per shape and the maximum
+        from .memory.budget import memory_rows
+
+        t.rows.extend(memory_rows(meta))
     cost = format.plan_straggler_cost(meta)
     t.rows.append(("straggler cost", ", ".join(f"{k}={v}" for k, v in cost.items())))
     st = TextTable("statistics", [("stat", "left"), ("value", "right")], show_header=False)

@@ -25,6 +25,8 @@ class ValidateConfig:
     plan: str
     metrics: str | None = None
     allow_stale: bool = False
+    max_memory: str | None = None  # check predicted peaks (docs/memory.md)
+    memory_profile: str | None = None
 
 
 @dataclass
@@ -94,6 +96,11 @@ def validate(config: ValidateConfig) -> ValidateResult:
     result.checks.append(_check_shapes(cols, meta, pcfg))
     result.checks.append(_check_step_totals(cols))
     result.checks.append(_check_lr(cols, meta))
+    if config.max_memory is not None or config.memory_profile is not None:
+        from .memory.budget import memory_check
+
+        result.checks.append(Check("memory", *memory_check(cols["batch_size"], cols["seqlen"], meta,
+                                                           config.max_memory, config.memory_profile)))
     return result
 
 

@@ -114,6 +114,16 @@ SCHEDULE = typer.Option(
          "simulated of a few orders per step (docs/schedules.md).",
 )
 STAGES = typer.Option(None, "--stages", show_default=False, help="Pipeline stages of --schedule.")
+MEMORY_PROFILE = typer.Option(
+    None, "--memory-profile", show_default=False,
+    help="Memory profile from `varlen calibrate`: with --max-memory, the budget comes from it (instead of "
+         "--max-tokens/--attention-cost).",
+)
+MAX_MEMORY = typer.Option(
+    None, "--max-memory", show_default=False,
+    help="Peak memory per microbatch not to exceed, e.g. 70GiB, 512MB or bytes (needs --memory-profile).",
+)
+MEMORY_MARGIN = typer.Option(0.05, "--memory-margin", help="Plan to a predicted peak of max-memory x (1 - margin).")
 
 
 def plan_command(
@@ -143,6 +153,9 @@ def plan_command(
     rows_per_microbatch: int | None = ROWS_PER_MICROBATCH,
     max_per_row: int | None = MAX_PER_ROW,
     split_long: bool = SPLIT_LONG,
+    memory_profile: str | None = MEMORY_PROFILE,
+    max_memory: str | None = MAX_MEMORY,
+    memory_margin: float = MEMORY_MARGIN,
     overwrite: bool = common.OVERWRITE,
     allow_stale: bool = common.ALLOW_STALE,
     schedule: str | None = SCHEDULE,
@@ -160,6 +173,7 @@ def plan_command(
         max_samples=max_samples, attention_cost=attention_cost, drop_long=drop_long, tail=tail, packing=packing,
         seq_len=seq_len, rows_per_microbatch=rows_per_microbatch, max_per_row=max_per_row, split_long=split_long,
         overwrite=overwrite, allow_stale=allow_stale, schedule=schedule, stages=stages,
+        memory_profile=memory_profile, max_memory=max_memory, memory_margin=memory_margin,
     )
     result = common.run(plan, config)
     if result is not None:

@@ -111,6 +111,10 @@ def print_plan(result) -> None:
         rows.append(("compile warm-up steps", s["warmup_steps"]))
     if result.packing:
         rows.append(("packing efficiency %", f"{100 * result.packing['efficiency']:.3f}"))
+    if result.metadata.get("memory"):
+        from varlen_cli.memory.budget import memory_rows
+
+        rows += memory_rows(result.metadata)
     ordered = result.metadata.get("schedule")
     if ordered:
         rows.append((f"{ordered['name']} makespan ({ordered['stages']} stages) vs plan order",

@@ -14,6 +14,15 @@ def validate_command(
         help="Metrics or sorted directory the plan was built from: also checks the fingerprint, seqlens and token "
         "counts.",
     ),
+    max_memory: str | None = typer.Option(
+        None, "--max-memory", show_default=False,
+        help="Also check that no microbatch's predicted peak exceeds this (e.g. 70GiB; default: the plan's own "
+             "--max-memory).",
+    ),
+    memory_profile: str | None = typer.Option(
+        None, "--memory-profile", show_default=False,
+        help="Memory profile for --max-memory (default: the one the plan was made with).",
+    ),
     json_output: bool = typer.Option(False, "--json", help="Print the checks as JSON instead of a table."),
     allow_stale: bool = common.ALLOW_STALE,
 ) -> None:
@@ -21,7 +30,8 @@ def validate_command(
     from varlen_cli.errors import VALIDATION_FAILED
     from varlen_cli.validate import ValidateConfig, validate
 
-    result = common.run(validate, ValidateConfig(plan=plan, metrics=metrics, allow_stale=allow_stale))
+    result = common.run(validate, ValidateConfig(plan=plan, metrics=metrics, allow_stale=allow_stale,
+                                                 max_memory=max_memory, memory_profile=memory_profile))
     if json_output:
         import json
 

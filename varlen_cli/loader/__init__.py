@@ -22,6 +22,7 @@ from typing import Any
 
 from .collate import IGNORE_INDEX, PadCollate, PlanDataset, Samples, causal_padding_mask, pad_collate
 from .lr import VariableBatchSizeLR
+from .memory import predicted_memory
 from .packed import PackedCollate, PackedLayoutError, block_causal_mask, collate_packed, packed_layout
 from .plan_file import Microbatch, Plan, PlanError
 from .sampler import MicrobatchIndices, PlanBatchSampler, resolve_rank
@@ -30,7 +31,7 @@ __all__ = [
     "IGNORE_INDEX", "Microbatch", "MicrobatchIndices", "PackedCollate", "PackedLayoutError", "PadCollate", "Plan",
     "PlanBatchSampler", "PlanDataset", "PlanError", "Samples", "VariableBatchSizeLR", "block_causal_mask",
     "causal_padding_mask", "collate_packed", "dataloader_for_plan", "packed_layout",
-    "pad_collate", "resolve_rank",
+    "pad_collate", "predicted_memory", "resolve_rank",
 ]
 
 

@@ -72,6 +72,11 @@ class PlanConfig:
                                      "1f1b, lpp, fslpp): the best simulated of a few orders per step "
                                      "(docs/schedules.md).")
     stages: int | None = doc(None, "Pipeline stages of --schedule.")
+    memory_profile: str | None = doc(None, "Memory profile from `varlen calibrate`: with --max-memory, the budget "
+                                           "comes from it (instead of --max-tokens/--attention-cost).")
+    max_memory: str | None = doc(None, "Peak memory per microbatch not to exceed, e.g. 70GiB, 512MB or bytes (needs "
+                                       "--memory-profile).")
+    memory_margin: float = doc(0.05, "Plan to a predicted peak of max-memory x (1 - margin).")
 
 
 @dataclass
@@ -221,6 +226,10 @@ def plan(config: PlanConfig) -> PlanResult:
     """Run ``varlen plan``: read the input, plan every epoch, write the plan; returns the summary."""
     t0 = time.perf_counter()
     c = config
+    if c.memory_profile is not None or c.max_memory is not None:  # budget = max_tokens/attention_cost from memory
+        from varlen_cli.memory.budget import plan_config_for_memory
+
+        c = plan_config_for_memory(c)
     check(c)
     writer.check_output(c.output, c.overwrite)
     manifest, sample_id, length = read_input(c.input, c.allow_stale)
@@ -242,19 +251,21 @@ def _too_long(c: PlanConfig, length: np.ndarray, budget: Budget, shape: ShapeMap
     else:
         too_long = budget.cap(shape.pad(length)) < 1
     n_long = int(np.count_nonzero(too_long))
+    budget_name = (f"--max-memory {c.max_memory} (max_tokens {c.max_tokens:,} from the profile)" if c.max_memory
+                   else f"--max-tokens {c.max_tokens:,}" if c.max_tokens is not None else "")
     if n_long == len(length):
         if c.packing:
             raise InputError(f"--seq-len {c.seq_len:,} is below every sample: the shortest has "
                              f"{int(length.min()):,} tokens")
-        raise InputError(f"the budget is below every sample: --max-tokens {c.max_tokens:,} fits none of the "
+        raise InputError(f"the budget is below every sample: {budget_name} fits none of the "
                          f"{len(length):,} samples (the shortest has {int(length.min()):,} tokens)")
     if n_long and not c.drop_long:
         longest = int(length.max())
         if c.packing:
             raise InputError(f"{n_long:,} samples are longer than --seq-len {c.seq_len:,} (the longest has "
                              f"{longest:,} tokens); pass --split-long, --drop-long or a larger --seq-len")
-        raise InputError(f"{n_long:,} samples do not fit the budget --max-tokens {c.max_tokens:,} (the longest has "
-                         f"{longest:,} tokens); raise --max-tokens or pass --drop-long")
+        raise InputError(f"{n_long:,} samples do not fit the budget {budget_name} (the longest has "
+                         f"{longest:,} tokens); raise {budget_name.split()[0]} or pass --drop-long")
     return too_long
 
 
@@ -474,6 +485,12 @@ def _finish(c: PlanConfig, manifest: dict, sample_id: np.ndarray, epochs: list[P
         from ..schedule.order import combined_report
 
         metadata["schedule"] = combined_report(c.schedule, c.stages, [ep.schedule_order for ep in epochs])
+    if c.memory_profile is not None:
+        from varlen_cli.memory.budget import plan_memory_metadata
+
+        metadata["memory"] = plan_memory_metadata(c, b, t, shape_id, len(shapes), bool(c.packing),
+                                                  it.get("sample_lengths"), offsets)
+        summary["predicted_peak_max"] = metadata["memory"]["predicted_peak_max"]
     del epochs[:]
     row_cols = {
         "epoch": col["epoch"].astype(np.int32), "step": step, "rank": col["rank"].astype(np.int32),

@@ -1,0 +1,144 @@
+"""From a memory profile and a limit to the planner's budget, and back to predicted peaks.
+
+The profile says ``peak(B, T) = c0 + c1*B*T + c2*B*T^2``. A microbatch fits the limit
+``L = max_memory * (1 - margin)`` when ``c0 + c1*B*T + c2*B*T^2 <= L``, i.e. (dividing by c1)
+``B*T + (c2/c1)*B*T^2 <= (L - c0)/c1``: exactly the planner's padded budget
+``B*T + A*B*T^2 <= max_tokens`` with ``A = c2/c1`` and ``max_tokens = floor((L - c0)/c1)`` (the
+floor only tightens it). So ``--max-memory`` reuses the planner unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from ..errors import UsageError
+from . import fit as fitting
+from .profile import coefficients, load_profile
+from .sizes import format_size, parse_size
+
+
+def budget_from_profile(profile: dict, max_memory, margin: float = 0.05) -> tuple[int, float]:
+    """``(max_tokens, attention_cost)`` such that every (B, T) within the planner's budget has a
+    predicted peak <= ``max_memory * (1 - margin)``."""
+    if not (0 <= margin < 1):
+        raise UsageError(f"--memory-margin must be in [0, 1) (got {margin})")
+    limit = parse_size(max_memory) * (1.0 - margin)
+    c0, c1, c2 = coefficients(profile)
+    if limit <= c0:
+        raise UsageError(f"--max-memory {max_memory} (minus the {margin:g} margin: {format_size(limit)}) is below "
+                         f"the profile's fixed memory c0 = {format_size(c0)} (parameters, gradients, optimizer "
+                         "states): no microbatch fits")
+    # c1 = 0 (pure attention growth): use c1' = c2 (one token's worth), a slightly tighter budget
+    c1_eff = c1 if c1 > 0 else c2
+    max_tokens = int(math.floor((limit - c0) / c1_eff))
+    if max_tokens < 1:
+        raise UsageError(f"--max-memory {max_memory} leaves {format_size(limit - c0)} above the fixed memory: "
+                         f"less than one token ({format_size(c1_eff)})")
+    return max_tokens, c2 / c1_eff
+
+
+def plan_config_for_memory(config):
+    """The :class:`~varlen_cli.plan.PlanConfig` with ``max_tokens``/``attention_cost`` derived from
+    ``--memory-profile`` and ``--max-memory`` (config unchanged when neither is given)."""
+    c = config
+    if c.memory_profile is None and c.max_memory is None:
+        return c
+    if c.memory_profile is None or c.max_memory is None:
+        raise UsageError("--max-memory and --memory-profile go together")
+    if c.max_tokens is not None:
+        raise UsageError("--max-tokens and --max-memory exclude each other (the budget comes from the profile)")
+    if c.attention_cost:
+        raise UsageError("--attention-cost and --max-memory exclude each other (A comes from the profile)")
+    profile = load_profile(c.memory_profile)
+    max_tokens, attention_cost = budget_from_profile(profile, c.max_memory, c.memory_margin)
+    return dataclasses.replace(c, max_tokens=max_tokens, attention_cost=attention_cost)
+
+
+def predicted_peaks(coef, batch, seqlen, packed: bool = False) -> np.ndarray:
+    """Per microbatch: padded ``B x T``; packed: R rows x T with attention over whole rows (the
+    budget's form; an upper bound for per-segment attention, see :func:`segment_peaks`)."""
+    del packed  # a packed row's tokens attend over at most T tokens: the same bound (docs/memory.md)
+    return fitting.predict(coef, batch, seqlen)
+
+
+def segment_peaks(coef, batch, seqlen, segment_lengths, offsets) -> np.ndarray:
+    """Packed microbatches with per-segment (varlen) attention: ``c0 + c1*R*T + c2*sum(s_i^2)``
+    over the segments ``s_i`` of each microbatch (``offsets``: CSR into ``segment_lengths``)."""
+    c0, c1, c2 = coef
+    counts = np.diff(np.asarray(offsets, dtype=np.int64))
+    parent = np.repeat(np.arange(len(counts)), counts)
+    s = np.asarray(segment_lengths, dtype=np.float64)
+    squares = np.bincount(parent, weights=s * s, minlength=len(counts)) if len(s) else np.zeros(len(counts))
+    return c0 + c1 * np.asarray(batch, dtype=np.float64) * np.asarray(seqlen, dtype=np.float64) + c2 * squares
+
+
+def plan_memory_metadata(config, batch, seqlen, shape_id, num_shapes: int, packed: bool, segment_lengths=None,
+                         offsets=None) -> dict | None:
+    """The plan metadata's ``memory`` entry: the profile used, the limit, and the predicted peak of
+    every shape (the largest over its microbatches when B varies) and of the whole plan; packed
+    plans also get the per-segment-attention maximum."""
+    if config.memory_profile is None:
+        return None
+    profile = load_profile(config.memory_profile)
+    coef = coefficients(profile)
+    peak = predicted_peaks(coef, batch, seqlen, packed)
+    per_shape = np.zeros(num_shapes)
+    if len(peak):
+        np.maximum.at(per_shape, np.asarray(shape_id, dtype=np.int64), peak)
+    max_memory = parse_size(config.max_memory)
+    out = {
+        "max_memory": max_memory, "margin": float(config.memory_margin),
+        "limit": max_memory * (1.0 - config.memory_margin),
+        "profile": {k: profile.get(k) for k in ("mode", "model", "device", "dtype", "torch_version", "optimizer",
+                                                "fit", "fit_error", "created_at", "varlen_version")},
+        "profile_path": config.memory_profile,
+        "packed_attention": "row" if packed else None,
+        "predicted_peak_per_shape": [float(v) for v in per_shape],
+        "predicted_peak_max": float(peak.max()) if len(peak) else float(coef[0]),
+    }
+    if packed and segment_lengths is not None and len(peak):
+        out["predicted_peak_max_per_segment"] = float(segment_peaks(coef, batch, seqlen, segment_lengths,
+                                                                    offsets).max())
+    return out
+
+
+def memory_check(batch, seqlen, meta: dict, max_memory, profile_path: str | None):
+    """``(ok, detail)``: does every microbatch's predicted peak stay <= ``max_memory``? Each of the
+    two defaults to what the plan's metadata recorded (a plan made with ``--max-memory``)."""
+    recorded = meta.get("memory") or {}
+    if max_memory is None and "max_memory" not in recorded:
+        raise UsageError("--memory-profile needs --max-memory (the plan records no memory limit)")
+    if profile_path is None and not recorded.get("profile"):
+        raise UsageError("--max-memory needs --memory-profile (the plan records no memory profile)")
+    limit = parse_size(max_memory) if max_memory is not None else int(recorded["max_memory"])
+    coef = coefficients(load_profile(profile_path) if profile_path is not None else recorded["profile"])
+    peak = predicted_peaks(coef, batch, seqlen, bool(meta.get("packing")))
+    over = peak > limit
+    worst = float(peak.max()) if len(peak) else 0.0
+    if over.any():
+        rows = ", ".join(str(int(i)) for i in np.flatnonzero(over)[:5])
+        return False, (f"{int(over.sum())} microbatches predicted above {format_size(limit)} (largest "
+                       f"{format_size(worst)}; e.g. rows {rows})")
+    return True, f"predicted peak <= {format_size(worst)} <= {format_size(limit)} in every microbatch"
+
+
+def memory_rows(meta: dict) -> list[tuple[str, str]]:
+    """Summary rows of a plan made with ``--max-memory``: the limit, and the predicted peak of the
+    plan and of each shape (``B x T``; ``*`` where B varies)."""
+    mem = meta["memory"]
+    rows = [("max memory (margin)", f"{format_size(mem['max_memory'])} ({100 * mem['margin']:g}%)"),
+            ("predicted peak max", f"{format_size(mem['predicted_peak_max'])} "
+             f"({100 * mem['predicted_peak_max'] / mem['max_memory']:.1f}% of max memory)")]
+    under = ((mem.get("profile") or {}).get("fit_error") or {}).get("heldout_max_under")
+    if under is not None and under > mem["margin"]:
+        rows.append(("warning", f"the profile under-predicted a held-out shape by {100 * under:.1f}% > the margin; "
+                                f"consider --memory-margin {under + 0.01:.2f}"))
+    shapes = meta.get("shapes") or []
+    for (b, t), peak in list(zip(shapes, mem["predicted_peak_per_shape"]))[:16]:
+        rows.append((f"  predicted peak {b or '*'}x{t}", format_size(peak)))
+    if len(shapes) > 16:
+        rows.append(("  ...", f"{len(shapes) - 16} more shapes (varlen inspect --json)"))
+    return rows
