@@ -292,7 +292,7 @@ def user_scheme(stages, microbatches, workers):
 def test_user_scheme_module_function(tmp_path):
     costs = [[3, 1, 4, 1, 5, 9]]
     plan = write_plan(tmp_path / "p.parquet", costs, 1)
-    result = runner.invoke(app, ["simulate", plan, "--schedule", "tests.test_simulate:user_scheme", "--stages", "3",
+    result = runner.invoke(app, ["simulate", plan, "--schedule", "tests.schedule.test_simulate:user_scheme", "--stages", "3",
                                  "--json"])
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
@@ -350,12 +350,12 @@ BAD = [
     ("gantt step", None, ["--gantt-step", "7"], 2, "--gantt-step 7 is not a step of the plan (0 .. 1)"),
     ("no module", None, ["--schedule", "no_such_module_xyz:f"], 2,
      re.compile(r"--schedule no_such_module_xyz:f: cannot import module 'no_such_module_xyz' .*")),
-    ("no function", None, ["--schedule", "tests.test_simulate:nothing"], 2,
-     "--schedule tests.test_simulate:nothing: module 'tests.test_simulate' has no function 'nothing'"),
-    ("not a scheme", None, ["--schedule", "tests.test_simulate:not_a_scheme"], 2,
-     "--schedule tests.test_simulate:not_a_scheme: not_a_scheme() returned int, not a varlen_cli.schedule.Scheme"),
-    ("wrong signature", None, ["--schedule", "tests.test_simulate:uniform"], 2,
-     "--schedule tests.test_simulate:uniform: uniform() must accept stages=, microbatches=, workers= keywords"),
+    ("no function", None, ["--schedule", "tests.schedule.test_simulate:nothing"], 2,
+     "--schedule tests.schedule.test_simulate:nothing: module 'tests.test_simulate' has no function 'nothing'"),
+    ("not a scheme", None, ["--schedule", "tests.schedule.test_simulate:not_a_scheme"], 2,
+     "--schedule tests.schedule.test_simulate:not_a_scheme: not_a_scheme() returned int, not a varlen_cli.schedule.Scheme"),
+    ("wrong signature", None, ["--schedule", "tests.schedule.test_simulate:uniform"], 2,
+     "--schedule tests.schedule.test_simulate:uniform: uniform() must accept stages=, microbatches=, workers= keywords"),
 ]
 
 
