@@ -351,7 +351,7 @@ BAD = [
     ("no module", None, ["--schedule", "no_such_module_xyz:f"], 2,
      re.compile(r"--schedule no_such_module_xyz:f: cannot import module 'no_such_module_xyz' .*")),
     ("no function", None, ["--schedule", "tests.schedule.test_simulate:nothing"], 2,
-     "--schedule tests.schedule.test_simulate:nothing: module 'tests.test_simulate' has no function 'nothing'"),
+     "--schedule tests.schedule.test_simulate:nothing: module 'tests.schedule.test_simulate' has no function 'nothing'"),
     ("not a scheme", None, ["--schedule", "tests.schedule.test_simulate:not_a_scheme"], 2,
      "--schedule tests.schedule.test_simulate:not_a_scheme: not_a_scheme() returned int, not a varlen_cli.schedule.Scheme"),
     ("wrong signature", None, ["--schedule", "tests.schedule.test_simulate:uniform"], 2,
