@@ -290,11 +290,12 @@ class PlannedEpoch:
     schedule_order: dict | None = None  # --schedule: the simulated gain of the step order (schedule/order.py)
 
 
-def _plan_epochs(c: PlanConfig, inputs: EpochInputs) -> tuple[list[PlannedEpoch], int | None]:
-    """Every epoch formed by its order's strategy and laid out; also the random order's fixed batch size."""
+def _plan_epochs(c: PlanConfig, inputs: EpochInputs, first_epoch: int = 0) -> tuple[list[PlannedEpoch], int | None]:
+    """Every epoch formed by its order's strategy and laid out; also the random order's fixed batch size.
+    ``first_epoch``: the number of the first epoch (seed stream, curriculum switch), for ``varlen replan``."""
     formers = Formers()
     epochs = []
-    for e in range(c.epochs):
+    for e in range(first_epoch, first_epoch + c.epochs):
         mode = c.order
         if c.curriculum_epochs is not None and e >= c.curriculum_epochs:
             mode = "bucket-shuffle"
@@ -436,8 +437,9 @@ def build_metadata(c: PlanConfig, manifest: dict, num_rows: int, epochs: list[Pl
 
 
 def _finish(c: PlanConfig, manifest: dict, sample_id: np.ndarray, epochs: list[PlannedEpoch], col: dict, it: dict,
-            long_pos: np.ndarray, inputs: EpochInputs, fixed_batch: int | None, t0: float) -> PlanResult:
-    """Step columns, LR, shapes, statistics and metadata; writes the plan."""
+            long_pos: np.ndarray, inputs: EpochInputs, fixed_batch: int | None, t0: float,
+            lineage: dict | None = None) -> PlanResult:
+    """Step columns, LR, shapes, statistics and metadata (plus ``lineage`` if given); writes the plan."""
     num_steps = sum(ep.mb.count // inputs.slots for ep in epochs)
     counts = col["num_samples"].astype(np.int64)
     offsets = np.zeros(len(counts) + 1, np.int64)
@@ -470,6 +472,8 @@ def _finish(c: PlanConfig, manifest: dict, sample_id: np.ndarray, epochs: list[P
     metadata = build_metadata(c, manifest, len(sample_id), epochs, num_steps=num_steps, num_microbatches=len(counts),
                               shapes=shapes, base_batch_size=base, inputs=inputs, fixed_batch=fixed_batch,
                               packing=packing, dropped=dropped.to_dict(dropped_all), summary=summary)
+    if lineage is not None:
+        metadata["lineage"] = lineage
     if c.schedule is not None:
         from ..schedule.order import combined_report
 
