@@ -9,9 +9,13 @@ from varlen_cli.runtime.choices import LrScaleBy, LrScaling, Order, Tail
 
 # Options whose help does not fit on the signature's line.
 INPUT_DIR = typer.Argument(
-    ..., show_default=False,
+    None, show_default=False,
     help="Metrics directory (varlen analyze) or sorted directory (varlen sort; needed for --order "
-    "curriculum/reverse).",
+    "curriculum/reverse). With --extend: only if the plan's input moved.",
+)
+EXTEND = typer.Option(
+    None, "--extend", show_default=False,
+    help="Lengthen this plan to --epochs E: its steps unchanged, new epochs appended (its other options kept).",
 )
 OUTPUT = typer.Option(
     ..., "-o", "--output", show_default=False,
@@ -147,6 +151,7 @@ def plan_command(
     allow_stale: bool = common.ALLOW_STALE,
     schedule: str | None = SCHEDULE,
     stages: int | None = STAGES,
+    extend: str | None = EXTEND,
 ) -> None:
     """Write a token-budget batch plan (Parquet): microbatches, ranks, steps, shapes and LR scales."""
     from varlen_cli.cli import report
@@ -161,7 +166,12 @@ def plan_command(
         seq_len=seq_len, rows_per_microbatch=rows_per_microbatch, max_per_row=max_per_row, split_long=split_long,
         overwrite=overwrite, allow_stale=allow_stale, schedule=schedule, stages=stages,
     )
-    result = common.run(plan, config)
+    if extend is not None:
+        from varlen_cli.plan.replan import run_extend
+
+        result = common.run(run_extend, (config, extend))
+    else:
+        result = common.run(plan, config)
     if result is not None:
         report.print_plan(result)
 

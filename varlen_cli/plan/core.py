@@ -99,6 +99,8 @@ def _positive(name: str, value, allow_none: bool = True) -> None:
 
 def check(c: PlanConfig) -> None:
     check_choices(c)
+    if not c.input:
+        raise UsageError("missing INPUT_DIR: the metrics or sorted directory to plan (or --extend PLAN)")
     if not c.packing and c.max_tokens is None:
         raise UsageError("--max-tokens is required (or --packing --seq-len T)")
     _positive("--max-tokens", c.max_tokens)

@@ -52,6 +52,7 @@ class ExtendConfig:
     plan: str = doc(help="The plan to lengthen.")
     output: str = doc(help="The extended plan file to write.")
     epochs: int = doc(help="Epochs of the extended plan (more than the plan has).")
+    input: str | None = doc(None, "The plan's metrics/sorted directory, if it moved (default: the recorded path).")
     overwrite: bool = doc(False, "Replace an existing output (written atomically either way).")
     allow_stale: bool = doc(False, "Use metrics even if their source files changed since `varlen analyze`.")
 
@@ -206,3 +207,49 @@ def replan(config: ReplanConfig) -> PlanResult:
     c = dataclasses.replace(c, epochs=parent.epochs - epoch)
     return plan_epochs_from(c, manifest, sample_id, length, first_epoch=int(before.get("first_epoch", 0)) + epoch,
                             first_keep=keep, lineage=lineage, t0=t0)
+
+
+# -- extend ----------------------------------------------------------------------------------------
+def extend(config: ExtendConfig) -> PlanResult:
+    """Run ``varlen plan --extend``: the plan's rows unchanged, then epochs up to ``config.epochs``."""
+    t0 = time.perf_counter()
+    parent = open_parent(config.plan)
+    if config.epochs <= parent.epochs:
+        raise UsageError(f"--epochs {config.epochs} must be more than the {parent.epochs} epoch(s) of "
+                         f"{parent.path} to extend it")
+    core.writer.check_output(config.output, config.overwrite)
+    out_dir = os.path.dirname(os.path.abspath(config.output))
+    tmp = os.path.join(out_dir, f".{os.path.basename(config.output)}.extend-{os.getpid()}-{time.time_ns()}")
+    c = parent_config(parent, input=config.input, output=tmp, epochs=config.epochs - parent.epochs,
+                      overwrite=False, allow_stale=config.allow_stale)
+    manifest, sample_id, length = read_parent_input(parent, c)
+    before = lineage_of(parent)
+    try:
+        more = plan_epochs_from(c, manifest, sample_id, length, first_epoch=int(before.get("first_epoch", 0)) +
+                                parent.epochs, first_keep=None, lineage=None, t0=t0)
+        from .extend import merge
+
+        lineage = {**before, "kind": "extend", "parent": parent.fingerprint,
+                   "parent_path": os.path.abspath(parent.path), "parent_steps": parent.num_steps,
+                   "parent_epochs": parent.epochs}
+        return merge(parent, more, dataclasses.replace(c, output=config.output, overwrite=config.overwrite,
+                                                       epochs=config.epochs), lineage, t0)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+EXTEND_KEEPS = ("input", "output", "epochs", "overwrite", "allow_stale")
+
+
+def run_extend(args: tuple[PlanConfig, str]) -> PlanResult:
+    """``varlen plan [INPUT_DIR] --extend PLAN --epochs E -o OUT``: refuses options that would change the plan."""
+    given, plan_path = args
+    defaults = PlanConfig(input="", output="")
+    for f in dataclasses.fields(PlanConfig):
+        if f.name not in EXTEND_KEEPS and getattr(given, f.name) != getattr(defaults, f.name):
+            option = "--" + f.name.replace("_", "-")
+            raise UsageError(f"{option} cannot be combined with --extend: the extended plan keeps the plan's options "
+                             "(use `varlen replan` to change the layout)")
+    return extend(ExtendConfig(plan=plan_path, output=given.output, epochs=given.epochs, input=given.input,
+                               overwrite=given.overwrite, allow_stale=given.allow_stale))
