@@ -11,11 +11,12 @@ from varlen_cli.runtime.choices import LrScaleBy, LrScaling, Order, Tail
 INPUT_DIR = typer.Argument(
     None, show_default=False,
     help="Metrics directory (varlen analyze) or sorted directory (varlen sort; needed for --order "
-    "curriculum/reverse). With --extend: only if the plan's input moved.",
+    "curriculum/reverse).",
 )
 EXTEND = typer.Option(
     None, "--extend", show_default=False,
-    help="Lengthen this plan to --epochs E: its steps unchanged, new epochs appended (its other options kept).",
+    help="Lengthen this plan to --epochs E: its steps unchanged, new epochs appended (its other options kept; "
+    "INPUT_DIR only if its input moved).",
 )
 OUTPUT = typer.Option(
     ..., "-o", "--output", show_default=False,
@@ -164,14 +165,9 @@ def plan_command(
         static_shapes=static_shapes, compile_warmup=compile_warmup, same_shape_per_step=same_shape_per_step,
         max_samples=max_samples, attention_cost=attention_cost, drop_long=drop_long, tail=tail, packing=packing,
         seq_len=seq_len, rows_per_microbatch=rows_per_microbatch, max_per_row=max_per_row, split_long=split_long,
-        overwrite=overwrite, allow_stale=allow_stale, schedule=schedule, stages=stages,
+        overwrite=overwrite, allow_stale=allow_stale, schedule=schedule, stages=stages, extend=extend,
     )
-    if extend is not None:
-        from varlen_cli.plan.replan import run_extend
-
-        result = common.run(run_extend, (config, extend))
-    else:
-        result = common.run(plan, config)
+    result = common.run(plan, config)
     if result is not None:
         report.print_plan(result)
 

@@ -72,6 +72,8 @@ class PlanConfig:
                                      "1f1b, lpp, fslpp): the best simulated of a few orders per step "
                                      "(docs/schedules.md).")
     stages: int | None = doc(None, "Pipeline stages of --schedule.")
+    extend: str | None = doc(None, "Lengthen this plan to --epochs E: its steps unchanged, new epochs appended (its "
+                                   "other options kept; INPUT_DIR only if its input moved).")
 
 
 @dataclass
@@ -221,6 +223,10 @@ def canonical_order(sample_id: np.ndarray) -> np.ndarray:
 # -- the planner -----------------------------------------------------------------------------------
 def plan(config: PlanConfig) -> PlanResult:
     """Run ``varlen plan``: read the input, plan every epoch, write the plan; returns the summary."""
+    if config.extend is not None:  # varlen plan --extend PLAN --epochs E (plan/replan.py)
+        from .replan import run_extend
+
+        return run_extend(config)
     t0 = time.perf_counter()
     c = config
     check(c)

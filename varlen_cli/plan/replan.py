@@ -239,17 +239,16 @@ def extend(config: ExtendConfig) -> PlanResult:
             os.remove(tmp)
 
 
-EXTEND_KEEPS = ("input", "output", "epochs", "overwrite", "allow_stale")
+EXTEND_KEEPS = ("input", "output", "epochs", "overwrite", "allow_stale", "extend")
 
 
-def run_extend(args: tuple[PlanConfig, str]) -> PlanResult:
-    """``varlen plan [INPUT_DIR] --extend PLAN --epochs E -o OUT``: refuses options that would change the plan."""
-    given, plan_path = args
+def run_extend(given: PlanConfig) -> PlanResult:
+    """``plan(PlanConfig(extend=PLAN, epochs=E, output=OUT))``: refuses options that would change the plan."""
     defaults = PlanConfig(input="", output="")
     for f in dataclasses.fields(PlanConfig):
         if f.name not in EXTEND_KEEPS and getattr(given, f.name) != getattr(defaults, f.name):
             option = "--" + f.name.replace("_", "-")
             raise UsageError(f"{option} cannot be combined with --extend: the extended plan keeps the plan's options "
                              "(use `varlen replan` to change the layout)")
-    return extend(ExtendConfig(plan=plan_path, output=given.output, epochs=given.epochs, input=given.input,
+    return extend(ExtendConfig(plan=given.extend, output=given.output, epochs=given.epochs, input=given.input or None,
                                overwrite=given.overwrite, allow_stale=given.allow_stale))
