@@ -85,7 +85,7 @@ def validate(config: ValidateConfig) -> ValidateResult:
         result.checks.append(fp)
         if fp.ok:  # lengths of another dataset would only produce noise
             lengths = _metrics_lengths(config.metrics, manifest)
-    n_samples = int(meta.get("input", {}).get("num_rows", 0))
+    n_samples = int(meta.get("input", {}).get("num_rows") or 0)  # None for a mixture plan
 
     result.checks.append(_check_layout(cols, dp, accum, meta))
     result.checks.append(_check_counts(cols, packed=bool(packing)))
@@ -106,7 +106,7 @@ def _columns(table) -> dict:
     out["flat_ids"] = pc.list_flatten(ids).to_numpy(zero_copy_only=False).astype(np.int64)
     out["flat_parent"] = pc.list_parent_indices(ids).to_numpy(zero_copy_only=False).astype(np.int64)
     out["list_len"] = pc.list_value_length(ids).to_numpy(zero_copy_only=False).astype(np.int64)
-    for name in format.PACKED_COLUMN_NAMES:
+    for name in format.PACKED_COLUMN_NAMES + ("source",):
         if name in table.column_names:
             out["flat_" + name] = pc.list_flatten(table.column(name).combine_chunks()).to_numpy(
                 zero_copy_only=False).astype(np.int64)
@@ -176,6 +176,12 @@ def _check_counts(c: dict, packed: bool) -> Check:
 
 
 def _check_coverage(c: dict, meta: dict, n: int, packing, lengths) -> Check:
+    if meta.get("mixture"):  # varlen plan --mix: per source and weight (plan/mixture.py)
+        from .plan.mixture import coverage_problems
+
+        problems = coverage_problems(c["flat_ids"], c["flat_source"], c["epoch"][c["flat_parent"]], meta)
+        return Check("coverage", not problems, "; ".join(problems) or "every source's samples as often as its weight "
+                     "in each epoch")
     dropped = np.asarray(meta.get("dropped", {}).get("sample_ids", []), dtype=np.int64)
     ids, parent = c["flat_ids"], c["flat_parent"]
     if len(ids) and (ids.min() < 0 or ids.max() >= max(n, 1)):

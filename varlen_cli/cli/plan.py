@@ -13,6 +13,11 @@ INPUT_DIR = typer.Argument(
     help="Metrics directory (varlen analyze) or sorted directory (varlen sort; needed for --order "
     "curriculum/reverse).",
 )
+MIX = typer.Option(
+    None, "--mix", show_default=False,
+    help="Plan a mixture of sources: name=DIR:weight,... (weight 2: every sample twice per epoch, 0.5: a seeded "
+    "half); the plan records each sample's source.",
+)
 EXTEND = typer.Option(
     None, "--extend", show_default=False,
     help="Lengthen this plan to --epochs E: its steps unchanged, new epochs appended (its other options kept; "
@@ -152,6 +157,7 @@ def plan_command(
     allow_stale: bool = common.ALLOW_STALE,
     schedule: str | None = SCHEDULE,
     stages: int | None = STAGES,
+    mix: str | None = MIX,
     extend: str | None = EXTEND,
 ) -> None:
     """Write a token-budget batch plan (Parquet): microbatches, ranks, steps, shapes and LR scales."""
@@ -165,7 +171,7 @@ def plan_command(
         static_shapes=static_shapes, compile_warmup=compile_warmup, same_shape_per_step=same_shape_per_step,
         max_samples=max_samples, attention_cost=attention_cost, drop_long=drop_long, tail=tail, packing=packing,
         seq_len=seq_len, rows_per_microbatch=rows_per_microbatch, max_per_row=max_per_row, split_long=split_long,
-        overwrite=overwrite, allow_stale=allow_stale, schedule=schedule, stages=stages, extend=extend,
+        overwrite=overwrite, allow_stale=allow_stale, schedule=schedule, stages=stages, mix=mix, extend=extend,
     )
     result = common.run(plan, config)
     if result is not None:

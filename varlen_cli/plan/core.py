@@ -72,6 +72,8 @@ class PlanConfig:
                                      "1f1b, lpp, fslpp): the best simulated of a few orders per step "
                                      "(docs/schedules.md).")
     stages: int | None = doc(None, "Pipeline stages of --schedule.")
+    mix: str | None = doc(None, "Plan a mixture of sources: name=DIR:weight,... (weight 2: every sample twice per "
+                                "epoch, 0.5: a seeded half); the plan records each sample's source.")
     extend: str | None = doc(None, "Lengthen this plan to --epochs E: its steps unchanged, new epochs appended (its "
                                    "other options kept; INPUT_DIR only if its input moved).")
 
@@ -227,6 +229,10 @@ def plan(config: PlanConfig) -> PlanResult:
         from .replan import run_extend
 
         return run_extend(config)
+    if config.mix is not None:  # varlen plan --mix a=DIR:w,... (plan/mixture.py)
+        from .mixture import plan_mixture
+
+        return plan_mixture(config)
     t0 = time.perf_counter()
     c = config
     check(c)
@@ -446,8 +452,9 @@ def build_metadata(c: PlanConfig, manifest: dict, num_rows: int, epochs: list[Pl
 
 def _finish(c: PlanConfig, manifest: dict, sample_id: np.ndarray, epochs: list[PlannedEpoch], col: dict, it: dict,
             long_pos: np.ndarray, inputs: EpochInputs, fixed_batch: int | None, t0: float,
-            lineage: dict | None = None) -> PlanResult:
-    """Step columns, LR, shapes, statistics and metadata (plus ``lineage`` if given); writes the plan."""
+            extra_metadata: dict | None = None) -> PlanResult:
+    """Step columns, LR, shapes, statistics and metadata (updated with ``extra_metadata``); writes the plan.
+    ``items`` may hold a ``source`` entry list (mixture plans)."""
     num_steps = sum(ep.mb.count // inputs.slots for ep in epochs)
     counts = col["num_samples"].astype(np.int64)
     offsets = np.zeros(len(counts) + 1, np.int64)
@@ -480,8 +487,7 @@ def _finish(c: PlanConfig, manifest: dict, sample_id: np.ndarray, epochs: list[P
     metadata = build_metadata(c, manifest, len(sample_id), epochs, num_steps=num_steps, num_microbatches=len(counts),
                               shapes=shapes, base_batch_size=base, inputs=inputs, fixed_batch=fixed_batch,
                               packing=packing, dropped=dropped.to_dict(dropped_all), summary=summary)
-    if lineage is not None:
-        metadata["lineage"] = lineage
+    metadata.update(extra_metadata or {})
     if c.schedule is not None:
         from ..schedule.order import combined_report
 
@@ -494,11 +500,13 @@ def _finish(c: PlanConfig, manifest: dict, sample_id: np.ndarray, epochs: list[P
         "lr_scale": scales[step], "shape_id": shape_id.astype(np.int32).reshape(-1),
         "step_samples": step_samples[step], "step_tokens": step_tokens[step],
     }
+    source = {"source": it["source"]} if "source" in it else {}
     if c.packing:
         it = {"sample_ids": it["sample_ids"], "sample_lengths": it["sample_lengths"].astype(np.int32),
-              "sample_rows": it["sample_rows"].astype(np.int32), "sample_starts": it["sample_starts"].astype(np.int32)}
+              "sample_rows": it["sample_rows"].astype(np.int32), "sample_starts": it["sample_starts"].astype(np.int32),
+              **source}
     else:
-        it = {"sample_ids": it["sample_ids"]}
+        it = {"sample_ids": it["sample_ids"], **source}
     writer.write_plan(c.output, c.overwrite, row_cols, offsets, it, metadata, inputs.slots)
     summary["seconds"] = time.perf_counter() - t0
     return PlanResult(output=os.path.abspath(c.output), order=c.order, num_steps=num_steps,

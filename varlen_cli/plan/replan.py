@@ -125,7 +125,7 @@ def plan_epochs_from(c: PlanConfig, manifest: dict, sample_id: np.ndarray, lengt
         fixed_batch = fixed_batch if fixed_batch is not None else fixed_more
     cols, items = core.assemble_columns(c, sample_id, length, epochs, inputs.slots)
     return core._finish(c, manifest, sample_id, epochs, cols, items, long_pos, inputs, fixed_batch, t0,
-                        lineage=lineage)
+                        extra_metadata={"lineage": lineage} if lineage is not None else None)
 
 
 # -- replan ----------------------------------------------------------------------------------------
@@ -239,7 +239,7 @@ def extend(config: ExtendConfig) -> PlanResult:
             os.remove(tmp)
 
 
-EXTEND_KEEPS = ("input", "output", "epochs", "overwrite", "allow_stale", "extend")
+EXTEND_KEEPS = ("input", "output", "epochs", "overwrite", "allow_stale", "extend")  # others: refused
 
 
 def run_extend(given: PlanConfig) -> PlanResult:
