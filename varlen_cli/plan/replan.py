@@ -65,9 +65,13 @@ def open_parent(path: str):
     if not os.path.isfile(path):
         raise InputError(f"plan {path} does not exist")
     try:
-        return Plan.open(path)
+        plan = Plan.open(path)
     except PlanError as exc:
         raise InputError(str(exc)) from None
+    if plan.meta.get("mixture"):
+        raise UsageError(f"{path} is a mixture plan (--mix): replan and --extend do not support mixtures yet; "
+                         "plan afresh")
+    return plan
 
 
 def parent_config(parent, **overrides) -> PlanConfig:
