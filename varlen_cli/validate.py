@@ -317,8 +317,8 @@ def _check_shapes(c: dict, meta: dict, pcfg: dict) -> Check:
 def _completed(c: dict) -> np.ndarray:
     """Samples each microbatch completes: its entries, except the non-final chunks of split samples
     (a split sample counts once per epoch, in the microbatch with its last chunk)."""
-    if "flat_sample_starts" not in c or not len(c["flat_ids"]):
-        return c["num_samples"]
+    if "flat_sample_starts" not in c or not len(c["flat_ids"]) or not c["flat_sample_starts"].any():
+        return c["num_samples"]  # no split samples (ids may repeat in an epoch: mixture plans)
     ids, parent = c["flat_ids"], c["flat_parent"]
     key = c["epoch"][parent].astype(np.int64) * (int(ids.max()) + 1) + ids
     order = np.lexsort((c["flat_sample_starts"], key))

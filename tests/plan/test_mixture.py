@@ -68,6 +68,13 @@ def test_each_sample_as_often_as_its_weight(dirs, tmp_path):
     assert validate(ValidateConfig(plan=res.output)).ok
 
 
+def test_packed_mixture(dirs, tmp_path):
+    res = _plan(dirs, tmp_path / "packed.parquet", max_tokens=None, packing=True, seq_len=512, epochs=1)
+    rows, meta = _entries(res.output)
+    assert meta["packing"] and len(rows) == sum(s["samples_per_epoch"] for s in meta["mixture"]["sources"])
+    assert validate(ValidateConfig(plan=res.output)).ok
+
+
 def test_deterministic_for_a_seed(dirs, tmp_path):
     a = _plan(dirs, tmp_path / "a.parquet", seed=4).output
     b = _plan(dirs, tmp_path / "b.parquet", seed=4).output

@@ -110,6 +110,9 @@ def plan_mixture(config: PlanConfig) -> PlanResult:
     if config.input:
         raise UsageError("--mix names the directories itself: give no INPUT_DIR")
     sources = parse_mix(config.mix)
+    if config.split_long:
+        raise UsageError("--split-long cannot be combined with --mix (a sample's chunks must be told apart from "
+                         "its copies)")
     c = dataclasses.replace(config, input=sources[0].path)
     core.check(c)
     core.writer.check_output(c.output, c.overwrite)
