@@ -58,16 +58,66 @@ class ExtendConfig:
 
 
 # -- the parent ------------------------------------------------------------------------------------
-def open_parent(path: str):
-    """The parent plan (``varlen_cli.loader.Plan``); an unreadable one is an input error."""
-    from ..loader.plan_file import Plan, PlanError
+@dataclass
+class Parent:
+    """What replan/extend read of the parent plan: its metadata and fingerprint (footer only; no torch)."""
+
+    path: str
+    meta: dict
+    fingerprint: str  # as ``varlen_cli.loader.Plan.fingerprint`` and sampler states
+
+    @property
+    def dp(self) -> int:
+        return int(self.meta["dp"])
+
+    @property
+    def grad_accum(self) -> int:
+        return int(self.meta["grad_accum"])
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.meta["num_steps"])
+
+    @property
+    def config(self) -> dict:
+        return self.meta.get("config") or {}
+
+    @property
+    def input(self) -> dict:
+        return self.meta.get("input") or {}
+
+    @property
+    def packing(self) -> dict:
+        return self.meta.get("packing") or {}
+
+    @property
+    def steps_per_epoch(self) -> list[int]:
+        return [int(s) for s in self.meta["steps_per_epoch"]]
+
+    @property
+    def epochs(self) -> int:
+        return len(self.steps_per_epoch)
+
+    def epoch_of(self, step: int) -> int:
+        return int(np.searchsorted(np.cumsum(self.steps_per_epoch), step, side="right"))
+
+
+def open_parent(path: str) -> Parent:
+    """The parent plan; an unreadable one is an input error."""
+    import hashlib
+
+    from .. import format
 
     if not os.path.isfile(path):
         raise InputError(f"plan {path} does not exist")
     try:
-        plan = Plan.open(path)
-    except PlanError as exc:
+        meta, schema = format.read_plan_metadata(path)
+    except format.FormatError as exc:
         raise InputError(str(exc)) from None
+    problems = format.plan_schema_problems(schema, meta)
+    if problems:
+        raise InputError(f"{path} {problems[0]}")
+    plan = Parent(path, meta, hashlib.sha256(format.raw_plan_metadata(schema)).hexdigest()[:16])
     if plan.meta.get("mixture"):
         raise UsageError(f"{path} is a mixture plan (--mix): replan and --extend do not support mixtures yet; "
                          "plan afresh")
@@ -179,14 +229,27 @@ def remaining_positions(parent, step: int, sample_id: np.ndarray) -> tuple[int, 
     later = pc.greater_equal(table.column("step"), step)
     rest_ids = pc.list_flatten(table.filter(later).column("sample_ids")).to_numpy(zero_copy_only=False)
     consumed = int(pc.sum(pc.list_value_length(table.filter(pc.invert(later)).column("sample_ids"))).as_py() or 0)
-    order = np.argsort(sample_id, kind="stable")
-    found = np.searchsorted(sample_id[order], rest_ids)
-    found = np.minimum(found, len(order) - 1)
-    if len(rest_ids) and not np.array_equal(sample_id[order[found]], rest_ids):
+    pos = _positions(sample_id, rest_ids)
+    if pos is None:
         raise InputError(f"{parent.path} holds sample ids its input does not have; re-plan from the input")
     keep = np.zeros(len(sample_id), bool)
-    keep[order[found]] = True
+    keep[pos] = True
     return epoch, keep, consumed
+
+
+def _positions(sample_id: np.ndarray, ids: np.ndarray) -> np.ndarray | None:
+    """Input positions of ``ids`` (None if one is not in the input): a direct table for dense ids."""
+    if not len(ids):
+        return np.zeros(0, np.int64)
+    lo, hi = int(sample_id.min()), int(sample_id.max())
+    if lo >= 0 and hi < 2 * len(sample_id) + 1024:
+        table = np.full(max(hi, int(ids.max())) + 1, -1, np.int64)
+        table[sample_id] = np.arange(len(sample_id), dtype=np.int64)
+        pos = table[ids] if int(ids.min()) >= 0 else np.array([-1])
+        return None if bool((pos < 0).any()) else pos
+    order = np.argsort(sample_id, kind="stable")
+    found = np.minimum(np.searchsorted(sample_id[order], ids), len(order) - 1)
+    return order[found] if np.array_equal(sample_id[order[found]], ids) else None
 
 
 def replan(config: ReplanConfig) -> PlanResult:
