@@ -216,3 +216,25 @@ def _copy_with_input(src, dst, input_path):
     meta = json.loads(t.schema.metadata[b"varlen"])
     meta["input"]["path"] = input_path
     pq.write_table(t.replace_schema_metadata({b"varlen": json.dumps(meta).encode()}), dst)
+
+
+@pytest.mark.parametrize("options", [
+    {"packing": True, "seq_len": 512, "max_tokens": None},
+    {"same_shape_per_step": True},
+    {"num_shapes": 4, "static_shapes": True, "compile_warmup": True},
+    {"order": "random"},
+    {"order": "reverse", "epochs": 3, "curriculum_epochs": 1},
+], ids=["packing", "same-shape", "static-shapes", "random", "reverse-then-shuffle"])
+def test_every_planner_option_replans_exactly_once(dirs, tmp_path, options):
+    options = {"max_tokens": 2048, "dp": 2, "grad_accum": 2, "epochs": 2, **options}
+    src = dirs["sorted"] if options.get("order") == "reverse" else dirs["metrics"]
+    parent = str(tmp_path / "p.parquet")
+    plan(PlanConfig(input=src, output=parent, **options))
+    p, pm = rows(parent)
+    step = pm["steps_per_epoch"][0] + pm["steps_per_epoch"][1] // 3  # inside epoch 1
+    out = str(tmp_path / "n.parquet")
+    replan(ReplanConfig(plan=parent, output=out, dp=3, from_step=step))
+    t, m = rows(out)
+    assert sorted(epoch_ids(p, 1, 0, step) + epoch_ids(t, 0)) == list(range(N))
+    assert m["epochs"] == options["epochs"] - 1 and m["lineage"]["first_epoch"] == 1
+    assert m["orders"] == pm["orders"][1:]  # the same order policy per epoch (curriculum switch included)
