@@ -49,7 +49,11 @@ PACKED_PLAN_COLUMNS = (
     ("sample_lengths", pa.list_(pa.int32())), ("sample_rows", pa.list_(pa.int32())),
     ("sample_starts", pa.list_(pa.int32())),
 )
-PLAN_LIST_COLUMNS = tuple(name for name, t in PLAN_COLUMNS + PACKED_PLAN_COLUMNS if pa.types.is_list(t))
+#: Extra column of mixture plans (metadata ``mixture`` is not null, ``varlen plan --mix``): the source of each
+#: entry of ``sample_ids``, an index into the metadata's ``mixture.sources``.
+MIXTURE_PLAN_COLUMNS = (("source", pa.list_(pa.int32())),)
+PLAN_LIST_COLUMNS = tuple(name for name, t in PLAN_COLUMNS + PACKED_PLAN_COLUMNS + MIXTURE_PLAN_COLUMNS
+                          if pa.types.is_list(t))
 PLAN_SCALAR_COLUMNS = tuple(name for name, t in PLAN_COLUMNS if not pa.types.is_list(t))
 PACKED_COLUMN_NAMES = tuple(name for name, _ in PACKED_PLAN_COLUMNS)
 #: Metadata keys a reader needs to lay the rows out.
@@ -62,14 +66,14 @@ class FormatError(ValueError):
     """A file is not the artifact it should be (one line; callers turn it into their error type)."""
 
 
-def plan_columns(packed: bool) -> tuple:
-    """``(name, type)`` of every column a plan has (packed or padded)."""
-    return PLAN_COLUMNS + (PACKED_PLAN_COLUMNS if packed else ())
+def plan_columns(packed: bool, mixture: bool = False) -> tuple:
+    """``(name, type)`` of every column a plan has (packed or padded; a mixture plan adds ``source``)."""
+    return PLAN_COLUMNS + (PACKED_PLAN_COLUMNS if packed else ()) + (MIXTURE_PLAN_COLUMNS if mixture else ())
 
 
-def plan_schema(packed: bool, metadata: dict | None = None) -> pa.Schema:
+def plan_schema(packed: bool, metadata: dict | None = None, mixture: bool = False) -> pa.Schema:
     """The schema the plan writer writes, with ``metadata`` encoded under :data:`PLAN_METADATA_KEY`."""
-    schema = pa.schema(list(plan_columns(packed)))
+    schema = pa.schema(list(plan_columns(packed, mixture)))
     if metadata is not None:
         schema = schema.with_metadata(encode_plan_metadata(metadata))
     return schema
@@ -137,7 +141,7 @@ def plan_schema_problems(schema: pa.Schema, meta: dict) -> list[str]:
     (``f"{path} {problem}"``); empty when every required column and key is there with its type."""
     packed = bool(meta.get("packing"))
     names = set(schema.names)
-    columns = plan_columns(packed)
+    columns = plan_columns(packed, bool(meta.get("mixture")))
     missing = [name for name, _ in columns if name not in names]
     problems = []
     if missing:

@@ -207,7 +207,23 @@ def _plan_tables(info: dict) -> list[TextTable]:
     st = TextTable("statistics", [("stat", "left"), ("value", "right")], show_header=False)
     st.rows = [(key, fmt(value)) for key, value in (meta.get("stats") or {}).items()
                if not isinstance(value, (list, dict))]
-    return [t, st]
+    if meta.get("lineage"):  # varlen replan / plan --extend
+        t.rows.append(("lineage", ", ".join(f"{k}={v}" for k, v in meta["lineage"].items() if k != "parent_path")))
+    return [t, st] + _mixture_tables(meta)
+
+
+def _mixture_tables(meta: dict) -> list[TextTable]:
+    """Mixture plans (varlen plan --mix): tokens per source per epoch."""
+    mix = meta.get("mixture")
+    if not mix:
+        return []
+    epochs = int(meta.get("epochs", 1))
+    mt = TextTable("tokens per source per epoch", [("source", "left"), ("weight", "right"), ("samples/epoch", "right")]
+                   + [(f"epoch {e}", "right") for e in range(epochs)])
+    for s in mix["sources"]:
+        mt.rows.append((s["name"], fmt(s["weight"]), fmt(s["samples_per_epoch"]),
+                        *[fmt(x) for x in s["tokens_per_epoch"]]))
+    return [mt]
 
 
 def _series_tables(series: dict) -> list[TextTable]:

@@ -87,7 +87,7 @@ def validate(config: ValidateConfig) -> ValidateResult:
         result.checks.append(fp)
         if fp.ok:  # lengths of another dataset would only produce noise
             lengths = _metrics_lengths(config.metrics, manifest)
-    n_samples = int(meta.get("input", {}).get("num_rows", 0))
+    n_samples = int(meta.get("input", {}).get("num_rows") or 0)  # None for a mixture plan
 
     result.checks.append(_check_layout(cols, dp, accum, meta))
     result.checks.append(_check_counts(cols, packed=bool(packing)))
@@ -113,7 +113,7 @@ def _columns(table) -> dict:
     out["flat_ids"] = pc.list_flatten(ids).to_numpy(zero_copy_only=False).astype(np.int64)
     out["flat_parent"] = pc.list_parent_indices(ids).to_numpy(zero_copy_only=False).astype(np.int64)
     out["list_len"] = pc.list_value_length(ids).to_numpy(zero_copy_only=False).astype(np.int64)
-    for name in format.PACKED_COLUMN_NAMES:
+    for name in format.PACKED_COLUMN_NAMES + ("source",):
         if name in table.column_names:
             out["flat_" + name] = pc.list_flatten(table.column(name).combine_chunks()).to_numpy(
                 zero_copy_only=False).astype(np.int64)
@@ -183,6 +183,12 @@ def _check_counts(c: dict, packed: bool) -> Check:
 
 
 def _check_coverage(c: dict, meta: dict, n: int, packing, lengths) -> Check:
+    if meta.get("mixture"):  # varlen plan --mix: per source and weight (plan/mixture.py)
+        from .plan.mixture import coverage_problems
+
+        problems = coverage_problems(c["flat_ids"], c["flat_source"], c["epoch"][c["flat_parent"]], meta)
+        return Check("coverage", not problems, "; ".join(problems) or "every source's samples as often as its weight "
+                     "in each epoch")
     dropped = np.asarray(meta.get("dropped", {}).get("sample_ids", []), dtype=np.int64)
     ids, parent = c["flat_ids"], c["flat_parent"]
     if len(ids) and (ids.min() < 0 or ids.max() >= max(n, 1)):
@@ -214,6 +220,9 @@ def _check_coverage(c: dict, meta: dict, n: int, packing, lengths) -> Check:
         expected[:, dropped] = 0
         dup = counts > expected
         miss = counts < expected
+        consumed = int((meta.get("lineage") or {}).get("consumed_samples") or 0)  # varlen replan: done before
+        if consumed and int(miss[0].sum()) == consumed:
+            miss[0] = False
         if dup.any():
             problems.append(f"{int(dup.sum())} samples appear more than once in an epoch (e.g. ids "
                             f"{_examples(dup.any(axis=0), np.arange(n))})")
@@ -315,8 +324,8 @@ def _check_shapes(c: dict, meta: dict, pcfg: dict) -> Check:
 def _completed(c: dict) -> np.ndarray:
     """Samples each microbatch completes: its entries, except the non-final chunks of split samples
     (a split sample counts once per epoch, in the microbatch with its last chunk)."""
-    if "flat_sample_starts" not in c or not len(c["flat_ids"]):
-        return c["num_samples"]
+    if "flat_sample_starts" not in c or not len(c["flat_ids"]) or not c["flat_sample_starts"].any():
+        return c["num_samples"]  # no split samples (ids may repeat in an epoch: mixture plans)
     ids, parent = c["flat_ids"], c["flat_parent"]
     key = c["epoch"][parent].astype(np.int64) * (int(ids.max()) + 1) + ids
     order = np.lexsort((c["flat_sample_starts"], key))

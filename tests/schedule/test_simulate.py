@@ -20,6 +20,8 @@ from tests.simulate_helpers import brute_force, write_plan
 from varlen_cli.cli import app
 from varlen_cli.schedule import FORWARD, PlanCosts, Scheme, SimulateConfig, make_scheme, simulate, simulate_scheme
 
+USER_MODULE = __name__  # user-supplied scheme functions below are loaded as MODULE:FUNCTION
+
 runner = CliRunner()
 
 
@@ -292,7 +294,7 @@ def user_scheme(stages, microbatches, workers):
 def test_user_scheme_module_function(tmp_path):
     costs = [[3, 1, 4, 1, 5, 9]]
     plan = write_plan(tmp_path / "p.parquet", costs, 1)
-    result = runner.invoke(app, ["simulate", plan, "--schedule", "tests.schedule.test_simulate:user_scheme", "--stages", "3",
+    result = runner.invoke(app, ["simulate", plan, "--schedule", USER_MODULE + ":user_scheme", "--stages", "3",
                                  "--json"])
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
@@ -350,12 +352,12 @@ BAD = [
     ("gantt step", None, ["--gantt-step", "7"], 2, "--gantt-step 7 is not a step of the plan (0 .. 1)"),
     ("no module", None, ["--schedule", "no_such_module_xyz:f"], 2,
      re.compile(r"--schedule no_such_module_xyz:f: cannot import module 'no_such_module_xyz' .*")),
-    ("no function", None, ["--schedule", "tests.schedule.test_simulate:nothing"], 2,
-     "--schedule tests.schedule.test_simulate:nothing: module 'tests.schedule.test_simulate' has no function 'nothing'"),
-    ("not a scheme", None, ["--schedule", "tests.schedule.test_simulate:not_a_scheme"], 2,
-     "--schedule tests.schedule.test_simulate:not_a_scheme: not_a_scheme() returned int, not a varlen_cli.schedule.Scheme"),
-    ("wrong signature", None, ["--schedule", "tests.schedule.test_simulate:uniform"], 2,
-     "--schedule tests.schedule.test_simulate:uniform: uniform() must accept stages=, microbatches=, workers= keywords"),
+    ("no function", None, ["--schedule", USER_MODULE + ":nothing"], 2,
+     "--schedule " + USER_MODULE + ":nothing: module '" + USER_MODULE + "' has no function 'nothing'"),
+    ("not a scheme", None, ["--schedule", USER_MODULE + ":not_a_scheme"], 2,
+     "--schedule " + USER_MODULE + ":not_a_scheme: not_a_scheme() returned int, not a varlen_cli.schedule.Scheme"),
+    ("wrong signature", None, ["--schedule", USER_MODULE + ":uniform"], 2,
+     "--schedule " + USER_MODULE + ":uniform: uniform() must accept stages=, microbatches=, workers= keywords"),
 ]
 
 

@@ -76,7 +76,7 @@ def _register() -> None:
     from varlen_cli.cli import analyze as _analyze
 
     _analyze.register(app)
-    for name in ("sort", "plan", "run", "inspect", "validate", "simulate", "calibrate"):
+    for name in ("sort", "plan", "replan", "run", "inspect", "validate", "simulate", "calibrate"):
         module = __import__(f"varlen_cli.cli.{name}", fromlist=["register"])
         module.register(app)
 

@@ -9,9 +9,19 @@ from varlen_cli.runtime.choices import LrScaleBy, LrScaling, Order, Tail
 
 # Options whose help does not fit on the signature's line.
 INPUT_DIR = typer.Argument(
-    ..., show_default=False,
+    None, show_default=False,
     help="Metrics directory (varlen analyze) or sorted directory (varlen sort; needed for --order "
     "curriculum/reverse).",
+)
+MIX = typer.Option(
+    None, "--mix", show_default=False,
+    help="Plan a mixture of sources: name=DIR:weight,... (weight 2: every sample twice per epoch, 0.5: a seeded "
+    "half); the plan records each sample's source.",
+)
+EXTEND = typer.Option(
+    None, "--extend", show_default=False,
+    help="Lengthen this plan to --epochs E: its steps unchanged, new epochs appended (its other options kept; "
+    "INPUT_DIR only if its input moved).",
 )
 OUTPUT = typer.Option(
     ..., "-o", "--output", show_default=False,
@@ -160,6 +170,8 @@ def plan_command(
     allow_stale: bool = common.ALLOW_STALE,
     schedule: str | None = SCHEDULE,
     stages: int | None = STAGES,
+    mix: str | None = MIX,
+    extend: str | None = EXTEND,
 ) -> None:
     """Write a token-budget batch plan (Parquet): microbatches, ranks, steps, shapes and LR scales."""
     from varlen_cli.cli import report
@@ -173,7 +185,7 @@ def plan_command(
         max_samples=max_samples, attention_cost=attention_cost, drop_long=drop_long, tail=tail, packing=packing,
         seq_len=seq_len, rows_per_microbatch=rows_per_microbatch, max_per_row=max_per_row, split_long=split_long,
         overwrite=overwrite, allow_stale=allow_stale, schedule=schedule, stages=stages,
-        memory_profile=memory_profile, max_memory=max_memory, memory_margin=memory_margin,
+        memory_profile=memory_profile, max_memory=max_memory, memory_margin=memory_margin, mix=mix, extend=extend,
     )
     result = common.run(plan, config)
     if result is not None:

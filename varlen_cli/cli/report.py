@@ -107,6 +107,9 @@ def print_plan(result) -> None:
         ("lr_scale min / max", f"{s['lr_scale_min']:.3f} / {s['lr_scale_max']:.3f}"),
         ("dropped samples", s["dropped"]),
     ]
+    for src in (result.metadata.get("mixture") or {}).get("sources", []):  # varlen plan --mix
+        rows.append((f"tokens of {src['name']} (weight {src['weight']:g}) per epoch",
+                     " / ".join(f"{t:,}" for t in src["tokens_per_epoch"])))
     if s.get("warmup_steps"):
         rows.append(("compile warm-up steps", s["warmup_steps"]))
     if result.packing:

@@ -42,7 +42,7 @@ class PlanDataset(torch.utils.data.Dataset):
 
     def __getitems__(self, indices: Sequence[int]) -> Samples:
         getitems = getattr(self.dataset, "__getitems__", None)
-        items = getitems(list(indices)) if getitems else [self.dataset[i] for i in indices]
+        items = getitems(indices) if getitems else [self.dataset[i] for i in indices]  # a list, with its .info
         return Samples(items, getattr(indices, "info", None))
 
 

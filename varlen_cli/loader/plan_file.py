@@ -53,6 +53,7 @@ class Microbatch:
     sample_lengths: np.ndarray | None = None  # packed plans
     sample_rows: np.ndarray | None = None
     sample_starts: np.ndarray | None = None
+    source: np.ndarray | None = None  # mixture plans: index of each sample's source (plan.meta["mixture"])
 
     @property
     def position(self) -> tuple[int, int, int]:
@@ -73,7 +74,7 @@ class _Group:
         self.num_rows = table.num_rows
         self.scalars = {name: table.column(name).to_numpy() for name in format.PLAN_SCALAR_COLUMNS}
         self.lists = {}
-        for name in ("sample_ids",) + PACKED_COLUMNS:
+        for name in ("sample_ids", "source") + PACKED_COLUMNS:
             if name in table.column_names:
                 self.lists[name] = _offsets_values(table.column(name))
 
@@ -89,7 +90,7 @@ class _Group:
             batch_size=int(s["batch_size"][i]), tokens=int(s["tokens"][i]), lr_scale=float(s["lr_scale"][i]),
             shape_id=int(s["shape_id"][i]), step_samples=int(s["step_samples"][i]),
             step_tokens=int(s["step_tokens"][i]), sample_lengths=lists.get("sample_lengths"),
-            sample_rows=lists.get("sample_rows"), sample_starts=lists.get("sample_starts"),
+            sample_rows=lists.get("sample_rows"), sample_starts=lists.get("sample_starts"), source=lists.get("source"),
         )
 
 
@@ -299,7 +300,7 @@ class Plan:
         if g is not None and g.first_row <= row < g.first_row + g.num_rows:
             return g
         index = self._row_group_of(row)
-        columns = list(REQUIRED_COLUMNS) + [c for c in PACKED_COLUMNS if c in self._pf.schema_arrow.names]
+        columns = list(REQUIRED_COLUMNS) + [c for c in PACKED_COLUMNS + ("source",) if c in self._pf.schema_arrow.names]
         table = self._pf.read_row_group(index, columns=columns)
         self.row_groups_read += 1
         self._group = _Group(table, int(self._first_rows[index]))

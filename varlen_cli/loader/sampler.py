@@ -132,6 +132,10 @@ class PlanBatchSampler:
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at ``state``'s position: the next iteration starts there (no fast-forwarding)."""
+        if state.get("plan") != self.plan.fingerprint:  # a state of the plan's parent (varlen replan/--extend)?
+            from .replan import state_from_parent
+
+            state = state_from_parent(self.plan, state) or state
         if state.get("plan") != self.plan.fingerprint:
             raise PlanError("the sampler state was saved with a different plan file; resume with the same plan")
         epoch, step, micro = int(state["epoch"]), int(state["step"]), int(state["micro"])

@@ -77,6 +77,10 @@ class PlanConfig:
     max_memory: str | None = doc(None, "Peak memory per microbatch not to exceed, e.g. 70GiB, 512MB or bytes (needs "
                                        "--memory-profile).")
     memory_margin: float = doc(0.05, "Plan to a predicted peak of max-memory x (1 - margin).")
+    mix: str | None = doc(None, "Plan a mixture of sources: name=DIR:weight,... (weight 2: every sample twice per "
+                                "epoch, 0.5: a seeded half); the plan records each sample's source.")
+    extend: str | None = doc(None, "Lengthen this plan to --epochs E: its steps unchanged, new epochs appended (its "
+                                   "other options kept; INPUT_DIR only if its input moved).")
 
 
 @dataclass
@@ -104,6 +108,8 @@ def _positive(name: str, value, allow_none: bool = True) -> None:
 
 def check(c: PlanConfig) -> None:
     check_choices(c)
+    if not c.input:
+        raise UsageError("missing INPUT_DIR: the metrics or sorted directory to plan (or --extend PLAN)")
     if not c.packing and c.max_tokens is None:
         raise UsageError("--max-tokens is required (or --packing --seq-len T)")
     _positive("--max-tokens", c.max_tokens)
@@ -224,6 +230,14 @@ def canonical_order(sample_id: np.ndarray) -> np.ndarray:
 # -- the planner -----------------------------------------------------------------------------------
 def plan(config: PlanConfig) -> PlanResult:
     """Run ``varlen plan``: read the input, plan every epoch, write the plan; returns the summary."""
+    if config.extend is not None:  # varlen plan --extend PLAN --epochs E (plan/replan.py)
+        from .replan import run_extend
+
+        return run_extend(config)
+    if config.mix is not None:  # varlen plan --mix a=DIR:w,... (plan/mixture.py)
+        from .mixture import plan_mixture
+
+        return plan_mixture(config)
     t0 = time.perf_counter()
     c = config
     if c.memory_profile is not None or c.max_memory is not None:  # budget = max_tokens/attention_cost from memory
@@ -301,11 +315,12 @@ class PlannedEpoch:
     schedule_order: dict | None = None  # --schedule: the simulated gain of the step order (schedule/order.py)
 
 
-def _plan_epochs(c: PlanConfig, inputs: EpochInputs) -> tuple[list[PlannedEpoch], int | None]:
-    """Every epoch formed by its order's strategy and laid out; also the random order's fixed batch size."""
+def _plan_epochs(c: PlanConfig, inputs: EpochInputs, first_epoch: int = 0) -> tuple[list[PlannedEpoch], int | None]:
+    """Every epoch formed by its order's strategy and laid out; also the random order's fixed batch size.
+    ``first_epoch``: the number of the first epoch (seed stream, curriculum switch), for ``varlen replan``."""
     formers = Formers()
     epochs = []
-    for e in range(c.epochs):
+    for e in range(first_epoch, first_epoch + c.epochs):
         mode = c.order
         if c.curriculum_epochs is not None and e >= c.curriculum_epochs:
             mode = "bucket-shuffle"
@@ -447,8 +462,10 @@ def build_metadata(c: PlanConfig, manifest: dict, num_rows: int, epochs: list[Pl
 
 
 def _finish(c: PlanConfig, manifest: dict, sample_id: np.ndarray, epochs: list[PlannedEpoch], col: dict, it: dict,
-            long_pos: np.ndarray, inputs: EpochInputs, fixed_batch: int | None, t0: float) -> PlanResult:
-    """Step columns, LR, shapes, statistics and metadata; writes the plan."""
+            long_pos: np.ndarray, inputs: EpochInputs, fixed_batch: int | None, t0: float,
+            extra_metadata: dict | None = None) -> PlanResult:
+    """Step columns, LR, shapes, statistics and metadata (updated with ``extra_metadata``); writes the plan.
+    ``items`` may hold a ``source`` entry list (mixture plans)."""
     num_steps = sum(ep.mb.count // inputs.slots for ep in epochs)
     counts = col["num_samples"].astype(np.int64)
     offsets = np.zeros(len(counts) + 1, np.int64)
@@ -481,6 +498,7 @@ def _finish(c: PlanConfig, manifest: dict, sample_id: np.ndarray, epochs: list[P
     metadata = build_metadata(c, manifest, len(sample_id), epochs, num_steps=num_steps, num_microbatches=len(counts),
                               shapes=shapes, base_batch_size=base, inputs=inputs, fixed_batch=fixed_batch,
                               packing=packing, dropped=dropped.to_dict(dropped_all), summary=summary)
+    metadata.update(extra_metadata or {})
     if c.schedule is not None:
         from ..schedule.order import combined_report
 
@@ -499,11 +517,13 @@ def _finish(c: PlanConfig, manifest: dict, sample_id: np.ndarray, epochs: list[P
         "lr_scale": scales[step], "shape_id": shape_id.astype(np.int32).reshape(-1),
         "step_samples": step_samples[step], "step_tokens": step_tokens[step],
     }
+    source = {"source": it["source"]} if "source" in it else {}
     if c.packing:
         it = {"sample_ids": it["sample_ids"], "sample_lengths": it["sample_lengths"].astype(np.int32),
-              "sample_rows": it["sample_rows"].astype(np.int32), "sample_starts": it["sample_starts"].astype(np.int32)}
+              "sample_rows": it["sample_rows"].astype(np.int32), "sample_starts": it["sample_starts"].astype(np.int32),
+              **source}
     else:
-        it = {"sample_ids": it["sample_ids"]}
+        it = {"sample_ids": it["sample_ids"], **source}
     writer.write_plan(c.output, c.overwrite, row_cols, offsets, it, metadata, inputs.slots)
     summary["seconds"] = time.perf_counter() - t0
     return PlanResult(output=os.path.abspath(c.output), order=c.order, num_steps=num_steps,

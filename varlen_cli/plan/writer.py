@@ -51,7 +51,7 @@ def write_plan(path: str, overwrite: bool, cols: dict, offsets: np.ndarray, item
 
     check_output(path, overwrite)
     packed = "sample_lengths" in items
-    schema = format.plan_schema(packed, plan_metadata(metadata, packed))
+    schema = format.plan_schema(packed, plan_metadata(metadata, packed), mixture="source" in items)
     path = os.path.abspath(path)
     tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.varlen-tmp-{uuid.uuid4().hex[:8]}")
     n = len(offsets) - 1
