@@ -66,32 +66,41 @@ def deal_rows(cost: np.ndarray, bins: int) -> tuple[np.ndarray, np.ndarray]:
     return bin_of, load
 
 
-def _window(cost: np.ndarray, row_index: np.ndarray, bins: int, slots: int,
-            keep_order: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Rows of one window dealt into ``bins`` microbatches, cut into steps. Returns the microbatch
-    of every row (window-local, in step order) and the step key (load rank, or mean row index)."""
+def _window(cost: np.ndarray, row_index: np.ndarray, dp: int, grad_accum: int, steps: int,
+            keep_order: bool) -> np.ndarray:
+    """Rows of one window of ``steps`` steps dealt into rank-steps, cut into steps, split into
+    microbatches. Returns the window-local microbatch of every row, in (step, rank, micro) order."""
+    bins = steps * dp
     bin_of, load = deal_rows(cost, bins)
     by_load = np.argsort(-load, kind="stable")
     step_of_bin = np.empty(bins, np.int64)
-    step_of_bin[by_load] = np.arange(bins) // slots
-    steps = bins // slots
+    step_of_bin[by_load] = np.arange(bins) // dp
+    rank_of_bin = np.empty(bins, np.int64)
+    rank_of_bin[by_load] = np.arange(bins) % dp
     if keep_order:  # steps in the order of their rows' mean position (difficulty)
         rows_per_step = np.bincount(step_of_bin[bin_of], minlength=steps)
         key = np.bincount(step_of_bin[bin_of], weights=row_index, minlength=steps) / np.maximum(rows_per_step, 1)
         step_rank = np.empty(steps, np.int64)
         step_rank[np.argsort(key, kind="stable")] = np.arange(steps)
         step_of_bin = step_rank[step_of_bin]
-    mb_of_bin = np.empty(bins, np.int64)
-    mb_of_bin[np.lexsort((np.arange(bins), step_of_bin))] = np.arange(bins)
-    return mb_of_bin[bin_of], step_of_bin
+    # a rank-step's rows (by decreasing cost) dealt serpentine over its grad_accum microbatches
+    order = np.lexsort((-cost, bin_of))
+    first = np.searchsorted(bin_of[order], np.arange(bins), side="left")
+    pos = np.empty(len(cost), np.int64)
+    pos[order] = np.arange(len(cost)) - first[bin_of[order]]
+    rnd, within = pos // grad_accum, pos % grad_accum
+    micro = np.where(rnd % 2 == 0, within, grad_accum - 1 - within)
+    return (step_of_bin[bin_of] * dp + rank_of_bin[bin_of]) * grad_accum + micro
 
 
-def balance_rows(mb: Microbatches, attention_cost: float, slots: int, *, keep_order: bool,
+def balance_rows(mb: Microbatches, attention_cost: float, dp: int, grad_accum: int, *, keep_order: bool,
                  rng: np.random.Generator | None = None) -> Microbatches:
-    """``mb`` (packed, count a multiple of ``slots``) with its rows re-dealt over the same number of
-    microbatches so that microbatches, and so ranks, of a step cost alike (see the module docstring).
-    ``keep_order``: curriculum (windows kept in order); else the steps are shuffled with ``rng``."""
+    """``mb`` (packed, count a multiple of dp x grad_accum) with its rows re-dealt over the same number
+    of microbatches, returned in (step, rank, micro) order: the ranks of a step cost alike (see the
+    module docstring; the layout keeps this rank assignment). ``keep_order``: curriculum (windows
+    kept in order); else the steps are shuffled with ``rng``."""
     m = mb.count
+    slots = dp * grad_accum
     if m == 0 or not len(mb.samples):
         return mb
     # global row of every item (items are sorted by microbatch, then row)
@@ -103,7 +112,7 @@ def balance_rows(mb: Microbatches, attention_cost: float, slots: int, *, keep_or
     tokens = np.bincount(row_of_item, weights=mb.item_length, minlength=num_rows)
     sq = np.bincount(row_of_item, weights=mb.item_length.astype(np.float64) ** 2, minlength=num_rows)
     cost = tokens + float(attention_cost) * sq
-    mb_of_row = _deal_windows(cost, m, slots, keep_order)
+    mb_of_row = _deal_windows(cost, m, dp, grad_accum, keep_order)
     if not keep_order and rng is not None:  # shuffle whole steps
         steps = m // slots
         perm = np.empty(steps, np.int64)
@@ -112,16 +121,19 @@ def balance_rows(mb: Microbatches, attention_cost: float, slots: int, *, keep_or
     return _rebuild(mb, row_of_item, mb_of_row, num_rows)
 
 
-def _deal_windows(cost: np.ndarray, m: int, slots: int, keep_order: bool) -> np.ndarray:
-    """Microbatch (0..m-1, in step order) of every row; windows of consecutive rows for curriculum."""
+def _deal_windows(cost: np.ndarray, m: int, dp: int, grad_accum: int, keep_order: bool) -> np.ndarray:
+    """Microbatch (0..m-1, in (step, rank, micro) order) of every row; windows of consecutive rows
+    for curriculum."""
     num_rows = len(cost)
+    slots = dp * grad_accum
     window_mbs = CURRICULUM_WINDOW_STEPS * slots if keep_order else m
     mb_of_row = np.empty(num_rows, np.int64)
     for first_mb in range(0, m, window_mbs):
         last_mb = min(m, first_mb + window_mbs)
         # rows spread evenly over microbatches (as the packer's layout did): this window's rows
         lo, hi = -(-first_mb * num_rows // m), -(-last_mb * num_rows // m)
-        local, _ = _window(cost[lo:hi], np.arange(lo, hi, dtype=np.float64), last_mb - first_mb, slots, keep_order)
+        local = _window(cost[lo:hi], np.arange(lo, hi, dtype=np.float64), dp, grad_accum,
+                        (last_mb - first_mb) // slots, keep_order)
         mb_of_row[lo:hi] = first_mb + local
     return mb_of_row
 

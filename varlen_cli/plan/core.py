@@ -308,7 +308,8 @@ def _plan_epochs(c: PlanConfig, inputs: EpochInputs) -> tuple[list[PlannedEpoch]
         cost = (balance.microbatch_cost(mb, inputs.budget.attention_cost) if c.packing else
                 np.asarray(inputs.budget.cost(mb.batch_size, mb.seqlen), dtype=np.float64))
         lay = layout.layout_epoch(mb, cost, c.dp, c.grad_accum, warmup=c.compile_warmup and e == 0,
-                                  same_shape=c.same_shape_per_step or c.packing, static=c.static_shapes)
+                                  same_shape=c.same_shape_per_step or c.packing, static=c.static_shapes,
+                                  ranked=formed.ranked)
         ordered = None
         if c.schedule is not None:  # schedule-aware order within each step
             from ..schedule.order import reorder_layout
