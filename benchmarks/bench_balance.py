@@ -20,7 +20,7 @@ seconds (median of ``--repeat``).
 The corpus (``corpus()``): manual pages of this machine (``/usr/share/man``, bytes / 4 as tokens;
 a lognormal stand-in when absent) for 40% of the tokens, short fortune-like samples (lognormal,
 median ~90 tokens) for 35%, and a synthetic long tail log-uniform in [T/4, 4T] for 25%; about
-``--steps`` steps at dp 8.
+``--steps`` steps at each dp (grad-accum 1; 1/grad-accum as many with grad-accum).
 
     PYTHONPATH=. python benchmarks/bench_balance.py --seq-len 4096,16384,65536 --dp 8,64 --repeat 3
 """
@@ -200,7 +200,7 @@ def main(argv=None) -> None:
     ap.add_argument("--dp", default="8,64")
     ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--attention-cost", type=float, default=A_SMALL)
-    ap.add_argument("--steps", type=int, default=300, help="about this many steps at dp 8")
+    ap.add_argument("--steps", type=int, default=300, help="corpus size: about this many steps (grad-accum 1)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "varlen-bench-balance"))
     args = ap.parse_args(argv)
@@ -209,10 +209,10 @@ def main(argv=None) -> None:
           "| plan s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for seq_len in [int(x) for x in args.seq_len.split(",")]:
-        lengths = corpus(seq_len, args.steps, man)
-        with tempfile.TemporaryDirectory() as tmp:
-            metrics = write_metrics(os.path.join(tmp, "metrics"), lengths)
-            for dp in [int(x) for x in args.dp.split(",")]:
+        for dp in [int(x) for x in args.dp.split(",")]:
+            lengths = corpus(seq_len, args.steps * dp // 8, man)  # about --steps steps at every dp
+            with tempfile.TemporaryDirectory() as tmp:
+                metrics = write_metrics(os.path.join(tmp, "metrics"), lengths)
                 for r in run_case(metrics, tmp, seq_len, dp, args.grad_accum, args.attention_cost, args.repeat):
                     print(f"| {seq_len:,} | {dp} | {r['case']} | {r['steps']} | {r['mean']:.3f} / {r['max']:.3f} "
                           f"| {r['max_not_last']:.3f} | {100 * r['overhead']:.2f}% "

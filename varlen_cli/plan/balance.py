@@ -36,6 +36,50 @@ from .batching import Microbatches, segment_gather
 
 CURRICULUM_WINDOW_STEPS = 64
 """Curriculum plans balance inside windows of this many steps (the order between windows is kept)."""
+LAST_STEP_MAX_CELLS = 8_000_000
+"""The last-step search (:func:`cut_steps`) runs when rank-steps x (dp + 1) is at most this."""
+
+
+def cut_steps(load: np.ndarray, dp: int) -> np.ndarray:
+    """Step of every rank-step, ``load`` sorted in decreasing order (``len(load)`` a multiple of dp):
+    consecutive groups of dp, except dp rank-steps set aside for the last step so that the other
+    steps do not straddle the jumps of the sorted loads. Minimises the sum over the other steps of
+    max - mean (exact dynamic programme over (position, rank-steps set aside), vectorised as one
+    cumulative minimum per residue class and count set aside). The last step is K - 1."""
+    n = len(load)
+    steps = n // dp
+    if steps < 2 or dp < 2 or n * (dp + 1) > LAST_STEP_MAX_CELLS:
+        return np.arange(n) // dp
+    prefix = np.concatenate([[0.0], np.cumsum(load)])
+    rows = -(-(n + 1) // dp)
+    size = rows * dp
+    g = np.zeros(size)  # cost of the group ending at position i (its first is the max: sorted)
+    end = np.arange(dp, n + 1)
+    g[end] = load[end - dp] - (prefix[end] - prefix[end - dp]) / dp
+    g = g.reshape(rows, dp)
+    big = np.cumsum(g, axis=0)
+    f = np.full(size, np.inf)
+    f[: n + 1: dp] = np.concatenate([[0.0], np.cumsum(g.reshape(-1)[dp: n + 1: dp])])
+    src = np.empty((dp + 1, rows, dp), np.int32)  # where each layer's cumulative minimum was reached
+    for r in range(1, dp + 1):
+        c = np.full(size, np.inf)
+        c[1: n + 1] = f[:n]
+        v = c.reshape(rows, dp) - big
+        best = np.minimum.accumulate(v, axis=0)
+        hit = np.where(v == best, np.arange(rows)[:, None], 0)
+        src[r] = np.maximum.accumulate(hit, axis=0)
+        f = (best + big).reshape(-1)
+    if not np.isfinite(f[n]):
+        return np.arange(n) // dp
+    aside = np.zeros(n, bool)
+    i = n
+    for r in range(dp, 0, -1):
+        start = int(src[r, i // dp, i % dp]) * dp + i % dp
+        aside[start - 1] = True
+        i = start - 1
+    step = np.full(n, steps - 1, np.int64)
+    step[~aside] = np.arange(n - dp) // dp
+    return step
 
 
 def microbatch_cost(mb: Microbatches, attention_cost: float) -> np.ndarray:
@@ -73,10 +117,11 @@ def _window(cost: np.ndarray, row_index: np.ndarray, dp: int, grad_accum: int, s
     bins = steps * dp
     bin_of, load = deal_rows(cost, bins)
     by_load = np.argsort(-load, kind="stable")
+    step_sorted = np.arange(bins) // dp if keep_order else cut_steps(load[by_load], dp)
     step_of_bin = np.empty(bins, np.int64)
-    step_of_bin[by_load] = np.arange(bins) // dp
+    step_of_bin[by_load] = step_sorted
     rank_of_bin = np.empty(bins, np.int64)
-    rank_of_bin[by_load] = np.arange(bins) % dp
+    rank_of_bin[by_load[np.argsort(step_sorted, kind="stable")]] = np.arange(bins) % dp
     if keep_order:  # steps in the order of their rows' mean position (difficulty)
         rows_per_step = np.bincount(step_of_bin[bin_of], minlength=steps)
         key = np.bincount(step_of_bin[bin_of], weights=row_index, minlength=steps) / np.maximum(rows_per_step, 1)
@@ -113,10 +158,11 @@ def balance_rows(mb: Microbatches, attention_cost: float, dp: int, grad_accum: i
     sq = np.bincount(row_of_item, weights=mb.item_length.astype(np.float64) ** 2, minlength=num_rows)
     cost = tokens + float(attention_cost) * sq
     mb_of_row = _deal_windows(cost, m, dp, grad_accum, keep_order)
-    if not keep_order and rng is not None:  # shuffle whole steps
+    if not keep_order and rng is not None:  # shuffle whole steps; the set-aside step stays last
         steps = m // slots
         perm = np.empty(steps, np.int64)
-        perm[rng.permutation(steps)] = np.arange(steps)
+        perm[rng.permutation(steps - 1)] = np.arange(steps - 1)
+        perm[steps - 1] = steps - 1
         mb_of_row = perm[mb_of_row // slots] * slots + mb_of_row % slots
     return _rebuild(mb, row_of_item, mb_of_row, num_rows)
 
