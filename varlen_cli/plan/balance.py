@@ -7,24 +7,26 @@ one long document costs far more than a row of many short samples. A row costs i
 its rows (:func:`microbatch_cost`, the same formula as :func:`varlen_cli.format.microbatch_cost`).
 
 :func:`balance_rows` re-deals the rows the packer made (it never changes a row, so exactly-once,
-``--max-per-row`` and the row length hold as packed) over the epoch's microbatches:
+``--max-per-row`` and the row length hold as packed) over the epoch's microbatches, and returns them
+in (step, rank, micro) order; the layout keeps those ranks (``Formed.ranked``):
 
-1. *Deal rows into microbatches* (:func:`deal_rows`): rows in decreasing cost, round by round: each
-   round gives the next ``M`` rows, largest first, to the ``M`` microbatches in increasing load (a
-   longest-processing-time deal with the row count fixed: every microbatch gets ``q`` or ``q + 1``
-   rows, ``q = rows // M``, so none exceeds R rows). With several rows per microbatch this makes
-   every microbatch cost about the same.
-2. *Choose which microbatches form a step*: microbatches sorted by load and cut into steps of
-   dp x grad_accum, so a step's microbatches cost alike even when one row per microbatch leaves
-   nothing to mix (a row holding one 64k-token document is never in a step with light rows unless
-   the counts force it).
-3. *Order the steps*: shuffled (``seed``) for shuffled plans; curriculum plans do 1-2 inside windows
-   of :data:`CURRICULUM_WINDOW_STEPS` consecutive steps and keep the windows, and inside a window
-   the steps, in input (difficulty) order.
+1. *Deal rows into rank-steps* (:func:`deal_rows`): the epoch has steps x dp rank-steps of
+   grad_accum microbatches. Rows in decreasing cost, round by round: each round gives the next rows,
+   largest first, to the rank-steps in increasing load (a longest-processing-time deal with the row
+   count fixed: every rank-step gets ``q`` or ``q + 1`` rows, so no microbatch exceeds R rows).
+   With several rows per rank-step this makes every rank-step cost about the same.
+2. *Choose which rank-steps form a step*: rank-steps sorted by load and cut into steps of dp, so a
+   step's ranks cost alike even when one row per rank leaves nothing to mix (a row holding one
+   64k-token chunk is never in a step with light rows unless the counts force it). Shuffled plans
+   also set dp rank-steps aside for the epoch's last step, chosen by an exact dynamic programme
+   (:func:`cut_steps`) so the other steps do not straddle the jumps between cost classes.
+3. *Split* a rank-step's rows (decreasing cost, serpentine) over its grad_accum microbatches.
+4. *Order the steps*: shuffled (the former's ``rng``; the set-aside step last) for shuffled plans;
+   curriculum plans do 1-3 inside windows of :data:`CURRICULUM_WINDOW_STEPS` consecutive steps and
+   keep the windows, and inside a window the steps, in input (difficulty) order.
 
-The planner's rank layout (:func:`varlen_cli.plan.layout.assign_ranks`: LPT of each step's
-microbatches onto ranks, grad_accum each) then balances ranks in the same cost. Vectorised: one
-numpy round per row of a microbatch (R rounds), one loop per curriculum window.
+Vectorised: one numpy round per row of a rank-step, one cumulative minimum per rank set aside, one
+loop per curriculum window.
 """
 
 from __future__ import annotations
