@@ -46,7 +46,7 @@ def cut_steps(load: np.ndarray, dp: int) -> np.ndarray:
     """Step of every rank-step, ``load`` sorted in decreasing order (``len(load)`` a multiple of dp):
     consecutive groups of dp, except dp rank-steps set aside for the last step so that the other
     steps do not straddle the jumps of the sorted loads. Minimises the sum over the other steps of
-    max - mean (exact dynamic programme over (position, rank-steps set aside), vectorised as one
+    (max - mean) / mean (exact dynamic programme over (position, rank-steps set aside), vectorised as one
     cumulative minimum per residue class and count set aside). The last step is K - 1."""
     n = len(load)
     steps = n // dp
@@ -57,7 +57,8 @@ def cut_steps(load: np.ndarray, dp: int) -> np.ndarray:
     size = rows * dp
     g = np.zeros(size)  # cost of the group ending at position i (its first is the max: sorted)
     end = np.arange(dp, n + 1)
-    g[end] = load[end - dp] - (prefix[end] - prefix[end - dp]) / dp
+    mean = (prefix[end] - prefix[end - dp]) / dp
+    g[end] = (load[end - dp] - mean) / np.where(mean > 0, mean, 1.0)
     g = g.reshape(rows, dp)
     big = np.cumsum(g, axis=0)
     f = np.full(size, np.inf)
