@@ -259,3 +259,28 @@ def test_library_rejects_auto_without_shape(tmp_path):
     with pytest.raises(UsageError, match="needs --model-dim and --layers"):
         plan(PlanConfig(input=metrics, output=str(tmp_path / "p.parquet"), packing=True, seq_len=64,
                         attention_cost="auto"))
+
+
+def _excess(load, dp):
+    groups = load.reshape(-1, dp)
+    return float(((groups.max(axis=1) - groups.mean(axis=1)) / groups.mean(axis=1)).sum())
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(2, 3), st.integers(2, 4), st.data())
+def test_cut_steps_is_the_best_last_step(dp, steps, data):
+    """Brute force over every set of dp rank-steps for the last step: no choice gives the other steps
+    (consecutive groups of the rest, sorted) a smaller sum of (max - mean) / mean."""
+    from itertools import combinations
+
+    from varlen_cli.plan.balance import cut_steps
+
+    n = dp * steps
+    load = np.sort(np.array(data.draw(st.lists(st.sampled_from([1.0, 1.1, 3.0, 3.05, 5.0]), min_size=n,
+                                               max_size=n))))[::-1].copy()
+    step = cut_steps(load, dp)
+    assert np.bincount(step).tolist() == [dp] * steps
+    assert (step[step < steps - 1] == np.sort(step[step < steps - 1])).all()
+    got = _excess(load[step < steps - 1], dp)
+    best = min(_excess(np.delete(load, list(aside)), dp) for aside in combinations(range(n), dp))
+    assert got <= best + 1e-9

@@ -59,25 +59,24 @@ def cut_steps(load: np.ndarray, dp: int) -> np.ndarray:
     end = np.arange(dp, n + 1)
     mean = (prefix[end] - prefix[end - dp]) / dp
     g[end] = (load[end - dp] - mean) / np.where(mean > 0, mean, 1.0)
-    g = g.reshape(rows, dp)
-    big = np.cumsum(g, axis=0)
+    big = np.ascontiguousarray(np.cumsum(g.reshape(rows, dp), axis=0).T)  # (residue, row): chains contiguous
     f = np.full(size, np.inf)
-    f[: n + 1: dp] = np.concatenate([[0.0], np.cumsum(g.reshape(-1)[dp: n + 1: dp])])
-    src = np.empty((dp + 1, rows, dp), np.int32)  # where each layer's cumulative minimum was reached
+    f[: n + 1: dp] = np.concatenate([[0.0], np.cumsum(g[dp: n + 1: dp])])
+    src = np.empty((dp + 1, dp, rows), np.int32)  # where each layer's cumulative minimum was reached
+    row_index = np.arange(rows, dtype=np.int32)
     for r in range(1, dp + 1):
         c = np.full(size, np.inf)
         c[1: n + 1] = f[:n]
-        v = c.reshape(rows, dp) - big
-        best = np.minimum.accumulate(v, axis=0)
-        hit = np.where(v == best, np.arange(rows)[:, None], 0)
-        src[r] = np.maximum.accumulate(hit, axis=0)
-        f = (best + big).reshape(-1)
+        v = c.reshape(rows, dp).T - big
+        best = np.minimum.accumulate(v, axis=1)
+        src[r] = np.maximum.accumulate(np.where(v == best, row_index, 0), axis=1)
+        f = (best + big).T.reshape(-1)
     if not np.isfinite(f[n]):
         return np.arange(n) // dp
     aside = np.zeros(n, bool)
     i = n
     for r in range(dp, 0, -1):
-        start = int(src[r, i // dp, i % dp]) * dp + i % dp
+        start = int(src[r, i % dp, i // dp]) * dp + i % dp
         aside[start - 1] = True
         i = start - 1
     step = np.full(n, steps - 1, np.int64)
