@@ -154,42 +154,102 @@ def plan_schema_problems(schema: pa.Schema, meta: dict) -> list[str]:
 
 
 # -- straggler: one cost, one formula ----------------------------------------------------------------
+#: Kinds of per-microbatch cost: real tokens; packed tokens + A x sum(l_i^2) over the segments
+#: (``--attention-cost`` with ``--packing``); the padded budget cost B*T (+ A*B*T^2).
+STRAGGLER_COST_KINDS = ("tokens", "packed", "padded")
+
+
 def straggler_cost(packed: bool, attention_cost: float = 0.0) -> dict:
     """The per-microbatch cost a plan balances ranks on (recorded under :data:`STRAGGLER_COST_KEY`):
-    real tokens for packed plans, the padded budget cost ``B*T (+ A*B*T^2)`` otherwise."""
+    packed plans: real tokens (``kind: tokens``) or, with an attention cost A, tokens plus
+    A x sum(l_i^2) over the segments (``kind: packed``; a split chunk counts its own length);
+    padded plans: the budget cost ``B*T (+ A*B*T^2)``."""
+    attention = float(attention_cost or 0.0)
     if packed:
-        return {"kind": "tokens"}
-    return {"kind": "padded", "attention_cost": float(attention_cost or 0.0)}
+        return {"kind": "packed", "attention_cost": attention} if attention else {"kind": "tokens"}
+    return {"kind": "padded", "attention_cost": attention}
 
 
 def plan_straggler_cost(meta: dict) -> dict:
     """The cost a plan's straggler statistics used: recorded in its metadata, or (older plans) the
     one its packing and budget imply."""
     recorded = meta.get(STRAGGLER_COST_KEY)
-    if isinstance(recorded, dict) and recorded.get("kind") in ("tokens", "padded"):
+    if isinstance(recorded, dict) and recorded.get("kind") in STRAGGLER_COST_KINDS:
         return recorded
     budget = meta.get("budget") or {}
     return straggler_cost(bool(meta.get("packing")), budget.get("attention_cost") or 0.0)
 
 
-def microbatch_cost(spec: dict, tokens, batch_size, seqlen) -> np.ndarray:
-    """Cost of each microbatch under ``spec`` (from :func:`straggler_cost`), as float64."""
+def needs_segment_lengths(spec: dict) -> bool:
+    """Whether :func:`microbatch_cost` under ``spec`` needs the segments' squared lengths."""
+    return spec.get("kind") == "packed"
+
+
+def segment_sum_squares(lengths, parent, count: int) -> np.ndarray:
+    """Per microbatch: sum of l^2 over its segments (``lengths`` flat, ``parent`` the microbatch of
+    each segment, as the plan's ``sample_lengths`` list column gives them), as float64."""
+    lf = np.asarray(lengths, dtype=np.float64)
+    return np.bincount(np.asarray(parent, dtype=np.int64), weights=lf * lf, minlength=count)[:count]
+
+
+def microbatch_cost(spec: dict, tokens, batch_size, seqlen, sum_squares=None) -> np.ndarray:
+    """Cost of each microbatch under ``spec`` (from :func:`straggler_cost`), as float64.
+    ``sum_squares``: per microbatch sum of squared segment lengths (needed for ``kind: packed``)."""
     if spec["kind"] == "tokens":
         return np.asarray(tokens, dtype=np.float64)
+    attention = float(spec.get("attention_cost") or 0.0)
+    if spec["kind"] == "packed":
+        if sum_squares is None:
+            raise ValueError("a packed attention cost needs the per-microbatch sum of squared segment lengths")
+        return np.asarray(tokens, dtype=np.float64) + attention * np.asarray(sum_squares, dtype=np.float64)
     b = np.asarray(batch_size, dtype=np.int64)
     t = np.asarray(seqlen, dtype=np.int64)
-    attention = float(spec.get("attention_cost") or 0.0)
     if attention:
         bf, tf = b.astype(np.float64), t.astype(np.float64)
         return bf * tf + attention * bf * tf * tf
     return (b * t).astype(np.float64)
 
 
+def plan_cost_columns(spec: dict) -> list[str]:
+    """The plan columns :func:`table_cost` reads under ``spec``."""
+    return ["tokens", "batch_size", "seqlen"] + (["sample_lengths"] if needs_segment_lengths(spec) else [])
+
+
+def table_cost(table: pa.Table, spec: dict) -> np.ndarray:
+    """Per-microbatch cost of a plan table (with :func:`plan_cost_columns`) under ``spec``."""
+    import pyarrow.compute as pc
+
+    tokens = table.column("tokens").to_numpy()
+    sum_squares = None
+    if needs_segment_lengths(spec):
+        col = table.column("sample_lengths").combine_chunks()
+        flat = pc.list_flatten(col).to_numpy(zero_copy_only=False)
+        parent = pc.list_parent_indices(col).to_numpy(zero_copy_only=False)
+        sum_squares = segment_sum_squares(flat, parent, len(tokens))
+    return microbatch_cost(spec, tokens, table.column("batch_size").to_numpy(), table.column("seqlen").to_numpy(),
+                           sum_squares)
+
+
+def step_loads(step: np.ndarray, rank: np.ndarray, cost: np.ndarray, dp: int) -> np.ndarray:
+    """(steps x dp) matrix: the cost each rank carries in each step."""
+    if not len(step):
+        return np.zeros((0, dp))
+    steps = int(step.max()) + 1
+    return np.bincount(step * dp + rank, weights=cost, minlength=steps * dp).reshape(steps, dp)
+
+
 def straggler(step: np.ndarray, rank: np.ndarray, cost: np.ndarray, dp: int) -> np.ndarray:
     """Per step: the busiest rank's cost / the mean rank cost (1.0 = balanced)."""
     if not len(step):
         return np.zeros(0)
-    steps = int(step.max()) + 1
-    load = np.bincount(step * dp + rank, weights=cost, minlength=steps * dp).reshape(steps, dp)
+    load = step_loads(step, rank, cost, dp)
     mean = load.mean(axis=1)
     return np.where(mean > 0, load.max(axis=1) / np.where(mean > 0, mean, 1), 1.0)
+
+
+def straggler_overhead(step: np.ndarray, rank: np.ndarray, cost: np.ndarray, dp: int) -> float:
+    """The time every rank waits for the slowest: sum over steps of the max rank cost / sum of the
+    mean rank cost, minus 1 (0.0 = balanced)."""
+    load = step_loads(step, rank, cost, dp)
+    mean = float(load.mean(axis=1).sum()) if len(load) else 0.0
+    return float(load.max(axis=1).sum()) / mean - 1.0 if mean > 0 else 0.0

@@ -18,6 +18,9 @@ from .runtime.text import fmt, histogram_lines
 
 SERIES_BINS = 48
 SPARK = " ▁▂▃▄▅▆▇█"
+CHART_STEPS = 48  # steps the per-rank cost chart shows
+CHART_RANKS = 16  # ranks it shows one line each for (all ranks count in its "busiest" line)
+CHART_SCALE = (0.95, 1.05)  # cost / step mean at the lowest and the highest block
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,8 @@ def plan_series(path: str, meta: dict) -> dict:
     (:func:`varlen_cli.format.plan_straggler_cost`), so it matches the plan's own statistics."""
     import pyarrow.parquet as pq
 
-    cols = ["step", "rank", "num_samples", "tokens", "batch_size", "seqlen", "lr_scale"]
+    cost_spec = format.plan_straggler_cost(meta)
+    cols = ["step", "rank", "num_samples", "lr_scale"] + format.plan_cost_columns(cost_spec)
     t = pq.read_table(path, columns=cols)
     step = t.column("step").to_numpy()
     rank = t.column("rank").to_numpy()
@@ -69,8 +73,7 @@ def plan_series(path: str, meta: dict) -> dict:
     tokens = t.column("tokens").to_numpy().astype(np.float64)
     batch_size, seqlen = t.column("batch_size").to_numpy(), t.column("seqlen").to_numpy()
     padded = batch_size.astype(np.float64) * seqlen
-    cost_spec = format.plan_straggler_cost(meta)
-    cost = format.microbatch_cost(cost_spec, tokens, batch_size, seqlen)
+    cost = format.table_cost(t, cost_spec)
     samples = t.column("num_samples").to_numpy().astype(np.float64)
     lr = t.column("lr_scale").to_numpy()
     step_tokens = np.bincount(step, weights=tokens, minlength=n_steps)
@@ -79,6 +82,7 @@ def plan_series(path: str, meta: dict) -> dict:
     step_lr[step] = lr
     rank_padded = np.zeros((n_steps, n_ranks))
     np.add.at(rank_padded, (step, rank), padded)
+    loads = format.step_loads(step.astype(np.int64), rank.astype(np.int64), cost, n_ranks)
     straggler = format.straggler(step.astype(np.int64), rank.astype(np.int64), cost, n_ranks)
     return {
         "steps": n_steps,
@@ -90,6 +94,8 @@ def plan_series(path: str, meta: dict) -> dict:
         "straggler_mean": float(straggler.mean()),
         "straggler_max": float(straggler.max()),
         "straggler_cost": cost_spec,
+        "straggler_overhead": format.straggler_overhead(step.astype(np.int64), rank.astype(np.int64), cost, n_ranks),
+        "rank_cost_first_steps": loads[:CHART_STEPS].tolist(),
         "padded_tokens_per_rank": rank_padded.sum(axis=0).tolist(),
         "real_tokens_per_rank": np.bincount(rank, weights=tokens, minlength=n_ranks).tolist(),
     }
@@ -234,10 +240,42 @@ def _series_tables(series: dict) -> list[TextTable]:
     for name in ("tokens_per_step", "samples_per_step", "lr_scale", "straggler"):
         s = series[name]
         sp.rows.append((name, fmt(s["min"]), fmt(s["max"]), sparkline(s["binned_mean"])))
+    if "straggler_overhead" in series:
+        sp.rows.append(("straggler overhead", f"{100 * series['straggler_overhead']:.2f}%", "",
+                        "sum of the busiest rank's cost / sum of the mean, - 1"))
+    out = [sp]
+    if series.get("rank_cost_first_steps"):
+        out.append(rank_cost_chart(series["rank_cost_first_steps"], series.get("straggler_cost", {})))
     rk = TextTable("per-rank balance", [("rank", "right"), ("real tokens", "right"), ("padded tokens", "right")])
     for r, (real, pad) in enumerate(zip(series["real_tokens_per_rank"], series["padded_tokens_per_rank"])):
         rk.rows.append((str(r), fmt(int(real)), fmt(int(pad))))
-    return [sp, rk]
+    return out + [rk]
+
+
+def _blocks(ratio: np.ndarray) -> str:
+    lo, hi = CHART_SCALE
+    idx = np.clip(np.round((ratio - lo) / (hi - lo) * (len(SPARK) - 2)), 0, len(SPARK) - 2).astype(int) + 1
+    return "".join(SPARK[i] for i in idx)
+
+
+def rank_cost_chart(loads: list, cost_spec: dict) -> TextTable:
+    """Per-rank cost of the first steps as text: one line per rank (the first :data:`CHART_RANKS`), one
+    block per step, the block's height the rank's cost / the step's mean cost on the fixed scale
+    :data:`CHART_SCALE` (▁ at or below 0.95, █ at or above 1.05, ▄/▅ balanced), and a last line with
+    the busiest rank of each step (its max / mean as the same blocks, and the worst value)."""
+    arr = np.asarray(loads, dtype=np.float64)
+    mean = arr.mean(axis=1, keepdims=True)
+    ratio = np.where(mean > 0, arr / np.where(mean > 0, mean, 1.0), 1.0)
+    kind = cost_spec.get("kind", "tokens")
+    what = {"tokens": "tokens", "packed": "tokens + A sum(l^2)", "padded": "B T + A B T^2"}.get(kind, kind)
+    lo, hi = CHART_SCALE
+    t = TextTable(f"per-rank cost ({what}) / step mean, steps 0..{len(arr) - 1}: ▁ <= {lo}, █ >= {hi}",
+                  [("rank", "right"), ("cost per step", "left"), ("max / mean", "right")])
+    for r in range(min(arr.shape[1], CHART_RANKS)):
+        t.rows.append((str(r), _blocks(ratio[:, r]), f"{ratio[:, r].max():.3f}"))
+    busiest = ratio.max(axis=1)
+    t.rows.append(("busiest", _blocks(busiest), f"{busiest.max():.3f}"))
+    return t
 
 
 def _step_table(step_rows: list) -> TextTable:

@@ -92,7 +92,8 @@ def validate(config: ValidateConfig) -> ValidateResult:
     result.checks.append(_check_layout(cols, dp, accum, meta))
     result.checks.append(_check_counts(cols, packed=bool(packing)))
     result.checks.append(_check_coverage(cols, meta, n_samples, packing, lengths))
-    result.checks.append(_check_budget(cols, pcfg, packing, lengths))
+    budget_cfg = {**pcfg, "attention_cost": (meta.get("budget") or {}).get("attention_cost", 0.0)}  # "auto" resolved
+    result.checks.append(_check_budget(cols, budget_cfg, packing, lengths))
     result.checks.append(_check_shapes(cols, meta, pcfg))
     result.checks.append(_check_step_totals(cols))
     result.checks.append(_check_lr(cols, meta))
@@ -101,6 +102,7 @@ def validate(config: ValidateConfig) -> ValidateResult:
 
         result.checks.append(Check("memory", *memory_check(cols["batch_size"], cols["seqlen"], meta,
                                                            config.max_memory, config.memory_profile)))
+    result.checks.append(_check_straggler(table, cols, meta))
     return result
 
 
@@ -363,3 +365,24 @@ def _check_lr(c: dict, meta: dict) -> Check:
     if bad.any():
         return Check("lr_scale", False, f"{int(bad.sum())} rows whose lr_scale is not {mode}({by} / {base})")
     return Check("lr_scale", True, f"{mode} in step {by}" + (f" / {base:g}" if base and mode != "none" else ""))
+
+
+def _check_straggler(table, c: dict, meta: dict) -> Check:
+    """The straggler in the plan's own cost model (:func:`varlen_cli.format.plan_straggler_cost`),
+    recomputed from the columns; fails when the plan's recorded statistics say otherwise."""
+    spec = format.plan_straggler_cost(meta)
+    if not len(c["step"]):
+        return Check("straggler", True, "no steps")
+    cost = format.table_cost(table, spec)
+    step, rank, dp = c["step"].astype(np.int64), c["rank"].astype(np.int64), int(meta["dp"])
+    per_step = format.straggler(step, rank, cost, dp)
+    overhead = format.straggler_overhead(step, rank, cost, dp)
+    what = ", ".join(f"{k}={v}" for k, v in spec.items())
+    detail = (f"mean {per_step.mean():.3f}, max {per_step.max():.3f}, overhead {100 * overhead:.2f}% "
+              f"in cost {what}")
+    stats = meta.get("stats") or {}
+    for key, value in (("straggler_mean", per_step.mean()), ("straggler_max", per_step.max())):
+        if key in stats and not np.isclose(float(stats[key]), float(value), rtol=1e-9, atol=1e-12):
+            return Check("straggler", False, f"metadata says {key} {stats[key]:.6g}, the plan has {value:.6g} "
+                         f"(cost {what})")
+    return Check("straggler", True, detail)

@@ -86,9 +86,17 @@ MAX_SAMPLES = typer.Option(
     help="Cap on the samples (B) of a microbatch.",
 )
 ATTENTION_COST = typer.Option(
-    0.0, "--attention-cost",
-    help="A: a microbatch costs B*T + A*B*T^2 against --max-tokens (bounds attention memory).",
+    "0", "--attention-cost",
+    help="A: a padded microbatch costs B*T + A*B*T^2 against --max-tokens; a packed row costs its tokens + "
+    "A*sum(l_i^2) over its segments, and rows are dealt so ranks cost alike. 'auto': from --model-dim/--layers "
+    "(docs/packing.md).",
 )
+MODEL_DIM = typer.Option(None, "--model-dim", show_default=False,
+                         help="With --attention-cost auto: the model's hidden size d.")
+LAYERS = typer.Option(None, "--layers", show_default=False,
+                      help="With --attention-cost auto: the model's transformer layers L.")
+VOCAB_SIZE = typer.Option(None, "--vocab-size", show_default=False,
+                          help="With --attention-cost auto: vocabulary size V (LM head FLOPs; default 0).")
 DROP_LONG = typer.Option(
     False, "--drop-long",
     help="Drop samples that fit no microbatch (ids and count recorded) instead of failing.",
@@ -155,7 +163,10 @@ def plan_command(
     compile_warmup: bool = COMPILE_WARMUP,
     same_shape_per_step: bool = SAME_SHAPE_PER_STEP,
     max_samples: int | None = MAX_SAMPLES,
-    attention_cost: float = ATTENTION_COST,
+    attention_cost: str = ATTENTION_COST,
+    model_dim: int | None = MODEL_DIM,
+    layers: int | None = LAYERS,
+    vocab_size: int | None = VOCAB_SIZE,
     drop_long: bool = DROP_LONG,
     tail: Tail = TAIL,
     packing: bool = PACKING,
@@ -176,13 +187,15 @@ def plan_command(
     """Write a token-budget batch plan (Parquet): microbatches, ranks, steps, shapes and LR scales."""
     from varlen_cli.cli import report
     from varlen_cli.plan import PlanConfig, plan
+    from varlen_cli.plan.cost_model import from_cli
 
     config = PlanConfig(
         input=input_dir, output=output, max_tokens=max_tokens, dp=dp, grad_accum=grad_accum, order=order, seed=seed,
         epochs=epochs, curriculum_epochs=curriculum_epochs, lr_scaling=lr_scaling, lr_scale_by=lr_scale_by,
         base_batch_size=base_batch_size, pad_multiple=pad_multiple, num_shapes=num_shapes,
         static_shapes=static_shapes, compile_warmup=compile_warmup, same_shape_per_step=same_shape_per_step,
-        max_samples=max_samples, attention_cost=attention_cost, drop_long=drop_long, tail=tail, packing=packing,
+        max_samples=max_samples, attention_cost=from_cli(attention_cost), model_dim=model_dim, layers=layers,
+        vocab_size=vocab_size, drop_long=drop_long, tail=tail, packing=packing,
         seq_len=seq_len, rows_per_microbatch=rows_per_microbatch, max_per_row=max_per_row, split_long=split_long,
         overwrite=overwrite, allow_stale=allow_stale, schedule=schedule, stages=stages,
         memory_profile=memory_profile, max_memory=max_memory, memory_margin=memory_margin, mix=mix, extend=extend,

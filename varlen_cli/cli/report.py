@@ -103,6 +103,7 @@ def print_plan(result) -> None:
         ("samples / microbatch", s["mean_samples_per_microbatch"]),
         ("padding %", f"{s['padding_pct']:.2f}"), ("budget fill %", f"{s['budget_fill_pct']:.2f}"),
         ("straggler mean / max", f"{s['straggler_mean']:.3f} / {s['straggler_max']:.3f}"),
+        ("straggler overhead %", _overhead(s, result.metadata)),
         ("distinct shapes", s["distinct_shapes"]),
         ("lr_scale min / max", f"{s['lr_scale_min']:.3f} / {s['lr_scale_max']:.3f}"),
         ("dropped samples", s["dropped"]),
@@ -128,6 +129,14 @@ def print_plan(result) -> None:
     for label, value in rows:
         t.add_row(label, fmt(value))
     console().print(t)
+
+
+def _overhead(stats: dict, metadata: dict) -> str:
+    """The straggler overhead and the cost it is measured in (the plan's ``straggler_cost``)."""
+    cost = metadata.get("straggler_cost") or {}
+    what = {"tokens": "tokens", "packed": "tokens + A sum(l^2)", "padded": "B T + A B T^2"}.get(cost.get("kind"), "")
+    value = stats.get("straggler_overhead")
+    return (f"{100 * value:.2f}" if value is not None else "-") + (f" ({what})" if what else "")
 
 
 def print_run(result) -> None:

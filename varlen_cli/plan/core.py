@@ -12,7 +12,7 @@ from .. import __version__, format
 from ..errors import InputError, UsageError
 from ..runtime import artifacts, freshness
 from ..runtime.choices import LrScaleBy, LrScaling, Order, Tail, check_choices, doc, values
-from . import batching, layout, lr, stats, writer
+from . import balance, batching, cost_model, layout, lr, stats, writer
 from .batching import Microbatches
 from .layout import EpochLayout
 from .orders import CURRICULAR, EpochInputs, Formers
@@ -51,8 +51,13 @@ class PlanConfig:
                                       "recorded as warmup_steps.")
     same_shape_per_step: bool = doc(False, "All microbatches of a step share one B x T (pipeline parallelism).")
     max_samples: int | None = doc(None, "Cap on the samples (B) of a microbatch.")
-    attention_cost: float = doc(0.0, "A: a microbatch costs B*T + A*B*T^2 against --max-tokens (bounds attention "
-                                     "memory).")
+    attention_cost: float | str = doc(0.0, "A: a padded microbatch costs B*T + A*B*T^2 against --max-tokens; a packed "
+                                           "row costs its tokens + A*sum(l_i^2) over its segments, and rows are "
+                                           "dealt so ranks cost alike. 'auto': from --model-dim/--layers "
+                                           "(docs/packing.md).")
+    model_dim: int | None = doc(None, "With --attention-cost auto: the model's hidden size d.")
+    layers: int | None = doc(None, "With --attention-cost auto: the model's transformer layers L.")
+    vocab_size: int | None = doc(None, "With --attention-cost auto: vocabulary size V (LM head FLOPs; default 0).")
     drop_long: bool = doc(False, "Drop samples that fit no microbatch (ids and count recorded) instead of failing.")
     tail: Tail = doc("split", "split: split microbatches so every rank gets grad-accum per step (fails only with "
                               "fewer samples than slots); drop: then drop the smallest tail microbatches (ids "
@@ -121,8 +126,7 @@ def check(c: PlanConfig) -> None:
     _positive("--max-samples", c.max_samples)
     if c.base_batch_size is not None and not c.base_batch_size > 0:
         raise UsageError(f"--base-batch-size must be > 0 (got {c.base_batch_size})")
-    if not c.attention_cost >= 0:
-        raise UsageError(f"--attention-cost must be >= 0 (got {c.attention_cost})")
+    cost_model.check(c)
     if c.curriculum_epochs is not None:
         if c.order not in ("curriculum", "reverse"):
             raise UsageError("--curriculum-epochs needs --order curriculum or reverse")
@@ -251,7 +255,7 @@ def plan(config: PlanConfig) -> PlanResult:
     if c.order in CURRICULAR and kind != "sorted":
         raise UsageError(f"--order {c.order} needs a sorted input, but {c.input} is a {kind} directory "
                          f"(sample_id order); sort it first: `varlen sort {c.input} -o SORTED_DIR`")
-    budget = Budget(c.max_tokens, c.max_samples, float(c.attention_cost))
+    budget = Budget(c.max_tokens, c.max_samples, cost_model.attention_cost(c))
     inputs, long_pos = _epoch_inputs(c, sample_id, length, budget)
     epochs, fixed_batch = _plan_epochs(c, inputs)
     cols, items = assemble_columns(c, sample_id, length, epochs, inputs.slots)
@@ -327,10 +331,11 @@ def _plan_epochs(c: PlanConfig, inputs: EpochInputs, first_epoch: int = 0) -> tu
         rng = np.random.default_rng([c.seed, e])
         formed = formers.for_epoch(c, mode).form(inputs, mode, rng)
         mb = formed.mb
-        cost = (mb.tokens.astype(np.float64) if c.packing else
+        cost = (balance.microbatch_cost(mb, inputs.budget.attention_cost) if c.packing else
                 np.asarray(inputs.budget.cost(mb.batch_size, mb.seqlen), dtype=np.float64))
         lay = layout.layout_epoch(mb, cost, c.dp, c.grad_accum, warmup=c.compile_warmup and e == 0,
-                                  same_shape=c.same_shape_per_step or c.packing, static=c.static_shapes)
+                                  same_shape=c.same_shape_per_step or c.packing, static=c.static_shapes,
+                                  ranked=formed.ranked)
         ordered = None
         if c.schedule is not None:  # schedule-aware order within each step
             from ..schedule.order import reorder_layout
@@ -445,7 +450,8 @@ def build_metadata(c: PlanConfig, manifest: dict, num_rows: int, epochs: list[Pl
                   "dataset_digest": (manifest.get("dataset") or {}).get("digest")}
     return {
         "format": format.PLAN_FORMAT, "format_version": format.PLAN_FORMAT_VERSION,
-        format.STRAGGLER_COST_KEY: format.straggler_cost(c.packing, c.attention_cost or 0.0),
+        format.STRAGGLER_COST_KEY: format.straggler_cost(c.packing, inputs.budget.attention_cost),
+        "cost_model": cost_model.describe(c),
         "varlen_version": __version__, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "config": artifacts.config_dict(c), "input": input_info,
         "dp": c.dp, "grad_accum": c.grad_accum, "epochs": c.epochs, "num_steps": num_steps,
@@ -453,7 +459,8 @@ def build_metadata(c: PlanConfig, manifest: dict, num_rows: int, epochs: list[Pl
         "orders": [ep.mode for ep in epochs],
         "shapes": shapes, "warmup_steps": epochs[0].layout.warmup_steps,
         "base_batch_size": base_batch_size, "lr_scaling": c.lr_scaling, "lr_scale_by": c.lr_scale_by,
-        "budget": {"max_tokens": c.max_tokens, "max_samples": c.max_samples, "attention_cost": c.attention_cost},
+        "budget": {"max_tokens": c.max_tokens, "max_samples": c.max_samples,
+                   "attention_cost": inputs.budget.attention_cost},
         "shape_map": inputs.shape.to_dict(), "fixed_batch_size": fixed_batch,
         "packing": packing,
         "dropped": dropped,
@@ -492,6 +499,7 @@ def _finish(c: PlanConfig, manifest: dict, sample_id: np.ndarray, epochs: list[P
         padded_tokens=int((b * t).sum()), budget_tokens=budget_tokens, strag=strag, shapes=len(shapes), lr=scales,
         dropped=dropped.count, over_budget=0, warmup_steps=lay0.warmup_steps, epochs=c.epochs,
         samples_per_epoch=[len(ep.mb.samples) for ep in epochs], seconds=time.perf_counter() - t0)
+    summary["straggler_overhead"] = format.straggler_overhead(step, col["rank"].astype(np.int64), col["cost"], c.dp)
     if lay0.warmup_missing:
         summary["warmup_missing"] = int(lay0.warmup_missing)
     packing = (_packing_info(c, inputs.rows_per_mb, epochs, it, offsets, col["tokens"]) if c.packing else None)

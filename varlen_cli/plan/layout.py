@@ -170,7 +170,9 @@ def same_shape_steps(mb: Microbatches, slots: int) -> None:
 
 
 def layout_epoch(mb: Microbatches, cost: np.ndarray, dp: int, grad_accum: int, *, warmup: bool,
-                 same_shape: bool, static: bool) -> EpochLayout:
+                 same_shape: bool, static: bool, ranked: bool = False) -> EpochLayout:
+    """Steps, ranks and micro indices of an epoch's microbatches. ``ranked``: the microbatches come
+    in (step, rank, micro) order already (compute-balanced packed plans) and keep their ranks."""
     slots = dp * grad_accum
     m = mb.count
     steps = m // slots
@@ -193,7 +195,10 @@ def layout_epoch(mb: Microbatches, cost: np.ndarray, dp: int, grad_accum: int, *
     pos = np.empty(m, np.int64)
     pos[seq_index] = np.arange(m)
     cost_mat = cost[seq_index].reshape(steps, slots)
-    rank_mat = assign_ranks(cost_mat, dp, grad_accum)
+    if ranked:  # whole steps may move (warm-up), ranks stay
+        rank_mat = np.broadcast_to(np.arange(slots) // grad_accum, (steps, slots))
+    else:
+        rank_mat = assign_ranks(cost_mat, dp, grad_accum)
     rank = np.empty(m, np.int64)
     rank[seq_index] = rank_mat.reshape(-1)
     micro_key = pos.copy()

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from ..errors import InputError
-from . import batching, layout
+from . import balance, batching, layout
 from .batching import Microbatches
 from .shapes import Budget, ShapeMap
 
@@ -55,6 +55,7 @@ class Formed:
     mb: Microbatches
     dropped: np.ndarray
     packing_stats: dict | None = None
+    ranked: bool = False  # microbatches already in (step, rank, micro) order: the layout keeps the ranks
 
 
 class Former(Protocol):
@@ -159,6 +160,10 @@ class PackingFormer:
         mb, dropped = layout.fix_tail_packed(seq[p.item_sample], p.item_start, p.item_length, p.item_row,
                                              p.num_rows, inputs.rows_per_mb, c.seq_len, inputs.slots, c.dp,
                                              c.grad_accum, c.tail)
+        if inputs.budget.attention_cost > 0:  # rows dealt so microbatches of a step cost alike (balance.py)
+            mb = balance.balance_rows(mb, inputs.budget.attention_cost, c.dp, c.grad_accum,
+                                      keep_order=mode in CURRICULAR, rng=rng)
+            return Formed(mb, dropped, p.stats(), ranked=True)
         return Formed(mb, dropped, p.stats())
 
 
