@@ -451,29 +451,176 @@ def _min_rows(lens: np.ndarray, seq_len: int, cap: int) -> int:
 
 
 SLACK = 0.0002
-"""A packing within this fraction of the lower bound on rows is good enough: the
-cap-aware search stops there."""
+"""A capped packing within this fraction of the lower bound on rows is good enough: no other
+candidate is tried."""
+
+MAX_FILL_LAYERS = 4096
+"""The cap-aware packer deals short items in about (short items / rows) layers, one numpy pass
+each; above this many it is not tried (capped BFD alone)."""
 
 
 def _good_enough(nrows: int, bound: int) -> bool:
     return nrows <= bound + int(SLACK * bound)
 
 
-def _pack_positive(lens: np.ndarray, seq_len: int, cap: int, search: bool = True):
-    """BFD; with a cap that BFD does not meet near the lower bound, also the dealt variants with a
-    few numbers of dealing rounds, keeping the packing with the fewest rows (first found on ties)."""
-    if cap < NO_CAP and len(lens):
-        # uncapped BFD, then exact-size swaps out of the rows over the cap: BFD's row count kept
-        free_o, free_r, free_n = _bfd(lens, seq_len, NO_CAP)
-        fixed = _repair_cap(lens, cap, free_o, free_r, free_n)
-        if fixed is not None:
-            return fixed[0], fixed[1], free_n
-    best = _bfd(lens, seq_len, cap)
-    if cap >= NO_CAP or not len(lens) or not search:
-        return best
+def _split_short(lens: np.ndarray, seq_len: int, cap: int, nrows: int) -> tuple[int, int, int]:
+    """Choose the short items of the cap-aware packer: lengths <= ``l0``. Returns ``(l0, g, c)``:
+    ``g`` tokens and ``c`` slots per row is their fair share over ``nrows`` rows. ``l0`` is the
+    smallest length such that a row of the longer items alone (at most ``(T - g) / next length``
+    of them, BFD's crowded last rows) plus ``c`` short ones stays 2 under the cap (or the length
+    that comes closest)."""
+    s = np.sort(lens)
+    u = np.unique(s)
+    count_le = np.searchsorted(s, u, side="right")
+    tokens_le = np.cumsum(s)[count_le - 1]
+    c = -(-count_le // nrows)
+    g = tokens_le // nrows
+    nxt = np.append(u[1:], seq_len)
+    crowd = (seq_len - g) // nxt + c
+    ok = np.flatnonzero(crowd <= cap - 2)
+    j = int(ok[0]) if len(ok) else int(np.argmin(crowd))
+    return int(u[j]), int(g[j]), int(c[j])
+
+
+def _reserved_bfd(lens: np.ndarray, long_: np.ndarray, seq_len: int, reserve: int, cap: int, nrows: int):
+    """BFD of the items ``long_`` into ``nrows`` pre-opened rows (more if needed) of ``seq_len -
+    reserve`` tokens and at most ``cap`` items: ``reserve`` tokens of every row are kept for the
+    short items. Items longer than that each start a row of their own. Returns (items, rows, num_rows)."""
+    space = seq_len - reserve
+    huge = long_[lens[long_] > space]
+    rest = long_[lens[long_] <= space]
+    init_used = np.ones(len(huge), dtype=np.int64)
+    init_space = np.maximum(space - lens[huge], 0)
+    if len(huge) < nrows:
+        init_used = np.concatenate((init_used, np.zeros(nrows - len(huge), dtype=np.int64)))
+        init_space = np.concatenate((init_space, np.full(nrows - len(huge), space, dtype=np.int64)))
+    o, r, total = _bfd(lens[rest], space, cap, init_used, init_space)
+    return np.concatenate((huge, rest[o])), np.concatenate((np.arange(len(huge), dtype=np.int64), r)), total
+
+
+def _fill_short(lens: np.ndarray, queue: np.ndarray, load: np.ndarray, used: np.ndarray, seq_len: int,
+                cap: int, big_gap: int):
+    """Deal the short items ``queue`` (decreasing length) into the space left in the rows, updating
+    ``load``/``used`` in place. Rows left with an unusually big gap (> ``big_gap``: BFD's last,
+    half-empty rows) first take the longest short items; then layer by layer every row with space
+    and a free slot takes one item, the longest items going to the rows that need the most tokens
+    per free slot, so every row's gap and slots run out together. Items that do not fit their row
+    wait for the next layer. Returns (items, rows, queue left over)."""
+    placed, prow = [], []
+    gap, slots = seq_len - load, cap - used
+    wide = np.flatnonzero((gap > big_gap) & (slots > 0))
+    for r in wide[np.argsort(-gap[wide], kind="stable")].tolist():  # a few rows, not per item
+        cs = np.cumsum(lens[queue[: int(slots[r])]])
+        k = int(np.searchsorted(cs, gap[r], side="right"))
+        if k:
+            placed.append(queue[:k])
+            prow.append(np.full(k, r, dtype=np.int64))
+            load[r] += int(cs[k - 1])
+            used[r] += k
+            queue = queue[k:]
+    active = np.flatnonzero((load < seq_len) & (used < cap))
+    least = max(1, len(load) // 512)
+    while len(queue) and len(active):
+        m = min(len(active), len(queue))
+        need = (seq_len - load[active]) / (cap - used[active])
+        rows = active[np.argsort(-need, kind="stable")[:m]]
+        items = queue[:m]
+        ok = load[rows] + lens[items] <= seq_len
+        placed.append(items[ok])
+        prow.append(rows[ok])
+        load[rows[ok]] += lens[items[ok]]
+        used[rows[ok]] += 1
+        queue = np.concatenate((items[~ok], queue[m:]))
+        if len(queue):
+            active = active[(seq_len - load[active] >= lens[queue[-1]]) & (used[active] < cap)]
+        if np.count_nonzero(ok) < least:
+            break  # the last few items: best fit below
+    empty = np.empty(0, dtype=np.int64)
+    return np.concatenate(placed) if placed else empty, np.concatenate(prow) if prow else empty, queue
+
+
+def _cap_aware(lens: np.ndarray, seq_len: int, cap: int, nrows: int):
+    """Capped packing near the lower bound ``nrows`` (see the module docstring): short items get a
+    fair share of every row, the long ones are best-fit around that share, the short ones then
+    fill the gaps. Returns (order, row, num_rows) like :func:`_bfd`, or None when not applicable."""
+    l0, g, c = _split_short(lens, seq_len, cap, nrows)
+    if c > MAX_FILL_LAYERS:
+        return None
+    short = np.flatnonzero(lens <= l0)
+    long_ = np.flatnonzero(lens > l0)
+    first, frow, total = _reserved_bfd(lens, long_, seq_len, g, max(1, cap - c), nrows)
+    load = np.bincount(frow, weights=lens[first], minlength=total).astype(np.int64)
+    if total > nrows and g:
+        # BFD wasted space in the rows: reserve that much less per row and pack again
+        waste = total * (seq_len - g) - int(lens[long_].sum())
+        g = max(0, g - -(-waste // total))
+        first, frow, total = _reserved_bfd(lens, long_, seq_len, g, max(1, cap - c), nrows)
+        load = np.bincount(frow, weights=lens[first], minlength=total).astype(np.int64)
+    used = np.bincount(frow, minlength=total).astype(np.int64)
+    queue = short[np.argsort(-lens[short], kind="stable")]
+    fill, frow2, queue = _fill_short(lens, queue, load, used, seq_len, cap, 2 * (g + l0))
+    o, r, total = _bfd(lens[queue], seq_len, cap, used, seq_len - load)
+    order = np.concatenate((first, fill, queue[o]))
+    row = np.concatenate((frow, frow2, r))
+    # pre-opened rows may stay empty: number the used rows densely, in order of opening
+    kept = np.bincount(row, minlength=total) > 0
+    renum = np.cumsum(kept) - 1
+    return order, renum[row], int(np.count_nonzero(kept))
+
+
+def _spill(lens: np.ndarray, seq_len: int, cap: int, free):
+    """``free`` = uncapped BFD ``(order, row, num_rows)``: the items of every row over the cap past
+    the cap (its shortest) are taken out and best-fit (capped, decreasing) into the space and free
+    slots left in the other rows, new rows only if needed. Good when the cap binds only in BFD's
+    last rows and the other rows have room."""
+    order, row, total = free
+    counts = np.bincount(row, minlength=total)
+    if counts.max(initial=0) <= cap:
+        return free
+    # rank of each item in its row (BFD places longest first): the ones past the cap move
+    starts = np.cumsum(counts) - counts
+    by_row = np.argsort(row, kind="stable")
+    rank = np.empty(len(row), dtype=np.int64)
+    rank[by_row] = np.arange(len(row)) - np.repeat(starts, counts)
+    out = rank >= cap
+    stay_o, stay_r = order[~out], row[~out]
+    load = np.bincount(stay_r, weights=lens[stay_o], minlength=total).astype(np.int64)
+    used = np.bincount(stay_r, minlength=total).astype(np.int64)
+    moved = order[out]
+    o, r, total = _bfd(lens[moved], seq_len, cap, used, seq_len - load)
+    return np.concatenate((stay_o, moved[o])), np.concatenate((stay_r, r)), total
+
+
+def _pack_positive(lens: np.ndarray, seq_len: int, cap: int):
+    """BFD; under a cap, candidates in turn until one is within :data:`SLACK` of the lower bound
+    (the fewest rows win, the earlier candidate on ties): the cap-aware packer
+    (:func:`_cap_aware`); uncapped BFD when it meets the cap, else with the excess spilled
+    (:func:`_spill`); the exact-size swap repair (:func:`_repair_cap`, a last resort: a Python
+    loop per swap); capped BFD."""
+    if cap >= NO_CAP or not len(lens):
+        return _bfd(lens, seq_len, cap)
     bound = _min_rows(lens, seq_len, cap)
-    if _good_enough(best[2], bound):
+    best = _cap_aware(lens, seq_len, cap, bound)
+    if best is not None and _good_enough(best[2], bound):
         return best
+    free = _bfd(lens, seq_len, NO_CAP)
+
+    def repair():
+        fixed = _repair_cap(lens, cap, *free)
+        return None if fixed is None else (fixed[0], fixed[1], free[2])
+
+    for candidate in (lambda: _spill(lens, seq_len, cap, free), repair, lambda: _bfd(lens, seq_len, cap)):
+        other = candidate()
+        if other is not None and (best is None or other[2] < best[2]):
+            best = other
+        if _good_enough(best[2], bound):
+            return best
+    return _dealt_search(lens, seq_len, cap, bound, best)
+
+
+def _dealt_search(lens: np.ndarray, seq_len: int, cap: int, bound: int, best):
+    """Last resort: :func:`_deal_then_bfd` with a few numbers of dealing rounds around the mean
+    count per row; returns the packing with the fewest rows (``best`` on ties)."""
     avg = len(lens) / bound
     tried = {}
 
@@ -534,15 +681,15 @@ def _place_zeros(row_counts: np.ndarray, n0: int, cap: int) -> tuple[np.ndarray,
     return np.concatenate(parts), added
 
 
-def _pack_items(lens: np.ndarray, seq_len: int, cap: int, search: bool = True) -> tuple[np.ndarray, np.ndarray, int]:
+def _pack_items(lens: np.ndarray, seq_len: int, cap: int) -> tuple[np.ndarray, np.ndarray, int]:
     """Pack items (lengths <= seq_len, zeros allowed). Returns (order, row, num_rows): item
     ``order[i]`` goes to row ``row[i]``; within a row, items keep the order of ``order``."""
     pos_mask = lens > 0
     if pos_mask.all():
-        return _pack_positive(lens, seq_len, cap, search)
+        return _pack_positive(lens, seq_len, cap)
     nz = np.flatnonzero(pos_mask)
     zeros = np.flatnonzero(~pos_mask)
-    o, r, nrows = _pack_positive(lens[nz], seq_len, cap, search)
+    o, r, nrows = _pack_positive(lens[nz], seq_len, cap)
     counts = np.bincount(r, minlength=nrows)
     zr, added = _place_zeros(counts, len(zeros), cap)
     return np.concatenate((nz[o], zeros)), np.concatenate((r, zr)), nrows + added
@@ -601,16 +748,9 @@ def _rank_rows(items: np.ndarray, rows: np.ndarray, nrows: int) -> np.ndarray:
     return rank[rows]
 
 
-def _global(ilen: np.ndarray, seq_len: int, cap: int, bound: int):
-    """Global packing: BFD (uncapped BFD + swaps under a cap); if a cap still costs rows, also a
-    fixed random permutation packed in large windows with the cap-aware search; the fewer rows win."""
-    items, rows, nrows = _pack_items(ilen, seq_len, cap, search=False)
-    if cap < NO_CAP and not _good_enough(nrows, bound):
-        mix = np.random.default_rng(0x5EED).permutation(len(ilen))
-        w_items, w_rows, w_nrows = _curriculum(ilen[mix], seq_len, cap, 16 * default_window(ilen, seq_len))
-        if w_nrows < nrows:
-            items, rows, nrows = mix[w_items], w_rows, w_nrows
-    return items, rows, nrows
+def _global(ilen: np.ndarray, seq_len: int, cap: int):
+    """Global packing of all items (see :func:`_pack_items`)."""
+    return _pack_items(ilen, seq_len, cap)
 
 
 def default_window(lengths: np.ndarray, seq_len: int) -> int:
@@ -675,7 +815,7 @@ def pack(lengths: np.ndarray, seq_len: int, *, max_per_row: int | None = None, o
         w = int(window) if window is not None else default_window(ilen, seq_len)
         while True:
             if w >= len(ilen):
-                items, rows, nrows = _global(ilen, seq_len, cap, bound)
+                items, rows, nrows = _global(ilen, seq_len, cap)
                 rows = _rank_rows(items, rows, nrows)
             else:
                 items, rows, nrows = _curriculum(ilen, seq_len, cap, w)
@@ -684,7 +824,7 @@ def pack(lengths: np.ndarray, seq_len: int, *, max_per_row: int | None = None, o
             w = min(len(ilen), w * 8)
         window = w
     else:
-        items, rows, nrows = _global(ilen, seq_len, cap, bound)
+        items, rows, nrows = _global(ilen, seq_len, cap)
         if order == "shuffle":
             rows = np.random.default_rng(seed).permutation(nrows)[rows]
     # sort by (row, placement order): the placement order is the current position
