@@ -450,9 +450,13 @@ def _min_rows(lens: np.ndarray, seq_len: int, cap: int) -> int:
     return bound if cap >= NO_CAP else max(bound, -(-len(lens) // cap))
 
 
-SLACK = 0.0002
-"""A capped packing within this fraction of the lower bound on rows is good enough: no other
-candidate is tried."""
+SLACK = 0.0003
+"""A capped packing within this fraction of the lower bound on rows (efficiency >= 99.97% of the
+best possible) is good enough: no other candidate is tried."""
+
+LAST_RESORT = 0.001
+"""The slow candidates (swap repair, dealt search) run only when the others end further than
+this fraction above the lower bound."""
 
 MAX_FILL_LAYERS = 4096
 """The cap-aware packer deals short items in about (short items / rows) layers, one numpy pass
@@ -595,8 +599,9 @@ def _pack_positive(lens: np.ndarray, seq_len: int, cap: int):
     """BFD; under a cap, candidates in turn until one is within :data:`SLACK` of the lower bound
     (the fewest rows win, the earlier candidate on ties): the cap-aware packer
     (:func:`_cap_aware`); uncapped BFD when it meets the cap, else with the excess spilled
-    (:func:`_spill`); the exact-size swap repair (:func:`_repair_cap`, a last resort: a Python
-    loop per swap); capped BFD."""
+    (:func:`_spill`); capped BFD; and only when all of these end more than :data:`LAST_RESORT`
+    above the bound, the exact-size swap repair (:func:`_repair_cap`, a Python loop per swap)
+    and the dealt search (:func:`_dealt_search`)."""
     if cap >= NO_CAP or not len(lens):
         return _bfd(lens, seq_len, cap)
     bound = _min_rows(lens, seq_len, cap)
@@ -609,7 +614,9 @@ def _pack_positive(lens: np.ndarray, seq_len: int, cap: int):
         fixed = _repair_cap(lens, cap, *free)
         return None if fixed is None else (fixed[0], fixed[1], free[2])
 
-    for candidate in (lambda: _spill(lens, seq_len, cap, free), repair, lambda: _bfd(lens, seq_len, cap)):
+    for candidate in (lambda: _spill(lens, seq_len, cap, free), lambda: _bfd(lens, seq_len, cap), repair):
+        if candidate is repair and best[2] <= bound * (1 + LAST_RESORT):
+            return best
         other = candidate()
         if other is not None and (best is None or other[2] < best[2]):
             best = other
