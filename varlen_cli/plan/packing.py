@@ -455,9 +455,21 @@ SLACK = 0.0003
 best possible) is good enough: no other candidate is tried."""
 
 LAST_RESORT = 0.001
-"""The slow candidates (swap repair, dealt search) run only when the others end further than
-this fraction above the lower bound."""
+LAST_RESORT_MAX_ITEMS = 250_000
+"""The slow candidates (swap repair, dealt search: Python loops per swap / per layer) run only when
+the others end more than :data:`LAST_RESORT` above the lower bound, on at most this many items."""
 
+CAP_MARGIN = 0.2
+"""Cap-aware packer: the short items are chosen so that a crowded row of long items plus a fair
+share of short ones stays this fraction of the cap (at least 2) under it: slots for the final fit."""
+HOLD_BACK_ROWS = 1.0
+"""Cap-aware packer: up to this many of the shortest items per row (of the shortest length or so)
+skip the dealing and go to the final best fit, with a slot kept for them in every row."""
+HOLD_BACK_EXTRA = 0
+HOLD_BACK_SLOTS = 1
+PULL_ITEMS = 4
+"""Cap-aware packer: the last (shortest) items dealt to a row that is not exactly full go back
+to the final best fit (see :func:`_pull_back`)."""
 MAX_FILL_LAYERS = 4096
 """The cap-aware packer deals short items in about (short items / rows) layers, one numpy pass
 each; above this many it is not tried (capped BFD alone)."""
@@ -481,7 +493,7 @@ def _split_short(lens: np.ndarray, seq_len: int, cap: int, nrows: int) -> tuple[
     g = tokens_le // nrows
     nxt = np.append(u[1:], seq_len)
     crowd = (seq_len - g) // nxt + c
-    ok = np.flatnonzero(crowd <= cap - 2)
+    ok = np.flatnonzero(crowd <= cap - max(2, int(CAP_MARGIN * cap)))
     j = int(ok[0]) if len(ok) else int(np.argmin(crowd))
     return int(u[j]), int(g[j]), int(c[j])
 
@@ -543,6 +555,23 @@ def _fill_short(lens: np.ndarray, queue: np.ndarray, load: np.ndarray, used: np.
     return np.concatenate(placed) if placed else empty, np.concatenate(prow) if prow else empty, queue
 
 
+def _pull_back(lens, fill, frow, load, used, seq_len, k):
+    """Take the last ``k`` dealt items (the shortest) out of every row that is not exactly full,
+    updating ``load``/``used``: the final best fit then has a richer choice of sizes for the gaps
+    (a gap of 1 token next to a 2-token item left over cannot be filled otherwise)."""
+    if not k or not len(fill):
+        return fill, frow, np.empty(0, dtype=np.int64)
+    by_row = np.argsort(frow, kind="stable")
+    counts = np.bincount(frow, minlength=len(load))
+    ends = np.cumsum(counts)
+    from_end = np.empty(len(frow), dtype=np.int64)
+    from_end[by_row] = np.repeat(ends, counts) - 1 - np.arange(len(frow))
+    out = (from_end < k) & (load[frow] < seq_len)
+    np.subtract.at(load, frow[out], lens[fill[out]])
+    np.subtract.at(used, frow[out], 1)
+    return fill[~out], frow[~out], fill[out]
+
+
 def _cap_aware(lens: np.ndarray, seq_len: int, cap: int, nrows: int):
     """Capped packing near the lower bound ``nrows`` (see the module docstring): short items get a
     fair share of every row, the long ones are best-fit around that share, the short ones then
@@ -562,7 +591,14 @@ def _cap_aware(lens: np.ndarray, seq_len: int, cap: int, nrows: int):
         load = np.bincount(frow, weights=lens[first], minlength=total).astype(np.int64)
     used = np.bincount(frow, minlength=total).astype(np.int64)
     queue = short[np.argsort(-lens[short], kind="stable")]
-    fill, frow2, queue = _fill_short(lens, queue, load, used, seq_len, cap, 2 * (g + l0))
+    # the shortest items (HOLD_BACK_ROWS per row at most) are kept for the final best fit, with slots
+    held = queue[len(queue) - min(len(queue), int(HOLD_BACK_ROWS * nrows)):]
+    held = held[lens[held] <= lens[held[-1]] + HOLD_BACK_EXTRA] if len(held) else held
+    queue = queue[: len(queue) - len(held)]
+    keep = -(-len(held) // nrows) + HOLD_BACK_SLOTS if len(held) else 0
+    fill, frow2, queue = _fill_short(lens, queue, load, used, seq_len, max(1, cap - keep), 2 * (g + l0))
+    fill, frow2, pulled = _pull_back(lens, fill, frow2, load, used, seq_len, PULL_ITEMS)
+    queue = np.concatenate((queue, held, pulled))
     o, r, total = _bfd(lens[queue], seq_len, cap, used, seq_len - load)
     order = np.concatenate((first, fill, queue[o]))
     row = np.concatenate((frow, frow2, r))
@@ -615,7 +651,7 @@ def _pack_positive(lens: np.ndarray, seq_len: int, cap: int):
         return None if fixed is None else (fixed[0], fixed[1], free[2])
 
     for candidate in (lambda: _spill(lens, seq_len, cap, free), lambda: _bfd(lens, seq_len, cap), repair):
-        if candidate is repair and best[2] <= bound * (1 + LAST_RESORT):
+        if candidate is repair and (best[2] <= bound * (1 + LAST_RESORT) or len(lens) > LAST_RESORT_MAX_ITEMS):
             return best
         other = candidate()
         if other is not None and (best is None or other[2] < best[2]):
