@@ -583,12 +583,13 @@ def _cap_aware(lens: np.ndarray, seq_len: int, cap: int, nrows: int):
     long_ = np.flatnonzero(lens > l0)
     first, frow, total = _reserved_bfd(lens, long_, seq_len, g, max(1, cap - c), nrows)
     load = np.bincount(frow, weights=lens[first], minlength=total).astype(np.int64)
-    if total > nrows and g:
-        # BFD wasted space in the rows: reserve that much less per row and pack again
-        waste = total * (seq_len - g) - int(lens[long_].sum())
-        g = max(0, g - -(-waste // total))
-        first, frow, total = _reserved_bfd(lens, long_, seq_len, g, max(1, cap - c), nrows)
-        load = np.bincount(frow, weights=lens[first], minlength=total).astype(np.int64)
+    if total > nrows:
+        # BFD wasted space: the rows it opened past the bound (its shortest long items) are dealt
+        # with the short items instead
+        over = frow >= nrows
+        short = np.concatenate((short, first[over]))
+        first, frow, total = first[~over], frow[~over], nrows
+        load = load[:nrows]
     used = np.bincount(frow, minlength=total).astype(np.int64)
     queue = short[np.argsort(-lens[short], kind="stable")]
     # the shortest items (HOLD_BACK_ROWS per row at most) are kept for the final best fit, with slots
