@@ -19,18 +19,31 @@ Algorithm: global best-fit decreasing (BFD), exact, vectorised by distinct lengt
   plus a sorted list of non-empty buckets). Each step works on whole numpy arrays of row ids: the
   Python loop runs once per distinct length and per bucket touched, never per sample. A row that
   is full (``r == 0``) or has ``max_per_row`` samples leaves the buckets.
-* Cost: O(N log N) for the sort plus O(D log T + N) for the placement, D <= seq_len distinct
-  lengths: about 0.2-0.9 s per 1M samples on one core, 0.5-2.2 s under a cap, 5-11 s when the
-  cap fallback below runs (see ``benchmarks/packing.md``).
-* With ``max_per_row``, plain BFD fills rows with a few long items and leaves the shortest ones to
-  the last rows, hundreds per row. :func:`_repair_cap` packs without the cap and then swaps: ``j``
-  short items of a crowded row (``s`` tokens) trade places with one item of exactly ``s`` tokens
-  from a row with ``j - 1`` free slots, so no row's tokens change and BFD's row count is kept.
-  When that fails (a cap near the mean count per row, floods of 1-3 token items), :func:`_global`
-  also packs a fixed random permutation in large windows with a cap-aware search
-  (:func:`_deal_then_bfd`: the longest items dealt layer by layer over the minimum number of rows,
-  each row keeping space and slots for short items, then BFD of the rest), handing each window's
-  least-filled rows on to the next, and keeps whichever packing has fewer rows.
+* Cost: O(N) radix sort of the lengths (int16 when they fit) plus O(D log T + N) for the
+  placement, D <= seq_len distinct lengths (see ``benchmarks/packing.md``).
+
+Under ``max_per_row`` (K), plain BFD fills rows with a few long items and leaves the shortest ones
+to the last rows, hundreds per row. :func:`_cap_aware` is a cardinality-aware packer built from
+the same vectorised pieces, for R = the lower bound on rows:
+
+1. :func:`_split_short` picks ``l0``: items ``<= l0`` are short; each row's fair share of them is
+   ``c`` items and ``g`` tokens. ``l0`` is the smallest length for which a row of nothing but the
+   shortest long items (BFD's crowded last rows) plus ``c`` short ones stays
+   :data:`CAP_MARGIN` of K under K.
+2. :func:`_reserved_bfd`: exact BFD of the long items into R pre-opened rows of ``T - g`` tokens
+   with at most ``K - c`` items; rows it opens past R go to the short items.
+3. :func:`_fill_short`: the short items, decreasing, dealt layer by layer (one numpy pass per
+   layer, about ``c`` layers): every row with space and a free slot takes one item, the longest
+   to the rows that need the most tokens per free slot; BFD's half-empty rows first.
+4. Exact finish: the shortest items (:data:`HOLD_BACK_ROWS` per row) skip step 3 and keep a
+   slot, :func:`_pull_back` takes the last dealt items of rows not exactly full back, and capped
+   BFD places them all into the gaps.
+
+:func:`_pack_positive` keeps that packing when it is within :data:`SLACK` (0.03%) of the bound;
+else it also tries uncapped BFD (with the excess of crowded rows spilled into other rows' gaps,
+:func:`_spill`) and capped BFD, and, on small inputs still more than :data:`LAST_RESORT` off, the
+older slow searches (:func:`_repair_cap`: exact-size swaps, a Python loop per swap;
+:func:`_dealt_search`), keeping the fewest rows.
 
 Orders: ``"shuffle"`` packs globally and emits rows in a seeded random order (BFD creates long-first
 rows; shuffling removes that bias); ``"curriculum"`` packs consecutive windows of the input order
