@@ -376,6 +376,25 @@ def _deal_then_bfd(lens: np.ndarray, seq_len: int, cap: int, nrows: int, rounds:
     return np.concatenate((first, rest[o])), np.concatenate((row_of[first], r)), total
 
 
+def _find_swap(lens: np.ndarray, mine: list, pos: int, jtop: int, maxlen: int, find):
+    """For :func:`_repair_cap`: ``(j, k, donor)``, the largest ``j <= jtop`` such that the ``j - 1``
+    shortest items of ``mine[pos:]`` plus item ``mine[k]`` have exactly the length of a donor item
+    (``find``), or None."""
+    for j in range(jtop, 1, -1):
+        if pos + j > len(mine):
+            continue
+        base = int(lens[mine[pos:pos + j - 1]].sum())
+        # the j-1 shortest left plus one more, tried from the next shortest upward
+        for k in range(pos + j - 1, min(len(mine), pos + j + 15)):
+            total = base + int(lens[mine[k]])
+            if total > maxlen:
+                break
+            d = find(total, j - 1)
+            if d >= 0:
+                return j, k, d
+    return None
+
+
 def _repair_cap(lens: np.ndarray, cap: int, order: np.ndarray, row: np.ndarray, nrows: int):
     """Bring an uncapped packing under ``cap`` samples per row by exact-size swaps, keeping every
     row's tokens: in a row over the cap, ``j`` of its short items (``s`` tokens in all) trade places
@@ -427,23 +446,7 @@ def _repair_cap(lens: np.ndarray, cap: int, order: np.ndarray, row: np.ndarray, 
         mine = mine[np.argsort(lens[mine], kind="stable")].tolist()  # shortest first
         pos = 0
         while counts[r] > cap:
-            e = int(counts[r] - cap)
-            hit = None
-            for j in range(min(e + 1, jmax), 1, -1):
-                if pos + j > len(mine):
-                    continue
-                base = int(lens[mine[pos:pos + j - 1]].sum())
-                # the j-1 shortest left plus one more, tried from the next shortest upward
-                for k in range(pos + j - 1, min(len(mine), pos + j + 15)):
-                    s = base + int(lens[mine[k]])
-                    if s > maxlen:
-                        break
-                    d = find(s, j - 1)
-                    if d >= 0:
-                        hit = (j, k, d)
-                        break
-                if hit:
-                    break
+            hit = _find_swap(lens, mine, pos, min(int(counts[r] - cap) + 1, jmax), maxlen, find)
             if hit is None:
                 return None
             j, k, d = hit
