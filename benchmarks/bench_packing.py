@@ -305,6 +305,33 @@ def measure(name, fn, lens, T, cap, dist, args, results):
           f"{secs:>7.2f} {secs * 1e6 / len(lens):>7.2f}", flush=True)
 
 
+def whole_command_ratios(args) -> None:
+    """``--whole-ratio N``: the whole ``varlen plan --packing`` command uncapped and with every cap,
+    interleaved round by round (so machine load hits all alike), N rounds; prints the median
+    seconds per cap and the median of the per-round ratios to the uncapped command."""
+    print(f"\n# whole command, {args.whole_ratio} interleaved rounds (median s; ratio = median of per-round "
+          f"capped / uncapped)")
+    print(f"{'distribution':<20} {'T':>6} {'cap':>5} {'median s':>9} {'ratio':>7}  per-round s")
+    for T in [int(t) for t in args.seq_len.split(",")]:
+        for dist in args.dists.split(","):
+            lengths = load_dist(dist, args, T)
+            if lengths is None:
+                continue
+            lengths = lengths[lengths <= T]
+            caps = [parse_cap(c, lengths, T) for c in args.max_per_row.split(",")]
+            caps = [None] + [c for c in caps if c is not None]
+            with tempfile.TemporaryDirectory() as tmp:
+                run_whole_command(lengths, T, None, tmp, 1)  # warm the page cache and imports
+                secs = {c: [] for c in caps}
+                for _ in range(args.whole_ratio):
+                    for c in caps:
+                        secs[c].append(run_whole_command(lengths, T, c, tmp, 1))
+            for c in caps:
+                ratio = statistics.median(a / b for a, b in zip(secs[c], secs[None]))
+                print(f"{dist:<20} {T:>6} {str(c or '-'):>5} {statistics.median(secs[c]):>9.2f} {ratio:>7.2f}  "
+                      + " ".join(f"{x:.2f}" for x in secs[c]), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--samples", type=int, default=1_000_000, help="samples per distribution")
@@ -324,10 +351,15 @@ def main() -> None:
     ap.add_argument("--peer-timeout", type=int, default=900, help="seconds per peer run")
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "varlen-bench"), help="cache folder")
     ap.add_argument("--json", help="also write the rows as JSON here")
+    ap.add_argument("--whole-ratio", type=int, default=0,
+                    help="instead of the table: N interleaved rounds of the whole command, uncapped and per cap")
     args = ap.parse_args()
     print("# " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]))
     print(f"# {os.cpu_count()} cpus, numpy {np.__version__}, python {sys.version.split()[0]}, "
           f"load average {os.getloadavg()[0]:.1f}")
+    if args.whole_ratio:
+        whole_command_ratios(args)
+        return
     results = []
     hdr = (f"{'distribution':<20} {'T':>6} {'cap':>4} {'packer':<22} {'samples':>9} {'rows':>8} {'bound':>8} "
            f"{'eff %':>8} {'best %':>8} {'spr mean':>8} {'spr max':>7} {'s':>7} {'s/1M':>7}")

@@ -479,9 +479,13 @@ SLACK = 0.0003
 best possible) is good enough: no other candidate is tried."""
 
 LAST_RESORT = 0.001
+"""The dealt search (slowest candidate) runs only when the others end more than this fraction
+above the lower bound."""
 LAST_RESORT_MAX_ITEMS = 250_000
-"""The slow candidates (swap repair, dealt search: Python loops per swap / per layer) run only when
-the others end more than :data:`LAST_RESORT` above the lower bound, on at most this many items."""
+"""On at most this many items the swap repair is always among the candidates."""
+REPAIR_SHARE = 0.05
+"""The swap repair (a Python loop per swap) comes first when uncapped BFD exceeds the cap by at
+most this share of the items in all."""
 
 CAP_MARGIN = 0.2
 """Cap-aware packer: the short items are chosen so that a crowded row of long items plus a fair
@@ -657,32 +661,39 @@ def _spill(lens: np.ndarray, seq_len: int, cap: int, free):
 
 
 def _pack_positive(lens: np.ndarray, seq_len: int, cap: int):
-    """BFD; under a cap, candidates in turn until one is within :data:`SLACK` of the lower bound
-    (the fewest rows win, the earlier candidate on ties): the cap-aware packer
-    (:func:`_cap_aware`); uncapped BFD when it meets the cap, else with the excess spilled
-    (:func:`_spill`); capped BFD; and only when all of these end more than :data:`LAST_RESORT`
-    above the bound, the exact-size swap repair (:func:`_repair_cap`, a Python loop per swap)
-    and the dealt search (:func:`_dealt_search`)."""
+    """BFD. Under a cap: uncapped BFD when it meets the cap; else candidates in turn until one is
+    within :data:`SLACK` of the lower bound, the fewest rows winning (the earlier on ties): the
+    swap repair of uncapped BFD (:func:`_repair_cap`) when BFD's rows exceed the cap by at most
+    :data:`REPAIR_SHARE` of the items in all (a few crowded rows: few swaps), the cap-aware packer
+    (:func:`_cap_aware`), uncapped BFD with the excess spilled (:func:`_spill`), capped BFD; then
+    the swap repair on small inputs and, more than :data:`LAST_RESORT` off, the dealt search."""
     if cap >= NO_CAP or not len(lens):
         return _bfd(lens, seq_len, cap)
     bound = _min_rows(lens, seq_len, cap)
-    best = _cap_aware(lens, seq_len, cap, bound)
-    if best is not None and _good_enough(best[2], bound):
-        return best
     free = _bfd(lens, seq_len, NO_CAP)
+    counts = np.bincount(free[1], minlength=free[2])
+    if counts.max(initial=0) <= cap:
+        return free
+    few_swaps = int(np.clip(counts - cap, 0, None).sum()) <= REPAIR_SHARE * len(lens)
 
     def repair():
         fixed = _repair_cap(lens, cap, *free)
         return None if fixed is None else (fixed[0], fixed[1], free[2])
 
-    for candidate in (lambda: _spill(lens, seq_len, cap, free), lambda: _bfd(lens, seq_len, cap), repair):
-        if candidate is repair and (best[2] <= bound * (1 + LAST_RESORT) or len(lens) > LAST_RESORT_MAX_ITEMS):
-            return best
+    candidates = [repair] if few_swaps else []
+    candidates += [lambda: _cap_aware(lens, seq_len, cap, bound), lambda: _spill(lens, seq_len, cap, free),
+                   lambda: _bfd(lens, seq_len, cap)]
+    if not few_swaps and len(lens) <= LAST_RESORT_MAX_ITEMS:
+        candidates.append(repair)
+    best = None
+    for candidate in candidates:
         other = candidate()
         if other is not None and (best is None or other[2] < best[2]):
             best = other
-        if _good_enough(best[2], bound):
+        if best is not None and _good_enough(best[2], bound):
             return best
+    if best[2] <= bound * (1 + LAST_RESORT):
+        return best
     return _dealt_search(lens, seq_len, cap, bound, best)
 
 
