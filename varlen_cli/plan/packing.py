@@ -483,6 +483,9 @@ LAST_RESORT = 0.001
 above the lower bound."""
 LAST_RESORT_MAX_ITEMS = 250_000
 """On at most this many items the swap repair is always among the candidates."""
+WINDOWED_SHARE = 0.2
+"""The windowed packing is a candidate when uncapped BFD exceeds the cap by at most this share of
+the items (beyond it the windows fail too, slowly)."""
 REPAIR_SHARE = 0.05
 """The swap repair (a Python loop per swap) comes first when uncapped BFD exceeds the cap by at
 most this share of the items in all."""
@@ -660,13 +663,15 @@ def _spill(lens: np.ndarray, seq_len: int, cap: int, free):
     return np.concatenate((stay_o, moved[o])), np.concatenate((stay_r, r)), total
 
 
-def _pack_positive(lens: np.ndarray, seq_len: int, cap: int):
+def _pack_positive(lens: np.ndarray, seq_len: int, cap: int, top: bool = False):
     """BFD. Under a cap: uncapped BFD when it meets the cap; else candidates in turn until one is
     within :data:`SLACK` of the lower bound, the fewest rows winning (the earlier on ties): the
     swap repair of uncapped BFD (:func:`_repair_cap`) when BFD's rows exceed the cap by at most
     :data:`REPAIR_SHARE` of the items in all (a few crowded rows: few swaps), the cap-aware packer
     (:func:`_cap_aware`), uncapped BFD with the excess spilled (:func:`_spill`), capped BFD; then
-    the swap repair on small inputs and, more than :data:`LAST_RESORT` off, the dealt search."""
+    the swap repair on small inputs; at the top level (``top``) with an excess of at most
+    :data:`WINDOWED_SHARE`, the windowed packing (:func:`_windowed`); more than
+    :data:`LAST_RESORT` off, the dealt search."""
     if cap >= NO_CAP or not len(lens):
         return _bfd(lens, seq_len, cap)
     bound = _min_rows(lens, seq_len, cap)
@@ -674,7 +679,8 @@ def _pack_positive(lens: np.ndarray, seq_len: int, cap: int):
     counts = np.bincount(free[1], minlength=free[2])
     if counts.max(initial=0) <= cap:
         return free
-    few_swaps = int(np.clip(counts - cap, 0, None).sum()) <= REPAIR_SHARE * len(lens)
+    excess = int(np.clip(counts - cap, 0, None).sum())
+    few_swaps = excess <= REPAIR_SHARE * len(lens)
 
     def repair():
         fixed = _repair_cap(lens, cap, *free)
@@ -685,6 +691,8 @@ def _pack_positive(lens: np.ndarray, seq_len: int, cap: int):
                    lambda: _bfd(lens, seq_len, cap)]
     if not few_swaps and len(lens) <= LAST_RESORT_MAX_ITEMS:
         candidates.append(repair)
+    if top and excess <= WINDOWED_SHARE * len(lens):
+        candidates.append(lambda: _windowed(lens, seq_len, cap))
     best = None
     for candidate in candidates:
         other = candidate()
@@ -695,6 +703,18 @@ def _pack_positive(lens: np.ndarray, seq_len: int, cap: int):
     if best[2] <= bound * (1 + LAST_RESORT):
         return best
     return _dealt_search(lens, seq_len, cap, bound, best)
+
+
+def _windowed(lens: np.ndarray, seq_len: int, cap: int):
+    """A fixed random permutation packed in windows of 16 default curriculum windows, each window
+    like a small input (where the swap repair succeeds more often), its least-filled rows handed
+    on to the next. None when the input fits in one window."""
+    window = 16 * default_window(lens, seq_len)
+    if len(lens) <= window:
+        return None
+    mix = np.random.default_rng(0x5EED).permutation(len(lens))
+    items, rows, nrows = _curriculum(lens[mix], seq_len, cap, window)
+    return mix[items], rows, nrows
 
 
 def _dealt_search(lens: np.ndarray, seq_len: int, cap: int, bound: int, best):
@@ -760,15 +780,15 @@ def _place_zeros(row_counts: np.ndarray, n0: int, cap: int) -> tuple[np.ndarray,
     return np.concatenate(parts), added
 
 
-def _pack_items(lens: np.ndarray, seq_len: int, cap: int) -> tuple[np.ndarray, np.ndarray, int]:
+def _pack_items(lens: np.ndarray, seq_len: int, cap: int, top: bool = False) -> tuple[np.ndarray, np.ndarray, int]:
     """Pack items (lengths <= seq_len, zeros allowed). Returns (order, row, num_rows): item
     ``order[i]`` goes to row ``row[i]``; within a row, items keep the order of ``order``."""
     pos_mask = lens > 0
     if pos_mask.all():
-        return _pack_positive(lens, seq_len, cap)
+        return _pack_positive(lens, seq_len, cap, top)
     nz = np.flatnonzero(pos_mask)
     zeros = np.flatnonzero(~pos_mask)
-    o, r, nrows = _pack_positive(lens[nz], seq_len, cap)
+    o, r, nrows = _pack_positive(lens[nz], seq_len, cap, top)
     counts = np.bincount(r, minlength=nrows)
     zr, added = _place_zeros(counts, len(zeros), cap)
     return np.concatenate((nz[o], zeros)), np.concatenate((r, zr)), nrows + added
@@ -829,7 +849,7 @@ def _rank_rows(items: np.ndarray, rows: np.ndarray, nrows: int) -> np.ndarray:
 
 def _global(ilen: np.ndarray, seq_len: int, cap: int):
     """Global packing of all items (see :func:`_pack_items`)."""
-    return _pack_items(ilen, seq_len, cap)
+    return _pack_items(ilen, seq_len, cap, top=True)
 
 
 def default_window(lengths: np.ndarray, seq_len: int) -> int:
