@@ -39,11 +39,12 @@ the same vectorised pieces, for R = the lower bound on rows:
    slot, :func:`_pull_back` takes the last dealt items of rows not exactly full back, and capped
    BFD places them all into the gaps.
 
-:func:`_pack_positive` keeps that packing when it is within :data:`SLACK` (0.03%) of the bound;
-else it also tries uncapped BFD (with the excess of crowded rows spilled into other rows' gaps,
-:func:`_spill`) and capped BFD, and, on small inputs still more than :data:`LAST_RESORT` off, the
-older slow searches (:func:`_repair_cap`: exact-size swaps, a Python loop per swap;
-:func:`_dealt_search`), keeping the fewest rows.
+:func:`_pack_positive` packs without the cap first and keeps that when it meets the cap. Else it
+tries candidates until one is within :data:`SLACK` (0.03%) of the bound, keeping the fewest rows:
+the exact-size swap repair of BFD (:func:`_repair_cap`, a Python loop per swap) first when BFD's
+excess over the cap is small (:data:`REPAIR_SHARE`), then :func:`_cap_aware`, BFD with the excess
+spilled (:func:`_spill`), capped BFD, the repair on small inputs, the windowed packing
+(:func:`_windowed`, moderate excess) and, more than :data:`LAST_RESORT` off, :func:`_dealt_search`.
 
 Orders: ``"shuffle"`` packs globally and emits rows in a seeded random order (BFD creates long-first
 rows; shuffling removes that bias); ``"curriculum"`` packs consecutive windows of the input order
