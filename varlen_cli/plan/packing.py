@@ -487,6 +487,9 @@ LAST_RESORT_MAX_ITEMS = 250_000
 WINDOWED_SHARE = 0.2
 """The windowed packing is a candidate when uncapped BFD exceeds the cap by at most this share of
 the items (beyond it the windows fail too, slowly)."""
+TINY_SHARE = 0.2
+"""Under a cap K the cap-aware packer runs before anything else when more than this share of the
+items are shorter than T / K."""
 REPAIR_SHARE = 0.05
 """The swap repair (a Python loop per swap) comes first when uncapped BFD exceeds the cap by at
 most this share of the items in all."""
@@ -665,7 +668,8 @@ def _spill(lens: np.ndarray, seq_len: int, cap: int, free):
 
 
 def _pack_positive(lens: np.ndarray, seq_len: int, cap: int, top: bool = False):
-    """BFD. Under a cap: uncapped BFD when it meets the cap; else candidates in turn until one is
+    """BFD. Under a cap: the cap-aware packer first when many items are tiny (:data:`TINY_SHARE`);
+    uncapped BFD when it meets the cap; else candidates in turn until one is
     within :data:`SLACK` of the lower bound, the fewest rows winning (the earlier on ties): the
     swap repair of uncapped BFD (:func:`_repair_cap`) when BFD's rows exceed the cap by at most
     :data:`REPAIR_SHARE` of the items in all (a few crowded rows: few swaps), the cap-aware packer
@@ -676,6 +680,12 @@ def _pack_positive(lens: np.ndarray, seq_len: int, cap: int, top: bool = False):
     if cap >= NO_CAP or not len(lens):
         return _bfd(lens, seq_len, cap)
     bound = _min_rows(lens, seq_len, cap)
+    aware = None
+    if np.count_nonzero(lens <= (seq_len - 1) // cap) > TINY_SHARE * len(lens):  # L * K < T
+        # many items K of which do not fill a row: BFD would crowd them, try the cap-aware packer first
+        aware = _cap_aware(lens, seq_len, cap, bound)
+        if aware is not None and _good_enough(aware[2], bound):
+            return aware
     free = _bfd(lens, seq_len, NO_CAP)
     counts = np.bincount(free[1], minlength=free[2])
     if counts.max(initial=0) <= cap:
@@ -688,8 +698,8 @@ def _pack_positive(lens: np.ndarray, seq_len: int, cap: int, top: bool = False):
         return None if fixed is None else (fixed[0], fixed[1], free[2])
 
     candidates = [repair] if few_swaps else []
-    candidates += [lambda: _cap_aware(lens, seq_len, cap, bound), lambda: _spill(lens, seq_len, cap, free),
-                   lambda: _bfd(lens, seq_len, cap)]
+    candidates += [lambda: aware if aware is not None else _cap_aware(lens, seq_len, cap, bound),
+                   lambda: _spill(lens, seq_len, cap, free), lambda: _bfd(lens, seq_len, cap)]
     if not few_swaps and len(lens) <= LAST_RESORT_MAX_ITEMS:
         candidates.append(repair)
     if top and excess <= WINDOWED_SHARE * len(lens):
