@@ -327,7 +327,7 @@ def whole_command_ratios(args) -> None:
                     for c in caps:
                         secs[c].append(run_whole_command(lengths, T, c, tmp, 1))
             for c in caps:
-                ratio = statistics.median(a / b for a, b in zip(secs[c], secs[None]))
+                ratio = statistics.median(a / b for a, b in zip(secs[c], secs[None], strict=True))
                 print(f"{dist:<20} {T:>6} {str(c or '-'):>5} {statistics.median(secs[c]):>9.2f} {ratio:>7.2f}  "
                       + " ".join(f"{x:.2f}" for x in secs[c]), flush=True)
 
