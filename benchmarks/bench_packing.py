@@ -1,10 +1,14 @@
 """Benchmark padding-free packing (``varlen_cli.plan.packing.pack``) against other packers, same inputs.
 
-For each length distribution (synthetic, and the Debian corpora tokenised when
+For each length distribution (synthetic; ``heavy``: 60% tiny samples + fortunes + man paragraphs;
+and the Debian corpora tokenised when
 ``benchmarks/corpora.py`` can build them) and each ``--max-per-row`` cap it packs the same
 lengths into rows of ``--seq-len`` tokens with:
 
-* ``varlen shuffle``: global best-fit decreasing (cap-aware), rows in seeded random order;
+* ``varlen shuffle``: ``pack()`` in-process (BFD; under a cap the cap-aware packer), rows in seeded
+  random order;
+* ``varlen plan (command)`` (``--packers ...,whole``): the whole ``varlen plan --packing`` command;
+  ``--whole-ratio N`` instead times it uncapped and per cap in N interleaved rounds;
 * ``varlen curriculum``: the same, windows of the (length-sorted) input order;
 * ``next-fit``: the streaming baseline (input order, start a new row when the sample does not fit);
 * ``trl bfd`` / ``trl bfd global``: TRL's ``pack_dataset(strategy="bfd")`` with its default
