@@ -1,10 +1,14 @@
 """Benchmark padding-free packing (``varlen_cli.plan.packing.pack``) against other packers, same inputs.
 
-For each length distribution (synthetic, and the Debian corpora tokenised when
+For each length distribution (synthetic; ``heavy``: 60% tiny samples + fortunes + man paragraphs;
+and the Debian corpora tokenised when
 ``benchmarks/corpora.py`` can build them) and each ``--max-per-row`` cap it packs the same
 lengths into rows of ``--seq-len`` tokens with:
 
-* ``varlen shuffle``: global best-fit decreasing (cap-aware), rows in seeded random order;
+* ``varlen shuffle``: ``pack()`` in-process (BFD; under a cap the cap-aware packer), rows in seeded
+  random order;
+* ``varlen plan (command)`` (``--packers ...,whole``): the whole ``varlen plan --packing`` command;
+  ``--whole-ratio N`` instead times it uncapped and per cap in N interleaved rounds;
 * ``varlen curriculum``: the same, windows of the (length-sorted) input order;
 * ``next-fit``: the streaming baseline (input order, start a new row when the sample does not fit);
 * ``trl bfd`` / ``trl bfd global``: TRL's ``pack_dataset(strategy="bfd")`` with its default
@@ -85,6 +89,26 @@ def corpus_lengths(name: str, work: str, n: int) -> np.ndarray | None:
     return rng.permutation(np.tile(lengths, reps))[:n]
 
 
+def heavy_tailed(n: int, T: int, work: str, seed: int = 0) -> tuple[np.ndarray, str]:
+    """Heavy-tailed corpus with many tiny samples: 60% synthetic tiny samples under 1% of T
+    (lognormal around T/400: chat turns, glosses), 22% fortunes and 18% manual-page paragraphs.
+    The fortunes and paragraphs are the real Debian texts tokenised with sample_data/tokenizer.json
+    when ``corpora.py`` can build them (else lognormal stand-ins, said in the returned note)."""
+    rng = np.random.default_rng(seed)
+    kind = rng.random(n)
+    tiny_hi = max(2, T // 100)
+    tiny = np.minimum(rng.lognormal(np.log(tiny_hi / 4), 0.8, n).astype(np.int64) + 1, tiny_hi - 1)
+    fortunes = corpus_lengths("fortunes", work, n)
+    paragraphs = corpus_lengths("manpages-paragraphs", work, n)
+    note = "real fortunes + man paragraphs"
+    if fortunes is None or paragraphs is None:
+        fortunes = rng.lognormal(np.log(75), 0.8, n).astype(np.int64)
+        paragraphs = rng.lognormal(np.log(110), 1.0, n).astype(np.int64)
+        note = "synthetic stand-ins for fortunes / man paragraphs (corpora unavailable)"
+    out = np.where(kind < 0.6, tiny, np.where(kind < 0.82, fortunes, paragraphs))
+    return np.clip(out, 1, T).astype(np.int64), note
+
+
 # ---- packers -----------------------------------------------------------------------------------
 
 def run_varlen(lengths, T, cap, order):
@@ -96,6 +120,25 @@ def run_varlen(lengths, T, cap, order):
     spr = p.samples_per_row()
     return {"rows": p.num_rows, "tokens": p.tokens, "spr_mean": float(spr.mean()), "spr_max": int(spr.max()),
             "seconds": secs}
+
+
+def run_whole_command(lengths, T, cap, tmp, repeat):
+    """``varlen plan METRICS -o PLAN --packing --seq-len T [--max-per-row K]`` as a subprocess
+    (start-up, read, pack, write): median wall seconds of ``repeat`` runs."""
+    from bench_plan import write_metrics_dir  # benchmarks/bench_plan.py
+
+    mdir = os.path.join(tmp, "metrics")
+    if not os.path.exists(mdir):
+        write_metrics_dir(mdir, lengths)
+    cmd = [sys.executable, "-m", "varlen_cli", "plan", mdir, "-o", os.path.join(tmp, "plan.parquet"), "--packing",
+           "--seq-len", str(T), "--overwrite"] + ([] if cap is None else ["--max-per-row", str(cap)])
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    secs = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        subprocess.run(cmd, check=True, capture_output=True, env=env, cwd=ROOT)
+        secs.append(time.perf_counter() - t0)
+    return statistics.median(secs)
 
 
 def next_fit(lengths, seq_len, max_per_row=None):
@@ -154,9 +197,13 @@ def sampler(n):
                                  batch_max_len=T, lengths=lengths[:n], bin_size=cap, drop_last=False,
                                  num_processes=1)
 sampler(min(len(lengths), 1000)).generate_batches()  # numba compilation, not timed
-t0 = time.perf_counter()
-batches = sampler(len(lengths)).generate_batches()
-secs = time.perf_counter() - t0
+reps = int(sys.argv[4]) if len(sys.argv) > 4 else 1
+times = []
+for _ in range(reps):
+    t0 = time.perf_counter()
+    batches = sampler(len(lengths)).generate_batches()
+    times.append(time.perf_counter() - t0)
+secs = sorted(times)[len(times) // 2]
 spr = np.array([len(b[0]) for b in batches])
 tokens = int(sum(int(lengths[i].sum()) for b in batches for i in [np.asarray(b[0])]))
 print(json.dumps({"rows": len(batches), "tokens": tokens, "spr_mean": float(spr.mean()), "spr_max": int(spr.max()),
@@ -171,8 +218,7 @@ def run_worker(python, code, args, timeout):
     try:
         r = subprocess.run([python, script, *map(str, args)], capture_output=True, text=True, timeout=timeout,
                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false",
-                                "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
-                                "TQDM_DISABLE": "1"})
+                                "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"})
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout} s"}
     finally:
@@ -191,13 +237,117 @@ def bound_rows(lengths, T, cap):
     return max(rows, -(-len(lengths) // cap)) if cap else rows
 
 
+def parse_cap(text: str, lengths: np.ndarray, T: int) -> int | None:
+    """'none', an integer, or 'F x' = F times the mean samples per row at the lower bound (rounded up)."""
+    text = text.strip().lower()
+    if text == "none":
+        return None
+    if text.endswith("x"):
+        return int(np.ceil(float(text[:-1]) * len(lengths) / bound_rows(lengths, T, None)))
+    return int(text)
+
+
+def load_dist(dist: str, args, T: int) -> np.ndarray | None:
+    if dist in ("sft", "sft-wide", "asr", "bimodal"):
+        return synthetic(dist, args.samples)
+    if dist == "heavy":
+        lengths, note = heavy_tailed(args.samples, T, args.work)
+        print(f"# heavy at T={T}: {note}")
+        return lengths
+    return corpus_lengths(dist, args.work, args.samples)
+
+
+def packer_runs(args, lengths, T, cap, tmp, npy, npy_small, small):
+    """(name, function, lengths) per packer asked for with ``--packers``."""
+    want = set(args.packers.split(","))
+    runs = []
+    if "shuffle" in want:
+        runs.append(("varlen shuffle", lambda: run_varlen(lengths, T, cap, "shuffle"), lengths))
+    if "whole" in want:
+        runs.append(("varlen plan (command)",
+                     lambda: {**run_varlen(lengths, T, cap, "shuffle"),
+                              "seconds": run_whole_command(lengths, T, cap, tmp, 1)},
+                     lengths))
+    if "curriculum" in want:
+        runs.append(("varlen curriculum", lambda: run_varlen(np.sort(lengths), T, cap, "curriculum"), lengths))
+    if "next-fit" in want:
+        runs.append(("next-fit", lambda: run_next_fit(lengths, T, cap), lengths))
+    if args.axolotl_python and "axolotl" in want:
+        runs.append(("axolotl multipack", lambda: run_worker(args.axolotl_python, WORKER_AXOLOTL,
+                                                             [npy, T, cap or 0, args.repeat], args.peer_timeout),
+                     lengths))
+    if args.trl_python and cap is None and "trl" in want:  # TRL has no cap
+        for mode in ("batches", "global"):
+            name = "trl bfd" + (" global" if mode == "global" else "")
+            runs.append((name, (lambda m=mode: run_worker(args.trl_python, WORKER_TRL,
+                                                          [npy_small, T, m], args.peer_timeout)), small))
+    return runs
+
+
+def measure(name, fn, lens, T, cap, dist, args, results):
+    outs = []
+    reps = 1 if name in ("next-fit",) or name.startswith(("trl", "axolotl")) else args.repeat
+    for _ in range(reps):
+        outs.append(fn())
+        if "error" in outs[-1]:
+            break
+    label = str(cap or "-")
+    if "error" in outs[-1]:
+        print(f"{dist:<20} {T:>6} {label:>4} {name:<22} failed: {outs[-1]['error']}")
+        results.append({"dist": dist, "seq_len": T, "cap": cap, "packer": name, "error": outs[-1]["error"]})
+        return
+    o = outs[-1]
+    secs = statistics.median(x["seconds"] for x in outs)
+    eff = o["tokens"] / (o["rows"] * T)
+    best = int(lens.sum()) / (bound_rows(lens, T, cap) * T)
+    row = {"dist": dist, "seq_len": T, "cap": cap, "packer": name, "samples": len(lens), "rows": o["rows"],
+           "bound_rows": bound_rows(lens, T, cap), "efficiency": eff, "best": best, "spr_mean": o["spr_mean"],
+           "spr_max": o["spr_max"], "seconds": secs, "seconds_per_1m": secs * 1e6 / len(lens)}
+    results.append(row)
+    print(f"{dist:<20} {T:>6} {label:>4} {name:<22} {len(lens):>9,} {o['rows']:>8,} {row['bound_rows']:>8,} "
+          f"{100 * eff:>8.3f} {100 * best:>8.3f} {o['spr_mean']:>8.1f} {o['spr_max']:>7} "
+          f"{secs:>7.2f} {secs * 1e6 / len(lens):>7.2f}", flush=True)
+
+
+def whole_command_ratios(args) -> None:
+    """``--whole-ratio N``: the whole ``varlen plan --packing`` command uncapped and with every cap,
+    interleaved round by round (so machine load hits all alike), N rounds; prints the median
+    seconds per cap and the median of the per-round ratios to the uncapped command."""
+    print(f"\n# whole command, {args.whole_ratio} interleaved rounds (median s; ratio = median of per-round "
+          f"capped / uncapped)")
+    print(f"{'distribution':<20} {'T':>6} {'cap':>5} {'median s':>9} {'ratio':>7}  per-round s")
+    for T in [int(t) for t in args.seq_len.split(",")]:
+        for dist in args.dists.split(","):
+            lengths = load_dist(dist, args, T)
+            if lengths is None:
+                continue
+            lengths = lengths[lengths <= T]
+            caps = [parse_cap(c, lengths, T) for c in args.max_per_row.split(",")]
+            caps = [None] + [c for c in caps if c is not None]
+            with tempfile.TemporaryDirectory() as tmp:
+                run_whole_command(lengths, T, None, tmp, 1)  # warm the page cache and imports
+                secs = {c: [] for c in caps}
+                for _ in range(args.whole_ratio):
+                    for c in caps:
+                        secs[c].append(run_whole_command(lengths, T, c, tmp, 1))
+            for c in caps:
+                ratio = statistics.median(a / b for a, b in zip(secs[c], secs[None], strict=True))
+                print(f"{dist:<20} {T:>6} {str(c or '-'):>5} {statistics.median(secs[c]):>9.2f} {ratio:>7.2f}  "
+                      + " ".join(f"{x:.2f}" for x in secs[c]), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--samples", type=int, default=1_000_000, help="samples per distribution")
-    ap.add_argument("--seq-len", type=int, default=4096, help="packed row length T")
-    ap.add_argument("--max-per-row", default="none,64", help="comma-separated caps; 'none' = uncapped")
+    ap.add_argument("--seq-len", default="4096", help="comma-separated packed row lengths T")
+    ap.add_argument("--max-per-row", default="none,64",
+                    help="comma-separated caps: 'none' = uncapped, an integer, or '1.5x' = 1.5 x mean samples per row")
     ap.add_argument("--dists", default="sft,sft-wide,asr,bimodal,fortunes,manpages-paragraphs",
-                    help="synthetic: sft, sft-wide, asr, bimodal; corpora: fortunes, manpages, manpages-paragraphs")
+                    help="synthetic: sft, sft-wide, asr, bimodal; corpora: fortunes, manpages, manpages-paragraphs; "
+                         "heavy (60%% tiny + fortunes + man paragraphs)")
+    ap.add_argument("--packers", default="shuffle,curriculum,next-fit,axolotl,trl",
+                    help="any of: shuffle, whole (the whole `varlen plan --packing` command), curriculum, "
+                         "next-fit, axolotl, trl")
     ap.add_argument("--repeat", type=int, default=3, help="timing runs per packer (median reported)")
     ap.add_argument("--trl-python", help="python of a venv with trl + datasets")
     ap.add_argument("--trl-max", type=int, default=200_000, help="at most this many samples for TRL (token lists)")
@@ -205,66 +355,36 @@ def main() -> None:
     ap.add_argument("--peer-timeout", type=int, default=900, help="seconds per peer run")
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "varlen-bench"), help="cache folder")
     ap.add_argument("--json", help="also write the rows as JSON here")
+    ap.add_argument("--whole-ratio", type=int, default=0,
+                    help="instead of the table: N interleaved rounds of the whole command, uncapped and per cap")
     args = ap.parse_args()
     print("# " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]))
-    print(f"# {os.cpu_count()} cpus, numpy {np.__version__}, python {sys.version.split()[0]}")
-    caps = [None if c.strip().lower() == "none" else int(c) for c in args.max_per_row.split(",")]
-    T = args.seq_len
+    print(f"# {os.cpu_count()} cpus, numpy {np.__version__}, python {sys.version.split()[0]}, "
+          f"load average {os.getloadavg()[0]:.1f}")
+    if args.whole_ratio:
+        whole_command_ratios(args)
+        return
     results = []
-    hdr = (f"{'distribution':<20} {'cap':>4} {'packer':<22} {'samples':>9} {'rows':>8} {'eff %':>8} {'best %':>8} "
-           f"{'spr mean':>8} {'spr max':>7} {'s':>7} {'s/1M':>7}")
+    hdr = (f"{'distribution':<20} {'T':>6} {'cap':>4} {'packer':<22} {'samples':>9} {'rows':>8} {'bound':>8} "
+           f"{'eff %':>8} {'best %':>8} {'spr mean':>8} {'spr max':>7} {'s':>7} {'s/1M':>7}")
     print(hdr)
     print("-" * len(hdr))
-    for dist in args.dists.split(","):
-        if dist in ("sft", "sft-wide", "asr", "bimodal"):
-            lengths = synthetic(dist, args.samples)
-        else:
-            lengths = corpus_lengths(dist, args.work, args.samples)
+    for T in [int(t) for t in args.seq_len.split(",")]:
+        for dist in args.dists.split(","):
+            lengths = load_dist(dist, args, T)
             if lengths is None:
                 continue
-        lengths = lengths[lengths <= T]  # every packer packs the same samples
-        with tempfile.TemporaryDirectory() as tmp:
-            npy = os.path.join(tmp, "lengths.npy")
-            np.save(npy, lengths.astype(np.int64))
-            small = lengths[: args.trl_max]
-            npy_small = os.path.join(tmp, "small.npy")
-            np.save(npy_small, small.astype(np.int64))
-            for cap in caps:
-                # default arguments bind this iteration's cap and arrays to each runner
-                runs = [("varlen shuffle", lambda c=cap, x=lengths: run_varlen(x, T, c, "shuffle"), lengths),
-                        ("varlen curriculum", lambda c=cap, x=lengths: run_varlen(np.sort(x), T, c, "curriculum"),
-                         lengths),
-                        ("next-fit", lambda c=cap, x=lengths: run_next_fit(x, T, c), lengths)]
-                if args.axolotl_python:
-                    runs.append(("axolotl multipack", lambda c=cap, f=npy: run_worker(
-                        args.axolotl_python, WORKER_AXOLOTL, [f, T, c or 0], args.peer_timeout), lengths))
-                if args.trl_python and cap is None:  # TRL has no cap
-                    for mode in ("batches", "global"):
-                        name = "trl bfd" + (" global" if mode == "global" else "")
-                        runs.append((name, (lambda m=mode, npy_small=npy_small: run_worker(
-                            args.trl_python, WORKER_TRL, [npy_small, T, m], args.peer_timeout)), small))
-                for name, fn, lens in runs:
-                    outs = []
-                    reps = 1 if name in ("next-fit",) or name.startswith(("trl", "axolotl")) else args.repeat
-                    for _ in range(reps):
-                        outs.append(fn())
-                        if "error" in outs[-1]:
-                            break
-                    if "error" in outs[-1]:
-                        print(f"{dist:<20} {str(cap or '-'):>4} {name:<22} failed: {outs[-1]['error']}")
-                        results.append({"dist": dist, "cap": cap, "packer": name, "error": outs[-1]["error"]})
-                        continue
-                    o = outs[-1]
-                    secs = statistics.median(x["seconds"] for x in outs)
-                    eff = o["tokens"] / (o["rows"] * T)
-                    best = int(lens.sum()) / (bound_rows(lens, T, cap) * T)
-                    row = {"dist": dist, "cap": cap, "packer": name, "samples": len(lens), "rows": o["rows"],
-                           "efficiency": eff, "best": best, "spr_mean": o["spr_mean"], "spr_max": o["spr_max"],
-                           "seconds": secs, "seconds_per_1m": secs * 1e6 / len(lens)}
-                    results.append(row)
-                    print(f"{dist:<20} {str(cap or '-'):>4} {name:<22} {len(lens):>9,} {o['rows']:>8,} "
-                          f"{100 * eff:>8.3f} {100 * best:>8.3f} {o['spr_mean']:>8.1f} {o['spr_max']:>7} "
-                          f"{secs:>7.2f} {secs * 1e6 / len(lens):>7.2f}", flush=True)
+            lengths = lengths[lengths <= T]  # every packer packs the same samples
+            with tempfile.TemporaryDirectory() as tmp:
+                npy = os.path.join(tmp, "lengths.npy")
+                np.save(npy, lengths.astype(np.int64))
+                small = lengths[: args.trl_max]
+                npy_small = os.path.join(tmp, "small.npy")
+                np.save(npy_small, small.astype(np.int64))
+                for cap_text in args.max_per_row.split(","):
+                    cap = parse_cap(cap_text, lengths, T)
+                    for name, fn, lens in packer_runs(args, lengths, T, cap, tmp, npy, npy_small, small):
+                        measure(name, fn, lens, T, cap, dist, args, results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

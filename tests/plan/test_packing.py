@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import sample
-from tests.packing_helpers import check_packing, reference_bfd
+from tests.packing_helpers import check_packing, heavy_tailed_lengths, reference_bfd
 from varlen_cli.errors import InputError, UsageError
 from varlen_cli.plan import packing as P
 from varlen_cli.plan.packing import pack
@@ -196,3 +196,51 @@ def test_curriculum_window_grows_when_difficulty_is_length():
     # rows are still ordered by their samples' mean difficulty rank
     mean_pos = np.bincount(auto.item_row, weights=auto.item_sample) / np.bincount(auto.item_row)
     assert np.all(np.diff(mean_pos) >= 0)
+
+
+@st.composite
+def capped_case(draw):
+    seq_len = draw(st.integers(2, 256))
+    n = draw(st.integers(1, 400))
+    tiny = draw(st.floats(0.0, 0.9))  # share of 1-3 token samples (the ones a cap is about)
+    big = draw(st.lists(st.integers(1, seq_len), min_size=n, max_size=n))
+    small = draw(st.lists(st.integers(1, min(3, seq_len)), min_size=n, max_size=n))
+    mask = draw(st.lists(st.floats(0, 1), min_size=n, max_size=n))
+    lengths = np.where(np.array(mask) < tiny, small, big).astype(np.int64)
+    cap = draw(st.integers(1, 40))
+    return lengths, seq_len, cap, draw(st.integers(0, 3))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(capped_case())
+def test_capped_packer_properties(case):
+    """The cap-aware packer on its own and through pack(): every item exactly once, rows <= T,
+    at most cap items per row, the same result for the same input and seed."""
+    lengths, T, cap, seed = case
+    bound = P._min_rows(lengths, T, cap)
+    got = P._cap_aware(lengths, T, cap, bound)
+    if got is not None:
+        order, row, nrows = got
+        assert np.array_equal(np.sort(order), np.arange(len(lengths)))
+        assert row.min() == 0 and row.max() == nrows - 1 and len(np.unique(row)) == nrows
+        assert np.bincount(row, weights=lengths[order]).max() <= T
+        assert np.bincount(row).max() <= cap
+        again = P._cap_aware(lengths.copy(), T, cap, bound)
+        assert np.array_equal(order, again[0]) and np.array_equal(row, again[1])
+    p = pack(lengths, T, max_per_row=cap, seed=seed)
+    check_packing(p, lengths, T, cap)
+    q = pack(lengths.copy(), T, max_per_row=cap, seed=seed)
+    assert np.array_equal(p.item_sample, q.item_sample) and np.array_equal(p.item_row, q.item_row)
+
+
+@pytest.mark.parametrize("T,factor", [(2048, 2.0), (4096, 1.5), (16384, 1.5)])
+def test_capped_heavy_tailed_at_the_lower_bound(T, factor):
+    """60% of the samples under 1% of T: with a cap of 1.5-2x the mean samples per row the packing
+    stays within 0.03% of ceil(tokens / T) rows (derived here from the data), cap respected."""
+    lengths = heavy_tailed_lengths(1_000_000, T, seed=1)
+    bound = -(-int(lengths.sum()) // T)
+    cap = int(np.ceil(factor * len(lengths) / bound))
+    p = pack(lengths, T, max_per_row=cap)
+    check_packing(p, lengths, T, cap)
+    assert bound / p.num_rows >= 0.9997, (p.num_rows, bound)
+    assert pack(lengths, T).samples_per_row().max() > 3 * cap  # uncapped BFD piles the tiny ones

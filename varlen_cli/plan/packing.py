@@ -19,18 +19,32 @@ Algorithm: global best-fit decreasing (BFD), exact, vectorised by distinct lengt
   plus a sorted list of non-empty buckets). Each step works on whole numpy arrays of row ids: the
   Python loop runs once per distinct length and per bucket touched, never per sample. A row that
   is full (``r == 0``) or has ``max_per_row`` samples leaves the buckets.
-* Cost: O(N log N) for the sort plus O(D log T + N) for the placement, D <= seq_len distinct
-  lengths: about 0.2-0.9 s per 1M samples on one core, 0.5-2.2 s under a cap, 5-11 s when the
-  cap fallback below runs (see ``benchmarks/packing.md``).
-* With ``max_per_row``, plain BFD fills rows with a few long items and leaves the shortest ones to
-  the last rows, hundreds per row. :func:`_repair_cap` packs without the cap and then swaps: ``j``
-  short items of a crowded row (``s`` tokens) trade places with one item of exactly ``s`` tokens
-  from a row with ``j - 1`` free slots, so no row's tokens change and BFD's row count is kept.
-  When that fails (a cap near the mean count per row, floods of 1-3 token items), :func:`_global`
-  also packs a fixed random permutation in large windows with a cap-aware search
-  (:func:`_deal_then_bfd`: the longest items dealt layer by layer over the minimum number of rows,
-  each row keeping space and slots for short items, then BFD of the rest), handing each window's
-  least-filled rows on to the next, and keeps whichever packing has fewer rows.
+* Cost: O(N) radix sort of the lengths (int16 when they fit) plus O(D log T + N) for the
+  placement, D <= seq_len distinct lengths (see ``benchmarks/packing.md``).
+
+Under ``max_per_row`` (K), plain BFD fills rows with a few long items and leaves the shortest ones
+to the last rows, hundreds per row. :func:`_cap_aware` is a cardinality-aware packer built from
+the same vectorised pieces, for R = the lower bound on rows:
+
+1. :func:`_split_short` picks ``l0``: items ``<= l0`` are short; each row's fair share of them is
+   ``c`` items and ``g`` tokens. ``l0`` is the smallest length for which a row of nothing but the
+   shortest long items (BFD's crowded last rows) plus ``c`` short ones stays
+   :data:`CAP_MARGIN` of K under K.
+2. :func:`_reserved_bfd`: exact BFD of the long items into R pre-opened rows of ``T - g`` tokens
+   with at most ``K - c`` items; rows it opens past R go to the short items.
+3. :func:`_fill_short`: the short items, decreasing, dealt layer by layer (one numpy pass per
+   layer, about ``c`` layers): every row with space and a free slot takes one item, the longest
+   to the rows that need the most tokens per free slot; BFD's half-empty rows first.
+4. Exact finish: the shortest items (:data:`HOLD_BACK_ROWS` per row) skip step 3 and keep a
+   slot, :func:`_pull_back` takes the last dealt items of rows not exactly full back, and capped
+   BFD places them all into the gaps.
+
+:func:`_pack_positive` packs without the cap first and keeps that when it meets the cap. Else it
+tries candidates until one is within :data:`SLACK` (0.03%) of the bound, keeping the fewest rows:
+the exact-size swap repair of BFD (:func:`_repair_cap`, a Python loop per swap) first when BFD's
+excess over the cap is small (:data:`REPAIR_SHARE`), then :func:`_cap_aware`, BFD with the excess
+spilled (:func:`_spill`), capped BFD, the repair on small inputs, the windowed packing
+(:func:`_windowed`, moderate excess) and, more than :data:`LAST_RESORT` off, :func:`_dealt_search`.
 
 Orders: ``"shuffle"`` packs globally and emits rows in a seeded random order (BFD creates long-first
 rows; shuffling removes that bias); ``"curriculum"`` packs consecutive windows of the input order
@@ -247,6 +261,14 @@ class _Buckets:
         return np.concatenate(parts)
 
 
+def _order_desc(lens: np.ndarray) -> np.ndarray:
+    """Indices of ``lens`` by decreasing value, ties in index order (numpy's stable sort is a radix
+    sort for 16-bit integers: several times faster than on int64, so lengths that fit use it)."""
+    if len(lens) and int(lens.max()) <= np.iinfo(np.int16).max:
+        return np.argsort(-lens.astype(np.int16), kind="stable")
+    return np.argsort(-lens, kind="stable")
+
+
 def _bfd(lens: np.ndarray, seq_len: int, cap: int, init_used: np.ndarray | None = None,
          init_space: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, int]:
     """Best-fit decreasing of positive lengths <= seq_len into rows with at most ``cap`` items.
@@ -257,7 +279,7 @@ def _bfd(lens: np.ndarray, seq_len: int, cap: int, init_used: np.ndarray | None 
     in the order they were opened.
     """
     n = len(lens)
-    order = np.argsort(-lens, kind="stable")
+    order = _order_desc(lens)
     row_of = np.empty(n, dtype=np.int64)
     r0 = 0 if init_used is None else len(init_used)
     if n == 0:
@@ -355,6 +377,25 @@ def _deal_then_bfd(lens: np.ndarray, seq_len: int, cap: int, nrows: int, rounds:
     return np.concatenate((first, rest[o])), np.concatenate((row_of[first], r)), total
 
 
+def _find_swap(lens: np.ndarray, mine: list, pos: int, jtop: int, maxlen: int, find):
+    """For :func:`_repair_cap`: ``(j, k, donor)``, the largest ``j <= jtop`` such that the ``j - 1``
+    shortest items of ``mine[pos:]`` plus item ``mine[k]`` have exactly the length of a donor item
+    (``find``), or None."""
+    for j in range(jtop, 1, -1):
+        if pos + j > len(mine):
+            continue
+        base = int(lens[mine[pos:pos + j - 1]].sum())
+        # the j-1 shortest left plus one more, tried from the next shortest upward
+        for k in range(pos + j - 1, min(len(mine), pos + j + 15)):
+            total = base + int(lens[mine[k]])
+            if total > maxlen:
+                break
+            d = find(total, j - 1)
+            if d >= 0:
+                return j, k, d
+    return None
+
+
 def _repair_cap(lens: np.ndarray, cap: int, order: np.ndarray, row: np.ndarray, nrows: int):
     """Bring an uncapped packing under ``cap`` samples per row by exact-size swaps, keeping every
     row's tokens: in a row over the cap, ``j`` of its short items (``s`` tokens in all) trade places
@@ -406,23 +447,7 @@ def _repair_cap(lens: np.ndarray, cap: int, order: np.ndarray, row: np.ndarray, 
         mine = mine[np.argsort(lens[mine], kind="stable")].tolist()  # shortest first
         pos = 0
         while counts[r] > cap:
-            e = int(counts[r] - cap)
-            hit = None
-            for j in range(min(e + 1, jmax), 1, -1):
-                if pos + j > len(mine):
-                    continue
-                base = int(lens[mine[pos:pos + j - 1]].sum())
-                # the j-1 shortest left plus one more, tried from the next shortest upward
-                for k in range(pos + j - 1, min(len(mine), pos + j + 15)):
-                    s = base + int(lens[mine[k]])
-                    if s > maxlen:
-                        break
-                    d = find(s, j - 1)
-                    if d >= 0:
-                        hit = (j, k, d)
-                        break
-                if hit:
-                    break
+            hit = _find_swap(lens, mine, pos, min(int(counts[r] - cap) + 1, jmax), maxlen, find)
             if hit is None:
                 return None
             j, k, d = hit
@@ -450,30 +475,262 @@ def _min_rows(lens: np.ndarray, seq_len: int, cap: int) -> int:
     return bound if cap >= NO_CAP else max(bound, -(-len(lens) // cap))
 
 
-SLACK = 0.0002
-"""A packing within this fraction of the lower bound on rows is good enough: the
-cap-aware search stops there."""
+SLACK = 0.0003
+"""A capped packing within this fraction of the lower bound on rows (efficiency >= 99.97% of the
+best possible) is good enough: no other candidate is tried."""
+
+LAST_RESORT = 0.001
+"""The dealt search (slowest candidate) runs only when the others end more than this fraction
+above the lower bound."""
+LAST_RESORT_MAX_ITEMS = 250_000
+"""On at most this many items the swap repair is always among the candidates."""
+WINDOWED_SHARE = 0.2
+"""The windowed packing is a candidate when uncapped BFD exceeds the cap by at most this share of
+the items (beyond it the windows fail too, slowly)."""
+TINY_SHARE = 0.2
+"""Under a cap K the cap-aware packer runs before anything else when more than this share of the
+items are shorter than T / K."""
+REPAIR_SHARE = 0.05
+"""The swap repair (a Python loop per swap) comes first when uncapped BFD exceeds the cap by at
+most this share of the items in all."""
+
+CAP_MARGIN = 0.2
+"""Cap-aware packer: the short items are chosen so that a crowded row of long items plus a fair
+share of short ones stays this fraction of the cap (at least 2) under it: slots for the final fit."""
+HOLD_BACK_ROWS = 1.0
+"""Cap-aware packer: up to this many of the shortest items per row (of the shortest length or so)
+skip the dealing and go to the final best fit, with a slot kept for them in every row."""
+HOLD_BACK_EXTRA = 0
+HOLD_BACK_SLOTS = 1
+PULL_ITEMS = 4
+"""Cap-aware packer: the last (shortest) items dealt to a row that is not exactly full go back
+to the final best fit (see :func:`_pull_back`)."""
+MAX_FILL_LAYERS = 4096
+"""The cap-aware packer deals short items in about (short items / rows) layers, one numpy pass
+each; above this many it is not tried (capped BFD alone)."""
 
 
 def _good_enough(nrows: int, bound: int) -> bool:
     return nrows <= bound + int(SLACK * bound)
 
 
-def _pack_positive(lens: np.ndarray, seq_len: int, cap: int, search: bool = True):
-    """BFD; with a cap that BFD does not meet near the lower bound, also the dealt variants with a
-    few numbers of dealing rounds, keeping the packing with the fewest rows (first found on ties)."""
-    if cap < NO_CAP and len(lens):
-        # uncapped BFD, then exact-size swaps out of the rows over the cap: BFD's row count kept
-        free_o, free_r, free_n = _bfd(lens, seq_len, NO_CAP)
-        fixed = _repair_cap(lens, cap, free_o, free_r, free_n)
-        if fixed is not None:
-            return fixed[0], fixed[1], free_n
-    best = _bfd(lens, seq_len, cap)
-    if cap >= NO_CAP or not len(lens) or not search:
-        return best
+def _split_short(lens: np.ndarray, seq_len: int, cap: int, nrows: int) -> tuple[int, int, int]:
+    """Choose the short items of the cap-aware packer: lengths <= ``l0``. Returns ``(l0, g, c)``:
+    ``g`` tokens and ``c`` slots per row is their fair share over ``nrows`` rows. ``l0`` is the
+    smallest length such that a row of the longer items alone (at most ``(T - g) / next length``
+    of them, BFD's crowded last rows) plus ``c`` short ones stays 2 under the cap (or the length
+    that comes closest)."""
+    per_len = np.bincount(lens)
+    u = np.flatnonzero(per_len)
+    count_le = np.cumsum(per_len)[u]
+    tokens_le = np.cumsum(per_len * np.arange(len(per_len)))[u]
+    c = -(-count_le // nrows)
+    g = tokens_le // nrows
+    nxt = np.append(u[1:], seq_len)
+    crowd = (seq_len - g) // nxt + c
+    ok = np.flatnonzero(crowd <= cap - max(2, int(CAP_MARGIN * cap)))
+    j = int(ok[0]) if len(ok) else int(np.argmin(crowd))
+    return int(u[j]), int(g[j]), int(c[j])
+
+
+def _reserved_bfd(lens: np.ndarray, long_: np.ndarray, seq_len: int, reserve: int, cap: int, nrows: int):
+    """BFD of the items ``long_`` into ``nrows`` pre-opened rows (more if needed) of ``seq_len -
+    reserve`` tokens and at most ``cap`` items: ``reserve`` tokens of every row are kept for the
+    short items. Items longer than that each start a row of their own. Returns (items, rows, num_rows)."""
+    space = seq_len - reserve
+    huge = long_[lens[long_] > space]
+    rest = long_[lens[long_] <= space]
+    init_used = np.ones(len(huge), dtype=np.int64)
+    init_space = np.maximum(space - lens[huge], 0)
+    if len(huge) < nrows:
+        init_used = np.concatenate((init_used, np.zeros(nrows - len(huge), dtype=np.int64)))
+        init_space = np.concatenate((init_space, np.full(nrows - len(huge), space, dtype=np.int64)))
+    o, r, total = _bfd(lens[rest], space, cap, init_used, init_space)
+    return np.concatenate((huge, rest[o])), np.concatenate((np.arange(len(huge), dtype=np.int64), r)), total
+
+
+def _fill_short(lens: np.ndarray, queue: np.ndarray, load: np.ndarray, used: np.ndarray, seq_len: int,
+                cap: int, big_gap: int):
+    """Deal the short items ``queue`` (decreasing length) into the space left in the rows, updating
+    ``load``/``used`` in place. Rows left with an unusually big gap (> ``big_gap``: BFD's last,
+    half-empty rows) first take the longest short items; then layer by layer every row with space
+    and a free slot takes one item, the longest items going to the rows that need the most tokens
+    per free slot, so every row's gap and slots run out together. Items that do not fit their row
+    wait for the next layer. Returns (items, rows, queue left over)."""
+    placed, prow = [], []
+    gap, slots = seq_len - load, cap - used
+    wide = np.flatnonzero((gap > big_gap) & (slots > 0))
+    for r in wide[np.argsort(-gap[wide], kind="stable")].tolist():  # a few rows, not per item
+        cs = np.cumsum(lens[queue[: int(slots[r])]])
+        k = int(np.searchsorted(cs, gap[r], side="right"))
+        if k:
+            placed.append(queue[:k])
+            prow.append(np.full(k, r, dtype=np.int64))
+            load[r] += int(cs[k - 1])
+            used[r] += k
+            queue = queue[k:]
+    active = np.flatnonzero((load < seq_len) & (used < cap))
+    least = max(1, len(load) // 512)
+    while len(queue) and len(active):
+        m = min(len(active), len(queue))
+        need = (seq_len - load[active]) / (cap - used[active])
+        rows = active[np.argsort(-need, kind="stable")[:m]]
+        items = queue[:m]
+        ok = load[rows] + lens[items] <= seq_len
+        placed.append(items[ok])
+        prow.append(rows[ok])
+        load[rows[ok]] += lens[items[ok]]
+        used[rows[ok]] += 1
+        queue = np.concatenate((items[~ok], queue[m:]))
+        if len(queue):
+            active = active[(seq_len - load[active] >= lens[queue[-1]]) & (used[active] < cap)]
+        if np.count_nonzero(ok) < least:
+            break  # the last few items: best fit below
+    empty = np.empty(0, dtype=np.int64)
+    return np.concatenate(placed) if placed else empty, np.concatenate(prow) if prow else empty, queue
+
+
+def _pull_back(lens, fill, frow, load, used, seq_len, k):
+    """Take the last ``k`` dealt items (the shortest) out of every row that is not exactly full,
+    updating ``load``/``used``: the final best fit then has a richer choice of sizes for the gaps
+    (a gap of 1 token next to a 2-token item left over cannot be filled otherwise)."""
+    if not k or not len(fill):
+        return fill, frow, np.empty(0, dtype=np.int64)
+    by_row = np.argsort(frow, kind="stable")
+    counts = np.bincount(frow, minlength=len(load))
+    ends = np.cumsum(counts)
+    from_end = np.empty(len(frow), dtype=np.int64)
+    from_end[by_row] = np.repeat(ends, counts) - 1 - np.arange(len(frow))
+    out = (from_end < k) & (load[frow] < seq_len)
+    np.subtract.at(load, frow[out], lens[fill[out]])
+    np.subtract.at(used, frow[out], 1)
+    return fill[~out], frow[~out], fill[out]
+
+
+def _cap_aware(lens: np.ndarray, seq_len: int, cap: int, nrows: int):
+    """Capped packing near the lower bound ``nrows`` (see the module docstring): short items get a
+    fair share of every row, the long ones are best-fit around that share, the short ones then
+    fill the gaps. Returns (order, row, num_rows) like :func:`_bfd`, or None when not applicable."""
+    l0, g, c = _split_short(lens, seq_len, cap, nrows)
+    if c > MAX_FILL_LAYERS:
+        return None
+    short = np.flatnonzero(lens <= l0)
+    long_ = np.flatnonzero(lens > l0)
+    first, frow, total = _reserved_bfd(lens, long_, seq_len, g, max(1, cap - c), nrows)
+    load = np.bincount(frow, weights=lens[first], minlength=total).astype(np.int64)
+    if total > nrows:
+        # BFD wasted space: the rows it opened past the bound (its shortest long items) are dealt
+        # with the short items instead
+        over = frow >= nrows
+        short = np.concatenate((short, first[over]))
+        first, frow, total = first[~over], frow[~over], nrows
+        load = load[:nrows]
+    used = np.bincount(frow, minlength=total).astype(np.int64)
+    queue = short[_order_desc(lens[short])]
+    # the shortest items (HOLD_BACK_ROWS per row at most) are kept for the final best fit, with slots
+    held = queue[len(queue) - min(len(queue), int(HOLD_BACK_ROWS * nrows)):]
+    held = held[lens[held] <= lens[held[-1]] + HOLD_BACK_EXTRA] if len(held) else held
+    queue = queue[: len(queue) - len(held)]
+    keep = -(-len(held) // nrows) + HOLD_BACK_SLOTS if len(held) else 0
+    fill, frow2, queue = _fill_short(lens, queue, load, used, seq_len, max(1, cap - keep), 2 * (g + l0))
+    fill, frow2, pulled = _pull_back(lens, fill, frow2, load, used, seq_len, PULL_ITEMS)
+    queue = np.concatenate((queue, held, pulled))
+    o, r, total = _bfd(lens[queue], seq_len, cap, used, seq_len - load)
+    order = np.concatenate((first, fill, queue[o]))
+    row = np.concatenate((frow, frow2, r))
+    # pre-opened rows may stay empty: number the used rows densely, in order of opening
+    kept = np.bincount(row, minlength=total) > 0
+    renum = np.cumsum(kept) - 1
+    return order, renum[row], int(np.count_nonzero(kept))
+
+
+def _spill(lens: np.ndarray, seq_len: int, cap: int, free):
+    """``free`` = uncapped BFD ``(order, row, num_rows)``: the items of every row over the cap past
+    the cap (its shortest) are taken out and best-fit (capped, decreasing) into the space and free
+    slots left in the other rows, new rows only if needed. Good when the cap binds only in BFD's
+    last rows and the other rows have room."""
+    order, row, total = free
+    counts = np.bincount(row, minlength=total)
+    if counts.max(initial=0) <= cap:
+        return free
+    # rank of each item in its row (BFD places longest first): the ones past the cap move
+    starts = np.cumsum(counts) - counts
+    by_row = np.argsort(row, kind="stable")
+    rank = np.empty(len(row), dtype=np.int64)
+    rank[by_row] = np.arange(len(row)) - np.repeat(starts, counts)
+    out = rank >= cap
+    stay_o, stay_r = order[~out], row[~out]
+    load = np.bincount(stay_r, weights=lens[stay_o], minlength=total).astype(np.int64)
+    used = np.bincount(stay_r, minlength=total).astype(np.int64)
+    moved = order[out]
+    o, r, total = _bfd(lens[moved], seq_len, cap, used, seq_len - load)
+    return np.concatenate((stay_o, moved[o])), np.concatenate((stay_r, r)), total
+
+
+def _pack_positive(lens: np.ndarray, seq_len: int, cap: int, top: bool = False):
+    """BFD. Under a cap: the cap-aware packer first when many items are tiny (:data:`TINY_SHARE`);
+    uncapped BFD when it meets the cap; else candidates in turn until one is
+    within :data:`SLACK` of the lower bound, the fewest rows winning (the earlier on ties): the
+    swap repair of uncapped BFD (:func:`_repair_cap`) when BFD's rows exceed the cap by at most
+    :data:`REPAIR_SHARE` of the items in all (a few crowded rows: few swaps), the cap-aware packer
+    (:func:`_cap_aware`), uncapped BFD with the excess spilled (:func:`_spill`), capped BFD; then
+    the swap repair on small inputs; at the top level (``top``) with an excess of at most
+    :data:`WINDOWED_SHARE`, the windowed packing (:func:`_windowed`); more than
+    :data:`LAST_RESORT` off, the dealt search."""
+    if cap >= NO_CAP or not len(lens):
+        return _bfd(lens, seq_len, cap)
     bound = _min_rows(lens, seq_len, cap)
-    if _good_enough(best[2], bound):
+    aware = None
+    if np.count_nonzero(lens <= (seq_len - 1) // cap) > TINY_SHARE * len(lens):  # L * K < T
+        # many items K of which do not fill a row: BFD would crowd them, try the cap-aware packer first
+        aware = _cap_aware(lens, seq_len, cap, bound)
+        if aware is not None and _good_enough(aware[2], bound):
+            return aware
+    free = _bfd(lens, seq_len, NO_CAP)
+    counts = np.bincount(free[1], minlength=free[2])
+    if counts.max(initial=0) <= cap:
+        return free
+    excess = int(np.clip(counts - cap, 0, None).sum())
+    few_swaps = excess <= REPAIR_SHARE * len(lens)
+
+    def repair():
+        fixed = _repair_cap(lens, cap, *free)
+        return None if fixed is None else (fixed[0], fixed[1], free[2])
+
+    candidates = [repair] if few_swaps else []
+    candidates += [lambda: aware if aware is not None else _cap_aware(lens, seq_len, cap, bound),
+                   lambda: _spill(lens, seq_len, cap, free), lambda: _bfd(lens, seq_len, cap)]
+    if not few_swaps and len(lens) <= LAST_RESORT_MAX_ITEMS:
+        candidates.append(repair)
+    if top and excess <= WINDOWED_SHARE * len(lens):
+        candidates.append(lambda: _windowed(lens, seq_len, cap))
+    best = None
+    for candidate in candidates:
+        other = candidate()
+        if other is not None and (best is None or other[2] < best[2]):
+            best = other
+        if best is not None and _good_enough(best[2], bound):
+            return best
+    if best[2] <= bound * (1 + LAST_RESORT):
         return best
+    return _dealt_search(lens, seq_len, cap, bound, best)
+
+
+def _windowed(lens: np.ndarray, seq_len: int, cap: int):
+    """A fixed random permutation packed in windows of 16 default curriculum windows, each window
+    like a small input (where the swap repair succeeds more often), its least-filled rows handed
+    on to the next. None when the input fits in one window."""
+    window = 16 * default_window(lens, seq_len)
+    if len(lens) <= window:
+        return None
+    mix = np.random.default_rng(0x5EED).permutation(len(lens))
+    items, rows, nrows = _curriculum(lens[mix], seq_len, cap, window)
+    return mix[items], rows, nrows
+
+
+def _dealt_search(lens: np.ndarray, seq_len: int, cap: int, bound: int, best):
+    """Last resort: :func:`_deal_then_bfd` with a few numbers of dealing rounds around the mean
+    count per row; returns the packing with the fewest rows (``best`` on ties)."""
     avg = len(lens) / bound
     tried = {}
 
@@ -534,15 +791,15 @@ def _place_zeros(row_counts: np.ndarray, n0: int, cap: int) -> tuple[np.ndarray,
     return np.concatenate(parts), added
 
 
-def _pack_items(lens: np.ndarray, seq_len: int, cap: int, search: bool = True) -> tuple[np.ndarray, np.ndarray, int]:
+def _pack_items(lens: np.ndarray, seq_len: int, cap: int, top: bool = False) -> tuple[np.ndarray, np.ndarray, int]:
     """Pack items (lengths <= seq_len, zeros allowed). Returns (order, row, num_rows): item
     ``order[i]`` goes to row ``row[i]``; within a row, items keep the order of ``order``."""
     pos_mask = lens > 0
     if pos_mask.all():
-        return _pack_positive(lens, seq_len, cap, search)
+        return _pack_positive(lens, seq_len, cap, top)
     nz = np.flatnonzero(pos_mask)
     zeros = np.flatnonzero(~pos_mask)
-    o, r, nrows = _pack_positive(lens[nz], seq_len, cap, search)
+    o, r, nrows = _pack_positive(lens[nz], seq_len, cap, top)
     counts = np.bincount(r, minlength=nrows)
     zr, added = _place_zeros(counts, len(zeros), cap)
     return np.concatenate((nz[o], zeros)), np.concatenate((r, zr)), nrows + added
@@ -601,16 +858,9 @@ def _rank_rows(items: np.ndarray, rows: np.ndarray, nrows: int) -> np.ndarray:
     return rank[rows]
 
 
-def _global(ilen: np.ndarray, seq_len: int, cap: int, bound: int):
-    """Global packing: BFD (uncapped BFD + swaps under a cap); if a cap still costs rows, also a
-    fixed random permutation packed in large windows with the cap-aware search; the fewer rows win."""
-    items, rows, nrows = _pack_items(ilen, seq_len, cap, search=False)
-    if cap < NO_CAP and not _good_enough(nrows, bound):
-        mix = np.random.default_rng(0x5EED).permutation(len(ilen))
-        w_items, w_rows, w_nrows = _curriculum(ilen[mix], seq_len, cap, 16 * default_window(ilen, seq_len))
-        if w_nrows < nrows:
-            items, rows, nrows = mix[w_items], w_rows, w_nrows
-    return items, rows, nrows
+def _global(ilen: np.ndarray, seq_len: int, cap: int):
+    """Global packing of all items (see :func:`_pack_items`)."""
+    return _pack_items(ilen, seq_len, cap, top=True)
 
 
 def default_window(lengths: np.ndarray, seq_len: int) -> int:
@@ -675,7 +925,7 @@ def pack(lengths: np.ndarray, seq_len: int, *, max_per_row: int | None = None, o
         w = int(window) if window is not None else default_window(ilen, seq_len)
         while True:
             if w >= len(ilen):
-                items, rows, nrows = _global(ilen, seq_len, cap, bound)
+                items, rows, nrows = _global(ilen, seq_len, cap)
                 rows = _rank_rows(items, rows, nrows)
             else:
                 items, rows, nrows = _curriculum(ilen, seq_len, cap, w)
@@ -684,7 +934,7 @@ def pack(lengths: np.ndarray, seq_len: int, *, max_per_row: int | None = None, o
             w = min(len(ilen), w * 8)
         window = w
     else:
-        items, rows, nrows = _global(ilen, seq_len, cap, bound)
+        items, rows, nrows = _global(ilen, seq_len, cap)
         if order == "shuffle":
             rows = np.random.default_rng(seed).permutation(nrows)[rows]
     # sort by (row, placement order): the placement order is the current position
