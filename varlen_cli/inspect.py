@@ -13,7 +13,7 @@ import numpy as np
 
 from . import format
 from .errors import InputError, UsageError
-from .runtime import artifacts
+from .runtime import artifacts, rank0
 from .runtime.text import fmt, histogram_lines
 
 SERIES_BINS = 48
@@ -27,6 +27,8 @@ class InspectConfig:
 
 
 def inspect_artifact(config: InspectConfig) -> dict:
+    if rank0.needs_group():  # under torchrun: rank 0 reads, the others get its result
+        return rank0.on_rank0(inspect_artifact, config)
     path = config.path
     if os.path.isdir(path):
         if config.step is not None:

@@ -13,7 +13,7 @@ import numpy as np
 
 from . import format
 from .errors import InputError
-from .runtime import artifacts, freshness
+from .runtime import artifacts, freshness, rank0
 
 MAX_EXAMPLES = 5
 
@@ -64,6 +64,8 @@ def validate(config: ValidateConfig) -> ValidateResult:
     """Check a plan; returns every check's outcome (``result.ok`` when all hold)."""
     import pyarrow.parquet as pq
 
+    if rank0.needs_group():  # under torchrun: rank 0 checks, the others wait for its result
+        return rank0.on_rank0(validate, config)
     meta, schema = _read_plan_metadata(config.plan)
     problems = format.plan_schema_problems(schema, meta)
     result = ValidateResult(config.plan)

@@ -10,7 +10,7 @@ import numpy as np
 
 from .. import __version__, format
 from ..errors import InputError, UsageError
-from ..runtime import artifacts, freshness
+from ..runtime import artifacts, freshness, rank0, safety
 from ..runtime.choices import LrScaleBy, LrScaling, Order, Tail, check_choices, doc, values
 from . import batching, layout, lr, stats, writer
 from .batching import Microbatches
@@ -219,9 +219,12 @@ def canonical_order(sample_id: np.ndarray) -> np.ndarray:
 # -- the planner -----------------------------------------------------------------------------------
 def plan(config: PlanConfig) -> PlanResult:
     """Run ``varlen plan``: read the input, plan every epoch, write the plan; returns the summary."""
+    if rank0.needs_group():  # under torchrun: rank 0 plans and writes, the others wait
+        return rank0.on_rank0(plan, config)
     t0 = time.perf_counter()
     c = config
     check(c)
+    safety.check_no_overlap(c.output, [c.input])
     writer.check_output(c.output, c.overwrite)
     manifest, sample_id, length = read_input(c.input, c.allow_stale)
     kind = manifest.get("kind", "metrics")

@@ -22,7 +22,6 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import time
 import traceback
 import uuid
@@ -222,7 +221,10 @@ def launch(entry: Callable[[Any], Any], config: Any, nproc: int, cleanup: Sequen
     start_method = os.environ.get("VARLEN_START_METHOD", "spawn")
     if start_method not in ("spawn", "fork", "forkserver"):
         raise UsageError(f"VARLEN_START_METHOD must be spawn, fork or forkserver, not {start_method!r}")
-    error_dir = tempfile.mkdtemp(prefix="varlen-launch-")
+    from .safety import clean_launcher_dirs, launcher_dir
+
+    clean_launcher_dirs()  # of killed launchers
+    error_dir = launcher_dir()
     threads = str(max(1, (os.cpu_count() or 1) // nproc))
     worker_env = {"OMP_NUM_THREADS": threads, "RAYON_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "true",
                   "VARLEN_ERROR_DIR": error_dir}
