@@ -109,8 +109,8 @@ def run(config: RunConfig) -> RunResult | None:
     if p.max_tokens is not None or p.packing:
         plan_stage.check(p)
     out = os.path.abspath(config.output)
-    safety.check_no_overlap(out, config.sources)
-    safety.check_replaceable(out, config.overwrite, "dir")
+    safety.check_no_overlap(config.output, config.sources)
+    safety.check_replaceable(config.output, config.overwrite, "dir")
     if config.nproc == 1:  # in this process, or one rank of torchrun: rank 0 locks in _run_worker
         return run_distributed(_run_worker, config, 1)
     with safety.output_lock(out):  # the launcher holds the lock; its workers inherit it

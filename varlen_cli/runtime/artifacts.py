@@ -81,12 +81,13 @@ class AtomicDir:
     """
 
     def __init__(self, path: str, overwrite: bool = False):
+        self.given = path  # as the user wrote it, for messages
         self.path = os.path.abspath(path)
         self.tmp = safety.sibling(self.path, safety.TMP_TAG, unique=True)
         self.overwrite = overwrite
 
     def check(self) -> None:
-        safety.check_replaceable(self.path, self.overwrite, "dir")
+        safety.check_replaceable(self.given, self.overwrite, "dir")
 
     def create(self) -> None:
         """Rank 0: start the temporary directory (other ranks wait at a barrier after this)."""
@@ -111,6 +112,7 @@ class AtomicFile:
     """A file (a plan) written to ``.NAME.varlen-tmp-<random>`` and swapped in by :meth:`commit`."""
 
     def __init__(self, path: str, overwrite: bool = False):
+        self.given = path  # as the user wrote it, for messages
         self.path = os.path.abspath(path)
         self.tmp = safety.sibling(self.path, safety.TMP_TAG, unique=True)
         self.overwrite = overwrite
@@ -118,10 +120,10 @@ class AtomicFile:
     def check(self) -> None:
         parent = os.path.dirname(self.path)
         if os.path.isdir(self.path) and not os.path.islink(self.path):
-            raise OutputError(f"output {self.path} is a directory; give a file name such as plan.parquet")
-        safety.check_replaceable(self.path, self.overwrite, "file")
+            raise OutputError(f"output {self.given} is a directory; give a file name such as plan.parquet")
+        safety.check_replaceable(self.given, self.overwrite, "file")
         if not os.path.isdir(parent):
-            raise OutputError(f"cannot write {self.path}: directory {parent} does not exist")
+            raise OutputError(f"cannot write {self.given}: directory {parent} does not exist")
 
     def commit(self) -> None:
         self.check()
