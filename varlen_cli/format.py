@@ -49,6 +49,12 @@ PACKED_PLAN_COLUMNS = (
     ("sample_lengths", pa.list_(pa.int32())), ("sample_rows", pa.list_(pa.int32())),
     ("sample_starts", pa.list_(pa.int32())),
 )
+#: Columns new plans write after those above, which readers use when present (older plans lack them):
+#: ``step_loss_tokens``, the loss targets of the whole step with shifted labels, counted from the
+#: lengths: ``max(l - 1, 0)`` per sample, ``l`` for a non-final chunk of a split sample.
+PLAN_OPTIONAL_COLUMNS = (("step_loss_tokens", pa.int64()),)
+#: Largest value of the int32 columns (seqlen, sample_lengths, sample_starts, ...): the planner refuses more.
+INT32_MAX = 2**31 - 1
 PLAN_LIST_COLUMNS = tuple(name for name, t in PLAN_COLUMNS + PACKED_PLAN_COLUMNS if pa.types.is_list(t))
 PLAN_SCALAR_COLUMNS = tuple(name for name, t in PLAN_COLUMNS if not pa.types.is_list(t))
 PACKED_COLUMN_NAMES = tuple(name for name, _ in PACKED_PLAN_COLUMNS)
@@ -69,7 +75,7 @@ def plan_columns(packed: bool) -> tuple:
 
 def plan_schema(packed: bool, metadata: dict | None = None) -> pa.Schema:
     """The schema the plan writer writes, with ``metadata`` encoded under :data:`PLAN_METADATA_KEY`."""
-    schema = pa.schema(list(plan_columns(packed)))
+    schema = pa.schema(list(plan_columns(packed) + PLAN_OPTIONAL_COLUMNS))
     if metadata is not None:
         schema = schema.with_metadata(encode_plan_metadata(metadata))
     return schema
@@ -142,7 +148,7 @@ def plan_schema_problems(schema: pa.Schema, meta: dict) -> list[str]:
     problems = []
     if missing:
         problems.append(f"lacks plan columns: {', '.join(missing)}")
-    for name, want in columns:
+    for name, want in columns + PLAN_OPTIONAL_COLUMNS:
         if name in names and not _same_kind(schema.field(name).type, want):
             problems.append(f"has column {name} of type {schema.field(name).type}, expected {want}")
     problems += [f"lacks '{key}' in its plan metadata" for key in PLAN_LAYOUT_KEYS if key not in meta]

@@ -106,8 +106,8 @@ def run(config: RunConfig) -> RunResult | None:
     analyze_stage.check(a)
     if s is not None:
         sort_stage.check(s)
-    if p.max_tokens is not None or p.packing:
-        plan_stage.check(p)
+    # without --max-tokens the budget is chosen after analyze; check the other plan options now
+    plan_stage.check(p if p.max_tokens is not None or p.packing else replace(p, max_tokens=AUTO_MIN_BUDGET))
     out = os.path.abspath(config.output)
     safety.check_no_overlap(config.output, config.sources)
     safety.check_replaceable(config.output, config.overwrite, "dir")
