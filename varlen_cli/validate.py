@@ -73,7 +73,10 @@ def validate(config: ValidateConfig) -> ValidateResult:
                                f"{len(schema.names)} columns"))
     if problems:
         return result
-    table = pq.read_table(config.plan)
+    try:
+        table = pq.read_table(config.plan)
+    except (OSError, ValueError) as exc:  # pyarrow's ArrowException types derive from these
+        raise InputError(f"cannot read plan {config.plan}: {str(exc).splitlines()[0] if str(exc) else exc}") from None
     cols = _columns(table)
     pcfg = meta.get("config", {})
     dp, accum = int(meta["dp"]), int(meta["grad_accum"])
@@ -88,6 +91,9 @@ def validate(config: ValidateConfig) -> ValidateResult:
         if fp.ok:  # lengths of another dataset would only produce noise
             lengths = _metrics_lengths(config.metrics, manifest)
     n_samples = int(meta.get("input", {}).get("num_rows", 0))
+    if lengths is not None and len(cols["flat_ids"]) and (cols["flat_ids"].min() < 0
+                                                          or cols["flat_ids"].max() >= len(lengths)):
+        lengths = None  # ids outside the metrics: the coverage check reports them
 
     result.checks.append(_check_layout(cols, dp, accum, meta))
     result.checks.append(_check_counts(cols, packed=bool(packing)))
@@ -96,6 +102,7 @@ def validate(config: ValidateConfig) -> ValidateResult:
     result.checks.append(_check_shapes(cols, meta, pcfg))
     result.checks.append(_check_step_totals(cols))
     result.checks.append(_check_lr(cols, meta))
+    result.checks.append(_check_loss_tokens(cols, packing, lengths))
     return result
 
 
@@ -177,6 +184,24 @@ def _check_counts(c: dict, packed: bool) -> Check:
     return Check("counts", True, "num_samples and batch_size consistent")
 
 
+def _dropped_per_epoch(meta: dict, epochs: int, n: int) -> np.ndarray:
+    """(epochs, n) bool: the samples each epoch leaves out (too long: every epoch; --tail drop: its
+    own epoch). Plans without the per-epoch lists fall back to the union for every epoch."""
+    info = meta.get("dropped") or {}
+    mask = np.zeros((epochs, n), dtype=bool)
+    if "too_long_ids" in info:
+        ids = np.asarray(info.get("too_long_ids", []), dtype=np.int64)
+        mask[:, ids[(ids >= 0) & (ids < n)]] = True
+        for entry in info.get("tail", []):
+            e, ids = int(entry["epoch"]), np.asarray(entry["sample_ids"], dtype=np.int64)
+            if 0 <= e < epochs:
+                mask[e, ids[(ids >= 0) & (ids < n)]] = True
+    else:
+        ids = np.asarray(info.get("sample_ids", []), dtype=np.int64)
+        mask[:, ids[(ids >= 0) & (ids < n)]] = True
+    return mask
+
+
 def _check_coverage(c: dict, meta: dict, n: int, packing, lengths) -> Check:
     dropped = np.asarray(meta.get("dropped", {}).get("sample_ids", []), dtype=np.int64)
     ids, parent = c["flat_ids"], c["flat_parent"]
@@ -199,14 +224,14 @@ def _check_coverage(c: dict, meta: dict, n: int, packing, lengths) -> Check:
         np.add.at(covered, k, ln)
         counts = covered.reshape(epochs, n)
         want = np.broadcast_to(lengths, (epochs, n)).copy()
-        want[:, dropped] = 0
+        want[_dropped_per_epoch(meta, epochs, n)] = 0
         bad = counts != want
         if bad.any():
             problems.append(f"{int(bad.sum())} (epoch, sample) pairs do not have all their tokens exactly once")
     else:
         counts = np.bincount(epoch * n + ids, minlength=epochs * n).reshape(epochs, max(n, 1))[:, :n]
         expected = np.ones((epochs, n), dtype=np.int64)
-        expected[:, dropped] = 0
+        expected[_dropped_per_epoch(meta, epochs, n)] = 0
         dup = counts > expected
         miss = counts < expected
         if dup.any():
@@ -312,6 +337,11 @@ def _completed(c: dict) -> np.ndarray:
     (a split sample counts once per epoch, in the microbatch with its last chunk)."""
     if "flat_sample_starts" not in c or not len(c["flat_ids"]):
         return c["num_samples"]
+    return np.bincount(c["flat_parent"], weights=_final_entries(c), minlength=len(c["step"]))
+
+
+def _final_entries(c: dict) -> np.ndarray:
+    """Per entry: whether it is a sample's last (or only) chunk in its epoch."""
     ids, parent = c["flat_ids"], c["flat_parent"]
     key = c["epoch"][parent].astype(np.int64) * (int(ids.max()) + 1) + ids
     order = np.lexsort((c["flat_sample_starts"], key))
@@ -319,7 +349,7 @@ def _completed(c: dict) -> np.ndarray:
     last[:-1] = key[order][1:] != key[order][:-1]
     final = np.zeros(len(key), dtype=bool)
     final[order[last]] = True
-    return np.bincount(parent, weights=final, minlength=len(c["step"]))
+    return final
 
 
 def _check_step_totals(c: dict) -> Check:
@@ -345,7 +375,35 @@ def _check_lr(c: dict, meta: dict) -> Check:
             return Check("lr_scale", False, "metadata has no base_batch_size")
         ratio = per_step / float(base)
         want = ratio if mode == "linear" else np.sqrt(ratio)
+    if not np.all(np.isfinite(c["lr_scale"])):
+        return Check("lr_scale", False, f"{int((~np.isfinite(c['lr_scale'])).sum())} rows whose lr_scale is not finite")
     bad = ~np.isclose(c["lr_scale"], want, rtol=1e-9, atol=1e-12)
     if bad.any():
         return Check("lr_scale", False, f"{int(bad.sum())} rows whose lr_scale is not {mode}({by} / {base})")
     return Check("lr_scale", True, f"{mode} in step {by}" + (f" / {base:g}" if base and mode != "none" else ""))
+
+
+def _check_loss_tokens(c: dict, packing, lengths) -> Check:
+    """``step_loss_tokens`` (when the plan has it) against the targets counted from the lengths:
+    ``max(l - 1, 0)`` per sample, ``l`` for a non-final chunk of a split sample."""
+    if "step_loss_tokens" not in c:
+        return Check("loss tokens", True, "plan has no step_loss_tokens column (older plan)", skipped=True)
+    if packing and "flat_sample_lengths" in c:
+        entry_len = c["flat_sample_lengths"]
+    elif lengths is not None:
+        entry_len = lengths[c["flat_ids"]]
+    else:
+        return Check("loss tokens", True, "needs --metrics for a padded plan", skipped=True)
+    final = np.ones(len(entry_len), dtype=bool)
+    if "flat_sample_starts" in c and len(entry_len):
+        final = _final_entries(c)
+    parent, step = c["flat_parent"], c["step"]
+    targets = np.bincount(parent, weights=np.where(final, np.maximum(entry_len - 1, 0), entry_len),
+                          minlength=len(step))
+    want = np.bincount(step, weights=targets)[step] if len(step) else np.zeros(0)
+    bad = want.astype(np.int64) != c["step_loss_tokens"]
+    if bad.any():
+        return Check("loss tokens", False, f"step_loss_tokens wrong in {int(bad.sum())} rows (e.g. steps "
+                     f"{_examples(bad, step)})")
+    return Check("loss tokens", True, "step_loss_tokens = targets counted from the samples' lengths")
+
