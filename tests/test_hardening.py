@@ -81,7 +81,7 @@ CASES = [
     ("empty dataset", _empty_dataset, 3, "the sources hold no samples (empty dataset)"),
     ("budget below the longest sample", _budget_below_longest, 3,
      "samples do not fit the budget --max-tokens 300 (the longest has 404 tokens)"),
-    ("unwritable output", _unwritable_output, 4, "cannot create output directory"),
+    ("unwritable output", _unwritable_output, 4, "cannot create output"),
     ("existing output", _existing_output, 4, "already exists; pass --overwrite to replace it"),
     ("unsupported file type", _unsupported_file, 3, "unsupported source file"),
 ]

@@ -179,8 +179,10 @@ def atomic_dir_for_group(d, path: str, overwrite: bool) -> Iterator[AtomicDir]:
 
 def atomic_write_json(path: str, data: Any) -> None:
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    # Test hook: VARLEN_FAULT_FULL_DISK=1 writes through /dev/full, so the OS itself answers ENOSPC.
+    target = "/dev/full" if os.environ.get("VARLEN_FAULT_FULL_DISK") == "1" else tmp
     try:
-        with open(tmp, "w") as fh:
+        with open(target, "w") as fh:
             json.dump(data, fh, indent=2, sort_keys=False, default=str)
             fh.write("\n")
         os.replace(tmp, path)

@@ -171,13 +171,13 @@ def _owner(lock: str) -> str:
         return "another process"
 
 
-def _try_lock(lock: str) -> bool:
+def _try_lock(lock: str, path: str) -> bool:
     try:
         fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         return False
     except OSError as exc:
-        raise OutputError(f"cannot create the lock file {lock}: {exc.strerror}") from None
+        raise OutputError(f"cannot create output {path}: {exc.strerror}") from None
     with os.fdopen(fd, "w") as fh:
         json.dump({"pid": os.getpid(), "host": platform.node(), "time": time.time()}, fh)
     return True
@@ -195,12 +195,12 @@ def output_lock(path: str) -> Iterator[None]:
     if lock in _held():
         yield
         return
-    if not _try_lock(lock):
+    if not _try_lock(lock, path):
         if not _stale(lock):
             raise OutputError(f"output {path} is being written by {_owner(lock)} (lock {lock}); wait for it to "
                               "finish, or remove the lock if that process is gone")
         _remove(lock)
-        if not _try_lock(lock):
+        if not _try_lock(lock, path):
             raise OutputError(f"output {path} is being written by {_owner(lock)} (lock {lock})")
     saved = os.environ.get(_HELD_ENV)
     os.environ[_HELD_ENV] = os.pathsep.join(_held() + [lock])
