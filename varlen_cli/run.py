@@ -113,7 +113,7 @@ def run(config: RunConfig) -> RunResult | None:
     safety.check_replaceable(config.output, config.overwrite, "dir")
     if config.nproc == 1:  # in this process, or one rank of torchrun: rank 0 locks in _run_worker
         return run_distributed(_run_worker, config, 1)
-    with safety.output_lock(out):  # the launcher holds the lock; its workers inherit it
+    with safety.output_lock(out, config.output):  # the launcher holds the lock; its workers inherit it
         try:
             return run_distributed(_run_worker, replace(config, nproc=1), config.nproc)
         except BaseException:

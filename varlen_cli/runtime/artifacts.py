@@ -143,7 +143,7 @@ def atomic_file(path: str, overwrite: bool, inputs: Sequence[str] = ()) -> Itera
     safety.check_no_overlap(path, inputs)
     out = AtomicFile(path, overwrite)
     out.check()
-    with safety.output_lock(out.path):
+    with safety.output_lock(out.path, path):
         try:
             yield out
             out.commit()
@@ -163,7 +163,7 @@ def atomic_dir_for_group(d, path: str, overwrite: bool) -> Iterator[AtomicDir]:
     out = AtomicDir(path, overwrite)
     with ExitStack() as stack:
         if d.is_main:
-            stack.enter_context(safety.output_lock(out.path))
+            stack.enter_context(safety.output_lock(out.path, path))
             out.check()
             out.create()
         if d.distributed:

@@ -41,7 +41,7 @@ def execute(run_in_group: RunInGroup, config: Any) -> Any:
     entry = functools.partial(run_in_session, run_in_group)
     if config.nproc == 1:  # in this process (or a torchrun rank): atomic_dir_for_group locks on rank 0
         return run_distributed(entry, config, config.nproc)
-    with safety.output_lock(out.path):  # the launcher holds the lock; its workers inherit it
+    with safety.output_lock(out.path, config.output):  # the launcher holds the lock; its workers inherit it
         try:
             return run_distributed(entry, config, config.nproc)
         except BaseException:

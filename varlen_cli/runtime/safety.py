@@ -184,7 +184,7 @@ def _try_lock(lock: str, path: str) -> bool:
 
 
 @contextmanager
-def output_lock(path: str) -> Iterator[None]:
+def output_lock(path: str, shown: str | None = None) -> Iterator[None]:
     """Hold ``.NAME.varlen-lock`` beside ``path`` for the duration (O_EXCL, pid and host inside).
 
     A lock of a dead process on this host is taken over; a live one makes this run fail at once
@@ -192,16 +192,17 @@ def output_lock(path: str) -> Iterator[None]:
     it is held, leftovers of killed runs beside ``path`` are cleaned (:func:`clean_leftovers`).
     """
     lock = sibling(path, LOCK_TAG)
+    shown = shown or path  # the output as the user wrote it, for messages
     if lock in _held():
         yield
         return
-    if not _try_lock(lock, path):
+    if not _try_lock(lock, shown):
         if not _stale(lock):
-            raise OutputError(f"output {path} is being written by {_owner(lock)} (lock {lock}); wait for it to "
+            raise OutputError(f"output {shown} is being written by {_owner(lock)} (lock {lock}); wait for it to "
                               "finish, or remove the lock if that process is gone")
         _remove(lock)
-        if not _try_lock(lock, path):
-            raise OutputError(f"output {path} is being written by {_owner(lock)} (lock {lock})")
+        if not _try_lock(lock, shown):
+            raise OutputError(f"output {shown} is being written by {_owner(lock)} (lock {lock})")
     saved = os.environ.get(_HELD_ENV)
     os.environ[_HELD_ENV] = os.pathsep.join(_held() + [lock])
     try:
