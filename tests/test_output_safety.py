@@ -295,6 +295,11 @@ def _corrupted_pages(ws):
     return ["validate", "bad.parquet"], 3, re.compile(r"cannot read plan bad\.parquet: .+"), ["bad.parquet"]
 
 
+def _corrupted_pages_inspect(ws):
+    _corrupted_pages(ws)
+    return ["inspect", "bad.parquet"], 3, re.compile(r"cannot read plan bad\.parquet: .+"), ["bad.parquet"]
+
+
 def _overwrite_output_missing_parent(ws):
     return (["plan", "m", "-o", "no/such/p.parquet", "--max-tokens", "256"], 4,
             f"cannot write no/such/p.parquet: directory {ws / 'no' / 'such'} does not exist", ["m"])
@@ -329,6 +334,7 @@ CASES = [
     ("malformed metadata types (validate)", _malformed_metadata),
     ("malformed metadata types (inspect)", _malformed_metadata_inspect),
     ("corrupted plan pages", _corrupted_pages),
+    ("corrupted plan pages (inspect)", _corrupted_pages_inspect),
     ("plan output in a missing directory", _overwrite_output_missing_parent),
 ]
 PROTECTED = ["src", "m", "p.parquet", "r"]  # checked in every case besides the case's own paths

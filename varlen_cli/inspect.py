@@ -43,9 +43,14 @@ def inspect_artifact(config: InspectConfig) -> dict:
         meta, _ = format.read_plan_metadata(path)
     except format.FormatError as exc:
         raise InputError(str(exc)) from None
-    out = {"kind": "plan", "path": os.path.abspath(path), "metadata": meta, "series": plan_series(path, meta)}
-    if config.step is not None:
-        out["step"] = _plan_step(path, config.step, int(meta.get("num_steps", 0)))
+    import pyarrow as pa
+
+    try:
+        out = {"kind": "plan", "path": os.path.abspath(path), "metadata": meta, "series": plan_series(path, meta)}
+        if config.step is not None:
+            out["step"] = _plan_step(path, config.step, int(meta.get("num_steps", 0)))
+    except (OSError, pa.ArrowException) as exc:  # corrupted pages: the file, not varlen
+        raise InputError(f"cannot read plan {path}: {str(exc).strip().splitlines()[0] if str(exc) else exc}") from None
     return out
 
 

@@ -73,10 +73,13 @@ def validate(config: ValidateConfig) -> ValidateResult:
                                f"{len(schema.names)} columns"))
     if problems:
         return result
+    import pyarrow as pa
+
     try:
         table = pq.read_table(config.plan)
-    except (OSError, ValueError) as exc:  # pyarrow's ArrowException types derive from these
-        raise InputError(f"cannot read plan {config.plan}: {str(exc).splitlines()[0] if str(exc) else exc}") from None
+    except (OSError, pa.ArrowException) as exc:  # corrupted pages: the file, not varlen
+        raise InputError(f"cannot read plan {config.plan}: {str(exc).strip().splitlines()[0] if str(exc) else exc}") \
+            from None
     cols = _columns(table)
     pcfg = meta.get("config", {})
     dp, accum = int(meta["dp"]), int(meta["grad_accum"])
