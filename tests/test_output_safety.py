@@ -534,6 +534,13 @@ def test_plan_validate_inspect_under_torchrun(ws):
     proc = subprocess.run(torchrun + plan_args, capture_output=True, text=True, env=ENV, cwd=ws, timeout=300)
     assert proc.returncode != 0  # the output exists now: every rank reports rank 0's error
     assert proc.stderr.count("output t.parquet already exists; pass --overwrite to replace it") == 2
+    # run: one process group for all stages (analyze and sort on both ranks, plan on rank 0)
+    torchrun[-3] = str(free_port())
+    run_args = ["run", "src", "-o", "r", "--overwrite", "--order", "curriculum", "--max-tokens", "256", "--no-progress"]
+    proc = subprocess.run(torchrun + run_args, capture_output=True, text=True, env=ENV, cwd=ws, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(os.listdir(ws / "r")) == ["_run.json", "metrics", "plan.parquet", "sorted"]
+    assert cli("validate", "r/plan.parquet", "--metrics", "r/sorted").returncode == 0
     assert leftovers(str(ws)) == []
 
 
