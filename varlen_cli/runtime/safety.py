@@ -183,6 +183,23 @@ def _try_lock(lock: str, path: str) -> bool:
     return True
 
 
+def _take_over(lock: str, shown: str) -> bool:
+    """Replace a stale lock by ours. One process at a time breaks a lock (``LOCK.break``, O_EXCL),
+    so two runs that both found it stale cannot both take it."""
+    breaker = lock + ".break"
+    if os.path.exists(breaker) and _stale(breaker):
+        _remove(breaker)  # left by a process killed while breaking
+    if not _try_lock(breaker, shown):
+        return False
+    try:
+        if not _stale(lock):
+            return False
+        _remove(lock)
+        return _try_lock(lock, shown)
+    finally:
+        _remove(breaker)
+
+
 @contextmanager
 def output_lock(path: str, shown: str | None = None) -> Iterator[None]:
     """Hold ``.NAME.varlen-lock`` beside ``path`` for the duration (O_EXCL, pid and host inside).
@@ -196,13 +213,9 @@ def output_lock(path: str, shown: str | None = None) -> Iterator[None]:
     if lock in _held():
         yield
         return
-    if not _try_lock(lock, shown):
-        if not _stale(lock):
-            raise OutputError(f"output {shown} is being written by {_owner(lock)} (lock {lock}); wait for it to "
-                              "finish, or remove the lock if that process is gone")
-        _remove(lock)
-        if not _try_lock(lock, shown):
-            raise OutputError(f"output {shown} is being written by {_owner(lock)} (lock {lock})")
+    if not _try_lock(lock, shown) and not _take_over(lock, shown):
+        raise OutputError(f"output {shown} is being written by {_owner(lock)} (lock {lock}); wait for it to "
+                          "finish, or remove the lock if that process is gone")
     saved = os.environ.get(_HELD_ENV)
     os.environ[_HELD_ENV] = os.pathsep.join(_held() + [lock])
     try:
