@@ -52,6 +52,11 @@ def _unknown_column(tmp):
     return [sample("text.parquet"), "--length", "chars:body"]
 
 
+def _longest_tokenized() -> int:
+    """The longest sample of tokenized.parquet, from the data itself."""
+    return max(len(ids) for ids in pq.read_table(sample("tokenized.parquet")).column("input_ids").to_pylist())
+
+
 def _budget_below_longest(tmp):
     return [sample("tokenized.parquet"), "--max-tokens", "300"]
 
@@ -80,8 +85,8 @@ CASES = [
     ("NaN values", _nan_values, 3, "column 'n' has 1 NaN values in"),
     ("empty dataset", _empty_dataset, 3, "the sources hold no samples (empty dataset)"),
     ("budget below the longest sample", _budget_below_longest, 3,
-     "samples do not fit the budget --max-tokens 300 (the longest has 404 tokens)"),
-    ("unwritable output", _unwritable_output, 4, "cannot create output directory"),
+     f"samples do not fit the budget --max-tokens 300 (the longest has {_longest_tokenized():,} tokens)"),
+    ("unwritable output", _unwritable_output, 4, "cannot create output"),
     ("existing output", _existing_output, 4, "already exists; pass --overwrite to replace it"),
     ("unsupported file type", _unsupported_file, 3, "unsupported source file"),
 ]

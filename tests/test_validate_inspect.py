@@ -112,13 +112,15 @@ def test_validate_bad_inputs(tmp_path, path, message):
 def test_inspect_metrics_plan_and_step(made):
     _, metrics, plan_path = made
     info = inspect_artifact(InspectConfig(metrics))
-    assert info["kind"] == "metrics" and info["manifest"]["num_rows"] == 2000
+    token_lists = pq.read_table(sample("tokenized.parquet")).column("input_ids").to_pylist()
+    assert info["kind"] == "metrics" and info["manifest"]["num_rows"] == len(token_lists)
     info = inspect_artifact(InspectConfig(plan_path, step=3))
     meta = info["metadata"]
     assert info["kind"] == "plan" and info["series"]["steps"] == meta["num_steps"]
     assert len(info["step"]) == meta["dp"] * meta["grad_accum"]
     assert {r["step"] for r in info["step"]} == {3}
-    assert sum(info["series"]["real_tokens_per_rank"]) == 2 * 89106  # two epochs of the sample data
+    total = sum(len(ids) for ids in token_lists)
+    assert sum(info["series"]["real_tokens_per_rank"]) == 2 * total  # two epochs of the sample data
     for args in (["inspect", metrics], ["inspect", plan_path, "--step", "0"]):
         out = runner.invoke(app, args)
         assert out.exit_code == 0, out.output
@@ -129,8 +131,8 @@ def test_inspect_metrics_plan_and_step(made):
 
 
 def test_split_samples_count_once_in_step_samples(made, tmp_path):
-    """--split-long: a sample cut into chunks counts once in step_samples (with its last chunk), so a
-    trainer's step_tokens - step_samples is exactly the step's next-token targets."""
+    """--split-long: a sample cut into chunks counts once in step_samples (with its last chunk), and
+    step_loss_tokens is the step's next-token targets, counted here from the samples' lengths."""
     _, metrics, _ = made
     out = str(tmp_path / "split.parquet")
     plan(PlanConfig(input=metrics, output=out, packing=True, seq_len=128, split_long=True, dp=2, grad_accum=1))
@@ -138,8 +140,12 @@ def test_split_samples_count_once_in_step_samples(made, tmp_path):
     steps = t.column("step").to_numpy()
     first_row_of_step = np.flatnonzero(np.r_[True, steps[1:] != steps[:-1]])
     ids = [i for row in t.column("sample_ids").to_pylist() for i in row]
-    assert len(ids) > 2000  # some of the 2,000 samples (up to 404 tokens) were split
-    assert int(t.column("step_samples").to_numpy()[first_row_of_step].sum()) == 2000
+    lengths = [len(x) for x in pq.read_table(sample("tokenized.parquet")).column("input_ids").to_pylist()]
+    want_entries = sum(max(1, -(-n // 128)) for n in lengths)  # chunks of at most 128 tokens
+    assert len(ids) == want_entries > len(lengths)
+    assert int(t.column("step_samples").to_numpy()[first_row_of_step].sum()) == len(lengths)
+    targets = sum(max(n - 1, 0) for n in lengths)  # every token but the last of each sample
+    assert int(t.column("step_loss_tokens").to_numpy()[first_row_of_step].sum()) == targets
     result = validate(ValidateConfig(out, metrics=metrics))
     assert result.ok, [c.detail for c in result.violations]
 

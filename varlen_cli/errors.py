@@ -55,6 +55,11 @@ class WorkerError(VarlenError):
     exit_code = 5
 
 
+class InternalConsistencyError(RuntimeError):
+    """An invariant of varlen's own making does not hold: a bug (exit 1, "internal error"), never a
+    user mistake. Raised by real checks (not ``assert``, which ``python -O`` removes)."""
+
+
 VALIDATION_FAILED = 6
 
 ERROR_CLASSES = {cls.__name__: cls for cls in (VarlenError, UsageError, InputError, OutputError, WorkerError)}

@@ -52,6 +52,12 @@ PACKED_PLAN_COLUMNS = (
 #: Extra column of mixture plans (metadata ``mixture`` is not null, ``varlen plan --mix``): the source of each
 #: entry of ``sample_ids``, an index into the metadata's ``mixture.sources``.
 MIXTURE_PLAN_COLUMNS = (("source", pa.list_(pa.int32())),)
+#: Columns new plans write after those above, which readers use when present (older plans lack them):
+#: ``step_loss_tokens``, the loss targets of the whole step with shifted labels, counted from the
+#: lengths: ``max(l - 1, 0)`` per sample, ``l`` for a non-final chunk of a split sample.
+PLAN_OPTIONAL_COLUMNS = (("step_loss_tokens", pa.int64()),)
+#: Largest value of the int32 columns (seqlen, sample_lengths, sample_starts, ...): the planner refuses more.
+INT32_MAX = 2**31 - 1
 PLAN_LIST_COLUMNS = tuple(name for name, t in PLAN_COLUMNS + PACKED_PLAN_COLUMNS + MIXTURE_PLAN_COLUMNS
                           if pa.types.is_list(t))
 PLAN_SCALAR_COLUMNS = tuple(name for name, t in PLAN_COLUMNS if not pa.types.is_list(t))
@@ -73,7 +79,7 @@ def plan_columns(packed: bool, mixture: bool = False) -> tuple:
 
 def plan_schema(packed: bool, metadata: dict | None = None, mixture: bool = False) -> pa.Schema:
     """The schema the plan writer writes, with ``metadata`` encoded under :data:`PLAN_METADATA_KEY`."""
-    schema = pa.schema(list(plan_columns(packed, mixture)))
+    schema = pa.schema(list(plan_columns(packed, mixture) + PLAN_OPTIONAL_COLUMNS))
     if metadata is not None:
         schema = schema.with_metadata(encode_plan_metadata(metadata))
     return schema
@@ -104,7 +110,48 @@ def decode_plan_metadata(schema: pa.Schema, path: str) -> dict:
     version = meta.get("format_version")
     if version != PLAN_FORMAT_VERSION:
         raise FormatError(f"{path} has plan format version {version}; this loader reads version {PLAN_FORMAT_VERSION}")
+    problem = plan_metadata_type_problem(meta)
+    if problem:
+        raise FormatError(f"{path} has malformed plan metadata: {problem}")
     return meta
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_list(value) -> bool:
+    return isinstance(value, list) and all(_is_int(v) for v in value)
+
+
+#: Metadata keys whose type readers rely on, with a test and what it should be.
+_METADATA_TYPES = {
+    "dp": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "grad_accum": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "num_steps": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "epochs": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "steps_per_epoch": (_int_list, "a list of integers"),
+    "shapes": (lambda v: isinstance(v, list) and all(_int_list(s) and len(s) == 2 for s in v), "a list of [B, T]"),
+    "base_batch_size": (lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                and np.isfinite(v)), "a finite number or null"),
+    "config": (lambda v: isinstance(v, dict), "an object"),
+    "input": (lambda v: isinstance(v, dict), "an object"),
+    "budget": (lambda v: isinstance(v, dict), "an object"),
+    "packing": (lambda v: v is None or (isinstance(v, dict) and _is_int(v.get("seq_len"))), "null or an object "
+                "with an integer seq_len"),
+    "dropped": (lambda v: isinstance(v, dict) and _int_list(v.get("sample_ids", []))
+                and _int_list(v.get("too_long_ids", [])) and isinstance(v.get("tail", []), list)
+                and all(isinstance(t, dict) and _is_int(t.get("epoch")) and _int_list(t.get("sample_ids"))
+                        for t in v.get("tail", [])), "an object of sample id lists"),
+}
+
+
+def plan_metadata_type_problem(meta: dict) -> str | None:
+    """The first metadata key (of those present) whose value has the wrong type, described; else None."""
+    for key, (ok, want) in _METADATA_TYPES.items():
+        if key in meta and not ok(meta[key]):
+            return f"'{key}' is {json.dumps(meta[key], default=str)[:60]}, expected {want}"
+    return None
 
 
 def open_plan_file(path: str) -> tuple[pq.ParquetFile, dict]:
@@ -146,7 +193,7 @@ def plan_schema_problems(schema: pa.Schema, meta: dict) -> list[str]:
     problems = []
     if missing:
         problems.append(f"lacks plan columns: {', '.join(missing)}")
-    for name, want in columns:
+    for name, want in columns + PLAN_OPTIONAL_COLUMNS:
         if name in names and not _same_kind(schema.field(name).type, want):
             problems.append(f"has column {name} of type {schema.field(name).type}, expected {want}")
     problems += [f"lacks '{key}' in its plan metadata" for key in PLAN_LAYOUT_KEYS if key not in meta]

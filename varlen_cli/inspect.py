@@ -13,7 +13,7 @@ import numpy as np
 
 from . import format
 from .errors import InputError, UsageError
-from .runtime import artifacts
+from .runtime import artifacts, rank0
 from .runtime.text import fmt, histogram_lines
 
 SERIES_BINS = 48
@@ -30,6 +30,8 @@ class InspectConfig:
 
 
 def inspect_artifact(config: InspectConfig) -> dict:
+    if rank0.needs_group():  # under torchrun: rank 0 reads, the others get its result
+        return rank0.on_rank0(inspect_artifact, config)
     path = config.path
     if os.path.isdir(path):
         if config.step is not None:
@@ -44,9 +46,14 @@ def inspect_artifact(config: InspectConfig) -> dict:
         meta, _ = format.read_plan_metadata(path)
     except format.FormatError as exc:
         raise InputError(str(exc)) from None
-    out = {"kind": "plan", "path": os.path.abspath(path), "metadata": meta, "series": plan_series(path, meta)}
-    if config.step is not None:
-        out["step"] = _plan_step(path, config.step, int(meta.get("num_steps", 0)))
+    import pyarrow as pa
+
+    try:
+        out = {"kind": "plan", "path": os.path.abspath(path), "metadata": meta, "series": plan_series(path, meta)}
+        if config.step is not None:
+            out["step"] = _plan_step(path, config.step, int(meta.get("num_steps", 0)))
+    except (OSError, pa.ArrowException) as exc:  # corrupted pages: the file, not varlen
+        raise InputError(f"cannot read plan {path}: {str(exc).strip().splitlines()[0] if str(exc) else exc}") from None
     return out
 
 

@@ -8,21 +8,21 @@ sort run distributed in them, and rank 0 plans. The output directory holds::
     OUT_DIR/plan.parquet    varlen plan
     OUT_DIR/_run.json       the run's config, provenance and the stages' artifact ids
 
-The directory is complete when ``_run.json`` exists; a failed run removes what it wrote.
+The directory is built in ``.OUT_DIR.varlen-tmp-<random>`` and swapped in when every stage
+succeeded: a failed or killed run leaves an existing OUT_DIR as it was.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from . import analyze as analyze_stage
 from .analyze import AnalyzeConfig
-from .errors import OutputError, UsageError
-from .runtime import artifacts
+from .errors import UsageError
+from .runtime import artifacts, safety
 from .runtime.choices import Device, check_choices
 from .runtime.dist import run_distributed, session
 from .runtime.executor import run_in_session
@@ -106,56 +106,57 @@ def run(config: RunConfig) -> RunResult | None:
     analyze_stage.check(a)
     if s is not None:
         sort_stage.check(s)
-    if p.max_tokens is not None or p.packing:
-        plan_stage.check(p)
-    artifacts.check_output_free(config.output, config.overwrite)
+    # without --max-tokens the budget is chosen after analyze; check the other plan options now
+    plan_stage.check(p if p.max_tokens is not None or p.packing else replace(p, max_tokens=AUTO_MIN_BUDGET))
     out = os.path.abspath(config.output)
-    return run_distributed(_run_worker, replace(config, nproc=1), config.nproc, cleanup=[out])
+    safety.check_no_overlap(config.output, config.sources)
+    safety.check_replaceable(config.output, config.overwrite, "dir")
+    if config.nproc == 1:  # in this process, or one rank of torchrun: rank 0 locks in _run_worker
+        return run_distributed(_run_worker, config, 1)
+    with safety.output_lock(out, config.output):  # the launcher holds the lock; its workers inherit it
+        try:
+            return run_distributed(_run_worker, replace(config, nproc=1), config.nproc)
+        except BaseException:
+            safety.clean_leftovers(out)
+            raise
 
 
 def _run_worker(config: RunConfig) -> RunResult | None:
+    """Every stage writes inside one temporary directory beside OUT, swapped in when all succeeded."""
+    t0 = time.perf_counter()
+    out = os.path.abspath(config.output)
+    with session(config.device) as d, artifacts.atomic_dir_for_group(d, out, config.overwrite) as tmp:
+        result = _run_stages(replace(config, output=tmp.tmp), d, t0, final=out)
+        if d.is_main:
+            tmp.commit()
+            result = replace(result, output=out, seconds=time.perf_counter() - t0)
+        d.barrier()
+        return result
+
+
+def _run_stages(config: RunConfig, d, t0: float, final: str) -> RunResult | None:
+    """analyze, sort and plan into ``config.output`` (the temporary directory); rank 0 plans."""
     from . import sort as sort_stage
     from .plan import plan as make_plan
 
-    t0 = time.perf_counter()
-    out = os.path.abspath(config.output)
     a, s, p = stage_configs(config)
-    with session(config.device) as d:
-        if d.is_main:
-            artifacts.check_output_free(out, config.overwrite)
-            shutil.rmtree(out, ignore_errors=True)
-            try:
-                os.makedirs(out)
-            except OSError as exc:
-                raise OutputError(f"cannot create output directory {out}: {exc.strerror}") from None
-        d.barrier()
-        try:
-            analyzed = run_in_session(analyze_stage.run_in_group, a)
-            sorted_ = run_in_session(sort_stage.run_in_group, s) if s is not None else None
-            result = None
-            if d.is_main:
-                auto = None
-                if p.max_tokens is None and not p.packing:
-                    longest = int(analyzed.stats["max"])
-                    m = max(1, int(p.pad_multiple))
-                    auto = max(AUTO_MIN_BUDGET, -(-longest // m) * m)
-                    plan_cfg = replace(p, max_tokens=auto)
-                else:
-                    plan_cfg = p
-                planned = make_plan(plan_cfg)
-                manifest = {
-                    "format": "varlen-run", "format_version": 1, **artifacts.provenance(),
-                    "config": artifacts.config_dict(config), "auto_max_tokens": auto,
-                    "metrics": {"path": "metrics", "artifact_id": analyzed.manifest.get("artifact_id")},
-                    "sorted": ({"path": "sorted", "artifact_id": sorted_.manifest.get("artifact_id")}
-                               if sorted_ else None),
-                    "plan": {"path": "plan.parquet", "num_steps": planned.num_steps},
-                }
-                artifacts.atomic_write_json(os.path.join(out, RUN_MANIFEST), manifest)
-                result = RunResult(out, analyzed, sorted_, planned, auto, time.perf_counter() - t0)
-            d.barrier()
-            return result
-        except BaseException:
-            if d.is_main:
-                shutil.rmtree(out, ignore_errors=True)
-            raise
+    analyzed = run_in_session(analyze_stage.run_in_group, a)
+    sorted_ = run_in_session(sort_stage.run_in_group, s) if s is not None else None
+    if not d.is_main:
+        return None
+    auto = None
+    if p.max_tokens is None and not p.packing:
+        longest = int(analyzed.stats["max"])
+        m = max(1, int(p.pad_multiple))
+        auto = max(AUTO_MIN_BUDGET, -(-longest // m) * m)
+        p = replace(p, max_tokens=auto)
+    planned = make_plan(p)
+    manifest = {
+        "format": "varlen-run", "format_version": 1, **artifacts.provenance(),
+        "config": artifacts.config_dict(replace(config, output=final)), "auto_max_tokens": auto,
+        "metrics": {"path": "metrics", "artifact_id": analyzed.manifest.get("artifact_id")},
+        "sorted": ({"path": "sorted", "artifact_id": sorted_.manifest.get("artifact_id")} if sorted_ else None),
+        "plan": {"path": "plan.parquet", "num_steps": planned.num_steps},
+    }
+    artifacts.atomic_write_json(os.path.join(config.output, RUN_MANIFEST), manifest)
+    return RunResult(config.output, analyzed, sorted_, planned, auto, time.perf_counter() - t0)

@@ -13,7 +13,7 @@ import numpy as np
 
 from . import format
 from .errors import InputError
-from .runtime import artifacts, freshness
+from .runtime import artifacts, freshness, rank0
 
 MAX_EXAMPLES = 5
 
@@ -66,6 +66,8 @@ def validate(config: ValidateConfig) -> ValidateResult:
     """Check a plan; returns every check's outcome (``result.ok`` when all hold)."""
     import pyarrow.parquet as pq
 
+    if rank0.needs_group():  # under torchrun: rank 0 checks, the others wait for its result
+        return rank0.on_rank0(validate, config)
     meta, schema = _read_plan_metadata(config.plan)
     problems = format.plan_schema_problems(schema, meta)
     result = ValidateResult(config.plan)
@@ -73,7 +75,13 @@ def validate(config: ValidateConfig) -> ValidateResult:
                                f"{len(schema.names)} columns"))
     if problems:
         return result
-    table = pq.read_table(config.plan)
+    import pyarrow as pa
+
+    try:
+        table = pq.read_table(config.plan)
+    except (OSError, pa.ArrowException) as exc:  # corrupted pages: the file, not varlen
+        raise InputError(f"cannot read plan {config.plan}: {str(exc).strip().splitlines()[0] if str(exc) else exc}") \
+            from None
     cols = _columns(table)
     pcfg = meta.get("config", {})
     dp, accum = int(meta["dp"]), int(meta["grad_accum"])
@@ -88,6 +96,9 @@ def validate(config: ValidateConfig) -> ValidateResult:
         if fp.ok:  # lengths of another dataset would only produce noise
             lengths = _metrics_lengths(config.metrics, manifest)
     n_samples = int(meta.get("input", {}).get("num_rows") or 0)  # None for a mixture plan
+    if lengths is not None and len(cols["flat_ids"]) and (cols["flat_ids"].min() < 0
+                                                          or cols["flat_ids"].max() >= len(lengths)):
+        lengths = None  # ids outside the metrics: the coverage check reports them
 
     result.checks.append(_check_layout(cols, dp, accum, meta))
     result.checks.append(_check_counts(cols, packed=bool(packing)))
@@ -103,6 +114,7 @@ def validate(config: ValidateConfig) -> ValidateResult:
         result.checks.append(Check("memory", *memory_check(cols["batch_size"], cols["seqlen"], meta,
                                                            config.max_memory, config.memory_profile)))
     result.checks.append(_check_straggler(table, cols, meta))
+    result.checks.append(_check_loss_tokens(cols, packing, lengths))
     return result
 
 
@@ -184,6 +196,24 @@ def _check_counts(c: dict, packed: bool) -> Check:
     return Check("counts", True, "num_samples and batch_size consistent")
 
 
+def _dropped_per_epoch(meta: dict, epochs: int, n: int) -> np.ndarray:
+    """(epochs, n) bool: the samples each epoch leaves out (too long: every epoch; --tail drop: its
+    own epoch). Plans without the per-epoch lists fall back to the union for every epoch."""
+    info = meta.get("dropped") or {}
+    mask = np.zeros((epochs, n), dtype=bool)
+    if "too_long_ids" in info:
+        ids = np.asarray(info.get("too_long_ids", []), dtype=np.int64)
+        mask[:, ids[(ids >= 0) & (ids < n)]] = True
+        for entry in info.get("tail", []):
+            e, ids = int(entry["epoch"]), np.asarray(entry["sample_ids"], dtype=np.int64)
+            if 0 <= e < epochs:
+                mask[e, ids[(ids >= 0) & (ids < n)]] = True
+    else:
+        ids = np.asarray(info.get("sample_ids", []), dtype=np.int64)
+        mask[:, ids[(ids >= 0) & (ids < n)]] = True
+    return mask
+
+
 def _check_coverage(c: dict, meta: dict, n: int, packing, lengths) -> Check:
     if meta.get("mixture"):  # varlen plan --mix: per source and weight (plan/mixture.py)
         from .plan.mixture import coverage_problems
@@ -212,14 +242,14 @@ def _check_coverage(c: dict, meta: dict, n: int, packing, lengths) -> Check:
         np.add.at(covered, k, ln)
         counts = covered.reshape(epochs, n)
         want = np.broadcast_to(lengths, (epochs, n)).copy()
-        want[:, dropped] = 0
+        want[_dropped_per_epoch(meta, epochs, n)] = 0
         bad = counts != want
         if bad.any():
             problems.append(f"{int(bad.sum())} (epoch, sample) pairs do not have all their tokens exactly once")
     else:
         counts = np.bincount(epoch * n + ids, minlength=epochs * n).reshape(epochs, max(n, 1))[:, :n]
         expected = np.ones((epochs, n), dtype=np.int64)
-        expected[:, dropped] = 0
+        expected[_dropped_per_epoch(meta, epochs, n)] = 0
         dup = counts > expected
         miss = counts < expected
         consumed = int((meta.get("lineage") or {}).get("consumed_samples") or 0)  # varlen replan: done before
@@ -328,6 +358,11 @@ def _completed(c: dict) -> np.ndarray:
     (a split sample counts once per epoch, in the microbatch with its last chunk)."""
     if "flat_sample_starts" not in c or not len(c["flat_ids"]) or not c["flat_sample_starts"].any():
         return c["num_samples"]  # no split samples (ids may repeat in an epoch: mixture plans)
+    return np.bincount(c["flat_parent"], weights=_final_entries(c), minlength=len(c["step"]))
+
+
+def _final_entries(c: dict) -> np.ndarray:
+    """Per entry: whether it is a sample's last (or only) chunk in its epoch."""
     ids, parent = c["flat_ids"], c["flat_parent"]
     key = c["epoch"][parent].astype(np.int64) * (int(ids.max()) + 1) + ids
     order = np.lexsort((c["flat_sample_starts"], key))
@@ -335,7 +370,7 @@ def _completed(c: dict) -> np.ndarray:
     last[:-1] = key[order][1:] != key[order][:-1]
     final = np.zeros(len(key), dtype=bool)
     final[order[last]] = True
-    return np.bincount(parent, weights=final, minlength=len(c["step"]))
+    return final
 
 
 def _check_step_totals(c: dict) -> Check:
@@ -361,6 +396,8 @@ def _check_lr(c: dict, meta: dict) -> Check:
             return Check("lr_scale", False, "metadata has no base_batch_size")
         ratio = per_step / float(base)
         want = ratio if mode == "linear" else np.sqrt(ratio)
+    if not np.all(np.isfinite(c["lr_scale"])):
+        return Check("lr_scale", False, f"{int((~np.isfinite(c['lr_scale'])).sum())} rows whose lr_scale is not finite")
     bad = ~np.isclose(c["lr_scale"], want, rtol=1e-9, atol=1e-12)
     if bad.any():
         return Check("lr_scale", False, f"{int(bad.sum())} rows whose lr_scale is not {mode}({by} / {base})")
@@ -386,3 +423,29 @@ def _check_straggler(table, c: dict, meta: dict) -> Check:
             return Check("straggler", False, f"metadata says {key} {stats[key]:.6g}, the plan has {value:.6g} "
                          f"(cost {what})")
     return Check("straggler", True, detail)
+
+
+def _check_loss_tokens(c: dict, packing, lengths) -> Check:
+    """``step_loss_tokens`` (when the plan has it) against the targets counted from the lengths:
+    ``max(l - 1, 0)`` per sample, ``l`` for a non-final chunk of a split sample."""
+    if "step_loss_tokens" not in c:
+        return Check("loss tokens", True, "plan has no step_loss_tokens column (older plan)", skipped=True)
+    if packing and "flat_sample_lengths" in c:
+        entry_len = c["flat_sample_lengths"]
+    elif lengths is not None:
+        entry_len = lengths[c["flat_ids"]]
+    else:
+        return Check("loss tokens", True, "needs --metrics for a padded plan", skipped=True)
+    final = np.ones(len(entry_len), dtype=bool)
+    if "flat_sample_starts" in c and len(entry_len):
+        final = _final_entries(c)
+    parent, step = c["flat_parent"], c["step"]
+    targets = np.bincount(parent, weights=np.where(final, np.maximum(entry_len - 1, 0), entry_len),
+                          minlength=len(step))
+    want = np.bincount(step, weights=targets)[step] if len(step) else np.zeros(0)
+    bad = want.astype(np.int64) != c["step_loss_tokens"]
+    if bad.any():
+        return Check("loss tokens", False, f"step_loss_tokens wrong in {int(bad.sum())} rows (e.g. steps "
+                     f"{_examples(bad, step)})")
+    return Check("loss tokens", True, "step_loss_tokens = targets counted from the samples' lengths")
+

@@ -24,6 +24,11 @@ def _numbers(tmp, values, name="n.parquet"):
     return write_parquet(pa.table({"n": pa.array(values, pa.float64()), "text": ["x"] * len(values)}), tmp / name)
 
 
+def _first_batch_rows() -> int:
+    """Rows of the first batch a difficulty function gets from text.parquet: its first row group."""
+    return pq.ParquetFile(sample("text.parquet")).metadata.row_group(0).num_rows
+
+
 def _module(tmp, body: str, name: str) -> str:
     (tmp / f"{name}.py").write_text(body)
     return name
@@ -134,11 +139,13 @@ CASES = {
     "function wrong count": lambda t: (
         [sample("text.parquet"), "--length", "chars:text", "--difficulty",
          _module(t, "def f(batch):\n    return [1.0]\n", "varlen_err_count") + ":f"],
-        f"difficulty function varlen_err_count:f returned 1 values for 500 rows (on {sample('text.parquet')})", 3),
+        f"difficulty function varlen_err_count:f returned 1 values for {_first_batch_rows()} rows (on "
+        f"{sample('text.parquet')})", 3),
     "function returns NaN": lambda t: (
         [sample("text.parquet"), "--length", "chars:text", "--difficulty",
          _module(t, "def f(batch):\n    return [float('nan')] * batch.num_rows\n", "varlen_err_nan") + ":f"],
-        f"difficulty function varlen_err_nan:f returned NaN for 500 rows (on {sample('text.parquet')})", 3),
+        f"difficulty function varlen_err_nan:f returned NaN for {_first_batch_rows()} rows (on "
+        f"{sample('text.parquet')})", 3),
     "function returns text": lambda t: (
         [sample("text.parquet"), "--length", "chars:text", "--difficulty",
          _module(t, "def f(batch):\n    return batch.column('text')\n", "varlen_err_text") + ":f"],

@@ -157,17 +157,23 @@ def test_tail_split_never_drops(dirs, tmp_path):
 
 def test_overwrite_is_atomic(dirs, tmp_path):
     out = tmp_path / "p.parquet"
-    out.write_text("old")
+    plan(PlanConfig(input=dirs["metrics"], output=str(out), max_tokens=4096, seed=1))
+    old = out.read_bytes()
     with pytest.raises(OutputError, match="already exists; pass --overwrite"):
         plan(PlanConfig(input=dirs["metrics"], output=str(out), max_tokens=4096))
-    assert out.read_text() == "old"
+    assert out.read_bytes() == old
     # a failing plan leaves the old file alone and no temporary file behind
     with pytest.raises(InputError):
         plan(PlanConfig(input=dirs["long"], output=str(out), max_tokens=4096, overwrite=True))
-    assert out.read_text() == "old"
+    assert out.read_bytes() == old
     plan(PlanConfig(input=dirs["metrics"], output=str(out), max_tokens=4096, overwrite=True))
-    assert pq.read_table(out).num_rows > 0
+    assert pq.read_table(out).num_rows > 0 and out.read_bytes() != old
     assert sorted(os.listdir(tmp_path)) == ["p.parquet"]
+    # --overwrite replaces only a varlen plan
+    out.write_text("old")
+    with pytest.raises(OutputError, match="is not a varlen plan; --overwrite replaces only varlen outputs"):
+        plan(PlanConfig(input=dirs["metrics"], output=str(out), max_tokens=4096, overwrite=True))
+    assert out.read_text() == "old"
 
 
 def test_compile_warmup_and_curriculum_epochs(dirs, tmp_path):

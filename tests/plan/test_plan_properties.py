@@ -49,6 +49,27 @@ def _fits(lengths, o):
     return b.cap(ShapeMap(o.get("pad_multiple", 1)).pad(lengths)) >= 1
 
 
+def _unplannable(n_fit: int, slots: int, tail: str, same_shape: bool) -> tuple[bool, bool]:
+    """(must fail, may fail) of a padded plan, from the inputs: with fewer fitting samples than the
+    slots of one step nothing can be planned; with at least that many, --tail drop always plans, and
+    --tail split (also with --same-shape-per-step) can only fail when the samples do not divide into
+    whole steps (n % slots != 0)."""
+    if n_fit < slots:
+        return True, True
+    if tail == "drop":
+        return False, False
+    return False, n_fit % slots != 0
+
+
+def _expected_error(msg: str, n_fit: int, slots: int, tail: str) -> bool:
+    """The message a plan that cannot be made must give (docs/plan.md, "Tail")."""
+    if n_fit == 0:
+        return "below every sample" in msg
+    if tail == "drop":
+        return "are fewer than the" in msg and f"{slots:,} microbatches of one step" in msg
+    return "samples cannot fill" in msg and msg.endswith("lower --dp/--grad-accum or pass --tail drop")
+
+
 @SETTINGS
 @given(lengths=lengths_st, o=options(), diff_is_length=st.booleans())
 def test_padded_plan_properties(lengths, o, diff_is_length):
@@ -60,17 +81,18 @@ def test_padded_plan_properties(lengths, o, diff_is_length):
         src = write_metrics(f"{tmp}/in", L, difficulty, sorted_by=("length" if diff_is_length else "difficulty")
                             if sorted_input else None, parts=2)
         out = f"{tmp}/p.parquet"
+        n_fit, slots = int(_fits(L, o).sum()), o["dp"] * o["grad_accum"]
+        must_fail, may_fail = _unplannable(n_fit, slots, o["tail"], o["same_shape_per_step"])
         try:
             res = plan(PlanConfig(input=src, output=out, **o))
         except InputError as exc:
-            msg = str(exc)
-            fits = _fits(L, o)
             event("input error")
-            assert ("below every sample" in msg and not fits.any()) or "microbatch" in msg, msg
+            assert may_fail, str(exc)  # only inputs the predicate allows to fail may fail
+            assert _expected_error(str(exc), n_fit, slots, o["tail"]), str(exc)
             return
+        assert not must_fail
         d, md = check_plan(out, L, max_tokens=o["max_tokens"], dp=o["dp"], grad_accum=o["grad_accum"],
-                           attention_cost=o["attention_cost"],
-                           max_samples=o["max_samples"] if o["static_shapes"] is False else None)
+                           attention_cost=o["attention_cost"], max_samples=o["max_samples"])
         fits = _fits(L, o)
         too_long = set(np.flatnonzero(~fits).tolist())
         assert set(md["dropped"]["too_long_ids"]) == too_long
@@ -160,13 +182,24 @@ def test_packed_plan_properties(lengths, seq_len, rows, max_per_row, dp, grad_ac
     with tempfile.TemporaryDirectory() as tmp:
         src = write_metrics(f"{tmp}/in", L, sorted_by="length" if order == "curriculum" else None)
         out = f"{tmp}/p.parquet"
+        # the plan's entries: one per fitting sample, or one per chunk of every sample (--split-long)
+        entries = int(np.maximum(1, -(-L // seq_len)).sum()) if split_long else int((L <= seq_len).sum())
         try:
             plan(PlanConfig(input=src, output=out, packing=True, seq_len=seq_len, rows_per_microbatch=rows,
                             max_per_row=max_per_row, dp=dp, grad_accum=grad_accum, order=order,
                             split_long=split_long, drop_long=not split_long, tail="drop"))
         except InputError as exc:
-            assert "microbatch" in str(exc) or "below every sample" in str(exc), str(exc)
+            # must fail with fewer entries than the slots of one step (none: below every sample); may
+            # fail when the rows do not divide into whole steps and the tail drop takes a split
+            # sample whole (never when the entries divide into whole steps)
+            slots = dp * grad_accum
+            assert entries < slots or entries % slots != 0, str(exc)
+            msg = str(exc)
+            assert ("below every sample" in msg) if entries == 0 else (
+                f"packed samples are fewer than the {slots:,} microbatches" in msg
+                or msg.endswith("lower --dp/--grad-accum or pass --tail drop")), msg
             return
+        assert entries >= dp * grad_accum
         d, md = check_plan(out, L, dp=dp, grad_accum=grad_accum, packed=True)
         dropped = set(md["dropped"]["sample_ids"])
         tokens = {}

@@ -390,8 +390,8 @@ def test_output_exists_or_is_the_input(tmp_path):
     assert result.stderr == f"varlen: error: output {tmp_path / 'out'} already exists; pass --overwrite to replace it\n"
     assert os.listdir(tmp_path / "out") == ["keep.txt"]
     result = CliRunner().invoke(app, ["sort", src, "-o", src, "--overwrite"])
-    assert result.exit_code == 2
-    assert result.stderr == "varlen: error: the output directory must differ from the input directory\n"
+    assert result.exit_code == 4
+    assert result.stderr == f"varlen: error: output {src} is the input {src}; write the output elsewhere\n"
     assert sorted(os.listdir(tmp_path)) == ["m", "out"]
 
 

@@ -46,8 +46,10 @@ def _root(
 def run_command(fn: Callable[[Any], Any], config: Any) -> Any:
     """Call a stage; a user error becomes one line on stderr and its documented exit code."""
     from varlen_cli.errors import VarlenError
+    from varlen_cli.runtime.safety import Terminated, install_sigterm_handler
 
     debug = bool(os.environ.get("VARLEN_DEBUG"))
+    install_sigterm_handler()  # SIGTERM raises, so temporaries are removed on the way out
     try:
         return fn(config)
     except VarlenError as exc:
@@ -65,6 +67,9 @@ def run_command(fn: Callable[[Any], Any], config: Any) -> Any:
     except KeyboardInterrupt:
         sys.stderr.write("varlen: interrupted\n")
         raise typer.Exit(130) from None
+    except Terminated:
+        sys.stderr.write("varlen: terminated\n")
+        raise typer.Exit(Terminated.exit_code) from None
     except Exception as exc:
         if debug:
             raise

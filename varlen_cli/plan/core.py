@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import __version__, format
-from ..errors import InputError, UsageError
-from ..runtime import artifacts, freshness
+from ..errors import InputError, InternalConsistencyError, UsageError
+from ..runtime import artifacts, freshness, rank0, safety
 from ..runtime.choices import LrScaleBy, LrScaling, Order, Tail, check_choices, doc, values
 from . import balance, batching, cost_model, layout, lr, stats, writer
 from .batching import Microbatches
@@ -18,6 +18,7 @@ from .layout import EpochLayout
 from .orders import CURRICULAR, EpochInputs, Formers
 from .shapes import Budget, ShapeMap, choose_edges, pair_ids
 
+MAX_TOKENS_LIMIT = 2**53  # budgets are compared as float64: exact up to here
 ORDERS = values(Order)
 TAILS = values(Tail)
 
@@ -124,6 +125,7 @@ def check(c: PlanConfig) -> None:
     _positive("--pad-multiple", c.pad_multiple, False)
     _positive("--num-shapes", c.num_shapes)
     _positive("--max-samples", c.max_samples)
+    _check_ranges(c)
     if c.base_batch_size is not None and not c.base_batch_size > 0:
         raise UsageError(f"--base-batch-size must be > 0 (got {c.base_batch_size})")
     cost_model.check(c)
@@ -154,6 +156,22 @@ def check(c: PlanConfig) -> None:
                 raise UsageError(f"{name} needs --packing")
         if c.split_long:
             raise UsageError("--split-long needs --packing (a padded microbatch cannot hold part of a sample)")
+
+
+def _check_ranges(c: PlanConfig) -> None:
+    """Values the plan's integer columns and the seeded shuffles can hold (one-line UsageErrors)."""
+    if not 0 <= c.seed < 2**63:
+        raise UsageError(f"--seed must be between 0 and 2^63-1 (got {c.seed})")
+    if c.max_tokens is not None and c.max_tokens > MAX_TOKENS_LIMIT:
+        raise UsageError(f"--max-tokens must be at most 2^53 (got {c.max_tokens})")
+    for name, value in (("--pad-multiple", c.pad_multiple), ("--seq-len", c.seq_len),
+                        ("--max-samples", c.max_samples), ("--rows-per-microbatch", c.rows_per_microbatch),
+                        ("--max-per-row", c.max_per_row), ("--dp", c.dp), ("--grad-accum", c.grad_accum),
+                        ("--num-shapes", c.num_shapes), ("--epochs", c.epochs)):
+        if value is not None and value > format.INT32_MAX:
+            raise UsageError(f"{name} must be at most {format.INT32_MAX:,} (plans store it as int32; got {value})")
+    if c.base_batch_size is not None and not np.isfinite(c.base_batch_size):
+        raise UsageError(f"--base-batch-size must be finite (got {c.base_batch_size})")
 
 
 def _check_schedule(c: PlanConfig) -> None:
@@ -212,6 +230,9 @@ def read_input(path: str, allow_stale: bool = False) -> tuple[dict, np.ndarray, 
         raise InputError(f"{path} holds no samples")
     if int(length.min()) < 0:
         raise InputError(f"{path} has negative lengths")
+    if int(length.max()) > format.INT32_MAX:
+        raise InputError(f"{path} has a sample of {int(length.max()):,} tokens; plans hold lengths up to "
+                         f"{format.INT32_MAX:,} (int32)")
     return manifest, sample_id, length
 
 
@@ -234,6 +255,8 @@ def canonical_order(sample_id: np.ndarray) -> np.ndarray:
 # -- the planner -----------------------------------------------------------------------------------
 def plan(config: PlanConfig) -> PlanResult:
     """Run ``varlen plan``: read the input, plan every epoch, write the plan; returns the summary."""
+    if rank0.needs_group():  # under torchrun: rank 0 plans and writes, the others wait
+        return rank0.on_rank0(plan, config)
     if config.extend is not None:  # varlen plan --extend PLAN --epochs E (plan/replan.py)
         from .replan import run_extend
 
@@ -249,6 +272,7 @@ def plan(config: PlanConfig) -> PlanResult:
 
         c = plan_config_for_memory(c)
     check(c)
+    safety.check_no_overlap(c.output, [c.input])
     writer.check_output(c.output, c.overwrite)
     manifest, sample_id, length = read_input(c.input, c.allow_stale)
     kind = manifest.get("kind", "metrics")
@@ -356,7 +380,7 @@ def assemble_columns(c: PlanConfig, sample_id: np.ndarray, length: np.ndarray, e
                      slots: int) -> tuple[dict, dict]:
     """Per-microbatch columns (all epochs, plan order) and per-sample-entry items of the plan."""
     cols = {k: [] for k in ("epoch", "step", "rank", "micro", "num_samples", "seqlen", "batch_size", "tokens", "cost",
-                            "completed")}
+                            "completed", "targets")}
     items = {"sample_ids": [], "sample_lengths": [], "sample_rows": [], "sample_starts": []}
     step0 = 0
     for e, ep in enumerate(epochs):
@@ -373,12 +397,18 @@ def assemble_columns(c: PlanConfig, sample_id: np.ndarray, length: np.ndarray, e
         items["sample_ids"].append(sample_id[mb.samples])
         # Samples each microbatch completes: every entry, except the non-final chunks of a split
         # sample (a split sample counts once, where its last token is), for step_samples.
+        parent = np.repeat(np.arange(mb.count), np.diff(mb.offsets))
+        final = True
         if c.packing and c.split_long and len(mb.samples):
             final = mb.item_start + mb.item_length == length[mb.samples]
-            parent = np.repeat(np.arange(mb.count), np.diff(mb.offsets))
             cols["completed"].append(np.bincount(parent, weights=final, minlength=mb.count).astype(np.int64))
         else:
             cols["completed"].append(np.diff(mb.offsets))
+        # Loss targets (shifted labels): every token but the last of each non-empty sample; a
+        # non-final chunk of a split sample keeps its last token's target (the next chunk's first).
+        entry_len = mb.item_length if c.packing else length[mb.samples]
+        lost = np.bincount(parent, weights=(entry_len > 0) & final, minlength=mb.count).astype(np.int64)
+        cols["targets"].append(mb.tokens.astype(np.int64) - lost)
         if c.packing:
             items["sample_lengths"].append(mb.item_length)
             items["sample_rows"].append(mb.item_row)
@@ -389,7 +419,7 @@ def assemble_columns(c: PlanConfig, sample_id: np.ndarray, length: np.ndarray, e
 
 def _budget_tokens(c: PlanConfig, budget: Budget, rows_per_mb: int | None, b: np.ndarray, t: np.ndarray,
                    tokens: np.ndarray) -> float:
-    """The per-microbatch token budget; asserts no microbatch is over it."""
+    """The per-microbatch token budget; checks no microbatch is over it and every T fits int32."""
     if c.packing:
         over = int(np.count_nonzero(tokens > b * t))
         if c.max_tokens is not None:
@@ -398,7 +428,11 @@ def _budget_tokens(c: PlanConfig, budget: Budget, rows_per_mb: int | None, b: np
     else:
         over = int(np.count_nonzero(~budget.fits(b, t)))
         budget_tokens = float(c.max_tokens)
-    assert over == 0, f"internal error: {over} microbatches over budget"
+    if over:
+        raise InternalConsistencyError(f"{over} microbatches over budget")
+    if len(t) and int(t.max()) > format.INT32_MAX:  # a padded T over int32 (e.g. a huge --pad-multiple)
+        raise UsageError(f"a microbatch would have seqlen {int(t.max()):,}, more than plans store "
+                         f"({format.INT32_MAX:,}, int32); lower --pad-multiple or --max-tokens")
     return budget_tokens
 
 
@@ -480,7 +514,11 @@ def _finish(c: PlanConfig, manifest: dict, sample_id: np.ndarray, epochs: list[P
     step = col["step"].astype(np.int64)
     step_samples = np.bincount(step, weights=col["completed"], minlength=num_steps).astype(np.int64)
     step_tokens = np.bincount(step, weights=col["tokens"], minlength=num_steps).astype(np.int64)
+    step_loss_tokens = np.bincount(step, weights=col["targets"], minlength=num_steps).astype(np.int64)
     scales, base = lr.lr_scales(step_samples, step_tokens, c.lr_scaling, c.lr_scale_by, c.base_batch_size)
+    if not np.all(np.isfinite(scales)):
+        raise UsageError(f"--base-batch-size {c.base_batch_size} gives a non-finite lr_scale; give a larger base "
+                         "batch size")
 
     # shapes: (B, T); B = 0 where it varies (no static shapes)
     fixed_b = c.static_shapes or c.packing
@@ -524,6 +562,7 @@ def _finish(c: PlanConfig, manifest: dict, sample_id: np.ndarray, epochs: list[P
         "seqlen": t.astype(np.int32), "batch_size": b.astype(np.int32), "tokens": col["tokens"].astype(np.int64),
         "lr_scale": scales[step], "shape_id": shape_id.astype(np.int32).reshape(-1),
         "step_samples": step_samples[step], "step_tokens": step_tokens[step],
+        "step_loss_tokens": step_loss_tokens[step],
     }
     source = {"source": it["source"]} if "source" in it else {}
     if c.packing:

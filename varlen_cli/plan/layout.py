@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import InputError
+from ..errors import InputError, InternalConsistencyError
 from .batching import Microbatches, packed_microbatches, stable_argsort_int
 from .shapes import pair_ids
 
@@ -176,7 +176,8 @@ def layout_epoch(mb: Microbatches, cost: np.ndarray, dp: int, grad_accum: int, *
     slots = dp * grad_accum
     m = mb.count
     steps = m // slots
-    assert steps * slots == m, (m, slots)
+    if steps * slots != m:
+        raise InternalConsistencyError(f"{m} microbatches do not fill whole steps of {slots}")
     seq_index = np.arange(m, dtype=np.int64)
     warmup_steps, missing = 0, 0
     step_of = seq_index // slots

@@ -18,5 +18,6 @@ def lr_scales(step_samples: np.ndarray, step_tokens: np.ndarray, scaling: str, s
     base = float(base)
     if scaling == "none" or base == 0:  # base 0: only empty samples; nothing to scale by
         return np.ones(len(b), np.float64), base
-    ratio = b / base
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):  # a tiny base: inf, refused by the caller
+        ratio = b / base
     return (np.sqrt(ratio) if scaling == "sqrt" else ratio), base

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import UsageError
+from ..runtime import safety
 from .core import PlanConfig, PlanResult
 
 _ENTRY = re.compile(r"(?P<name>[A-Za-z0-9_.-]+)=(?P<dir>.+):(?P<weight>[^:]+)")
@@ -115,6 +116,7 @@ def plan_mixture(config: PlanConfig) -> PlanResult:
                          "its copies)")
     c = dataclasses.replace(config, input=sources[0].path)
     core.check(c)
+    safety.check_no_overlap(c.output, [s.path for s in sources])
     core.writer.check_output(c.output, c.overwrite)
     rows = virtual_rows(c, sources)
     vid = np.arange(len(rows.length), dtype=np.int64)  # the planner's ids: virtual rows

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InputError, UsageError
+from ..runtime import rank0, safety
 from ..runtime.choices import doc
 from . import core
 from .core import PlanConfig, PlanResult
@@ -254,7 +255,10 @@ def _positions(sample_id: np.ndarray, ids: np.ndarray) -> np.ndarray | None:
 
 def replan(config: ReplanConfig) -> PlanResult:
     """Run ``varlen replan``: write the rest of ``config.plan`` from its step N on for ``config.dp`` ranks."""
+    if rank0.needs_group():  # under torchrun: rank 0 replans and writes, the others wait
+        return rank0.on_rank0(replan, config)
     t0 = time.perf_counter()
+    safety.check_no_overlap(config.output, [config.plan])
     parent = open_parent(config.plan)
     step = resume_step(config, parent)
     if (parent.packing or {}).get("split_long"):
@@ -262,6 +266,7 @@ def replan(config: ReplanConfig) -> PlanResult:
                          "so it cannot be replanned at a step; plan afresh")
     c = parent_config(parent, output=config.output, dp=config.dp, grad_accum=config.grad_accum,
                       max_tokens=config.max_tokens, overwrite=config.overwrite, allow_stale=config.allow_stale)
+    safety.check_no_overlap(c.output, [c.input])
     core.writer.check_output(c.output, c.overwrite)
     manifest, sample_id, length = read_parent_input(parent, c)
     epoch, keep, consumed = remaining_positions(parent, step, sample_id)
@@ -284,6 +289,7 @@ def extend(config: ExtendConfig) -> PlanResult:
     if config.epochs <= parent.epochs:
         raise UsageError(f"--epochs {config.epochs} must be more than the {parent.epochs} epoch(s) of "
                          f"{parent.path} to extend it")
+    safety.check_no_overlap(config.output, [config.plan, config.input or (parent.meta.get("input") or {}).get("path")])
     core.writer.check_output(config.output, config.overwrite)
     out_dir = os.path.dirname(os.path.abspath(config.output))
     tmp = os.path.join(out_dir, f".{os.path.basename(config.output)}.extend-{os.getpid()}-{time.time_ns()}")

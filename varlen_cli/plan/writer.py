@@ -3,13 +3,11 @@ metadata under the key ``varlen``, written to a temporary file then renamed (ato
 
 from __future__ import annotations
 
-import os
-import uuid
-
 import numpy as np
 
 from .. import format
 from ..errors import OutputError
+from ..runtime import artifacts
 
 PLAN_FORMAT = format.PLAN_FORMAT  # the names the planner uses; format.py defines them
 PLAN_FORMAT_VERSION = format.PLAN_FORMAT_VERSION
@@ -33,30 +31,28 @@ def plan_metadata(metadata: dict, packed: bool) -> dict:
 
 
 def check_output(path: str, overwrite: bool) -> None:
-    if os.path.isdir(path):
-        raise OutputError(f"output {path} is a directory; give a file name such as plan.parquet")
-    if os.path.lexists(path) and not overwrite:
-        raise OutputError(f"output {path} already exists; pass --overwrite to replace it")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise OutputError(f"cannot write {path}: directory {parent} does not exist")
+    """Refuse an output that exists (without --overwrite), is not a varlen plan, is a link or a directory."""
+    artifacts.AtomicFile(path, overwrite).check()
 
 
 def write_plan(path: str, overwrite: bool, cols: dict, offsets: np.ndarray, items: dict, metadata: dict,
                slots: int) -> None:
     """``cols``: per-row numpy arrays; ``offsets`` (rows + 1) and ``items`` (``sample_ids`` and, for
     packed plans, ``sample_lengths``/``sample_rows``/``sample_starts``) the list columns as CSR."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    check_output(path, overwrite)
     packed = "sample_lengths" in items
     schema = format.plan_schema(packed, plan_metadata(metadata, packed), mixture="source" in items)
-    path = os.path.abspath(path)
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.varlen-tmp-{uuid.uuid4().hex[:8]}")
     n = len(offsets) - 1
     group = rows_per_group(slots)
     types = {f.name: f.type for f in schema}
+    with artifacts.atomic_file(path, overwrite) as out:
+        _write_rows(out.tmp, path, schema, types, cols, offsets, items, n, group)
+
+
+def _write_rows(tmp: str, path: str, schema, types: dict, cols: dict, offsets: np.ndarray, items: dict, n: int,
+                group: int) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     try:
         # dictionary-encode the low-cardinality columns only (trying it on sample ids costs 2x the write)
         dict_cols = [c for c in schema.names if c in DICTIONARY_COLUMNS]
@@ -73,19 +69,5 @@ def write_plan(path: str, overwrite: bool, cols: dict, offsets: np.ndarray, item
                     else:
                         arrays.append(pa.array(cols[name][lo:hi], type=types[name]))
                 w.write_table(pa.Table.from_arrays(arrays, schema=schema))
-        check_output(path, overwrite)  # another process may have created it meanwhile
-        os.replace(tmp, path)
     except OSError as exc:
-        _remove(tmp)
         raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
-    except BaseException:
-        _remove(tmp)
-        raise
-
-
-def _remove(path: str) -> None:
-    try:
-        os.remove(path)
-    except OSError:
-        pass
-

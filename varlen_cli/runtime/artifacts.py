@@ -14,12 +14,13 @@ import shutil
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, is_dataclass
 from typing import Any
 
 from .. import __version__, format
 from ..errors import InputError, OutputError
+from . import safety
 
 # The directory format is defined in varlen_cli.format; these are the names the stages use.
 MANIFEST_NAME = format.MANIFEST_NAME
@@ -27,8 +28,10 @@ METRICS_FORMAT = format.METRICS_FORMAT
 FORMAT_VERSION = format.METRICS_FORMAT_VERSION
 part_name = format.part_name
 metrics_schema = format.metrics_schema
-# Config fields that say how a stage ran, not what it computed: left out of artifact ids.
-RUNTIME_FIELDS = frozenset({"nproc", "overwrite", "device", "progress", "output", "debug", "quiet", "allow_stale"})
+# Config fields that say how a stage ran, not what it computed: left out of artifact ids. (An input
+# directory's path is too: its artifact id is part of the id, and `varlen run` builds in a temporary.)
+RUNTIME_FIELDS = frozenset({"nproc", "overwrite", "device", "progress", "output", "debug", "quiet", "allow_stale",
+                            "metrics_dir"})
 
 
 def config_dict(config: Any) -> dict:
@@ -68,28 +71,26 @@ def check_output_free(path: str, overwrite: bool, what: str = "output") -> None:
 
 
 class AtomicDir:
-    """A directory written by all ranks into a temporary sibling, renamed into place at the end.
+    """A directory written by all ranks into a uniquely named temporary sibling
+    (``.NAME.varlen-tmp-<random>``), swapped into place at the end (:func:`safety.swap_in`).
 
-    The temporary name is deterministic (``.NAME.varlen-tmp`` beside the output), so every rank
-    and the local launcher agree on it without communicating, and a stale one from a killed run is
-    removed by the next run. Until :meth:`commit`, nothing exists at the final path.
+    Rank 0 names and creates the temporary and shares its name with the other ranks
+    (:func:`atomic_dir_for_group`); until :meth:`commit` an existing output stays untouched.
+    ``--overwrite`` replaces only a directory varlen made, never a symbolic link
+    (:func:`safety.check_replaceable`).
     """
 
     def __init__(self, path: str, overwrite: bool = False):
+        self.given = path  # as the user wrote it, for messages
         self.path = os.path.abspath(path)
-        parent, name = os.path.split(self.path)
-        self.tmp = os.path.join(parent, f".{name}.varlen-tmp")
-        self.old = os.path.join(parent, f".{name}.varlen-old")
+        self.tmp = safety.sibling(self.path, safety.TMP_TAG, unique=True)
         self.overwrite = overwrite
 
     def check(self) -> None:
-        check_output_free(self.path, self.overwrite)
-        if os.path.exists(self.path) and not os.path.isdir(self.path):
-            raise OutputError(f"output {self.path} exists and is not a directory")
+        safety.check_replaceable(self.given, self.overwrite, "dir")
 
     def create(self) -> None:
-        """Rank 0: start a fresh temporary directory (other ranks wait at a barrier after this)."""
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        """Rank 0: start the temporary directory (other ranks wait at a barrier after this)."""
         try:
             os.makedirs(self.tmp)
         except OSError as exc:
@@ -99,46 +100,98 @@ class AtomicDir:
         return os.path.join(self.tmp, name)
 
     def commit(self) -> None:
-        """Rank 0, after every rank finished writing: move the result into place."""
-        if os.path.lexists(self.path):
-            shutil.rmtree(self.old, ignore_errors=True)
-            os.rename(self.path, self.old)
-            os.rename(self.tmp, self.path)
-            shutil.rmtree(self.old, ignore_errors=True)
-        else:
-            os.rename(self.tmp, self.path)
+        """Rank 0, after every rank finished writing: swap the result into place."""
+        self.check()  # still ours to replace (we hold the lock; a user may have changed it meanwhile)
+        safety.swap_in(self.tmp, self.path)
 
     def abort(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+class AtomicFile:
+    """A file (a plan) written to ``.NAME.varlen-tmp-<random>`` and swapped in by :meth:`commit`."""
+
+    def __init__(self, path: str, overwrite: bool = False):
+        self.given = path  # as the user wrote it, for messages
+        self.path = os.path.abspath(path)
+        self.tmp = safety.sibling(self.path, safety.TMP_TAG, unique=True)
+        self.overwrite = overwrite
+
+    def check(self) -> None:
+        parent = os.path.dirname(self.path)
+        if os.path.isdir(self.path) and not os.path.islink(self.path):
+            raise OutputError(f"output {self.given} is a directory; give a file name such as plan.parquet")
+        safety.check_replaceable(self.given, self.overwrite, "file")
+        if not os.path.isdir(parent):
+            raise OutputError(f"cannot write {self.given}: directory {parent} does not exist")
+
+    def commit(self) -> None:
+        self.check()
+        safety.swap_in(self.tmp, self.path)
+
+    def abort(self) -> None:
+        try:
+            os.remove(self.tmp)
+        except OSError:
+            pass
+
+
+@contextmanager
+def atomic_file(path: str, overwrite: bool, inputs: Sequence[str] = ()) -> Iterator[AtomicFile]:
+    """Lock ``path``, check it, yield an :class:`AtomicFile` to write ``.tmp`` of, then swap it in;
+    on any failure (or SIGTERM) the temporary is removed and an old file stays as it was."""
+    safety.check_no_overlap(path, inputs)
+    out = AtomicFile(path, overwrite)
+    out.check()
+    with safety.output_lock(out.path, path):
+        try:
+            yield out
+            out.commit()
+        except BaseException:
+            out.abort()
+            raise
 
 
 @contextmanager
 def atomic_dir_for_group(d, path: str, overwrite: bool) -> Iterator[AtomicDir]:
     """An :class:`AtomicDir` shared by every rank of ``d`` (a :class:`~varlen_cli.runtime.dist.Dist`).
 
-    Rank 0 checks the output and creates the temporary directory while the others wait; if the
-    stage fails on rank 0, rank 0 removes it (under ``--nproc`` the launcher does so as well,
-    under torchrun nobody else would). A peer still writing then fails too.
+    Rank 0 takes the output lock (already held when a ``--nproc`` launcher took it), checks the
+    output and creates the temporary directory, whose name it shares, while the others wait; if the
+    stage fails on rank 0, rank 0 removes it. A peer still writing then fails too.
     """
     out = AtomicDir(path, overwrite)
-    if d.is_main:
-        out.check()
-        out.create()
-    d.barrier()
-    try:
-        yield out
-    except BaseException:
+    with ExitStack() as stack:
         if d.is_main:
-            out.abort()
-        raise
+            stack.enter_context(safety.output_lock(out.path, path))
+            out.check()
+            out.create()
+        if d.distributed:
+            out.tmp = d.all_gather_object(out.tmp if d.is_main else None)[0]
+        d.barrier()
+        try:
+            yield out
+        except BaseException:
+            if d.is_main:
+                out.abort()
+            raise
 
 
 def atomic_write_json(path: str, data: Any) -> None:
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "w") as fh:
-        json.dump(data, fh, indent=2, sort_keys=False, default=str)
-        fh.write("\n")
-    os.replace(tmp, path)
+    # Test hook: VARLEN_FAULT_FULL_DISK=1 writes through /dev/full, so the OS itself answers ENOSPC.
+    target = "/dev/full" if os.environ.get("VARLEN_FAULT_FULL_DISK") == "1" else tmp
+    try:
+        with open(target, "w") as fh:
+            json.dump(data, fh, indent=2, sort_keys=False, default=str)
+            fh.write("\n")
+        os.replace(tmp, path)
+    except OSError as exc:  # ENOSPC, EDQUOT, EIO: the user's disk, not a varlen bug
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 # -- manifests and reading -------------------------------------------------------------------------

@@ -22,7 +22,6 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import time
 import traceback
 import uuid
@@ -222,7 +221,10 @@ def launch(entry: Callable[[Any], Any], config: Any, nproc: int, cleanup: Sequen
     start_method = os.environ.get("VARLEN_START_METHOD", "spawn")
     if start_method not in ("spawn", "fork", "forkserver"):
         raise UsageError(f"VARLEN_START_METHOD must be spawn, fork or forkserver, not {start_method!r}")
-    error_dir = tempfile.mkdtemp(prefix="varlen-launch-")
+    from .safety import clean_launcher_dirs, launcher_dir
+
+    clean_launcher_dirs()  # of killed launchers
+    error_dir = launcher_dir()
     threads = str(max(1, (os.cpu_count() or 1) // nproc))
     worker_env = {"OMP_NUM_THREADS": threads, "RAYON_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "true",
                   "VARLEN_ERROR_DIR": error_dir}
@@ -246,13 +248,27 @@ def launch(entry: Callable[[Any], Any], config: Any, nproc: int, cleanup: Sequen
         for path in cleanup:
             shutil.rmtree(path, ignore_errors=True)
         raise _worker_failure(exc, error_dir) from None
-    except BaseException:
+    except BaseException as exc:
         for path in cleanup:
             shutil.rmtree(path, ignore_errors=True)
+        _reraise_signal(exc)
         raise
     finally:
         shutil.rmtree(error_dir, ignore_errors=True)
     return results.get(0)
+
+
+def _reraise_signal(exc: BaseException) -> None:
+    """The elastic agent turns SIGINT/SIGTERM into its SignalException (after stopping the workers):
+    raise what one process would have seen instead (exit 130 for SIGINT, 143 for SIGTERM)."""
+    sigval = getattr(exc, "sigval", None)
+    if type(exc).__name__ != "SignalException" or sigval is None:
+        return
+    from .safety import Terminated
+
+    if sigval == signal.SIGINT:
+        raise KeyboardInterrupt() from None
+    raise Terminated() from None
 
 
 def _worker_entry(entry: Callable[[Any], Any], config: Any) -> Any:
@@ -334,7 +350,8 @@ def _environ(values: dict[str, str]) -> Iterator[None]:
 def _quiet_elastic_logs() -> Iterator[None]:
     loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.distributed.launcher",
                                                       "torch.distributed.elastic.multiprocessing",
-                                                      "torch.multiprocessing")]
+                                                      "torch.multiprocessing",
+                                                      "torch.distributed.elastic.agent.server.api")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.CRITICAL)

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import artifacts
+from . import artifacts, safety
 from .dist import run_distributed, session
 
 RunInGroup = Callable[[Any, Any, artifacts.AtomicDir, float], Any]
@@ -35,7 +35,15 @@ def run_in_session(run_in_group: RunInGroup, config: Any) -> Any:
 
 def execute(run_in_group: RunInGroup, config: Any) -> Any:
     """Run a (checked) stage on ``config.nproc`` workers; the result on rank 0, None elsewhere."""
+    safety.check_no_overlap(config.output, safety.stage_inputs(config))
     out = artifacts.AtomicDir(config.output, config.overwrite)
     out.check()
     entry = functools.partial(run_in_session, run_in_group)
-    return run_distributed(entry, config, config.nproc, cleanup=[out.tmp])
+    if config.nproc == 1:  # in this process (or a torchrun rank): atomic_dir_for_group locks on rank 0
+        return run_distributed(entry, config, config.nproc)
+    with safety.output_lock(out.path, config.output):  # the launcher holds the lock; its workers inherit it
+        try:
+            return run_distributed(entry, config, config.nproc)
+        except BaseException:
+            safety.clean_leftovers(out.path)
+            raise

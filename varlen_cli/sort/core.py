@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..errors import InputError, OutputError, UsageError
-from ..runtime import artifacts, freshness
+from ..runtime import artifacts, freshness, safety
 from ..runtime.choices import Device, Engine, NanPolicy, Ties, check_choices, doc, values
 from ..runtime.dist import Dist, check_nproc, fault_point
 from ..runtime.executor import execute
@@ -104,8 +104,7 @@ def check_input(config: SortConfig) -> None:
     manifest = _read_input(config.metrics_dir)
     freshness.check_inputs(config.metrics_dir, manifest, config.allow_stale, rerun="varlen sort")
     _check_columns(config, manifest)
-    if os.path.realpath(config.output) == os.path.realpath(config.metrics_dir):
-        raise UsageError("the output directory must differ from the input directory")
+    safety.check_no_overlap(config.output, [config.metrics_dir])  # same check as every stage (exit 4)
 
 
 def check(config: SortConfig) -> None:

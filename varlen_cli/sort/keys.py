@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InputError
+from ..errors import InputError, InternalConsistencyError
 
 _SIGN = np.uint64(1 << 63)
 _EXACT_FLOAT_INT = float(1 << 53)  # floats that are integers up to here are coded exactly as int64
@@ -91,7 +91,8 @@ def from_ordinal(u: np.ndarray, dtype: np.dtype, integral: bool) -> np.ndarray:
     ints = u.view(np.int64)
     if dtype.kind == "i":
         return ints.astype(dtype, copy=False)
-    assert dtype.kind == "f" and integral
+    if not (dtype.kind == "f" and integral):
+        raise InternalConsistencyError(f"cannot decode sort keys as {dtype} (integral={integral})")
     return ints.astype(dtype)
 
 
@@ -306,7 +307,8 @@ def pack(spec: KeySpec, stats: list[FieldStats], lay: KeyLayout, columns: dict, 
         del code
     words = [np.zeros(n, dtype=np.uint64) if w is None else w for w in words]
     if extra_bits:
-        assert k == 1 and lay.bits + extra_bits <= 64
+        if not (k == 1 and lay.bits + extra_bits <= 64):
+            raise InternalConsistencyError(f"sort key layout of {k} words, {lay.bits} + {extra_bits} bits")
         words[0] <<= np.uint64(extra_bits)
     return [to_signed(w) for w in words]
 

@@ -1,0 +1,48 @@
+"""Single-process stages (plan, validate, inspect) under torchrun: rank 0 works, the others wait.
+
+Under ``torchrun --nproc-per-node N -m varlen_cli plan ...`` every rank runs the command. Only
+rank 0 reads the input and writes the output; the other ranks wait for it and then return the same
+result (or raise the same user error), so every rank exits with the same code.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import ERROR_CLASSES, VarlenError, WorkerError
+from .dist import in_launched_worker, session
+
+
+def needs_group() -> bool:
+    """True in a launched worker of a multi-rank job whose process group does not exist yet."""
+    if not in_launched_worker() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    import sys
+
+    if "torch" in sys.modules:
+        import torch.distributed as tdist
+
+        if tdist.is_available() and tdist.is_initialized():
+            return False  # the caller (e.g. `varlen run`) already decides which rank does what
+    return True
+
+
+def on_rank0(fn: Callable[[Any], Any], config: Any) -> Any:
+    """``fn(config)`` on rank 0 only; every rank returns its result or raises its user error."""
+    with session("cpu") as d:
+        outcome: tuple = ("ok", None)
+        if d.is_main:
+            try:
+                outcome = ("ok", fn(config))
+            except VarlenError as exc:
+                outcome = ("error", type(exc).__name__, exc.message)
+            except BaseException as exc:
+                outcome = ("error", "WorkerError", f"rank 0 failed: {type(exc).__name__}: {exc}")
+                d.all_gather_object(outcome)
+                raise
+        outcome = d.all_gather_object(outcome if d.is_main else None)[0]
+    if outcome[0] == "ok":
+        return outcome[1]
+    raise ERROR_CLASSES.get(outcome[1], WorkerError)(outcome[2])

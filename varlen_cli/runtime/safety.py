@@ -1,0 +1,302 @@
+"""What keeps outputs safe: input/output overlap, what ``--overwrite`` may replace, output locks,
+leftovers of killed runs, and SIGTERM turned into an exception so cleanup runs.
+
+Used by :mod:`varlen_cli.runtime.artifacts` (``AtomicDir``, ``AtomicFile``); docs/commands.md
+"Output safety" lists the guarantees.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import platform
+import shutil
+import signal
+import tempfile
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+from ..errors import OutputError
+
+TMP_TAG = ".varlen-tmp"
+OLD_TAG = ".varlen-old"
+LOCK_TAG = ".varlen-lock"
+_HELD_ENV = "VARLEN_HELD_LOCKS"  # locks this process (or its launcher) holds; children inherit it
+LAUNCH_PREFIX = "varlen-launch-"  # launcher temporary directories: varlen-launch-<pid>-<random>
+STALE_UNREADABLE_LOCK_S = 60.0
+
+
+def sibling(path: str, tag: str, unique: bool = False) -> str:
+    """``.NAME<tag>`` beside ``path`` (``-<random>`` appended when ``unique``)."""
+    parent, name = os.path.split(os.path.abspath(path))
+    return os.path.join(parent, f".{name}{tag}" + (f"-{uuid.uuid4().hex[:12]}" if unique else ""))
+
+
+# -- inputs and outputs must not overlap -------------------------------------------------------------
+def _source_root(source: str) -> str:
+    """The directory part of a source before any glob wildcard (the source itself if it has none)."""
+    for i, ch in enumerate(source):
+        if ch in "*?[":
+            return os.path.dirname(source[:i]) or "."
+    return source
+
+
+def _inside(child: str, parent: str) -> bool:
+    return child != parent and child.startswith(parent.rstrip(os.sep) + os.sep)
+
+
+def check_no_overlap(output: str, inputs: Iterable[str]) -> None:
+    """Refuse an output that is, contains, or lies inside one of ``inputs`` (OutputError, exit 4)."""
+    out = os.path.realpath(output)
+    for given in inputs:
+        if not given:
+            continue
+        inp = os.path.realpath(_source_root(str(given)))
+        if out == inp:
+            how = "is"
+        elif _inside(inp, out):
+            how = "contains"
+        elif _inside(out, inp) and os.path.isdir(inp):
+            how = "lies inside"
+        else:
+            continue
+        raise OutputError(f"output {output} {how} the input {given}; write the output elsewhere")
+
+
+def stage_inputs(config) -> list[str]:
+    """The inputs a stage config names (sources, metrics/sorted directories, plan files)."""
+    found: list[str] = []
+    for name in ("sources", "metrics_dir", "input", "metrics", "plan"):
+        value = getattr(config, name, None)
+        if isinstance(value, str):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found += [str(v) for v in value]
+    return found
+
+
+# -- what --overwrite may replace ---------------------------------------------------------------------
+def _json_format(path: str) -> str | None:
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return data.get("format") if isinstance(data, dict) else None
+
+
+def made_by_varlen_dir(path: str) -> bool:
+    """A varlen metrics/sorted directory (``_manifest.json``), a ``varlen run`` output (``_run.json``),
+    or an empty directory (nothing to lose)."""
+    if not os.listdir(path):
+        return True
+    return (_json_format(os.path.join(path, "_manifest.json")) == "varlen-metrics"
+            or _json_format(os.path.join(path, "_run.json")) == "varlen-run")
+
+
+def made_by_varlen_file(path: str) -> bool:
+    """A Parquet file whose schema metadata says it is a varlen plan."""
+    from .. import format
+
+    try:
+        format.read_plan_metadata(path)
+    except format.FormatError as exc:
+        return "plan format version" in str(exc)  # a plan of another version is still varlen's
+    except Exception:  # noqa: BLE001 - pyarrow raises many types for files that are no Parquet at all
+        return False
+    return True
+
+
+def check_replaceable(path: str, overwrite: bool, kind: str) -> None:
+    """Refuse to replace an existing ``path`` unless ``--overwrite`` and varlen made it (``kind``:
+    ``dir`` or ``file``). Symbolic links are never replaced (nor their targets)."""
+    if not os.path.lexists(path):
+        return
+    if not overwrite:
+        raise OutputError(f"output {path} already exists; pass --overwrite to replace it")
+    if os.path.islink(path):
+        raise OutputError(f"output {path} is a symbolic link; --overwrite does not replace links or their targets "
+                          "(remove the link or give the real path)")
+    if kind == "dir":
+        if not os.path.isdir(path):
+            raise OutputError(f"output {path} exists and is not a directory")
+        if not made_by_varlen_dir(path):
+            raise OutputError(f"output {path} is a directory varlen did not make (no varlen _manifest.json or "
+                              "_run.json); --overwrite replaces only varlen outputs")
+    else:
+        if os.path.isdir(path):
+            raise OutputError(f"output {path} is a directory; give a file name such as plan.parquet")
+        if not made_by_varlen_file(path):
+            raise OutputError(f"output {path} is not a varlen plan; --overwrite replaces only varlen outputs")
+
+
+# -- output locks --------------------------------------------------------------------------------------
+def _held() -> list[str]:
+    return [p for p in os.environ.get(_HELD_ENV, "").split(os.pathsep) if p]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _stale(lock: str) -> bool:
+    """A lock left by a dead process on this host (or unreadable and old)."""
+    try:
+        with open(lock) as fh:
+            owner = json.load(fh)
+        pid, host = int(owner["pid"]), str(owner["host"])
+    except (OSError, ValueError, KeyError, TypeError):
+        try:
+            return time.time() - os.path.getmtime(lock) > STALE_UNREADABLE_LOCK_S
+        except OSError:
+            return True
+    return host == platform.node() and not _pid_alive(pid)
+
+
+def _owner(lock: str) -> str:
+    try:
+        with open(lock) as fh:
+            owner = json.load(fh)
+        return f"pid {owner['pid']} on {owner['host']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process"
+
+
+def _try_lock(lock: str, path: str) -> bool:
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    except OSError as exc:
+        raise OutputError(f"cannot create output {path}: {exc.strerror}") from None
+    with os.fdopen(fd, "w") as fh:
+        json.dump({"pid": os.getpid(), "host": platform.node(), "time": time.time()}, fh)
+    return True
+
+
+def _take_over(lock: str, shown: str) -> bool:
+    """Replace a stale lock by ours. One process at a time breaks a lock (``LOCK.break``, O_EXCL),
+    so two runs that both found it stale cannot both take it."""
+    breaker = lock + ".break"
+    if os.path.exists(breaker) and _stale(breaker):
+        _remove(breaker)  # left by a process killed while breaking
+    if not _try_lock(breaker, shown):
+        return False
+    try:
+        if not _stale(lock):
+            return False
+        _remove(lock)
+        return _try_lock(lock, shown)
+    finally:
+        _remove(breaker)
+
+
+@contextmanager
+def output_lock(path: str, shown: str | None = None) -> Iterator[None]:
+    """Hold ``.NAME.varlen-lock`` beside ``path`` for the duration (O_EXCL, pid and host inside).
+
+    A lock of a dead process on this host is taken over; a live one makes this run fail at once
+    (OutputError). Re-entrant: workers started by a process that holds the lock inherit it. While
+    it is held, leftovers of killed runs beside ``path`` are cleaned (:func:`clean_leftovers`).
+    """
+    lock = sibling(path, LOCK_TAG)
+    shown = shown or path  # the output as the user wrote it, for messages
+    if lock in _held():
+        yield
+        return
+    if not _try_lock(lock, shown) and not _take_over(lock, shown):
+        raise OutputError(f"output {shown} is being written by {_owner(lock)} (lock {lock}); wait for it to "
+                          "finish, or remove the lock if that process is gone")
+    saved = os.environ.get(_HELD_ENV)
+    os.environ[_HELD_ENV] = os.pathsep.join(_held() + [lock])
+    try:
+        clean_leftovers(path)
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(_HELD_ENV, None)
+        else:
+            os.environ[_HELD_ENV] = saved
+        _remove(lock)
+
+
+def _remove(path: str) -> None:
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.remove(path)
+    except OSError:
+        pass
+
+
+def clean_leftovers(path: str) -> None:
+    """Remove what killed runs left beside ``path`` (call with its lock held): temporaries, and old
+    outputs set aside for a swap; an old output whose swap never finished is put back first."""
+    parent, name = os.path.split(os.path.abspath(path))
+    olds = sorted(glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}{OLD_TAG}*")))
+    if olds and not os.path.lexists(path):
+        os.rename(olds.pop(), path)  # killed between the two renames of a swap: the old output is back
+    for leftover in olds + glob.glob(os.path.join(glob.escape(parent), f".{glob.escape(name)}{TMP_TAG}*")):
+        _remove(leftover)
+    clean_launcher_dirs()
+
+
+def launcher_dir() -> str:
+    """A fresh temporary directory for the ``--nproc`` launcher, named after this process."""
+    return tempfile.mkdtemp(prefix=f"{LAUNCH_PREFIX}{os.getpid()}-")
+
+
+def clean_launcher_dirs() -> None:
+    """Remove launcher directories of processes that no longer run."""
+    for d in glob.glob(os.path.join(glob.escape(tempfile.gettempdir()), f"{LAUNCH_PREFIX}*")):
+        pid = os.path.basename(d)[len(LAUNCH_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+# -- swaps ---------------------------------------------------------------------------------------------
+def swap_in(tmp: str, path: str) -> None:
+    """Put the finished ``tmp`` at ``path``: the old output is renamed aside, the new one in, then the
+    old one deleted. Killed between the renames, the next run puts the old output back."""
+    if os.path.lexists(path):
+        old = sibling(path, OLD_TAG, unique=True)
+        os.rename(path, old)
+        try:
+            os.rename(tmp, path)
+        except BaseException:
+            os.rename(old, path)
+            raise
+        _remove(old)
+    else:
+        os.rename(tmp, path)
+
+
+# -- SIGTERM -----------------------------------------------------------------------------------------
+class Terminated(BaseException):
+    """Raised in the main thread on SIGTERM, so ``finally`` blocks and cleanups run."""
+
+    exit_code = 143
+
+
+def _raise_terminated(signum, frame):  # noqa: ARG001 - signal handler signature
+    raise Terminated()
+
+
+def install_sigterm_handler() -> None:
+    """SIGTERM raises :class:`Terminated` (only from the main thread, only over the default action)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, _raise_terminated)
