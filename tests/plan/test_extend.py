@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from tests.conftest import assert_user_error
 from tests.plan_helpers import write_metrics
 from varlen_cli.cli import app
+from varlen_cli.errors import InputError
 from varlen_cli.loader import Plan, PlanBatchSampler
 from varlen_cli.plan import PlanConfig, plan
 from varlen_cli.plan.replan import ExtendConfig, ReplanConfig, extend, replan
@@ -121,8 +122,13 @@ def test_replan_exactly_once_property(dirs, tmp_path_factory, dp, new_dp, accum,
     steps = Plan.open(parent).num_steps
     step = int(frac * steps)
     out = str(root / "n.parquet")
-    replan(ReplanConfig(plan=parent, output=out, dp=new_dp, from_step=step))
-    p, n = pq.read_table(parent).to_pydict(), pq.read_table(out).to_pydict()
+    p = pq.read_table(parent).to_pydict()
     done = [i for s, ids in zip(p["step"], p["sample_ids"]) if s < step for i in ids]
+    if N - len(done) < new_dp * accum:  # fewer samples left than slots of one step: cannot be laid out
+        with pytest.raises(InputError, match="cannot fill"):
+            replan(ReplanConfig(plan=parent, output=out, dp=new_dp, from_step=step))
+        return
+    replan(ReplanConfig(plan=parent, output=out, dp=new_dp, from_step=step))
+    n = pq.read_table(out).to_pydict()
     rest = [i for ids in n["sample_ids"] for i in ids]
     assert sorted(done + rest) == list(range(N))
