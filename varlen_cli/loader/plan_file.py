@@ -19,6 +19,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from ..errors import PlanError  # a ValueError; exit code 6 on the command line
+
 PLAN_FORMAT = "varlen-plan"
 FORMAT_VERSION = 1
 METADATA_KEY = b"varlen"
@@ -30,10 +32,6 @@ REQUIRED_COLUMNS = ("epoch", "step", "rank", "micro", "sample_ids", "num_samples
 PACKED_COLUMNS = ("sample_lengths", "sample_rows", "sample_starts")
 _SCALARS = ("epoch", "step", "rank", "micro", "num_samples", "seqlen", "batch_size", "tokens", "lr_scale",
             "shape_id", "step_samples", "step_tokens")
-
-
-class PlanError(ValueError):
-    """The plan does not fit the dataset, the world size or the loader (one clear line)."""
 
 
 @dataclass(frozen=True)
