@@ -159,7 +159,7 @@ def test_labels_never_cross_entries_and_split_chunks_keep_every_target():
     with pytest.raises(PlanError, match=r"^step 0: labels='unshifted' cannot keep the target across a --split-long"):
         _collate(data, info, labels="unshifted")
     # the low-level layout: the inputs, first token of each entry masked
-    u = collate_packed(data, info.sample_lengths, info.sample_rows, info.sample_starts, seq_len=T, rows=p.num_rows,
+    u = collate_packed([data[i] for i in info.sample_ids], info.sample_lengths, info.sample_rows, info.sample_starts, seq_len=T, rows=p.num_rows,
                        shift_labels=False)
     first = (u["position_ids"] == 0) & (u["segment_ids"] != 0)
     assert torch.all(u["labels"][first] == -100)
