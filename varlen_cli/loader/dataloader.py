@@ -46,11 +46,11 @@ class _PlanLoaderMixin:
         return self.batch_sampler.epoch
 
     def __len__(self) -> int:
-        sampler = self.batch_sampler
-        n = len(sampler)
+        """Microbatches of the next iteration; with ``all_epochs``, of the whole plan (constant, as
+        Trainer-style loops that count steps per epoch expect, whatever the resume position)."""
         if self.all_epochs:
-            n += sum(self.plan.steps_per_epoch[sampler.epoch + 1:]) * self.plan.grad_accum
-        return n
+            return self.plan.num_steps * self.plan.grad_accum
+        return len(self.batch_sampler)
 
     def _start_position(self) -> Optional[tuple]:
         sampler = self.batch_sampler

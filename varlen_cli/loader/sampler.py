@@ -51,7 +51,7 @@ def _as_info(obj: Any) -> Microbatch:
     obj = getattr(obj, "info", obj) if not isinstance(obj, (Microbatch, PlanRow)) else obj
     if isinstance(obj, PlanRow):
         return obj.microbatch
-    if isinstance(obj, Microbatch):
+    if isinstance(obj, (Microbatch, _Position)):
         return obj
     if isinstance(obj, dict) and obj.get("plan_position") is not None:  # only the position survived
         epoch, step, rank, micro = batch_position(obj)
