@@ -65,9 +65,12 @@ def test_trainer_two_ranks_exact_stream_lr_gradient_and_resume(setup, kind):
     # the first step's gradient (after DDP's all-reduce) equals the exact single-process mean over targets
     example = _example()
     data_tokens = tokens(data)
-    model = example.tiny_llama(2000, max(t for _, t in plan.shapes))
+    vocab = max(int(t.max()) for t in data_tokens) + 1  # the example's TokenDataset.vocab_size
+    model = example.tiny_llama(vocab, max(t for _, t in plan.shapes))
     want = reference_grads(model, plan, data_tokens, step=0)
     assert_grads_close(torch.load(os.path.join(log_dir, "grad0.pt")), want, rel=1e-5)
+    if kind == "packed":  # resume is the same code path for both layouts; run it once (CI time)
+        return
     # resume from Trainer's own mid-run checkpoint: the rest of the stream, LRs and losses, exactly
     resumed_out = folder / f"resumed-{kind}"
     shutil.copytree(out / f"checkpoint-{save_at + 1}", resumed_out / f"checkpoint-{save_at + 1}")
