@@ -31,6 +31,8 @@ class _PlanLoaderMixin:
         sampler = self.batch_sampler
         self.plan = sampler.plan
         self.all_epochs = bool(all_epochs)
+        self.full_epoch_len = False  # len() = the whole epoch even after a mid-epoch resume (Lightning's count)
+        self.consumed_by_trainer = False  # True: the trainer calls mark_consumed (it fetches ahead of training)
         self.guard = ConsumptionGuard(sampler.plan, sampler.rank)
         register(self.guard)
         self._last: Optional[tuple] = None  # (epoch, step, rank, micro) of the last batch handed out
@@ -50,7 +52,16 @@ class _PlanLoaderMixin:
         Trainer-style loops that count steps per epoch expect, whatever the resume position)."""
         if self.all_epochs:
             return self.plan.num_steps * self.plan.grad_accum
+        if self.full_epoch_len:
+            return self.plan.steps_per_epoch[self.batch_sampler.epoch] * self.plan.grad_accum
         return len(self.batch_sampler)
+
+    def mark_consumed(self, batch: Any) -> None:
+        """Record ``batch`` as the last one trained (for trainers that fetch ahead: sets ``consumed_by_trainer``)."""
+        from .guard import batch_position
+
+        self.consumed_by_trainer = True
+        self._last = batch_position(batch)
 
     def _start_position(self) -> Optional[tuple]:
         sampler = self.batch_sampler
@@ -70,7 +81,9 @@ class _PlanLoaderMixin:
                 self.batch_sampler.set_epoch(epoch)
             self.guard.restart(None if self._defer_start else self._start_position())
             for batch in base_iter():
-                self._last = self.guard.consume(batch)
+                position = self.guard.consume(batch)
+                if not self.consumed_by_trainer:
+                    self._last = position
                 yield batch
 
     # -- state -----------------------------------------------------------------------------------
