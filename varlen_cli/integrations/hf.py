@@ -90,6 +90,7 @@ class PlanTrainerMixin:
         loader = dataloader_for_plan(self.train_dataset, self.plan, collate_fn=self.plan_collate,
                                      num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory,
                                      all_epochs=True, **extra)
+        loader.consumed_by_trainer = True  # compute_loss reports each batch the model gets
         if self._plan_resume:
             loader.load_state_dict(load_plan_state(self._plan_resume, self.plan)["loader"])
         self.plan_loader = loader
@@ -122,6 +123,8 @@ class PlanTrainerMixin:
         if inputs.get("plan_position") is None:  # evaluation batches and the like
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
+        if self.plan_loader is not None and self.model.training:
+            self.plan_loader.mark_consumed(inputs)  # checked against the plan's order here, where the model gets it
         self._account(inputs)
         model_inputs = to_model_inputs(inputs, style=self.plan_attention)
         if self.model_accepts_loss_kwargs or self.compute_loss_func is not None or self.label_smoother is not None:

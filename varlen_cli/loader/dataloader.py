@@ -57,11 +57,13 @@ class _PlanLoaderMixin:
         return len(self.batch_sampler)
 
     def mark_consumed(self, batch: Any) -> None:
-        """Record ``batch`` as the last one trained (for trainers that fetch ahead: sets ``consumed_by_trainer``)."""
-        from .guard import batch_position
-
-        self.consumed_by_trainer = True
-        self._last = batch_position(batch)
+        """Report ``batch`` as trained, at the point where the model gets it (after any wrapper or
+        read-ahead). Set ``consumed_by_trainer = True`` before iterating: the guard then checks the
+        reported batches (so a wrapper that drops or reorders microbatches fails on the first one out
+        of place) and ``state_dict()`` is the position after the last batch reported."""
+        if not self.consumed_by_trainer:
+            raise RuntimeError("set loader.consumed_by_trainer = True before iterating to report consumed batches")
+        self._last = self.guard.consume(batch)
 
     def _start_position(self) -> Optional[tuple]:
         sampler = self.batch_sampler
@@ -81,9 +83,8 @@ class _PlanLoaderMixin:
                 self.batch_sampler.set_epoch(epoch)
             self.guard.restart(None if self._defer_start else self._start_position())
             for batch in base_iter():
-                position = self.guard.consume(batch)
                 if not self.consumed_by_trainer:
-                    self._last = position
+                    self._last = self.guard.consume(batch)
                 yield batch
 
     # -- state -----------------------------------------------------------------------------------
