@@ -25,9 +25,9 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
-
 from tiny_lm import TokenDataset, warmup_cosine  # noqa: E402
 from train_hf_trainer import tiny_llama  # noqa: E402
+
 from varlen_cli.integrations.accelerate import plan_loss, prepare_plan_dataloader  # noqa: E402
 from varlen_cli.loader import Plan, VariableBatchSizeLR, dataloader_for_plan, to_model_inputs  # noqa: E402
 
@@ -84,8 +84,8 @@ def main(argv=None) -> None:
                     log["unscaled_lr"].append(scheduler.get_unscaled_lr()[0])
                     log["lr_scale"].append(scheduler.scale())
                     if step == 0 and args.log_dir and accelerator.is_main_process:
-                        grads = {n: p.grad.detach().clone() for n, p in accelerator.unwrap_model(model).named_parameters()
-                                 if p.grad is not None}
+                        named = accelerator.unwrap_model(model).named_parameters()
+                        grads = {n: p.grad.detach().clone() for n, p in named if p.grad is not None}
                         torch.save(grads, os.path.join(args.log_dir, "grad0.pt"))
                 optimizer.step()
                 if accelerator.sync_gradients:

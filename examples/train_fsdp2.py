@@ -27,11 +27,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from tiny_lm import TokenDataset, warmup_cosine  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
-
-from tiny_lm import TokenDataset, warmup_cosine  # noqa: E402
 from train_hf_trainer import tiny_llama  # noqa: E402
+
 from varlen_cli.loader import Plan, VariableBatchSizeLR, dataloader_for_plan, to_model_inputs  # noqa: E402
 
 

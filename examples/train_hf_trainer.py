@@ -28,9 +28,9 @@ if ROOT not in sys.path:
     sys.path.insert(1, ROOT)
 
 import torch  # noqa: E402
+from tiny_lm import TokenDataset  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments  # noqa: E402
 
-from tiny_lm import TokenDataset  # noqa: E402
 from varlen_cli.integrations.hf import PlanTrainer  # noqa: E402
 
 

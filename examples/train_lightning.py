@@ -25,9 +25,9 @@ if ROOT not in sys.path:
 import lightning.pytorch as L  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
 from tiny_lm import TokenDataset, warmup_cosine  # noqa: E402
 from train_hf_trainer import tiny_llama  # noqa: E402
+
 from varlen_cli.integrations.lightning import PlanDataModule, plan_loss, plan_lr_scheduler  # noqa: E402
 from varlen_cli.loader import Plan, to_model_inputs  # noqa: E402
 

@@ -73,7 +73,8 @@ def test_accelerator_prepare_of_the_loader_raises_on_the_first_out_of_place_batc
     proc = torchrun("train_accelerate.py", "--plan", plan_path, "--data", data, "--prepare-directly", expect_ok=False)
     assert proc.returncode != 0
     lines = re.findall(r"varlen_cli\.errors\.PlanError: (.*)", proc.stdout + proc.stderr)
-    tail = (r" out of the plan's order \(its batch sampler was re-sharded or wrapped, e\.g\. by accelerator\.prepare\(\): "
+    tail = (r" out of the plan's order \(its batch sampler was re-sharded or wrapped, e\.g\. by "
+            r"accelerator\.prepare\(\): "
             r"use varlen_cli\.integrations\.accelerate\.prepare_plan_dataloader\)")
     assert any(re.fullmatch(r"desync: the DataLoader fetched the microbatch at \(epoch 0, step 0, rank 1, micro 1\)"
                             + tail, line) for line in lines), lines
@@ -101,5 +102,6 @@ def test_prepare_plan_dataloader_checks(setup, tmp_path):
     wrapped = prepare_plan_dataloader(accelerator, loader)
     batch = next(iter(wrapped))
     # accelerate's backward divides by 2: the factor puts it back and divides by the step's targets
-    assert float(plan_loss(torch.tensor(10.0), batch, accelerator)) == pytest.approx(10.0 * 2 / batch["step_loss_tokens"])
+    factor = float(plan_loss(torch.tensor(10.0), batch, accelerator))
+    assert factor == pytest.approx(10.0 * 2 / batch["step_loss_tokens"])
     assert wrapped.state_dict()["micro"] == 1  # after the consumed microbatch

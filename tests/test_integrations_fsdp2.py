@@ -45,7 +45,8 @@ def test_fsdp2_two_ranks_exact_stream_lr_gradient_and_resume(tmp_path):
     data_tokens = tokens(data)
     vocab = max(int(t.max()) for t in data_tokens) + 1
     model = _module("train_hf_trainer").tiny_llama(vocab, max(t for _, t in plan.shapes))
-    assert_grads_close(torch.load(os.path.join(tmp_path / "full", "grad0.pt")), reference_grads(model, plan, data_tokens))
+    got = torch.load(os.path.join(tmp_path / "full", "grad0.pt"))
+    assert_grads_close(got, reference_grads(model, plan, data_tokens))
     torchrun("train_fsdp2.py", *common, "--resume", "--log-dir", tmp_path / "resumed")
     k = save_at + 1
     for a, b in zip(full, logs(tmp_path / "resumed")):

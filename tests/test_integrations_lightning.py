@@ -102,7 +102,8 @@ def test_trainer_settings_that_disagree_with_the_plan_are_refused(setup):
          r"^Trainer\(accumulate_grad_batches=1\) but the plan was made with --grad-accum 2: pass "
          r"accumulate_grad_batches=2$"),
         (dict(use_distributed_sampler=False, accumulate_grad_batches=2, max_epochs=3),
-         r"^Trainer\(max_epochs=3\) but the plan has 2 epoch\(s\): pass max_epochs=2 \(or re-plan with more --epochs\)$"),
+         r"^Trainer\(max_epochs=3\) but the plan has 2 epoch\(s\): pass max_epochs=2 "
+         r"\(or re-plan with more --epochs\)$"),
     ]
     for kwargs, message in cases:
         dm = PlanDataModule(tokens(data), one)

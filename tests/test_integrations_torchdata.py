@@ -71,8 +71,24 @@ def test_a_wrapper_that_drops_microbatches_raises(setup):
     loader = dataloader_for_plan(data, plan_path, rank=0, world_size=2)
     loader.consumed_by_trainer = True
     with pytest.raises(PlanError, match=r"^desync: the trainer consumed the microbatch at \(epoch 0, step 1, rank 0, "
-                                        r"micro 0\) where the plan's next one is \(epoch 0, step 0, rank 0, micro 1\): a "
+                                        r"micro 0\) where the plan's next one is \(epoch 0, step 0, rank 0, "
+                                        r"micro 1\): a "
                                         r"wrapper dropped or reordered microbatches$"):
         for i, batch in enumerate(loader):
             if i != 1:
                 loader.mark_consumed(batch)
+
+
+def test_plan_check_batch_against_the_step(setup):
+    data, plan_path = setup
+    plan = Plan.open(plan_path)
+    batch = next(iter(dataloader_for_plan(data, plan, rank=1, world_size=2)))
+    assert plan.check(batch, 0, rank=1) == (0, 0, 1, 0)
+    moved = {k: (v.to("cpu") if hasattr(v, "to") else v) for k, v in batch.items() if k != "info"}  # only tensors
+    assert plan.check(moved, 0) == (0, 0, 1, 0)
+    with pytest.raises(PlanError, match=r"^desync: the trainer is applying optimizer step 3 \(epoch 0\) but consumed "
+                                        r"the microbatch at \(epoch 0, step 0, rank 1, micro 0\): the data stream "
+                                        r"and the step count disagree"):
+        plan.check(batch, 3)
+    with pytest.raises(PlanError, match=r"^desync: rank 0 consumed the microbatch of rank 1 at"):
+        plan.check(batch, 0, rank=0)

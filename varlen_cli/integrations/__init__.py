@@ -12,12 +12,11 @@ See docs/integrations.md.
 from __future__ import annotations
 
 import os
-from typing import Union
 
 from ..loader.plan_file import Plan, PlanError
 
 
-def open_plan(plan: Union[Plan, str, os.PathLike]) -> Plan:
+def open_plan(plan: Plan | str | os.PathLike) -> Plan:
     """A :class:`Plan` from a plan or a path."""
     return plan if isinstance(plan, Plan) else Plan.open(plan)
 

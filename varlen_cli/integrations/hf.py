@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -61,7 +61,7 @@ class PlanTrainerMixin:
     (float block mask), see :func:`~varlen_cli.loader.to_model_inputs`.
     """
 
-    def __init__(self, *args: Any, plan: Union[Plan, str, os.PathLike], plan_collate: Any = None,
+    def __init__(self, *args: Any, plan: Plan | str | os.PathLike, plan_collate: Any = None,
                  attention: str = "hf", **kwargs: Any):
         self.plan = open_plan(plan)
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
@@ -71,11 +71,11 @@ class PlanTrainerMixin:
         self.plan_collate = plan_collate or (PackedCollate() if self.plan.packing else PadCollate())
         self.plan_attention = attention
         self.plan_loader = None
-        self._plan_resume: Optional[str] = None
+        self._plan_resume: str | None = None
         self._plan_tokens = 0  # real tokens of the steps run (all ranks, from the plan)
         self._plan_slots = 0  # padded tokens this rank ran
         self._plan_real_local = 0
-        self._plan_t0: Optional[float] = None
+        self._plan_t0: float | None = None
         super().__init__(*args, **kwargs)
 
     # -- data ----------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ and an LR scheduler that is not the plan's (or not stepped per optimizer step).
 from __future__ import annotations
 
 import os
-from typing import Any, Optional, Union
+from typing import Any
 
 import lightning.pytorch as L
 
@@ -31,7 +31,7 @@ from ..loader.plan_file import Plan, PlanError
 from . import open_plan
 
 
-def plan_lr_scheduler(optimizer, plan: Union[Plan, str, os.PathLike], base: Any = None) -> dict:
+def plan_lr_scheduler(optimizer, plan: Plan | str | os.PathLike, base: Any = None) -> dict:
     """``configure_optimizers``' return value: ``optimizer`` with ``base`` (or a constant LR) x the
     plan's ``lr_scale``, stepped once per optimizer step."""
     plan = open_plan(plan)
@@ -42,7 +42,7 @@ def plan_lr_scheduler(optimizer, plan: Union[Plan, str, os.PathLike], base: Any 
 class PlanCallback(L.Callback):
     """Checks the Trainer against the plan and records each batch trained (for exact resume)."""
 
-    def __init__(self, datamodule: "PlanDataModule"):
+    def __init__(self, datamodule: PlanDataModule):
         self.datamodule = datamodule
 
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -89,7 +89,7 @@ class PlanDataModule(L.LightningDataModule):
     :func:`~varlen_cli.loader.dataloader_for_plan`. Add :meth:`callback` to the Trainer's callbacks.
     """
 
-    def __init__(self, dataset, plan: Union[Plan, str, os.PathLike], *, collate_fn: Any = None, num_workers: int = 0,
+    def __init__(self, dataset, plan: Plan | str | os.PathLike, *, collate_fn: Any = None, num_workers: int = 0,
                  **loader_kwargs: Any):
         super().__init__()
         self.dataset = dataset
@@ -98,7 +98,7 @@ class PlanDataModule(L.LightningDataModule):
         self.num_workers = num_workers
         self.loader_kwargs = loader_kwargs
         self.loader = None
-        self._callback: Optional[PlanCallback] = None
+        self._callback: PlanCallback | None = None
 
     def callback(self) -> PlanCallback:
         if self._callback is None:

@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from torch.utils.data import DataLoader
 
@@ -35,7 +35,7 @@ class _PlanLoaderMixin:
         self.consumed_by_trainer = False  # True: the trainer calls mark_consumed (it fetches ahead of training)
         self.guard = ConsumptionGuard(sampler.plan, sampler.rank)
         register(self.guard)
-        self._last: Optional[tuple] = None  # (epoch, step, rank, micro) of the last batch handed out
+        self._last: tuple | None = None  # (epoch, step, rank, micro) of the last batch handed out
 
     # -- epochs --------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -65,7 +65,7 @@ class _PlanLoaderMixin:
             raise RuntimeError("set loader.consumed_by_trainer = True before iterating to report consumed batches")
         self._last = self.guard.consume(batch)
 
-    def _start_position(self) -> Optional[tuple]:
+    def _start_position(self) -> tuple | None:
         sampler = self.batch_sampler
         step, micro, stop = sampler._bounds()
         if step >= stop:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import os
 import weakref
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -70,7 +70,7 @@ class PlanRow:
         return f"PlanRow(epoch={mb.epoch}, step={mb.step}, rank={mb.rank}, micro={mb.micro}, shape={mb.shape})"
 
 
-def stamp(out: dict, info: Optional[Microbatch]) -> dict:
+def stamp(out: dict, info: Microbatch | None) -> dict:
     """Put the plan position and row into a collated batch (no-op without a plan row)."""
     if info is None:
         out.setdefault(POSITION_KEY, None)
@@ -115,7 +115,7 @@ def position_after(plan: Plan, pos) -> tuple[int, int, int, int]:
     return (epoch + 1, step + 1, rank, 0)
 
 
-def check_batch(plan: Plan, batch: Any, step: int, rank: Optional[int] = None) -> tuple[int, int, int, int]:
+def check_batch(plan: Plan, batch: Any, step: int, rank: int | None = None) -> tuple[int, int, int, int]:
     """Raise :class:`PlanError` unless ``batch`` is a microbatch of global ``step`` (and of ``rank``)."""
     pos = batch_position(batch)
     epoch, got_step, got_rank, micro = pos
@@ -143,12 +143,12 @@ class ConsumptionGuard:
     def __init__(self, plan: Plan, rank: int):
         self.plan = plan
         self.rank = int(rank)
-        self.expected: Optional[tuple[int, int, int, int]] = None
-        self.last: Optional[tuple[int, int, int, int]] = None
+        self.expected: tuple[int, int, int, int] | None = None
+        self.last: tuple[int, int, int, int] | None = None
         self.pending: list[tuple[int, int, int, int]] = []
         self.enabled = True
 
-    def restart(self, position: Optional[tuple[int, int, int, int]]) -> None:
+    def restart(self, position: tuple[int, int, int, int] | None) -> None:
         self.expected = position
 
     def consume(self, batch: Any) -> tuple[int, int, int, int]:
@@ -188,7 +188,7 @@ class ConsumptionGuard:
 
 
 # -- linking loaders and LR schedulers of one plan in one process -------------------------------------
-_GUARDS: dict[str, "weakref.ReferenceType[ConsumptionGuard]"] = {}
+_GUARDS: dict[str, weakref.ReferenceType[ConsumptionGuard]] = {}
 
 
 def register(guard: ConsumptionGuard) -> None:
@@ -196,7 +196,7 @@ def register(guard: ConsumptionGuard) -> None:
     _GUARDS[guard.plan.fingerprint] = weakref.ref(guard)
 
 
-def lookup(plan: Plan) -> Optional[ConsumptionGuard]:
+def lookup(plan: Plan) -> ConsumptionGuard | None:
     ref = _GUARDS.get(plan.fingerprint)
     return ref() if ref is not None else None
 

@@ -15,7 +15,7 @@ micros: divide the summed token losses by it (times the world size under DDP's a
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import torch
 
@@ -33,8 +33,8 @@ BOOKKEEPING_KEYS = frozenset({
 })
 
 
-def labels_mode(shift_labels: bool = True, labels: Optional[str] = None,
-                model_shifts_labels: Optional[bool] = None) -> str:
+def labels_mode(shift_labels: bool = True, labels: str | None = None,
+                model_shifts_labels: bool | None = None) -> str:
     """Resolve the label convention from the collate options (``labels`` wins, then ``model_shifts_labels``)."""
     if labels is not None:
         if labels not in ("shifted", "unshifted"):

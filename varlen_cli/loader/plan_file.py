@@ -272,6 +272,13 @@ class Plan:
         if not 0 <= step < self.num_steps:
             raise PlanError(f"step {step} is out of range: the plan has {self.num_steps} steps")
 
+    def check(self, batch, step: int, rank: Optional[int] = None) -> tuple[int, int, int, int]:
+        """Raise :class:`PlanError` unless ``batch`` (a collated batch) is a microbatch of global
+        ``step`` (and of ``rank``); returns its ``(epoch, step, rank, micro)``. See loader/guard.py."""
+        from .guard import check_batch
+
+        return check_batch(self, batch, step, rank)
+
     def __repr__(self) -> str:
         return (f"Plan({self.path!r}, dp={self.dp}, grad_accum={self.grad_accum}, epochs={self.epochs}, "
                 f"steps={self.num_steps}, shapes={len(self.shapes)})")
