@@ -98,7 +98,9 @@ def main(argv=None) -> None:
             json.dump(log, fh)
     if accelerator.is_main_process:
         print(f"rank 0: {len(log['steps'])} steps", flush=True)
-    accelerator.end_training()
+    accelerator.wait_for_everyone()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
