@@ -162,7 +162,7 @@ def _args(tmp_path, **kw):
     return TrainingArguments(output_dir=str(tmp_path / "o"), use_cpu=True, report_to=[], disable_tqdm=True, **kw)
 
 
-def test_trainer_refuses_other_grad_accum_steps_and_group_by_length(setup, tmp_path):
+def test_trainer_refuses_other_grad_accum_steps_and_samplers(setup, tmp_path):
     from varlen_cli.integrations.hf import PlanTrainer
 
     _, data, padded, _ = setup
@@ -173,6 +173,10 @@ def test_trainer_refuses_other_grad_accum_steps_and_group_by_length(setup, tmp_p
                     train_dataset=tokens(data))
     with pytest.raises(PlanError, match=r"^max_steps=10000 but the plan has \d+ steps: re-plan with more --epochs$"):
         PlanTrainer(plan=padded, model=model, args=_args(tmp_path, max_steps=10000), train_dataset=tokens(data))
+    with pytest.raises(PlanError, match=r"^train_sampling_strategy='group_by_length' with a plan: the plan already "
+                                        r"makes and orders the batches; leave the Trainer's sampler at its default$"):
+        PlanTrainer(plan=padded, model=model, args=_args(tmp_path, train_sampling_strategy="group_by_length"),
+                    train_dataset=tokens(data))
     trainer = PlanTrainer(plan=padded, model=model, args=_args(tmp_path), train_dataset=tokens(data))
     assert trainer.args.gradient_accumulation_steps == 2
 

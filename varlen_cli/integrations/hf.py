@@ -45,8 +45,10 @@ def _check_args(args, plan: Plan) -> None:
     if getattr(args, "max_steps", -1) > plan.num_steps:
         raise PlanError(f"max_steps={args.max_steps} but the plan has {plan.num_steps} steps: re-plan with more "
                         f"--epochs")
-    if getattr(args, "group_by_length", False):
-        raise PlanError("group_by_length=True with a plan: the plan already orders the batches; leave it off")
+    strategy = getattr(args, "train_sampling_strategy", "random")
+    if getattr(args, "group_by_length", False) or strategy not in (None, "random"):
+        raise PlanError(f"train_sampling_strategy={strategy!r} with a plan: the plan already makes and orders the "
+                        f"batches; leave the Trainer's sampler at its default")
     args.gradient_accumulation_steps = plan.grad_accum
     args.num_train_epochs = 1  # one Trainer epoch runs every epoch of the plan
     args.ignore_data_skip = True  # resume seeks to the plan position instead of fast-forwarding
