@@ -105,3 +105,21 @@ def test_prepare_plan_dataloader_checks(setup, tmp_path):
     factor = float(plan_loss(torch.tensor(10.0), batch, accelerator))
     assert factor == pytest.approx(10.0 * 2 / batch["step_loss_tokens"])
     assert wrapped.state_dict()["micro"] == 1  # after the consumed microbatch
+
+
+def test_a_scheduler_stepped_twice_per_optimizer_step_is_refused(setup):
+    """accelerator.prepare(scheduler) steps it once per process per optimizer step (the LR schedule
+    would run world-size times too fast): the second step() of a step finds no microbatch consumed."""
+    from varlen_cli.loader import VariableBatchSizeLR
+
+    folder, data, plan_path = setup
+    plan = Plan.open(plan_path)
+    loader = dataloader_for_plan(tokens(data), plan, rank=0, world_size=2)
+    scheduler = VariableBatchSizeLR(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), plan)
+    batches = iter(loader)
+    for _ in range(plan.grad_accum):
+        next(batches)
+    scheduler.step()
+    with pytest.raises(PlanError, match=r"^desync: optimizer step 1 is applied but no microbatch was consumed from "
+                                        r"the plan's loader since the last step \(was the loader re-wrapped"):
+        scheduler.step()
