@@ -3,7 +3,7 @@ batch_rebalance, the default random), in the same run (interleaved), medians of 
 
     PYTHONPATH=. python benchmarks/bench_trainers.py --repeats 3 [--json out.json]
 
-All three train one epoch over the same samples with about the same samples per optimizer step
+All four train one epoch over the same samples with about the same samples per optimizer step
 (the baselines' batch size is the plan's mean samples per microbatch), pad-to-longest collate for
 the baselines. tokens/s counts real (non-padding) tokens only.
 """
@@ -99,8 +99,10 @@ def main(argv=None) -> None:
     loaded = Plan.open(plan_path)
     batch_size = max(1, round(len(rows) / (loaded.num_steps * loaded.grad_accum)))
     results = {k: [] for k in ("varlen", "group_by_length", "batch_rebalance", "random")}
+    kinds = list(results)
+    run("random", rows[:64], plan_path, 8, args.hidden, vocab, os.path.join(tmp, "warmup"))  # process warm-up, dropped
     for rep in range(args.repeats):
-        for kind in results:  # interleaved: the same machine state for each
+        for kind in kinds[rep % len(kinds):] + kinds[: rep % len(kinds)]:  # interleaved, a rotating first
             r = run(kind, rows, plan_path, batch_size, args.hidden, vocab, os.path.join(tmp, f"{kind}-{rep}"))
             results[kind].append(r)
             print(f"  {kind:16s} run {rep}: {r['tokens_per_s']:9.0f} tokens/s ({r['steps']} steps, "
