@@ -5,7 +5,8 @@ batch_rebalance, the default random), in the same run (interleaved), medians of 
 
 All four train one epoch over the same samples with about the same samples per optimizer step
 (the baselines' batch size is the plan's mean samples per microbatch), pad-to-longest collate for
-the baselines. tokens/s counts real (non-padding) tokens only.
+the baselines. tokens/s counts real (non-padding) tokens only; tokens/CPU-s divides by the process's
+CPU time (user + system, all threads), which a loaded machine distorts much less than wall time.
 """
 
 from __future__ import annotations
@@ -65,11 +66,12 @@ def run(kind: str, rows, plan_path: str, batch_size: int, hidden: int, vocab: in
         args = TrainingArguments(per_device_train_batch_size=batch_size, num_train_epochs=1,
                                  train_sampling_strategy=kind, **common)
         trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=pad_collate)
-    t0 = time.perf_counter()  # train() only: the Trainer's construction is not part of the comparison
+    t0, c0 = time.perf_counter(), time.process_time()  # train() only, not the Trainer's construction
     result = trainer.train()
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     real = int(sum(len(r) for r in rows))
-    return {"kind": kind, "seconds": seconds, "tokens_per_s": real / seconds, "steps": result.global_step}
+    return {"kind": kind, "seconds": seconds, "cpu_seconds": cpu, "tokens_per_s": real / seconds,
+            "tokens_per_cpu_s": real / cpu, "steps": result.global_step}
 
 
 def main(argv=None) -> None:
@@ -105,16 +107,19 @@ def main(argv=None) -> None:
         for kind in kinds[rep % len(kinds):] + kinds[: rep % len(kinds)]:  # interleaved, a rotating first
             r = run(kind, rows, plan_path, batch_size, args.hidden, vocab, os.path.join(tmp, f"{kind}-{rep}"))
             results[kind].append(r)
-            print(f"  {kind:16s} run {rep}: {r['tokens_per_s']:9.0f} tokens/s ({r['steps']} steps, "
-                  f"{r['seconds']:.1f} s)", flush=True)
+            print(f"  {kind:16s} run {rep}: {r['tokens_per_s']:9.0f} tokens/s, {r['tokens_per_cpu_s']:9.0f} tokens/CPU-s "
+                  f"({r['steps']} steps, {r['seconds']:.1f} s, {r['cpu_seconds']:.1f} CPU-s)", flush=True)
     summary = {k: statistics.median(r["tokens_per_s"] for r in v) for k, v in results.items()}
+    per_cpu = {k: statistics.median(r["tokens_per_cpu_s"] for r in v) for k, v in results.items()}
     print(f"\nsamples {len(rows)}, plan steps {loaded.num_steps} (budget {args.max_tokens} tokens), baseline batch "
           f"size {batch_size}, hidden {args.hidden}, {args.threads} threads, medians of {args.repeats}:")
     for kind, tps in summary.items():
-        print(f"  {kind:16s} {tps:9.0f} tokens/s  ({tps / summary['random']:.2f}x random)")
+        print(f"  {kind:16s} {tps:9.0f} tokens/s  ({tps / summary['random']:.2f}x random)   "
+              f"{per_cpu[kind]:9.0f} tokens/CPU-s ({per_cpu[kind] / per_cpu['random']:.2f}x random)")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"summary": summary, "runs": results, "batch_size": batch_size}, fh, indent=1)
+            json.dump({"summary": summary, "per_cpu_second": per_cpu, "runs": results, "batch_size": batch_size}, fh,
+                      indent=1)
 
 
 if __name__ == "__main__":
