@@ -108,7 +108,8 @@ def main(argv=None) -> None:
             r = run(kind, rows, plan_path, batch_size, args.hidden, vocab, os.path.join(tmp, f"{kind}-{rep}"))
             results[kind].append(r)
             print(f"  {kind:16s} run {rep}: {r['tokens_per_s']:9.0f} tokens/s, "
-                  f"{r['tokens_per_cpu_s']:9.0f} tokens/CPU-s ({r['steps']} steps, {r['seconds']:.1f} s, {r['cpu_seconds']:.1f} CPU-s)", flush=True)
+                  f"{r['tokens_per_cpu_s']:9.0f} tokens/CPU-s ({r['steps']} steps, {r['seconds']:.1f} s, "
+                  f"{r['cpu_seconds']:.1f} CPU-s)", flush=True)
     summary = {k: statistics.median(r["tokens_per_s"] for r in v) for k, v in results.items()}
     per_cpu = {k: statistics.median(r["tokens_per_cpu_s"] for r in v) for k, v in results.items()}
     print(f"\nsamples {len(rows)}, plan steps {loaded.num_steps} (budget {args.max_tokens} tokens), baseline batch "
