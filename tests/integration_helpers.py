@@ -50,7 +50,7 @@ def tokens(data: str) -> list:
     return [np.asarray(x, dtype=np.int64) for x in pq.read_table(data).column("input_ids").to_pylist()]
 
 
-def torchrun(script: str, *args, nproc: int = 2, timeout: int = 240, expect_ok: bool = True):
+def torchrun(script: str, *args, nproc: int = 2, timeout: int = 420, expect_ok: bool = True):
     """Run an example under ``python -m torch.distributed.run --standalone`` (a free port each time)."""
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
