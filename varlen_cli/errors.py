@@ -11,7 +11,8 @@ code  meaning
 3     bad input data: missing, unreadable or invalid source or artifact (:class:`InputError`)
 4     output problem: exists without ``--overwrite``, or unwritable (:class:`OutputError`)
 5     a distributed worker failed or timed out (:class:`WorkerError`)
-6     ``varlen validate`` found violations (:data:`VALIDATION_FAILED`)
+6     ``varlen validate`` found violations (:data:`VALIDATION_FAILED`), or a plan does not fit the
+      dataset, world size or trainer, or the trainer left the plan (:class:`PlanError`)
 ====  =====================================================================
 """
 
@@ -62,4 +63,21 @@ class InternalConsistencyError(RuntimeError):
 
 VALIDATION_FAILED = 6
 
-ERROR_CLASSES = {cls.__name__: cls for cls in (VarlenError, UsageError, InputError, OutputError, WorkerError)}
+
+class PlanError(VarlenError, ValueError):
+    """The plan does not fit the dataset, the world size or the loader, or the trainer consumed a
+    microbatch out of the plan's order (one clear line; a ``ValueError`` too)."""
+
+    exit_code = VALIDATION_FAILED
+
+    def __init__(self, message: str):
+        # a DataLoader worker re-raises as PlanError("Caught PlanError in DataLoader worker ...<traceback>"):
+        # keep the original one-line message
+        if "Original Traceback" in message:
+            last = message.rstrip().splitlines()[-1]
+            message = last.split("PlanError: ", 1)[-1] if "PlanError: " in last else last
+        super().__init__(message)
+
+
+ERROR_CLASSES = {cls.__name__: cls for cls in (VarlenError, UsageError, InputError, OutputError, WorkerError,
+                                               PlanError)}

@@ -133,8 +133,9 @@ def test_dataloader_workers_state_after_batch(tmp_path):
 def test_loader_imports_only_torch_numpy_pyarrow():
     # varlen_cli.format (the plan format's one definition) imports only pyarrow, numpy and json
     code = ("import sys, varlen_cli.loader; bad = sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('typer', 'rich', 'click') or (m.startswith('varlen_cli.') and not m.startswith('varlen_cli.loader')"
-            " and m != 'varlen_cli.format')); print(bad)")
+            "('typer', 'rich', 'click', 'transformers', 'accelerate', 'lightning', 'torchdata') or "
+            "(m.startswith('varlen_cli.') and not m.startswith('varlen_cli.loader') "
+            "and m not in ('varlen_cli.format', 'varlen_cli.errors'))); print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -337,8 +338,10 @@ def test_pad_collate_shapes_masks_and_counts(tmp_path):
 def test_pad_collate_without_plan_info():
     out = PadCollate(pad_id=7, pad_multiple=8, shift_labels=False)([[1, 2, 3], np.array([4]), torch.tensor([5, 6])])
     assert out["input_ids"].tolist() == [[1, 2, 3] + [7] * 5, [4] + [7] * 7, [5, 6] + [7] * 6]
-    assert out["labels"][0].tolist() == [1, 2, 3] + [IGNORE_INDEX] * 5
-    assert out["loss_tokens"] == out["num_tokens"] == 6 and out["step_tokens"] is None and out["info"] is None
+    # unshifted (the model shifts): the first token of a sample is never a target
+    assert out["labels"][0].tolist() == [IGNORE_INDEX, 2, 3] + [IGNORE_INDEX] * 5
+    assert out["num_tokens"] == 6 and out["loss_tokens"] == int(out["loss_mask"].sum()) == 6 - 3
+    assert out["step_tokens"] is None and out["info"] is None
 
 
 def test_sampler_with_real_planner_plan(tmp_path):

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.conftest import sample
+from varlen_cli.errors import PlanError
 from varlen_cli.loader.collate import PlanDataset
 from varlen_cli.loader.packed import PackedCollate, PackedLayoutError, block_causal_mask, collate_packed
 from varlen_cli.loader.plan_file import Microbatch
@@ -153,8 +154,14 @@ def test_labels_never_cross_entries_and_split_chunks_keep_every_target():
     assert sorted(targets[2]) == [201, 202] and sorted(targets[3]) == [301, 302, 303, 304]
     assert b["loss_tokens"] == int(b["loss_mask"].sum()) == 18 + 2 + 4
     assert b["step_loss_tokens"] == b["loss_tokens"]  # step = this microbatch here
-    # unshifted labels (models that shift internally): the inputs, first token of each entry masked
-    u = _collate(data, info, shift_labels=False)
+    # unshifted labels (models that shift internally) would lose the target across each split chunk's
+    # boundary: PackedCollate refuses them for a microbatch with split chunks
+    with pytest.raises(PlanError, match=r"^step 0: labels='unshifted' cannot keep the target across a --split-long"):
+        _collate(data, info, labels="unshifted")
+    # the low-level layout: the inputs, first token of each entry masked
+    u = collate_packed([data[i] for i in info.sample_ids], info.sample_lengths, info.sample_rows, info.sample_starts,
+                       seq_len=T, rows=p.num_rows,
+                       shift_labels=False)
     first = (u["position_ids"] == 0) & (u["segment_ids"] != 0)
     assert torch.all(u["labels"][first] == -100)
     keep = (u["segment_ids"] != 0) & ~first

@@ -31,8 +31,10 @@ class PlanDataset(torch.utils.data.Dataset):
     pass through to the wrapped dataset (its own ``__getitems__`` is used when it has one).
     """
 
-    def __init__(self, dataset):
+    def __init__(self, dataset, check_order: bool = True):
         self.dataset = dataset
+        self.check_order = check_order
+        self._fetched = None
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -41,6 +43,12 @@ class PlanDataset(torch.utils.data.Dataset):
         return self.dataset[index]
 
     def __getitems__(self, indices: Sequence[int]) -> Samples:
+        if self.check_order:  # a wrapper that re-shards or reorders the batch sampler fails here (guard.py)
+            if self._fetched is None:
+                from .guard import FetchOrder
+
+                self._fetched = FetchOrder()
+            self._fetched.check(indices)
         getitems = getattr(self.dataset, "__getitems__", None)
         items = getitems(indices) if getitems else [self.dataset[i] for i in indices]  # a list, with its .info
         return Samples(items, getattr(indices, "info", None))
@@ -96,12 +104,16 @@ class PadCollate:
     """
 
     def __init__(self, pad_id: int = 0, key: str = "input_ids", shift_labels: bool = True,
-                 attention_mask_3d: bool = False, pad_multiple: int = 1, dtype: torch.dtype = torch.long):
+                 attention_mask_3d: bool = False, pad_multiple: int = 1, dtype: torch.dtype = torch.long,
+                 labels: str | None = None, model_shifts_labels: bool | None = None):
         if pad_multiple < 1:
             raise ValueError("pad_multiple must be >= 1")
+        from .model_inputs import labels_mode
+
         self.pad_id = pad_id
         self.key = key
-        self.shift_labels = shift_labels
+        self.labels = labels_mode(shift_labels, labels, model_shifts_labels)
+        self.shift_labels = self.labels == "shifted"
         self.attention_mask_3d = attention_mask_3d
         self.pad_multiple = pad_multiple
         self.dtype = dtype
@@ -145,9 +157,10 @@ class PadCollate:
             labels[:, :-1] = ids[:, 1:]
             labels[pos[None, :] >= lengths_b[:, None] - 1] = IGNORE_INDEX
             loss_tokens = total - int(np.count_nonzero(lengths))
-        else:
+        else:  # unshifted (the model shifts): the first token of each sample is never a target
             labels = np.where(attention, ids, IGNORE_INDEX)
-            loss_tokens = total
+            labels[:, 0] = IGNORE_INDEX
+            loss_tokens = total - int(np.count_nonzero(lengths))
         sample_ids = np.full(batch, -1, dtype=np.int64)
         if info is not None:
             sample_ids[:n] = info.sample_ids
@@ -170,10 +183,13 @@ class PadCollate:
         if info is not None:
             out["step_samples"] = info.step_samples
             out["step_tokens"] = info.step_tokens
-            out["step_loss_tokens"] = info.step_tokens - (info.step_samples if self.shift_labels else 0)
+            # targets in the whole step: one per token but the first of each sample, in either label convention
+            out["step_loss_tokens"] = info.step_tokens - info.step_samples
         if self.attention_mask_3d:
             out["attention_mask_3d"] = causal_padding_mask(lengths, seqlen, batch)
-        return out
+        from .model_inputs import finish_batch
+
+        return finish_batch(out, info, self.labels)
 
 
 _POSITIONS: dict = {}

@@ -6,11 +6,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
 from .plan_file import Plan
 
 
-class VariableBatchSizeLR:
+class VariableBatchSizeLR(torch.optim.lr_scheduler.LRScheduler):
     """Multiply the learning rate of a base schedule (or a bare optimizer) by the plan's ``lr_scale``.
 
     Each :meth:`step` restores the unscaled LRs into the optimizer, steps the base scheduler (so
@@ -20,10 +21,17 @@ class VariableBatchSizeLR:
 
     ``state_dict()`` holds the global step, the unscaled LRs and the base scheduler's state; load
     it after the optimizer's state (it rewrites the param groups' ``lr``).
+
+    A real ``torch.optim.lr_scheduler.LRScheduler`` (Lightning and Trainer accept it; ``last_epoch``
+    is the global step). Desync guard: with a :class:`Plan`, each ``step()`` checks that the
+    microbatches consumed from the plan's loader since the last step are exactly micros
+    ``0..grad_accum-1`` of the step being applied, and raises :class:`PlanError` otherwise
+    (``guard``: the loader's guard, default: the latest loader of the same plan in this process;
+    ``check=False`` turns it off).
     """
 
     def __init__(self, scheduler_or_optimizer: Any, plan: Plan | Sequence[float] | np.ndarray,
-                 start_step: int = 0):
+                 start_step: int = 0, *, guard: Any = None, check: bool = True):
         if hasattr(scheduler_or_optimizer, "param_groups"):
             self.optimizer, self.scheduler = scheduler_or_optimizer, None
         elif hasattr(scheduler_or_optimizer, "optimizer") and hasattr(scheduler_or_optimizer, "step"):
@@ -32,9 +40,38 @@ class VariableBatchSizeLR:
             raise TypeError("VariableBatchSizeLR wraps a torch optimizer or an LR scheduler")
         scales = plan.lr_scales() if isinstance(plan, Plan) else plan
         self.scales = np.asarray(scales, dtype=np.float64)
+        self.plan = plan if isinstance(plan, Plan) else None
+        self.check = bool(check)
+        self._guard = getattr(guard, "guard", guard)  # a loader or its guard
         self.step_index = int(start_step)
         self._unscaled = [float(g["lr"]) for g in self.optimizer.param_groups]
+        self.base_lrs = list(self._unscaled)
+        self._step_count = 1
         self._apply()
+
+    @property
+    def last_epoch(self) -> int:  # LRScheduler's step counter: the global step
+        return self.step_index
+
+    @last_epoch.setter
+    def last_epoch(self, value: int) -> None:
+        self.step_index = int(value)
+
+    def get_lr(self) -> list[float]:
+        return list(self._last_lr)
+
+    def _check_step(self) -> None:
+        if not self.check or self.plan is None:
+            return
+        guard = self._guard
+        if guard is None:
+            from .guard import lookup
+
+            guard = lookup(self.plan)
+            if guard is None or guard.last is None:  # no loader of this plan has handed out a batch
+                return
+            self._guard = guard
+        guard.check_step(self.step_index)
 
     def scale(self, step: int | None = None) -> float:
         """The plan's ``lr_scale`` at ``step`` (default: the current step); 1.0 past the plan's end."""
@@ -51,7 +88,9 @@ class VariableBatchSizeLR:
         """Advance one optimizer step: restore, step the base schedule, apply the new step's scale.
 
         Arguments go to the base scheduler's ``step`` (e.g. the metric of ``ReduceLROnPlateau``).
+        Raises :class:`PlanError` when the consumed microbatches are not the step's (see the class).
         """
+        self._check_step()
         for group, lr in zip(self.optimizer.param_groups, self._unscaled):
             group["lr"] = lr
         if self.scheduler is not None:
@@ -77,4 +116,6 @@ class VariableBatchSizeLR:
             self.scheduler.load_state_dict(state["scheduler"])
         self.step_index = int(state["step"])
         self._unscaled = [float(x) for x in state["unscaled"]]
+        if self._guard is not None:
+            self._guard.pending = []
         self._apply()

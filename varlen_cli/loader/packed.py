@@ -228,10 +228,14 @@ class PackedCollate:
     """
 
     def __init__(self, pad_id: int = 0, key: str = "input_ids", shift_labels: bool = True,
-                 attention_mask_3d: bool = False, dtype: torch.dtype = torch.long):
+                 attention_mask_3d: bool = False, dtype: torch.dtype = torch.long, labels: str | None = None,
+                 model_shifts_labels: bool | None = None):
+        from .model_inputs import labels_mode
+
         self.pad_id = pad_id
         self.key = key
-        self.shift_labels = shift_labels
+        self.labels = labels_mode(shift_labels, labels, model_shifts_labels)
+        self.shift_labels = self.labels == "shifted"
         self.attention_mask_3d = attention_mask_3d
         self.dtype = dtype
 
@@ -241,12 +245,20 @@ class PackedCollate:
             raise PackedLayoutError("PackedCollate needs the plan row of each microbatch: wrap the dataset in "
                                     "PlanDataset (dataloader_for_plan does)")
         lengths, rows, starts = _info_fields(info, len(samples))
+        if not self.shift_labels and np.any(starts > 0):
+            from .plan_file import PlanError
+
+            raise PlanError(f"step {info.step}: labels='unshifted' cannot keep the target across a --split-long "
+                            f"chunk boundary (the model shifts within a row); collate with labels='shifted' (Hugging "
+                            f"Face models take them as shift_labels: to_model_inputs does it)")
         out = collate_packed(samples, lengths, rows, starts, seq_len=int(info.seqlen), rows=int(info.batch_size),
                              sample_ids=info.sample_ids, pad_id=self.pad_id, key=self.key,
                              shift_labels=self.shift_labels, attention_mask_3d=self.attention_mask_3d,
                              dtype=self.dtype)
         out["step_samples"] = info.step_samples
         out["step_tokens"] = info.step_tokens
-        out["step_loss_tokens"] = info.step_tokens - (info.step_samples if self.shift_labels else 0)
-        out["info"] = info
-        return out
+        # targets in the whole step, in either label convention (unshifted plans have no split chunks)
+        out["step_loss_tokens"] = info.step_tokens - info.step_samples
+        from .model_inputs import finish_batch
+
+        return finish_batch(out, info, self.labels)

@@ -19,6 +19,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .. import format
+from ..errors import PlanError  # a ValueError; exit code 6 on the command line
 
 PLAN_FORMAT = format.PLAN_FORMAT
 FORMAT_VERSION = format.PLAN_FORMAT_VERSION
@@ -27,10 +28,6 @@ FORMAT_VERSION = format.PLAN_FORMAT_VERSION
 REQUIRED_COLUMNS = tuple(name for name, _ in format.PLAN_COLUMNS)
 #: Extra columns of packed plans, passed through to :class:`Microbatch`.
 PACKED_COLUMNS = format.PACKED_COLUMN_NAMES
-
-
-class PlanError(ValueError):
-    """The plan does not fit the dataset, the world size or the loader (one clear line)."""
 
 
 @dataclass(frozen=True)
@@ -249,6 +246,13 @@ class Plan:
     def check_step(self, step: int) -> None:
         if not 0 <= step < self.num_steps:
             raise PlanError(f"step {step} is out of range: the plan has {self.num_steps} steps")
+
+    def check(self, batch, step: int, rank: int | None = None) -> tuple[int, int, int, int]:
+        """Raise :class:`PlanError` unless ``batch`` (a collated batch) is a microbatch of global
+        ``step`` (and of ``rank``); returns its ``(epoch, step, rank, micro)``. See loader/guard.py."""
+        from .guard import check_batch
+
+        return check_batch(self, batch, step, rank)
 
     def __repr__(self) -> str:
         return (f"Plan({self.path!r}, dp={self.dp}, grad_accum={self.grad_accum}, epochs={self.epochs}, "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,21 +37,48 @@ class MicrobatchIndices(list):
     """
 
     info: Microbatch
+    order: tuple[str, int] | None  # (sampler iteration id, index in it): the fetch-order check
 
-    def __init__(self, ids, info: Microbatch):
+    def __init__(self, ids, info: Microbatch, order: tuple[str, int] | None = None):
         super().__init__(ids)
         self.info = info
+        self.order = order
 
 
 def _as_info(obj: Any) -> Microbatch:
-    if isinstance(obj, Microbatch):
+    from .guard import PlanRow, batch_position
+
+    obj = obj.get("info", obj) if isinstance(obj, dict) and obj.get("info") is not None else obj
+    obj = getattr(obj, "info", obj) if not isinstance(obj, (Microbatch, PlanRow)) else obj
+    if isinstance(obj, PlanRow):
+        return obj.microbatch
+    if isinstance(obj, (Microbatch, _Position)):
         return obj
-    info = getattr(obj, "info", None)
-    if isinstance(info, Microbatch):
-        return info
-    if isinstance(obj, dict) and isinstance(obj.get("info"), Microbatch):
-        return obj["info"]
+    if isinstance(obj, dict) and obj.get("plan_position") is not None:  # only the position survived
+        epoch, step, rank, micro = batch_position(obj)
+        return _Position(epoch, step, rank, micro)
     raise TypeError("expected a Microbatch, MicrobatchIndices or a collated batch with an 'info' entry")
+
+
+class _Position:
+    """The position fields of a Microbatch (what ``state_dict(after=...)`` needs)."""
+
+    def __init__(self, epoch, step, rank, micro):
+        self.epoch, self.step, self.rank, self.micro = epoch, step, rank, micro
+
+
+class _EpochSetter:
+    """``batch_sampler.sampler``: what frameworks that call ``batch_sampler.sampler.set_epoch(e)``
+    (Lightning, accelerate) reach; it forwards to the plan's batch sampler."""
+
+    def __init__(self, batch_sampler: PlanBatchSampler):
+        self._batch_sampler = weakref.ref(batch_sampler)
+
+    def set_epoch(self, epoch: int) -> None:
+        self._batch_sampler().set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self._batch_sampler())
 
 
 class PlanBatchSampler:
@@ -70,6 +98,7 @@ class PlanBatchSampler:
         self.epoch = 0
         self._resume: tuple[int, int] | None = None  # (step, micro) to start the epoch at
         self._next: tuple[int, int, int] | None = None  # position after the last yielded microbatch
+        self.sampler = _EpochSetter(self)
         self.set_epoch(epoch)
 
     # -- epochs ----------------------------------------------------------------------------
@@ -94,14 +123,17 @@ class PlanBatchSampler:
         return max(0, (stop - step) * self.plan.grad_accum - micro)
 
     def __iter__(self) -> Iterator[MicrobatchIndices]:
+        from .guard import new_iteration_id
+
         step, micro, stop = self._bounds()
-        for mb in self.plan.microbatches(self.rank, step, micro, stop):
+        iteration = new_iteration_id()
+        for k, mb in enumerate(self.plan.microbatches(self.rank, step, micro, stop)):
             self._next = self._after(mb)
-            yield MicrobatchIndices(mb.sample_ids.tolist(), mb)
+            yield MicrobatchIndices(mb.sample_ids.tolist(), mb, (iteration, k))
         self._resume = None  # the epoch is done: the next iteration starts the epoch from its beginning
 
     # -- resuming --------------------------------------------------------------------------
-    def _after(self, mb: Microbatch) -> tuple[int, int, int]:
+    def _after(self, mb) -> tuple[int, int, int]:
         """The position right after ``mb``: the next micro, the next step, or the next epoch."""
         if mb.micro + 1 < self.plan.grad_accum:
             return (mb.epoch, mb.step, mb.micro + 1)

@@ -1,0 +1,128 @@
+"""Shared checks of the framework integrations (tests/integrations/test_*.py).
+
+Each framework test trains a tiny Llama built from a config on a 300-sample slice of
+sample_data/tokenized.parquet, with 2 processes (torchrun, gloo, a free port picked by
+``--standalone``), and compares what ran with the plan and with single-process references
+computed here from the data and the model alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+import torch.nn.functional as F
+
+from tests.loader_helpers import ROOT, TOKENIZED
+
+EXAMPLES = os.path.join(ROOT, "examples")
+NUM_SAMPLES = 300
+
+
+def small_dataset(folder) -> str:
+    """The first 300 rows of sample_data/tokenized.parquet as a Parquet file."""
+    path = os.path.join(str(folder), "small.parquet")
+    if not os.path.exists(path):
+        pq.write_table(pq.read_table(TOKENIZED).slice(0, NUM_SAMPLES), path)
+    return path
+
+
+def make_plan(folder, data: str, name: str, **options) -> str:
+    """A plan of ``data`` by varlen analyze + varlen plan."""
+    from varlen_cli.analyze import AnalyzeConfig, analyze
+    from varlen_cli.plan import PlanConfig, plan
+
+    metrics = os.path.join(str(folder), "metrics")
+    if not os.path.exists(metrics):
+        analyze(AnalyzeConfig(sources=(data,), output=metrics, length="list:input_ids", progress=False))
+    out = os.path.join(str(folder), f"{name}.parquet")
+    plan(PlanConfig(input=metrics, output=out, overwrite=True, **options))
+    return out
+
+
+def tokens(data: str) -> list:
+    return [np.asarray(x, dtype=np.int64) for x in pq.read_table(data).column("input_ids").to_pylist()]
+
+
+def torchrun(script: str, *args, nproc: int = 2, timeout: int = 420, expect_ok: bool = True):
+    """Run an example under ``python -m torch.distributed.run --standalone`` (a free port each time)."""
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           os.path.join(EXAMPLES, script), *map(str, args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    if expect_ok:
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    return proc
+
+
+def logs(log_dir, world: int = 2) -> list:
+    return [json.load(open(os.path.join(str(log_dir), f"rank-{r}.json"))) for r in range(world)]
+
+
+def check_stream(plan, rank_logs) -> None:
+    """Each rank ran exactly its plan rows (step, rank, micro) with their samples; every kept sample
+    exactly once per epoch."""
+    dropped = set(plan.dropped.get("sample_ids", []))
+    per_epoch = {e: [] for e in range(plan.epochs)}
+    for rank, log in enumerate(rank_logs):
+        want = [(plan.epoch_of(s), s, rank, m) for s in range(plan.num_steps) for m in range(plan.grad_accum)]
+        got = [tuple(m["position"]) for m in log["micro"]]
+        assert got == want, (rank, got[:6], want[:6])
+        for m in log["micro"]:
+            epoch, step, _, micro = m["position"]
+            assert m["samples"] == plan.microbatch(step, rank, micro).sample_ids.tolist()
+            per_epoch[epoch] += m["samples"]
+    for epoch, ids in per_epoch.items():
+        assert sorted(ids) == sorted(set(range(NUM_SAMPLES)) - dropped), epoch
+
+
+def check_lr(plan, rank_logs, base_lr: float, factor) -> None:
+    """At every step the LR in use is base x schedule factor (computed here) x the plan's lr_scale."""
+    scales = plan.lr_scales()
+    assert len(set(np.round(scales, 6))) > 1  # the plan's batch sizes vary, so does the scale
+    for log in rank_logs:
+        assert log["steps"] == list(range(plan.num_steps))
+        expected_unscaled = [base_lr * factor(s) for s in log["steps"]]
+        assert np.allclose(log["unscaled_lr"], expected_unscaled, rtol=1e-9, atol=1e-15)
+        assert np.allclose(log["lr"], np.array(expected_unscaled) * scales[log["steps"]], rtol=1e-9, atol=1e-15)
+
+
+def hf_cosine(warmup: int, total: int):
+    """transformers' cosine schedule with linear warm-up (written out here, not imported)."""
+    def factor(step: int) -> float:
+        if step < warmup:
+            return step / max(1, warmup)
+        progress = (step - warmup) / max(1, total - warmup)
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+    return factor
+
+
+def reference_grads(model, plan, data_tokens, step: int = 0) -> dict:
+    """Single process, no batching: the gradient of the mean next-token loss over every target of
+    ``step`` (all ranks and micros), each sample run alone."""
+    model.zero_grad(set_to_none=True)
+    ids = [int(i) for mb in plan.step(step) for i in mb.sample_ids]
+    total = sum(max(len(data_tokens[i]) - 1, 0) for i in ids)
+    loss = 0.0
+    for i in ids:
+        x = torch.as_tensor(data_tokens[i])[None]
+        logits = model(input_ids=x).logits
+        loss = loss + F.cross_entropy(logits[0, :-1].float(), x[0, 1:], reduction="sum")
+    (loss / total).backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_grads_close(got: dict, want: dict, rel: float = 1e-5) -> None:
+    names = sorted(want)
+    assert sorted(got) == names
+    g = torch.cat([got[n].reshape(-1).double() for n in names])
+    w = torch.cat([want[n].reshape(-1).double() for n in names])
+    err = float((g - w).norm() / w.norm())
+    assert err < rel, err

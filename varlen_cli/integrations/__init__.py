@@ -1,0 +1,31 @@
+"""Glue for training frameworks (optional extras; the core loader never imports these).
+
+* :mod:`varlen_cli.integrations.hf`: ``PlanTrainer`` / ``PlanTrainerMixin`` for ``transformers.Trainer``
+  (and TRL's ``SFTTrainer``) — ``pip install varlen-cli[hf]``;
+* :mod:`varlen_cli.integrations.accelerate`: ``prepare_plan_dataloader(accelerator, loader)``;
+* :mod:`varlen_cli.integrations.lightning`: ``PlanDataModule`` and ``PlanLRCallback`` —
+  ``pip install varlen-cli[lightning]``.
+
+See docs/integrations.md.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..loader.plan_file import Plan, PlanError
+
+
+def open_plan(plan: Plan | str | os.PathLike) -> Plan:
+    """A :class:`Plan` from a plan or a path."""
+    return plan if isinstance(plan, Plan) else Plan.open(plan)
+
+
+def world() -> tuple[int, int]:
+    """``(rank, world_size)`` of the default process group (else from the environment, else 0/1)."""
+    from ..loader.sampler import resolve_rank
+
+    return resolve_rank()
+
+
+__all__ = ["PlanError", "open_plan", "world"]

@@ -1,0 +1,201 @@
+"""Hugging Face ``Trainer`` on a varlen plan: ``PlanTrainer(plan=..., model=..., args=..., train_dataset=...)``.
+
+``PlanTrainerMixin`` puts the same behaviour on any ``Trainer`` subclass (TRL's ``SFTTrainer``:
+``class PlanSFTTrainer(PlanTrainerMixin, SFTTrainer)``). What it changes, and why
+(docs/integrations.md lists the silent failures of the plain setup):
+
+* the train dataloader is the plan's (this rank's microbatches, every plan epoch in one Trainer
+  epoch), not re-sharded by accelerate; ``gradient_accumulation_steps`` comes from the plan (a
+  different explicit value is refused) and the epochs too;
+* Trainer's LR scheduler is wrapped in :class:`VariableBatchSizeLR` (base LR x the plan's
+  ``lr_scale``), whose ``step()`` also checks that the step's microbatches were the ones consumed;
+* exact loss normalisation: ``num_items_in_batch`` is the step's target count from the plan (all
+  ranks and micros), with labels in the model's convention (``labels`` + exact ``shift_labels``);
+* packed plans run padding-free (no 2D mask, ``position_ids`` restarting per sample, ``use_cache=False``);
+* checkpoints hold the plan position and fingerprint (``varlen_plan_state.json``); resuming seeks
+  there (no fast-forward) and refuses a checkpoint of another plan;
+* logs get ``tokens_per_second`` (real tokens, all ranks, from the plan) and ``padding_pct``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import Trainer
+
+from ..loader import PadCollate, VariableBatchSizeLR, dataloader_for_plan, to_model_inputs
+from ..loader.packed import PackedCollate
+from ..loader.plan_file import Plan, PlanError
+from . import open_plan
+
+STATE_FILE = "varlen_plan_state.json"
+
+
+def _check_args(args, plan: Plan) -> None:
+    """Take gradient accumulation and epochs from the plan (refuse a conflicting explicit value)."""
+    ga = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
+    if ga not in (1, plan.grad_accum):
+        raise PlanError(f"gradient_accumulation_steps={ga} but the plan was made with --grad-accum "
+                        f"{plan.grad_accum}: leave it at 1 (PlanTrainer takes it from the plan) or re-plan")
+    if getattr(args, "max_steps", -1) > plan.num_steps:
+        raise PlanError(f"max_steps={args.max_steps} but the plan has {plan.num_steps} steps: re-plan with more "
+                        f"--epochs")
+    strategy = getattr(args, "train_sampling_strategy", "random")
+    if getattr(args, "group_by_length", False) or strategy not in (None, "random"):
+        raise PlanError(f"train_sampling_strategy={strategy!r} with a plan: the plan already makes and orders the "
+                        f"batches; leave the Trainer's sampler at its default")
+    args.gradient_accumulation_steps = plan.grad_accum
+    args.num_train_epochs = 1  # one Trainer epoch runs every epoch of the plan
+    args.ignore_data_skip = True  # resume seeks to the plan position instead of fast-forwarding
+
+
+class PlanTrainerMixin:
+    """Trainer behaviour for a varlen plan (see the module docstring). Keyword arguments:
+
+    ``plan``: a plan file or :class:`Plan`; ``plan_collate``: the collate (default
+    ``PadCollate``/``PackedCollate`` with shifted labels); ``attention``: ``"hf"`` (default: packed
+    rows through transformers' position-id packing detection, sdpa or eager), ``"flash"`` or ``"sdpa"``
+    (float block mask), see :func:`~varlen_cli.loader.to_model_inputs`.
+    """
+
+    def __init__(self, *args: Any, plan: Plan | str | os.PathLike, plan_collate: Any = None,
+                 attention: str = "hf", **kwargs: Any):
+        self.plan = open_plan(plan)
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if training_args is None:
+            raise PlanError("PlanTrainer needs args=TrainingArguments(...)")
+        _check_args(training_args, self.plan)
+        self.plan_collate = plan_collate or (PackedCollate() if self.plan.packing else PadCollate())
+        self.plan_attention = attention
+        self.plan_loader = None
+        self._plan_resume: str | None = None
+        self._plan_tokens = 0  # real tokens of the steps run (all ranks, from the plan)
+        self._plan_slots = 0  # padded tokens this rank ran
+        self._plan_real_local = 0
+        self._plan_t0: float | None = None
+        super().__init__(*args, **kwargs)
+
+    # -- data ----------------------------------------------------------------------------------
+    def get_train_dataloader(self):
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        args = self.args
+        extra = {}
+        if args.dataloader_num_workers > 0:
+            extra = {"prefetch_factor": args.dataloader_prefetch_factor,
+                     "persistent_workers": args.dataloader_persistent_workers}
+        loader = dataloader_for_plan(self.train_dataset, self.plan, collate_fn=self.plan_collate,
+                                     num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory,
+                                     all_epochs=True, **extra)
+        loader.consumed_by_trainer = True  # compute_loss reports each batch the model gets
+        if self._plan_resume:
+            loader.load_state_dict(load_plan_state(self._plan_resume, self.plan)["loader"])
+        self.plan_loader = loader
+        return loader
+
+    def _inner_training_loop(self, batch_size=None, args=None, resume_from_checkpoint=None, *rest, **kwargs):
+        self._plan_resume = resume_from_checkpoint
+        self._plan_t0 = None
+        self._plan_tokens = self._plan_slots = self._plan_real_local = 0
+        return super()._inner_training_loop(batch_size, args, resume_from_checkpoint, *rest, **kwargs)
+
+    # -- LR ------------------------------------------------------------------------------------
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        scheduler = super().create_scheduler(num_training_steps, optimizer)
+        if not isinstance(scheduler, VariableBatchSizeLR):
+            guard = self.plan_loader.guard if self.plan_loader is not None else None
+            self.lr_scheduler = VariableBatchSizeLR(scheduler, self.plan, guard=guard)
+        return self.lr_scheduler
+
+    # -- loss ----------------------------------------------------------------------------------
+    def _get_num_items_in_batch(self, batch_samples: list, device):
+        if not batch_samples or batch_samples[0].get("num_items_in_batch") is None:
+            return super()._get_num_items_in_batch(batch_samples, device)
+        targets = float(batch_samples[0]["num_items_in_batch"])  # the whole step, all ranks and micros
+        if not self.args.average_tokens_across_devices:  # Trainer then does not multiply by the world size
+            targets /= max(1, self.args.world_size)
+        return torch.tensor(targets, device=device)
+
+    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        if inputs.get("plan_position") is None:  # evaluation batches and the like
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        if self.plan_loader is not None and self.model.training:
+            self.plan_loader.mark_consumed(inputs)  # checked against the plan's order here, where the model gets it
+        self._account(inputs)
+        model_inputs = to_model_inputs(inputs, style=self.plan_attention)
+        if self.model_accepts_loss_kwargs or self.compute_loss_func is not None or self.label_smoother is not None:
+            return super().compute_loss(model, model_inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        # a model without loss kwargs would average per microbatch: compute the exact summed loss here
+        shift = model_inputs.pop("shift_labels", None)
+        labels = model_inputs.pop("labels")
+        outputs = model(**model_inputs)
+        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+        if shift is None:
+            shift = torch.cat([labels[..., 1:], torch.full_like(labels[..., :1], -100)], dim=-1)
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shift.reshape(-1).to(logits.device),
+                               ignore_index=-100, reduction="sum") / num_items_in_batch
+        if self.args.average_tokens_across_devices:
+            loss = loss * self.accelerator.num_processes
+        self.loss_is_scaled_for_ga = True
+        return (loss, outputs) if return_outputs else loss
+
+    def _account(self, batch: dict) -> None:
+        if self._plan_t0 is None:
+            self._plan_t0 = time.perf_counter()
+        if int(batch["plan_position"][3]) == 0:
+            self._plan_tokens += int(batch["step_tokens"])
+        self._plan_slots += int(batch["input_ids"].numel())
+        self._plan_real_local += int(batch["num_tokens"])
+
+    def log(self, logs: dict, *args, **kwargs) -> None:
+        if "loss" in logs and self._plan_t0 is not None:
+            elapsed = time.perf_counter() - self._plan_t0
+            logs["tokens_per_second"] = round(self._plan_tokens / elapsed, 2) if elapsed > 0 else 0.0
+            if self._plan_slots:
+                logs["padding_pct"] = round(100.0 * (1 - self._plan_real_local / self._plan_slots), 2)
+        return super().log(logs, *args, **kwargs)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.plan_loader is None or not self.args.should_save:
+            return
+        folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+        save_plan_state(folder, self.plan, self.plan_loader.state_dict(), self.state.global_step)
+
+
+def save_plan_state(folder: str, plan: Plan, loader_state: dict, global_step: int) -> str:
+    """Write the plan position into a checkpoint folder (atomically)."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, STATE_FILE)
+    state = {"plan": plan.fingerprint, "plan_path": os.path.abspath(plan.path), "global_step": int(global_step),
+             "loader": loader_state}
+    with open(path + ".tmp", "w") as fh:
+        json.dump(state, fh)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def load_plan_state(folder: str, plan: Plan) -> dict:
+    """Read a checkpoint's plan position; refuse a checkpoint without one or from another plan."""
+    path = os.path.join(folder, STATE_FILE)
+    if not os.path.exists(path):
+        raise PlanError(f"{folder} has no {STATE_FILE}: it was not saved by a PlanTrainer, so the plan position "
+                        f"is unknown")
+    with open(path) as fh:
+        state = json.load(fh)
+    if state.get("plan") != plan.fingerprint:
+        raise PlanError(f"{folder} was saved with another plan ({state.get('plan_path')}); resume with the same "
+                        f"plan file")
+    return state
+
+
+class PlanTrainer(PlanTrainerMixin, Trainer):
+    """``transformers.Trainer`` on a varlen plan: ``PlanTrainer(plan=PATH, model=..., args=..., train_dataset=...)``."""
