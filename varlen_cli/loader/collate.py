@@ -98,7 +98,8 @@ class PadCollate:
     ``sample_ids`` (B long, -1 on padding rows), optionally ``attention_mask_3d`` (B x T x T bool,
     see :func:`causal_padding_mask`), and the counts ``num_samples``, ``num_tokens`` (real tokens),
     ``loss_tokens`` (targets in this microbatch) and, from the plan, ``step_samples``,
-    ``step_tokens`` and ``step_loss_tokens`` (targets in the whole step over all ranks and micros:
+    ``step_tokens`` and ``step_loss_tokens`` (targets in the whole step over all ranks and micros,
+    :attr:`Microbatch.step_targets`:
     divide the summed token losses by it, times the world size under DDP's gradient averaging,
     to get the exact per-token mean of the step with no extra communication), plus ``info``.
     """
@@ -183,8 +184,8 @@ class PadCollate:
         if info is not None:
             out["step_samples"] = info.step_samples
             out["step_tokens"] = info.step_tokens
-            # targets in the whole step: one per token but the first of each sample, in either label convention
-            out["step_loss_tokens"] = info.step_tokens - info.step_samples
+            # targets in the whole step, in either label convention (exact: counted from the lengths)
+            out["step_loss_tokens"] = info.step_targets
         if self.attention_mask_3d:
             out["attention_mask_3d"] = causal_padding_mask(lengths, seqlen, batch)
         from .model_inputs import finish_batch

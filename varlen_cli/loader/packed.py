@@ -221,9 +221,8 @@ class PackedCollate:
     ``shift_labels``, the input ids with the first token of each entry masked, for models that
     shift internally; ``-100`` wherever there is no target), ``loss_mask``, ``sample_ids``, the counts
     ``num_samples``, ``num_tokens`` and ``loss_tokens``, and from the plan ``step_samples``,
-    ``step_tokens``, ``step_loss_tokens`` (``step_tokens - step_samples`` with ``shift_labels``:
-    exact when ``step_samples`` counts distinct samples, chunks of a split sample once, and no
-    sample is empty) and ``info``; with ``attention_mask_3d`` also the
+    ``step_tokens``, ``step_loss_tokens`` (the plan's exact count of the step's targets,
+    :attr:`Microbatch.step_targets`) and ``info``; with ``attention_mask_3d`` also the
     R x T x T :func:`block_causal_mask`.
     """
 
@@ -257,8 +256,8 @@ class PackedCollate:
                              dtype=self.dtype)
         out["step_samples"] = info.step_samples
         out["step_tokens"] = info.step_tokens
-        # targets in the whole step, in either label convention (unshifted plans have no split chunks)
-        out["step_loss_tokens"] = info.step_tokens - info.step_samples
+        # targets in the whole step, in either label convention (exact: counted from the lengths)
+        out["step_loss_tokens"] = info.step_targets
         from .model_inputs import finish_batch
 
         return finish_batch(out, info, self.labels)

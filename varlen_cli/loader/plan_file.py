@@ -51,6 +51,15 @@ class Microbatch:
     sample_rows: np.ndarray | None = None
     sample_starts: np.ndarray | None = None
     source: np.ndarray | None = None  # mixture plans: index of each sample's source (plan.meta["mixture"])
+    step_loss_tokens: int | None = None  # loss targets of the whole step (plans written since the column exists)
+
+    @property
+    def step_targets(self) -> int:
+        """Loss targets of the whole step: the plan's exact ``step_loss_tokens`` (empty samples count 0,
+        a non-final split chunk all its tokens), or ``step_tokens - step_samples`` for older plans."""
+        if self.step_loss_tokens is not None:
+            return self.step_loss_tokens
+        return self.step_tokens - self.step_samples
 
     @property
     def position(self) -> tuple[int, int, int]:
@@ -70,6 +79,9 @@ class _Group:
         self.first_row = first_row
         self.num_rows = table.num_rows
         self.scalars = {name: table.column(name).to_numpy() for name in format.PLAN_SCALAR_COLUMNS}
+        for name, _ in format.PLAN_OPTIONAL_COLUMNS:
+            if name in table.column_names:
+                self.scalars[name] = table.column(name).to_numpy()
         self.lists = {}
         for name in ("sample_ids", "source") + PACKED_COLUMNS:
             if name in table.column_names:
@@ -88,6 +100,7 @@ class _Group:
             shape_id=int(s["shape_id"][i]), step_samples=int(s["step_samples"][i]),
             step_tokens=int(s["step_tokens"][i]), sample_lengths=lists.get("sample_lengths"),
             sample_rows=lists.get("sample_rows"), sample_starts=lists.get("sample_starts"), source=lists.get("source"),
+            step_loss_tokens=int(s["step_loss_tokens"][i]) if "step_loss_tokens" in s else None,
         )
 
 
@@ -304,7 +317,8 @@ class Plan:
         if g is not None and g.first_row <= row < g.first_row + g.num_rows:
             return g
         index = self._row_group_of(row)
-        columns = list(REQUIRED_COLUMNS) + [c for c in PACKED_COLUMNS + ("source",) if c in self._pf.schema_arrow.names]
+        optional = PACKED_COLUMNS + ("source",) + tuple(name for name, _ in format.PLAN_OPTIONAL_COLUMNS)
+        columns = list(REQUIRED_COLUMNS) + [c for c in optional if c in self._pf.schema_arrow.names]
         table = self._pf.read_row_group(index, columns=columns)
         self.row_groups_read += 1
         self._group = _Group(table, int(self._first_rows[index]))
