@@ -77,3 +77,29 @@ def test_validate_catches_a_wrong_step_loss_tokens(tmp_path):
     assert [c.name for c in result.violations] == ["loss tokens"]
     meta = json.loads(table.schema.metadata[b"varlen"])
     assert meta["packing"]["seq_len"] == 128
+
+
+@pytest.mark.parametrize("name", ["padded", "packed"])
+@pytest.mark.parametrize("labels", ["shifted", "unshifted"])
+def test_loader_step_loss_tokens_are_the_collated_targets_of_the_step(tmp_path, name, labels):
+    """What a trainer divides by: every batch's ``step_loss_tokens`` (and ``num_items_in_batch``) equals
+    the targets the collate itself marks in all microbatches of that step, with empty and one-token
+    samples, in either label convention."""
+    from varlen_cli.loader import PackedCollate, PadCollate, Plan, dataloader_for_plan
+
+    options = CASES[name]
+    lengths = _lengths(3)
+    metrics = write_metrics(tmp_path / "m", lengths)
+    out = str(tmp_path / "p.parquet")
+    plan(PlanConfig(input=metrics, output=out, **options))
+    dataset = [np.arange(1, int(n) + 1, dtype=np.int64) for n in lengths]
+    p = Plan.open(out)
+    collate = PackedCollate(labels=labels) if options.get("packing") else PadCollate(labels=labels)
+    marked: dict = {}
+    announced: dict = {}
+    for rank in range(p.dp):
+        for batch in dataloader_for_plan(dataset, p, rank=rank, world_size=p.dp, collate_fn=collate):
+            step = int(batch["info"].step)
+            marked[step] = marked.get(step, 0) + int(batch["loss_mask"].sum())
+            announced.setdefault(step, set()).add((int(batch["step_loss_tokens"]), int(batch["num_items_in_batch"])))
+    assert {s: {(n, n)} for s, n in marked.items()} == announced
