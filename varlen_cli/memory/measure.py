@@ -193,6 +193,41 @@ def fix_malloc_policy() -> bool:
         return False
 
 
+_PLUGGED: list[int] = []  # heap chunks taken out of use in this (forked) child; never freed
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def plug_inherited_heap() -> int:
+    """Take the free heap chunks of at least ``MMAP_THRESHOLD`` bytes that this forked child inherited
+    out of use, so every tensor of the step gets its own fresh mapping, as in a clean process, instead
+    of landing in free heap memory left by the parent's history, where what the step frees stays
+    resident and inflates the peak. Call after ``fix_malloc_policy`` and ``malloc_trim``: no page is
+    touched beyond the chunk headers. Returns the bytes plugged."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+        libc.free.argtypes = [ctypes.c_void_p]
+        libc.mallinfo2.restype = _MallInfo2
+        free_bytes = libc.mallinfo2().fordblks
+    except (OSError, AttributeError):
+        return 0
+    size, plugged, word = 1 << max(free_bytes, 1).bit_length(), 0, ctypes.sizeof(ctypes.c_size_t)
+    while size >= MMAP_THRESHOLD:
+        ptr = libc.malloc(size)
+        if ptr and not ctypes.c_size_t.from_address(ptr - word).value & 2:  # glibc's IS_MMAPPED bit
+            _PLUGGED.append(ptr)  # served from a free heap chunk: keep it, try the same size again
+            plugged += size
+            continue
+        libc.free(ptr)
+        size //= 2
+    return plugged
+
+
 class CpuPeak:
     """Peak resident memory of this process over the step (plus the tensors alive before it)."""
 
@@ -246,6 +281,11 @@ def measure_in_process(setup: MeasureSetup, batch: int, seqlen: int, input_ids=N
     if setup.device == "cpu":
         torch.set_num_threads(1)
         fix_malloc_policy()
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
+        plug_inherited_heap()
     reader = CudaPeak() if setup.device.startswith("cuda") else CpuPeak()
     t0 = time.perf_counter()
     model, opt, vocab = build(setup)
@@ -297,22 +337,11 @@ def preload(setup: MeasureSetup) -> None:
 
 
 def start_method(device: str) -> str:
-    """forkserver for CPU on Linux: children forked from a fresh server process that has only
-    imported torch (never the caller, whose heap and torch state would leak into the measurement);
-    spawn for CUDA and elsewhere. ``VARLEN_CALIBRATE_START`` overrides it."""
+    """fork for CPU on Linux (the parent ran no torch op); spawn for CUDA and elsewhere."""
     method = os.environ.get("VARLEN_CALIBRATE_START")
     if method:
         return method
-    return "forkserver" if sys.platform.startswith("linux") and device == "cpu" else "spawn"
-
-
-def _forkserver_preload(setup: MeasureSetup) -> list[str]:
-    """What the fork server imports once (it runs no torch op), so its children start in milliseconds."""
-    modules = ["torch", "torch._dynamo"]  # torch.optim imports torch._dynamo on first use: ~2 s
-    module_name = setup.model.rpartition(":")[0]
-    if module_name and not module_name.endswith(".py"):
-        modules.append(module_name)
-    return modules
+    return "fork" if sys.platform.startswith("linux") and device == "cpu" else "spawn"
 
 
 def measure_shape(setup: MeasureSetup, batch: int, seqlen: int, input_ids=None, timeout: float = 600.0) -> dict:
@@ -326,8 +355,6 @@ def measure_shape(setup: MeasureSetup, batch: int, seqlen: int, input_ids=None, 
     if method == "fork":
         preload(setup)
     ctx = mp.get_context(method)
-    if method == "forkserver":
-        ctx.set_forkserver_preload(_forkserver_preload(setup))  # takes effect when the server starts
     recv, send = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_child, args=(send, setup, batch, seqlen, input_ids), daemon=True)
     proc.start()
