@@ -137,7 +137,8 @@ def _measured(c: CalibrateConfig) -> dict:
         measure={"method": ("cuda: max_memory_allocated after reset_peak_memory_stats (reserved recorded)"
                             if c.device == "cuda" else
                             "cpu: static tensor bytes + (VmHWM after the step - VmRSS before), HWM reset by "
-                            "/proc/self/clear_refs, malloc_trim before, fixed glibc mmap threshold, 1 thread"),
+                            "/proc/self/clear_refs, malloc_trim before, fixed glibc mmap threshold, inherited free "
+                            "heap chunks plugged, 1 thread"),
                  "process": f"one fresh {start_method(c.device)}ed process per shape; warm-up step at 1x8 first",
                  "gradients": "allocated (zeroed) before the step, as between accumulation microbatches",
                  "calibration_memory": cap, "host": platform.node()},

@@ -193,6 +193,41 @@ def fix_malloc_policy() -> bool:
         return False
 
 
+_PLUGGED: list[int] = []  # heap chunks taken out of use in this (forked) child; never freed
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def plug_inherited_heap() -> int:
+    """Take the free heap chunks of at least ``MMAP_THRESHOLD`` bytes that this forked child inherited
+    out of use, so every tensor of the step gets its own fresh mapping, as in a clean process, instead
+    of landing in free heap memory left by the parent's history, where what the step frees stays
+    resident and inflates the peak. Call after ``fix_malloc_policy`` and ``malloc_trim``: no page is
+    touched beyond the chunk headers. Returns the bytes plugged."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+        libc.free.argtypes = [ctypes.c_void_p]
+        libc.mallinfo2.restype = _MallInfo2
+        free_bytes = libc.mallinfo2().fordblks
+    except (OSError, AttributeError):
+        return 0
+    size, plugged, word = 1 << max(free_bytes, 1).bit_length(), 0, ctypes.sizeof(ctypes.c_size_t)
+    while size >= MMAP_THRESHOLD:
+        ptr = libc.malloc(size)
+        if ptr and not ctypes.c_size_t.from_address(ptr - word).value & 2:  # glibc's IS_MMAPPED bit
+            _PLUGGED.append(ptr)  # served from a free heap chunk: keep it, try the same size again
+            plugged += size
+            continue
+        libc.free(ptr)
+        size //= 2
+    return plugged
+
+
 class CpuPeak:
     """Peak resident memory of this process over the step (plus the tensors alive before it)."""
 
@@ -246,6 +281,11 @@ def measure_in_process(setup: MeasureSetup, batch: int, seqlen: int, input_ids=N
     if setup.device == "cpu":
         torch.set_num_threads(1)
         fix_malloc_policy()
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
+        plug_inherited_heap()
     reader = CudaPeak() if setup.device.startswith("cuda") else CpuPeak()
     t0 = time.perf_counter()
     model, opt, vocab = build(setup)
