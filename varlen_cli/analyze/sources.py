@@ -46,7 +46,7 @@ class SourceFile:
     compression: str | None = None
     rows: int = -1  # known from metadata for parquet and arrow, -1 for line formats
     mtime_ns: int = 0  # when discovered: with size, what staleness checks compare
-    footer: str | None = None  # Parquet: hash of the footer (see _footer_digest)
+    footer: str | None = None  # Parquet: hash of the footer (see footer_digest)
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ def discover(sources: Sequence[str]) -> list[SourceFile]:
                     raise InputError(f"{path} is a varlen plan, not a dataset")
                 continue  # a plan written inside a source directory is not data
             _check_unique_columns(pf, path)
-            rows, footer = pf.metadata.num_rows, _footer_digest(path, st.st_size)
+            rows, footer = pf.metadata.num_rows, footer_digest(path, st.st_size)
         elif fmt == "arrow":
             rows = sum(n for n in _arrow_batch_rows(path))
         files.append(SourceFile(path, fmt, st.st_size, compression, rows, st.st_mtime_ns, footer))
@@ -199,7 +199,7 @@ def _check_unique_columns(pf, path: str) -> None:
         raise InputError(f"{path} has duplicate column names ({', '.join(dup)}); rename them before analyze")
 
 
-def _footer_digest(path: str, size: int) -> str | None:
+def footer_digest(path: str, size: int) -> str | None:
     """A hash of the Parquet footer (schema, row groups, statistics): changes when the content is
     rewritten even where size and mtime do not. One small read at the end of the file."""
     import hashlib

@@ -64,8 +64,8 @@ def _difference(source: str, entry: dict) -> str | None:
     if st.st_mtime_ns != entry.get("mtime_ns"):
         return "was modified"
     if entry.get("footer") is not None:
-        from ..analyze.sources import _footer_digest
+        from ..analyze.sources import footer_digest
 
-        if _footer_digest(source, st.st_size) != entry["footer"]:
+        if footer_digest(source, st.st_size) != entry["footer"]:
             return "was rewritten (its Parquet footer differs)"
     return None
