@@ -25,6 +25,16 @@ EXAMPLES = os.path.join(ROOT, "examples")
 NUM_SAMPLES = 300
 
 
+def load_example(name: str):
+    """The module ``examples/NAME.py`` (the examples are scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(EXAMPLES, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def small_dataset(folder) -> str:
     """The first 300 rows of sample_data/tokenized.parquet as a Parquet file."""
     path = os.path.join(str(folder), "small.parquet")

@@ -2,7 +2,6 @@
 stream, LR, first-step gradient and save_state/load_state resume; accelerator.prepare(loader) stops
 with a one-line PlanError."""
 
-import importlib.util
 import os
 import re
 
@@ -13,10 +12,10 @@ pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
 from tests.integration_helpers import (  # noqa: E402
-    EXAMPLES,
     assert_grads_close,
     check_lr,
     check_stream,
+    load_example,
     logs,
     make_plan,
     reference_grads,
@@ -26,13 +25,6 @@ from tests.integration_helpers import (  # noqa: E402
 )
 from varlen_cli.errors import PlanError  # noqa: E402
 from varlen_cli.loader import Plan, dataloader_for_plan  # noqa: E402
-
-
-def _module(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(EXAMPLES, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +43,11 @@ def test_accelerate_two_ranks_exact_stream_lr_gradient_and_resume(setup):
     torchrun("train_accelerate.py", *common, "--save-at", save_at, "--log-dir", folder / "full")
     full = logs(folder / "full")
     check_stream(plan, full)
-    tiny_lm = _module("tiny_lm")
+    tiny_lm = load_example("tiny_lm")
     check_lr(plan, full, 3e-3, tiny_lm.warmup_cosine(2, plan.num_steps))
     data_tokens = tokens(data)
     vocab = max(int(t.max()) for t in data_tokens) + 1
-    model = _module("train_hf_trainer").tiny_llama(vocab, max(t for _, t in plan.shapes))
+    model = load_example("train_hf_trainer").tiny_llama(vocab, max(t for _, t in plan.shapes))
     assert_grads_close(torch.load(os.path.join(folder / "full", "grad0.pt")), reference_grads(model, plan, data_tokens))
     torchrun("train_accelerate.py", *common, "--resume", "--log-dir", folder / "resumed")
     resumed = logs(folder / "resumed")

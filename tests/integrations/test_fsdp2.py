@@ -1,7 +1,6 @@
 """FSDP2 (torch.distributed.fsdp.fully_shard) on a plan, 2 processes on CPU (gloo): exact stream, LR,
 first-step gradient (gathered from the shards) and a resume from a torch.distributed.checkpoint."""
 
-import importlib.util
 import os
 
 import pytest
@@ -10,10 +9,10 @@ import torch
 pytest.importorskip("transformers")
 
 from tests.integration_helpers import (  # noqa: E402
-    EXAMPLES,
     assert_grads_close,
     check_lr,
     check_stream,
+    load_example,
     logs,
     make_plan,
     reference_grads,
@@ -22,13 +21,6 @@ from tests.integration_helpers import (  # noqa: E402
     torchrun,
 )
 from varlen_cli.loader import Plan  # noqa: E402
-
-
-def _module(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(EXAMPLES, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.slow
@@ -41,10 +33,10 @@ def test_fsdp2_two_ranks_exact_stream_lr_gradient_and_resume(tmp_path):
     torchrun("train_fsdp2.py", *common, "--save-at", save_at, "--log-dir", tmp_path / "full")
     full = logs(tmp_path / "full")
     check_stream(plan, full)
-    check_lr(plan, full, 3e-3, _module("tiny_lm").warmup_cosine(2, plan.num_steps))
+    check_lr(plan, full, 3e-3, load_example("tiny_lm").warmup_cosine(2, plan.num_steps))
     data_tokens = tokens(data)
     vocab = max(int(t.max()) for t in data_tokens) + 1
-    model = _module("train_hf_trainer").tiny_llama(vocab, max(t for _, t in plan.shapes))
+    model = load_example("train_hf_trainer").tiny_llama(vocab, max(t for _, t in plan.shapes))
     got = torch.load(os.path.join(tmp_path / "full", "grad0.pt"))
     assert_grads_close(got, reference_grads(model, plan, data_tokens))
     torchrun("train_fsdp2.py", *common, "--resume", "--log-dir", tmp_path / "resumed")

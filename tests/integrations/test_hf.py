@@ -2,7 +2,6 @@
 exact stream/LR/gradient/resume, the padding-free packed path, and each silent failure of the plain
 setup (issue 12) turned into a one-line PlanError."""
 
-import importlib.util
 import os
 import shutil
 
@@ -14,11 +13,11 @@ import torch.nn.functional as F
 pytest.importorskip("transformers")
 
 from tests.integration_helpers import (  # noqa: E402
-    EXAMPLES,
     assert_grads_close,
     check_lr,
     check_stream,
     hf_cosine,
+    load_example,
     logs,
     make_plan,
     reference_grads,
@@ -32,10 +31,7 @@ from varlen_cli.loader.packed import PackedCollate  # noqa: E402
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("train_hf_trainer", os.path.join(EXAMPLES, "train_hf_trainer.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("train_hf_trainer")
 
 
 @pytest.fixture(scope="module")

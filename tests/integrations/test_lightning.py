@@ -3,7 +3,6 @@ LR, first-step gradient and a mid-epoch resume from Lightning's own checkpoint; 
 silent failures prevented or refused with a one-line PlanError."""
 
 import dataclasses
-import importlib.util
 import os
 
 import pytest
@@ -13,10 +12,10 @@ pytest.importorskip("lightning")
 pytest.importorskip("transformers")
 
 from tests.integration_helpers import (  # noqa: E402
-    EXAMPLES,
     assert_grads_close,
     check_lr,
     check_stream,
+    load_example,
     logs,
     make_plan,
     reference_grads,
@@ -26,13 +25,6 @@ from tests.integration_helpers import (  # noqa: E402
 )
 from varlen_cli.errors import PlanError  # noqa: E402
 from varlen_cli.loader import Plan, dataloader_for_plan  # noqa: E402
-
-
-def _module(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(EXAMPLES, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +44,10 @@ def test_lightning_two_ranks_exact_stream_lr_gradient_and_mid_epoch_resume(setup
              folder / "full")
     full = logs(folder / "full")
     check_stream(plan, full)
-    check_lr(plan, full, 3e-3, _module("tiny_lm").warmup_cosine(2, plan.num_steps))
+    check_lr(plan, full, 3e-3, load_example("tiny_lm").warmup_cosine(2, plan.num_steps))
     data_tokens = tokens(data)
     vocab = max(int(t.max()) for t in data_tokens) + 1
-    model = _module("train_hf_trainer").tiny_llama(vocab, max(t for _, t in plan.shapes))
+    model = load_example("train_hf_trainer").tiny_llama(vocab, max(t for _, t in plan.shapes))
     assert_grads_close(torch.load(os.path.join(folder / "full", "grad0.pt")), reference_grads(model, plan, data_tokens))
     # a checkpoint strictly inside an epoch (Lightning's own file, saved after optimizer step k)
     start1 = plan.epoch_start(1)
@@ -93,7 +85,7 @@ def test_trainer_settings_that_disagree_with_the_plan_are_refused(setup):
 
     folder, data, _ = setup
     one = make_plan(folder, data, "dp1", max_tokens=512, dp=1, grad_accum=2, epochs=2)
-    module = _module("train_lightning").TinyLlamaModule(2000, 512, 1e-3, 1, 10)
+    module = load_example("train_lightning").TinyLlamaModule(2000, 512, 1e-3, 1, 10)
     cases = [
         (dict(use_distributed_sampler=True, accumulate_grad_batches=2, max_epochs=2),
          r"^Trainer\(use_distributed_sampler=True\) would re-shard the plan's per-rank batches: pass "
