@@ -184,9 +184,35 @@ def form_sequence(seq: np.ndarray, lengths: np.ndarray, shape: ShapeMap, budget:
 def bucket_sequence(canon: np.ndarray, padded: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """bucket-shuffle: samples grouped by padded length (``padded`` is aligned with ``canon``), in
     random order inside each group. Returns the sequence and its padded lengths."""
-    perm = rng.permutation(len(canon))
-    order = perm[stable_argsort_int(padded[perm])]
-    return canon[order], padded[order]
+    n = len(canon)
+    perm = rng.permutation(n)
+    hi = int(padded.max()) if n else 0
+    if n >= 1 << 31 or hi >= 1 << 16 or int(padded.min()) < 0:
+        order = perm[stable_argsort_int(padded[perm])]
+        return canon[order], padded[order]
+    # the same sequence with 4- and 2-byte arrays (random gathers are memory-bound): a stable
+    # radix argsort of the 16-bit keys in permutation order; the sorted keys from their counts
+    perm32 = perm.astype(np.int32)
+    del perm
+    key = padded.astype(np.uint16)[perm32]
+    order = perm32[np.argsort(key, kind="stable")]
+    del perm32
+    counts = np.bincount(key, minlength=hi + 1)
+    del key
+    seq_padded = np.repeat(np.arange(hi + 1, dtype=padded.dtype), counts)
+    if n and int(canon[0]) == 0 and int(canon[-1]) == n - 1 and is_identity(canon):
+        return order, seq_padded
+    return canon[order], seq_padded
+
+
+def is_identity(a: np.ndarray) -> bool:
+    """Whether ``a`` is ``arange(len(a))`` (one sequential pass)."""
+    n = len(a)
+    if not n:
+        return True
+    if int(a[0]) != 0 or int(a[-1]) != n - 1:
+        return False
+    return bool(np.all(a[1:] > a[:-1]))
 
 
 def form_random(canon: np.ndarray, lengths: np.ndarray, shape: ShapeMap, budget: Budget, static: bool,
