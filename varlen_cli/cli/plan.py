@@ -147,6 +147,8 @@ def plan_command(
     allow_stale: bool = common.ALLOW_STALE,
     schedule: str | None = SCHEDULE,
     stages: int | None = STAGES,
+    progress: bool = common.PROGRESS,
+    json_output: bool = common.JSON,
 ) -> None:
     """Write a token-budget batch plan (Parquet): microbatches, ranks, steps, shapes and LR scales."""
     from varlen_cli.cli import report
@@ -159,10 +161,12 @@ def plan_command(
         static_shapes=static_shapes, compile_warmup=compile_warmup, same_shape_per_step=same_shape_per_step,
         max_samples=max_samples, attention_cost=attention_cost, drop_long=drop_long, tail=tail, packing=packing,
         seq_len=seq_len, rows_per_microbatch=rows_per_microbatch, max_per_row=max_per_row, split_long=split_long,
-        overwrite=overwrite, allow_stale=allow_stale, schedule=schedule, stages=stages,
+        overwrite=overwrite, allow_stale=allow_stale, schedule=schedule, stages=stages, progress=progress,
     )
     result = common.run(plan, config)
-    if result is not None:
+    if result is not None and json_output:
+        report.print_json(report.plan_json(result))
+    elif result is not None:
         report.print_plan(result)
 
 

@@ -16,6 +16,7 @@ from . import batching, layout, lr, stats, writer
 from .batching import Microbatches
 from .layout import EpochLayout
 from .orders import CURRICULAR, EpochInputs, Formers
+from .progress import PlanProgress
 from .shapes import Budget, ShapeMap, choose_edges, pair_ids
 
 ORDERS = values(Order)
@@ -72,6 +73,7 @@ class PlanConfig:
                                      "1f1b, lpp, fslpp): the best simulated of a few orders per step "
                                      "(docs/schedules.md).")
     stages: int | None = doc(None, "Pipeline stages of --schedule.")
+    progress: bool = doc(True, "Show a progress bar (stderr, only on a terminal) when planning takes over ~1 s.")
 
 
 @dataclass
@@ -85,6 +87,7 @@ class PlanResult:
     dropped_ids: np.ndarray
     seconds: float
     metadata: dict = field(repr=False, default_factory=dict)
+    phases: dict = field(default_factory=dict)  # seconds per phase: read, form, layout, columns, write
 
 
 # -- checks ----------------------------------------------------------------------------------------
@@ -226,16 +229,22 @@ def plan(config: PlanConfig) -> PlanResult:
     c = config
     check(c)
     writer.check_output(c.output, c.overwrite)
-    manifest, sample_id, length = read_input(c.input, c.allow_stale)
-    kind = manifest.get("kind", "metrics")
-    if c.order in CURRICULAR and kind != "sorted":
-        raise UsageError(f"--order {c.order} needs a sorted input, but {c.input} is a {kind} directory "
-                         f"(sample_id order); sort it first: `varlen sort {c.input} -o SORTED_DIR`")
-    budget = Budget(c.max_tokens, c.max_samples, float(c.attention_cost))
-    inputs, long_pos = _epoch_inputs(c, sample_id, length, budget)
-    epochs, fixed_batch = _plan_epochs(c, inputs)
-    cols, items = assemble_columns(c, sample_id, length, epochs, inputs.slots)
-    return _finish(c, manifest, sample_id, epochs, cols, items, long_pos, inputs, fixed_batch, t0)
+    with PlanProgress(c.progress, c.epochs) as bar:
+        bar.phase("read")
+        manifest, sample_id, length = read_input(c.input, c.allow_stale)
+        kind = manifest.get("kind", "metrics")
+        if c.order in CURRICULAR and kind != "sorted":
+            raise UsageError(f"--order {c.order} needs a sorted input, but {c.input} is a {kind} directory "
+                             f"(sample_id order); sort it first: `varlen sort {c.input} -o SORTED_DIR`")
+        budget = Budget(c.max_tokens, c.max_samples, float(c.attention_cost))
+        inputs, long_pos = _epoch_inputs(c, sample_id, length, budget)
+        epochs, fixed_batch = _plan_epochs(c, inputs, bar)
+        bar.phase("columns")
+        cols, items = assemble_columns(c, sample_id, length, epochs, inputs.slots)
+        bar.phase("write")
+        result = _finish(c, manifest, sample_id, epochs, cols, items, long_pos, inputs, fixed_batch, t0)
+    result.phases = dict(bar.seconds)
+    return result
 
 
 def _too_long(c: PlanConfig, length: np.ndarray, budget: Budget, shape: ShapeMap) -> np.ndarray:
@@ -243,7 +252,7 @@ def _too_long(c: PlanConfig, length: np.ndarray, budget: Budget, shape: ShapeMap
     if c.packing:
         too_long = (length > c.seq_len) if not c.split_long else np.zeros(len(length), bool)
     else:
-        too_long = budget.cap(shape.pad(length)) < 1
+        too_long = ~budget.fits(1, shape.pad(length))  # cap < 1 (cap falls with T), without a gather
     n_long = int(np.count_nonzero(too_long))
     if n_long == len(length):
         if c.packing:
@@ -293,7 +302,8 @@ class PlannedEpoch:
     schedule_order: dict | None = None  # --schedule: the simulated gain of the step order (schedule/order.py)
 
 
-def _plan_epochs(c: PlanConfig, inputs: EpochInputs) -> tuple[list[PlannedEpoch], int | None]:
+def _plan_epochs(c: PlanConfig, inputs: EpochInputs,
+                 bar: PlanProgress | None = None) -> tuple[list[PlannedEpoch], int | None]:
     """Every epoch formed by its order's strategy and laid out; also the random order's fixed batch size."""
     formers = Formers()
     epochs = []
@@ -302,10 +312,14 @@ def _plan_epochs(c: PlanConfig, inputs: EpochInputs) -> tuple[list[PlannedEpoch]
         if c.curriculum_epochs is not None and e >= c.curriculum_epochs:
             mode = "bucket-shuffle"
         rng = np.random.default_rng([c.seed, e])
+        if bar is not None:
+            bar.phase(f"form epoch {e + 1}/{c.epochs}")
         formed = formers.for_epoch(c, mode).form(inputs, mode, rng)
         mb = formed.mb
         cost = (mb.tokens.astype(np.float64) if c.packing else
                 np.asarray(inputs.budget.cost(mb.batch_size, mb.seqlen), dtype=np.float64))
+        if bar is not None:
+            bar.phase(f"layout epoch {e + 1}/{c.epochs}")
         lay = layout.layout_epoch(mb, cost, c.dp, c.grad_accum, warmup=c.compile_warmup and e == 0,
                                   same_shape=c.same_shape_per_step or c.packing, static=c.static_shapes)
         ordered = None
