@@ -73,7 +73,7 @@ class PlanConfig:
                                      "1f1b, lpp, fslpp): the best simulated of a few orders per step "
                                      "(docs/schedules.md).")
     stages: int | None = doc(None, "Pipeline stages of --schedule.")
-    progress: bool = doc(True, "Show a progress bar (stderr, only on a terminal) when planning takes over ~1 s.")
+    progress: bool = doc(True, "Show a progress bar on rank 0 (only on a terminal).")
 
 
 @dataclass
