@@ -164,7 +164,8 @@ t0 = time.perf_counter(); np.sort(x); print(time.perf_counter() - t0)
 def _timed(cmd: list) -> tuple[float, float, float]:
     """(wall s, CPU s, peak RSS bytes) of a child process (its own rusage from wait4)."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    env = dict(os.environ, VARLEN_NO_PROGRESS="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     _, status, ru = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
     if os.waitstatus_to_exitcode(status):
@@ -186,7 +187,7 @@ def command(args) -> None:
             extra = ["--packing", "--seq-len", str(args.max_tokens)] if order == "packing" else ["--order", order]
             cmd = [sys.executable, "-m", "varlen_cli", "plan", mdir, "-o", os.path.join(args.work, f"plan{n}.parquet"),
                    "--max-tokens", str(args.max_tokens), "--dp", str(args.dp), "--overwrite", "--drop-long",
-                   "--no-progress", *extra]
+                   *extra]  # VARLEN_NO_PROGRESS (set below) also works for versions without --no-progress
             runs, refs, loads = [], [], []
             for _ in range(args.repeats):
                 loads.append(os.getloadavg()[0])
