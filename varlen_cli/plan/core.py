@@ -211,7 +211,7 @@ def canonical_order(sample_id: np.ndarray) -> np.ndarray:
     whether the input was a metrics or a sorted directory."""
     n = len(sample_id)
     if n < 2 or bool(np.all(sample_id[1:] > sample_id[:-1])):
-        return np.arange(n, dtype=np.int64)
+        return np.arange(n, dtype=np.int32 if n < 1 << 31 else np.int64)  # positions: 4 bytes a sample
     lo, hi = int(sample_id.min()), int(sample_id.max())
     if lo >= 0 and hi < 2 * n:
         inv = np.full(hi + 1, -1, np.int64)
