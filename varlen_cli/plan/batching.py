@@ -50,8 +50,11 @@ def segment_gather(starts: np.ndarray, counts: np.ndarray, new_offsets: np.ndarr
     total = int(new_offsets[-1])
     if total == 0:
         return np.zeros(0, np.int64)
-    shift = np.repeat(starts - new_offsets[:-1], counts)
-    return np.arange(total, dtype=np.int64) + shift
+    # int32 where every index fits: 4 bytes a sample for the temporaries of a full gather
+    dtype = np.int32 if max(total, int(starts.max()) + int(counts.max())) < 1 << 31 else np.int64
+    shift = np.repeat((starts - new_offsets[:-1]).astype(dtype), counts)
+    shift += np.arange(total, dtype=dtype)
+    return shift
 
 
 def segment_max(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
@@ -121,11 +124,14 @@ def greedy_offsets(padded: np.ndarray, cap: np.ndarray, closed: bool = False) ->
 
 def _greedy_sorted(cap: np.ndarray, run_key: np.ndarray, closed: bool) -> np.ndarray:
     n = len(cap)
+    small = n < 1 << 30 and int(cap.max()) < 1 << 30  # int32 arrays: 4 bytes a sample
+    idx_type = np.int32 if small else np.int64
     # a microbatch ending at j may start at j - cap[j] + 1 or later; strictly increasing in j
-    earliest = np.arange(n, dtype=np.int64) - cap + 1
+    earliest = np.arange(1, n + 1, dtype=idx_type)
+    earliest -= cap.astype(idx_type, copy=False)
     change = np.flatnonzero(run_key[1:] != run_key[:-1]) + 1
     run_stop = np.append(change, n)
-    run_of = np.zeros(n, dtype=np.int64)
+    run_of = np.zeros(n, dtype=idx_type)
     run_of[change] = 1
     np.cumsum(run_of, out=run_of)
     pieces = []
