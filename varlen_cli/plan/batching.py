@@ -131,13 +131,10 @@ def _greedy_sorted(cap: np.ndarray, run_key: np.ndarray, closed: bool) -> np.nda
     earliest -= cap.astype(idx_type, copy=False)
     change = np.flatnonzero(run_key[1:] != run_key[:-1]) + 1
     run_stop = np.append(change, n)
-    run_of = np.zeros(n, dtype=idx_type)
-    run_of[change] = 1
-    np.cumsum(run_of, out=run_of)
     pieces = []
     i = 0
     while i < n:
-        b = int(run_stop[run_of[i]])
+        b = int(run_stop[np.searchsorted(run_stop, i, side="right")])  # the end of i's run
         c = int(cap[i])
         k = (b - i) // c
         if k:
