@@ -181,7 +181,11 @@ def command(args) -> None:
     print(f"{'N':>12} {'order':<15} {'wall s':>7} {'CPU s':>6} {'np.sort s':>9} {'x np.sort':>9} "
           f"{'peak RSS MB':>11} {'B/sample':>8} {'load':>5}")
     for n in [int(float(s)) for s in args.sizes.split(",")]:
-        mdir = write_metrics_dir(os.path.join(args.work, f"m{n}"), synthetic("lognormal", n))
+        # written by a child: Linux reports a child's peak RSS as at least its parent's RSS at fork time
+        mdir = os.path.join(args.work, f"m{n}")
+        code = (f"import sys; sys.path.insert(0, {ROOT!r}); from benchmarks.bench_plan import synthetic, "
+                f"write_metrics_dir; write_metrics_dir({mdir!r}, synthetic('lognormal', {n}))")
+        subprocess.run([sys.executable, "-c", code], check=True)
         part = os.path.join(mdir, "part-00000.parquet")
         for order in args.orders.split(","):
             extra = ["--packing", "--seq-len", str(args.max_tokens)] if order == "packing" else ["--order", order]
