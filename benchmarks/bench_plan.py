@@ -164,8 +164,10 @@ t0 = time.perf_counter(); np.sort(x); print(time.perf_counter() - t0)
 def _timed(cmd: list) -> tuple[float, float, float]:
     """(wall s, CPU s, peak RSS bytes) of a child process (its own rusage from wait4)."""
     t0 = time.perf_counter()
-    env = dict(os.environ, VARLEN_NO_PROGRESS="1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    # run from a neutral directory: `python -m` puts the working directory first on sys.path, so the
+    # code measured is the one PYTHONPATH names (this checkout by default)
+    env = dict(os.environ, VARLEN_NO_PROGRESS="1", PYTHONPATH=os.environ.get("PYTHONPATH") or ROOT)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=tempfile.gettempdir())
     _, status, ru = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
     if os.waitstatus_to_exitcode(status):
