@@ -141,7 +141,8 @@ def _greedy_sorted(cap: np.ndarray, run_key: np.ndarray, closed: bool) -> np.nda
             pieces.append(np.arange(i, i + k * c, c, dtype=np.int64))
             i += k * c
         if i < b:  # a microbatch that starts in this run and may reach into the next ones
-            end = b - 1 if closed else int(np.searchsorted(earliest, i, side="right")) - 1
+            # (the needle in earliest's own dtype: a Python int would make numpy cast the whole array)
+            end = b - 1 if closed else int(np.searchsorted(earliest, earliest.dtype.type(i), side="right")) - 1
             pieces.append(np.array([i], dtype=np.int64))
             i = end + 1
     pieces.append(np.array([n], dtype=np.int64))
