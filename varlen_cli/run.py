@@ -90,7 +90,7 @@ def stage_configs(config: RunConfig):
         s = SortConfig(metrics_dir=a.output, output=os.path.join(out, "sorted"), nproc=1, overwrite=True,
                        **common, **sort_opts)
     p = PlanConfig(input=s.output if s else a.output, output=os.path.join(out, "plan.parquet"), overwrite=True,
-                   **plan_opts)
+                   **{"progress": config.progress, **plan_opts})
     return a, s, p
 
 

@@ -44,6 +44,7 @@ def analyze_command(
     device: Device = common.DEVICE,
     overwrite: bool = common.OVERWRITE,
     progress: bool = common.PROGRESS,
+    json_output: bool = common.JSON,
 ) -> None:
     """Compute each sample's length and difficulty, distributed over workers."""
     from varlen_cli.analyze import AnalyzeConfig, analyze
@@ -55,7 +56,10 @@ def analyze_command(
         device=device, progress=progress,
     )
     result = common.run(analyze, config)
-    if result is not None:
+    if result is not None and json_output:
+        report.print_json(report.analyze_json(result))
+        report.warn_empty(result)
+    elif result is not None:
         report.print_analyze(result)
 
 

@@ -13,6 +13,11 @@ ALLOW_STALE = typer.Option(
          "copied on purpose.",
 )
 PROGRESS = typer.Option(True, "--progress/--no-progress", help="Show a progress bar on rank 0 (only on a terminal).")
+JSON = typer.Option(
+    False, "--json",
+    help="Print the summary as one JSON object on stdout (the table's labels as keys, plus output) instead of the "
+         "table; nothing else goes to stdout.",
+)
 
 
 def run(fn, config):

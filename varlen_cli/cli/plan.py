@@ -183,6 +183,8 @@ def plan_command(
     stages: int | None = STAGES,
     mix: str | None = MIX,
     extend: str | None = EXTEND,
+    progress: bool = common.PROGRESS,
+    json_output: bool = common.JSON,
 ) -> None:
     """Write a token-budget batch plan (Parquet): microbatches, ranks, steps, shapes and LR scales."""
     from varlen_cli.cli import report
@@ -199,9 +201,12 @@ def plan_command(
         seq_len=seq_len, rows_per_microbatch=rows_per_microbatch, max_per_row=max_per_row, split_long=split_long,
         overwrite=overwrite, allow_stale=allow_stale, schedule=schedule, stages=stages,
         memory_profile=memory_profile, max_memory=max_memory, memory_margin=memory_margin, mix=mix, extend=extend,
+        progress=progress,
     )
     result = common.run(plan, config)
-    if result is not None:
+    if result is not None and json_output:
+        report.print_json(report.plan_json(result))
+    elif result is not None:
         report.print_plan(result)
 
 

@@ -20,7 +20,7 @@ from varlen_cli.cli import sort as sort_cli
 
 # Positional inputs and outputs of the stages: `run` sets them itself.
 _NOT_FORWARDED = {"sources", "output", "metrics_dir", "input_dir", "single_file"}
-_RUN_LEVEL = {"nproc", "device", "overwrite", "progress"}
+_RUN_LEVEL = {"nproc", "device", "overwrite", "progress", "json_output"}
 _STAGES = (("analyze", analyze_cli.analyze_command), ("sort", sort_cli.sort_command), ("plan", plan_cli.plan_command))
 
 
@@ -54,7 +54,10 @@ def run_command(sources: list[str], output: str, **options) -> None:
         nproc=options["nproc"], device=options["device"], overwrite=options["overwrite"], progress=options["progress"],
     )
     result = common.run(run, config)
-    if result is not None:
+    if result is not None and options["json_output"]:
+        report.print_json(report.run_json(result))
+        report.warn_empty(result.analyze)
+    elif result is not None:
         report.print_run(result)
 
 

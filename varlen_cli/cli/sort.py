@@ -37,6 +37,7 @@ def sort_command(
     overwrite: bool = common.OVERWRITE,
     progress: bool = common.PROGRESS,
     allow_stale: bool = common.ALLOW_STALE,
+    json_output: bool = common.JSON,
 ) -> None:
     """Sort a metrics directory globally by key, distributed over workers (sample sort)."""
     from varlen_cli.cli import report
@@ -48,7 +49,9 @@ def sort_command(
         allow_stale=allow_stale,
     )
     result = common.run(sort, config)
-    if result is not None:
+    if result is not None and json_output:
+        report.print_json(report.sort_json(result))
+    elif result is not None:
         report.print_sort(result)
 
 

@@ -50,8 +50,11 @@ def segment_gather(starts: np.ndarray, counts: np.ndarray, new_offsets: np.ndarr
     total = int(new_offsets[-1])
     if total == 0:
         return np.zeros(0, np.int64)
-    shift = np.repeat(starts - new_offsets[:-1], counts)
-    return np.arange(total, dtype=np.int64) + shift
+    # int32 where every index fits: 4 bytes a sample for the temporaries of a full gather
+    dtype = np.int32 if max(total, int(starts.max()) + int(counts.max())) < 1 << 31 else np.int64
+    shift = np.repeat((starts - new_offsets[:-1]).astype(dtype), counts)
+    shift += np.arange(total, dtype=dtype)
+    return shift
 
 
 def segment_max(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
@@ -121,24 +124,25 @@ def greedy_offsets(padded: np.ndarray, cap: np.ndarray, closed: bool = False) ->
 
 def _greedy_sorted(cap: np.ndarray, run_key: np.ndarray, closed: bool) -> np.ndarray:
     n = len(cap)
+    small = n < 1 << 30 and int(cap.max()) < 1 << 30  # int32 arrays: 4 bytes a sample
+    idx_type = np.int32 if small else np.int64
     # a microbatch ending at j may start at j - cap[j] + 1 or later; strictly increasing in j
-    earliest = np.arange(n, dtype=np.int64) - cap + 1
+    earliest = np.arange(1, n + 1, dtype=idx_type)
+    earliest -= cap.astype(idx_type, copy=False)
     change = np.flatnonzero(run_key[1:] != run_key[:-1]) + 1
     run_stop = np.append(change, n)
-    run_of = np.zeros(n, dtype=np.int64)
-    run_of[change] = 1
-    np.cumsum(run_of, out=run_of)
     pieces = []
     i = 0
     while i < n:
-        b = int(run_stop[run_of[i]])
+        b = int(run_stop[np.searchsorted(run_stop, i, side="right")])  # the end of i's run
         c = int(cap[i])
         k = (b - i) // c
         if k:
             pieces.append(np.arange(i, i + k * c, c, dtype=np.int64))
             i += k * c
         if i < b:  # a microbatch that starts in this run and may reach into the next ones
-            end = b - 1 if closed else int(np.searchsorted(earliest, i, side="right")) - 1
+            # (the needle in earliest's own dtype: a Python int would make numpy cast the whole array)
+            end = b - 1 if closed else int(np.searchsorted(earliest, earliest.dtype.type(i), side="right")) - 1
             pieces.append(np.array([i], dtype=np.int64))
             i = end + 1
     pieces.append(np.array([n], dtype=np.int64))
@@ -184,9 +188,35 @@ def form_sequence(seq: np.ndarray, lengths: np.ndarray, shape: ShapeMap, budget:
 def bucket_sequence(canon: np.ndarray, padded: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """bucket-shuffle: samples grouped by padded length (``padded`` is aligned with ``canon``), in
     random order inside each group. Returns the sequence and its padded lengths."""
-    perm = rng.permutation(len(canon))
-    order = perm[stable_argsort_int(padded[perm])]
-    return canon[order], padded[order]
+    n = len(canon)
+    perm = rng.permutation(n)
+    hi = int(padded.max()) if n else 0
+    if n >= 1 << 31 or hi >= 1 << 16 or int(padded.min()) < 0:
+        order = perm[stable_argsort_int(padded[perm])]
+        return canon[order], padded[order]
+    # the same sequence with 4- and 2-byte arrays (random gathers are memory-bound): a stable
+    # radix argsort of the 16-bit keys in permutation order; the sorted keys from their counts
+    perm32 = perm.astype(np.int32)
+    del perm
+    key = padded.astype(np.uint16)[perm32]
+    order = perm32[np.argsort(key, kind="stable")]
+    del perm32
+    counts = np.bincount(key, minlength=hi + 1)
+    del key
+    seq_padded = np.repeat(np.arange(hi + 1, dtype=padded.dtype), counts)
+    if n and int(canon[0]) == 0 and int(canon[-1]) == n - 1 and is_identity(canon):
+        return order, seq_padded
+    return canon[order], seq_padded
+
+
+def is_identity(a: np.ndarray) -> bool:
+    """Whether ``a`` is ``arange(len(a))`` (one sequential pass)."""
+    n = len(a)
+    if not n:
+        return True
+    if int(a[0]) != 0 or int(a[-1]) != n - 1:
+        return False
+    return bool(np.all(a[1:] > a[:-1]))
 
 
 def form_random(canon: np.ndarray, lengths: np.ndarray, shape: ShapeMap, budget: Budget, static: bool,

@@ -16,6 +16,7 @@ from . import balance, batching, cost_model, layout, lr, stats, writer
 from .batching import Microbatches
 from .layout import EpochLayout
 from .orders import CURRICULAR, EpochInputs, Formers
+from .progress import PlanProgress
 from .shapes import Budget, ShapeMap, choose_edges, pair_ids
 
 MAX_TOKENS_LIMIT = 2**53  # budgets are compared as float64: exact up to here
@@ -87,6 +88,7 @@ class PlanConfig:
                                 "epoch, 0.5: a seeded half); the plan records each sample's source.")
     extend: str | None = doc(None, "Lengthen this plan to --epochs E: its steps unchanged, new epochs appended (its "
                                    "other options kept; INPUT_DIR only if its input moved).")
+    progress: bool = doc(True, "Show a progress bar on rank 0 (only on a terminal).")
 
 
 @dataclass
@@ -100,6 +102,7 @@ class PlanResult:
     dropped_ids: np.ndarray
     seconds: float
     metadata: dict = field(repr=False, default_factory=dict)
+    phases: dict = field(default_factory=dict)  # seconds per phase: read, form, layout, columns, write
 
 
 # -- checks ----------------------------------------------------------------------------------------
@@ -211,21 +214,34 @@ def read_input(path: str, allow_stale: bool = False) -> tuple[dict, np.ndarray, 
     manifest = artifacts.read_manifest(path, what="metrics or sorted directory",
                                        hint="create one with `varlen analyze` (and `varlen sort` for curriculum order)")
     freshness.check_inputs(path, manifest, allow_stale, rerun="varlen sort")
-    ids, lens = [], []
-    for part in manifest.get("parts", []):
+    parts = manifest.get("parts", [])
+    total = sum(int(part["rows"]) for part in parts)
+    # streamed row group by row group into the final arrays: pyarrow's pool (which keeps what it
+    # freed) then holds one row group, not the whole input
+    sample_id, length = np.empty(total, np.int64), np.empty(total, np.int64)
+    filled = 0
+    for part in parts:
         p = os.path.join(path, part["file"])
-        try:
-            t = pq.read_table(p, columns=["sample_id", "length"])
-        except KeyError as exc:
-            raise InputError(f"{p} has no column {exc}") from None
+        rows = int(part["rows"])
+        try:  # ParquetFile, not read_table: that imports pyarrow.dataset and pandas (~0.5 s of start-up)
+            pf = pq.ParquetFile(p)
+            missing = [c for c in ("sample_id", "length") if c not in pf.schema_arrow.names]
+            if missing:
+                raise InputError(f"{p} has no column {missing[0]!r}")
+            if pf.metadata.num_rows != rows:
+                raise InputError(f"{p} has {pf.metadata.num_rows:,} rows but {artifacts.MANIFEST_NAME} lists "
+                                 f"{rows:,}")
+            for rg in range(pf.num_row_groups):
+                t = pf.read_row_group(rg, columns=["sample_id", "length"])
+                sample_id[filled:filled + len(t)] = t.column("sample_id").to_numpy()
+                length[filled:filled + len(t)] = t.column("length").to_numpy()
+                filled += len(t)
+                del t
+        except InputError:
+            raise
         except Exception as exc:  # pyarrow raises several types for bad files
             raise InputError(f"cannot read {p}: {exc}") from None
-        if len(t) != int(part["rows"]):
-            raise InputError(f"{p} has {len(t):,} rows but {artifacts.MANIFEST_NAME} lists {int(part['rows']):,}")
-        ids.append(t.column("sample_id").to_numpy().astype(np.int64, copy=False))
-        lens.append(t.column("length").to_numpy().astype(np.int64, copy=False))
-    sample_id = np.concatenate(ids) if ids else np.zeros(0, np.int64)
-    length = np.concatenate(lens) if lens else np.zeros(0, np.int64)
+    _release_arrow_memory()
     if not len(sample_id):
         raise InputError(f"{path} holds no samples")
     if int(length.min()) < 0:
@@ -236,12 +252,21 @@ def read_input(path: str, allow_stale: bool = False) -> tuple[dict, np.ndarray, 
     return manifest, sample_id, length
 
 
+def _release_arrow_memory() -> None:
+    import pyarrow as pa
+
+    try:
+        pa.default_memory_pool().release_unused()
+    except AttributeError:  # pragma: no cover - older pyarrow
+        pass
+
+
 def canonical_order(sample_id: np.ndarray) -> np.ndarray:
     """Positions in increasing sample_id: random and bucket-shuffle plans then do not depend on
     whether the input was a metrics or a sorted directory."""
     n = len(sample_id)
     if n < 2 or bool(np.all(sample_id[1:] > sample_id[:-1])):
-        return np.arange(n, dtype=np.int64)
+        return np.arange(n, dtype=np.int32 if n < 1 << 31 else np.int64)  # positions: 4 bytes a sample
     lo, hi = int(sample_id.min()), int(sample_id.max())
     if lo >= 0 and hi < 2 * n:
         inv = np.full(hi + 1, -1, np.int64)
@@ -274,16 +299,22 @@ def plan(config: PlanConfig) -> PlanResult:
     check(c)
     safety.check_no_overlap(c.output, [c.input])
     writer.check_output(c.output, c.overwrite)
-    manifest, sample_id, length = read_input(c.input, c.allow_stale)
-    kind = manifest.get("kind", "metrics")
-    if c.order in CURRICULAR and kind != "sorted":
-        raise UsageError(f"--order {c.order} needs a sorted input, but {c.input} is a {kind} directory "
-                         f"(sample_id order); sort it first: `varlen sort {c.input} -o SORTED_DIR`")
-    budget = Budget(c.max_tokens, c.max_samples, cost_model.attention_cost(c))
-    inputs, long_pos = _epoch_inputs(c, sample_id, length, budget)
-    epochs, fixed_batch = _plan_epochs(c, inputs)
-    cols, items = assemble_columns(c, sample_id, length, epochs, inputs.slots)
-    return _finish(c, manifest, sample_id, epochs, cols, items, long_pos, inputs, fixed_batch, t0)
+    with PlanProgress(c.progress, c.epochs) as bar:
+        bar.phase("read")
+        manifest, sample_id, length = read_input(c.input, c.allow_stale)
+        kind = manifest.get("kind", "metrics")
+        if c.order in CURRICULAR and kind != "sorted":
+            raise UsageError(f"--order {c.order} needs a sorted input, but {c.input} is a {kind} directory "
+                             f"(sample_id order); sort it first: `varlen sort {c.input} -o SORTED_DIR`")
+        budget = Budget(c.max_tokens, c.max_samples, cost_model.attention_cost(c))
+        inputs, long_pos = _epoch_inputs(c, sample_id, length, budget)
+        epochs, fixed_batch = _plan_epochs(c, inputs, bar=bar)
+        bar.phase("columns")
+        cols, items = assemble_columns(c, sample_id, length, epochs, inputs.slots)
+        bar.phase("write")
+        result = _finish(c, manifest, sample_id, epochs, cols, items, long_pos, inputs, fixed_batch, t0)
+    result.phases = dict(bar.seconds)
+    return result
 
 
 def _too_long(c: PlanConfig, length: np.ndarray, budget: Budget, shape: ShapeMap) -> np.ndarray:
@@ -291,7 +322,7 @@ def _too_long(c: PlanConfig, length: np.ndarray, budget: Budget, shape: ShapeMap
     if c.packing:
         too_long = (length > c.seq_len) if not c.split_long else np.zeros(len(length), bool)
     else:
-        too_long = budget.cap(shape.pad(length)) < 1
+        too_long = ~budget.fits(1, shape.pad(length))  # cap < 1 (cap falls with T), without a gather
     n_long = int(np.count_nonzero(too_long))
     budget_name = (f"--max-memory {c.max_memory} (max_tokens {c.max_tokens:,} from the profile)" if c.max_memory
                    else f"--max-tokens {c.max_tokens:,}" if c.max_tokens is not None else "")
@@ -343,7 +374,8 @@ class PlannedEpoch:
     schedule_order: dict | None = None  # --schedule: the simulated gain of the step order (schedule/order.py)
 
 
-def _plan_epochs(c: PlanConfig, inputs: EpochInputs, first_epoch: int = 0) -> tuple[list[PlannedEpoch], int | None]:
+def _plan_epochs(c: PlanConfig, inputs: EpochInputs, first_epoch: int = 0,
+                 bar: PlanProgress | None = None) -> tuple[list[PlannedEpoch], int | None]:
     """Every epoch formed by its order's strategy and laid out; also the random order's fixed batch size.
     ``first_epoch``: the number of the first epoch (seed stream, curriculum switch), for ``varlen replan``."""
     formers = Formers()
@@ -353,10 +385,14 @@ def _plan_epochs(c: PlanConfig, inputs: EpochInputs, first_epoch: int = 0) -> tu
         if c.curriculum_epochs is not None and e >= c.curriculum_epochs:
             mode = "bucket-shuffle"
         rng = np.random.default_rng([c.seed, e])
+        if bar is not None:
+            bar.phase(f"form epoch {e - first_epoch + 1}/{c.epochs}")
         formed = formers.for_epoch(c, mode).form(inputs, mode, rng)
         mb = formed.mb
         cost = (balance.microbatch_cost(mb, inputs.budget.attention_cost) if c.packing else
                 np.asarray(inputs.budget.cost(mb.batch_size, mb.seqlen), dtype=np.float64))
+        if bar is not None:
+            bar.phase(f"layout epoch {e - first_epoch + 1}/{c.epochs}")
         lay = layout.layout_epoch(mb, cost, c.dp, c.grad_accum, warmup=c.compile_warmup and e == 0,
                                   same_shape=c.same_shape_per_step or c.packing, static=c.static_shapes,
                                   ranked=formed.ranked)
@@ -383,6 +419,7 @@ def assemble_columns(c: PlanConfig, sample_id: np.ndarray, length: np.ndarray, e
                             "completed", "targets")}
     items = {"sample_ids": [], "sample_lengths": [], "sample_rows": [], "sample_starts": []}
     step0 = 0
+    identity = batching.is_identity(sample_id)  # ids 0..N-1 in row order (metrics directories): no gather
     for e, ep in enumerate(epochs):
         mb, lay = ep.mb, ep.layout
         cols["epoch"].append(np.full(mb.count, e, np.int64))
@@ -394,7 +431,7 @@ def assemble_columns(c: PlanConfig, sample_id: np.ndarray, length: np.ndarray, e
         cols["batch_size"].append(mb.batch_size)
         cols["tokens"].append(mb.tokens)
         cols["cost"].append(ep.cost)
-        items["sample_ids"].append(sample_id[mb.samples])
+        items["sample_ids"].append(mb.samples.astype(np.int64, copy=False) if identity else sample_id[mb.samples])
         # Samples each microbatch completes: every entry, except the non-final chunks of a split
         # sample (a split sample counts once, where its last token is), for step_samples.
         parent = np.repeat(np.arange(mb.count), np.diff(mb.offsets))

@@ -101,7 +101,10 @@ class BucketShuffleFormer:
     def form(self, inputs: EpochInputs, mode: str, rng: np.random.Generator) -> Formed:
         c = inputs.config
         if self.canon_padded is None:
-            self.canon_padded = inputs.shape(inputs.length[inputs.canon])
+            padded = inputs.shape(inputs.length[inputs.canon])
+            small = len(padded) and int(padded.max()) < 1 << 31  # 4 bytes a sample, kept for every epoch
+            self.canon_padded = padded.astype(np.int32) if small else padded
+            del padded  # not kept alive through the epoch
         seq, seq_padded = batching.bucket_sequence(inputs.canon, self.canon_padded, rng)
         mb = batching.form_sequence(seq, inputs.length, inputs.shape, inputs.budget, c.static_shapes, seq_padded)
         del seq, seq_padded

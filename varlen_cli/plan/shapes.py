@@ -38,12 +38,15 @@ class Budget:
 
     def cap(self, seqlen) -> np.ndarray:
         """The most samples a microbatch of seqlen T may hold (0: not even one fits)."""
-        t = np.asarray(seqlen, dtype=np.int64)
-        if t.ndim == 1 and len(t) > 4096:
+        t = np.asarray(seqlen)
+        if t.ndim == 1 and len(t) > 4096 and t.dtype.kind in "iu":
             hi = int(t.max()) if len(t) else 0
             if 0 <= int(t.min()) and hi <= max(1 << 20, len(t) // 4):
-                return self._cap(np.arange(hi + 1, dtype=np.int64))[t]  # a table: one division per T
-        return self._cap(t)
+                table = self._cap(np.arange(hi + 1, dtype=np.int64))  # a table: one division per T
+                if int(table.max()) < 1 << 31:  # int32 result: 4 bytes a sample
+                    table = table.astype(np.int32)
+                return table[t]
+        return self._cap(t.astype(np.int64, copy=False))
 
     def _cap(self, t: np.ndarray) -> np.ndarray:
         if self.max_tokens is None:
