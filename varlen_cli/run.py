@@ -129,9 +129,17 @@ def _run_worker(config: RunConfig) -> RunResult | None:
         result = _run_stages(replace(config, output=tmp.tmp), d, t0, final=out)
         if d.is_main:
             tmp.commit()
-            result = replace(result, output=out, seconds=time.perf_counter() - t0)
+            moved = {k: _moved(getattr(result, k), tmp.tmp, out) for k in ("analyze", "sort", "plan")}
+            result = replace(result, output=out, seconds=time.perf_counter() - t0, **moved)
         d.barrier()
         return result
+
+
+def _moved(stage_result, tmp: str, out: str):
+    """A stage's result with its output path inside OUT (it was written in the temporary directory)."""
+    if stage_result is None:
+        return None
+    return replace(stage_result, output=os.path.join(out, os.path.relpath(stage_result.output, tmp)))
 
 
 def _run_stages(config: RunConfig, d, t0: float, final: str) -> RunResult | None:

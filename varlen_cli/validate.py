@@ -437,8 +437,8 @@ def _check_loss_tokens(c: dict, packing, lengths) -> Check:
     else:
         return Check("loss tokens", True, "needs --metrics for a padded plan", skipped=True)
     final = np.ones(len(entry_len), dtype=bool)
-    if "flat_sample_starts" in c and len(entry_len):
-        final = _final_entries(c)
+    if "flat_sample_starts" in c and len(entry_len) and c["flat_sample_starts"].any():
+        final = _final_entries(c)  # split samples (ids may also repeat in an epoch without: mixture copies)
     parent, step = c["flat_parent"], c["step"]
     targets = np.bincount(parent, weights=np.where(final, np.maximum(entry_len - 1, 0), entry_len),
                           minlength=len(step))
