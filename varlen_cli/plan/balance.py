@@ -34,6 +34,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import format
+from ..errors import InternalConsistencyError
 from .batching import Microbatches, segment_gather
 
 CURRICULUM_WINDOW_STEPS = 64
@@ -99,7 +100,8 @@ def deal_rows(cost: np.ndarray, bins: int) -> tuple[np.ndarray, np.ndarray]:
     round's largest row onto the least-loaded bin (every bin gets ``len(cost) // bins`` or one more
     row; needs ``len(cost) >= bins``)."""
     n = len(cost)
-    assert n >= bins >= 1, (n, bins)
+    if not n >= bins >= 1:
+        raise InternalConsistencyError(f"cannot deal {n} rows into {bins} bins")
     order = np.argsort(-cost, kind="stable")
     bin_of = np.empty(n, np.int64)
     bin_of[order[:bins]] = np.arange(bins)
