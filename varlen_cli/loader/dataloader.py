@@ -67,7 +67,7 @@ class _PlanLoaderMixin:
 
     def _start_position(self) -> tuple | None:
         sampler = self.batch_sampler
-        step, micro, stop = sampler._bounds()
+        step, micro, stop = sampler.bounds()
         if step >= stop:
             return None
         return (sampler.epoch, step, sampler.rank, micro)
@@ -94,7 +94,7 @@ class _PlanLoaderMixin:
         if self._last is not None:
             state = sampler.state_dict(after=_Position(*[self._last[i] for i in (0, 1, 2, 3)]))
         else:
-            step, micro, _ = sampler._bounds()
+            step, micro, _ = sampler.bounds()
             state = {"plan": self.plan.fingerprint, "epoch": sampler.epoch, "step": int(step), "micro": int(micro),
                      "dp": self.plan.dp}
         return state

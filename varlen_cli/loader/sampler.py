@@ -110,7 +110,7 @@ class PlanBatchSampler:
             self._next = None
         self.epoch = int(epoch)
 
-    def _bounds(self) -> tuple[int, int, int]:
+    def bounds(self) -> tuple[int, int, int]:
         start = self.plan.epoch_start(self.epoch)
         stop = start + self.plan.steps_per_epoch[self.epoch]
         if self._resume is not None:
@@ -119,13 +119,13 @@ class PlanBatchSampler:
 
     def __len__(self) -> int:
         """Microbatches the next iteration yields (fewer after a mid-epoch resume)."""
-        step, micro, stop = self._bounds()
+        step, micro, stop = self.bounds()
         return max(0, (stop - step) * self.plan.grad_accum - micro)
 
     def __iter__(self) -> Iterator[MicrobatchIndices]:
         from .guard import new_iteration_id
 
-        step, micro, stop = self._bounds()
+        step, micro, stop = self.bounds()
         iteration = new_iteration_id()
         for k, mb in enumerate(self.plan.microbatches(self.rank, step, micro, stop)):
             self._next = self._after(mb)
@@ -157,7 +157,7 @@ class PlanBatchSampler:
         elif self._next is not None:
             epoch, step, micro = self._next
         else:
-            step, micro, _ = self._bounds()
+            step, micro, _ = self.bounds()
             epoch = self.epoch
         return {"plan": self.plan.fingerprint, "epoch": int(epoch), "step": int(step), "micro": int(micro),
                 "dp": self.plan.dp}

@@ -307,12 +307,12 @@ def plan(config: PlanConfig) -> PlanResult:
             raise UsageError(f"--order {c.order} needs a sorted input, but {c.input} is a {kind} directory "
                              f"(sample_id order); sort it first: `varlen sort {c.input} -o SORTED_DIR`")
         budget = Budget(c.max_tokens, c.max_samples, cost_model.attention_cost(c))
-        inputs, long_pos = _epoch_inputs(c, sample_id, length, budget)
-        epochs, fixed_batch = _plan_epochs(c, inputs, bar=bar)
+        inputs, long_pos = epoch_inputs(c, sample_id, length, budget)
+        epochs, fixed_batch = plan_epochs(c, inputs, bar=bar)
         bar.phase("columns")
         cols, items = assemble_columns(c, sample_id, length, epochs, inputs.slots)
         bar.phase("write")
-        result = _finish(c, manifest, sample_id, epochs, cols, items, long_pos, inputs, fixed_batch, t0)
+        result = finish(c, manifest, sample_id, epochs, cols, items, long_pos, inputs, fixed_batch, t0)
     result.phases = dict(bar.seconds)
     return result
 
@@ -342,7 +342,7 @@ def _too_long(c: PlanConfig, length: np.ndarray, budget: Budget, shape: ShapeMap
     return too_long
 
 
-def _epoch_inputs(c: PlanConfig, sample_id: np.ndarray, length: np.ndarray,
+def epoch_inputs(c: PlanConfig, sample_id: np.ndarray, length: np.ndarray,
                   budget: Budget) -> tuple[EpochInputs, np.ndarray]:
     """The sequences epochs start from (long samples removed) and the positions of the long ones."""
     rows_per_mb = _rows_per_microbatch(c, budget) if c.packing else None
@@ -374,7 +374,7 @@ class PlannedEpoch:
     schedule_order: dict | None = None  # --schedule: the simulated gain of the step order (schedule/order.py)
 
 
-def _plan_epochs(c: PlanConfig, inputs: EpochInputs, first_epoch: int = 0,
+def plan_epochs(c: PlanConfig, inputs: EpochInputs, first_epoch: int = 0,
                  bar: PlanProgress | None = None) -> tuple[list[PlannedEpoch], int | None]:
     """Every epoch formed by its order's strategy and laid out; also the random order's fixed batch size.
     ``first_epoch``: the number of the first epoch (seed stream, curriculum switch), for ``varlen replan``."""
@@ -539,7 +539,7 @@ def build_metadata(c: PlanConfig, manifest: dict, num_rows: int, epochs: list[Pl
     }
 
 
-def _finish(c: PlanConfig, manifest: dict, sample_id: np.ndarray, epochs: list[PlannedEpoch], col: dict, it: dict,
+def finish(c: PlanConfig, manifest: dict, sample_id: np.ndarray, epochs: list[PlannedEpoch], col: dict, it: dict,
             long_pos: np.ndarray, inputs: EpochInputs, fixed_batch: int | None, t0: float,
             extra_metadata: dict | None = None) -> PlanResult:
     """Step columns, LR, shapes, statistics and metadata (updated with ``extra_metadata``); writes the plan.

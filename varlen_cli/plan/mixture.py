@@ -121,8 +121,8 @@ def plan_mixture(config: PlanConfig) -> PlanResult:
     rows = virtual_rows(c, sources)
     vid = np.arange(len(rows.length), dtype=np.int64)  # the planner's ids: virtual rows
     budget = Budget(c.max_tokens, c.max_samples, float(c.attention_cost))
-    inputs, long_pos = core._epoch_inputs(c, vid, rows.length, budget)
-    epochs, fixed_batch = core._plan_epochs(c, inputs)
+    inputs, long_pos = core.epoch_inputs(c, vid, rows.length, budget)
+    epochs, fixed_batch = core.plan_epochs(c, inputs)
     tokens = [np.bincount(rows.source[ep.mb.samples], weights=rows.length[ep.mb.samples],
                           minlength=len(sources)).astype(np.int64) for ep in epochs]
     for k, entry in enumerate(rows.info):
@@ -132,7 +132,7 @@ def plan_mixture(config: PlanConfig) -> PlanResult:
     items["source"] = source
     mixture = {"sources": rows.info, "seed": c.seed}
     input_info = {"path": None, "kind": "mixture", "artifact_id": None, "num_rows": None, "dataset_digest": None}
-    result = core._finish(c, {}, rows.sample_id, epochs, cols, items, long_pos, inputs, fixed_batch, t0,
+    result = core.finish(c, {}, rows.sample_id, epochs, cols, items, long_pos, inputs, fixed_batch, t0,
                           extra_metadata={"mixture": mixture, "input": input_info,
                                           "config": {**core.artifacts.config_dict(config)}})
     result.stats["tokens_per_source_per_epoch"] = {e["name"]: e["tokens_per_epoch"] for e in rows.info}

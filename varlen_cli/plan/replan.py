@@ -7,8 +7,8 @@
   follow, planned afresh for the new layout. LR scales keep the parent's ``base_batch_size``.
 - :func:`extend`: the same plan with more epochs; the existing rows are copied unchanged.
 
-Both reuse the planner (``core._epoch_inputs``, ``core._plan_epochs``, ``core.assemble_columns``,
-``core._finish``) and record where they come from in the metadata's ``lineage``
+Both reuse the planner (``core.epoch_inputs``, ``core.plan_epochs``, ``core.assemble_columns``,
+``core.finish``) and record where they come from in the metadata's ``lineage``
 (docs/plan.md, "Re-planning a running job").
 """
 
@@ -167,19 +167,19 @@ def plan_epochs_from(c: PlanConfig, manifest: dict, sample_id: np.ndarray, lengt
     one restricted to the input positions where ``first_keep`` is true (if given). Writes ``c.output``."""
     core.check(c)
     budget = Budget(c.max_tokens, c.max_samples, float(c.attention_cost))
-    inputs, long_pos = core._epoch_inputs(c, sample_id, length, budget)
+    inputs, long_pos = core.epoch_inputs(c, sample_id, length, budget)
     epochs, fixed_batch = [], None
     if first_keep is not None:
         first = dataclasses.replace(inputs, ordered=_keep(inputs.ordered, first_keep),
                                     canon=_keep(inputs.canon, first_keep))
-        epochs, fixed_batch = core._plan_epochs(dataclasses.replace(c, epochs=1), first, first_epoch)
+        epochs, fixed_batch = core.plan_epochs(dataclasses.replace(c, epochs=1), first, first_epoch)
     if c.epochs > len(epochs):
-        more, fixed_more = core._plan_epochs(dataclasses.replace(c, epochs=c.epochs - len(epochs)), inputs,
+        more, fixed_more = core.plan_epochs(dataclasses.replace(c, epochs=c.epochs - len(epochs)), inputs,
                                              first_epoch + len(epochs))
         epochs += more
         fixed_batch = fixed_batch if fixed_batch is not None else fixed_more
     cols, items = core.assemble_columns(c, sample_id, length, epochs, inputs.slots)
-    return core._finish(c, manifest, sample_id, epochs, cols, items, long_pos, inputs, fixed_batch, t0,
+    return core.finish(c, manifest, sample_id, epochs, cols, items, long_pos, inputs, fixed_batch, t0,
                         extra_metadata={"lineage": lineage} if lineage is not None else None)
 
 
