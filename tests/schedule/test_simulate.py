@@ -329,10 +329,10 @@ def _no_metadata(tmp):
 
 
 BAD = [
-    ("missing plan", lambda t: str(t / "none.parquet"), [], 3, re.compile(r"plan .*none\.parquet does not exist")),
-    ("directory", lambda t: str(t), [], 3, re.compile(r".* is a directory, not a plan file; .*")),
-    ("not parquet", _not_parquet, [], 3, re.compile(r".*x\.parquet is not a readable Parquet plan: .*")),
-    ("not a plan", _no_metadata, [], 3, re.compile(r".*y\.parquet is not a varlen plan .*")),
+    ("missing plan", lambda t: str(t / "none.parquet"), [], 3, re.compile(r"plan file not found: .*none\.parquet")),
+    ("directory", lambda t: str(t), [], 3, re.compile(r".* is a directory, not a plan file \(.*")),
+    ("not parquet", _not_parquet, [], 3, re.compile(r".*x\.parquet is not a readable Parquet file: .*")),
+    ("not a plan", _no_metadata, [], 3, re.compile(r".*y\.parquet is not a varlen plan: .*")),
     ("bad schedule", None, ["--schedule", "zigzag"], 2,
      "--schedule 'zigzag' is not one of ddp, fsdp, gpipe, 1f1b, lpp, fslpp, all, or MODULE:FUNCTION"),
     ("stages 0", None, ["--stages", "0"], 2, "--stages must be >= 1 (got 0)"),

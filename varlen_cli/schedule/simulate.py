@@ -6,8 +6,6 @@ separated by the gradient sync) and sums. See docs/schedules.md for the model.
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,7 +15,6 @@ from .closed import chain_starts, gpipe_starts
 from .engine import Jobs, build_jobs, greedy
 from .schemes import SCHEDULES, Scheme, make_scheme
 
-PLAN_FORMAT = "varlen-plan"
 _COLUMNS = ("step", "rank", "micro", "batch_size", "seqlen")
 
 
@@ -105,23 +102,14 @@ class SimulateResult:
 
 
 def read_plan_costs(path: str, attention_cost: float = 0.0) -> PlanCosts:
-    """The plan's per-microbatch costs; a one-line :class:`InputError` for anything not a plan."""
-    import pyarrow.parquet as pq
+    """The plan's per-microbatch costs; a one-line :class:`InputError` for anything not a plan
+    (the checks of :mod:`varlen_cli.format`, the one definition of the plan format)."""
+    from .. import format
 
-    if not os.path.exists(path):
-        raise InputError(f"plan {path} does not exist")
-    if os.path.isdir(path):
-        raise InputError(f"{path} is a directory, not a plan file; create a plan with `varlen plan`")
     try:
-        pf = pq.ParquetFile(path)
-    except Exception as exc:  # pyarrow raises several types for a non-Parquet file
-        raise InputError(f"{path} is not a readable Parquet plan: {exc}") from None
-    try:
-        meta = json.loads((pf.schema_arrow.metadata or {}).get(b"varlen", b"null"))
-    except ValueError:
-        meta = None
-    if not isinstance(meta, dict) or meta.get("format") != PLAN_FORMAT:
-        raise InputError(f"{path} is not a varlen plan (no '{PLAN_FORMAT}' metadata); create one with `varlen plan`")
+        pf, meta = format.open_plan_file(path)
+    except format.FormatError as exc:
+        raise InputError(str(exc)) from None
     missing = [c for c in _COLUMNS if c not in pf.schema_arrow.names]
     if missing:
         raise InputError(f"{path} lacks plan columns: {', '.join(missing)}")
