@@ -85,3 +85,18 @@ def test_stages_under_torchrun_match_one_process(tmp_path):
     proc = subprocess.run(torchrun + steps[1], capture_output=True, text=True, env=env)  # output exists now
     assert proc.returncode != 0
     assert "varlen: error: [rank 0] output" in proc.stderr and "already exists; pass --overwrite" in proc.stderr
+
+
+def test_plan_of_a_run_finds_its_metrics_after_the_swap(tmp_path):
+    """`varlen run` builds OUT in a temporary sibling and renames it: the plan's recorded input path is
+    then gone, and replan/extend find the metrics through the path relative to the plan instead."""
+    out = tmp_path / "out"
+    result = run(RunConfig(sources=(sample("tokenized.parquet"),), output=str(out), plan={"dp": 2, "epochs": 2},
+                           progress=False))
+    meta = json.loads(pq.read_schema(out / "plan.parquet").metadata[b"varlen"])
+    assert not os.path.exists(meta["input"]["path"]) and meta["input"]["relative_path"] == "metrics"
+    assert result.plan.output == str(out / "plan.parquet")
+    proc = _cli("replan", str(out / "plan.parquet"), "--from-step", "1", "--dp", "3", "-o", str(tmp_path / "r.parquet"))
+    assert proc.returncode == 0, proc.stderr
+    replanned = json.loads(pq.read_schema(tmp_path / "r.parquet").metadata[b"varlen"])
+    assert replanned["input"]["path"] == str(out / "metrics") and replanned["dp"] == 3

@@ -516,7 +516,11 @@ def build_metadata(c: PlanConfig, manifest: dict, num_rows: int, epochs: list[Pl
                    num_microbatches: int, shapes: list, base_batch_size, inputs: EpochInputs, fixed_batch: int | None,
                    packing: dict | None, dropped: dict, summary: dict) -> dict:
     """The plan's key-value metadata (see docs/plan.md)."""
-    input_info = {"path": os.path.abspath(c.input), "kind": manifest.get("kind"),
+    input_info = {"path": os.path.abspath(c.input),
+                  # the input as seen from the plan's folder: still right after a move of both (varlen run's swap)
+                  "relative_path": os.path.relpath(os.path.abspath(c.input),
+                                                   os.path.dirname(os.path.abspath(c.output))),
+                  "kind": manifest.get("kind"),
                   "artifact_id": manifest.get("artifact_id"), "num_rows": int(num_rows),
                   "dataset_digest": (manifest.get("dataset") or {}).get("digest")}
     return {

@@ -125,12 +125,23 @@ def open_parent(path: str) -> Parent:
     return plan
 
 
+def recorded_input(parent) -> str | None:
+    """The parent's input directory: its recorded path, or, when that is gone (the plan and its input
+    moved together, as `varlen run` does when it swaps OUT in), the same place relative to the plan."""
+    recorded = parent.input or {}
+    path, relative = recorded.get("path"), recorded.get("relative_path")
+    if path and os.path.exists(path) or not relative:
+        return path
+    moved = os.path.join(os.path.dirname(os.path.abspath(parent.path)), relative)
+    return moved if os.path.exists(moved) else path
+
+
 def parent_config(parent, **overrides) -> PlanConfig:
     """The parent's PlanConfig with ``overrides`` (None values keep the parent's)."""
     recorded = parent.config
     names = {f.name for f in dataclasses.fields(PlanConfig)}
     values = {k: v for k, v in recorded.items() if k in names}
-    values["input"] = (parent.input or {}).get("path") or values.get("input")
+    values["input"] = recorded_input(parent) or values.get("input")
     values["base_batch_size"] = parent.meta.get("base_batch_size")
     values.update({k: v for k, v in overrides.items() if v is not None})
     try:
@@ -289,7 +300,7 @@ def extend(config: ExtendConfig) -> PlanResult:
     if config.epochs <= parent.epochs:
         raise UsageError(f"--epochs {config.epochs} must be more than the {parent.epochs} epoch(s) of "
                          f"{parent.path} to extend it")
-    safety.check_no_overlap(config.output, [config.plan, config.input or (parent.meta.get("input") or {}).get("path")])
+    safety.check_no_overlap(config.output, [config.plan, config.input or recorded_input(parent)])
     core.writer.check_output(config.output, config.overwrite)
     out_dir = os.path.dirname(os.path.abspath(config.output))
     tmp = os.path.join(out_dir, f".{os.path.basename(config.output)}.extend-{os.getpid()}-{time.time_ns()}")
