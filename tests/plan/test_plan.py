@@ -338,3 +338,19 @@ def test_reverse_order_survives_a_tail_split(tmp_path):
     steps = [per_step[s] for s in sorted(per_step)]
     assert all(min(a) >= max(b) for a, b in zip(steps, steps[1:]))
     assert [i for r in rows for i in r["sample_ids"]] == list(range(10, -1, -1))
+
+
+def test_steps_that_complete_no_sample_are_reported(dirs, tmp_path):
+    """A --split-long step holding only non-final chunks completes no sample: with the LR scaled by
+    samples its lr_scale is 0. The summary counts those steps (and says what to do), from the plan's
+    own columns; the CLI table shows the row."""
+    out = tmp_path / "p.parquet"
+    r = plan(PlanConfig(input=dirs["long"], output=str(out), packing=True, seq_len=256, split_long=True))
+    t = pq.read_table(out).to_pydict()
+    per_step = {s: (n, lr) for s, n, lr in zip(t["step"], t["step_samples"], t["lr_scale"])}
+    idle = sorted(s for s, (n, lr) in per_step.items() if n == 0)
+    assert idle and all(per_step[s][1] == 0 for s in idle)
+    assert r.stats["zero_lr_scale_steps"] == len(idle)
+    by_tokens = plan(PlanConfig(input=dirs["long"], output=str(tmp_path / "q.parquet"), packing=True, seq_len=256,
+                                split_long=True, lr_scale_by="tokens"))
+    assert "zero_lr_scale_steps" not in by_tokens.stats

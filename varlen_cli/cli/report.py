@@ -162,6 +162,9 @@ def plan_rows(result) -> list:
                          " / ".join(f"{t:,}" for t in src["tokens_per_epoch"])))
     if s.get("warmup_steps"):
         rows.append(_row("compile warm-up steps", s["warmup_steps"]))
+    if s.get("zero_lr_scale_steps"):
+        rows.append(_row("steps with lr_scale 0 (only split chunks; consider --lr-scale-by tokens)",
+                         s["zero_lr_scale_steps"]))
     if result.packing:
         eff = 100 * result.packing["efficiency"]
         rows.append(_row("packing efficiency %", eff, f"{eff:.3f}"))

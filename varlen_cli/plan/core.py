@@ -581,6 +581,11 @@ def finish(c: PlanConfig, manifest: dict, sample_id: np.ndarray, epochs: list[Pl
     summary["straggler_overhead"] = format.straggler_overhead(step, col["rank"].astype(np.int64), col["cost"], c.dp)
     if lay0.warmup_missing:
         summary["warmup_missing"] = int(lay0.warmup_missing)
+    if c.lr_scaling != "none" and c.lr_scale_by == "samples":
+        # steps of non-final --split-long chunks only: they complete no sample, so their lr_scale is 0
+        idle = int(np.count_nonzero((step_samples == 0) & (step_tokens > 0)))
+        if idle:
+            summary["zero_lr_scale_steps"] = idle
     packing = (_packing_info(c, inputs.rows_per_mb, epochs, it, offsets, col["tokens"]) if c.packing else None)
     metadata = build_metadata(c, manifest, len(sample_id), epochs, num_steps=num_steps, num_microbatches=len(counts),
                               shapes=shapes, base_batch_size=base, inputs=inputs, fixed_batch=fixed_batch,
