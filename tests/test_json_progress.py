@@ -122,7 +122,9 @@ def test_progress_bar_shows_phases_on_a_terminal_only_after_the_delay(monkeypatc
         bar.phase("read")
         import time
 
-        time.sleep(0.3)  # the timer thread starts the bar
+        deadline = time.monotonic() + 30
+        while bar._progress is None and time.monotonic() < deadline:  # the timer thread starts the bar
+            time.sleep(0.01)
         bar.phase("form epoch 1/1")
     err = capsys.readouterr().err
     assert "plan" in err and "done" in err

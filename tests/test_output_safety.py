@@ -473,7 +473,8 @@ def test_signalled_run_under_nproc_2_keeps_the_old_output(ws, sig, code, line):
     before = tree_hash("r")
     proc = subprocess.Popen([sys.executable, "-m", "varlen_cli", "run", big, "-o", "r", "--overwrite", "--nproc", "2",
                              "--max-tokens", "4096"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=ENV, cwd=ws, start_new_session=True,
+                            env=dict(ENV, VARLEN_PAUSE="analyze.unit"),  # the stage is still running when signalled
+                            cwd=ws, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler))
     _wait_for(r"\.r\.varlen-tmp-[0-9a-f]+", ws)
     time.sleep(0.5)

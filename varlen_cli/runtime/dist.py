@@ -371,10 +371,14 @@ def run_distributed(entry: Callable[[Any], Any], config: Any, nproc: int, cleanu
 
 
 def fault_point(name: str) -> None:
-    """Test hook: ``VARLEN_FAULT=NAME:RANK`` kills this worker (SIGKILL) when it reaches NAME.
+    """Test hooks: ``VARLEN_FAULT=NAME:RANK`` kills this worker (SIGKILL) when it reaches NAME;
+    ``VARLEN_PAUSE=NAME`` makes every worker wait there (60 s, or until a signal ends it).
 
-    Used by the fault-injection tests to check that a dead worker fails the whole job.
+    Used by the fault-injection tests: a dead worker fails the whole job; a signal that arrives
+    while a stage is surely still running (paused) leaves the previous output as it was.
     """
+    if os.environ.get("VARLEN_PAUSE") == name:
+        time.sleep(60.0)
     spec = os.environ.get("VARLEN_FAULT")
     if not spec:
         return
