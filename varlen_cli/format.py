@@ -90,8 +90,15 @@ def encode_plan_metadata(metadata: dict) -> dict:
 
 
 def raw_plan_metadata(schema: pa.Schema) -> bytes | None:
-    """The undecoded metadata bytes (hashed by the loader to identify a plan)."""
+    """The undecoded metadata bytes (hashed by :func:`plan_fingerprint` to identify a plan)."""
     return (schema.metadata or {}).get(PLAN_METADATA_KEY.encode())
+
+
+def plan_fingerprint(schema: pa.Schema) -> str:
+    """A short hash of a plan's metadata: identifies the plan in sampler states and in lineage."""
+    import hashlib
+
+    return hashlib.sha256(raw_plan_metadata(schema) or b"").hexdigest()[:16]
 
 
 def decode_plan_metadata(schema: pa.Schema, path: str) -> dict:

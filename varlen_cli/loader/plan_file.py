@@ -8,7 +8,6 @@ from the row groups' ``step`` statistics, so seeking to any step reads one row g
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -238,8 +237,7 @@ class Plan:
     @property
     def fingerprint(self) -> str:
         """A short hash of the plan's metadata: identifies the plan in sampler states."""
-        raw = format.raw_plan_metadata(self._pf.schema_arrow)
-        return hashlib.sha256(raw).hexdigest()[:16]
+        return format.plan_fingerprint(self._pf.schema_arrow)
 
     def epoch_start(self, epoch: int) -> int:
         """The global step where ``epoch`` starts."""

@@ -105,7 +105,6 @@ class Parent:
 
 def open_parent(path: str) -> Parent:
     """The parent plan; an unreadable one is an input error."""
-    import hashlib
 
     from .. import format
 
@@ -118,7 +117,7 @@ def open_parent(path: str) -> Parent:
     problems = format.plan_schema_problems(schema, meta)
     if problems:
         raise InputError(f"{path} {problems[0]}")
-    plan = Parent(path, meta, hashlib.sha256(format.raw_plan_metadata(schema)).hexdigest()[:16])
+    plan = Parent(path, meta, format.plan_fingerprint(schema))
     if plan.meta.get("mixture"):
         raise UsageError(f"{path} is a mixture plan (--mix): replan and --extend do not support mixtures yet; "
                          "plan afresh")
