@@ -40,7 +40,8 @@ def distribution(local: np.ndarray, d: Dist, quantiles=(0.5, 0.9, 0.99)) -> dict
     # The total as an exact integer (an int64 sum could wrap): every rank learns every rank's total,
     # so all refuse together when it does not fit int64.
     safe = not n or int(local.max()) <= INT64_MAX // n
-    local_total = int(local.sum()) if safe else sum(int(v) for v in local.tolist())
+    # x == (x >> 32) * 2**32 + (x & 0xFFFFFFFF): the two halves summed apart cannot wrap for n < 2**31
+    local_total = int(local.sum()) if safe else (int((local >> 32).sum()) << 32) + int((local & 0xFFFFFFFF).sum())
     count = int(d.all_reduce(np.array([n], dtype=np.int64))[0])
     total = sum(d.all_gather_object(local_total))
     if total > INT64_MAX:
