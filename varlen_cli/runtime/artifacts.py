@@ -211,9 +211,10 @@ def read_manifest(path: str, what: str = "metrics directory", hint: str = "creat
         raise InputError(f"cannot read {manifest_path}: {exc}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != METRICS_FORMAT:
         raise InputError(f"{path} is not a varlen {what} ({MANIFEST_NAME} has no format '{METRICS_FORMAT}'); {hint}")
-    from .manifest_schema import check_manifest_fields
-
-    check_manifest_fields(path, manifest, MANIFEST_NAME)
+    try:
+        format.check_manifest_fields(path, manifest, MANIFEST_NAME)
+    except format.FormatError as exc:
+        raise InputError(str(exc)) from None
     if manifest.get("format_version", 0) > FORMAT_VERSION:
         raise InputError(f"{path} was written by a newer varlen (format {manifest['format_version']}); upgrade varlen")
     for part in manifest.get("parts", []):
