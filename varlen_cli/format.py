@@ -19,6 +19,10 @@ import pyarrow.parquet as pq
 MANIFEST_NAME = "_manifest.json"  # "_" so pyarrow datasets skip it
 METRICS_FORMAT = "varlen-metrics"
 METRICS_FORMAT_VERSION = 1
+#: A `varlen run` output directory: its manifest (written last: the directory is complete when it exists).
+RUN_MANIFEST_NAME = "_run.json"
+RUN_FORMAT = "varlen-run"
+RUN_FORMAT_VERSION = 1
 #: Columns of every part of a metrics or sorted directory, in order.
 METRICS_COLUMNS = (("sample_id", pa.int64()), ("length", pa.int64()), ("difficulty", pa.float64()))
 
@@ -92,6 +96,17 @@ def encode_plan_metadata(metadata: dict) -> dict:
 def raw_plan_metadata(schema: pa.Schema) -> bytes | None:
     """The undecoded metadata bytes (hashed by :func:`plan_fingerprint` to identify a plan)."""
     return (schema.metadata or {}).get(PLAN_METADATA_KEY.encode())
+
+
+def is_plan_schema(schema: pa.Schema) -> bool:
+    """Whether a Parquet schema carries varlen plan metadata (of any version)."""
+    raw = raw_plan_metadata(schema)
+    if raw is None:
+        return False
+    try:
+        return json.loads(raw).get("format") == PLAN_FORMAT
+    except (ValueError, AttributeError):
+        return False
 
 
 def plan_fingerprint(schema: pa.Schema) -> str:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from . import analyze as analyze_stage
+from . import format
 from .analyze import AnalyzeConfig
 from .errors import UsageError
 from .runtime import artifacts, safety
@@ -29,7 +30,7 @@ from .runtime.executor import run_in_session
 
 SORTED_ORDERS = ("curriculum", "reverse")
 AUTO_MIN_BUDGET = 16384
-RUN_MANIFEST = "_run.json"
+RUN_MANIFEST = format.RUN_MANIFEST_NAME
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,7 @@ def _run_stages(config: RunConfig, d, t0: float, final: str) -> RunResult | None
         p = replace(p, max_tokens=auto)
     planned = make_plan(p)
     manifest = {
-        "format": "varlen-run", "format_version": 1, **artifacts.provenance(),
+        "format": format.RUN_FORMAT, "format_version": format.RUN_FORMAT_VERSION, **artifacts.provenance(),
         "config": artifacts.config_dict(replace(config, output=final)), "auto_max_tokens": auto,
         "metrics": {"path": "metrics", "artifact_id": analyzed.manifest.get("artifact_id")},
         "sorted": ({"path": "sorted", "artifact_id": sorted_.manifest.get("artifact_id")} if sorted_ else None),

@@ -32,6 +32,7 @@ import os
 import re
 from collections.abc import Callable
 
+from .. import format
 from ..errors import InputError
 
 NON_DATA_NAME = re.compile(
@@ -42,7 +43,7 @@ NON_DATA_NAME = re.compile(
     r"|requirements\.txt",
     re.IGNORECASE,
 )
-ARTIFACT_FILES = {"_manifest.json": "varlen-metrics", "_run.json": "varlen-run"}
+ARTIFACT_FILES = {format.MANIFEST_NAME: format.METRICS_FORMAT, format.RUN_MANIFEST_NAME: format.RUN_FORMAT}
 GLOB_CHARS = "*?["
 
 

@@ -176,13 +176,9 @@ def _stat_readable(path: str) -> os.stat_result:
 
 
 def _is_varlen_plan(pf) -> bool:
-    raw = (pf.schema_arrow.metadata or {}).get(b"varlen")
-    if raw is None:
-        return False
-    try:
-        return json.loads(raw).get("format") == "varlen-plan"
-    except (ValueError, AttributeError):
-        return False
+    from .. import format
+
+    return format.is_plan_schema(pf.schema_arrow)
 
 
 def _is_plan_file(path: str) -> bool:

@@ -93,8 +93,10 @@ def made_by_varlen_dir(path: str) -> bool:
     or an empty directory (nothing to lose)."""
     if not os.listdir(path):
         return True
-    return (_json_format(os.path.join(path, "_manifest.json")) == "varlen-metrics"
-            or _json_format(os.path.join(path, "_run.json")) == "varlen-run")
+    from .. import format
+
+    return (_json_format(os.path.join(path, format.MANIFEST_NAME)) == format.METRICS_FORMAT
+            or _json_format(os.path.join(path, format.RUN_MANIFEST_NAME)) == format.RUN_FORMAT)
 
 
 def made_by_varlen_file(path: str) -> bool:
