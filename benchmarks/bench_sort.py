@@ -7,7 +7,9 @@ length, like ``varlen analyze`` makes), then, in fresh processes, alternating, `
   the columns, write one Parquet file (zstd level 1, 1M-row row groups, as varlen writes);
 * ``ref-packed``: the same with one packed int64 key (difficulty << 32 | sample_id) and
   ``np.argsort``, the fastest obvious single-process script;
-* ``varlen sort --nproc W`` for each W in ``--workers``.
+* ``varlen sort --nproc W`` for each W in ``--workers``; ``W:torch`` runs the same with
+  ``VARLEN_LAUNCHER=torch`` (torch's elastic launcher and a gloo group, what varlen used before its
+  torch-free local group), as the same-run reference for the launcher's fixed cost.
 
 It prints median wall seconds (the whole command, interpreter and torch start included), the
 seconds inside the stage as varlen reports them, rows/s, the ratio to the best reference, and peak
@@ -16,6 +18,7 @@ RSS per worker from the OS (``ru_maxrss``) against the worker's share of the dat
 keys with one rank (see ``bench_sort_deepspeed.py`` beside this file).
 
     python benchmarks/bench_sort.py --rows 10000000,50000000 --workers 1,2 --repeat 3
+    python benchmarks/bench_sort.py --rows 30000000 --workers 1,2,2:torch --refs "" --repeat 3
 """
 
 from __future__ import annotations
@@ -93,10 +96,11 @@ def run_reference(src: str, dst: str, how: str) -> dict:
     return {"wall": wall, "stage": info["seconds"], "peak_rss": [info["peak_rss"]], "cpu": info["cpu"]}
 
 
-def run_varlen(src: str, dst: str, workers: int, extra: list) -> dict:
-    cmd = [sys.executable, "-m", "varlen_cli", "sort", src, "-o", dst, "--nproc", str(workers), "--overwrite",
+def run_varlen(src: str, dst: str, workers: str, extra: list) -> dict:
+    nproc, _, launcher = workers.partition(":")
+    cmd = [sys.executable, "-m", "varlen_cli", "sort", src, "-o", dst, "--nproc", nproc, "--overwrite",
            "--no-progress", *extra]
-    env = dict(os.environ, VARLEN_NO_PROGRESS="1")
+    env = dict(os.environ, VARLEN_NO_PROGRESS="1", VARLEN_LAUNCHER=launcher or "auto")
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
@@ -109,7 +113,8 @@ def run_varlen(src: str, dst: str, workers: int, extra: list) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="10000000,50000000", help="comma-separated row counts")
-    ap.add_argument("--workers", default="1,2", help="comma-separated --nproc values")
+    ap.add_argument("--workers", default="1,2",
+                    help="comma-separated --nproc values; W:torch = W workers under torch's elastic launcher")
     ap.add_argument("--repeat", type=int, default=3, help="runs of each variant (medians are reported)")
     ap.add_argument("--parts", type=int, default=4, help="parts of the generated metrics directory")
     ap.add_argument("--workdir", default=None, help="where to put the data (default: a temporary directory)")
@@ -120,7 +125,7 @@ def main() -> None:
     args = ap.parse_args()
 
     rows_list = [int(float(x)) for x in args.rows.split(",")]
-    workers = [int(x) for x in args.workers.split(",")]
+    workers = args.workers.split(",")
     work = args.workdir or tempfile.mkdtemp(prefix="varlen-bench-sort-")
     print("command: python " + " ".join(sys.argv))
     print(f"machine: {os.cpu_count()} cores; {os.uname().sysname} {os.uname().release}; "
@@ -132,7 +137,8 @@ def main() -> None:
             if not os.path.exists(os.path.join(src, "_manifest.json")):
                 make_metrics(src, rows, args.parts)
             refs = [r for r in args.refs.split(",") if r]
-            variants = [(r, None) for r in refs] + [(f"varlen nproc={w}", w) for w in workers]
+            variants = [(r, None) for r in refs] + [
+                (f"varlen nproc={w.split(':')[0]}" + (" (torch launcher)" if ":" in w else ""), w) for w in workers]
             results = {name: [] for name, _ in variants}
             loads = []
             for _ in range(args.repeat):
@@ -156,7 +162,7 @@ def main() -> None:
                 wall = statistics.median(r["wall"] for r in rs)
                 stage = statistics.median(r["stage"] for r in rs)
                 peak = max(max(p for p in r["peak_rss"] if p) for r in rs)
-                share = share_bytes / (w or 1)
+                share = share_bytes / int((w or "1").split(":")[0])
                 bal = f"{rs[0]['balance']:.4f}" if "balance" in rs[0] else "-"
                 cpu_sum = statistics.median(sum(r["cpu"]) for r in rs)
                 cpu_max = statistics.median(max(r["cpu"]) for r in rs)

@@ -172,12 +172,16 @@ def leftovers(directory) -> list:
 
 # -- several sorts in one launch of worker processes ------------------------------------------------
 def sort_many(configs: list) -> list:
-    """Entry for ``dist.launch``: run several sorts in the same worker processes (one process group,
-    created here so that every sort reuses it), to keep multi-process tests fast."""
-    import torch.distributed as tdist
-
+    """Entry for ``dist.launch``: run several sorts in the same worker processes (one process group
+    that every sort reuses: the launcher's torch-free local group, or a gloo group created here under
+    ``VARLEN_LAUNCHER=torch``), to keep multi-process tests fast."""
+    from varlen_cli.runtime import local_group
     from varlen_cli.runtime.executor import run_in_session
     from varlen_cli.sort import run_in_group
+
+    if local_group.current() is not None:
+        return [run_in_session(run_in_group, c) for c in configs]
+    import torch.distributed as tdist
 
     tdist.init_process_group("gloo")
     try:

@@ -92,15 +92,19 @@ def test_worker_death_fails_the_job_then_rerun_succeeds(data, monkeypatch):
 
 
 def test_three_workers(data):
+    """The torch-free local group (what ``--nproc 3`` on the CPU uses)."""
     root, paths, cols = data
     configs = [
         _cfg(paths["a"], root / "a-p3"),
+        _cfg(paths["a"], root / "a-p3-torch", engine="torch"),
         _cfg(paths["a"], root / "a-p3-single", single_file=True, row_group_size=3000),
         _cfg(paths["b"], root / "b-p3", **B_ORDER),
     ]
     results = dist.launch(sort_many, configs, 3)
-    assert [r.world_size for r in results] == [3, 3, 3]
+    assert [r.world_size for r in results] == [3, 3, 3, 3]
     _same_rows(root / "a-p3", _one_worker(root, paths["a"], "a"))
+    _same_rows(root / "a-p3-torch", root / "a-p3")
+    del results[1]
     _same_rows(root / "a-p3-single", root / "a-p3")
     assert os.listdir(root / "a-p3-single") == ["_manifest.json", "part-00000.parquet"] or sorted(
         os.listdir(root / "a-p3-single")) == ["_manifest.json", "part-00000.parquet"]
@@ -114,7 +118,9 @@ def test_three_workers(data):
         assert max(r.rows_per_worker) - min(r.rows_per_worker) <= 1 and r.balance <= 1.02
 
 
-def test_four_workers(data):
+def test_four_workers(data, monkeypatch):
+    """torch's elastic launcher and a gloo group (what torchrun and ``--device cuda`` use)."""
+    monkeypatch.setenv("VARLEN_LAUNCHER", "torch")
     root, paths, cols = data
     configs = [
         _cfg(paths["a"], root / "a-p4-torch", engine="torch"),

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import typer
 
-NPROC = typer.Option(1, "--nproc", help="Local worker processes to launch (torch elastic); under torchrun leave at 1.")
-DEVICE = typer.Option("cpu", "--device", help="cpu (gloo) or cuda (nccl).")
+from ..runtime.choices import NPROC_HELP
+
+NPROC = typer.Option(1, "--nproc", help=NPROC_HELP)
+DEVICE = typer.Option("cpu", "--device", help="cpu (--nproc: local group; torchrun: gloo) or cuda (nccl).")
 OVERWRITE = typer.Option(False, "--overwrite", help="Replace an existing output (written atomically either way).")
 ALLOW_STALE = typer.Option(
     False, "--allow-stale",

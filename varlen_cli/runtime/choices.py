@@ -65,3 +65,7 @@ def check_choices(config: Any) -> None:
             continue
         flag = "--" + f.name.replace("_", "-")
         raise UsageError(f"{flag} must be one of {', '.join(allowed)} (got {value!r})")
+
+
+NPROC_HELP = ("Local worker processes to launch (on the CPU a torch-free local group; with --device cuda torch's "
+              "elastic launcher); under torchrun leave at 1.")

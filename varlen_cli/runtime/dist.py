@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ERROR_CLASSES, UsageError, VarlenError, WorkerError
+from . import local_group
 
 DEFAULT_TIMEOUT_S = 1800.0
 _PROGRESS_KEY = "varlen/progress"
@@ -53,6 +54,8 @@ class Dist:
     Arrays go in and come out as numpy; with world size 1 every collective is an identity and
     torch is never imported.
     """
+
+    backend = "torch"  # collectives through torch.distributed (gloo or nccl)
 
     def __init__(self, rank: int = 0, world_size: int = 1, local_rank: int = 0, device: str = "cpu", group=None):
         self.rank = rank
@@ -119,6 +122,44 @@ class Dist:
         tdist.all_gather(out, mine)
         return np.array([int(t.item()) for t in out], dtype=np.int64)
 
+    def exchange_counts(self, sends: np.ndarray) -> np.ndarray:
+        """All-to-all of one int64 per peer: ``sends[p]`` goes to rank p; returns what each rank sent here."""
+        sends = np.ascontiguousarray(sends, dtype=np.int64)
+        if not self.distributed:
+            return sends.copy()
+        torch, tdist = self._torch()
+        recv = self._to_device(torch.empty(len(sends), dtype=torch.int64))
+        tdist.all_to_all_single(recv, self._to_device(torch.from_numpy(sends.copy())))
+        return recv.cpu().numpy()
+
+    def all_to_all_rows(self, rows: np.ndarray, sends, recvs) -> np.ndarray:
+        """Rows ``[sum(sends[:p]), sum(sends[:p+1]))`` of a numpy array go to rank p; returns the rows
+        received, in rank order (``recvs[p]`` from rank p). Any fixed-width dtype; sent as bytes."""
+        if not self.distributed:
+            return np.ascontiguousarray(rows).copy()
+        torch, tdist = self._torch()
+        send = self._to_device(torch.from_numpy(_byte_rows(rows)))
+        out = send.new_empty((int(sum(recvs)), send.shape[1]))
+        tdist.all_to_all_single(out, send, output_split_sizes=[int(x) for x in recvs],
+                                input_split_sizes=[int(x) for x in sends])
+        return out.cpu().numpy().view(rows.dtype).reshape((-1,) + rows.shape[1:])
+
+    def send_rows(self, rows: np.ndarray, dst: int) -> None:
+        """Point-to-point: send a numpy array to rank ``dst`` (which calls :meth:`recv_rows`)."""
+        _, tdist = self._torch()
+        import torch
+
+        tdist.send(self._to_device(torch.from_numpy(_byte_rows(rows))), dst=dst)
+
+    def recv_rows(self, out: np.ndarray, src: int) -> np.ndarray:
+        """Point-to-point: fill ``out`` (the shape and dtype ``src`` sends) from rank ``src``."""
+        torch, tdist = self._torch()
+        buf = self._to_device(torch.empty((len(out), out.dtype.itemsize * int(np.prod(out.shape[1:]))),
+                                          dtype=torch.uint8))
+        tdist.recv(buf, src=src)
+        _byte_rows(out)[...] = buf.cpu().numpy()
+        return out
+
     # -- whole-job progress ------------------------------------------------------------------
     def _progress_store(self):
         if not self.distributed:
@@ -146,6 +187,57 @@ class Dist:
         return self.add_progress(0)
 
 
+def _byte_rows(rows: np.ndarray) -> np.ndarray:
+    """A C-contiguous (rows, bytes per row) uint8 view of a numpy array."""
+    rows = np.ascontiguousarray(rows)
+    return rows.view(np.uint8).reshape(len(rows), rows.dtype.itemsize * int(np.prod(rows.shape[1:])))
+
+
+class LocalDist(Dist):
+    """A :class:`Dist` over a torch-free :class:`~varlen_cli.runtime.local_group.LocalGroup` (the
+    ``--nproc N`` workers on the CPU): the same collectives, moved through pipes."""
+
+    backend = "local"
+
+    def __init__(self, group):
+        super().__init__(group.rank, group.world_size, group.rank, "cpu")
+        self._local = group
+
+    def barrier(self) -> None:
+        self._local.all_gather_bytes(b"")
+
+    def all_gather_object(self, obj: Any) -> list:
+        return self._local.all_gather_object(obj)
+
+    def all_reduce(self, array: np.ndarray, op: str = "sum") -> np.ndarray:
+        arrays = self._local.all_gather_object(np.ascontiguousarray(array))
+        fn = {"sum": np.add, "max": np.maximum, "min": np.minimum}[op]
+        out = arrays[0].copy()
+        for a in arrays[1:]:
+            fn(out, a, out=out)
+        return out
+
+    def all_gather_int(self, value: int) -> np.ndarray:
+        return np.array(self._local.all_gather_object(int(value)), dtype=np.int64)
+
+    def exchange_counts(self, sends: np.ndarray) -> np.ndarray:
+        sends = np.ascontiguousarray(sends, dtype=np.int64)
+        return self._local.all_to_all_rows(sends, [1] * self.world_size, [1] * self.world_size)
+
+    def all_to_all_rows(self, rows: np.ndarray, sends, recvs) -> np.ndarray:
+        return self._local.all_to_all_rows(rows, sends, recvs)
+
+    def send_rows(self, rows: np.ndarray, dst: int) -> None:
+        self._local.send_rows(rows, dst)
+
+    def recv_rows(self, out: np.ndarray, src: int) -> np.ndarray:
+        return self._local.recv_rows(out, src)
+
+    def add_progress(self, amount: int) -> int:
+        self._progress_seen = self._local.add_progress(amount)
+        return self._progress_seen
+
+
 @contextmanager
 def session(device: str = "cpu") -> Iterator[Dist]:
     """The :class:`Dist` of this process: world size 1, or the launcher's group (created here).
@@ -154,6 +246,10 @@ def session(device: str = "cpu") -> Iterator[Dist]:
     """
     if device not in ("cpu", "cuda"):
         raise UsageError(f"--device must be 'cpu' or 'cuda', not {device!r}")
+    group = local_group.current()
+    if group is not None:  # a worker of launch_local: its pipes are the group
+        yield LocalDist(group)
+        return
     if "torch" in sys.modules:
         import torch.distributed as tdist
 
@@ -206,21 +302,24 @@ def check_nproc(nproc: int) -> None:
 
 
 def launch(entry: Callable[[Any], Any], config: Any, nproc: int, cleanup: Sequence[str] = ()) -> Any:
-    """Run ``entry(config)`` in ``nproc`` local workers through torch's elastic launcher.
+    """Run ``entry(config)`` in ``nproc`` local workers.
 
+    On the CPU the workers form a torch-free :mod:`~varlen_cli.runtime.local_group` (pipes between
+    forked or spawned processes); with ``--device cuda``, or ``VARLEN_LAUNCHER=torch``, they are
+    started by torch's elastic launcher (the engine behind torchrun) and join a gloo/nccl group.
     Returns rank 0's return value. If any worker fails, the others are stopped, the paths in
     ``cleanup`` are removed, and the failing worker's error is raised here: its own
     :class:`VarlenError` when it had one, else a :class:`WorkerError` naming the worker.
     """
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
     # spawn is safe in any process (threads, CUDA, tokenizer pools); the command line asks for fork
-    # (see cli.main), which starts workers ~2x faster because they need not import torch again.
+    # (see cli.main), which starts workers faster because they need not import anything again.
     start_method = os.environ.get("VARLEN_START_METHOD", "spawn")
     if start_method not in ("spawn", "fork", "forkserver"):
         raise UsageError(f"VARLEN_START_METHOD must be spawn, fork or forkserver, not {start_method!r}")
+    launcher = os.environ.get("VARLEN_LAUNCHER", "auto")
+    if launcher not in ("auto", "local", "torch"):
+        raise UsageError(f"VARLEN_LAUNCHER must be auto, local or torch, not {launcher!r}")
+    use_torch = launcher == "torch" or (launcher == "auto" and getattr(config, "device", "cpu") == "cuda")
     from .safety import clean_launcher_dirs, launcher_dir
 
     clean_launcher_dirs()  # of killed launchers
@@ -228,6 +327,33 @@ def launch(entry: Callable[[Any], Any], config: Any, nproc: int, cleanup: Sequen
     threads = str(max(1, (os.cpu_count() or 1) // nproc))
     worker_env = {"OMP_NUM_THREADS": threads, "RAYON_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "true",
                   "VARLEN_ERROR_DIR": error_dir}
+    try:
+        if use_torch:
+            return _launch_elastic(entry, config, nproc, start_method, worker_env, error_dir)
+        return local_group.launch_local(entry, config, nproc, start_method, worker_env, error_dir)
+    except local_group.LocalFailure as exc:
+        _remove_all(cleanup)
+        raise failure_error(exc.exitcodes, error_dir) from None
+    except BaseException as exc:
+        _remove_all(cleanup)
+        _reraise_signal(exc)
+        raise
+    finally:
+        shutil.rmtree(error_dir, ignore_errors=True)
+
+
+def _remove_all(paths: Sequence[str]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _launch_elastic(entry: Callable[[Any], Any], config: Any, nproc: int, start_method: str, worker_env: dict,
+                    error_dir: str) -> Any:
+    """``launch`` through torch's elastic agent; a failure becomes :class:`local_group.LocalFailure`."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
     config_ = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -243,18 +369,13 @@ def launch(entry: Callable[[Any], Any], config: Any, nproc: int, cleanup: Sequen
     )
     try:
         with _quiet_elastic_logs(), _environ(worker_env):
-            results = elastic_launch(config_, _worker_entry)(entry, config)
+            results = elastic_launch(config_, worker_entry)(entry, config)
     except ChildFailedError as exc:
-        for path in cleanup:
-            shutil.rmtree(path, ignore_errors=True)
-        raise _worker_failure(exc, error_dir) from None
-    except BaseException as exc:
-        for path in cleanup:
-            shutil.rmtree(path, ignore_errors=True)
-        _reraise_signal(exc)
-        raise
-    finally:
-        shutil.rmtree(error_dir, ignore_errors=True)
+        failures = getattr(exc, "failures", {})
+        first = exc.get_first_failure()[0] if failures else None
+        codes = {first: failures[first].exitcode} if first is not None else {}
+        codes.update({rank: f.exitcode for rank, f in failures.items()})
+        raise local_group.LocalFailure(codes) from None
     return results.get(0)
 
 
@@ -271,7 +392,7 @@ def _reraise_signal(exc: BaseException) -> None:
     raise Terminated() from None
 
 
-def _worker_entry(entry: Callable[[Any], Any], config: Any) -> Any:
+def worker_entry(entry: Callable[[Any], Any], config: Any) -> Any:
     """Top of every launched worker: run the stage, and on failure leave a record for the parent."""
     try:
         return entry(config)
@@ -296,7 +417,9 @@ def _worker_entry(entry: Callable[[Any], Any], config: Any) -> Any:
         sys.exit(code)
 
 
-def _worker_failure(exc, error_dir: str) -> VarlenError:
+def failure_error(exitcodes: dict, error_dir: str) -> VarlenError:
+    """The user's error for a failed job: ``exitcodes`` maps the failed ranks (the first to fail
+    first) to their exit codes; ``error_dir`` holds the records :func:`worker_entry` left."""
     records = []
     for name in sorted(os.listdir(error_dir)):
         if name.endswith(".json"):
@@ -307,12 +430,12 @@ def _worker_failure(exc, error_dir: str) -> VarlenError:
     # A worker killed by a signal leaves no record; its peers then fail on the closed connection,
     # and the killed worker, not they, is the cause.
     recorded = {r["rank"] for r in records}
-    # (The agent stops the other workers with SIGTERM: those are not the cause.)
-    killed = sorted(rank for rank, f in getattr(exc, "failures", {}).items()
-                    if rank not in recorded and f.exitcode is not None and f.exitcode < 0)
-    killed.sort(key=lambda rank: exc.failures[rank].exitcode == -signal.SIGTERM)
+    # (The elastic agent stops the other workers with SIGTERM: those are not the cause.)
+    killed = sorted(rank for rank, code in exitcodes.items()
+                    if rank not in recorded and code is not None and code < 0)
+    killed.sort(key=lambda rank: exitcodes[rank] == -signal.SIGTERM)
     if not user and killed:
-        code = exc.failures[killed[0]].exitcode
+        code = exitcodes[killed[0]]
         error = WorkerError(f"worker {killed[0]} was killed by signal {-code}; all workers were stopped")
         first = None
     elif user:
@@ -322,9 +445,8 @@ def _worker_failure(exc, error_dir: str) -> VarlenError:
         first = min(records, key=lambda r: r["time"])
         error = WorkerError(f"worker {first['rank']} failed: {first['message']}")
     else:
-        rank, failure = exc.get_first_failure()
-        code = failure.exitcode
-        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        rank, code = next(iter(exitcodes.items()), (0, None))
+        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
         error = WorkerError(f"worker {rank} {how}; all workers were stopped")
         first = None
     if first is not None:

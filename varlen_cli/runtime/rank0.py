@@ -21,6 +21,10 @@ def needs_group() -> bool:
         return False
     import sys
 
+    from . import local_group
+
+    if local_group.current() is not None:
+        return False  # a worker of a local group (`varlen run --nproc N`): the caller decides, as below
     if "torch" in sys.modules:
         import torch.distributed as tdist
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..errors import InputError, OutputError, UsageError
 from ..runtime import artifacts, freshness, safety
-from ..runtime.choices import Device, Engine, NanPolicy, Ties, check_choices, doc, values
+from ..runtime.choices import NPROC_HELP, Device, Engine, NanPolicy, Ties, check_choices, doc, values
 from ..runtime.dist import Dist, check_nproc, fault_point
 from ..runtime.executor import execute
 from ..runtime.progress import JobProgress
@@ -53,8 +53,8 @@ class SortConfig:
     ties: Ties = doc("id", "Order of equal keys: id (ascending sample_id) or shuffle (seeded hash of sample_id).")
     seed: int = doc(0, "Seed of --ties shuffle.")
     nan: NanPolicy = doc("error", "NaN keys: error (refuse) or last (after all other keys).")
-    nproc: int = doc(1, "Local worker processes to launch (torch elastic); under torchrun leave at 1.")
-    device: Device = doc("cpu", "cpu (gloo) or cuda (nccl).")
+    nproc: int = doc(1, NPROC_HELP)
+    device: Device = doc("cpu", "cpu (--nproc: local group; torchrun: gloo) or cuda (nccl).")
     single_file: bool = doc(False, "Write one part-00000.parquet, streamed in rank order, instead of one part per "
                                    "worker.")
     overwrite: bool = doc(False, "Replace an existing output (written atomically either way).")
@@ -408,33 +408,29 @@ def _id_order(lay: sk.KeyLayout, stats, keycols: dict, words: list, n: int):
 
 
 class _Exchange:
-    """``all_to_all_single`` of row arrays: counts first (once), then one call per array."""
+    """All-to-all of row arrays through the process group: counts first (once), then one call per array."""
 
     def __init__(self, d: Dist, sends: np.ndarray):
-        import torch
-        import torch.distributed as tdist
-
-        self.torch, self.tdist, self.d = torch, tdist, d
-        self.dev = torch.device("cuda") if d.device == "cuda" else torch.device("cpu")
-        send_t = torch.from_numpy(np.ascontiguousarray(sends, dtype=np.int64)).to(self.dev)
-        recv_t = torch.empty_like(send_t)
-        tdist.all_to_all_single(recv_t, send_t)
+        self.d = d
         self.sends = [int(x) for x in sends]
-        self.recvs = [int(x) for x in recv_t.cpu().tolist()]
+        self.recvs = [int(x) for x in d.exchange_counts(np.asarray(sends, dtype=np.int64))]
         self.received = sum(self.recvs)
 
     def run_tensor(self, t):
         """Exchange a tensor whose first dimension is the rows (already on the device)."""
+        if self.d.backend != "torch":  # a torch-free local group moves numpy arrays (CPU only)
+            import torch
+
+            return torch.from_numpy(self.run(t.cpu().numpy()))
+        import torch.distributed as tdist
+
         out = t.new_empty((self.received,) + tuple(t.shape[1:]))
-        self.tdist.all_to_all_single(out, t, output_split_sizes=self.recvs, input_split_sizes=self.sends)
+        tdist.all_to_all_single(out, t, output_split_sizes=self.recvs, input_split_sizes=self.sends)
         return out
 
     def run(self, a: np.ndarray) -> np.ndarray:
-        """Exchange a 1-D numpy array of any fixed-width dtype (sent as bytes)."""
-        dtype = a.dtype
-        t = self.torch.from_numpy(np.ascontiguousarray(a).view(np.uint8).reshape(len(a), dtype.itemsize))
-        got = self.run_tensor(t.to(self.dev)).cpu().numpy()
-        return got.view(dtype).reshape(-1)
+        """Exchange a numpy array of any fixed-width dtype along its first dimension."""
+        return self.d.all_to_all_rows(a, self.sends, self.recvs)
 
 
 # -- torch engine (GPU, or CPU for tests) ---------------------------------------------------------
@@ -571,18 +567,12 @@ def _write_single(d: Dist, out: artifacts.AtomicDir, schema, cols: dict, rows: l
     if not d.distributed:
         artifacts.write_parquet(_to_table(cols, schema), target, G)
         return
-    import torch
-    import torch.distributed as tdist
-
-    dev = torch.device("cuda") if d.device == "cuda" else torch.device("cpu")
     dtypes = {name: a.dtype for name, a in cols.items()}
     if d.rank != 0:
         n = rows[d.rank]
         for a in range(0, n, G):
             for f in schema:
-                arr = np.ascontiguousarray(cols[f.name][a:a + G])
-                buf = torch.from_numpy(arr.view(np.uint8).reshape(len(arr), arr.dtype.itemsize)).to(dev)
-                tdist.send(buf, dst=0)
+                d.send_rows(cols[f.name][a:a + G], dst=0)
         return
     try:
         writer = pq.ParquetWriter(target, schema, compression="zstd", compression_level=1)
@@ -594,12 +584,7 @@ def _write_single(d: Dist, out: artifacts.AtomicDir, schema, cols: dict, rows: l
         for src in range(1, d.world_size):
             for a in range(0, rows[src], G):
                 c = min(G, rows[src] - a)
-                chunk = {}
-                for f in schema:
-                    dt = dtypes[f.name]
-                    buf = torch.empty((c, dt.itemsize), dtype=torch.uint8, device=dev)
-                    tdist.recv(buf, src=src)
-                    chunk[f.name] = buf.cpu().numpy().view(dt).reshape(-1)
+                chunk = {f.name: d.recv_rows(np.empty(c, dtype=dtypes[f.name]), src=src) for f in schema}
                 writer.write_table(_to_table(chunk, schema), row_group_size=G)
 
 
