@@ -62,7 +62,7 @@ def _gather_results(tag: str) -> list:
         return d.all_gather_object(mine)
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
 def test_collectives_match_values_computed_here(method, monkeypatch):
     monkeypatch.setenv("VARLEN_START_METHOD", method)
     results = launch(_gather_results, "t", P)
@@ -114,3 +114,46 @@ def test_a_failing_worker_fails_the_job_with_its_error(spec, error, message, mon
     monkeypatch.setenv("VARLEN_TIMEOUT", "1")
     with pytest.raises(error, match=message):
         launch(_fails_on, spec, P)
+
+
+ORPHAN = r"""
+import os, sys, time
+sys.path.insert(0, sys.argv[2])
+os.environ["VARLEN_START_METHOD"] = "fork"
+from varlen_cli.runtime.dist import launch
+
+def entry(folder):
+    open(os.path.join(folder, str(os.getpid())), "w").close()
+    time.sleep(60)
+
+launch(entry, sys.argv[1], 2)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux only")
+def test_workers_die_with_a_killed_launcher(tmp_path):
+    import signal
+    import subprocess
+    import time
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    launcher = subprocess.Popen([sys.executable, "-c", ORPHAN, str(tmp_path), root])
+    deadline = time.monotonic() + 60
+    while len(os.listdir(tmp_path)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    workers = [int(name) for name in os.listdir(tmp_path)]
+    assert len(workers) == 2 and all(_alive(pid) for pid in workers)
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(pid) for pid in workers)

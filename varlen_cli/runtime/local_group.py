@@ -157,6 +157,26 @@ def _grow_pipe(fd: int) -> None:
 
 
 # -- the launcher ------------------------------------------------------------------------------------
+def fits_fd_limit(nproc: int) -> bool:
+    """Whether the launcher may open the ``2 * nproc * (nproc - 1)`` pipe ends of a group (raising
+    its soft limit on open files up to the hard one if needed): 32 workers need ~2,000."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not Unix
+        return False
+    needed = 2 * nproc * (nproc - 1) + 256  # and what the process already holds
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return True
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        return False
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+    except (ValueError, OSError):
+        return False
+    return True
+
+
 def launch_local(entry: Callable[[Any], Any], config: Any, nproc: int, start_method: str, worker_env: dict,
                  error_dir: str) -> Any:
     """Run ``entry(config)`` in ``nproc`` local workers joined by a :class:`LocalGroup`.
@@ -173,7 +193,9 @@ def launch_local(entry: Callable[[Any], Any], config: Any, nproc: int, start_met
     pipes = {(s, t): ctx.Pipe(duplex=False) for s in range(nproc) for t in range(nproc) if s != t}
     counter = ctx.Value("q", 0)
     result_r, result_w = ctx.Pipe(duplex=False)
-    common = (nproc, pipes, counter, result_w, worker_env, error_dir, collective_timeout(), entry, config)
+    common = (nproc, pipes, counter, result_w, worker_env, error_dir, collective_timeout(),
+              None if start_method == "forkserver" else os.getpid(), entry,
+              config)
     procs = [ctx.Process(target=_worker_main, args=(rank, *common), name=f"varlen-worker-{rank}")
              for rank in range(nproc)]
     try:
@@ -246,10 +268,10 @@ def _stop(procs: list) -> None:
 
 
 def _worker_main(rank: int, nproc: int, pipes: dict, counter, result_w, worker_env: dict, error_dir: str,
-                 timeout: float, entry: Callable[[Any], Any], config: Any) -> None:
+                 timeout: float, launcher_pid: int | None, entry: Callable[[Any], Any], config: Any) -> None:
     """Top of a local worker: its environment and pipes, then the stage; rank 0 sends back the result."""
     global _CURRENT
-    _die_with_parent()
+    _die_with_parent(launcher_pid)
     os.environ.update(worker_env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(nproc), "VARLEN_ERROR_DIR": error_dir})
@@ -275,13 +297,16 @@ def _worker_main(rank: int, nproc: int, pipes: dict, counter, result_w, worker_e
     sys.stdout.flush()
 
 
-def _die_with_parent() -> None:
-    """Linux: this process gets SIGKILL when its launcher dies (no orphan finishes a cancelled job)."""
-    if not sys.platform.startswith("linux"):
+def _die_with_parent(launcher_pid: int | None) -> None:
+    """Linux: this process gets SIGKILL when its launcher dies (no orphan finishes a cancelled job).
+    Not with forkserver, whose server process, not the launcher, is the parent."""
+    if launcher_pid is None or not sys.platform.startswith("linux"):
         return
     try:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # pragma: no cover - no libc prctl
-        pass
+        return
+    if os.getppid() != launcher_pid:  # the launcher died before the line above
+        os._exit(1)
