@@ -313,7 +313,8 @@ def _fn_huge(t):
 
 def _fn_exit_on_import(t):
     return _function(t, "varlen_is_exit_import", "import sys\nsys.exit(3)\n",
-                     "cannot import difficulty module 'varlen_is_exit_import': SystemExit (sys.exit(3))", code=2)
+                     "--difficulty {spec}: cannot import module 'varlen_is_exit_import': SystemExit (sys.exit(3))",
+                     code=2)
 
 
 def _fn_scalar(t):

@@ -152,12 +152,12 @@ CASES = {
         re.compile(r"difficulty function varlen_err_text:f must return numbers, got ndarray: .+"), 3),
     "function module missing": lambda t: (
         [sample("text.parquet"), "--length", "chars:text", "--difficulty", "varlen_no_such_module:f"],
-        "cannot import difficulty module 'varlen_no_such_module': ModuleNotFoundError: "
+        "--difficulty varlen_no_such_module:f: cannot import module 'varlen_no_such_module': ModuleNotFoundError: "
         "No module named 'varlen_no_such_module'", 2),
     "function missing": lambda t: (
         [sample("text.parquet"), "--length", "chars:text", "--difficulty",
          _module(t, "x = 1\n", "varlen_err_nofunc") + ":f"],
-        "difficulty module 'varlen_err_nofunc' has no function 'f'", 2),
+        "--difficulty varlen_err_nofunc:f: module 'varlen_err_nofunc' has no function 'f'", 2),
 }
 
 

@@ -109,8 +109,10 @@ CALIBRATE_ERRORS = [
      "give exactly one of --model MODULE:FUNCTION (measure) and --hf-config FILE (analytic)"),
     (["--model", "no_colon"], 2, "--model must be MODULE:FUNCTION (got 'no_colon')"),
     (["--model", "no_such_module_x:f"], 3,
-     "--model: cannot import no_such_module_x: No module named 'no_such_module_x'"),
-    (["--model", "tests.memory_models:nothing"], 3, "--model: tests.memory_models has no function nothing"),
+     "--model no_such_module_x:f: cannot import module 'no_such_module_x': ModuleNotFoundError: "
+     "No module named 'no_such_module_x'"),
+    (["--model", "tests.memory_models:nothing"], 3,
+     "--model tests.memory_models:nothing: module 'tests.memory_models' has no function 'nothing'"),
     (["--model", TINY, "--shapes", "4x"], 2, "--shapes: cannot read '4x' as BxT (example: --shapes 1x64,8x64,2x256)"),
     (["--model", TINY, "--shapes", "1x64,2x64,4x64"], 2,
      "--shapes needs at least 3 distinct shapes with at least 2 different T (to fit c0, c1, c2)"),

@@ -11,14 +11,12 @@
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import InputError, UsageError
+from ..runtime import user_code
 
 
 @dataclass(frozen=True)
@@ -46,24 +44,7 @@ def parse_difficulty(text: str) -> DifficultySpec:
 
 
 def load_function(spec: DifficultySpec):
-    module_name, _, func_name = spec.column.partition(":")
-    # The current directory is searched for the module, then taken off sys.path again (the caller's
-    # process may be a training script importing varlen as a library).
-    cwd = os.getcwd()
-    added = cwd not in sys.path
-    if added:
-        sys.path.insert(0, cwd)
-    try:
-        module = importlib.import_module(module_name)
-    except (Exception, SystemExit) as exc:
-        raise UsageError(f"cannot import difficulty module '{module_name}': {_describe(exc)}") from None
-    finally:
-        if added and cwd in sys.path:
-            sys.path.remove(cwd)
-    fn = getattr(module, func_name, None)
-    if not callable(fn):
-        raise UsageError(f"difficulty module '{module_name}' has no function '{func_name}'")
-    return fn
+    return user_code.load_function(spec.column, "--difficulty")
 
 
 def call_function(fn, spec: DifficultySpec, batch, where: str) -> np.ndarray:
@@ -72,7 +53,7 @@ def call_function(fn, spec: DifficultySpec, batch, where: str) -> np.ndarray:
     try:
         out = fn(batch)
     except (Exception, SystemExit) as exc:  # sys.exit() in user code must not end varlen with its code
-        raise InputError(f"{name} raised {_describe(exc)} (on {where})") from None
+        raise InputError(f"{name} raised {user_code.describe(exc)} (on {where})") from None
     try:
         if hasattr(out, "to_numpy"):
             out = out.to_numpy(zero_copy_only=False) if "pyarrow" in type(out).__module__ else out.to_numpy()
@@ -93,12 +74,6 @@ def call_function(fn, spec: DifficultySpec, batch, where: str) -> np.ndarray:
     if inf.any():
         raise InputError(f"{name} returned infinite values for {int(inf.sum())} rows (on {where})")
     return values
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, SystemExit):
-        return f"SystemExit (sys.exit({exc.code!r}))"
-    return f"{type(exc).__name__}: {_first_line(exc)}"
 
 
 def _first_line(exc: BaseException) -> str:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..errors import UsageError
+from ..runtime import user_code
 from . import fit as fitting
 from .analytic import analytic_profile_fields, dtype_name
 from .profile import check_output, new_profile, write_profile
@@ -65,9 +66,7 @@ def _check(c: CalibrateConfig) -> None:
         raise UsageError(f"--max-seqlen must be >= 1 (got {c.max_seqlen})")
     dtype_name(c.dtype)
     if c.model is not None:
-        module, sep, function = c.model.rpartition(":")
-        if not sep or not module or not function:
-            raise UsageError(f"--model must be MODULE:FUNCTION (got {c.model!r})")
+        user_code.split_spec(c.model, "--model")
         if c.shapes != "auto":
             parse_shapes(c.shapes)
         elif c.calibration_memory is not None:

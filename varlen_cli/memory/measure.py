@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import importlib
-import importlib.util
 import inspect
 import os
 import sys
@@ -31,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import InputError, UsageError, WorkerError
+from ..runtime import user_code
 
 WARMUP_SHAPE = (1, 8)
 
@@ -49,28 +48,7 @@ class MeasureSetup:
 
 def load_factory(spec: str) -> Callable:
     """The function named by ``MODULE:FUNCTION`` (MODULE a dotted name or a ``.py`` file)."""
-    module_name, sep, function = spec.rpartition(":")
-    if not sep or not module_name or not function:
-        raise UsageError(f"--model must be MODULE:FUNCTION (got {spec!r})")
-    try:
-        if module_name.endswith(".py"):
-            if not os.path.isfile(module_name):
-                raise InputError(f"--model: file {module_name} does not exist")
-            name = "varlen_user_model_" + os.path.splitext(os.path.basename(module_name))[0]
-            module = sys.modules.get(name)  # loaded by the parent before forking
-            if module is None or getattr(module, "__file__", None) != os.path.abspath(module_name):
-                loader_spec = importlib.util.spec_from_file_location(name, os.path.abspath(module_name))
-                module = importlib.util.module_from_spec(loader_spec)
-                sys.modules[name] = module
-                loader_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        raise InputError(f"--model: cannot import {module_name}: {exc}") from None
-    factory = getattr(module, function, None)
-    if not callable(factory):
-        raise InputError(f"--model: {module_name} has no function {function}")
-    return factory
+    return user_code.load_function(spec, "--model", InputError)
 
 
 def _dtype(name: str):

@@ -19,12 +19,12 @@ A training step is a set of jobs ``(stage, batch, direction)``: stage ``s`` in `
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import UsageError
+from ..runtime import user_code
 
 FORWARD = "F"
 BACKWARD = "B"
@@ -122,13 +122,7 @@ def load_user_scheme(spec: str, stages: int, microbatches: int, workers: int) ->
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise UsageError(f"--schedule {spec!r} is not one of {', '.join(SCHEDULES)}, all, or MODULE:FUNCTION")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UsageError(f"--schedule {spec}: cannot import module {module_name!r} ({exc})") from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise UsageError(f"--schedule {spec}: module {module_name!r} has no function {attr!r}")
+    factory = user_code.load_function(spec, "--schedule")
     try:
         inspect.signature(factory).bind(stages=stages, microbatches=microbatches, workers=workers)
     except (TypeError, ValueError):
