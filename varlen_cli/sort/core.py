@@ -5,7 +5,7 @@ packed composite key of its rows (``--by`` columns, then the tie-break: ``sample
 hash of it; see :mod:`varlen_cli.sort.keys`) and sorts them locally. The workers then agree on exact
 splitters by a distributed selection over the composite key: the key is a total order, so the
 splitters put global rows ``[N*r/P, N*(r+1)/P)`` on rank r, whatever the key distribution (all keys
-equal included). Rows travel with ``all_to_all_single`` (counts first, then each column), each rank
+equal included). Rows travel with the group's all-to-all (counts first, then each column), each rank
 merges the sorted runs it received and writes ``part-RRRRR.parquet``; rank 0 writes the manifest and
 renames the directory into place. The concatenated output is the same for any number of workers.
 
