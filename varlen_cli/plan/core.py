@@ -178,12 +178,12 @@ def _check_ranges(c: PlanConfig) -> None:
 
 
 def _check_schedule(c: PlanConfig) -> None:
-    from ..schedule.schemes import SCHEDULES
-
     if c.schedule is None:
         if c.stages is not None:
             raise UsageError("--stages needs --schedule (the parallel schedule to order the steps for)")
         return
+    from ..schedule.schemes import SCHEDULES  # only here: not imported by plans without --schedule
+
     if c.schedule not in SCHEDULES:
         raise UsageError(f"--schedule must be one of {', '.join(SCHEDULES)} (got {c.schedule!r})")
     if c.stages is None:
@@ -233,8 +233,8 @@ def read_input(path: str, allow_stale: bool = False) -> tuple[dict, np.ndarray, 
                                  f"{rows:,}")
             for rg in range(pf.num_row_groups):
                 t = pf.read_row_group(rg, columns=["sample_id", "length"])
-                sample_id[filled:filled + len(t)] = t.column("sample_id").to_numpy()
-                length[filled:filled + len(t)] = t.column("length").to_numpy()
+                _fill(sample_id, filled, t, "sample_id", p)
+                _fill(length, filled, t, "length", p)
                 filled += len(t)
                 del t
         except InputError:
@@ -250,6 +250,18 @@ def read_input(path: str, allow_stale: bool = False) -> tuple[dict, np.ndarray, 
         raise InputError(f"{path} has a sample of {int(length.max()):,} tokens; plans hold lengths up to "
                          f"{format.INT32_MAX:,} (int32)")
     return manifest, sample_id, length
+
+
+def _fill(out: np.ndarray, at: int, table, name: str, path: str) -> None:
+    """Copy a column into ``out[at:]`` chunk by chunk (as numpy views: ``to_numpy`` imports pandas, ~0.3 s)."""
+    from .arrow_io import to_numpy
+
+    for chunk in table.column(name).chunks:
+        if chunk.null_count:
+            raise InputError(f"{path} has missing values in column {name!r}")
+        if len(chunk):
+            out[at:at + len(chunk)] = to_numpy(chunk)
+        at += len(chunk)
 
 
 def _release_arrow_memory() -> None:
@@ -420,6 +432,7 @@ def assemble_columns(c: PlanConfig, sample_id: np.ndarray, length: np.ndarray, e
     items = {"sample_ids": [], "sample_lengths": [], "sample_rows": [], "sample_starts": []}
     step0 = 0
     identity = batching.is_identity(sample_id)  # ids 0..N-1 in row order (metrics directories): no gather
+    any_empty = bool(len(length)) and int(length.min()) == 0
     for e, ep in enumerate(epochs):
         mb, lay = ep.mb, ep.layout
         cols["epoch"].append(np.full(mb.count, e, np.int64))
@@ -431,20 +444,10 @@ def assemble_columns(c: PlanConfig, sample_id: np.ndarray, length: np.ndarray, e
         cols["batch_size"].append(mb.batch_size)
         cols["tokens"].append(mb.tokens)
         cols["cost"].append(ep.cost)
-        items["sample_ids"].append(mb.samples.astype(np.int64, copy=False) if identity else sample_id[mb.samples])
-        # Samples each microbatch completes: every entry, except the non-final chunks of a split
-        # sample (a split sample counts once, where its last token is), for step_samples.
-        parent = np.repeat(np.arange(mb.count), np.diff(mb.offsets))
-        final = True
-        if c.packing and c.split_long and len(mb.samples):
-            final = mb.item_start + mb.item_length == length[mb.samples]
-            cols["completed"].append(np.bincount(parent, weights=final, minlength=mb.count).astype(np.int64))
-        else:
-            cols["completed"].append(np.diff(mb.offsets))
-        # Loss targets (shifted labels): every token but the last of each non-empty sample; a
-        # non-final chunk of a split sample keeps its last token's target (the next chunk's first).
-        entry_len = mb.item_length if c.packing else length[mb.samples]
-        lost = np.bincount(parent, weights=(entry_len > 0) & final, minlength=mb.count).astype(np.int64)
+        # identity: the positions are the ids (int32 where they fit; the writer widens them chunk by chunk)
+        items["sample_ids"].append(mb.samples if identity else sample_id[mb.samples])
+        completed, lost = _completed_and_lost(c, mb, length, any_empty)
+        cols["completed"].append(completed)
         cols["targets"].append(mb.tokens.astype(np.int64) - lost)
         if c.packing:
             items["sample_lengths"].append(mb.item_length)
@@ -452,6 +455,26 @@ def assemble_columns(c: PlanConfig, sample_id: np.ndarray, length: np.ndarray, e
             items["sample_starts"].append(mb.item_start)
         step0 += mb.count // slots
     return ({k: _concat(v) for k, v in cols.items()}, {k: _concat(v) for k, v in items.items() if v})
+
+
+def _completed_and_lost(c: PlanConfig, mb: Microbatches, length: np.ndarray,
+                        any_empty: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Per microbatch: the samples it completes (every entry, except the non-final chunks of a split
+    sample, which counts once, where its last token is; for step_samples) and the tokens without a
+    loss target (shifted labels: the last token of each non-empty sample; a non-final chunk of a
+    split sample keeps its last token's target, the next chunk's first)."""
+    counts = np.diff(mb.offsets)
+    if not c.packing and not any_empty:  # every entry a whole non-empty sample: one of each per entry
+        return counts, counts.astype(np.int64)
+    parent = np.repeat(np.arange(mb.count), counts)
+    final = True
+    completed = counts
+    if c.packing and c.split_long and len(mb.samples):
+        final = mb.item_start + mb.item_length == length[mb.samples]
+        completed = np.bincount(parent, weights=final, minlength=mb.count).astype(np.int64)
+    entry_len = mb.item_length if c.packing else length[mb.samples]
+    lost = np.bincount(parent, weights=(entry_len > 0) & final, minlength=mb.count).astype(np.int64)
+    return completed, lost
 
 
 def _budget_tokens(c: PlanConfig, budget: Budget, rows_per_mb: int | None, b: np.ndarray, t: np.ndarray,

@@ -67,12 +67,17 @@ def _start(inputs: EpochInputs, mode: str) -> np.ndarray:
 
 
 def _finish_padded(inputs: EpochInputs, mb: Microbatches, mode: str, rng: np.random.Generator,
-                   fixed_batch: int | None = None) -> Formed:
-    """Tail fix (split the fullest or drop the smallest microbatches), then the per-order touches."""
+                   fixed_batch: int | None = None, lens: np.ndarray | None = None,
+                   padded: np.ndarray | None = None) -> Formed:
+    """Tail fix (split the fullest or drop the smallest microbatches), then the per-order touches.
+    ``lens``/``padded``: the (padded) lengths of ``mb.samples``, reused when a split keeps the samples."""
     c, length, shape, budget = inputs.config, inputs.length, inputs.shape, inputs.budget
+    formed_samples = mb.samples
 
     def refinalize(samples, offsets):
-        return batching.finalize_padded(samples, offsets, length, shape, budget, c.static_shapes, fixed_batch)
+        same = samples is formed_samples
+        return batching.finalize_padded(samples, offsets, length, shape, budget, c.static_shapes, fixed_batch,
+                                        lens=lens if same else None, padded=padded if same else None)
 
     mb, dropped = layout.fix_tail_padded(mb, inputs.slots, c.dp, c.grad_accum, c.tail, refinalize)
     if mode == "bucket-shuffle":
@@ -88,8 +93,11 @@ class SequenceFormer:
 
     def form(self, inputs: EpochInputs, mode: str, rng: np.random.Generator) -> Formed:
         c = inputs.config
-        mb = batching.form_sequence(inputs.ordered, inputs.length, inputs.shape, inputs.budget, c.static_shapes)
-        return _finish_padded(inputs, mb, mode, rng)
+        lens = inputs.length[inputs.ordered]
+        padded = inputs.shape(lens)
+        mb = batching.form_sequence(inputs.ordered, inputs.length, inputs.shape, inputs.budget, c.static_shapes,
+                                    padded, lens)
+        return _finish_padded(inputs, mb, mode, rng, lens=lens, padded=padded)
 
 
 @dataclass
@@ -97,18 +105,28 @@ class BucketShuffleFormer:
     """bucket-shuffle: shuffle inside length buckets, greedy microbatches, cost-balanced shuffle."""
 
     canon_padded: np.ndarray | None = None  # shape(length[canon]), computed once for all epochs
+    lens_are_padded: bool = False  # lengths >= 1 and no padding to a multiple or to edges: shape(l) == l
 
     def form(self, inputs: EpochInputs, mode: str, rng: np.random.Generator) -> Formed:
         c = inputs.config
         if self.canon_padded is None:
-            padded = inputs.shape(inputs.length[inputs.canon])
-            small = len(padded) and int(padded.max()) < 1 << 31  # 4 bytes a sample, kept for every epoch
-            self.canon_padded = padded.astype(np.int32) if small else padded
-            del padded  # not kept alive through the epoch
+            self.canon_padded = _narrow(inputs.shape(inputs.length[inputs.canon]))  # 2 or 4 bytes a sample
+            plain = inputs.shape.pad_multiple == 1 and inputs.shape.edges is None
+            self.lens_are_padded = plain and bool(len(inputs.length)) and int(inputs.length.min()) >= 1
         seq, seq_padded = batching.bucket_sequence(inputs.canon, self.canon_padded, rng)
-        mb = batching.form_sequence(seq, inputs.length, inputs.shape, inputs.budget, c.static_shapes, seq_padded)
-        del seq, seq_padded
-        return _finish_padded(inputs, mb, mode, rng)
+        # the lengths in sequence order: the padded ones themselves where equal (no random gather)
+        lens = seq_padded if self.lens_are_padded else inputs.length[seq]
+        mb = batching.form_sequence(seq, inputs.length, inputs.shape, inputs.budget, c.static_shapes, seq_padded,
+                                    lens)
+        return _finish_padded(inputs, mb, mode, rng, lens=lens, padded=seq_padded)
+
+
+def _narrow(padded: np.ndarray) -> np.ndarray:
+    """Padded lengths (>= 1) as uint16 or int32 where they fit: kept for every epoch."""
+    hi = int(padded.max()) if len(padded) else 0
+    if hi < 1 << 16:
+        return padded.astype(np.uint16)
+    return padded.astype(np.int32) if hi < 1 << 31 else padded
 
 
 @dataclass
