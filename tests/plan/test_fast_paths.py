@@ -56,3 +56,17 @@ def test_int32_paths_keep_values():
     starts, counts = np.array([5, 0, 9]), np.array([2, 3, 1])
     new_off = np.concatenate([[0], np.cumsum(counts)])
     assert segment_gather(starts, counts, new_off).tolist() == [5, 6, 0, 1, 2, 9]
+
+
+@settings(max_examples=80, deadline=None)
+@given(lengths=st.lists(st.integers(0, 70000), min_size=1, max_size=300), budget=st.integers(1, 66000),
+       pad=st.sampled_from([1, 8, 64, 1000]), attention=st.sampled_from([0.0, 1e-4, 0.01]),
+       max_samples=st.sampled_from([None, 1, 4]))
+def test_too_long_threshold_matches_the_per_sample_test(lengths, budget, pad, attention, max_samples):
+    from varlen_cli.plan.core import _longest_fitting
+    from varlen_cli.plan.shapes import ShapeMap
+
+    length = np.array(lengths, dtype=np.int64)
+    b, shape = Budget(budget, max_samples, attention), ShapeMap(pad)
+    want = ~b.fits(1, shape.pad(length))
+    assert np.array_equal(length > _longest_fitting(length, b, shape), want)

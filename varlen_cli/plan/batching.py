@@ -208,8 +208,8 @@ def bucket_sequence(canon: np.ndarray, padded: np.ndarray, rng: np.random.Genera
     # radix argsort of the 16-bit keys in permutation order; the sorted keys from their counts
     perm32 = perm.astype(np.int32)
     del perm
-    key = padded.astype(np.uint16, copy=False)[perm32]
-    order = perm32[np.argsort(key, kind="stable")]
+    key = np.take(padded.astype(np.uint16, copy=False), perm32)
+    order = np.take(perm32, np.argsort(key, kind="stable"))
     del perm32
     counts = np.bincount(key, minlength=hi + 1)
     del key

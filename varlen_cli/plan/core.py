@@ -334,7 +334,7 @@ def _too_long(c: PlanConfig, length: np.ndarray, budget: Budget, shape: ShapeMap
     if c.packing:
         too_long = (length > c.seq_len) if not c.split_long else np.zeros(len(length), bool)
     else:
-        too_long = ~budget.fits(1, shape.pad(length))  # cap < 1 (cap falls with T), without a gather
+        too_long = length > _longest_fitting(length, budget, shape)
     n_long = int(np.count_nonzero(too_long))
     budget_name = (f"--max-memory {c.max_memory} (max_tokens {c.max_tokens:,} from the profile)" if c.max_memory
                    else f"--max-tokens {c.max_tokens:,}" if c.max_tokens is not None else "")
@@ -354,6 +354,22 @@ def _too_long(c: PlanConfig, length: np.ndarray, budget: Budget, shape: ShapeMap
     return too_long
 
 
+def _longest_fitting(length: np.ndarray, budget: Budget, shape: ShapeMap) -> int:
+    """The longest length (up to the input's longest) one sample of which fits a microbatch, -1 for none.
+    Whether one sample fits falls with its length (its T = pad(l) and its cost grow with l), so a
+    binary search on the scalar test classifies every sample as the per-sample test would, in one pass."""
+    def fits(x: int) -> bool:
+        return bool(budget.fits(1, shape.pad(np.array([x], np.int64)))[0])
+
+    lo, hi = -1, max(int(length.max()), 0) if len(length) else 0  # fits(lo) or lo == -1; the answer is <= hi
+    if fits(hi):
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
 def epoch_inputs(c: PlanConfig, sample_id: np.ndarray, length: np.ndarray,
                   budget: Budget) -> tuple[EpochInputs, np.ndarray]:
     """The sequences epochs start from (long samples removed) and the positions of the long ones."""
@@ -367,8 +383,8 @@ def epoch_inputs(c: PlanConfig, sample_id: np.ndarray, length: np.ndarray,
         if c.order == "reverse":
             ordered = ordered[::-1].copy()
     canon = canonical_order(sample_id)
-    if n_long:
-        canon = canon[~too_long[canon]]
+    if n_long:  # canon = arange (ids in row order): no gather
+        canon = canon[~too_long] if batching.is_identity(canon) else canon[~too_long[canon]]
     if c.num_shapes is not None and not c.packing:
         shape = ShapeMap(c.pad_multiple, choose_edges(shape.pad(length[canon]), c.num_shapes))
     inputs = EpochInputs(c, length, shape, budget, c.dp * c.grad_accum, ordered, canon, rows_per_mb)
