@@ -93,6 +93,7 @@ CONFIGS = {
     "same-shape-per-step": dict(BASE, same_shape_per_step=True, epochs=2, tail="drop"),
     "same-shape-warmup-curriculum": dict(BASE, input="sorted", order="curriculum", same_shape_per_step=True,
                                          tail="drop", compile_warmup=True),
+    "schedule-1f1b": dict(BASE, schedule="1f1b", stages=4, grad_accum=4, dp=2),
     "lr-tokens-sqrt": dict(BASE, lr_scaling="sqrt", lr_scale_by="tokens", base_batch_size=100000.0),
     "packing": dict(max_tokens=16384, dp=8, drop_long=True, packing=True, seq_len=4096, max_per_row=16),
     "packing-split-long-curriculum": dict(dp=8, packing=True, seq_len=8192, split_long=True, input="sorted",

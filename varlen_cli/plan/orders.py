@@ -52,7 +52,7 @@ class EpochInputs:
 class Formed:
     """One epoch's microbatches (count a multiple of ``slots``) and the input positions its tail dropped."""
 
-    mb: Microbatches
+    mb: Microbatches  # possibly reordered lazily (Microbatches.reordered): the planner's take moves the samples
     dropped: np.ndarray
     packing_stats: dict | None = None
     ranked: bool = False  # microbatches already in (step, rank, micro) order: the layout keeps the ranks
@@ -82,7 +82,8 @@ def _finish_padded(inputs: EpochInputs, mb: Microbatches, mode: str, rng: np.ran
     mb, dropped = layout.fix_tail_padded(mb, inputs.slots, c.dp, c.grad_accum, c.tail, refinalize)
     if mode == "bucket-shuffle":
         cost = np.asarray(budget.cost(mb.batch_size, mb.seqlen), dtype=np.float64)
-        mb = mb.take(layout.balanced_shuffle(cost, inputs.slots, rng))
+        # the samples move once, with the layout's order (plan_epochs takes the final order)
+        mb = mb.reordered(layout.balanced_shuffle(cost, inputs.slots, rng))
     if c.same_shape_per_step:
         layout.same_shape_steps(mb, inputs.slots)
     return Formed(mb, dropped)
@@ -110,7 +111,7 @@ class BucketShuffleFormer:
     def form(self, inputs: EpochInputs, mode: str, rng: np.random.Generator) -> Formed:
         c = inputs.config
         if self.canon_padded is None:
-            self.canon_padded = _narrow(inputs.shape(inputs.length[inputs.canon]))  # 2 or 4 bytes a sample
+            self.canon_padded = padded_lengths(inputs.length, inputs.canon, inputs.shape)  # 2 or 4 bytes a sample
             plain = inputs.shape.pad_multiple == 1 and inputs.shape.edges is None
             self.lens_are_padded = plain and bool(len(inputs.length)) and int(inputs.length.min()) >= 1
         seq, seq_padded = batching.bucket_sequence(inputs.canon, self.canon_padded, rng)
@@ -121,12 +122,18 @@ class BucketShuffleFormer:
         return _finish_padded(inputs, mb, mode, rng, lens=lens, padded=seq_padded)
 
 
-def _narrow(padded: np.ndarray) -> np.ndarray:
-    """Padded lengths (>= 1) as uint16 or int32 where they fit: kept for every epoch."""
-    hi = int(padded.max()) if len(padded) else 0
-    if hi < 1 << 16:
-        return padded.astype(np.uint16)
-    return padded.astype(np.int32) if hi < 1 << 31 else padded
+CHUNK = 1 << 20  # samples per chunk of the chunked passes (no N-sized int64 temporaries)
+
+
+def padded_lengths(length: np.ndarray, canon: np.ndarray, shape: ShapeMap) -> np.ndarray:
+    """``shape(length[canon])`` as uint16 or int32 where it fits (kept for every epoch), chunk by chunk."""
+    n = len(canon)
+    longest = max((int(length[canon[a:a + CHUNK]].max()) for a in range(0, n, CHUNK)), default=0)
+    top = int(shape(np.array([longest]))[0])  # the largest padded length: the shape map is non-decreasing
+    out = np.empty(n, np.uint16 if top < 1 << 16 else np.int32 if top < 1 << 31 else np.int64)
+    for a in range(0, n, CHUNK):
+        out[a:a + CHUNK] = shape(length[canon[a:a + CHUNK]])
+    return out
 
 
 @dataclass
