@@ -224,7 +224,7 @@ def read_input(path: str, allow_stale: bool = False) -> tuple[dict, np.ndarray, 
         p = os.path.join(path, part["file"])
         rows = int(part["rows"])
         try:  # ParquetFile, not read_table: that imports pyarrow.dataset and pandas (~0.5 s of start-up)
-            pf = pq.ParquetFile(p)
+            pf = pq.ParquetFile(p, memory_map=True)  # no copy of the file into read buffers
             missing = [c for c in ("sample_id", "length") if c not in pf.schema_arrow.names]
             if missing:
                 raise InputError(f"{p} has no column {missing[0]!r}")
