@@ -161,8 +161,8 @@ t0 = time.perf_counter(); np.sort(x); print(time.perf_counter() - t0)
 """
 
 
-def _timed(cmd: list) -> tuple[float, float, float]:
-    """(wall s, CPU s, peak RSS bytes) of a child process (its own rusage from wait4)."""
+def _timed(cmd: list) -> tuple[float, float, float, float]:
+    """(wall s, CPU s, peak RSS bytes, system CPU s) of a child process (its own rusage from wait4)."""
     t0 = time.perf_counter()
     # run from a neutral directory: `python -m` puts the working directory first on sys.path, so the
     # code measured is the one PYTHONPATH names (this checkout by default)
@@ -172,7 +172,7 @@ def _timed(cmd: list) -> tuple[float, float, float]:
     wall = time.perf_counter() - t0
     if os.waitstatus_to_exitcode(status):
         raise RuntimeError(proc.stderr.read().decode()[-2000:])
-    return wall, ru.ru_utime + ru.ru_stime, ru.ru_maxrss * 1024
+    return wall, ru.ru_utime + ru.ru_stime, ru.ru_maxrss * 1024, ru.ru_stime
 
 
 def command(args) -> None:
@@ -180,7 +180,7 @@ def command(args) -> None:
     fresh processes, beside the same-run reference: numpy sorting the same int64 lengths."""
     print(f"# {' '.join(shlex.quote(a) for a in sys.argv)}")
     print(f"# load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
-    print(f"{'N':>12} {'order':<15} {'wall s':>7} {'CPU s':>6} {'np.sort s':>9} {'x np.sort':>9} "
+    print(f"{'N':>12} {'order':<15} {'wall s':>7} {'CPU s':>6} {'sys s':>6} {'np.sort s':>9} {'x np.sort':>9} "
           f"{'peak RSS MB':>11} {'B/sample':>8} {'load':>5}")
     for n in [int(float(s)) for s in args.sizes.split(",")]:
         # written by a child: Linux reports a child's peak RSS as at least its parent's RSS at fork time
@@ -202,9 +202,11 @@ def command(args) -> None:
                 refs.append(float(out.stdout.strip()))
             wall = statistics.median(r[0] for r in runs)
             cpu = statistics.median(r[1] for r in runs)
+            sys_cpu = statistics.median(r[3] for r in runs)  # kernel time: page faults, zeroing
             rss = max(r[2] for r in runs)
             ref = statistics.median(refs)
-            print(f"{n:>12,} {order:<15} {wall:>7.2f} {cpu:>6.2f} {ref:>9.3f} {wall / ref:>9.1f} {rss / 2**20:>11,.0f} "
+            print(f"{n:>12,} {order:<15} {wall:>7.2f} {cpu:>6.2f} {sys_cpu:>6.2f} {ref:>9.3f} {wall / ref:>9.1f} "
+                  f"{rss / 2**20:>11,.0f} "
                   f"{rss / n:>8.1f} {statistics.median(loads):>5.1f}", flush=True)
         subprocess.run(["rm", "-rf", mdir])
 

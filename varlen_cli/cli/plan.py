@@ -190,6 +190,7 @@ def plan_command(
     from varlen_cli.cli import report
     from varlen_cli.plan import PlanConfig, plan
     from varlen_cli.plan.cost_model import from_cli
+    from varlen_cli.plan.heap import reuse_freed_memory
 
     config = PlanConfig(
         input=input_dir, output=output, max_tokens=max_tokens, dp=dp, grad_accum=grad_accum, order=order, seed=seed,
@@ -203,7 +204,8 @@ def plan_command(
         memory_profile=memory_profile, max_memory=max_memory, memory_margin=memory_margin, mix=mix, extend=extend,
         progress=progress,
     )
-    result = common.run(plan, config)
+    with reuse_freed_memory():  # large plans: freed arrays reused, not unmapped and zeroed again (plan/heap.py)
+        result = common.run(plan, config)
     if result is not None and json_output:
         report.print_json(report.plan_json(result))
     elif result is not None:

@@ -7,7 +7,7 @@ this structure, so padded and packed plans share them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -25,24 +25,37 @@ class Microbatches:
     item_length: np.ndarray | None = None
     item_start: np.ndarray | None = None
     item_row: np.ndarray | None = None  # row inside the microbatch
+    # a deferred reorder (:meth:`reordered`): samples/offsets are None, ``base``'s microbatches in ``base_order``
+    base: Microbatches | None = field(default=None, repr=False)
+    base_order: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def count(self) -> int:
-        return len(self.offsets) - 1
+        return len(self.seqlen)
 
     def take(self, order: np.ndarray) -> Microbatches:
         """The microbatches in the given order (a permutation or a subset)."""
         order = np.asarray(order, dtype=np.int64)
-        counts = np.diff(self.offsets)[order]
+        src, src_order = (self, order) if self.base is None else (self.base, self.base_order[order])
+        counts = np.diff(src.offsets)[src_order]
         new_off = np.zeros(len(order) + 1, dtype=np.int64)
         np.cumsum(counts, out=new_off[1:])
-        idx = segment_gather(self.offsets[order], counts, new_off)
+        idx = segment_gather(src.offsets[src_order], counts, new_off)
 
         def g(a):
             return None if a is None else a[idx]
 
-        return Microbatches(self.samples[idx], new_off, self.seqlen[order], self.batch_size[order],
-                            self.tokens[order], g(self.item_length), g(self.item_start), g(self.item_row))
+        return Microbatches(src.samples[idx], new_off, self.seqlen[order], self.batch_size[order],
+                            self.tokens[order], g(src.item_length), g(src.item_start), g(src.item_row))
+
+    def reordered(self, order: np.ndarray) -> Microbatches:
+        """The microbatches in the given order, their samples not moved yet: only the per-microbatch
+        arrays are reordered; the next :meth:`take` gathers the samples once, through both orders
+        (a 100M-sample epoch: one gather instead of two). Until then ``samples``/``offsets`` are None."""
+        order = np.asarray(order, dtype=np.int64)
+        base, base_order = (self, order) if self.base is None else (self.base, self.base_order[order])
+        return Microbatches(None, None, self.seqlen[order], self.batch_size[order], self.tokens[order],
+                            base=base, base_order=base_order)
 
 
 def segment_gather(starts: np.ndarray, counts: np.ndarray, new_offsets: np.ndarray) -> np.ndarray:
@@ -66,7 +79,8 @@ def segment_max(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
 def segment_sum(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     if len(offsets) <= 1:
         return np.zeros(0, np.int64)
-    return np.add.reduceat(values, offsets[:-1]).astype(np.int64)
+    wide = np.int64 if values.dtype.kind in "biu" else None  # int32/uint16 values: sums in int64, no wrap
+    return np.add.reduceat(values, offsets[:-1], dtype=wide).astype(np.int64, copy=False)
 
 
 def stable_argsort_int(keys: np.ndarray) -> np.ndarray:
@@ -90,11 +104,18 @@ def stable_argsort_int(keys: np.ndarray) -> np.ndarray:
 
 
 def finalize_padded(samples: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, shape: ShapeMap,
-                    budget: Budget, static: bool,
-                    fixed_batch: int | None = None) -> Microbatches:
-    """Seqlen, padded batch size and tokens of microbatches given by samples/offsets."""
-    lens = lengths[samples]
-    seqlen = shape(segment_max(lens, offsets)) if len(samples) else np.zeros(0, np.int64)
+                    budget: Budget, static: bool, fixed_batch: int | None = None, *,
+                    lens: np.ndarray | None = None, padded: np.ndarray | None = None) -> Microbatches:
+    """Seqlen, padded batch size and tokens of microbatches given by samples/offsets. ``lens``
+    (``lengths[samples]``) and ``padded`` (``shape(lens)``): when the caller has them (no gather)."""
+    if lens is None:
+        lens = lengths[samples]
+    if not len(samples):
+        seqlen = np.zeros(0, np.int64)
+    elif padded is not None:  # max of shape(l) = shape(max of l): the shape map is non-decreasing
+        seqlen = segment_max(padded, offsets)
+    else:
+        seqlen = shape(segment_max(lens, offsets))
     counts = np.diff(offsets)
     if static:
         batch = budget.cap(seqlen) if fixed_batch is None else np.full(len(counts), fixed_batch, np.int64)
@@ -171,18 +192,20 @@ def _greedy_general(cap: np.ndarray) -> np.ndarray:
 
 
 def form_sequence(seq: np.ndarray, lengths: np.ndarray, shape: ShapeMap, budget: Budget, static: bool,
-                  padded: np.ndarray | None = None) -> Microbatches:
+                  padded: np.ndarray | None = None, lens: np.ndarray | None = None) -> Microbatches:
     """Consecutive samples of ``seq`` (curriculum, reverse, bucket-shuffle) greedily under the budget;
-    ``padded`` (shape(lengths[seq])) when the caller has it already."""
+    ``lens`` (lengths[seq]) and ``padded`` (shape(lens)) when the caller has them already."""
+    if lens is None:
+        lens = lengths[seq]
     if padded is None:
-        padded = shape(lengths[seq])
+        padded = shape(lens)
     if len(padded) > 1 and bool(np.all(padded[1:] <= padded[:-1])) and not bool(np.all(padded[1:] == padded[:-1])):
         # non-increasing (reverse order): cut the ascending sequence, then map the cuts back, so the
         # samples inside each microbatch stay in sequence order too (a tail split keeps that order)
         off = greedy_offsets(padded[::-1], budget.cap(padded[::-1]), static)
-        return finalize_padded(seq, len(seq) - off[::-1], lengths, shape, budget, static)
+        return finalize_padded(seq, len(seq) - off[::-1], lengths, shape, budget, static, lens=lens, padded=padded)
     off = greedy_offsets(padded, budget.cap(padded), static)
-    return finalize_padded(seq, off, lengths, shape, budget, static)
+    return finalize_padded(seq, off, lengths, shape, budget, static, lens=lens, padded=padded)
 
 
 def bucket_sequence(canon: np.ndarray, padded: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -198,8 +221,8 @@ def bucket_sequence(canon: np.ndarray, padded: np.ndarray, rng: np.random.Genera
     # radix argsort of the 16-bit keys in permutation order; the sorted keys from their counts
     perm32 = perm.astype(np.int32)
     del perm
-    key = padded.astype(np.uint16)[perm32]
-    order = perm32[np.argsort(key, kind="stable")]
+    key = np.take(padded.astype(np.uint16, copy=False), perm32)
+    order = np.take(perm32, np.argsort(key, kind="stable"))
     del perm32
     counts = np.bincount(key, minlength=hi + 1)
     del key

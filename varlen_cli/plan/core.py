@@ -178,12 +178,12 @@ def _check_ranges(c: PlanConfig) -> None:
 
 
 def _check_schedule(c: PlanConfig) -> None:
-    from ..schedule.schemes import SCHEDULES
-
     if c.schedule is None:
         if c.stages is not None:
             raise UsageError("--stages needs --schedule (the parallel schedule to order the steps for)")
         return
+    from ..schedule.schemes import SCHEDULES  # only here: not imported by plans without --schedule
+
     if c.schedule not in SCHEDULES:
         raise UsageError(f"--schedule must be one of {', '.join(SCHEDULES)} (got {c.schedule!r})")
     if c.stages is None:
@@ -224,7 +224,7 @@ def read_input(path: str, allow_stale: bool = False) -> tuple[dict, np.ndarray, 
         p = os.path.join(path, part["file"])
         rows = int(part["rows"])
         try:  # ParquetFile, not read_table: that imports pyarrow.dataset and pandas (~0.5 s of start-up)
-            pf = pq.ParquetFile(p)
+            pf = pq.ParquetFile(p, memory_map=True)  # no copy of the file into read buffers
             missing = [c for c in ("sample_id", "length") if c not in pf.schema_arrow.names]
             if missing:
                 raise InputError(f"{p} has no column {missing[0]!r}")
@@ -233,8 +233,8 @@ def read_input(path: str, allow_stale: bool = False) -> tuple[dict, np.ndarray, 
                                  f"{rows:,}")
             for rg in range(pf.num_row_groups):
                 t = pf.read_row_group(rg, columns=["sample_id", "length"])
-                sample_id[filled:filled + len(t)] = t.column("sample_id").to_numpy()
-                length[filled:filled + len(t)] = t.column("length").to_numpy()
+                _fill(sample_id, filled, t, "sample_id", p)
+                _fill(length, filled, t, "length", p)
                 filled += len(t)
                 del t
         except InputError:
@@ -250,6 +250,18 @@ def read_input(path: str, allow_stale: bool = False) -> tuple[dict, np.ndarray, 
         raise InputError(f"{path} has a sample of {int(length.max()):,} tokens; plans hold lengths up to "
                          f"{format.INT32_MAX:,} (int32)")
     return manifest, sample_id, length
+
+
+def _fill(out: np.ndarray, at: int, table, name: str, path: str) -> None:
+    """Copy a column into ``out[at:]`` chunk by chunk (as numpy views: ``to_numpy`` imports pandas, ~0.3 s)."""
+    from .arrow_io import to_numpy
+
+    for chunk in table.column(name).chunks:
+        if chunk.null_count:
+            raise InputError(f"{path} has missing values in column {name!r}")
+        if len(chunk):
+            out[at:at + len(chunk)] = to_numpy(chunk)
+        at += len(chunk)
 
 
 def _release_arrow_memory() -> None:
@@ -322,7 +334,7 @@ def _too_long(c: PlanConfig, length: np.ndarray, budget: Budget, shape: ShapeMap
     if c.packing:
         too_long = (length > c.seq_len) if not c.split_long else np.zeros(len(length), bool)
     else:
-        too_long = ~budget.fits(1, shape.pad(length))  # cap < 1 (cap falls with T), without a gather
+        too_long = length > _longest_fitting(length, budget, shape)
     n_long = int(np.count_nonzero(too_long))
     budget_name = (f"--max-memory {c.max_memory} (max_tokens {c.max_tokens:,} from the profile)" if c.max_memory
                    else f"--max-tokens {c.max_tokens:,}" if c.max_tokens is not None else "")
@@ -342,6 +354,22 @@ def _too_long(c: PlanConfig, length: np.ndarray, budget: Budget, shape: ShapeMap
     return too_long
 
 
+def _longest_fitting(length: np.ndarray, budget: Budget, shape: ShapeMap) -> int:
+    """The longest length (up to the input's longest) one sample of which fits a microbatch, -1 for none.
+    Whether one sample fits falls with its length (its T = pad(l) and its cost grow with l), so a
+    binary search on the scalar test classifies every sample as the per-sample test would, in one pass."""
+    def fits(x: int) -> bool:
+        return bool(budget.fits(1, shape.pad(np.array([x], np.int64)))[0])
+
+    lo, hi = -1, max(int(length.max()), 0) if len(length) else 0  # fits(lo) or lo == -1; the answer is <= hi
+    if fits(hi):
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
 def epoch_inputs(c: PlanConfig, sample_id: np.ndarray, length: np.ndarray,
                   budget: Budget) -> tuple[EpochInputs, np.ndarray]:
     """The sequences epochs start from (long samples removed) and the positions of the long ones."""
@@ -355,8 +383,8 @@ def epoch_inputs(c: PlanConfig, sample_id: np.ndarray, length: np.ndarray,
         if c.order == "reverse":
             ordered = ordered[::-1].copy()
     canon = canonical_order(sample_id)
-    if n_long:
-        canon = canon[~too_long[canon]]
+    if n_long:  # canon = arange (ids in row order): no gather
+        canon = canon[~too_long] if batching.is_identity(canon) else canon[~too_long[canon]]
     if c.num_shapes is not None and not c.packing:
         shape = ShapeMap(c.pad_multiple, choose_edges(shape.pad(length[canon]), c.num_shapes))
     inputs = EpochInputs(c, length, shape, budget, c.dp * c.grad_accum, ordered, canon, rows_per_mb)
@@ -420,6 +448,7 @@ def assemble_columns(c: PlanConfig, sample_id: np.ndarray, length: np.ndarray, e
     items = {"sample_ids": [], "sample_lengths": [], "sample_rows": [], "sample_starts": []}
     step0 = 0
     identity = batching.is_identity(sample_id)  # ids 0..N-1 in row order (metrics directories): no gather
+    any_empty = bool(len(length)) and int(length.min()) == 0
     for e, ep in enumerate(epochs):
         mb, lay = ep.mb, ep.layout
         cols["epoch"].append(np.full(mb.count, e, np.int64))
@@ -431,20 +460,10 @@ def assemble_columns(c: PlanConfig, sample_id: np.ndarray, length: np.ndarray, e
         cols["batch_size"].append(mb.batch_size)
         cols["tokens"].append(mb.tokens)
         cols["cost"].append(ep.cost)
-        items["sample_ids"].append(mb.samples.astype(np.int64, copy=False) if identity else sample_id[mb.samples])
-        # Samples each microbatch completes: every entry, except the non-final chunks of a split
-        # sample (a split sample counts once, where its last token is), for step_samples.
-        parent = np.repeat(np.arange(mb.count), np.diff(mb.offsets))
-        final = True
-        if c.packing and c.split_long and len(mb.samples):
-            final = mb.item_start + mb.item_length == length[mb.samples]
-            cols["completed"].append(np.bincount(parent, weights=final, minlength=mb.count).astype(np.int64))
-        else:
-            cols["completed"].append(np.diff(mb.offsets))
-        # Loss targets (shifted labels): every token but the last of each non-empty sample; a
-        # non-final chunk of a split sample keeps its last token's target (the next chunk's first).
-        entry_len = mb.item_length if c.packing else length[mb.samples]
-        lost = np.bincount(parent, weights=(entry_len > 0) & final, minlength=mb.count).astype(np.int64)
+        # identity: the positions are the ids (int32 where they fit; the writer widens them chunk by chunk)
+        items["sample_ids"].append(mb.samples if identity else sample_id[mb.samples])
+        completed, lost = _completed_and_lost(c, mb, length, any_empty)
+        cols["completed"].append(completed)
         cols["targets"].append(mb.tokens.astype(np.int64) - lost)
         if c.packing:
             items["sample_lengths"].append(mb.item_length)
@@ -452,6 +471,26 @@ def assemble_columns(c: PlanConfig, sample_id: np.ndarray, length: np.ndarray, e
             items["sample_starts"].append(mb.item_start)
         step0 += mb.count // slots
     return ({k: _concat(v) for k, v in cols.items()}, {k: _concat(v) for k, v in items.items() if v})
+
+
+def _completed_and_lost(c: PlanConfig, mb: Microbatches, length: np.ndarray,
+                        any_empty: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Per microbatch: the samples it completes (every entry, except the non-final chunks of a split
+    sample, which counts once, where its last token is; for step_samples) and the tokens without a
+    loss target (shifted labels: the last token of each non-empty sample; a non-final chunk of a
+    split sample keeps its last token's target, the next chunk's first)."""
+    counts = np.diff(mb.offsets)
+    if not c.packing and not any_empty:  # every entry a whole non-empty sample: one of each per entry
+        return counts, counts.astype(np.int64)
+    parent = np.repeat(np.arange(mb.count), counts)
+    final = True
+    completed = counts
+    if c.packing and c.split_long and len(mb.samples):
+        final = mb.item_start + mb.item_length == length[mb.samples]
+        completed = np.bincount(parent, weights=final, minlength=mb.count).astype(np.int64)
+    entry_len = mb.item_length if c.packing else length[mb.samples]
+    lost = np.bincount(parent, weights=(entry_len > 0) & final, minlength=mb.count).astype(np.int64)
+    return completed, lost
 
 
 def _budget_tokens(c: PlanConfig, budget: Budget, rows_per_mb: int | None, b: np.ndarray, t: np.ndarray,

@@ -52,7 +52,7 @@ class EpochInputs:
 class Formed:
     """One epoch's microbatches (count a multiple of ``slots``) and the input positions its tail dropped."""
 
-    mb: Microbatches
+    mb: Microbatches  # possibly reordered lazily (Microbatches.reordered): the planner's take moves the samples
     dropped: np.ndarray
     packing_stats: dict | None = None
     ranked: bool = False  # microbatches already in (step, rank, micro) order: the layout keeps the ranks
@@ -67,17 +67,23 @@ def _start(inputs: EpochInputs, mode: str) -> np.ndarray:
 
 
 def _finish_padded(inputs: EpochInputs, mb: Microbatches, mode: str, rng: np.random.Generator,
-                   fixed_batch: int | None = None) -> Formed:
-    """Tail fix (split the fullest or drop the smallest microbatches), then the per-order touches."""
+                   fixed_batch: int | None = None, lens: np.ndarray | None = None,
+                   padded: np.ndarray | None = None) -> Formed:
+    """Tail fix (split the fullest or drop the smallest microbatches), then the per-order touches.
+    ``lens``/``padded``: the (padded) lengths of ``mb.samples``, reused when a split keeps the samples."""
     c, length, shape, budget = inputs.config, inputs.length, inputs.shape, inputs.budget
+    formed_samples = mb.samples
 
     def refinalize(samples, offsets):
-        return batching.finalize_padded(samples, offsets, length, shape, budget, c.static_shapes, fixed_batch)
+        same = samples is formed_samples
+        return batching.finalize_padded(samples, offsets, length, shape, budget, c.static_shapes, fixed_batch,
+                                        lens=lens if same else None, padded=padded if same else None)
 
     mb, dropped = layout.fix_tail_padded(mb, inputs.slots, c.dp, c.grad_accum, c.tail, refinalize)
     if mode == "bucket-shuffle":
         cost = np.asarray(budget.cost(mb.batch_size, mb.seqlen), dtype=np.float64)
-        mb = mb.take(layout.balanced_shuffle(cost, inputs.slots, rng))
+        # the samples move once, with the layout's order (plan_epochs takes the final order)
+        mb = mb.reordered(layout.balanced_shuffle(cost, inputs.slots, rng))
     if c.same_shape_per_step:
         layout.same_shape_steps(mb, inputs.slots)
     return Formed(mb, dropped)
@@ -88,8 +94,11 @@ class SequenceFormer:
 
     def form(self, inputs: EpochInputs, mode: str, rng: np.random.Generator) -> Formed:
         c = inputs.config
-        mb = batching.form_sequence(inputs.ordered, inputs.length, inputs.shape, inputs.budget, c.static_shapes)
-        return _finish_padded(inputs, mb, mode, rng)
+        lens = inputs.length[inputs.ordered]
+        padded = inputs.shape(lens)
+        mb = batching.form_sequence(inputs.ordered, inputs.length, inputs.shape, inputs.budget, c.static_shapes,
+                                    padded, lens)
+        return _finish_padded(inputs, mb, mode, rng, lens=lens, padded=padded)
 
 
 @dataclass
@@ -97,18 +106,34 @@ class BucketShuffleFormer:
     """bucket-shuffle: shuffle inside length buckets, greedy microbatches, cost-balanced shuffle."""
 
     canon_padded: np.ndarray | None = None  # shape(length[canon]), computed once for all epochs
+    lens_are_padded: bool = False  # lengths >= 1 and no padding to a multiple or to edges: shape(l) == l
 
     def form(self, inputs: EpochInputs, mode: str, rng: np.random.Generator) -> Formed:
         c = inputs.config
         if self.canon_padded is None:
-            padded = inputs.shape(inputs.length[inputs.canon])
-            small = len(padded) and int(padded.max()) < 1 << 31  # 4 bytes a sample, kept for every epoch
-            self.canon_padded = padded.astype(np.int32) if small else padded
-            del padded  # not kept alive through the epoch
+            self.canon_padded = padded_lengths(inputs.length, inputs.canon, inputs.shape)  # 2 or 4 bytes a sample
+            plain = inputs.shape.pad_multiple == 1 and inputs.shape.edges is None
+            self.lens_are_padded = plain and bool(len(inputs.length)) and int(inputs.length.min()) >= 1
         seq, seq_padded = batching.bucket_sequence(inputs.canon, self.canon_padded, rng)
-        mb = batching.form_sequence(seq, inputs.length, inputs.shape, inputs.budget, c.static_shapes, seq_padded)
-        del seq, seq_padded
-        return _finish_padded(inputs, mb, mode, rng)
+        # the lengths in sequence order: the padded ones themselves where equal (no random gather)
+        lens = seq_padded if self.lens_are_padded else inputs.length[seq]
+        mb = batching.form_sequence(seq, inputs.length, inputs.shape, inputs.budget, c.static_shapes, seq_padded,
+                                    lens)
+        return _finish_padded(inputs, mb, mode, rng, lens=lens, padded=seq_padded)
+
+
+CHUNK = 1 << 20  # samples per chunk of the chunked passes (no N-sized int64 temporaries)
+
+
+def padded_lengths(length: np.ndarray, canon: np.ndarray, shape: ShapeMap) -> np.ndarray:
+    """``shape(length[canon])`` as uint16 or int32 where it fits (kept for every epoch), chunk by chunk."""
+    n = len(canon)
+    longest = max((int(length[canon[a:a + CHUNK]].max()) for a in range(0, n, CHUNK)), default=0)
+    top = int(shape(np.array([longest]))[0])  # the largest padded length: the shape map is non-decreasing
+    out = np.empty(n, np.uint16 if top < 1 << 16 else np.int32 if top < 1 << 31 else np.int64)
+    for a in range(0, n, CHUNK):
+        out[a:a + CHUNK] = shape(length[canon[a:a + CHUNK]])
+    return out
 
 
 @dataclass

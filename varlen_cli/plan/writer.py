@@ -12,6 +12,7 @@ from ..runtime import artifacts
 PLAN_FORMAT = format.PLAN_FORMAT  # the names the planner uses; format.py defines them
 PLAN_FORMAT_VERSION = format.PLAN_FORMAT_VERSION
 ROW_GROUP_TARGET = 4096  # microbatches per row group (rounded to whole steps)
+# dictionary-encode the low-cardinality columns only (trying it on sample ids costs 2x the write)
 DICTIONARY_COLUMNS = frozenset({"epoch", "rank", "micro", "num_samples", "seqlen", "batch_size", "lr_scale", "shape_id",
                                 "step_samples", "step_tokens"})
 plan_schema = format.plan_schema
@@ -53,10 +54,10 @@ def _write_rows(tmp: str, path: str, schema, types: dict, cols: dict, offsets: n
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from .arrow_io import list_array, to_arrow
+
     try:
-        # dictionary-encode the low-cardinality columns only (trying it on sample ids costs 2x the write)
-        dict_cols = [c for c in schema.names if c in DICTIONARY_COLUMNS]
-        with pq.ParquetWriter(tmp, schema, compression="zstd", compression_level=1, use_dictionary=dict_cols) as w:
+        with pq.ParquetWriter(tmp, schema, **parquet_options(schema)) as w:
             for lo in range(0, max(n, 1), group):
                 hi = min(n, lo + group)
                 a, b = int(offsets[lo]), int(offsets[hi])
@@ -64,10 +65,23 @@ def _write_rows(tmp: str, path: str, schema, types: dict, cols: dict, offsets: n
                 arrays = []
                 for name in schema.names:
                     if name in items:
-                        values = pa.array(items[name][a:b], type=types[name].value_type)
-                        arrays.append(pa.ListArray.from_arrays(pa.array(local, pa.int32()), values))
+                        arrays.append(list_array(local, items[name][a:b], types[name]))
                     else:
-                        arrays.append(pa.array(cols[name][lo:hi], type=types[name]))
+                        arrays.append(to_arrow(cols[name][lo:hi], types[name]))
                 w.write_table(pa.Table.from_arrays(arrays, schema=schema))
     except OSError as exc:
         raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def parquet_options(schema) -> dict:
+    """Writer settings: the low-cardinality columns dictionary-encoded and zstd-compressed; the list
+    columns' values (sample ids: 10M+ per plan) delta-encoded and not compressed, which bit-packs
+    them to about as small as zstd does in a third of the time, and reads faster."""
+    import pyarrow as pa
+
+    dict_cols = [c for c in schema.names if c in DICTIONARY_COLUMNS]
+    leaves = [f"{f.name}.list.element" for f in schema if pa.types.is_list(f.type)]
+    zstd = [f.name for f in schema if not pa.types.is_list(f.type)]
+    return {"compression": {**{c: "zstd" for c in zstd}, **{leaf: "none" for leaf in leaves}},
+            "compression_level": {c: 1 for c in zstd}, "use_dictionary": dict_cols,
+            "column_encoding": {leaf: "DELTA_BINARY_PACKED" for leaf in leaves}}

@@ -1,0 +1,188 @@
+"""Are two versions of the planner's plans identical? Fingerprints of the plan tables over many configurations.
+
+Run once per version (PYTHONPATH picks the code), then compare the two JSON files:
+
+    PYTHONPATH=/path/to/old python benchmarks/plan_identity.py run --work /tmp/pid --out old.json
+    PYTHONPATH=/path/to/new python benchmarks/plan_identity.py run --work /tmp/pid --out new.json
+    python benchmarks/plan_identity.py compare old.json new.json
+
+Each configuration's fingerprint: a SHA-256 of every column's values (as int64/float64 per row,
+list columns flattened with their lengths), the schema's column names and types, and the key-value
+metadata with the volatile keys removed (creation time, seconds). The inputs are written once
+under ``--work`` (fixed seeds), so both runs plan exactly the same files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+
+import numpy as np
+
+VOLATILE = ("created_at",)
+
+
+def _write_input(path: str, ids: np.ndarray, lengths: np.ndarray, kind: str, row_group: int) -> str:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from varlen_cli.runtime import artifacts
+
+    if os.path.exists(os.path.join(path, artifacts.MANIFEST_NAME)):
+        return path
+    os.makedirs(path, exist_ok=True)
+    parts = []
+    half = len(ids) // 2
+    for k, (lo, hi) in enumerate(((0, half), (half, len(ids)))):  # two parts, several row groups each
+        t = pa.table({"sample_id": ids[lo:hi], "length": lengths[lo:hi],
+                      "difficulty": lengths[lo:hi].astype(np.float64)})
+        pq.write_table(t, os.path.join(path, artifacts.part_name(k)), row_group_size=row_group)
+        parts.append({"file": artifacts.part_name(k), "rows": int(hi - lo)})
+    manifest = {"format": artifacts.METRICS_FORMAT, "format_version": 1, "kind": kind, "stage": "identity",
+                "config": {}, "artifact_id": f"identity-{os.path.basename(path)}", "dataset": {"digest": "identity"},
+                "num_rows": int(len(ids)),
+                "order": {"by": ["length" if kind == "sorted" else "sample_id"], "descending": False},
+                "parts": parts}
+    with open(os.path.join(path, artifacts.MANIFEST_NAME), "w") as fh:
+        json.dump(manifest, fh)
+    return path
+
+
+def inputs(work: str, n: int) -> dict:
+    """metrics (ids 0..N-1), sorted, and metrics with gappy ids and empty samples."""
+    rng = np.random.default_rng(1234)
+    lengths = np.clip(rng.lognormal(5.5, 1.0, n), 1, 40000).astype(np.int64)
+    lengths[rng.random(n) < 0.001] = 0
+    ids = np.arange(n, dtype=np.int64)
+    out = {"metrics": _write_input(os.path.join(work, "metrics"), ids, lengths, "metrics", 50_000)}
+    o = np.argsort(lengths, kind="stable")
+    out["sorted"] = _write_input(os.path.join(work, "sorted"), ids[o], lengths[o], "sorted", 70_000)
+    gappy = ids * 3 + 7
+    nz = np.clip(lengths, 1, None)
+    out["gappy"] = _write_input(os.path.join(work, "gappy"), gappy, nz, "metrics", 60_000)
+    o = np.argsort(nz, kind="stable")
+    out["gappy-sorted"] = _write_input(os.path.join(work, "gappy-sorted"), gappy[o], nz[o], "sorted", 60_000)
+    out["plain"] = _write_input(os.path.join(work, "plain"), ids, nz, "metrics", 80_000)
+    out["short"] = _write_input(os.path.join(work, "short"), ids[:1000], np.clip(lengths[:1000], 0, 9000), "metrics",
+                                300)
+    return out
+
+
+BASE = dict(max_tokens=16384, dp=8, drop_long=True)
+CONFIGS = {
+    "bucket-shuffle": dict(BASE),
+    "bucket-shuffle-3ep-ga2-seed5": dict(BASE, epochs=3, grad_accum=2, seed=5),
+    "bucket-shuffle-sorted-input": dict(BASE, input="sorted"),
+    "bucket-shuffle-gappy": dict(BASE, input="gappy", epochs=2),
+    "bucket-shuffle-plain-tail-split": dict(BASE, input="plain", dp=7, grad_accum=3, epochs=2),
+    "bucket-shuffle-plain-shapes": dict(BASE, input="plain", num_shapes=6, static_shapes=True, compile_warmup=True),
+    "bucket-shuffle-pad64-attn": dict(BASE, pad_multiple=64, attention_cost=0.0001),
+    "bucket-shuffle-max-samples": dict(BASE, max_samples=32, dp=4),
+    "curriculum-2ep": dict(BASE, input="sorted", order="curriculum", epochs=2),
+    "curriculum-gappy": dict(BASE, input="gappy-sorted", order="curriculum"),
+    "reverse": dict(BASE, input="sorted", order="reverse"),
+    "curriculum-then-shuffle": dict(BASE, input="sorted", order="curriculum", epochs=3, curriculum_epochs=1),
+    "random-tail-drop": dict(BASE, order="random", tail="drop"),
+    "static-shapes": dict(BASE, num_shapes=8, static_shapes=True, epochs=2),
+    "shapes-warmup": dict(BASE, num_shapes=4, compile_warmup=True, grad_accum=2),
+    "static-warmup-curriculum": dict(BASE, input="sorted", order="curriculum", num_shapes=6, static_shapes=True,
+                                     compile_warmup=True),
+    "same-shape-per-step": dict(BASE, same_shape_per_step=True, epochs=2, tail="drop"),
+    "same-shape-warmup-curriculum": dict(BASE, input="sorted", order="curriculum", same_shape_per_step=True,
+                                         tail="drop", compile_warmup=True),
+    "schedule-1f1b": dict(BASE, schedule="1f1b", stages=4, grad_accum=4, dp=2),
+    "lr-tokens-sqrt": dict(BASE, lr_scaling="sqrt", lr_scale_by="tokens", base_batch_size=100000.0),
+    "packing": dict(max_tokens=16384, dp=8, drop_long=True, packing=True, seq_len=4096, max_per_row=16),
+    "packing-split-long-curriculum": dict(dp=8, packing=True, seq_len=8192, split_long=True, input="sorted",
+                                          order="curriculum", epochs=2),
+    "short-tail-split": dict(BASE, input="short", dp=64, grad_accum=2),
+    "short-tail-drop": dict(BASE, input="short", dp=64, grad_accum=8, tail="drop"),
+}
+
+
+def _digest(path: str) -> dict:
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(path)
+    table = pf.read()
+    h = hashlib.sha256()
+    cols = {}
+    for name in table.column_names:
+        col = table.column(name).combine_chunks()
+        ch = hashlib.sha256(str(col.type).encode())
+        if hasattr(col, "offsets"):
+            ch.update(np.asarray(col.offsets.to_numpy(zero_copy_only=False), np.int64).tobytes())
+            col = col.values
+        v = col.to_numpy(zero_copy_only=False)
+        ch.update(np.asarray(v, np.float64 if v.dtype.kind == "f" else np.int64).tobytes())
+        cols[name] = ch.hexdigest()[:16]
+        h.update(f"{name}:{cols[name]};".encode())
+    meta = json.loads(pf.schema_arrow.metadata[b"varlen"])
+    for key in VOLATILE:
+        meta.pop(key, None)
+    meta.get("stats", {}).pop("seconds", None)
+    meta.get("config", {}).pop("progress", None)
+    h.update(json.dumps(meta, sort_keys=True).encode())
+    return {"table": h.hexdigest()[:16], "rows": table.num_rows, "columns": cols,
+            "metadata": hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:16]}
+
+
+def run(args) -> None:
+    from varlen_cli.plan import PlanConfig, plan
+
+    dirs = inputs(args.work, args.samples)
+    out = {}
+    for name, cfg in CONFIGS.items():
+        if args.only and name not in args.only.split(","):
+            continue
+        cfg = dict(cfg)
+        cfg["input"] = dirs[cfg.get("input", "metrics")]
+        dest = os.path.join(args.work, "plans", f"{name}.parquet")
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        plan(PlanConfig(output=dest, overwrite=True, progress=False, **cfg))
+        out[name] = _digest(dest)
+        print(f"{name:<32} {out[name]['table']} rows {out[name]['rows']:,}", flush=True)
+    with open(args.out, "w") as fh:
+        json.dump(out, fh, indent=1, sort_keys=True)
+
+
+def compare(args) -> None:
+    a, b = (json.load(open(p)) for p in (args.a, args.b))
+    bad = 0
+    for name in sorted(set(a) | set(b)):
+        if name not in a or name not in b:
+            print(f"{name}: only in {'one'}")
+            bad += 1
+            continue
+        if a[name] != b[name]:
+            diff = [c for c in set(a[name]["columns"]) | set(b[name]["columns"])
+                    if a[name]["columns"].get(c) != b[name]["columns"].get(c)]
+            meta = a[name]["metadata"] != b[name]["metadata"]
+            print(f"{name}: DIFFERENT (columns {sorted(diff)}, metadata {'differs' if meta else 'same'})")
+            bad += 1
+        else:
+            print(f"{name}: identical ({a[name]['rows']:,} rows)")
+    print(f"{len(set(a) | set(b)) - bad} identical, {bad} different")
+    sys.exit(1 if bad else 0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--work", required=True)
+    r.add_argument("--out", required=True)
+    r.add_argument("--samples", type=int, default=300_000)
+    r.add_argument("--only", default="")
+    c = sub.add_parser("compare")
+    c.add_argument("a")
+    c.add_argument("b")
+    args = p.parse_args()
+    {"run": run, "compare": compare}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
