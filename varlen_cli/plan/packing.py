@@ -607,6 +607,81 @@ def _pull_back(lens, fill, frow, load, used, seq_len, k):
     return fill[~out], frow[~out], fill[out]
 
 
+REHOME_ROUNDS = 64
+"""Cap-aware packer: at most this many rounds of gap-moving swaps in :func:`_rehome`."""
+
+
+def _move_gaps(len_p, row_p, count, gap, cap, lmin, mine, step, donors, nxt, end):
+    """One round of :func:`_rehome`'s swaps. ``mine``: positions of the items in the rows whose gap
+    moves; each such row trades its shortest item (x tokens) for a donor item of exactly
+    ``x + d`` tokens, ``d = min(gap, step)``, from a row with the free slots for ``d`` more tokens
+    of items of ``lmin`` (``donors``: positions sorted by length, the unused ones of length L at
+    ``nxt[L]:end[L]``): ``d`` tokens of gap move to that row, no row's count changes. Updates
+    ``row_p`` and ``gap``; returns the number of swaps."""
+    mine = mine[np.lexsort((len_p[mine], row_p[mine]))]
+    r = row_p[mine]
+    a = mine[np.flatnonzero(np.r_[True, r[1:] != r[:-1]])]  # shortest item of each row
+    rr = row_p[a]
+    y = len_p[a] + np.minimum(gap[rr], step)
+    keep = np.flatnonzero(y < len(nxt))
+    keep = keep[np.argsort(y[keep], kind="stable")]
+    yk = y[keep]
+    idx = nxt[yk] + np.arange(len(keep)) - np.searchsorted(yk, yk, side="left")  # k-th unused donor
+    hit = idx < end[yk]
+    keep, yk, d = keep[hit], yk[hit], donors[idx[hit]]
+    np.add.at(nxt, yk, 1)  # a donor looked at is used up (also one skipped below: plenty are left)
+    dr = row_p[d]
+    moved = yk - len_p[a[keep]]
+    fits = np.flatnonzero((cap - count[dr]) * lmin >= gap[dr] + moved)
+    once = fits[np.unique(dr[fits], return_index=True)[1]]  # one swap per donor row and round
+    keep, d, dr, moved = keep[once], d[once], dr[once], moved[once]
+    row_p[a[keep]] = dr
+    row_p[d] = rr[keep]
+    gap[rr[keep]] -= moved
+    gap[dr] += moved
+    return len(keep)
+
+
+def _rehome(lens, order, row, total, nrows, seq_len, cap):
+    """Bring the items of rows ``>= nrows`` (the cap-aware packer's overflow: short items for which
+    no row with space had a free slot) back into the first ``nrows`` rows. The gaps of rows at the
+    cap move, by exact swaps (a short item for one a few tokens longer from a row with free
+    slots), to rows with free slots; then capped BFD places the homeless items into the gaps.
+    Returns (order, row, total), the input if that does not save a row."""
+    len_p = lens[order]
+    row_p = row.copy()
+    home = row_p < nrows
+    count = np.bincount(row_p[home], minlength=nrows).astype(np.int64)
+    gap = seq_len - np.bincount(row_p[home], weights=len_p[home], minlength=nrows).astype(np.int64)
+    lmin = int(len_p[~home].min())
+    stuck = np.append((count >= cap) & (gap > 0), np.zeros(max(0, int(row_p.max()) + 1 - nrows), dtype=bool))
+    step = max(1, int(cap * nrows - count.sum()) // (2 * nrows)) * lmin  # half the mean free slots
+    mine = np.flatnonzero(stuck[row_p])
+    shortest = np.full(nrows, seq_len, dtype=np.int64)
+    np.minimum.at(shortest, row_p[mine], len_p[mine])
+    top = 4 * int(shortest.min(initial=0) if not len(mine) else shortest[row_p[mine]].max()) + step + 1
+    donors = np.flatnonzero((len_p < top) & home)
+    donors = donors[~stuck[row_p[donors]]]
+    free = cap - count[row_p[donors]]
+    donors = donors[free > 0]
+    donors = donors[np.lexsort((-free[free > 0], len_p[donors]))]  # by length, most free slots first
+    bounds = np.searchsorted(len_p[donors], np.arange(top + 1), side="left")
+    nxt, end = bounds[:-1].copy(), bounds[1:]
+    homeless = np.flatnonzero(~home)
+    tokens = int(len_p[homeless].sum())
+    for _ in range(REHOME_ROUNDS):
+        if int(np.minimum(gap, (cap - count) * lmin).sum()) >= tokens:
+            break  # room enough for the homeless items where there are slots
+        mine = mine[gap[np.minimum(row_p[mine], nrows - 1)] > 0]
+        mine = mine[stuck[row_p[mine]]]
+        if not len(mine) or not _move_gaps(len_p, row_p, count, gap, cap, lmin, mine, step, donors, nxt, end):
+            break
+    o, r, new_total = _bfd(len_p[homeless], seq_len, cap, count, gap)
+    if new_total >= total:
+        return order, row, total
+    row_p[homeless[o]] = r
+    return order, row_p, new_total
+
 def _cap_aware(lens: np.ndarray, seq_len: int, cap: int, nrows: int):
     """Capped packing near the lower bound ``nrows`` (see the module docstring): short items get a
     fair share of every row, the long ones are best-fit around that share, the short ones then
@@ -638,6 +713,8 @@ def _cap_aware(lens: np.ndarray, seq_len: int, cap: int, nrows: int):
     o, r, total = _bfd(lens[queue], seq_len, cap, used, seq_len - load)
     order = np.concatenate((first, fill, queue[o]))
     row = np.concatenate((frow, frow2, r))
+    if total > nrows:
+        order, row, total = _rehome(lens, order, row, total, nrows, seq_len, cap)
     # pre-opened rows may stay empty: number the used rows densely, in order of opening
     kept = np.bincount(row, minlength=total) > 0
     renum = np.cumsum(kept) - 1
