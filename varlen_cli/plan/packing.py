@@ -607,6 +607,9 @@ def _pull_back(lens, fill, frow, load, used, seq_len, k):
     return fill[~out], frow[~out], fill[out]
 
 
+REHOME_PASSES = 3
+ROOM = 1.0
+"""Cap-aware packer: at most this many passes of :func:`_rehome` while rows overflow the bound."""
 REHOME_ROUNDS = 64
 """Cap-aware packer: at most this many rounds of gap-moving swaps in :func:`_rehome`."""
 
@@ -654,7 +657,7 @@ def _rehome(lens, order, row, total, nrows, seq_len, cap):
     count = np.bincount(row_p[home], minlength=nrows).astype(np.int64)
     gap = seq_len - np.bincount(row_p[home], weights=len_p[home], minlength=nrows).astype(np.int64)
     lmin = int(len_p[~home].min())
-    stuck = np.append((count >= cap) & (gap > 0), np.zeros(max(0, int(row_p.max()) + 1 - nrows), dtype=bool))
+    stuck = np.append((gap > 0) & ((count >= cap) | (gap < lmin)), np.zeros(max(0, int(row_p.max()) + 1 - nrows), dtype=bool))
     step = max(1, int(cap * nrows - count.sum()) // (2 * nrows)) * lmin  # half the mean free slots
     mine = np.flatnonzero(stuck[row_p])
     shortest = np.full(nrows, seq_len, dtype=np.int64)
@@ -670,7 +673,7 @@ def _rehome(lens, order, row, total, nrows, seq_len, cap):
     homeless = np.flatnonzero(~home)
     tokens = int(len_p[homeless].sum())
     for _ in range(REHOME_ROUNDS):
-        if int(np.minimum(gap, (cap - count) * lmin).sum()) >= tokens:
+        if int(np.minimum(gap, (cap - count) * lmin)[gap >= lmin].sum()) >= ROOM * tokens:
             break  # room enough for the homeless items where there are slots
         mine = mine[gap[np.minimum(row_p[mine], nrows - 1)] > 0]
         mine = mine[stuck[row_p[mine]]]
@@ -681,6 +684,7 @@ def _rehome(lens, order, row, total, nrows, seq_len, cap):
         return order, row, total
     row_p[homeless[o]] = r
     return order, row_p, new_total
+
 
 def _cap_aware(lens: np.ndarray, seq_len: int, cap: int, nrows: int):
     """Capped packing near the lower bound ``nrows`` (see the module docstring): short items get a
@@ -713,7 +717,9 @@ def _cap_aware(lens: np.ndarray, seq_len: int, cap: int, nrows: int):
     o, r, total = _bfd(lens[queue], seq_len, cap, used, seq_len - load)
     order = np.concatenate((first, fill, queue[o]))
     row = np.concatenate((frow, frow2, r))
-    if total > nrows:
+    for _ in range(REHOME_PASSES):
+        if total <= nrows:
+            break
         order, row, total = _rehome(lens, order, row, total, nrows, seq_len, cap)
     # pre-opened rows may stay empty: number the used rows densely, in order of opening
     kept = np.bincount(row, minlength=total) > 0
