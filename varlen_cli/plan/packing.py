@@ -38,6 +38,9 @@ the same vectorised pieces, for R = the lower bound on rows:
 4. Exact finish: the shortest items (:data:`HOLD_BACK_ROWS` per row) skip step 3 and keep a
    slot, :func:`_pull_back` takes the last dealt items of rows not exactly full back, and capped
    BFD places them all into the gaps.
+5. Overflow: items that found no row with both space and a free slot (gaps left in rows at the
+   cap, or gaps too short) come back in :func:`_rehome`: exact swaps move those gaps to rows with
+   free slots, and capped BFD places the items again (up to :data:`REHOME_PASSES` passes).
 
 :func:`_pack_positive` packs without the cap first and keeps that when it meets the cap. Else it
 tries candidates until one is within :data:`SLACK` (0.03%) of the bound, keeping the fewest rows:
@@ -608,7 +611,6 @@ def _pull_back(lens, fill, frow, load, used, seq_len, k):
 
 
 REHOME_PASSES = 3
-ROOM = 1.0
 """Cap-aware packer: at most this many passes of :func:`_rehome` while rows overflow the bound."""
 REHOME_ROUNDS = 64
 """Cap-aware packer: at most this many rounds of gap-moving swaps in :func:`_rehome`."""
@@ -647,33 +649,35 @@ def _move_gaps(len_p, row_p, count, gap, cap, lmin, mine, step, donors, nxt, end
 
 def _rehome(lens, order, row, total, nrows, seq_len, cap):
     """Bring the items of rows ``>= nrows`` (the cap-aware packer's overflow: short items for which
-    no row with space had a free slot) back into the first ``nrows`` rows. The gaps of rows at the
-    cap move, by exact swaps (a short item for one a few tokens longer from a row with free
-    slots), to rows with free slots; then capped BFD places the homeless items into the gaps.
-    Returns (order, row, total), the input if that does not save a row."""
+    no row with space had a free slot, or no gap was long enough) back into the first ``nrows``
+    rows. The gaps of rows at the cap, and gaps shorter than any homeless item, move by exact swaps
+    (a short item for one a few tokens longer, :func:`_move_gaps`) to rows with the free slots to
+    fill them; then capped BFD places the homeless items into the gaps. Vectorised: one numpy pass
+    per round, each round moving at most ``step`` tokens of every such row's gap. Returns (order,
+    row, total), the input if that does not save a row."""
     len_p = lens[order]
     row_p = row.copy()
     home = row_p < nrows
     count = np.bincount(row_p[home], minlength=nrows).astype(np.int64)
     gap = seq_len - np.bincount(row_p[home], weights=len_p[home], minlength=nrows).astype(np.int64)
     lmin = int(len_p[~home].min())
-    stuck = np.append((gap > 0) & ((count >= cap) | (gap < lmin)), np.zeros(max(0, int(row_p.max()) + 1 - nrows), dtype=bool))
+    stuck = np.zeros(max(nrows, int(row_p.max()) + 1), dtype=bool)  # rows whose gap moves on
+    stuck[:nrows] = (gap > 0) & ((count >= cap) | (gap < lmin))  # no slot, or too small for any item
     step = max(1, int(cap * nrows - count.sum()) // (2 * nrows)) * lmin  # half the mean free slots
     mine = np.flatnonzero(stuck[row_p])
     shortest = np.full(nrows, seq_len, dtype=np.int64)
     np.minimum.at(shortest, row_p[mine], len_p[mine])
-    top = 4 * int(shortest.min(initial=0) if not len(mine) else shortest[row_p[mine]].max()) + step + 1
+    top = 2 * int(shortest[row_p[mine]].max(initial=0)) + step + 1
     donors = np.flatnonzero((len_p < top) & home)
-    donors = donors[~stuck[row_p[donors]]]
-    free = cap - count[row_p[donors]]
-    donors = donors[free > 0]
-    donors = donors[np.lexsort((-free[free > 0], len_p[donors]))]  # by length, most free slots first
+    roomy = (count < cap - max(0, step // lmin - 1)) & ~stuck[:nrows]  # rows with many free slots
+    donors = donors[roomy[row_p[donors]]]
+    donors = donors[np.lexsort((count[row_p[donors]], len_p[donors]))]  # by length, most free slots first
     bounds = np.searchsorted(len_p[donors], np.arange(top + 1), side="left")
     nxt, end = bounds[:-1].copy(), bounds[1:]
     homeless = np.flatnonzero(~home)
     tokens = int(len_p[homeless].sum())
     for _ in range(REHOME_ROUNDS):
-        if int(np.minimum(gap, (cap - count) * lmin)[gap >= lmin].sum()) >= ROOM * tokens:
+        if int(np.minimum(gap, (cap - count) * lmin)[gap >= lmin].sum()) >= tokens:
             break  # room enough for the homeless items where there are slots
         mine = mine[gap[np.minimum(row_p[mine], nrows - 1)] > 0]
         mine = mine[stuck[row_p[mine]]]
