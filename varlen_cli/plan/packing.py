@@ -574,23 +574,30 @@ def _fill_short(lens: np.ndarray, queue: np.ndarray, load: np.ndarray, used: np.
             queue = queue[k:]
     active = np.flatnonzero((load < seq_len) & (used < cap))
     least = max(1, len(load) // 512)
-    while len(queue) and len(active):
-        m = min(len(active), len(queue))
+    # the queue is retry + queue[p:]: items that did not fit wait in retry (a layer's worth at
+    # most), so a layer costs O(rows), not a copy of the whole queue
+    retry, p = queue[:0], 0
+    while len(retry) + len(queue) - p and len(active):
+        m = min(len(active), len(retry) + len(queue) - p)
+        fresh = max(0, m - len(retry))
+        items = np.concatenate((retry[:m], queue[p:p + fresh]))
+        p += fresh
         need = (seq_len - load[active]) / (cap - used[active])
         rows = active[np.argsort(-need, kind="stable")[:m]]
-        items = queue[:m]
         ok = load[rows] + lens[items] <= seq_len
         placed.append(items[ok])
         prow.append(rows[ok])
         load[rows[ok]] += lens[items[ok]]
         used[rows[ok]] += 1
-        queue = np.concatenate((items[~ok], queue[m:]))
-        if len(queue):
-            active = active[(seq_len - load[active] >= lens[queue[-1]]) & (used[active] < cap)]
+        retry = np.concatenate((items[~ok], retry[m:]))
+        if len(retry) + len(queue) - p:
+            last = queue[-1] if p < len(queue) else retry[-1]
+            active = active[(seq_len - load[active] >= lens[last]) & (used[active] < cap)]
         if np.count_nonzero(ok) < least:
             break  # the last few items: best fit below
     empty = np.empty(0, dtype=np.int64)
-    return np.concatenate(placed) if placed else empty, np.concatenate(prow) if prow else empty, queue
+    left = np.concatenate((retry, queue[p:]))
+    return np.concatenate(placed) if placed else empty, np.concatenate(prow) if prow else empty, left
 
 
 def _pull_back(lens, fill, frow, load, used, seq_len, k):
@@ -599,15 +606,19 @@ def _pull_back(lens, fill, frow, load, used, seq_len, k):
     (a gap of 1 token next to a 2-token item left over cannot be filled otherwise)."""
     if not k or not len(fill):
         return fill, frow, np.empty(0, dtype=np.int64)
-    by_row = np.argsort(frow, kind="stable")
-    counts = np.bincount(frow, minlength=len(load))
-    ends = np.cumsum(counts)
-    from_end = np.empty(len(frow), dtype=np.int64)
-    from_end[by_row] = np.repeat(ends, counts) - 1 - np.arange(len(frow))
-    out = (from_end < k) & (load[frow] < seq_len)
-    np.subtract.at(load, frow[out], lens[fill[out]])
-    np.subtract.at(used, frow[out], 1)
-    return fill[~out], frow[~out], fill[out]
+    cand = np.flatnonzero(load[frow] < seq_len)  # the items of rows not exactly full
+    rows = frow[cand]
+    small = len(load) <= np.iinfo(np.int16).max  # numpy's stable sort is a radix sort on 16 bits
+    by_row = np.argsort(rows.astype(np.int16) if small else rows, kind="stable")
+    counts = np.bincount(rows, minlength=len(load))
+    from_end = np.empty(len(rows), dtype=np.int64)
+    from_end[by_row] = np.repeat(np.cumsum(counts), counts) - 1 - np.arange(len(rows))
+    out = cand[from_end < k]
+    load -= np.bincount(frow[out], weights=lens[fill[out]], minlength=len(load)).astype(np.int64)
+    used -= np.bincount(frow[out], minlength=len(load))
+    stay = np.ones(len(fill), dtype=bool)
+    stay[out] = False
+    return fill[stay], frow[stay], fill[out]
 
 
 REHOME_PASSES = 3
@@ -671,7 +682,9 @@ def _rehome(lens, order, row, total, nrows, seq_len, cap):
     donors = np.flatnonzero((len_p < top) & home)
     roomy = (count < cap - max(0, step // lmin - 1)) & ~stuck[:nrows]  # rows with many free slots
     donors = donors[roomy[row_p[donors]]]
-    donors = donors[np.lexsort((count[row_p[donors]], len_p[donors]))]  # by length, most free slots first
+    key = len_p[donors] * (cap + 1) + count[row_p[donors]]  # by length, most free slots first
+    donors = donors[np.argsort(key.astype(np.int16) if top * (cap + 1) <= np.iinfo(np.int16).max else key,
+                               kind="stable")]
     bounds = np.searchsorted(len_p[donors], np.arange(top + 1), side="left")
     nxt, end = bounds[:-1].copy(), bounds[1:]
     homeless = np.flatnonzero(~home)
