@@ -1038,7 +1038,8 @@ def pack(lengths: np.ndarray, seq_len: int, *, max_per_row: int | None = None, o
         if order == "shuffle":
             rows = np.random.default_rng(seed).permutation(nrows)[rows]
     # sort by (row, placement order): the placement order is the current position
-    srt = np.argsort(rows, kind="stable")
+    key = rows.astype(np.uint16) if nrows <= np.iinfo(np.uint16).max + 1 else rows  # 16 bits: a radix sort
+    srt = np.argsort(key, kind="stable")
     items, rows = items[srt], rows[srt]
     return Packing(
         item_sample=sample[items], item_start=start[items], item_length=ilen[items].astype(np.int64),
