@@ -122,9 +122,10 @@ def run_varlen(lengths, T, cap, order):
             "seconds": secs}
 
 
-def run_whole_command(lengths, T, cap, tmp, repeat):
+def run_whole_command(lengths, T, cap, tmp, repeat, cpu=False):
     """``varlen plan METRICS -o PLAN --packing --seq-len T [--max-per-row K]`` as a subprocess
-    (start-up, read, pack, write): median wall seconds of ``repeat`` runs."""
+    (start-up, read, pack, write): median wall seconds of ``repeat`` runs; with ``cpu`` also the
+    median CPU seconds (user + sys) of the process, which other load on the machine disturbs less."""
     from bench_plan import write_metrics_dir  # benchmarks/bench_plan.py
 
     mdir = os.path.join(tmp, "metrics")
@@ -133,12 +134,17 @@ def run_whole_command(lengths, T, cap, tmp, repeat):
     cmd = [sys.executable, "-m", "varlen_cli", "plan", mdir, "-o", os.path.join(tmp, "plan.parquet"), "--packing",
            "--seq-len", str(T), "--overwrite"] + ([] if cap is None else ["--max-per-row", str(cap)])
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    secs = []
+    import resource
+
+    secs, cpus = [], []
     for _ in range(repeat):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
         subprocess.run(cmd, check=True, capture_output=True, env=env, cwd=ROOT)
         secs.append(time.perf_counter() - t0)
-    return statistics.median(secs)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpus.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+    return (statistics.median(secs), statistics.median(cpus)) if cpu else statistics.median(secs)
 
 
 def next_fit(lengths, seq_len, max_per_row=None):
@@ -312,10 +318,11 @@ def measure(name, fn, lens, T, cap, dist, args, results):
 def whole_command_ratios(args) -> None:
     """``--whole-ratio N``: the whole ``varlen plan --packing`` command uncapped and with every cap,
     interleaved round by round (so machine load hits all alike), N rounds; prints the median
-    seconds per cap and the median of the per-round ratios to the uncapped command."""
+    wall and CPU seconds per cap and the medians of the per-round ratios to the uncapped command."""
     print(f"\n# whole command, {args.whole_ratio} interleaved rounds (median s; ratio = median of per-round "
-          f"capped / uncapped)")
-    print(f"{'distribution':<20} {'T':>6} {'cap':>5} {'median s':>9} {'ratio':>7}  per-round s")
+          f"capped / uncapped; cpu = user + sys of the process)")
+    print(f"{'distribution':<20} {'T':>6} {'cap':>5} {'median s':>9} {'ratio':>7} {'cpu s':>7} {'cpu ratio':>9}  "
+          "per-round s")
     for T in [int(t) for t in args.seq_len.split(",")]:
         for dist in args.dists.split(","):
             lengths = load_dist(dist, args, T)
@@ -327,12 +334,17 @@ def whole_command_ratios(args) -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 run_whole_command(lengths, T, None, tmp, 1)  # warm the page cache and imports
                 secs = {c: [] for c in caps}
+                cpus = {c: [] for c in caps}
                 for _ in range(args.whole_ratio):
                     for c in caps:
-                        secs[c].append(run_whole_command(lengths, T, c, tmp, 1))
+                        wall, cpu = run_whole_command(lengths, T, c, tmp, 1, cpu=True)
+                        secs[c].append(wall)
+                        cpus[c].append(cpu)
             for c in caps:
                 ratio = statistics.median(a / b for a, b in zip(secs[c], secs[None], strict=True))
-                print(f"{dist:<20} {T:>6} {str(c or '-'):>5} {statistics.median(secs[c]):>9.2f} {ratio:>7.2f}  "
+                cpu_ratio = statistics.median(a / b for a, b in zip(cpus[c], cpus[None], strict=True))
+                print(f"{dist:<20} {T:>6} {str(c or '-'):>5} {statistics.median(secs[c]):>9.2f} {ratio:>7.2f} "
+                      f"{statistics.median(cpus[c]):>7.2f} {cpu_ratio:>9.2f}  "
                       + " ".join(f"{x:.2f}" for x in secs[c]), flush=True)
 
 

@@ -38,6 +38,9 @@ the same vectorised pieces, for R = the lower bound on rows:
 4. Exact finish: the shortest items (:data:`HOLD_BACK_ROWS` per row) skip step 3 and keep a
    slot, :func:`_pull_back` takes the last dealt items of rows not exactly full back, and capped
    BFD places them all into the gaps.
+5. Overflow: items that found no row with both space and a free slot (gaps left in rows at the
+   cap, or gaps too short) come back in :func:`_rehome`: exact swaps move those gaps to rows with
+   free slots, and capped BFD places the items again (up to :data:`REHOME_PASSES` passes).
 
 :func:`_pack_positive` packs without the cap first and keeps that when it meets the cap. Else it
 tries candidates until one is within :data:`SLACK` (0.03%) of the bound, keeping the fewest rows:
@@ -571,23 +574,30 @@ def _fill_short(lens: np.ndarray, queue: np.ndarray, load: np.ndarray, used: np.
             queue = queue[k:]
     active = np.flatnonzero((load < seq_len) & (used < cap))
     least = max(1, len(load) // 512)
-    while len(queue) and len(active):
-        m = min(len(active), len(queue))
+    # the queue is retry + queue[p:]: items that did not fit wait in retry (a layer's worth at
+    # most), so a layer costs O(rows), not a copy of the whole queue
+    retry, p = queue[:0], 0
+    while len(retry) + len(queue) - p and len(active):
+        m = min(len(active), len(retry) + len(queue) - p)
+        fresh = max(0, m - len(retry))
+        items = np.concatenate((retry[:m], queue[p:p + fresh]))
+        p += fresh
         need = (seq_len - load[active]) / (cap - used[active])
         rows = active[np.argsort(-need, kind="stable")[:m]]
-        items = queue[:m]
         ok = load[rows] + lens[items] <= seq_len
         placed.append(items[ok])
         prow.append(rows[ok])
         load[rows[ok]] += lens[items[ok]]
         used[rows[ok]] += 1
-        queue = np.concatenate((items[~ok], queue[m:]))
-        if len(queue):
-            active = active[(seq_len - load[active] >= lens[queue[-1]]) & (used[active] < cap)]
+        retry = np.concatenate((items[~ok], retry[m:]))
+        if len(retry) + len(queue) - p:
+            last = queue[-1] if p < len(queue) else retry[-1]
+            active = active[(seq_len - load[active] >= lens[last]) & (used[active] < cap)]
         if np.count_nonzero(ok) < least:
             break  # the last few items: best fit below
     empty = np.empty(0, dtype=np.int64)
-    return np.concatenate(placed) if placed else empty, np.concatenate(prow) if prow else empty, queue
+    left = np.concatenate((retry, queue[p:]))
+    return np.concatenate(placed) if placed else empty, np.concatenate(prow) if prow else empty, left
 
 
 def _pull_back(lens, fill, frow, load, used, seq_len, k):
@@ -596,15 +606,101 @@ def _pull_back(lens, fill, frow, load, used, seq_len, k):
     (a gap of 1 token next to a 2-token item left over cannot be filled otherwise)."""
     if not k or not len(fill):
         return fill, frow, np.empty(0, dtype=np.int64)
-    by_row = np.argsort(frow, kind="stable")
-    counts = np.bincount(frow, minlength=len(load))
-    ends = np.cumsum(counts)
-    from_end = np.empty(len(frow), dtype=np.int64)
-    from_end[by_row] = np.repeat(ends, counts) - 1 - np.arange(len(frow))
-    out = (from_end < k) & (load[frow] < seq_len)
-    np.subtract.at(load, frow[out], lens[fill[out]])
-    np.subtract.at(used, frow[out], 1)
-    return fill[~out], frow[~out], fill[out]
+    cand = np.flatnonzero(load[frow] < seq_len)  # the items of rows not exactly full
+    rows = frow[cand]
+    small = len(load) <= np.iinfo(np.int16).max  # numpy's stable sort is a radix sort on 16 bits
+    by_row = np.argsort(rows.astype(np.int16) if small else rows, kind="stable")
+    counts = np.bincount(rows, minlength=len(load))
+    from_end = np.empty(len(rows), dtype=np.int64)
+    from_end[by_row] = np.repeat(np.cumsum(counts), counts) - 1 - np.arange(len(rows))
+    out = cand[from_end < k]
+    load -= np.bincount(frow[out], weights=lens[fill[out]], minlength=len(load)).astype(np.int64)
+    used -= np.bincount(frow[out], minlength=len(load))
+    stay = np.ones(len(fill), dtype=bool)
+    stay[out] = False
+    return fill[stay], frow[stay], fill[out]
+
+
+REHOME_PASSES = 3
+"""Cap-aware packer: at most this many passes of :func:`_rehome` while rows overflow the bound."""
+REHOME_ROUNDS = 64
+"""Cap-aware packer: at most this many rounds of gap-moving swaps in :func:`_rehome`."""
+
+
+def _move_gaps(len_p, row_p, count, gap, cap, lmin, mine, step, donors, nxt, end):
+    """One round of :func:`_rehome`'s swaps. ``mine``: positions of the items in the rows whose gap
+    moves; each such row trades its shortest item (x tokens) for a donor item of exactly
+    ``x + d`` tokens, ``d = min(gap, step)``, from a row with the free slots for ``d`` more tokens
+    of items of ``lmin`` (``donors``: positions sorted by length, the unused ones of length L at
+    ``nxt[L]:end[L]``): ``d`` tokens of gap move to that row, no row's count changes. Updates
+    ``row_p`` and ``gap``; returns the number of swaps."""
+    mine = mine[np.lexsort((len_p[mine], row_p[mine]))]
+    r = row_p[mine]
+    a = mine[np.flatnonzero(np.r_[True, r[1:] != r[:-1]])]  # shortest item of each row
+    rr = row_p[a]
+    y = len_p[a] + np.minimum(gap[rr], step)
+    keep = np.flatnonzero(y < len(nxt))
+    keep = keep[np.argsort(y[keep], kind="stable")]
+    yk = y[keep]
+    idx = nxt[yk] + np.arange(len(keep)) - np.searchsorted(yk, yk, side="left")  # k-th unused donor
+    hit = idx < end[yk]
+    keep, yk, d = keep[hit], yk[hit], donors[idx[hit]]
+    np.add.at(nxt, yk, 1)  # a donor looked at is used up (also one skipped below: plenty are left)
+    dr = row_p[d]
+    moved = yk - len_p[a[keep]]
+    fits = np.flatnonzero((cap - count[dr]) * lmin >= gap[dr] + moved)
+    once = fits[np.unique(dr[fits], return_index=True)[1]]  # one swap per donor row and round
+    keep, d, dr, moved = keep[once], d[once], dr[once], moved[once]
+    row_p[a[keep]] = dr
+    row_p[d] = rr[keep]
+    gap[rr[keep]] -= moved
+    gap[dr] += moved
+    return len(keep)
+
+
+def _rehome(lens, order, row, total, nrows, seq_len, cap):
+    """Bring the items of rows ``>= nrows`` (the cap-aware packer's overflow: short items for which
+    no row with space had a free slot, or no gap was long enough) back into the first ``nrows``
+    rows. The gaps of rows at the cap, and gaps shorter than any homeless item, move by exact swaps
+    (a short item for one a few tokens longer, :func:`_move_gaps`) to rows with the free slots to
+    fill them; then capped BFD places the homeless items into the gaps. Vectorised: one numpy pass
+    per round, each round moving at most ``step`` tokens of every such row's gap. Returns (order,
+    row, total), the input if that does not save a row."""
+    len_p = lens[order]
+    row_p = row.copy()
+    home = row_p < nrows
+    count = np.bincount(row_p[home], minlength=nrows).astype(np.int64)
+    gap = seq_len - np.bincount(row_p[home], weights=len_p[home], minlength=nrows).astype(np.int64)
+    lmin = int(len_p[~home].min())
+    stuck = np.zeros(max(nrows, int(row_p.max()) + 1), dtype=bool)  # rows whose gap moves on
+    stuck[:nrows] = (gap > 0) & ((count >= cap) | (gap < lmin))  # no slot, or too small for any item
+    step = max(1, int(cap * nrows - count.sum()) // (2 * nrows)) * lmin  # half the mean free slots
+    mine = np.flatnonzero(stuck[row_p])
+    shortest = np.full(nrows, seq_len, dtype=np.int64)
+    np.minimum.at(shortest, row_p[mine], len_p[mine])
+    top = 2 * int(shortest[row_p[mine]].max(initial=0)) + step + 1
+    donors = np.flatnonzero((len_p < top) & home)
+    roomy = (count < cap - max(0, step // lmin - 1)) & ~stuck[:nrows]  # rows with many free slots
+    donors = donors[roomy[row_p[donors]]]
+    key = len_p[donors] * (cap + 1) + count[row_p[donors]]  # by length, most free slots first
+    donors = donors[np.argsort(key.astype(np.int16) if top * (cap + 1) <= np.iinfo(np.int16).max else key,
+                               kind="stable")]
+    bounds = np.searchsorted(len_p[donors], np.arange(top + 1), side="left")
+    nxt, end = bounds[:-1].copy(), bounds[1:]
+    homeless = np.flatnonzero(~home)
+    tokens = int(len_p[homeless].sum())
+    for _ in range(REHOME_ROUNDS):
+        if int(np.minimum(gap, (cap - count) * lmin)[gap >= lmin].sum()) >= tokens:
+            break  # room enough for the homeless items where there are slots
+        mine = mine[gap[np.minimum(row_p[mine], nrows - 1)] > 0]
+        mine = mine[stuck[row_p[mine]]]
+        if not len(mine) or not _move_gaps(len_p, row_p, count, gap, cap, lmin, mine, step, donors, nxt, end):
+            break
+    o, r, new_total = _bfd(len_p[homeless], seq_len, cap, count, gap)
+    if new_total >= total:
+        return order, row, total
+    row_p[homeless[o]] = r
+    return order, row_p, new_total
 
 
 def _cap_aware(lens: np.ndarray, seq_len: int, cap: int, nrows: int):
@@ -638,6 +734,10 @@ def _cap_aware(lens: np.ndarray, seq_len: int, cap: int, nrows: int):
     o, r, total = _bfd(lens[queue], seq_len, cap, used, seq_len - load)
     order = np.concatenate((first, fill, queue[o]))
     row = np.concatenate((frow, frow2, r))
+    for _ in range(REHOME_PASSES):
+        if total <= nrows:
+            break
+        order, row, total = _rehome(lens, order, row, total, nrows, seq_len, cap)
     # pre-opened rows may stay empty: number the used rows densely, in order of opening
     kept = np.bincount(row, minlength=total) > 0
     renum = np.cumsum(kept) - 1
@@ -938,7 +1038,8 @@ def pack(lengths: np.ndarray, seq_len: int, *, max_per_row: int | None = None, o
         if order == "shuffle":
             rows = np.random.default_rng(seed).permutation(nrows)[rows]
     # sort by (row, placement order): the placement order is the current position
-    srt = np.argsort(rows, kind="stable")
+    key = rows.astype(np.uint16) if nrows <= np.iinfo(np.uint16).max + 1 else rows  # 16 bits: a radix sort
+    srt = np.argsort(key, kind="stable")
     items, rows = items[srt], rows[srt]
     return Packing(
         item_sample=sample[items], item_start=start[items], item_length=ilen[items].astype(np.int64),
