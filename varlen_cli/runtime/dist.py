@@ -146,9 +146,7 @@ class Dist:
 
     def send_rows(self, rows: np.ndarray, dst: int) -> None:
         """Point-to-point: send a numpy array to rank ``dst`` (which calls :meth:`recv_rows`)."""
-        _, tdist = self._torch()
-        import torch
-
+        torch, tdist = self._torch()
         tdist.send(self._to_device(torch.from_numpy(_byte_rows(rows))), dst=dst)
 
     def recv_rows(self, out: np.ndarray, src: int) -> np.ndarray:
@@ -333,7 +331,7 @@ def launch(entry: Callable[[Any], Any], config: Any, nproc: int, cleanup: Sequen
         if use_torch:
             return _launch_elastic(entry, config, nproc, start_method, worker_env, error_dir)
         return local_group.launch_local(entry, config, nproc, start_method, worker_env, error_dir)
-    except local_group.LocalFailure as exc:
+    except local_group.WorkersFailed as exc:
         _remove_all(cleanup)
         raise failure_error(exc.exitcodes, error_dir) from None
     except BaseException as exc:
@@ -351,7 +349,7 @@ def _remove_all(paths: Sequence[str]) -> None:
 
 def _launch_elastic(entry: Callable[[Any], Any], config: Any, nproc: int, start_method: str, worker_env: dict,
                     error_dir: str) -> Any:
-    """``launch`` through torch's elastic agent; a failure becomes :class:`local_group.LocalFailure`."""
+    """``launch`` through torch's elastic agent; a failure becomes :class:`local_group.WorkersFailed`."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -377,7 +375,7 @@ def _launch_elastic(entry: Callable[[Any], Any], config: Any, nproc: int, start_
         first = exc.get_first_failure()[0] if failures else None
         codes = {first: failures[first].exitcode} if first is not None else {}
         codes.update({rank: f.exitcode for rank, f in failures.items()})
-        raise local_group.LocalFailure(codes) from None
+        raise local_group.WorkersFailed(codes) from None
     return results.get(0)
 
 

@@ -182,7 +182,7 @@ def launch_local(entry: Callable[[Any], Any], config: Any, nproc: int, start_met
     """Run ``entry(config)`` in ``nproc`` local workers joined by a :class:`LocalGroup`.
 
     Returns rank 0's return value. When a worker fails, the others are killed and the failing
-    workers' exit codes are raised as :class:`LocalFailure` (the caller turns the records the
+    workers' exit codes are raised as :class:`WorkersFailed` (the caller turns the records the
     workers left in ``error_dir`` into the user's error).
     """
     import multiprocessing as mp
@@ -193,8 +193,8 @@ def launch_local(entry: Callable[[Any], Any], config: Any, nproc: int, start_met
     pipes = {(s, t): ctx.Pipe(duplex=False) for s in range(nproc) for t in range(nproc) if s != t}
     counter = ctx.Value("q", 0)
     result_r, result_w = ctx.Pipe(duplex=False)
-    common = (nproc, pipes, counter, result_w, worker_env, error_dir, collective_timeout(),
-              None if start_method == "forkserver" else os.getpid(), entry,
+    launcher_pid = None if start_method == "forkserver" else os.getpid()  # forkserver: not the parent
+    common = (nproc, pipes, counter, result_w, worker_env, error_dir, collective_timeout(), launcher_pid, entry,
               config)
     procs = [ctx.Process(target=_worker_main, args=(rank, *common), name=f"varlen-worker-{rank}")
              for rank in range(nproc)]
@@ -211,8 +211,10 @@ def launch_local(entry: Callable[[Any], Any], config: Any, nproc: int, start_met
         result_r.close()
 
 
-class LocalFailure(Exception):
-    """Workers of a :func:`launch_local` job failed: ``exitcodes`` maps each failed rank to its code."""
+class WorkersFailed(Exception):
+    """Workers of a launched job failed (either launcher): ``exitcodes`` maps each failed rank to its
+    exit code, the first to fail first; :func:`~varlen_cli.runtime.dist.failure_error` makes it the
+    user's error."""
 
     def __init__(self, exitcodes: dict):
         super().__init__(f"workers failed: {exitcodes}")
@@ -220,38 +222,38 @@ class LocalFailure(Exception):
 
 
 def _supervise(procs: list, result_r) -> Any:
-    """Wait for every worker; rank 0's result, or :class:`LocalFailure` at the first failure."""
+    """Wait for every worker; rank 0's result, or :class:`WorkersFailed` at the first failure."""
     from multiprocessing.connection import wait
 
-    result, have_result = None, False
+    result: list = []  # rank 0's result once received
     running = {p.sentinel: rank for rank, p in enumerate(procs)}
     waiting = [result_r, *running]
     while running:
-        ready = wait(waiting)
         failed = {}
-        for obj in ready:
+        for obj in wait(waiting):
+            waiting.remove(obj)
             if obj is result_r:
-                try:
-                    result, have_result = result_r.recv(), True
-                except EOFError:
-                    pass  # rank 0 ended without a result: its exit code says why
-                waiting.remove(result_r)
+                result = _receive(result_r)
                 continue
             rank = running.pop(obj)
-            waiting.remove(obj)
             procs[rank].join()
             if procs[rank].exitcode != 0:
                 failed[rank] = procs[rank].exitcode
         if failed:
-            raise LocalFailure(failed)
-    if not have_result and result_r in waiting:
-        try:
-            result, have_result = result_r.recv(), True
-        except EOFError:
-            pass
-    if not have_result:
-        raise LocalFailure({0: procs[0].exitcode})
-    return result
+            raise WorkersFailed(failed)
+    if result_r in waiting:  # every worker ended before the result was read
+        result = _receive(result_r)
+    if not result:
+        raise WorkersFailed({0: procs[0].exitcode})
+    return result[0]
+
+
+def _receive(conn) -> list:
+    """``[rank 0's result]``, or ``[]`` when rank 0 ended without sending one (its exit code says why)."""
+    try:
+        return [conn.recv()]
+    except EOFError:
+        return []
 
 
 def _stop(procs: list) -> None:
