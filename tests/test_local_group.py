@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from varlen_cli.errors import InputError, WorkerError
+from varlen_cli.errors import InputError, UsageError, WorkerError
 from varlen_cli.runtime.dist import launch
 
 P = 3
@@ -157,3 +157,17 @@ def test_workers_die_with_a_killed_launcher(tmp_path):
     while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(_alive(pid) for pid in workers)
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"VARLEN_LAUNCHER": "gloo"}, "VARLEN_LAUNCHER must be auto, local or torch, not 'gloo'"),
+    ({"VARLEN_LAUNCHER": "local", "DEVICE": "cuda"},
+     "VARLEN_LAUNCHER=local starts CPU workers; --device cuda needs VARLEN_LAUNCHER=auto or torch"),
+])
+def test_bad_launcher_settings(env, message, monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setenv("VARLEN_LAUNCHER", env["VARLEN_LAUNCHER"])
+    with pytest.raises(UsageError) as info:
+        launch(_fails_on, SimpleNamespace(device=env.get("DEVICE", "cpu")), 2)
+    assert info.value.message == message

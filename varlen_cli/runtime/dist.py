@@ -317,7 +317,10 @@ def launch(entry: Callable[[Any], Any], config: Any, nproc: int, cleanup: Sequen
     launcher = os.environ.get("VARLEN_LAUNCHER", "auto")
     if launcher not in ("auto", "local", "torch"):
         raise UsageError(f"VARLEN_LAUNCHER must be auto, local or torch, not {launcher!r}")
-    use_torch = launcher == "torch" or (launcher == "auto" and getattr(config, "device", "cpu") == "cuda")
+    cuda = getattr(config, "device", "cpu") == "cuda"
+    if launcher == "local" and cuda:
+        raise UsageError("VARLEN_LAUNCHER=local starts CPU workers; --device cuda needs VARLEN_LAUNCHER=auto or torch")
+    use_torch = launcher == "torch" or cuda
     if not use_torch and not local_group.fits_fd_limit(nproc):
         use_torch = True  # a local group needs a pipe per pair of workers: more than this process may open
     from .safety import clean_launcher_dirs, launcher_dir
