@@ -471,6 +471,88 @@ def _repair_cap(lens: np.ndarray, cap: int, order: np.ndarray, row: np.ndarray, 
     return o2, item_row[o2]
 
 
+UNCROWD_ROUNDS = 16
+"""Swap fix-up of uncapped BFD (:func:`_uncrowd`): at most this many vectorised rounds."""
+UNCROWD_CHUNKS = (0.5, 0.5, 0.9, 0.7, 0.4, 0.95, 0.6, 0.3, 0.8, 0.45, 0.2, 0.65, 0.1)
+"""Chunk sizes of :func:`_uncrowd`'s rounds, as fractions of the free slots per row (cap - mean):
+varied so that chunks left without a donor of their length get other sums."""
+
+
+def _uncrowd(lens: np.ndarray, cap: int, free):
+    """Bring uncapped BFD ``free = (order, row, num_rows)`` under ``cap`` items per row by exact
+    swaps, vectorised: every row over the cap cuts its shortest surplus items into chunks of
+    ``q + 1`` items (``s`` tokens each); a chunk trades places with one item of exactly ``s``
+    tokens from a row with ``q`` free slots (one swap per such row and round). No row's tokens
+    change, so the row count stays BFD's (at or next to the bound when BFD is). One numpy pass per
+    round; the chunk size shrinks each round so that chunks without a donor get other sums.
+    Returns ``(order, row, num_rows)``, or None when some row is still over the cap (chunks
+    whose sums no donor matches: rows of only the tiniest items)."""
+    order, row, nrows = free
+    n = len(lens)
+    item_row = np.empty(n, dtype=np.int64)
+    item_row[order] = row
+    counts = np.bincount(item_row, minlength=nrows).astype(np.int64)
+    room = cap - math.ceil(n / max(nrows, 1))
+    if room < 2:
+        return None
+    over = counts > cap
+    # donors: one item per (length, row) of the uncrowded rows, by length, rows in a fixed random
+    # order within a length (BFD puts equal lengths into the same rows: they would collide)
+    top = room * int(lens[over[item_row]].max())
+    dn = np.flatnonzero((lens <= top) & ~over[item_row] & (counts[item_row] < cap))
+    spread = np.random.default_rng(0x5EED).permutation(nrows)
+    key, first = np.unique(lens[dn] * nrows + spread[item_row[dn]], return_index=True)
+    dn = dn[first]
+    bounds = np.searchsorted(key // nrows, np.arange(top + 2), side="left")
+    nxt, end = bounds[:-1].copy(), bounds[1:]
+    for t in range(UNCROWD_ROUNDS):
+        if not over.any():
+            break
+        _uncrowd_round(lens, cap, item_row, counts, over, max(1, int(room * UNCROWD_CHUNKS[t % len(UNCROWD_CHUNKS)])),
+                       dn, nxt, end)
+        over = counts > cap
+    if not over.any():
+        return order, item_row[order], nrows
+    return None
+
+
+def _uncrowd_round(lens, cap, item_row, counts, over, q, dn, nxt, end):
+    """One round of :func:`_uncrowd`'s swaps with chunks of ``q + 1`` items (updates ``item_row``,
+    ``counts`` and the donors' cursors ``nxt`` in place)."""
+    ci = np.flatnonzero(over[item_row])  # the items of the crowded rows, by (row, length)
+    ci = ci[np.lexsort((lens[ci], item_row[ci]))]
+    r = item_row[ci]
+    rank = np.arange(len(ci)) - np.searchsorted(r, r, side="left")
+    surplus = counts - cap
+    chunks = np.where(over, -(-surplus // q), 0)
+    first_chunk = np.cumsum(chunks) - chunks
+    take = rank < surplus[r] + chunks[r]  # (q + 1) items per chunk, the last one smaller
+    ci, r, rank = ci[take], r[take], rank[take]
+    cid = first_chunk[r] + np.minimum(rank // (q + 1), chunks[r] - 1)
+    need = np.bincount(cid, weights=lens[ci]).astype(np.int64)  # tokens of each chunk
+    size = np.bincount(cid)
+    chunk_row = np.empty(len(need), dtype=np.int64)
+    chunk_row[cid] = r
+    ks = np.flatnonzero(need < len(nxt))
+    ks = ks[np.argsort(need[ks], kind="stable")]
+    sk = need[ks]
+    idx = nxt[sk] + np.arange(len(ks)) - np.searchsorted(sk, sk, side="left")  # k-th unused donor
+    hit = np.flatnonzero(idx < end[sk])
+    np.add.at(nxt, sk[hit], 1)  # a donor looked at is used up
+    ks, d = ks[hit], dn[idx[hit]]
+    dr = item_row[d]
+    fits = np.flatnonzero(counts[dr] + size[ks] - 1 <= cap)
+    once = fits[np.unique(dr[fits], return_index=True)[1]]  # one swap per donor row and round
+    ks, d, dr = ks[once], d[once], dr[once]
+    target = np.full(len(need), -1, dtype=np.int64)
+    target[ks] = dr
+    moving = target[cid] >= 0
+    item_row[ci[moving]] = target[cid[moving]]
+    item_row[d] = chunk_row[ks]
+    np.add.at(counts, chunk_row[ks], 1 - size[ks])
+    counts[dr] += size[ks] - 1
+
+
 def _min_rows(lens: np.ndarray, seq_len: int, cap: int) -> int:
     if not len(lens):
         return 0
@@ -797,7 +879,7 @@ def _pack_positive(lens: np.ndarray, seq_len: int, cap: int, top: bool = False):
         fixed = _repair_cap(lens, cap, *free)
         return None if fixed is None else (fixed[0], fixed[1], free[2])
 
-    candidates = [repair] if few_swaps else []
+    candidates = [lambda: _uncrowd(lens, cap, free), repair] if few_swaps else []
     candidates += [lambda: aware if aware is not None else _cap_aware(lens, seq_len, cap, bound),
                    lambda: _spill(lens, seq_len, cap, free), lambda: _bfd(lens, seq_len, cap)]
     if not few_swaps and len(lens) <= LAST_RESORT_MAX_ITEMS:
