@@ -478,15 +478,16 @@ UNCROWD_CHUNKS = (0.5, 0.5, 0.9, 0.7, 0.4, 0.95, 0.6, 0.3, 0.8, 0.45, 0.2, 0.65,
 varied so that chunks left without a donor of their length get other sums."""
 
 
-def _uncrowd(lens: np.ndarray, cap: int, free):
+def _uncrowd(lens: np.ndarray, seq_len: int, cap: int, free):
     """Bring uncapped BFD ``free = (order, row, num_rows)`` under ``cap`` items per row by exact
     swaps, vectorised: every row over the cap cuts its shortest surplus items into chunks of
     ``q + 1`` items (``s`` tokens each); a chunk trades places with one item of exactly ``s``
     tokens from a row with ``q`` free slots (one swap per such row and round). No row's tokens
     change, so the row count stays BFD's (at or next to the bound when BFD is). One numpy pass per
     round; the chunk size shrinks each round so that chunks without a donor get other sums.
-    Returns ``(order, row, num_rows)``, or None when some row is still over the cap (chunks
-    whose sums no donor matches: rows of only the tiniest items)."""
+    Rows left over the cap (chunks whose sums no donor matches: rows of only the tiniest items)
+    give their surplus to capped BFD into the gaps and :func:`_rehome`. Returns ``(order, row,
+    num_rows)`` with BFD's rows, or None when it cannot keep them."""
     order, row, nrows = free
     n = len(lens)
     item_row = np.empty(n, dtype=np.int64)
@@ -496,14 +497,15 @@ def _uncrowd(lens: np.ndarray, cap: int, free):
     if room < 2:
         return None
     over = counts > cap
-    # donors: one item per (length, row) of the uncrowded rows, by length, rows in a fixed random
-    # order within a length (BFD puts equal lengths into the same rows: they would collide)
+    # donors: one item per (length, row) of the uncrowded rows, by length, the rows with the most
+    # free slots first, then in a fixed random order (BFD puts equal lengths into the same rows)
     top = room * int(lens[over[item_row]].max())
     dn = np.flatnonzero((lens <= top) & ~over[item_row] & (counts[item_row] < cap))
     spread = np.random.default_rng(0x5EED).permutation(nrows)
-    key, first = np.unique(lens[dn] * nrows + spread[item_row[dn]], return_index=True)
+    key, first = np.unique((lens[dn] * (cap + 1) + counts[item_row[dn]]) * nrows + spread[item_row[dn]],
+                           return_index=True)
     dn = dn[first]
-    bounds = np.searchsorted(key // nrows, np.arange(top + 2), side="left")
+    bounds = np.searchsorted(key // ((cap + 1) * nrows), np.arange(top + 2), side="left")
     nxt, end = bounds[:-1].copy(), bounds[1:]
     for t in range(UNCROWD_ROUNDS):
         if not over.any():
@@ -513,7 +515,27 @@ def _uncrowd(lens: np.ndarray, cap: int, free):
         over = counts > cap
     if not over.any():
         return order, item_row[order], nrows
-    return None
+    # rows still over the cap (chunks whose sums no donor matches: rows of the tiniest items)
+    # hand their shortest surplus items to capped BFD into the gaps, then to the gap moving of
+    # :func:`_rehome` if that opened rows
+    ci = np.flatnonzero(over[item_row])
+    ci = ci[np.lexsort((lens[ci], item_row[ci]))]
+    r = item_row[ci]
+    out = ci[np.arange(len(ci)) - np.searchsorted(r, r, side="left") < (counts - cap)[r]]
+    if int(lens[out].sum()) > nrows * seq_len - int(lens.sum()):
+        return None  # more than the space left in all rows
+    stay = np.ones(n, dtype=bool)
+    stay[out] = False
+    kept = order[stay[order]]
+    load = np.bincount(item_row[kept], weights=lens[kept], minlength=nrows).astype(np.int64)
+    np.subtract.at(counts, item_row[out], 1)
+    o, rr, total = _bfd(lens[out], seq_len, cap, counts, seq_len - load)
+    order, row = np.concatenate((kept, out[o])), np.concatenate((item_row[kept], rr))
+    for _ in range(REHOME_PASSES):
+        if total <= nrows:
+            return order, row, total
+        order, row, total = _rehome(lens, order, row, total, nrows, seq_len, cap)
+    return (order, row, total) if total <= nrows else None
 
 
 def _uncrowd_round(lens, cap, item_row, counts, over, q, dn, nxt, end):
@@ -575,6 +597,9 @@ the items (beyond it the windows fail too, slowly)."""
 TINY_SHARE = 0.2
 """Under a cap K the cap-aware packer runs before anything else when more than this share of the
 items are shorter than T / K."""
+LOOSE_CAP = 4.0
+"""A cap at least this multiple of the mean items per row (at the bound) is loose: it binds only in
+BFD's last rows, so uncapped BFD and the swap fix-up (:func:`_uncrowd`) come first."""
 REPAIR_SHARE = 0.05
 """The swap repair (a Python loop per swap) comes first when uncapped BFD exceeds the cap by at
 most this share of the items in all."""
@@ -863,7 +888,8 @@ def _pack_positive(lens: np.ndarray, seq_len: int, cap: int, top: bool = False):
         return _bfd(lens, seq_len, cap)
     bound = _min_rows(lens, seq_len, cap)
     aware = None
-    if np.count_nonzero(lens <= (seq_len - 1) // cap) > TINY_SHARE * len(lens):  # L * K < T
+    loose = cap * bound >= LOOSE_CAP * len(lens)
+    if not loose and np.count_nonzero(lens <= (seq_len - 1) // cap) > TINY_SHARE * len(lens):  # L * K < T
         # many items K of which do not fill a row: BFD would crowd them, try the cap-aware packer first
         aware = _cap_aware(lens, seq_len, cap, bound)
         if aware is not None and _good_enough(aware[2], bound):
@@ -879,7 +905,8 @@ def _pack_positive(lens: np.ndarray, seq_len: int, cap: int, top: bool = False):
         fixed = _repair_cap(lens, cap, *free)
         return None if fixed is None else (fixed[0], fixed[1], free[2])
 
-    candidates = [lambda: _uncrowd(lens, cap, free), repair] if few_swaps else []
+    candidates = [lambda: _uncrowd(lens, seq_len, cap, free)] if loose or few_swaps else []
+    candidates += [repair] if few_swaps else []
     candidates += [lambda: aware if aware is not None else _cap_aware(lens, seq_len, cap, bound),
                    lambda: _spill(lens, seq_len, cap, free), lambda: _bfd(lens, seq_len, cap)]
     if not few_swaps and len(lens) <= LAST_RESORT_MAX_ITEMS:
