@@ -485,8 +485,7 @@ def _uncrowd(lens: np.ndarray, seq_len: int, cap: int, free):
     tokens from a row with ``q`` free slots (one swap per such row and round). No row's tokens
     change, so the row count stays BFD's (at or next to the bound when BFD is). One numpy pass per
     round; the chunk size shrinks each round so that chunks without a donor get other sums.
-    Rows left over the cap (chunks whose sums no donor matches: rows of only the tiniest items)
-    give their surplus to capped BFD into the gaps and :func:`_rehome`. Returns ``(order, row,
+    Rows left over the cap give their surplus to :func:`_uncrowd_rest`. Returns ``(order, row,
     num_rows)`` with BFD's rows, or None when it cannot keep them."""
     order, row, nrows = free
     n = len(lens)
@@ -507,35 +506,59 @@ def _uncrowd(lens: np.ndarray, seq_len: int, cap: int, free):
     dn = dn[first]
     bounds = np.searchsorted(key // ((cap + 1) * nrows), np.arange(top + 2), side="left")
     nxt, end = bounds[:-1].copy(), bounds[1:]
+    left, stalled = int((counts - cap)[over].sum()), 0
     for t in range(UNCROWD_ROUNDS):
-        if not over.any():
+        if not left or stalled >= 3:
             break
         _uncrowd_round(lens, cap, item_row, counts, over, max(1, int(room * UNCROWD_CHUNKS[t % len(UNCROWD_CHUNKS)])),
                        dn, nxt, end)
         over = counts > cap
-    if not over.any():
-        return order, item_row[order], nrows
-    # rows still over the cap (chunks whose sums no donor matches: rows of the tiniest items)
-    # hand their shortest surplus items to capped BFD into the gaps, then to the gap moving of
-    # :func:`_rehome` if that opened rows
+        now = int((counts - cap)[over].sum())
+        stalled = stalled + 1 if now == left else 0
+        left = now
+    if left and not _uncrowd_rest(lens, seq_len, cap, item_row, counts, over):
+        return None
+    return order, item_row[order], nrows
+
+
+UNCROWD_REHOME_ROWS = 8192
+""":func:`_uncrowd_rest` hands :func:`_rehome` the rows with space left plus about this many others."""
+
+
+def _uncrowd_rest(lens, seq_len, cap, item_row, counts, over) -> bool:
+    """The rows still over the cap after :func:`_uncrowd`'s swaps (chunks whose sums no donor
+    matches: rows of the tiniest items) hand their shortest surplus items to capped BFD into the
+    gaps, then to the gap moving of :func:`_rehome`, on a sample of the rows: the rows with space
+    left and every k-th other one (about :data:`UNCROWD_REHOME_ROWS`). Updates ``item_row`` and
+    returns True when no row had to be opened (else leaves ``item_row`` as it was: False)."""
+    nrows = len(counts)
     ci = np.flatnonzero(over[item_row])
     ci = ci[np.lexsort((lens[ci], item_row[ci]))]
     r = item_row[ci]
     out = ci[np.arange(len(ci)) - np.searchsorted(r, r, side="left") < (counts - cap)[r]]
-    if int(lens[out].sum()) > nrows * seq_len - int(lens.sum()):
-        return None  # more than the space left in all rows
-    stay = np.ones(n, dtype=bool)
+    load = np.bincount(item_row, weights=lens, minlength=nrows).astype(np.int64)
+    if int(lens[out].sum()) > nrows * seq_len - int(load.sum()):
+        return False  # more than the space left in all rows
+    load -= np.bincount(item_row[out], weights=lens[out], minlength=nrows).astype(np.int64)
+    used = counts - np.bincount(item_row[out], minlength=nrows)
+    pick = load < seq_len
+    pick[:: max(1, nrows // UNCROWD_REHOME_ROWS)] = True
+    rows = np.flatnonzero(pick)
+    remap = np.full(nrows, -1, dtype=np.int64)
+    remap[rows] = np.arange(len(rows))
+    stay = np.ones(len(lens), dtype=bool)
     stay[out] = False
-    kept = order[stay[order]]
-    load = np.bincount(item_row[kept], weights=lens[kept], minlength=nrows).astype(np.int64)
-    np.subtract.at(counts, item_row[out], 1)
-    o, rr, total = _bfd(lens[out], seq_len, cap, counts, seq_len - load)
-    order, row = np.concatenate((kept, out[o])), np.concatenate((item_row[kept], rr))
+    sub = np.flatnonzero(pick[item_row] & stay)
+    o, rr, total = _bfd(lens[out], seq_len, cap, used[rows], seq_len - load[rows])
+    order, row = np.concatenate((sub, out[o])), np.concatenate((remap[item_row[sub]], rr))
     for _ in range(REHOME_PASSES):
-        if total <= nrows:
-            return order, row, total
-        order, row, total = _rehome(lens, order, row, total, nrows, seq_len, cap)
-    return (order, row, total) if total <= nrows else None
+        if total <= len(rows):
+            break
+        order, row, total = _rehome(lens, order, row, total, len(rows), seq_len, cap)
+    if total > len(rows):
+        return False
+    item_row[order] = rows[row]
+    return True
 
 
 def _uncrowd_round(lens, cap, item_row, counts, over, q, dn, nxt, end):
