@@ -473,9 +473,11 @@ def _repair_cap(lens: np.ndarray, cap: int, order: np.ndarray, row: np.ndarray, 
 
 UNCROWD_ROUNDS = 16
 """Swap fix-up of uncapped BFD (:func:`_uncrowd`): at most this many vectorised rounds."""
-UNCROWD_CHUNKS = (0.5, 0.5, 0.9, 0.7, 0.4, 0.95, 0.6, 0.3, 0.8, 0.45, 0.2, 0.65, 0.1)
+UNCROWD_CHUNKS = (0.5, 0.5, 0.9, 0.2, 0.7, 0.1, 0.4, 0.95, 0.3, 0.6, 0.05, 0.8, 0.45, 0.15, 0.65, 0.25)
 """Chunk sizes of :func:`_uncrowd`'s rounds, as fractions of the free slots per row (cap - mean):
 varied so that chunks left without a donor of their length get other sums."""
+UNCROWD_STALL = 6
+"""Swap fix-up: stop after this many rounds in a row that swapped nothing."""
 
 
 def _uncrowd(lens: np.ndarray, seq_len: int, cap: int, free):
@@ -506,12 +508,14 @@ def _uncrowd(lens: np.ndarray, seq_len: int, cap: int, free):
     dn = dn[first]
     bounds = np.searchsorted(key // ((cap + 1) * nrows), np.arange(top + 2), side="left")
     nxt, end = bounds[:-1].copy(), bounds[1:]
+    crowd = np.flatnonzero(over[item_row])  # sorted once: the rounds only filter it
+    crowd = crowd[np.lexsort((lens[crowd], item_row[crowd]))]
     left, stalled = int((counts - cap)[over].sum()), 0
     for t in range(UNCROWD_ROUNDS):
-        if not left or stalled >= 3:
+        if not left or stalled >= UNCROWD_STALL:
             break
         _uncrowd_round(lens, cap, item_row, counts, over, max(1, int(room * UNCROWD_CHUNKS[t % len(UNCROWD_CHUNKS)])),
-                       dn, nxt, end)
+                       dn, nxt, end, crowd)
         over = counts > cap
         now = int((counts - cap)[over].sum())
         stalled = stalled + 1 if now == left else 0
@@ -521,7 +525,7 @@ def _uncrowd(lens: np.ndarray, seq_len: int, cap: int, free):
     return order, item_row[order], nrows
 
 
-UNCROWD_REHOME_ROWS = 8192
+UNCROWD_REHOME_ROWS = 16384
 """:func:`_uncrowd_rest` hands :func:`_rehome` the rows with space left plus about this many others."""
 
 
@@ -561,11 +565,11 @@ def _uncrowd_rest(lens, seq_len, cap, item_row, counts, over) -> bool:
     return True
 
 
-def _uncrowd_round(lens, cap, item_row, counts, over, q, dn, nxt, end):
+def _uncrowd_round(lens, cap, item_row, counts, over, q, dn, nxt, end, ci):
     """One round of :func:`_uncrowd`'s swaps with chunks of ``q + 1`` items (updates ``item_row``,
-    ``counts`` and the donors' cursors ``nxt`` in place)."""
-    ci = np.flatnonzero(over[item_row])  # the items of the crowded rows, by (row, length)
-    ci = ci[np.lexsort((lens[ci], item_row[ci]))]
+    ``counts`` and the donors' cursors ``nxt`` in place). ``ci``: the items of the rows first over
+    the cap, by (row, length); the items that left them are skipped."""
+    ci = ci[over[item_row[ci]]]  # the items still in crowded rows, by (row, length)
     r = item_row[ci]
     rank = np.arange(len(ci)) - np.searchsorted(r, r, side="left")
     surplus = counts - cap
