@@ -498,24 +498,29 @@ def _uncrowd(lens: np.ndarray, seq_len: int, cap: int, free):
     if room < 2:
         return None
     over = counts > cap
-    # donors: one item per (length, row) of the uncrowded rows, by length, the rows with the most
-    # free slots first, then in a fixed random order (BFD puts equal lengths into the same rows)
     top = room * int(lens[over[item_row]].max())
-    dn = np.flatnonzero((lens <= top) & ~over[item_row] & (counts[item_row] < cap))
-    spread = np.random.default_rng(0x5EED).permutation(nrows)
-    key, first = np.unique((lens[dn] * (cap + 1) + counts[item_row[dn]]) * nrows + spread[item_row[dn]],
-                           return_index=True)
-    dn = dn[first]
-    bounds = np.searchsorted(key // ((cap + 1) * nrows), np.arange(top + 2), side="left")
+    # BFD's placement order is by decreasing length, the copies of a length that share a row next
+    # to each other: one donor per (length, row) without a sort, read backwards (increasing length)
+    ol = lens[order]
+    pos = np.flatnonzero(np.r_[True, (row[1:] != row[:-1]) | (ol[1:] != ol[:-1])])[::-1]
+    pos = pos[(ol[pos] <= top) & (counts[row[pos]] < cap)]
+    # by length, the rows with the most free slots first: two stable radix sorts (16 bits)
+    small = top <= np.iinfo(np.int16).max and cap <= np.iinfo(np.int16).max
+    c = counts[row[pos]]
+    pos = pos[np.argsort(c.astype(np.int16) if small else c, kind="stable")]
+    pos = pos[np.argsort(ol[pos].astype(np.int16) if small else ol[pos], kind="stable")]
+    dn = order[pos]
+    bounds = np.searchsorted(ol[pos], np.arange(top + 2), side="left")
     nxt, end = bounds[:-1].copy(), bounds[1:]
+    gap = seq_len - np.bincount(row, weights=lens[order], minlength=nrows).astype(np.int64)
     crowd = np.flatnonzero(over[item_row])  # sorted once: the rounds only filter it
     crowd = crowd[np.lexsort((lens[crowd], item_row[crowd]))]
     left, stalled = int((counts - cap)[over].sum()), 0
     for t in range(UNCROWD_ROUNDS):
         if not left or stalled >= UNCROWD_STALL:
             break
-        _uncrowd_round(lens, cap, item_row, counts, over, max(1, int(room * UNCROWD_CHUNKS[t % len(UNCROWD_CHUNKS)])),
-                       dn, nxt, end, crowd)
+        _uncrowd_round(lens, cap, item_row, counts, gap, over,
+                       max(1, int(room * UNCROWD_CHUNKS[t % len(UNCROWD_CHUNKS)])), dn, nxt, end, crowd)
         over = counts > cap
         now = int((counts - cap)[over].sum())
         stalled = stalled + 1 if now == left else 0
@@ -525,15 +530,17 @@ def _uncrowd(lens: np.ndarray, seq_len: int, cap: int, free):
     return order, item_row[order], nrows
 
 
-UNCROWD_REHOME_ROWS = 16384
-""":func:`_uncrowd_rest` hands :func:`_rehome` the rows with space left plus about this many others."""
+UNCROWD_REHOME_ROWS = 32768
+""":func:`_uncrowd_rest` hands :func:`_rehome` the rows with space left plus at least this many others..."""
+UNCROWD_REHOME_PASSES = 8
+"""... for at most this many passes (each cheap on the sample)."""
 
 
 def _uncrowd_rest(lens, seq_len, cap, item_row, counts, over) -> bool:
     """The rows still over the cap after :func:`_uncrowd`'s swaps (chunks whose sums no donor
     matches: rows of the tiniest items) hand their shortest surplus items to capped BFD into the
     gaps, then to the gap moving of :func:`_rehome`, on a sample of the rows: the rows with space
-    left and every k-th other one (about :data:`UNCROWD_REHOME_ROWS`). Updates ``item_row`` and
+    left and every k-th other one (:data:`UNCROWD_REHOME_ROWS` or more). Updates ``item_row`` and
     returns True when no row had to be opened (else leaves ``item_row`` as it was: False)."""
     nrows = len(counts)
     ci = np.flatnonzero(over[item_row])
@@ -555,7 +562,7 @@ def _uncrowd_rest(lens, seq_len, cap, item_row, counts, over) -> bool:
     sub = np.flatnonzero(pick[item_row] & stay)
     o, rr, total = _bfd(lens[out], seq_len, cap, used[rows], seq_len - load[rows])
     order, row = np.concatenate((sub, out[o])), np.concatenate((remap[item_row[sub]], rr))
-    for _ in range(REHOME_PASSES):
+    for _ in range(UNCROWD_REHOME_PASSES):
         if total <= len(rows):
             break
         order, row, total = _rehome(lens, order, row, total, len(rows), seq_len, cap)
@@ -565,10 +572,11 @@ def _uncrowd_rest(lens, seq_len, cap, item_row, counts, over) -> bool:
     return True
 
 
-def _uncrowd_round(lens, cap, item_row, counts, over, q, dn, nxt, end, ci):
+def _uncrowd_round(lens, cap, item_row, counts, gap, over, q, dn, nxt, end, ci):
     """One round of :func:`_uncrowd`'s swaps with chunks of ``q + 1`` items (updates ``item_row``,
-    ``counts`` and the donors' cursors ``nxt`` in place). ``ci``: the items of the rows first over
-    the cap, by (row, length); the items that left them are skipped."""
+    ``counts``, ``gap`` (space left per row) and the donors' cursors ``nxt`` in place). ``ci``: the
+    items of the rows first over the cap, by (row, length); the items that left them are skipped.
+    The first chunk of a row with space left may take the next longer donor that still fits."""
     ci = ci[over[item_row[ci]]]  # the items still in crowded rows, by (row, length)
     r = item_row[ci]
     rank = np.arange(len(ci)) - np.searchsorted(r, r, side="left")
@@ -578,13 +586,22 @@ def _uncrowd_round(lens, cap, item_row, counts, over, q, dn, nxt, end, ci):
     take = rank < surplus[r] + chunks[r]  # (q + 1) items per chunk, the last one smaller
     ci, r, rank = ci[take], r[take], rank[take]
     cid = first_chunk[r] + np.minimum(rank // (q + 1), chunks[r] - 1)
-    need = np.bincount(cid, weights=lens[ci]).astype(np.int64)  # tokens of each chunk
-    size = np.bincount(cid)
-    chunk_row = np.empty(len(need), dtype=np.int64)
-    chunk_row[cid] = r
-    ks = np.flatnonzero(need < len(nxt))
-    ks = ks[np.argsort(need[ks], kind="stable")]
-    sk = need[ks]
+    nchunks = int(chunks.sum())
+    need = np.bincount(cid, weights=lens[ci], minlength=nchunks).astype(np.int64)  # tokens of each chunk
+    size = np.bincount(cid, minlength=nchunks)
+    chunk_row = np.repeat(np.arange(len(counts)), chunks)
+    # a row with space left may take a donor longer than its first chunk (up to the space)
+    want = need.copy()
+    lead = first_chunk[over]
+    lead = lead[(gap[chunk_row[lead]] > 0) & (need[lead] < len(nxt))]
+    top = len(nxt)
+    nearest = np.minimum.accumulate(np.where(nxt < end, np.arange(top), top)[::-1])[::-1]
+    longer = nearest[need[lead]]
+    ok = longer <= need[lead] + gap[chunk_row[lead]]
+    want[lead[ok]] = longer[ok]
+    ks = np.flatnonzero((want < top) & (size > 1))
+    ks = ks[np.argsort(want[ks], kind="stable")]
+    sk = want[ks]
     idx = nxt[sk] + np.arange(len(ks)) - np.searchsorted(sk, sk, side="left")  # k-th unused donor
     hit = np.flatnonzero(idx < end[sk])
     np.add.at(nxt, sk[hit], 1)  # a donor looked at is used up
@@ -600,6 +617,9 @@ def _uncrowd_round(lens, cap, item_row, counts, over, q, dn, nxt, end, ci):
     item_row[d] = chunk_row[ks]
     np.add.at(counts, chunk_row[ks], 1 - size[ks])
     counts[dr] += size[ks] - 1
+    extra = want[ks] - need[ks]
+    np.subtract.at(gap, chunk_row[ks], extra)
+    gap[dr] += extra
 
 
 def _min_rows(lens: np.ndarray, seq_len: int, cap: int) -> int:
