@@ -494,10 +494,12 @@ def _uncrowd(lens: np.ndarray, seq_len: int, cap: int, free):
     item_row = np.empty(n, dtype=np.int64)
     item_row[order] = row
     counts = np.bincount(item_row, minlength=nrows).astype(np.int64)
+    over = counts > cap
+    if not over.any():
+        return free
     room = cap - math.ceil(n / max(nrows, 1))
     if room < 2:
         return None
-    over = counts > cap
     top = room * int(lens[over[item_row]].max())
     # BFD's placement order is by decreasing length, the copies of a length that share a row next
     # to each other: one donor per (length, row) without a sort, read backwards (increasing length)
