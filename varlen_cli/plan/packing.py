@@ -44,8 +44,10 @@ the same vectorised pieces, for R = the lower bound on rows:
 
 :func:`_pack_positive` packs without the cap first and keeps that when it meets the cap. Else it
 tries candidates until one is within :data:`SLACK` (0.03%) of the bound, keeping the fewest rows:
-the exact-size swap repair of BFD (:func:`_repair_cap`, a Python loop per swap) first when BFD's
-excess over the cap is small (:data:`REPAIR_SHARE`), then :func:`_cap_aware`, BFD with the excess
+when the cap is loose (:data:`LOOSE_CAP`) or BFD's excess over it small (:data:`REPAIR_SHARE`),
+the vectorised chunk swaps of :func:`_uncrowd` (BFD's rows kept, or nothing), then, for a small
+excess, the exact-size swap repair of BFD (:func:`_repair_cap`, a Python loop per swap); then
+:func:`_cap_aware`, BFD with the excess
 spilled (:func:`_spill`), capped BFD, the repair on small inputs, the windowed packing
 (:func:`_windowed`, moderate excess) and, more than :data:`LAST_RESORT` off, :func:`_dealt_search`.
 
@@ -924,11 +926,12 @@ def _spill(lens: np.ndarray, seq_len: int, cap: int, free):
 
 
 def _pack_positive(lens: np.ndarray, seq_len: int, cap: int, top: bool = False):
-    """BFD. Under a cap: the cap-aware packer first when many items are tiny (:data:`TINY_SHARE`);
-    uncapped BFD when it meets the cap; else candidates in turn until one is
-    within :data:`SLACK` of the lower bound, the fewest rows winning (the earlier on ties): the
-    swap repair of uncapped BFD (:func:`_repair_cap`) when BFD's rows exceed the cap by at most
-    :data:`REPAIR_SHARE` of the items in all (a few crowded rows: few swaps), the cap-aware packer
+    """BFD. Under a cap: the cap-aware packer first when many items are tiny (:data:`TINY_SHARE`)
+    and the cap is not loose (:data:`LOOSE_CAP`); uncapped BFD when it meets the cap; else
+    candidates in turn until one is within :data:`SLACK` of the lower bound, the fewest rows
+    winning (the earlier on ties): the vectorised swaps of :func:`_uncrowd` when the cap is loose
+    or BFD's rows exceed it by at most :data:`REPAIR_SHARE` of the items in all, then in the latter
+    case the per-swap repair of uncapped BFD (:func:`_repair_cap`), the cap-aware packer
     (:func:`_cap_aware`), uncapped BFD with the excess spilled (:func:`_spill`), capped BFD; then
     the swap repair on small inputs; at the top level (``top``) with an excess of at most
     :data:`WINDOWED_SHARE`, the windowed packing (:func:`_windowed`); more than
