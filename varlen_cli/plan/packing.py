@@ -502,10 +502,11 @@ def _uncrowd(lens: np.ndarray, seq_len: int, cap: int, free):
     room = cap - math.ceil(n / max(nrows, 1))
     if room < 2:
         return None
-    top = room * int(lens[over[item_row]].max())
+    ol = lens[order]
+    crowd = np.flatnonzero(over[row])  # positions in placement order of the crowded rows' items
+    top = room * int(ol[crowd].max())
     # BFD's placement order is by decreasing length, the copies of a length that share a row next
     # to each other: one donor per (length, row) without a sort, read backwards (increasing length)
-    ol = lens[order]
     pos = np.flatnonzero(np.r_[True, (row[1:] != row[:-1]) | (ol[1:] != ol[:-1])])[::-1]
     pos = pos[(ol[pos] <= top) & (counts[row[pos]] < cap)]
     # by length, the rows with the most free slots first: two stable radix sorts (16 bits)
@@ -516,15 +517,22 @@ def _uncrowd(lens: np.ndarray, seq_len: int, cap: int, free):
     dn = order[pos]
     bounds = np.searchsorted(ol[pos], np.arange(top + 2), side="left")
     nxt, end = bounds[:-1].copy(), bounds[1:]
-    gap = seq_len - np.bincount(row, weights=lens[order], minlength=nrows).astype(np.int64)
-    crowd = np.flatnonzero(over[item_row])  # sorted once: the rounds only filter it
-    crowd = crowd[np.lexsort((lens[crowd], item_row[crowd]))]
+    gap = seq_len - np.bincount(row, weights=ol, minlength=nrows).astype(np.int64)
+    # the crowded rows' items by (row, length), sorted once (the rounds only filter it): two stable
+    # radix sorts when the crowded rows and the lengths fit in 16 bits
+    dense = np.cumsum(over) - 1
+    by_len, by_row = ol[crowd], dense[row[crowd]]
+    if small and int(dense[-1]) <= np.iinfo(np.int16).max:
+        by_len, by_row = by_len.astype(np.int16), by_row.astype(np.int16)
+    k = np.argsort(by_len, kind="stable")
+    crowd, by_row = crowd[k], by_row[k]
+    crowd = order[crowd[np.argsort(by_row, kind="stable")]]
     left, stalled = int((counts - cap)[over].sum()), 0
     for t in range(UNCROWD_ROUNDS):
         if not left or stalled >= UNCROWD_STALL:
             break
-        _uncrowd_round(lens, cap, item_row, counts, gap, over,
-                       max(1, int(room * UNCROWD_CHUNKS[t % len(UNCROWD_CHUNKS)])), dn, nxt, end, crowd)
+        crowd = _uncrowd_round(lens, cap, item_row, counts, gap, over,
+                               max(1, int(room * UNCROWD_CHUNKS[t % len(UNCROWD_CHUNKS)])), dn, nxt, end, crowd)
         over = counts > cap
         now = int((counts - cap)[over].sum())
         stalled = stalled + 1 if now == left else 0
@@ -579,25 +587,28 @@ def _uncrowd_rest(lens, seq_len, cap, item_row, counts, over) -> bool:
 def _uncrowd_round(lens, cap, item_row, counts, gap, over, q, dn, nxt, end, ci):
     """One round of :func:`_uncrowd`'s swaps with chunks of ``q + 1`` items (updates ``item_row``,
     ``counts``, ``gap`` (space left per row) and the donors' cursors ``nxt`` in place). ``ci``: the
-    items of the rows first over the cap, by (row, length); the items that left them are skipped.
-    The first chunk of a row with space left may take the next longer donor that still fits."""
+    items of the rows first over the cap, by (row, length); the items that left them are skipped
+    (returned: the list for the next round). The first chunk of a row with space left may take the
+    next longer donor that still fits."""
     ci = ci[over[item_row[ci]]]  # the items still in crowded rows, by (row, length)
+    kept = ci
     r = item_row[ci]
     rank = np.arange(len(ci)) - np.searchsorted(r, r, side="left")
-    surplus = counts - cap
-    chunks = np.where(over, -(-surplus // q), 0)
+    crowded = np.flatnonzero(over)
+    j = np.searchsorted(crowded, r)  # crowded row of each item
+    surplus = counts[crowded] - cap
+    chunks = -(-surplus // q)
     first_chunk = np.cumsum(chunks) - chunks
-    take = rank < surplus[r] + chunks[r]  # (q + 1) items per chunk, the last one smaller
-    ci, r, rank = ci[take], r[take], rank[take]
-    cid = first_chunk[r] + np.minimum(rank // (q + 1), chunks[r] - 1)
+    take = rank < surplus[j] + chunks[j]  # (q + 1) items per chunk, the last one smaller
+    ci, j, rank = ci[take], j[take], rank[take]
+    cid = first_chunk[j] + np.minimum(rank // (q + 1), chunks[j] - 1)
     nchunks = int(chunks.sum())
     need = np.bincount(cid, weights=lens[ci], minlength=nchunks).astype(np.int64)  # tokens of each chunk
     size = np.bincount(cid, minlength=nchunks)
-    chunk_row = np.repeat(np.arange(len(counts)), chunks)
+    chunk_row = np.repeat(crowded, chunks)
     # a row with space left may take a donor longer than its first chunk (up to the space)
     want = need.copy()
-    lead = first_chunk[over]
-    lead = lead[(gap[chunk_row[lead]] > 0) & (need[lead] < len(nxt))]
+    lead = first_chunk[(gap[crowded] > 0) & (need[first_chunk] < len(nxt))]
     top = len(nxt)
     nearest = np.minimum.accumulate(np.where(nxt < end, np.arange(top), top)[::-1])[::-1]
     longer = nearest[need[lead]]
@@ -624,6 +635,7 @@ def _uncrowd_round(lens, cap, item_row, counts, gap, over, q, dn, nxt, end, ci):
     extra = want[ks] - need[ks]
     np.subtract.at(gap, chunk_row[ks], extra)
     gap[dr] += extra
+    return kept
 
 
 def _min_rows(lens: np.ndarray, seq_len: int, cap: int) -> int:
