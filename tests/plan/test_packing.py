@@ -244,3 +244,34 @@ def test_capped_heavy_tailed_at_the_lower_bound(T, factor):
     check_packing(p, lengths, T, cap)
     assert bound / p.num_rows >= 0.9997, (p.num_rows, bound)
     assert pack(lengths, T).samples_per_row().max() > 3 * cap  # uncapped BFD piles the tiny ones
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(capped_case())
+def test_uncrowd_swaps_keep_every_row(case):
+    """The vectorised swap fix-up of uncapped BFD: when it answers, every item is there exactly
+    once, no row is over T or the cap, and it keeps BFD's number of rows."""
+    lengths, T, cap, _ = case
+    free = P._bfd(lengths, T, P.NO_CAP)
+    got = P._uncrowd(lengths, T, cap, free)
+    if got is not None:
+        order, row, nrows = got
+        assert nrows == free[2]
+        assert np.array_equal(np.sort(order), np.arange(len(lengths)))
+        assert row.min() == 0 and row.max() == nrows - 1
+        assert np.bincount(row, weights=lengths[order]).max() <= T
+        assert np.bincount(row).max() <= cap
+
+
+def test_loose_cap_keeps_the_uncapped_rows():
+    """A cap 5.5x the mean samples per row binds only in BFD's last rows (the shortest samples,
+    2,000+ a row): the capped packing has exactly the rows of the uncapped one (here the lower
+    bound, derived from the data). The code before the swap fix-up ended 3 rows over."""
+    T = 4096
+    lengths = np.minimum(np.maximum(1, np.random.default_rng(0).lognormal(5.0, 1.5, 200_000)), T).astype(np.int64)
+    bound = -(-int(lengths.sum()) // T)
+    free = pack(lengths, T)
+    assert free.num_rows == bound and free.samples_per_row().max() > 1000
+    p = pack(lengths, T, max_per_row=64)
+    check_packing(p, lengths, T, 64)
+    assert p.num_rows == bound, (p.num_rows, bound)

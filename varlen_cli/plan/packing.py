@@ -44,8 +44,10 @@ the same vectorised pieces, for R = the lower bound on rows:
 
 :func:`_pack_positive` packs without the cap first and keeps that when it meets the cap. Else it
 tries candidates until one is within :data:`SLACK` (0.03%) of the bound, keeping the fewest rows:
-the exact-size swap repair of BFD (:func:`_repair_cap`, a Python loop per swap) first when BFD's
-excess over the cap is small (:data:`REPAIR_SHARE`), then :func:`_cap_aware`, BFD with the excess
+when the cap is loose (:data:`LOOSE_CAP`) or BFD's excess over it small (:data:`REPAIR_SHARE`),
+the vectorised chunk swaps of :func:`_uncrowd` (BFD's rows kept, or nothing), then, for a small
+excess, the exact-size swap repair of BFD (:func:`_repair_cap`, a Python loop per swap); then
+:func:`_cap_aware`, BFD with the excess
 spilled (:func:`_spill`), capped BFD, the repair on small inputs, the windowed packing
 (:func:`_windowed`, moderate excess) and, more than :data:`LAST_RESORT` off, :func:`_dealt_search`.
 
@@ -471,6 +473,171 @@ def _repair_cap(lens: np.ndarray, cap: int, order: np.ndarray, row: np.ndarray, 
     return o2, item_row[o2]
 
 
+UNCROWD_ROUNDS = 16
+"""Swap fix-up of uncapped BFD (:func:`_uncrowd`): at most this many vectorised rounds."""
+UNCROWD_CHUNKS = (0.5, 0.5, 0.9, 0.2, 0.7, 0.1, 0.4, 0.95, 0.3, 0.6, 0.05, 0.8, 0.45, 0.15, 0.65, 0.25)
+"""Chunk sizes of :func:`_uncrowd`'s rounds, as fractions of the free slots per row (cap - mean):
+varied so that chunks left without a donor of their length get other sums."""
+UNCROWD_STALL = 6
+"""Swap fix-up: stop after this many rounds in a row that swapped nothing."""
+
+
+def _uncrowd(lens: np.ndarray, seq_len: int, cap: int, free):
+    """Bring uncapped BFD ``free = (order, row, num_rows)`` under ``cap`` items per row by exact
+    swaps, vectorised: every row over the cap cuts its shortest surplus items into chunks of
+    ``q + 1`` items (``s`` tokens each); a chunk trades places with one item of exactly ``s``
+    tokens from a row with ``q`` free slots (one swap per such row and round). No row's tokens
+    change, so the row count stays BFD's (at or next to the bound when BFD is). One numpy pass per
+    round; the chunk size shrinks each round so that chunks without a donor get other sums.
+    Rows left over the cap give their surplus to :func:`_uncrowd_rest`. Returns ``(order, row,
+    num_rows)`` with BFD's rows, or None when it cannot keep them."""
+    order, row, nrows = free
+    n = len(lens)
+    item_row = np.empty(n, dtype=np.int64)
+    item_row[order] = row
+    counts = np.bincount(item_row, minlength=nrows).astype(np.int64)
+    over = counts > cap
+    if not over.any():
+        return free
+    room = cap - math.ceil(n / max(nrows, 1))
+    if room < 2:
+        return None
+    ol = lens[order]
+    crowd = np.flatnonzero(over[row])  # positions in placement order of the crowded rows' items
+    top = room * int(ol[crowd].max())
+    # BFD's placement order is by decreasing length, the copies of a length that share a row next
+    # to each other: one donor per (length, row) without a sort, read backwards (increasing length)
+    pos = np.flatnonzero(np.r_[True, (row[1:] != row[:-1]) | (ol[1:] != ol[:-1])])[::-1]
+    pos = pos[(ol[pos] <= top) & (counts[row[pos]] < cap)]
+    # by length, the rows with the most free slots first: two stable radix sorts (16 bits)
+    small = top <= np.iinfo(np.int16).max and cap <= np.iinfo(np.int16).max
+    c = counts[row[pos]]
+    pos = pos[np.argsort(c.astype(np.int16) if small else c, kind="stable")]
+    pos = pos[np.argsort(ol[pos].astype(np.int16) if small else ol[pos], kind="stable")]
+    dn = order[pos]
+    bounds = np.searchsorted(ol[pos], np.arange(top + 2), side="left")
+    nxt, end = bounds[:-1].copy(), bounds[1:]
+    gap = seq_len - np.bincount(row, weights=ol, minlength=nrows).astype(np.int64)
+    # the crowded rows' items by (row, length), sorted once (the rounds only filter it): two stable
+    # radix sorts when the crowded rows and the lengths fit in 16 bits
+    dense = np.cumsum(over) - 1
+    by_len, by_row = ol[crowd], dense[row[crowd]]
+    if small and int(dense[-1]) <= np.iinfo(np.int16).max:
+        by_len, by_row = by_len.astype(np.int16), by_row.astype(np.int16)
+    k = np.argsort(by_len, kind="stable")
+    crowd, by_row = crowd[k], by_row[k]
+    crowd = order[crowd[np.argsort(by_row, kind="stable")]]
+    left, stalled = int((counts - cap)[over].sum()), 0
+    for t in range(UNCROWD_ROUNDS):
+        if not left or stalled >= UNCROWD_STALL:
+            break
+        crowd = _uncrowd_round(lens, cap, item_row, counts, gap, over,
+                               max(1, int(room * UNCROWD_CHUNKS[t % len(UNCROWD_CHUNKS)])), dn, nxt, end, crowd)
+        over = counts > cap
+        now = int((counts - cap)[over].sum())
+        stalled = stalled + 1 if now == left else 0
+        left = now
+    if left and not _uncrowd_rest(lens, seq_len, cap, item_row, counts, over):
+        return None
+    return order, item_row[order], nrows
+
+
+UNCROWD_REHOME_ROWS = 32768
+""":func:`_uncrowd_rest` hands :func:`_rehome` the rows with space left plus at least this many others..."""
+UNCROWD_REHOME_PASSES = 8
+"""... for at most this many passes (each cheap on the sample)."""
+
+
+def _uncrowd_rest(lens, seq_len, cap, item_row, counts, over) -> bool:
+    """The rows still over the cap after :func:`_uncrowd`'s swaps (chunks whose sums no donor
+    matches: rows of the tiniest items) hand their shortest surplus items to capped BFD into the
+    gaps, then to the gap moving of :func:`_rehome`, on a sample of the rows: the rows with space
+    left and every k-th other one (:data:`UNCROWD_REHOME_ROWS` or more). Updates ``item_row`` and
+    returns True when no row had to be opened (else leaves ``item_row`` as it was: False)."""
+    nrows = len(counts)
+    ci = np.flatnonzero(over[item_row])
+    ci = ci[np.lexsort((lens[ci], item_row[ci]))]
+    r = item_row[ci]
+    out = ci[np.arange(len(ci)) - np.searchsorted(r, r, side="left") < (counts - cap)[r]]
+    load = np.bincount(item_row, weights=lens, minlength=nrows).astype(np.int64)
+    if int(lens[out].sum()) > nrows * seq_len - int(load.sum()):
+        return False  # more than the space left in all rows
+    load -= np.bincount(item_row[out], weights=lens[out], minlength=nrows).astype(np.int64)
+    used = counts - np.bincount(item_row[out], minlength=nrows)
+    pick = load < seq_len
+    pick[:: max(1, nrows // UNCROWD_REHOME_ROWS)] = True
+    rows = np.flatnonzero(pick)
+    remap = np.full(nrows, -1, dtype=np.int64)
+    remap[rows] = np.arange(len(rows))
+    stay = np.ones(len(lens), dtype=bool)
+    stay[out] = False
+    sub = np.flatnonzero(pick[item_row] & stay)
+    o, rr, total = _bfd(lens[out], seq_len, cap, used[rows], seq_len - load[rows])
+    order, row = np.concatenate((sub, out[o])), np.concatenate((remap[item_row[sub]], rr))
+    for _ in range(UNCROWD_REHOME_PASSES):
+        if total <= len(rows):
+            break
+        order, row, total = _rehome(lens, order, row, total, len(rows), seq_len, cap)
+    if total > len(rows):
+        return False
+    item_row[order] = rows[row]
+    return True
+
+
+def _uncrowd_round(lens, cap, item_row, counts, gap, over, q, dn, nxt, end, ci):
+    """One round of :func:`_uncrowd`'s swaps with chunks of ``q + 1`` items (updates ``item_row``,
+    ``counts``, ``gap`` (space left per row) and the donors' cursors ``nxt`` in place). ``ci``: the
+    items of the rows first over the cap, by (row, length); the items that left them are skipped
+    (returned: the list for the next round). The first chunk of a row with space left may take the
+    next longer donor that still fits."""
+    ci = ci[over[item_row[ci]]]  # the items still in crowded rows, by (row, length)
+    kept = ci
+    r = item_row[ci]
+    rank = np.arange(len(ci)) - np.searchsorted(r, r, side="left")
+    crowded = np.flatnonzero(over)
+    j = np.searchsorted(crowded, r)  # crowded row of each item
+    surplus = counts[crowded] - cap
+    chunks = -(-surplus // q)
+    first_chunk = np.cumsum(chunks) - chunks
+    take = rank < surplus[j] + chunks[j]  # (q + 1) items per chunk, the last one smaller
+    ci, j, rank = ci[take], j[take], rank[take]
+    cid = first_chunk[j] + np.minimum(rank // (q + 1), chunks[j] - 1)
+    nchunks = int(chunks.sum())
+    need = np.bincount(cid, weights=lens[ci], minlength=nchunks).astype(np.int64)  # tokens of each chunk
+    size = np.bincount(cid, minlength=nchunks)
+    chunk_row = np.repeat(crowded, chunks)
+    # a row with space left may take a donor longer than its first chunk (up to the space)
+    want = need.copy()
+    lead = first_chunk[(gap[crowded] > 0) & (need[first_chunk] < len(nxt))]
+    top = len(nxt)
+    nearest = np.minimum.accumulate(np.where(nxt < end, np.arange(top), top)[::-1])[::-1]
+    longer = nearest[need[lead]]
+    ok = longer <= need[lead] + gap[chunk_row[lead]]
+    want[lead[ok]] = longer[ok]
+    ks = np.flatnonzero((want < top) & (size > 1))
+    ks = ks[np.argsort(want[ks], kind="stable")]
+    sk = want[ks]
+    idx = nxt[sk] + np.arange(len(ks)) - np.searchsorted(sk, sk, side="left")  # k-th unused donor
+    hit = np.flatnonzero(idx < end[sk])
+    np.add.at(nxt, sk[hit], 1)  # a donor looked at is used up
+    ks, d = ks[hit], dn[idx[hit]]
+    dr = item_row[d]
+    fits = np.flatnonzero(counts[dr] + size[ks] - 1 <= cap)
+    once = fits[np.unique(dr[fits], return_index=True)[1]]  # one swap per donor row and round
+    ks, d, dr = ks[once], d[once], dr[once]
+    target = np.full(len(need), -1, dtype=np.int64)
+    target[ks] = dr
+    moving = target[cid] >= 0
+    item_row[ci[moving]] = target[cid[moving]]
+    item_row[d] = chunk_row[ks]
+    np.add.at(counts, chunk_row[ks], 1 - size[ks])
+    counts[dr] += size[ks] - 1
+    extra = want[ks] - need[ks]
+    np.subtract.at(gap, chunk_row[ks], extra)
+    gap[dr] += extra
+    return kept
+
+
 def _min_rows(lens: np.ndarray, seq_len: int, cap: int) -> int:
     if not len(lens):
         return 0
@@ -493,6 +660,9 @@ the items (beyond it the windows fail too, slowly)."""
 TINY_SHARE = 0.2
 """Under a cap K the cap-aware packer runs before anything else when more than this share of the
 items are shorter than T / K."""
+LOOSE_CAP = 4.0
+"""A cap at least this multiple of the mean items per row (at the bound) is loose: it binds only in
+BFD's last rows, so uncapped BFD and the swap fix-up (:func:`_uncrowd`) come first."""
 REPAIR_SHARE = 0.05
 """The swap repair (a Python loop per swap) comes first when uncapped BFD exceeds the cap by at
 most this share of the items in all."""
@@ -768,11 +938,12 @@ def _spill(lens: np.ndarray, seq_len: int, cap: int, free):
 
 
 def _pack_positive(lens: np.ndarray, seq_len: int, cap: int, top: bool = False):
-    """BFD. Under a cap: the cap-aware packer first when many items are tiny (:data:`TINY_SHARE`);
-    uncapped BFD when it meets the cap; else candidates in turn until one is
-    within :data:`SLACK` of the lower bound, the fewest rows winning (the earlier on ties): the
-    swap repair of uncapped BFD (:func:`_repair_cap`) when BFD's rows exceed the cap by at most
-    :data:`REPAIR_SHARE` of the items in all (a few crowded rows: few swaps), the cap-aware packer
+    """BFD. Under a cap: the cap-aware packer first when many items are tiny (:data:`TINY_SHARE`)
+    and the cap is not loose (:data:`LOOSE_CAP`); uncapped BFD when it meets the cap; else
+    candidates in turn until one is within :data:`SLACK` of the lower bound, the fewest rows
+    winning (the earlier on ties): the vectorised swaps of :func:`_uncrowd` when the cap is loose
+    or BFD's rows exceed it by at most :data:`REPAIR_SHARE` of the items in all, then in the latter
+    case the per-swap repair of uncapped BFD (:func:`_repair_cap`), the cap-aware packer
     (:func:`_cap_aware`), uncapped BFD with the excess spilled (:func:`_spill`), capped BFD; then
     the swap repair on small inputs; at the top level (``top``) with an excess of at most
     :data:`WINDOWED_SHARE`, the windowed packing (:func:`_windowed`); more than
@@ -781,7 +952,8 @@ def _pack_positive(lens: np.ndarray, seq_len: int, cap: int, top: bool = False):
         return _bfd(lens, seq_len, cap)
     bound = _min_rows(lens, seq_len, cap)
     aware = None
-    if np.count_nonzero(lens <= (seq_len - 1) // cap) > TINY_SHARE * len(lens):  # L * K < T
+    loose = cap * bound >= LOOSE_CAP * len(lens)
+    if not loose and np.count_nonzero(lens <= (seq_len - 1) // cap) > TINY_SHARE * len(lens):  # L * K < T
         # many items K of which do not fill a row: BFD would crowd them, try the cap-aware packer first
         aware = _cap_aware(lens, seq_len, cap, bound)
         if aware is not None and _good_enough(aware[2], bound):
@@ -797,7 +969,8 @@ def _pack_positive(lens: np.ndarray, seq_len: int, cap: int, top: bool = False):
         fixed = _repair_cap(lens, cap, *free)
         return None if fixed is None else (fixed[0], fixed[1], free[2])
 
-    candidates = [repair] if few_swaps else []
+    candidates = [lambda: _uncrowd(lens, seq_len, cap, free)] if loose or few_swaps else []
+    candidates += [repair] if few_swaps else []
     candidates += [lambda: aware if aware is not None else _cap_aware(lens, seq_len, cap, bound),
                    lambda: _spill(lens, seq_len, cap, free), lambda: _bfd(lens, seq_len, cap)]
     if not few_swaps and len(lens) <= LAST_RESORT_MAX_ITEMS:
