@@ -137,17 +137,25 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _launch(world, args):
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, WORKER, *args], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    for p in procs:
-        out, _ = p.communicate(timeout=180)
-        assert p.returncode == 0, out[-3000:]
+def _launch(world, args, attempts=3):
+    """``world`` gloo ranks of the worker script on a free port. The port is free when chosen but
+    another process (a parallel test) may take it before rank 0 binds it: then, and only then, the
+    job is started again on a new port."""
+    for attempt in range(attempts):
+        port = _free_port()
+        procs = []
+        for rank in range(world):
+            env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            procs.append(subprocess.Popen([sys.executable, WORKER, *args], env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))
+        results = [(p.communicate(timeout=180)[0], p.returncode) for p in procs]
+        port_taken = any(code != 0 and "address already in use" in out.lower() for out, code in results)
+        if port_taken and attempt + 1 < attempts:
+            continue
+        for out, code in results:
+            assert code == 0, out[-3000:]
+        return
 
 
 @pytest.mark.slow
