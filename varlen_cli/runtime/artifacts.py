@@ -70,7 +70,25 @@ def check_output_free(path: str, overwrite: bool, what: str = "output") -> None:
         raise OutputError(f"{what} {path} already exists; pass --overwrite to replace it")
 
 
-class AtomicDir:
+class _AtomicOutput:
+    """An output built in ``.NAME.varlen-tmp-<random>`` beside ``path`` and swapped in by :meth:`commit`."""
+
+    def __init__(self, path: str, overwrite: bool = False):
+        self.given = path  # as the user wrote it, for messages
+        self.path = os.path.abspath(path)
+        self.tmp = safety.sibling(self.path, safety.TMP_TAG, unique=True)
+        self.overwrite = overwrite
+
+    def check(self) -> None:
+        raise NotImplementedError
+
+    def commit(self) -> None:
+        """Rank 0, after every rank finished writing: swap the result into place."""
+        self.check()  # still ours to replace (we hold the lock; a user may have changed it meanwhile)
+        safety.swap_in(self.tmp, self.path)
+
+
+class AtomicDir(_AtomicOutput):
     """A directory written by all ranks into a uniquely named temporary sibling
     (``.NAME.varlen-tmp-<random>``), swapped into place at the end (:func:`safety.swap_in`).
 
@@ -79,12 +97,6 @@ class AtomicDir:
     ``--overwrite`` replaces only a directory varlen made, never a symbolic link
     (:func:`safety.check_replaceable`).
     """
-
-    def __init__(self, path: str, overwrite: bool = False):
-        self.given = path  # as the user wrote it, for messages
-        self.path = os.path.abspath(path)
-        self.tmp = safety.sibling(self.path, safety.TMP_TAG, unique=True)
-        self.overwrite = overwrite
 
     def check(self) -> None:
         safety.check_replaceable(self.given, self.overwrite, "dir")
@@ -99,23 +111,12 @@ class AtomicDir:
     def file(self, name: str) -> str:
         return os.path.join(self.tmp, name)
 
-    def commit(self) -> None:
-        """Rank 0, after every rank finished writing: swap the result into place."""
-        self.check()  # still ours to replace (we hold the lock; a user may have changed it meanwhile)
-        safety.swap_in(self.tmp, self.path)
-
     def abort(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-class AtomicFile:
+class AtomicFile(_AtomicOutput):
     """A file (a plan) written to ``.NAME.varlen-tmp-<random>`` and swapped in by :meth:`commit`."""
-
-    def __init__(self, path: str, overwrite: bool = False):
-        self.given = path  # as the user wrote it, for messages
-        self.path = os.path.abspath(path)
-        self.tmp = safety.sibling(self.path, safety.TMP_TAG, unique=True)
-        self.overwrite = overwrite
 
     def check(self) -> None:
         parent = os.path.dirname(self.path)
@@ -124,10 +125,6 @@ class AtomicFile:
         safety.check_replaceable(self.given, self.overwrite, "file")
         if not os.path.isdir(parent):
             raise OutputError(f"cannot write {self.given}: directory {parent} does not exist")
-
-    def commit(self) -> None:
-        self.check()
-        safety.swap_in(self.tmp, self.path)
 
     def abort(self) -> None:
         try:
