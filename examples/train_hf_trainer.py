@@ -130,10 +130,6 @@ def main(argv=None) -> None:
     if rank == 0:
         print(f"rank 0: {result.global_step} steps, train loss {result.training_loss:.4f}, "
               f"{speed[-1] if speed else 0:.0f} tokens/s", flush=True)
-    # Trainer leaves its gloo group up; destroyed here, its threads do not race interpreter exit (an
-    # occasional "terminate called without an active exception", SIGABRT, under load).
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
