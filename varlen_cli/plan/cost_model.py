@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from ..errors import UsageError
 
 if TYPE_CHECKING:
-    from .core import PlanConfig
+    from .config import PlanConfig
 
 AUTO = "auto"
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from .. import format
 from . import stats, writer
-from .core import PlanConfig, PlanResult
+from .config import PlanConfig, PlanResult
 
 
 def _read(path: str) -> tuple[dict, dict, np.ndarray, dict]:

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import UsageError
-from ..runtime import safety
-from .core import PlanConfig, PlanResult
+from ..runtime import artifacts, safety
+from . import assemble, pipeline, reader, writer
+from .config import PlanConfig, PlanResult, check
 
 _ENTRY = re.compile(r"(?P<name>[A-Za-z0-9_.-]+)=(?P<dir>.+):(?P<weight>[^:]+)")
 _MIX_SEED = 0x6D6978  # seed stream of the fractional subsets ("mix")
@@ -80,11 +81,11 @@ class VirtualRows:
 
 def virtual_rows(c: PlanConfig, sources: list[Source]) -> VirtualRows:
     """The union of the sources' samples, each repeated by its weight; in curriculum order if asked."""
-    from . import core
+
 
     src, ids, lens, diff, info = [], [], [], [], []
     for k, s in enumerate(sources):
-        manifest, sample_id, length = core.read_input(s.path, c.allow_stale)
+        manifest, sample_id, length = reader.read_input(s.path, c.allow_stale)
         pos = _copies(len(sample_id), s.weight, c.seed, k)
         src.append(np.full(len(pos), k, np.int32))
         ids.append(sample_id[pos])
@@ -104,7 +105,7 @@ def virtual_rows(c: PlanConfig, sources: list[Source]) -> VirtualRows:
 
 def plan_mixture(config: PlanConfig) -> PlanResult:
     """``varlen plan --mix``: plan the virtual rows of the sources with the ordinary planner."""
-    from . import core
+
     from .shapes import Budget
 
     t0 = time.perf_counter()
@@ -115,26 +116,26 @@ def plan_mixture(config: PlanConfig) -> PlanResult:
         raise UsageError("--split-long cannot be combined with --mix (a sample's chunks must be told apart from "
                          "its copies)")
     c = dataclasses.replace(config, input=sources[0].path)
-    core.check(c)
+    check(c)
     safety.check_no_overlap(c.output, [s.path for s in sources])
-    core.writer.check_output(c.output, c.overwrite)
+    writer.check_output(c.output, c.overwrite)
     rows = virtual_rows(c, sources)
     vid = np.arange(len(rows.length), dtype=np.int64)  # the planner's ids: virtual rows
     budget = Budget(c.max_tokens, c.max_samples, float(c.attention_cost))
-    inputs, long_pos = core.epoch_inputs(c, vid, rows.length, budget)
-    epochs, fixed_batch = core.plan_epochs(c, inputs)
+    inputs, long_pos = pipeline.epoch_inputs(c, vid, rows.length, budget)
+    epochs, fixed_batch = pipeline.plan_epochs(c, inputs)
     tokens = [np.bincount(rows.source[ep.mb.samples], weights=rows.length[ep.mb.samples],
                           minlength=len(sources)).astype(np.int64) for ep in epochs]
     for k, entry in enumerate(rows.info):
         entry["tokens_per_epoch"] = [int(t[k]) for t in tokens]
     source = np.concatenate([rows.source[ep.mb.samples] for ep in epochs])
-    cols, items = core.assemble_columns(c, rows.sample_id, rows.length, epochs, inputs.slots)
+    cols, items = assemble.assemble_columns(c, rows.sample_id, rows.length, epochs, inputs.slots)
     items["source"] = source
     mixture = {"sources": rows.info, "seed": c.seed}
     input_info = {"path": None, "kind": "mixture", "artifact_id": None, "num_rows": None, "dataset_digest": None}
-    result = core.finish(c, {}, rows.sample_id, epochs, cols, items, long_pos, inputs, fixed_batch, t0,
+    result = assemble.finish(c, {}, rows.sample_id, epochs, cols, items, long_pos, inputs, fixed_batch, t0,
                           extra_metadata={"mixture": mixture, "input": input_info,
-                                          "config": {**core.artifacts.config_dict(config)}})
+                                          "config": {**artifacts.config_dict(config)}})
     result.stats["tokens_per_source_per_epoch"] = {e["name"]: e["tokens_per_epoch"] for e in rows.info}
     return result
 

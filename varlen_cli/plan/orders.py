@@ -29,7 +29,7 @@ from .batching import Microbatches
 from .shapes import Budget, ShapeMap
 
 if TYPE_CHECKING:
-    from .core import PlanConfig
+    from .config import PlanConfig
 
 CURRICULAR = ("curriculum", "reverse")
 

@@ -7,8 +7,8 @@
   follow, planned afresh for the new layout. LR scales keep the parent's ``base_batch_size``.
 - :func:`extend`: the same plan with more epochs; the existing rows are copied unchanged.
 
-Both reuse the planner (``core.epoch_inputs``, ``core.plan_epochs``, ``core.assemble_columns``,
-``core.finish``) and record where they come from in the metadata's ``lineage``
+Both reuse the planner (``pipeline.epoch_inputs``, ``pipeline.plan_epochs``, ``assemble.assemble_columns``,
+``assemble.finish``) and record where they come from in the metadata's ``lineage``
 (docs/plan.md, "Re-planning a running job").
 """
 
@@ -25,8 +25,8 @@ import numpy as np
 from ..errors import InputError, UsageError
 from ..runtime import rank0, safety
 from ..runtime.choices import doc
-from . import core
-from .core import PlanConfig, PlanResult
+from . import assemble, pipeline, reader, writer
+from .config import PlanConfig, PlanResult, check
 from .shapes import Budget
 
 
@@ -151,7 +151,7 @@ def parent_config(parent, **overrides) -> PlanConfig:
 
 def read_parent_input(parent, c: PlanConfig) -> tuple[dict, np.ndarray, np.ndarray]:
     """The parent's metrics/sorted directory; refused if it is not the one the parent was planned from."""
-    manifest, sample_id, length = core.read_input(c.input, c.allow_stale)
+    manifest, sample_id, length = reader.read_input(c.input, c.allow_stale)
     recorded = parent.input or {}
     if recorded.get("num_rows") is not None and int(recorded["num_rows"]) != len(sample_id):
         raise InputError(f"{c.input} changed since {parent.path} was planned: it has {len(sample_id):,} samples, "
@@ -175,21 +175,21 @@ def plan_epochs_from(c: PlanConfig, manifest: dict, sample_id: np.ndarray, lengt
                      first_keep: np.ndarray | None, lineage: dict | None, t0: float) -> PlanResult:
     """Plan ``c.epochs`` epochs numbered from ``first_epoch`` (seed streams, curriculum switch); the first
     one restricted to the input positions where ``first_keep`` is true (if given). Writes ``c.output``."""
-    core.check(c)
+    check(c)
     budget = Budget(c.max_tokens, c.max_samples, float(c.attention_cost))
-    inputs, long_pos = core.epoch_inputs(c, sample_id, length, budget)
+    inputs, long_pos = pipeline.epoch_inputs(c, sample_id, length, budget)
     epochs, fixed_batch = [], None
     if first_keep is not None:
         first = dataclasses.replace(inputs, ordered=_keep(inputs.ordered, first_keep),
                                     canon=_keep(inputs.canon, first_keep))
-        epochs, fixed_batch = core.plan_epochs(dataclasses.replace(c, epochs=1), first, first_epoch)
+        epochs, fixed_batch = pipeline.plan_epochs(dataclasses.replace(c, epochs=1), first, first_epoch)
     if c.epochs > len(epochs):
-        more, fixed_more = core.plan_epochs(dataclasses.replace(c, epochs=c.epochs - len(epochs)), inputs,
+        more, fixed_more = pipeline.plan_epochs(dataclasses.replace(c, epochs=c.epochs - len(epochs)), inputs,
                                              first_epoch + len(epochs))
         epochs += more
         fixed_batch = fixed_batch if fixed_batch is not None else fixed_more
-    cols, items = core.assemble_columns(c, sample_id, length, epochs, inputs.slots)
-    return core.finish(c, manifest, sample_id, epochs, cols, items, long_pos, inputs, fixed_batch, t0,
+    cols, items = assemble.assemble_columns(c, sample_id, length, epochs, inputs.slots)
+    return assemble.finish(c, manifest, sample_id, epochs, cols, items, long_pos, inputs, fixed_batch, t0,
                         extra_metadata={"lineage": lineage} if lineage is not None else None)
 
 
@@ -277,7 +277,7 @@ def replan(config: ReplanConfig) -> PlanResult:
     c = parent_config(parent, output=config.output, dp=config.dp, grad_accum=config.grad_accum,
                       max_tokens=config.max_tokens, overwrite=config.overwrite, allow_stale=config.allow_stale)
     safety.check_no_overlap(c.output, [c.input])
-    core.writer.check_output(c.output, c.overwrite)
+    writer.check_output(c.output, c.overwrite)
     manifest, sample_id, length = read_parent_input(parent, c)
     epoch, keep, consumed = remaining_positions(parent, step, sample_id)
     before = lineage_of(parent)
@@ -300,7 +300,7 @@ def extend(config: ExtendConfig) -> PlanResult:
         raise UsageError(f"--epochs {config.epochs} must be more than the {parent.epochs} epoch(s) of "
                          f"{parent.path} to extend it")
     safety.check_no_overlap(config.output, [config.plan, config.input or recorded_input(parent)])
-    core.writer.check_output(config.output, config.overwrite)
+    writer.check_output(config.output, config.overwrite)
     out_dir = os.path.dirname(os.path.abspath(config.output))
     tmp = os.path.join(out_dir, f".{os.path.basename(config.output)}.extend-{os.getpid()}-{time.time_ns()}")
     c = parent_config(parent, input=config.input, output=tmp, epochs=config.epochs - parent.epochs,
