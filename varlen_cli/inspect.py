@@ -66,11 +66,12 @@ def plan_series(path: str, meta: dict) -> dict:
     """Per-step tokens, samples, lr_scale and straggler; per-rank totals (no sample ids read).
 
     The straggler is :func:`varlen_cli.format.straggler` over the cost the plan recorded
-    (:func:`varlen_cli.format.plan_straggler_cost`), so it matches the plan's own statistics."""
+    (:func:`varlen_cli.format.plan_budget`), so it matches the plan's own statistics."""
     import pyarrow.parquet as pq
 
-    cost_spec = format.plan_straggler_cost(meta)
-    cols = ["step", "rank", "num_samples", "lr_scale"] + format.plan_cost_columns(cost_spec)
+    budget = format.plan_budget(meta)
+    cost_spec = budget.straggler_spec()
+    cols = ["step", "rank", "num_samples", "lr_scale"] + format.plan_cost_columns(budget)
     t = pq.read_table(path, columns=cols)
     step = t.column("step").to_numpy()
     rank = t.column("rank").to_numpy()
@@ -80,7 +81,7 @@ def plan_series(path: str, meta: dict) -> dict:
     tokens = t.column("tokens").to_numpy().astype(np.float64)
     batch_size, seqlen = t.column("batch_size").to_numpy(), t.column("seqlen").to_numpy()
     padded = batch_size.astype(np.float64) * seqlen
-    cost = format.table_cost(t, cost_spec)
+    cost = format.table_cost(t, budget)
     samples = t.column("num_samples").to_numpy().astype(np.float64)
     lr = t.column("lr_scale").to_numpy()
     step_tokens = np.bincount(step, weights=tokens, minlength=n_steps)

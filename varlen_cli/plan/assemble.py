@@ -1,5 +1,6 @@
 """The epoch pipeline's last stages: per-microbatch columns from the laid-out epochs
-(:func:`assemble_columns`), then step columns, LR scales, statistics, metadata and the written plan
+(:func:`assemble_columns`), then step columns, LR scales, statistics and metadata, the plan's own
+check (:mod:`varlen_cli.plan_checks`, the checks of ``varlen validate``) and the written plan
 (:func:`finish`)."""
 
 from __future__ import annotations
@@ -11,14 +12,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import __version__, format
+from ..budget import Budget
 from ..errors import InternalConsistencyError, UsageError
+from ..plan_checks import PlanArrays, run_checks
 from ..runtime import artifacts
-from . import batching, cost_model, lr, stats, writer
+from . import batching, lr, stats, writer
 from .batching import Microbatches
 from .config import PlanConfig, PlanResult
 from .orders import EpochInputs
-from .pipeline import PlannedEpoch
-from .shapes import Budget, pair_ids
+from .pipeline import PlannedEpoch, Rows
+from .shapes import pair_ids
 
 
 def _concat(parts: list) -> np.ndarray:
@@ -26,15 +29,19 @@ def _concat(parts: list) -> np.ndarray:
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def assemble_columns(c: PlanConfig, sample_id: np.ndarray, length: np.ndarray, epochs: list[PlannedEpoch],
-                     slots: int) -> tuple[dict, dict]:
-    """Per-microbatch columns (all epochs, plan order) and per-sample-entry items of the plan."""
+def assemble_columns(c: PlanConfig, rows: Rows, epochs: list[PlannedEpoch], slots: int) -> tuple[dict, dict]:
+    """Per-microbatch columns (all epochs, plan order) and per-sample-entry items of the plan
+    (``sample_ids``; packed: ``sample_lengths``/``sample_rows``/``sample_starts``; mixtures ``source``;
+    ``sample_length``: each entry's whole sample length, for the plan's own check)."""
     cols = {k: [] for k in ("epoch", "step", "rank", "micro", "num_samples", "seqlen", "batch_size", "tokens", "cost",
                             "completed", "targets")}
-    items = {"sample_ids": [], "sample_lengths": [], "sample_rows": [], "sample_starts": []}
+    items = {k: [] for k in ("sample_ids", "sample_lengths", "sample_rows", "sample_starts", "source",
+                             "sample_length")}
     step0 = 0
-    identity = batching.is_identity(sample_id)  # ids 0..N-1 in row order (metrics directories): no gather
-    any_empty = bool(len(length)) and int(length.min()) == 0
+    identity = batching.is_identity(rows.sample_id)  # ids 0..N-1 in row order (metrics directories): no gather
+    full = rows.full_length if rows.full_length is not None else rows.length
+    full = full.astype(np.int32) if len(full) and int(full.max()) <= format.INT32_MAX else full
+    any_empty = bool(len(full)) and int(full.min()) == 0
     for e, ep in enumerate(epochs):
         mb, lay = ep.mb, ep.layout
         cols["epoch"].append(np.full(mb.count, e, np.int64))
@@ -47,36 +54,40 @@ def assemble_columns(c: PlanConfig, sample_id: np.ndarray, length: np.ndarray, e
         cols["tokens"].append(mb.tokens)
         cols["cost"].append(ep.cost)
         # identity: the positions are the ids (int32 where they fit; the writer widens them chunk by chunk)
-        items["sample_ids"].append(mb.samples if identity else sample_id[mb.samples])
-        completed, lost = _completed_and_lost(c, mb, length, any_empty)
+        items["sample_ids"].append(mb.samples if identity else rows.sample_id[mb.samples])
+        sample_length = full[mb.samples]
+        items["sample_length"].append(sample_length)
+        starts = mb.item_start
+        if c.packing and rows.start is not None:  # pieces of a replan: their chunks start inside the sample
+            starts = starts + rows.start[mb.samples]
+        completed, targets = entry_totals(mb, sample_length, starts if c.packing else None, any_empty)
         cols["completed"].append(completed)
-        cols["targets"].append(mb.tokens.astype(np.int64) - lost)
+        cols["targets"].append(targets)
         if c.packing:
             items["sample_lengths"].append(mb.item_length)
             items["sample_rows"].append(mb.item_row)
-            items["sample_starts"].append(mb.item_start)
+            items["sample_starts"].append(starts)
+        if rows.source is not None:
+            items["source"].append(rows.source[mb.samples])
         step0 += mb.count // slots
     return ({k: _concat(v) for k, v in cols.items()}, {k: _concat(v) for k, v in items.items() if v})
 
 
-def _completed_and_lost(c: PlanConfig, mb: Microbatches, length: np.ndarray,
-                        any_empty: bool) -> tuple[np.ndarray, np.ndarray]:
+def entry_totals(mb: Microbatches, sample_length: np.ndarray, starts: np.ndarray | None,
+                 any_empty: bool) -> tuple[np.ndarray, np.ndarray]:
     """Per microbatch: the samples it completes (every entry, except the non-final chunks of a split
-    sample, which counts once, where its last token is; for step_samples) and the tokens without a
-    loss target (shifted labels: the last token of each non-empty sample; a non-final chunk of a
-    split sample keeps its last token's target, the next chunk's first)."""
+    sample, which counts once, where its last token is; for step_samples) and its loss targets
+    (:func:`varlen_cli.format.loss_targets`: shifted labels)."""
     counts = np.diff(mb.offsets)
-    if not c.packing and not any_empty:  # every entry a whole non-empty sample: one of each per entry
-        return counts, counts.astype(np.int64)
-    parent = np.repeat(np.arange(mb.count), counts)
-    final = True
-    completed = counts
-    if c.packing and c.split_long and len(mb.samples):
-        final = mb.item_start + mb.item_length == length[mb.samples]
-        completed = np.bincount(parent, weights=final, minlength=mb.count).astype(np.int64)
-    entry_len = mb.item_length if c.packing else length[mb.samples]
-    lost = np.bincount(parent, weights=(entry_len > 0) & final, minlength=mb.count).astype(np.int64)
-    return completed, lost
+    if starts is None and not any_empty:  # every entry a whole non-empty sample: one completed, l - 1 targets
+        return counts, mb.tokens.astype(np.int64) - counts
+    final = None
+    entry_len = sample_length
+    if starts is not None:
+        entry_len = mb.item_length
+        final = starts + mb.item_length == sample_length
+    completed = counts if final is None else batching.segment_sum(final.astype(np.int64), mb.offsets)
+    return completed, batching.segment_sum(format.loss_targets(entry_len, final), mb.offsets)
 
 
 def _budget_tokens(c: PlanConfig, budget: Budget, rows_per_mb: int | None, b: np.ndarray, t: np.ndarray,
@@ -84,12 +95,12 @@ def _budget_tokens(c: PlanConfig, budget: Budget, rows_per_mb: int | None, b: np
     """The per-microbatch token budget; checks no microbatch is over it and every T fits int32."""
     if c.packing:
         over = int(np.count_nonzero(tokens > b * t))
-        if c.max_tokens is not None:
+        if budget.max_tokens is not None:
             over += int(np.count_nonzero(~budget.fits(b, t)))
-        budget_tokens = float(c.max_tokens) if c.max_tokens is not None else float(rows_per_mb * c.seq_len)
+        budget_tokens = float(budget.max_tokens) if budget.max_tokens is not None else float(rows_per_mb * c.seq_len)
     else:
         over = int(np.count_nonzero(~budget.fits(b, t)))
-        budget_tokens = float(c.max_tokens)
+        budget_tokens = float(budget.max_tokens)
     if over:
         raise InternalConsistencyError(f"{over} microbatches over budget")
     if len(t) and int(t.max()) > format.INT32_MAX:  # a padded T over int32 (e.g. a huge --pad-multiple)
@@ -112,55 +123,65 @@ def _packing_info(c: PlanConfig, rows_per_mb: int, epochs: list[PlannedEpoch], i
 
 @dataclass
 class Dropped:
-    """Samples the plan leaves out: too long for any microbatch (every epoch) or dropped by --tail drop."""
+    """Samples the plan leaves out: too long for any microbatch (every epoch) or dropped by --tail drop.
+    Row positions; a mixture's rows are copies, so its lists name each copy (with its source)."""
 
-    long_ids: np.ndarray
-    tail_ids: list  # per epoch
+    rows: Rows
+    long_pos: np.ndarray
+    tail_pos: list  # per epoch
     epochs: int
 
     @property
     def tail_count(self) -> int:
-        return int(sum(len(x) for x in self.tail_ids))
+        return int(sum(len(x) for x in self.tail_pos))
 
     @property
     def count(self) -> int:
-        return len(self.long_ids) * self.epochs + self.tail_count
+        return len(self.long_pos) * self.epochs + self.tail_count
 
     def all_ids(self) -> np.ndarray:
-        if not (len(self.long_ids) or self.tail_count):
+        if not (len(self.long_pos) or self.tail_count):
             return np.zeros(0, np.int64)
-        return np.unique(np.concatenate([self.long_ids] + self.tail_ids))
+        return np.unique(self.rows.sample_id[np.concatenate([self.long_pos] + self.tail_pos).astype(np.int64)])
 
     def to_dict(self, all_ids: np.ndarray) -> dict:
-        return {"count": self.count, "reason": {"too_long": len(self.long_ids) * self.epochs, "tail": self.tail_count},
-                "sample_ids": all_ids.tolist(), "too_long_ids": self.long_ids.tolist(),
-                "tail": [{"epoch": e, "sample_ids": ids.tolist()} for e, ids in enumerate(self.tail_ids) if len(ids)]}
+        ids = self.rows.sample_id
+        out = {"count": self.count, "reason": {"too_long": len(self.long_pos) * self.epochs, "tail": self.tail_count},
+               "sample_ids": all_ids.tolist(), "too_long_ids": ids[self.long_pos].tolist(),
+               "tail": [{"epoch": e, "sample_ids": ids[pos].tolist()} for e, pos in enumerate(self.tail_pos)
+                        if len(pos)]}
+        if self.rows.source is not None:  # mixtures: the source of each listed copy
+            out["too_long_sources"] = self.rows.source[self.long_pos].tolist()
+            for entry, pos in zip(out["tail"], [p for p in self.tail_pos if len(p)]):
+                entry["sources"] = self.rows.source[pos].tolist()
+        return out
 
 
-def build_metadata(c: PlanConfig, manifest: dict, num_rows: int, epochs: list[PlannedEpoch], *, num_steps: int,
-                   num_microbatches: int, shapes: list, base_batch_size, inputs: EpochInputs, fixed_batch: int | None,
-                   packing: dict | None, dropped: dict, summary: dict) -> dict:
-    """The plan's key-value metadata (see docs/plan.md)."""
-    input_info = {"path": os.path.abspath(c.input),
-                  # the input as seen from the plan's folder: still right after a move of both (varlen run's swap)
-                  "relative_path": os.path.relpath(os.path.abspath(c.input),
-                                                   os.path.dirname(os.path.abspath(c.output))),
-                  "kind": manifest.get("kind"),
-                  "artifact_id": manifest.get("artifact_id"), "num_rows": int(num_rows),
-                  "dataset_digest": (manifest.get("dataset") or {}).get("digest")}
+def input_info(c: PlanConfig, manifest: dict, num_rows: int) -> dict:
+    """The metadata's ``input``: the metrics or sorted directory the plan was made from."""
+    return {"path": os.path.abspath(c.input),
+            # the input as seen from the plan's folder: still right after a move of both (varlen run's swap)
+            "relative_path": os.path.relpath(os.path.abspath(c.input), os.path.dirname(os.path.abspath(c.output))),
+            "kind": manifest.get("kind"),
+            "artifact_id": manifest.get("artifact_id"), "num_rows": int(num_rows),
+            "dataset_digest": (manifest.get("dataset") or {}).get("digest")}
+
+
+def build_metadata(c: PlanConfig, epochs: list[PlannedEpoch], *, source: dict, num_steps: int, num_microbatches: int,
+                   shapes: list, base_batch_size, inputs: EpochInputs, fixed_batch: int | None, packing: dict | None,
+                   dropped: dict, summary: dict) -> dict:
+    """The plan's key-value metadata (see docs/formats.md); ``source``: its ``input`` (and ``config``
+    as recorded, if not ``c``'s)."""
     return {
         "format": format.PLAN_FORMAT, "format_version": format.PLAN_FORMAT_VERSION,
-        format.STRAGGLER_COST_KEY: format.straggler_cost(c.packing, inputs.budget.attention_cost),
-        "cost_model": cost_model.describe(c),
         "varlen_version": __version__, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "config": artifacts.config_dict(c), "input": input_info,
+        "config": source.get("config") or artifacts.config_dict(c), "input": source["input"],
         "dp": c.dp, "grad_accum": c.grad_accum, "epochs": c.epochs, "num_steps": num_steps,
         "steps_per_epoch": [ep.mb.count // inputs.slots for ep in epochs], "num_microbatches": num_microbatches,
         "orders": [ep.mode for ep in epochs],
         "shapes": shapes, "warmup_steps": epochs[0].layout.warmup_steps,
         "base_batch_size": base_batch_size, "lr_scaling": c.lr_scaling, "lr_scale_by": c.lr_scale_by,
-        "budget": {"max_tokens": c.max_tokens, "max_samples": c.max_samples,
-                   "attention_cost": inputs.budget.attention_cost},
+        "budget": inputs.budget.to_metadata(),
         "shape_map": inputs.shape.to_dict(), "fixed_batch_size": fixed_batch,
         "packing": packing,
         "dropped": dropped,
@@ -168,11 +189,29 @@ def build_metadata(c: PlanConfig, manifest: dict, num_rows: int, epochs: list[Pl
     }
 
 
-def finish(c: PlanConfig, manifest: dict, sample_id: np.ndarray, epochs: list[PlannedEpoch], col: dict, it: dict,
-            long_pos: np.ndarray, inputs: EpochInputs, fixed_batch: int | None, t0: float,
-            extra_metadata: dict | None = None) -> PlanResult:
-    """Step columns, LR, shapes, statistics and metadata (updated with ``extra_metadata``); writes the plan.
-    ``items`` may hold a ``source`` entry list (mixture plans)."""
+def _memory_entry(c: PlanConfig, budget: Budget, b: np.ndarray, t: np.ndarray, shape_id: np.ndarray, num_shapes: int,
+                  items: dict, offsets: np.ndarray) -> dict:
+    """The ``memory`` entry of a plan kept under a memory limit; refused (one line) when a microbatch's
+    predicted peak exceeds it (a replan given another --max-tokens than the limit allows)."""
+    from ..memory.budget import over_limit, plan_memory_metadata
+    from ..memory.sizes import format_size
+
+    over, worst = over_limit(budget.memory, b, t, bool(c.packing))
+    if over:
+        raise UsageError(f"{over:,} microbatches are predicted above the plan's --max-memory "
+                         f"{format_size(budget.memory['max_memory'])} (up to {format_size(worst)}) with "
+                         f"{budget.describe()}; give a smaller --max-tokens, or --max-memory for a new limit")
+    return plan_memory_metadata(budget.memory, b, t, shape_id, num_shapes, bool(c.packing),
+                                items.get("sample_lengths"), offsets)
+
+
+def finish(c: PlanConfig, rows: Rows, epochs: list[PlannedEpoch], col: dict, it: dict, long_pos: np.ndarray,
+           inputs: EpochInputs, fixed_batch: int | None, t0: float, *, source: dict,
+           extra_metadata: dict | None = None) -> PlanResult:
+    """Step columns, LR, shapes, statistics and metadata (updated with ``extra_metadata``); the plan's
+    own check; writes the plan. ``source``: the metadata's ``input`` (and ``config``, see
+    :func:`build_metadata`)."""
+    budget = inputs.budget
     num_steps = sum(ep.mb.count // inputs.slots for ep in epochs)
     counts = col["num_samples"].astype(np.int64)
     offsets = np.zeros(len(counts) + 1, np.int64)
@@ -193,9 +232,9 @@ def finish(c: PlanConfig, manifest: dict, sample_id: np.ndarray, epochs: list[Pl
     shapes = [[int(x), int(y)] for x, y in zip(shape_b.tolist(), shape_t.tolist())]
 
     b, t = col["batch_size"].astype(np.int64), col["seqlen"].astype(np.int64)
-    budget_tokens = _budget_tokens(c, inputs.budget, inputs.rows_per_mb, b, t, col["tokens"])
+    budget_tokens = _budget_tokens(c, budget, inputs.rows_per_mb, b, t, col["tokens"])
     strag = format.straggler(step, col["rank"].astype(np.int64), col["cost"], c.dp)
-    dropped = Dropped(sample_id[long_pos], [sample_id[ep.dropped] for ep in epochs], c.epochs)
+    dropped = Dropped(rows, long_pos, [ep.dropped for ep in epochs], c.epochs)
     dropped_all = dropped.all_ids()
     lay0 = epochs[0].layout
     summary = stats.summary(
@@ -212,7 +251,7 @@ def finish(c: PlanConfig, manifest: dict, sample_id: np.ndarray, epochs: list[Pl
         if idle:
             summary["zero_lr_scale_steps"] = idle
     packing = (_packing_info(c, inputs.rows_per_mb, epochs, it, offsets, col["tokens"]) if c.packing else None)
-    metadata = build_metadata(c, manifest, len(sample_id), epochs, num_steps=num_steps, num_microbatches=len(counts),
+    metadata = build_metadata(c, epochs, source=source, num_steps=num_steps, num_microbatches=len(counts),
                               shapes=shapes, base_batch_size=base, inputs=inputs, fixed_batch=fixed_batch,
                               packing=packing, dropped=dropped.to_dict(dropped_all), summary=summary)
     metadata.update(extra_metadata or {})
@@ -220,11 +259,8 @@ def finish(c: PlanConfig, manifest: dict, sample_id: np.ndarray, epochs: list[Pl
         from ..schedule.order import combined_report
 
         metadata["schedule"] = combined_report(c.schedule, c.stages, [ep.schedule_order for ep in epochs])
-    if c.memory_profile is not None:
-        from varlen_cli.memory.budget import plan_memory_metadata
-
-        metadata["memory"] = plan_memory_metadata(c, b, t, shape_id, len(shapes), bool(c.packing),
-                                                  it.get("sample_lengths"), offsets)
+    if budget.memory is not None:
+        metadata["memory"] = _memory_entry(c, budget, b, t, shape_id, len(shapes), it, offsets)
         summary["predicted_peak_max"] = metadata["memory"]["predicted_peak_max"]
     del epochs[:]
     row_cols = {
@@ -235,15 +271,25 @@ def finish(c: PlanConfig, manifest: dict, sample_id: np.ndarray, epochs: list[Pl
         "step_samples": step_samples[step], "step_tokens": step_tokens[step],
         "step_loss_tokens": step_loss_tokens[step],
     }
-    source = {"source": it["source"]} if "source" in it else {}
+    lists = {"sample_ids": it["sample_ids"]}
     if c.packing:
-        it = {"sample_ids": it["sample_ids"], "sample_lengths": it["sample_lengths"].astype(np.int32),
-              "sample_rows": it["sample_rows"].astype(np.int32), "sample_starts": it["sample_starts"].astype(np.int32),
-              **source}
-    else:
-        it = {"sample_ids": it["sample_ids"], **source}
-    writer.write_plan(c.output, c.overwrite, row_cols, offsets, it, metadata, inputs.slots)
+        lists.update({k: it[k].astype(np.int32) for k in ("sample_lengths", "sample_rows", "sample_starts")})
+    if "source" in it:
+        lists["source"] = it["source"].astype(np.int32)
+    self_check(row_cols, offsets, lists, it["sample_length"], metadata)
+    writer.write_plan(c.output, c.overwrite, row_cols, offsets, lists, metadata, inputs.slots)
     summary["seconds"] = time.perf_counter() - t0
     return PlanResult(output=os.path.abspath(c.output), order=c.order, num_steps=num_steps,
                       num_microbatches=len(counts), stats=summary, packing=packing, dropped_ids=dropped_all,
                       seconds=summary["seconds"], metadata=metadata)
+
+
+def self_check(row_cols: dict, offsets: np.ndarray, lists: dict, sample_length: np.ndarray, metadata: dict) -> None:
+    """The checks of ``varlen validate`` (:mod:`varlen_cli.plan_checks`) on the plan about to be written:
+    a violation is a varlen bug (InternalConsistencyError), and no such plan is written."""
+    arrays = PlanArrays(row_cols, offsets, lists["sample_ids"], lists.get("sample_lengths"), lists.get("sample_rows"),
+                        lists.get("sample_starts"), lists.get("source"), sample_length)
+    bad = [check for check in run_checks(arrays, metadata) if not check.ok]
+    if bad:
+        raise InternalConsistencyError("the plan fails its own check: " + "; ".join(f"{x.name}: {x.detail}"
+                                                                                  for x in bad))

@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import format
+from ..budget import attention_number, is_auto
 from ..errors import UsageError
+from ..memory.sizes import parse_size
 from ..runtime.choices import LrScaleBy, LrScaling, Order, Tail, check_choices, doc, values
-from . import cost_model
 
 MAX_TOKENS_LIMIT = 2**53  # budgets are compared as float64: exact up to here
 ORDERS = values(Order)
@@ -112,7 +113,8 @@ def check(c: PlanConfig) -> None:
     check_choices(c)
     if not c.input:
         raise UsageError("missing INPUT_DIR: the metrics or sorted directory to plan (or --extend PLAN)")
-    if not c.packing and c.max_tokens is None:
+    _check_memory(c)
+    if not c.packing and c.max_tokens is None and c.max_memory is None:
         raise UsageError("--max-tokens is required (or --packing --seq-len T)")
     _positive("--max-tokens", c.max_tokens)
     _positive("--dp", c.dp, False)
@@ -124,7 +126,7 @@ def check(c: PlanConfig) -> None:
     _check_ranges(c)
     if c.base_batch_size is not None and not c.base_batch_size > 0:
         raise UsageError(f"--base-batch-size must be > 0 (got {c.base_batch_size})")
-    cost_model.check(c)
+    _check_attention(c)
     if c.curriculum_epochs is not None:
         if c.order not in ("curriculum", "reverse"):
             raise UsageError("--curriculum-epochs needs --order curriculum or reverse")
@@ -152,6 +154,43 @@ def check(c: PlanConfig) -> None:
                 raise UsageError(f"{name} needs --packing")
         if c.split_long:
             raise UsageError("--split-long needs --packing (a padded microbatch cannot hold part of a sample)")
+
+
+def _check_attention(c: PlanConfig) -> None:
+    """One-line UsageErrors for a bad ``--attention-cost`` / ``--model-dim`` / ``--layers`` / ``--vocab-size``."""
+    for name, value in (("--model-dim", c.model_dim), ("--layers", c.layers)):
+        if value is not None and value < 1:
+            raise UsageError(f"{name} must be >= 1 (got {value})")
+    if c.vocab_size is not None and c.vocab_size < 0:
+        raise UsageError(f"--vocab-size must be >= 0 (got {c.vocab_size})")
+    if is_auto(c.attention_cost):
+        if c.model_dim is None or c.layers is None:
+            raise UsageError("--attention-cost auto needs --model-dim and --layers (the model's shape)")
+        return
+    if c.model_dim is not None or c.layers is not None or c.vocab_size is not None:
+        raise UsageError("--model-dim, --layers and --vocab-size need --attention-cost auto")
+    if isinstance(c.attention_cost, str):
+        try:
+            float(c.attention_cost)
+        except ValueError:
+            raise UsageError(f"--attention-cost must be a number >= 0 or 'auto' (got {c.attention_cost!r})") from None
+    if attention_number(c.attention_cost) is None:
+        raise UsageError(f"--attention-cost must be >= 0 (got {float(c.attention_cost)})")
+
+
+def _check_memory(c: PlanConfig) -> None:
+    """``--max-memory`` and ``--memory-profile`` (the profile itself is read by the budget's resolution)."""
+    if c.memory_profile is None and c.max_memory is None:
+        return
+    if c.memory_profile is None or c.max_memory is None:
+        raise UsageError("--max-memory and --memory-profile go together")
+    parse_size(c.max_memory)
+    if not 0 <= c.memory_margin < 1:
+        raise UsageError(f"--memory-margin must be in [0, 1) (got {c.memory_margin})")
+    if c.max_tokens is not None:
+        raise UsageError("--max-tokens and --max-memory exclude each other (the budget comes from the profile)")
+    if is_auto(c.attention_cost) or attention_number(c.attention_cost) != 0.0:
+        raise UsageError("--attention-cost and --max-memory exclude each other (A comes from the profile)")
 
 
 def _check_ranges(c: PlanConfig) -> None:

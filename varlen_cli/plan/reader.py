@@ -53,7 +53,26 @@ def read_input(path: str, allow_stale: bool = False) -> tuple[dict, np.ndarray, 
     if int(length.max()) > format.INT32_MAX:
         raise InputError(f"{path} has a sample of {int(length.max()):,} tokens; plans hold lengths up to "
                          f"{format.INT32_MAX:,} (int32)")
+    check_ids(sample_id, path)
     return manifest, sample_id, length
+
+
+def check_ids(sample_id: np.ndarray, path: str) -> None:
+    """The ids must be ``0..N-1``, each once (the row index of the dataset the plan indexes): one pass
+    for a metrics directory (increasing ids), a table of N flags for a sorted one."""
+    n = len(sample_id)
+    if n and bool(np.all(sample_id[1:] > sample_id[:-1])) and int(sample_id[0]) == 0 and int(sample_id[-1]) == n - 1:
+        return
+    lo, hi = int(sample_id.min()), int(sample_id.max())
+    if lo < 0 or hi >= n:
+        raise InputError(f"{path} has sample_id {lo if lo < 0 else hi:,}, outside 0..{n - 1:,}: sample ids must be the "
+                         "rows' indices 0..N-1 (re-run `varlen analyze`)")
+    seen = np.zeros(n, bool)
+    seen[sample_id] = True
+    if not seen.all():
+        twice = int(np.argmax(np.bincount(sample_id, minlength=n) > 1))
+        raise InputError(f"{path} has sample_id {twice:,} more than once (and {int(np.argmin(seen)):,} never): "
+                         "sample ids must be the rows' indices 0..N-1, each once (re-run `varlen analyze`)")
 
 
 def _fill(out: np.ndarray, at: int, table, name: str, path: str) -> None:
