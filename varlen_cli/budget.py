@@ -167,8 +167,8 @@ class Budget:
     def describe(self) -> str:
         """The budget as the user gave it, for messages."""
         if self.source == "memory" and self.memory:
-            return (f"--max-memory {self.memory.get('max_memory_given', self.memory.get('max_memory'))} "
-                    f"(max_tokens {self.max_tokens:,} from the profile)")
+            given = self.memory.get("given") or f"{int(self.memory.get('max_memory', 0)) / 2**20:.2f}MiB"
+            return f"--max-memory {given} (max_tokens {self.max_tokens:,} from the profile)"
         return f"--max-tokens {self.max_tokens:,}" if self.max_tokens is not None else "the packed rows"
 
     # -- metadata ---------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ class PlanArrays:
     source: np.ndarray | None = None
     sample_length: np.ndarray | None = None
     _final: np.ndarray | None = field(default=None, repr=False)
+    _split: bool | None = field(default=None, repr=False)
 
     @property
     def count(self) -> int:
@@ -52,7 +53,9 @@ class PlanArrays:
     @property
     def split(self) -> bool:
         """Whether some entry is a chunk past a sample's start (``--split-long``)."""
-        return self.starts is not None and len(self.starts) > 0 and bool(self.starts.any())
+        if self._split is None:
+            self._split = self.starts is not None and len(self.starts) > 0 and bool(self.starts.any())
+        return self._split
 
     def entry_epoch(self) -> np.ndarray:
         return np.repeat(self.cols["epoch"].astype(np.int64), np.diff(self.offsets))
@@ -245,34 +248,54 @@ def check_coverage(a: PlanArrays, meta: dict) -> Check:
         lo, hi = int(a.offsets[bounds[e]]), int(a.offsets[bounds[e + 1]])
         k = keys.key[lo:hi]
         start = a.starts[lo:hi] if a.starts is not None else None
-        occ = np.bincount(k if start is None else k[start == 0], minlength=keys.size)
-        odd = np.flatnonzero(occ != 1) if keys.expected is None else np.flatnonzero(occ != keys.expected)
+        occurrences = k[start == 0] if start is not None and a.split else k
         dropped = np.concatenate([long_keys, tail_keys[e]])
-        cand, where = np.unique(np.concatenate([odd, dropped]), return_inverse=True)
-        dropped_count = np.bincount(where[len(odd):], minlength=len(cand))
-        want = keys.want(cand) - dropped_count
-        have = occ[cand]
-        if (want < 0).any():
-            problems.append(f"epoch {e}: more copies listed as dropped than it has")
-            continue
-        dup, miss = have > want, have < want
-        missing = int((want - have)[miss].sum())
-        if dup.any():
-            problems.append(f"epoch {e}: {int(dup.sum())} samples appear more than once in an epoch or more often "
-                            f"than their weight (e.g. {_key_names(keys, cand[dup])})")
-        if miss.any() and not (e == 0 and partial_first and missing == consumed):
-            problems.append(f"epoch {e}: {int(miss.sum())} samples are missing from an epoch and not listed as "
-                            f"dropped (e.g. {_key_names(keys, cand[miss])})"
-                            + (f"; {missing} missing, the lineage says {consumed} were consumed"
-                               if e == 0 and partial_first else ""))
+        partial = e == 0 and partial_first
+        if not (keys.expected is None and not partial and _each_once(occurrences, dropped, keys.size)):
+            problems += _count_problems(keys, occurrences, dropped, e, consumed if partial else None)
         if start is not None and a.split:
-            problems += _tiling_problems(a, k, start, lo, hi, e, partial=e == 0 and partial_first)
+            problems += _tiling_problems(a, k, start, lo, hi, e, partial=partial)
     if problems:
         return Check("coverage", False, "; ".join(problems[:4]) + (f" (+{len(problems) - 4} more)"
                                                                   if len(problems) > 4 else ""))
     dropped = len(np.unique(long_keys)) if len(long_keys) else 0
     return Check("coverage", True, f"every sample{' (copy)' if meta.get('mixture') else ''} exactly once in each of "
                  f"{epochs} epochs" + (f", {dropped} listed as dropped" if dropped else ""))
+
+
+def _each_once(occurrences: np.ndarray, dropped: np.ndarray, size: int) -> bool:
+    """Whether every key but the dropped ones occurs exactly once: a flag per key, then counts (the
+    distinct keys equal the occurrences: no repeat; and the keys left: none missing)."""
+    seen = np.zeros(size, bool)
+    seen[occurrences] = True
+    distinct = int(np.count_nonzero(seen))
+    gone = np.unique(dropped)
+    return distinct == len(occurrences) == size - len(gone) and not seen[gone].any()
+
+
+def _count_problems(keys: _Keys, occurrences: np.ndarray, dropped: np.ndarray, e: int,
+                    consumed: int | None) -> list[str]:
+    """Each key's occurrences in epoch ``e`` against its copies less its dropped ones; ``consumed``: a
+    replan's first epoch, which lacks exactly that many."""
+    occ = np.bincount(occurrences, minlength=keys.size)
+    odd = np.flatnonzero(occ != 1) if keys.expected is None else np.flatnonzero(occ != keys.expected)
+    cand, where = np.unique(np.concatenate([odd, dropped]), return_inverse=True)
+    want = keys.want(cand) - np.bincount(where[len(odd):], minlength=len(cand))
+    have = occ[cand]
+    if (want < 0).any():
+        return [f"epoch {e}: more copies listed as dropped than it has"]
+    dup, miss = have > want, have < want
+    missing = int((want - have)[miss].sum())
+    problems = []
+    if dup.any():
+        problems.append(f"epoch {e}: {int(dup.sum())} samples appear more than once in an epoch or more often than "
+                        f"their weight (e.g. {_key_names(keys, cand[dup])})")
+    if miss.any() and missing != consumed:
+        problems.append(f"epoch {e}: {int(miss.sum())} samples are missing from an epoch and not listed as dropped "
+                        f"(e.g. {_key_names(keys, cand[miss])})"
+                        + (f"; {missing} missing, the lineage says {consumed} were consumed" if consumed is not None
+                           else ""))
+    return problems
 
 
 def _key_names(keys: _Keys, where: np.ndarray) -> str:
@@ -358,26 +381,32 @@ def check_budget(a: PlanArrays, meta: dict, budget: Budget) -> Check:
 
 
 def _packed_row_problems(a: PlanArrays, b: np.ndarray, seq: int, cap) -> list[str]:
+    """Packed rows: every entry in a row ``< batch_size``, in row order, no row over ``seq`` tokens or
+    ``cap`` samples, ``tokens`` the sum of the entries. One pass over the entries: rows are segments."""
     counts = np.diff(a.offsets)
-    r_of_entry = np.repeat(b, counts)
+    rows, lengths = a.rows, a.lengths
+    limit = int(b[0]) if len(b) and int(b.min()) == int(b.max()) else np.repeat(b, counts)
+    if len(rows) and ((rows < 0) | (rows >= limit)).any():
+        return [f"{int(((rows < 0) | (rows >= limit)).sum())} entries in a row outside 0..batch_size-1"]
     problems = []
-    bad_row = (a.rows < 0) | (a.rows >= r_of_entry)
-    if bad_row.any():
-        return [f"{int(bad_row.sum())} entries in a row outside 0..batch_size-1"]
-    if len(a.rows) and (a.lengths < 0).any():
+    if len(lengths) and int(lengths.min()) < 0:
         problems.append("negative sample_lengths")
-    row_key = np.repeat(np.arange(len(b), dtype=np.int64) * max(int(b.max(initial=1)), 1), counts) + a.rows
-    if len(row_key):
-        if (np.diff(row_key) < 0).any():
-            problems.append("entries not in row order")
-        fill = np.bincount(row_key, weights=a.lengths)
+    first = np.zeros(len(rows), bool)  # first entry of each microbatch
+    first[a.offsets[:-1][counts > 0]] = True
+    step = np.diff(rows.astype(np.int32, copy=False))  # rows < batch_size: int32
+    if len(step) and (step[~first[1:]] < 0).any():
+        return problems + ["entries not in row order"]
+    new_row = first.copy()
+    new_row[1:] |= step != 0
+    row_start = np.flatnonzero(new_row)
+    if len(row_start):
+        fill = np.add.reduceat(lengths.astype(np.int64), row_start)
         if (fill > seq).any():
             problems.append(f"{int((fill > seq).sum())} packed rows hold more than seq_len {seq} tokens")
-        if cap:
-            per_row = np.bincount(row_key)
-            if (per_row > int(cap)).any():
-                problems.append(f"{int((per_row > int(cap)).sum())} rows hold more than {cap} samples")
-    tokens = segment_reduce(np.add, a.lengths.astype(np.int64), a.offsets)
+        per_row = np.diff(np.append(row_start, len(rows)))
+        if cap and (per_row > int(cap)).any():
+            problems.append(f"{int((per_row > int(cap)).sum())} rows hold more than {cap} samples")
+    tokens = segment_reduce(np.add, lengths.astype(np.int64), a.offsets)
     if (tokens != a.cols["tokens"]).any():
         problems.append("tokens column differs from the sum of sample_lengths")
     return problems

@@ -50,7 +50,8 @@ def memory_limit(profile_path: str, max_memory, margin: float) -> dict:
     (read from ``profile_path``; provenance and fit only)."""
     profile = load_profile(profile_path)
     return {"max_memory": parse_size(max_memory), "margin": float(margin),
-            "profile": {k: profile.get(k) for k in PROFILE_KEYS}, "profile_path": profile_path}
+            "profile": {k: profile.get(k) for k in PROFILE_KEYS}, "profile_path": profile_path,
+            "given": str(max_memory)}  # as the user wrote it, for messages (not recorded in the plan)
 
 
 def budget_for_memory(memory: dict, max_memory=None) -> tuple[int, float]:

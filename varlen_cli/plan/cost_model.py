@@ -93,6 +93,6 @@ def rebudget(parent: Budget, *, max_tokens: int | None = None, max_memory=None, 
     if memory_profile is not None:
         memory = memory_limit(memory_profile, limit, margin)
     else:
-        memory = {**recorded, "max_memory": parse_size(limit), "margin": margin}
+        memory = {**recorded, "max_memory": parse_size(limit), "margin": margin, "given": str(limit)}
     max_tokens, a = budget_for_memory(memory, limit)
     return Budget(max_tokens, parent.max_samples, a, parent.packed, "memory", None, memory)
