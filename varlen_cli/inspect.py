@@ -110,12 +110,21 @@ def plan_series(path: str, meta: dict) -> dict:
 
 
 def _binned(values: np.ndarray) -> dict:
-    """Min/max and the mean over SERIES_BINS equal slices of the steps (for a sparkline)."""
+    """Min/max and the mean over SERIES_BINS equal slices of the steps (for a sparkline); values that
+    are not finite (a damaged plan: ``varlen validate`` says which) are counted, not averaged."""
+    finite = np.isfinite(values)
     edges = np.linspace(0, len(values), min(SERIES_BINS, len(values)) + 1).astype(np.int64)
-    sums = np.add.reduceat(values, edges[:-1]) if len(values) else np.zeros(0)
-    means = sums / np.maximum(np.diff(edges), 1)
-    return {"min": float(values.min()), "max": float(values.max()), "mean": float(values.mean()),
-            "binned_mean": means.tolist()}
+    clean = np.where(finite, values, 0.0)
+    sums = np.add.reduceat(clean, edges[:-1]) if len(values) else np.zeros(0)
+    counts = np.add.reduceat(finite.astype(np.int64), edges[:-1]) if len(values) else np.zeros(0)
+    means = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+    kept = values[finite]
+    out = {"min": float(kept.min()) if len(kept) else float("nan"),
+           "max": float(kept.max()) if len(kept) else float("nan"),
+           "mean": float(kept.mean()) if len(kept) else float("nan"), "binned_mean": means.tolist()}
+    if not finite.all():
+        out["non_finite"] = int((~finite).sum())
+    return out
 
 
 def _plan_step(path: str, step: int, num_steps: int) -> list:
@@ -141,11 +150,14 @@ def sparkline(values: list) -> str:
     arr = np.asarray(values, dtype=np.float64)
     if len(arr) == 0:
         return ""
-    lo, hi = arr.min(), arr.max()
+    finite = np.isfinite(arr)
+    if not finite.any():
+        return "?" * len(arr)
+    lo, hi = arr[finite].min(), arr[finite].max()
     if hi <= lo:
-        return SPARK[4] * len(arr)
-    idx = np.round((arr - lo) / (hi - lo) * (len(SPARK) - 2)).astype(int) + 1
-    return "".join(SPARK[i] for i in idx)
+        return "".join(SPARK[4] if ok else "?" for ok in finite)
+    idx = np.round((np.where(finite, arr, lo) - lo) / (hi - lo) * (len(SPARK) - 2)).astype(int) + 1
+    return "".join(SPARK[i] if ok else "?" for i, ok in zip(idx, finite))
 
 
 @dataclass
@@ -248,6 +260,8 @@ def _series_tables(series: dict) -> list[TextTable]:
     for name in ("tokens_per_step", "samples_per_step", "lr_scale", "straggler"):
         s = series[name]
         sp.rows.append((name, fmt(s["min"]), fmt(s["max"]), sparkline(s["binned_mean"])))
+        if s.get("non_finite"):
+            sp.rows.append((f"  {name} not finite", fmt(s["non_finite"]), "", "steps (varlen validate reports them)"))
     if "straggler_overhead" in series:
         sp.rows.append(("straggler overhead", f"{100 * series['straggler_overhead']:.2f}%", "",
                         "sum of the busiest rank's cost / sum of the mean, - 1"))

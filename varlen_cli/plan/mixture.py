@@ -91,10 +91,17 @@ def _difficulty(path: str, manifest: dict) -> np.ndarray:
     return np.concatenate(parts).astype(np.float64) if parts else np.zeros(0)
 
 
-def _positions(n: int, weight: float, seed: int, index: int) -> np.ndarray:
-    """Positions of one source's virtual rows: ``floor(w)`` full copies, then the seeded subset."""
+def _positions(sample_id: np.ndarray, weight: float, seed: int, index: int) -> np.ndarray:
+    """Row positions of one source's virtual rows: ``floor(w)`` full copies, then the rows of the
+    seeded subset of sample ids (:func:`~varlen_cli.plan_checks.mixture_extra`; a sorted source's rows
+    are not in id order)."""
+    n = len(sample_id)
     whole = int(np.floor(weight))
     extra = mixture_extra(n, weight, seed, index)
+    if len(extra) and not (int(sample_id[0]) == 0 and bool(np.all(sample_id[1:] > sample_id[:-1]))):
+        row_of = np.empty(n, np.int64)
+        row_of[sample_id] = np.arange(n)
+        extra = np.sort(row_of[extra])
     return np.concatenate([np.tile(np.arange(n, dtype=np.int64), whole), extra.astype(np.int64)])
 
 
@@ -108,7 +115,7 @@ def virtual_rows(c: PlanConfig, sources: list[Source],
         manifest, sample_id, length = read_input(s.path, c.allow_stale)
         if recorded is not None:
             _same_source(s, recorded[k], manifest, len(sample_id))
-        pos = _positions(len(sample_id), s.weight, c.seed, k)
+        pos = _positions(sample_id, s.weight, c.seed, k)
         src.append(np.full(len(pos), k, np.int32))
         ids.append(sample_id[pos])
         lens.append(length[pos])
