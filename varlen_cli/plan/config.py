@@ -26,7 +26,7 @@ class PlanConfig:
                           "curriculum/reverse).")
     output: str = doc(help="Plan file to write (Parquet, one row per microbatch).")
     max_tokens: int | None = doc(None, "Hard budget: padded B x T of every microbatch (plus A x B x T^2 with "
-                                       "--attention-cost). Required unless --packing.")
+                                       "--attention-cost). Required unless --packing or --max-memory.")
     dp: int = doc(1, "Data-parallel ranks: every step has dp x grad-accum microbatches.")
     grad_accum: int = doc(1, "Microbatches per rank per optimizer step.")
     order: Order = doc("bucket-shuffle", "curriculum (sorted input's order), reverse, bucket-shuffle (near-equal "
@@ -115,7 +115,7 @@ def check(c: PlanConfig) -> None:
         raise UsageError("missing INPUT_DIR: the metrics or sorted directory to plan (or --extend PLAN)")
     _check_memory(c)
     if not c.packing and c.max_tokens is None and c.max_memory is None:
-        raise UsageError("--max-tokens is required (or --packing --seq-len T)")
+        raise UsageError("--max-tokens is required (or --max-memory with --memory-profile, or --packing --seq-len T)")
     _positive("--max-tokens", c.max_tokens)
     _positive("--dp", c.dp, False)
     _positive("--grad-accum", c.grad_accum, False)
