@@ -55,7 +55,9 @@ def assemble_columns(c: PlanConfig, rows: Rows, epochs: list[PlannedEpoch], slot
         cols["cost"].append(ep.cost)
         # identity: the positions are the ids (int32 where they fit; the writer widens them chunk by chunk)
         items["sample_ids"].append(mb.samples if identity else rows.sample_id[mb.samples])
-        sample_length = full[mb.samples]
+        # each entry's whole sample length: the entry's own, unless it may be a chunk (--split-long, pieces)
+        chunks = c.packing and (c.split_long or rows.start is not None)
+        sample_length = mb.item_length if mb.item_length is not None and not chunks else full[mb.samples]
         items["sample_length"].append(sample_length)
         starts = mb.item_start
         if c.packing and rows.start is not None:  # pieces of a replan: their chunks start inside the sample
