@@ -40,8 +40,9 @@ def assemble_columns(c: PlanConfig, rows: Rows, epochs: list[PlannedEpoch], slot
     step0 = 0
     identity = batching.is_identity(rows.sample_id)  # ids 0..N-1 in row order (metrics directories): no gather
     full = rows.full_length if rows.full_length is not None else rows.length
-    full = full.astype(np.int32) if len(full) and int(full.max()) <= format.INT32_MAX else full
     any_empty = bool(len(full)) and int(full.min()) == 0
+    # each entry's whole sample length: the entry's own, unless it may be a chunk (--split-long, pieces)
+    chunks = c.packing and (c.split_long or rows.start is not None)
     for e, ep in enumerate(epochs):
         mb, lay = ep.mb, ep.layout
         cols["epoch"].append(np.full(mb.count, e, np.int64))
@@ -55,9 +56,8 @@ def assemble_columns(c: PlanConfig, rows: Rows, epochs: list[PlannedEpoch], slot
         cols["cost"].append(ep.cost)
         # identity: the positions are the ids (int32 where they fit; the writer widens them chunk by chunk)
         items["sample_ids"].append(mb.samples if identity else rows.sample_id[mb.samples])
-        # each entry's whole sample length: the entry's own, unless it may be a chunk (--split-long, pieces)
-        chunks = c.packing and (c.split_long or rows.start is not None)
-        sample_length = mb.item_length if mb.item_length is not None and not chunks else full[mb.samples]
+        sample_length = mb.item_length if mb.item_length is not None and not chunks else \
+            batching.narrow(full[mb.samples])
         items["sample_length"].append(sample_length)
         starts = mb.item_start
         if c.packing and rows.start is not None:  # pieces of a replan: their chunks start inside the sample

@@ -18,6 +18,7 @@ from ..runtime import artifacts
 from .assemble import assemble_columns, finish, input_info
 from .config import PlanConfig, PlanResult, check
 from .layout import Remedies
+from .orders import EpochInputs
 from .pipeline import PlannedEpoch, Rows, epoch_inputs, plan_epochs
 from .reader import read_input
 
@@ -225,7 +226,7 @@ def _rows_for_keys(keys: np.ndarray, wanted: np.ndarray, size: int) -> np.ndarra
 
 
 # -- planning from a parent ---------------------------------------------------------------------------
-def first_epoch_inputs(inputs, rows: Rows, left: Remaining):
+def first_epoch_inputs(inputs: EpochInputs, rows: Rows, left: Remaining) -> EpochInputs:
     """The first epoch's inputs: the input rows left whole, in the inputs' orders, and the pieces left
     of split samples next to their sample's place."""
     def restrict(seq: np.ndarray | None) -> np.ndarray | None:

@@ -39,9 +39,10 @@ class Rows:
     parent had started. Epochs hold positions into these arrays.
 
     ``sample_id``: the id the plan writes; ``length``: the tokens the row takes; ``source``: the
-    mixture source of each row; ``start``/``full_length`` (pieces only): where the piece starts in
-    its sample and the sample's whole length. ``base``: rows ``[0, base)`` are the input's (every
-    epoch), rows ``[base, len)`` the pieces (only the epochs that name them)."""
+    mixture source of each row (its rows are then in canonical order already: ids repeat);
+    ``start``/``full_length`` (pieces only): where the piece starts in its sample and the sample's
+    whole length. ``base``: rows ``[0, base)`` are the input's (every epoch), rows ``[base, len)``
+    the pieces (only the epochs that name them)."""
 
     sample_id: np.ndarray
     length: np.ndarray
@@ -168,7 +169,10 @@ def epoch_inputs(c: PlanConfig, rows: Rows, budget: Budget,
         ordered = np.flatnonzero(~too_long) if n_long else np.arange(len(base), dtype=np.int64)
         if c.order == "reverse":
             ordered = ordered[::-1].copy()
-    canon = canonical_order(rows.sample_id if rows.base == len(length) else rows.sample_id[:rows.base])
+    if rows.source is not None:  # a mixture's virtual rows: their own order is the canonical one
+        canon = np.arange(rows.base, dtype=np.int32 if rows.base < 1 << 31 else np.int64)
+    else:
+        canon = canonical_order(rows.sample_id if rows.base == len(length) else rows.sample_id[:rows.base])
     if n_long:  # canon = arange (ids in row order): no gather
         canon = canon[~too_long] if batching.is_identity(canon) else canon[~too_long[canon]]
     if c.num_shapes is not None and not c.packing:
