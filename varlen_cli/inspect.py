@@ -228,8 +228,9 @@ def _plan_tables(info: dict) -> list[TextTable]:
         from .memory.budget import memory_rows
 
         t.rows.extend(memory_rows(meta))
-    cost = format.plan_straggler_cost(meta)
-    t.rows.append(("straggler cost", ", ".join(f"{k}={v}" for k, v in cost.items())))
+    budget = format.plan_budget(meta)
+    t.rows.append(("budget", ", ".join(f"{k}={v}" for k, v in budget.to_metadata().items() if k != "model")))
+    t.rows.append(("straggler cost", ", ".join(f"{k}={v}" for k, v in budget.straggler_spec().items())))
     st = TextTable("statistics", [("stat", "left"), ("value", "right")], show_header=False)
     st.rows = [(key, fmt(value)) for key, value in (meta.get("stats") or {}).items()
                if not isinstance(value, (list, dict))]
