@@ -22,11 +22,11 @@ from .progress import PlanProgress
 from .reader import canonical_order
 from .shapes import ShapeMap, choose_edges
 
-BYTES_PER_ENTRY = 64
-"""Peak memory of planning per sample entry of the plan (a sample once in one epoch), padded: what
-the planner holds per entry across epochs (positions, ids, the list columns) with room for its
-temporaries; measured 45-58 bytes at 10M-100M samples and one epoch (benchmarks/README.md)."""
-PACKED_BYTES_PER_ENTRY = 2 * BYTES_PER_ENTRY  # + lengths, rows and starts of every entry
+BYTES_PER_ENTRY = 48
+"""Peak memory of planning per sample entry of the plan (a sample once in one epoch), padded plans:
+measured 45-58 bytes at 10M-100M samples and one epoch (input included), 27 more per entry of each
+further epoch (1M samples, 1 vs 10 epochs; benchmarks/README.md)."""
+PACKED_BYTES_PER_ENTRY = 96  # measured 78 a further epoch's entry (entry lengths, rows and starts)
 MAX_EPOCHS_PER_RUN = 100_000
 """Epochs one run plans at most: each costs about a millisecond of fixed work however few its samples
 (more: ``varlen plan --extend`` lengthens a plan)."""
