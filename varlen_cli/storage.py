@@ -24,9 +24,12 @@ else strings). For ``s3://``, varlen sets short connect timeouts and few retries
 say otherwise, so an unreachable endpoint fails in seconds (:data:`S3_DEFAULTS`).
 
 **API** (module functions; ``options`` is a dict from :func:`parse_options`, a sequence of
-``key=value`` strings, or None; filesystems are cached per scheme and options):
+``key=value`` strings, or None for the process's defaults set by :func:`configure`, which
+``varlen analyze`` calls in every worker with its ``--storage-option`` pairs; filesystems are
+cached per scheme and options):
 
 ======================================  ====================================================================
+``configure(options)``                  the options used where a call passes None
 ``is_remote(loc)``                      True for a URL that is not a local ``file://`` path
 ``local_path(loc)``                     a ``file://`` URL as a plain path (others unchanged)
 ``join(base, *names)``, ``parent(loc)``, URL-aware path arithmetic (``os.path`` for local paths);
@@ -196,8 +199,15 @@ def redacted(pairs: Sequence[str]) -> list[str]:
     return [f"{str(p).partition('=')[0]}=***" for p in pairs]
 
 
+def configure(options: Options) -> None:
+    """Set the options this process uses where a call passes ``options=None``."""
+    global _DEFAULT_OPTIONS
+    _DEFAULT_OPTIONS = parse_options(options)
+
+
 # -- filesystems -------------------------------------------------------------------------------------
 _FS_CACHE: dict[tuple, Any] = {}
+_DEFAULT_OPTIONS: dict[str, Any] = {}
 
 
 def _need_client(loc: str) -> None:
@@ -218,7 +228,7 @@ def _need_client(loc: str) -> None:
 def filesystem(loc: str, options: Options = None) -> tuple[Any, str]:
     """``(fsspec filesystem, path inside it)`` for a remote location (cached per scheme + options)."""
     s = scheme(loc)
-    opts = parse_options(options)
+    opts = parse_options(options) if options is not None else _DEFAULT_OPTIONS
     key = (s, json.dumps(opts, sort_keys=True, default=str))
     fs = _FS_CACHE.get(key)
     if fs is None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .. import storage
 from ..errors import InputError, OutputError, UsageError
 from ..runtime import artifacts
 from ..runtime.choices import NPROC_HELP, Device, check_choices, doc
@@ -34,6 +35,9 @@ from .lengths import (
 from .sources import DEFAULT_CHUNK_BYTES, Reader, SourceFile, Unit, assign, discover, fingerprint, make_units
 from .stats import distribution, float_summary
 
+STORAGE_OPTION_HELP = ("KEY=VALUE passed to the object-storage filesystem of s3://, gs://, hf://... sources and "
+                       "outputs (repeatable; JSON values parsed); credentials and endpoints otherwise come from the "
+                       "standard environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...).")
 RARITY_CACHE_BYTES = 512 << 20  # token ids a worker keeps between the two vocab-rarity passes
 
 
@@ -58,6 +62,7 @@ class AnalyzeConfig:
     device: Device = doc("cpu", "cpu (--nproc: local group; torchrun: gloo) or cuda (nccl).")
     chunk_bytes: int = doc(DEFAULT_CHUNK_BYTES, "Bytes of input a worker reads per chunk.")
     progress: bool = doc(True, "Show a progress bar on rank 0 (only on a terminal).")
+    storage_options: tuple = doc((), STORAGE_OPTION_HELP)
 
 
 @dataclass
@@ -91,6 +96,7 @@ def check(config: AnalyzeConfig) -> None:
     check_frames_per_second(config.frames_per_second)
     if config.chunk_bytes < 1:
         raise UsageError("chunk_bytes must be positive")
+    storage.parse_options(config.storage_options)
 
 
 class _Work:
@@ -192,12 +198,10 @@ def _schema_of(f: SourceFile):
     # JSONL: the first rows tell the columns.
     import pyarrow as pa
 
+    from .. import storage
+    from .sources import read_decompressed
 
-    try:
-        with open(f.path, "rb") if not f.compression else pa.input_stream(f.path, compression=f.compression) as fh:
-            head = fh.read(1 << 20)
-    except OSError as exc:
-        raise InputError(f"cannot read {f.path}: {exc}") from None
+    head = read_decompressed(f, 1 << 20) if f.compression else storage.read_range(f.path, 0, min(f.size, 1 << 20))
     cut = head.rfind(b"\n")
     sample = head[: cut + 1] if cut >= 0 else head
     import pyarrow.json as pj
@@ -216,6 +220,7 @@ def _is_int(t) -> bool:
 
 def run_in_group(config: AnalyzeConfig, d: Dist, out: artifacts.AtomicDir, t0: float) -> AnalyzeResult | None:
     """One rank's share of ``varlen analyze``, writing into the shared temporary output ``out``."""
+    storage.configure(config.storage_options)
     files = discover(config.sources)
     units = make_units(files, config.chunk_bytes)
     lo, hi = assign(units, d.world_size, d.rank)
@@ -297,6 +302,7 @@ def _manifest(config: AnalyzeConfig, length: str, world_size: int, fp: dict, row
     """The metrics directory's ``_manifest.json`` (``rows``: rows per part, in rank order)."""
     cfg = artifacts.config_dict(config)
     cfg["length"] = length
+    cfg["storage_options"] = storage.redacted(config.storage_options)  # values may be secrets
     return {
         "format": artifacts.METRICS_FORMAT,
         "format_version": artifacts.FORMAT_VERSION,

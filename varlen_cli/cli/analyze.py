@@ -40,6 +40,12 @@ def analyze_command(
         help="Curriculum key: length, value:COLUMN, vocab-rarity, or MODULE:FUNCTION (RecordBatch -> one value per "
         "row).",
     ),
+    storage_options: list[str] = typer.Option(
+        [], "--storage-option", metavar="KEY=VALUE", show_default=False,
+        help="KEY=VALUE passed to the object-storage filesystem of s3://, gs://, hf://... sources and outputs "
+        "(repeatable; JSON values parsed); credentials and endpoints otherwise come from the standard environment "
+        "(AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...).",
+    ),
     nproc: int = common.NPROC,
     device: Device = common.DEVICE,
     overwrite: bool = common.OVERWRITE,
@@ -53,7 +59,7 @@ def analyze_command(
     config = AnalyzeConfig(
         sources=tuple(sources), output=output, length=length, tokenizer=tokenizer, special_tokens=special_tokens,
         frames_per_second=frames_per_second, difficulty=difficulty, nproc=nproc, overwrite=overwrite,
-        device=device, progress=progress,
+        device=device, progress=progress, storage_options=tuple(storage_options),
     )
     result = common.run(analyze, config)
     if result is not None and json_output:

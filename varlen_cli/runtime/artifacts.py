@@ -31,7 +31,7 @@ metrics_schema = format.metrics_schema
 # Config fields that say how a stage ran, not what it computed: left out of artifact ids. (An input
 # directory's path is too: its artifact id is part of the id, and `varlen run` builds in a temporary.)
 RUNTIME_FIELDS = frozenset({"nproc", "overwrite", "device", "progress", "output", "debug", "quiet", "allow_stale",
-                            "metrics_dir"})
+                            "metrics_dir", "storage_options"})
 
 
 def config_dict(config: Any) -> dict:
@@ -155,8 +155,17 @@ def atomic_dir_for_group(d, path: str, overwrite: bool) -> Iterator[AtomicDir]:
 
     Rank 0 takes the output lock (already held when a ``--nproc`` launcher took it), checks the
     output and creates the temporary directory, whose name it shares, while the others wait; if the
-    stage fails on rank 0, rank 0 removes it. A peer still writing then fails too.
+    stage fails on rank 0, rank 0 removes it. A peer still writing then fails too. An object-storage
+    ``path`` (``s3://...``) goes to :func:`.remote_output.remote_dir_for_group` instead.
     """
+    from .. import storage
+
+    if storage.is_remote(path):
+        from .remote_output import remote_dir_for_group
+
+        with remote_dir_for_group(d, path, overwrite) as remote_out:
+            yield remote_out
+        return
     out = AtomicDir(path, overwrite)
     with ExitStack() as stack:
         if d.is_main:
