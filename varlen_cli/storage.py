@@ -357,6 +357,7 @@ def stat(loc: str, options: Options = None) -> FileInfo:
         return FileInfo(loc, st.st_size, stat_mod.S_ISDIR(st.st_mode), mtime_ns=st.st_mtime_ns)
     fs, path = filesystem(loc, options)
     with translate_errors(loc):
+        fs.invalidate_cache(path)  # what the store says now, not a listing cached earlier
         return _info_from_fsspec(loc, fs.info(path))
 
 
