@@ -471,9 +471,11 @@ def parquet_file(loc: str, options: Options = None):
 
     if not is_remote(loc):
         return pq.ParquetFile(local_path(loc))
-    fs, path = arrow_filesystem(loc, options)
+    fs, path = filesystem(loc, options)
     with translate_errors(loc):
-        return pq.ParquetFile(fs.open_input_file(path))
+        # No read-ahead cache: pyarrow asks for exactly the footer and the column chunks it needs,
+        # each one range request (s3fs's default 50 MB read-ahead would fetch whole files).
+        return pq.ParquetFile(fs.open(path, "rb", cache_type="none"))
 
 
 def fingerprint_fields(info: FileInfo) -> dict[str, Any]:

@@ -204,18 +204,17 @@ class SourceDataset:
         config = manifest.get("config") or {}
         self._text_column, self._special_tokens = _tokenized_column(config), bool(config.get("special_tokens", True))
         self.tokenizer = _load_tokenizer(tokenizer)
-        file_rows = np.array([f.rows for f in self.files], dtype=np.int64)
-        self._file_starts = np.concatenate([[0], np.cumsum(file_rows)])
-        self._num_rows = int(self._file_starts[-1])
-        self._blocks: dict[int, tuple[list[Block], np.ndarray]] = {}  # file -> (blocks, cumulative rows)
+        self._num_rows = int(sum(f.rows for f in self.files))
+        self._blocks: list[Block] | None = None  # every file's blocks, in sample_id order (built on first use)
+        self._block_starts: np.ndarray | None = None  # first sample_id of each block, then the total
         self._init_runtime()
 
     # -- per-process state (rebuilt in DataLoader workers) ------------------------------------------
     def _init_runtime(self) -> None:
         self._lock = threading.Lock()
-        self._cache: OrderedDict = OrderedDict()  # (file, block) -> table
+        self._cache: OrderedDict = OrderedDict()  # block -> _Decoded
         self._cached_bytes = 0
-        self._inflight: dict[tuple[int, int], Future] = {}
+        self._inflight: dict[int, Future] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._pid = os.getpid()
 
@@ -233,10 +232,13 @@ class SourceDataset:
             storage.configure(self.storage_options)
         self._init_runtime()
 
+    def _check_process(self) -> None:
+        if self._pid != os.getpid():  # a forked DataLoader worker: no threads, no shared cache
+            self._init_runtime()
+
     def _executor(self) -> ThreadPoolExecutor:
-        if self._pool is None or self._pid != os.getpid():  # a forked worker does not inherit threads
-            if self._pid != os.getpid():
-                self._init_runtime()
+        self._check_process()
+        if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="varlen-source")
         return self._pool
 
@@ -252,121 +254,131 @@ class SourceDataset:
         if len(ids) and (ids.min() < 0 or ids.max() >= self._num_rows):
             bad = ids[(ids < 0) | (ids >= self._num_rows)][0]
             raise IndexError(f"sample id {bad} out of range for {self._num_rows} source rows")
-        out: list[dict | None] = [None] * len(ids)
-        for key, positions, rows in self._group_by_block(ids):
-            table = self._block_table(key)
-            items = self._rows_as_items(table, rows)
+        self._check_process()
+        out: list = [None] * len(ids)
+        for block, positions, rows in self._group_by_block(ids):
+            items = self._decoded(block).items(rows.tolist())
+            if self.tokenizer is not None:
+                self._add_token_ids(items)
             for p, item in zip(positions.tolist(), items):
                 out[p] = item
-        return out  # type: ignore[return-value]
+        return out
 
     def prefetch(self, sample_ids: Iterable[int]) -> None:
         """Start reading, in the background, the blocks that ``sample_ids`` need (what is cached or
         in flight is skipped). Called by :class:`~varlen_cli.loader.PlanDataset` with the ids of the
         microbatches this process fetches next."""
-        ids = np.unique(np.asarray(list(sample_ids) if not isinstance(sample_ids, np.ndarray) else sample_ids,
-                                   dtype=np.int64))
+        ids = np.asarray(sample_ids if isinstance(sample_ids, np.ndarray) else list(sample_ids), dtype=np.int64)
         ids = ids[(ids >= 0) & (ids < self._num_rows)]
+        if not len(ids):
+            return
         pool = self._executor()
-        for key, _, _ in self._group_by_block(ids):
+        starts = self._layout()
+        for block in np.unique(np.searchsorted(starts, ids, side="right") - 1).tolist():
             with self._lock:
-                if key in self._cache or key in self._inflight:
+                if block in self._cache or block in self._inflight:
                     continue
-                self._inflight[key] = pool.submit(self._load, key)
+                self._inflight[block] = pool.submit(self._load, block)
 
     # -- blocks -------------------------------------------------------------------------------------
-    def _file_blocks(self, file_index: int) -> tuple[list[Block], np.ndarray]:
-        found = self._blocks.get(file_index)
-        if found is None:
-            f = self.files[file_index]
-            units = _FORMATS[f.format][0](f, self._entries[file_index])
-            blocks = [Block(file_index, u, int(u.rows)) for u in units]
-            starts = np.concatenate([[0], np.cumsum([b.rows for b in blocks], dtype=np.int64)])
-            if starts[-1] != f.rows:
-                raise InputError(f"{f.path} now holds {int(starts[-1])} rows, not the {f.rows} analyze counted; "
-                                 "re-run `varlen analyze`")
-            found = self._blocks[file_index] = (blocks, starts)
-        return found
+    def _layout(self) -> np.ndarray:
+        """First sample_id of every block (files cut by their format's ``blocks`` function; the
+        files' footers are read once, in parallel)."""
+        if self._block_starts is None:
+            def cut(fi: int) -> list[Block]:
+                f = self.files[fi]
+                blocks = [Block(fi, u, int(u.rows)) for u in _FORMATS[f.format][0](f, self._entries[fi])]
+                if sum(b.rows for b in blocks) != f.rows:
+                    raise InputError(f"{f.path} now holds {sum(b.rows for b in blocks)} rows, not the {f.rows} "
+                                     "analyze counted; re-run `varlen analyze`")
+                return blocks
+
+            with ThreadPoolExecutor(self.threads) as pool:
+                per_file = list(pool.map(cut, range(len(self.files))))
+            self._blocks = [b for blocks in per_file for b in blocks]
+            self._block_starts = np.concatenate([[0], np.cumsum([b.rows for b in self._blocks], dtype=np.int64)])
+        return self._block_starts
 
     def _group_by_block(self, ids: np.ndarray):
-        """``(block key, positions in ids, rows within the block)`` per block that ``ids`` touch."""
-        if len(ids) == 0:
+        """``(block, positions in ids, rows within the block)`` for each block that ``ids`` touch."""
+        if not len(ids):
             return
-        file_of = np.searchsorted(self._file_starts, ids, side="right") - 1
-        order = np.argsort(file_of, kind="stable")
-        files, cuts = np.unique(file_of[order], return_index=True)
-        for fi, pos in zip(files.tolist(), np.split(order, cuts[1:])):
-            blocks, starts = self._file_blocks(fi)
-            local = ids[pos] - self._file_starts[fi]
-            block_of = np.searchsorted(starts, local, side="right") - 1
-            border = np.argsort(block_of, kind="stable")
-            bs, bcuts = np.unique(block_of[border], return_index=True)
-            for b, bpos in zip(bs.tolist(), np.split(border, bcuts[1:])):
-                yield (fi, b), pos[bpos], local[bpos] - starts[b]
+        starts = self._layout()
+        block_of = np.searchsorted(starts, ids, side="right") - 1
+        order = np.argsort(block_of, kind="stable")
+        blocks, cuts = np.unique(block_of[order], return_index=True)
+        for b, pos in zip(blocks.tolist(), np.split(order, cuts[1:])):
+            yield b, pos, ids[pos] - starts[b]
 
-    def _block_table(self, key: tuple[int, int]):
-        if self._pid != os.getpid():
-            self._init_runtime()
+    def _decoded(self, block: int) -> _Decoded:
         with self._lock:
-            table = self._cache.get(key)
-            if table is not None:
-                self._cache.move_to_end(key)
-                return table
-            future = self._inflight.get(key)
-        if future is not None:
-            return future.result()
-        return self._load(key)
+            found = self._cache.get(block)
+            if found is not None:
+                self._cache.move_to_end(block)
+                return found
+            future = self._inflight.get(block)
+        return future.result() if future is not None else self._load(block)
 
-    def _load(self, key: tuple[int, int]):
-        fi, b = key
+    def _load(self, block: int) -> _Decoded:
         try:
-            f = self.files[fi]
-            blocks, _ = self._file_blocks(fi)
-            table = _FORMATS[f.format][1](f, blocks[b].unit, self.columns)
-            if table.num_rows != blocks[b].rows:
+            b = self._blocks[block]
+            f = self.files[b.file]
+            table = _FORMATS[f.format][1](f, b.unit, self.columns)
+            if table.num_rows != b.rows:
                 raise InputError(f"{f.path} changed since analyze (a block holds {table.num_rows} rows, not "
-                                 f"{blocks[b].rows}); re-run `varlen analyze`")
-            table = table.combine_chunks()
+                                 f"{b.rows}); re-run `varlen analyze`")
+            decoded = _Decoded(table)
             with self._lock:
-                self._cache[key] = table
-                self._cached_bytes += table.nbytes
+                self._cache[block] = decoded
+                self._cached_bytes += decoded.nbytes
                 while self._cached_bytes > self.cache_bytes and len(self._cache) > 1:
                     _, old = self._cache.popitem(last=False)
                     self._cached_bytes -= old.nbytes
-            return table
+            return decoded
         finally:
             with self._lock:
-                self._inflight.pop(key, None)
+                self._inflight.pop(block, None)
 
-    # -- rows -> items --------------------------------------------------------------------------------
-    def _rows_as_items(self, table, rows: np.ndarray) -> list[dict]:
+    def _add_token_ids(self, items: list[dict]) -> None:
         import pyarrow as pa
 
-        picked = table.take(pa.array(rows, type=pa.int64()))
-        columns = {name: _column_values(picked.column(name)) for name in picked.column_names}
-        if self.tokenizer is not None and self._text_column in columns:
-            columns["input_ids"] = self._tokenize(picked.column(self._text_column))
-        names = list(columns)
-        return [dict(zip(names, values)) for values in zip(*columns.values())] if names else [{} for _ in rows]
-
-    def _tokenize(self, column) -> list[np.ndarray]:
         from ..analyze.lengths import token_lengths
 
-        lengths, ids = token_lengths(self.tokenizer, column.combine_chunks(), self._special_tokens, with_ids=True)
-        return np.split(ids, np.cumsum(lengths)[:-1]) if len(lengths) else []
+        texts = pa.array([item[self._text_column] for item in items], pa.large_string())
+        lengths, ids = token_lengths(self.tokenizer, texts, self._special_tokens, with_ids=True)
+        for item, tokens in zip(items, np.split(ids, np.cumsum(lengths)[:-1]) if len(lengths) else []):
+            item["input_ids"] = tokens
 
 
-def _column_values(column) -> list:
-    """One column of a microbatch's rows: list columns as numpy arrays (no per-element Python work)."""
-    import pyarrow as pa
+class _Decoded:
+    """A block's rows ready to hand out: list-of-number columns as numpy (offsets, values), so that
+    an item is a slice (a view, no copy); other columns as Arrow arrays."""
 
-    arr = column.combine_chunks()
-    if (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)) and _is_primitive(arr.type.value_type) \
-            and arr.null_count == 0:
-        offsets = arr.offsets.to_numpy()
-        values = arr.values.to_numpy(zero_copy_only=False)
-        return np.split(values[offsets[0]:offsets[-1]], offsets[1:-1] - offsets[0])
-    return arr.to_pylist()
+    def __init__(self, table):
+        import pyarrow as pa
+
+        self.names = table.column_names
+        self.nbytes = table.nbytes
+        self.columns: list = []
+        for name in self.names:
+            arr = table.column(name).combine_chunks()
+            if (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)) and \
+                    _is_primitive(arr.type.value_type) and arr.null_count == 0:
+                self.columns.append((arr.offsets.to_numpy(), arr.values.to_numpy(zero_copy_only=False)))
+            else:
+                self.columns.append(arr)
+
+    def items(self, rows: list[int]) -> list[dict]:
+        import pyarrow as pa
+
+        values = []
+        for col in self.columns:
+            if isinstance(col, tuple):
+                offsets, flat = col
+                values.append([flat[offsets[r]:offsets[r + 1]] for r in rows])
+            else:
+                values.append(col.take(pa.array(rows, pa.int64())).to_pylist())
+        return [dict(zip(self.names, row)) for row in zip(*values)] if values else [{} for _ in rows]
 
 
 def _is_primitive(t) -> bool:
