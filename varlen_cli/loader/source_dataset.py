@@ -18,6 +18,8 @@ source row whose ``sample_id`` is ``i``, read from the files in place (local or 
   ETag/version in object storage) is refused (``InputError``), as ``varlen plan`` does.
 * **Formats.** Every format analyze reads; the row-reading dispatch is a registry by format name
   (:func:`register_format`), so new source formats plug in their own block and read functions.
+  A format without an entry is cut into analyze's work units when they know their rows (else one
+  block per file) and read with analyze's own ``Reader``.
 
 Items are dicts of the selected columns (all by default): list columns as 1-D numpy arrays, other
 values as Python objects (``str`` for text). With ``tokenizer`` (a ``tokenizer.json`` path, a
@@ -118,6 +120,17 @@ def _line_blocks(file, entry):
     return [Unit(0, -1, int(a), int(b), int(n), int(n)) for a, b, n in chunks]
 
 
+def _any_blocks(file, entry):
+    """Formats without their own entry: analyze's work units when they know their rows, else the
+    whole file as one block."""
+    from ..analyze.sources import Unit, make_units
+
+    units = make_units([file])
+    if units and all(u.rows >= 0 for u in units):
+        return units
+    return [Unit(0, -1, 0, file.size, file.rows, file.rows)]
+
+
 register_format("parquet", _parquet_blocks, _parquet_read)
 for _fmt, _blocks in (("arrow", _arrow_blocks), ("jsonl", _line_blocks), ("text", _line_blocks)):
     register_format(_fmt, _blocks, _reader_read)
@@ -156,8 +169,6 @@ def _source_files(manifest: dict, where: str) -> tuple[list, list[dict]]:
     for entry in dataset["files"]:
         path = storage.under(str(entry["path"]), root)
         fmt = entry.get("format") or _format_of(path)[0]
-        if fmt not in _FORMATS:
-            raise InputError(f"SourceDataset cannot read {fmt} sources ({path})")
         compression = _format_of(path)[1] if fmt in ("jsonl", "text") else None
         files.append(SourceFile(path, fmt, int(entry["size"]), compression, int(entry["rows"])))
         entries.append(entry)
@@ -287,7 +298,8 @@ class SourceDataset:
         if self._block_starts is None:
             def cut(fi: int) -> list[Block]:
                 f = self.files[fi]
-                blocks = [Block(fi, u, int(u.rows)) for u in _FORMATS[f.format][0](f, self._entries[fi])]
+                cut_file = _FORMATS.get(f.format, (_any_blocks, None))[0]
+                blocks = [Block(fi, u, int(u.rows)) for u in cut_file(f, self._entries[fi])]
                 if sum(b.rows for b in blocks) != f.rows:
                     raise InputError(f"{f.path} now holds {sum(b.rows for b in blocks)} rows, not the {f.rows} "
                                      "analyze counted; re-run `varlen analyze`")
@@ -323,7 +335,7 @@ class SourceDataset:
         try:
             b = self._blocks[block]
             f = self.files[b.file]
-            table = _FORMATS[f.format][1](f, b.unit, self.columns)
+            table = _FORMATS.get(f.format, (None, _reader_read))[1](f, b.unit, self.columns)
             if table.num_rows != b.rows:
                 raise InputError(f"{f.path} changed since analyze (a block holds {table.num_rows} rows, not "
                                  f"{b.rows}); re-run `varlen analyze`")
