@@ -239,3 +239,26 @@ def test_sort_and_two_worker_analyze_to_s3(tmp_path, s3):
     result = CliRunner().invoke(app, ["sort", str(tmp_path / "local"), "-o", f"s3://{bucket}/sorted", "--no-progress"])
     assert result.exit_code == 0, result.output
     assert "sorted/_manifest.json" in s3.keys(bucket)
+
+
+def test_plan_to_s3(tmp_path, s3):
+    """A plan file written to object storage: one PUT at the end; --overwrite only over a plan."""
+    bucket = s3.bucket()
+    write_parquet(text_table(80), tmp_path / "a.parquet")
+    run(tmp_path / "m", tmp_path / "a.parquet")
+    runner = CliRunner()
+    target = f"s3://{bucket}/plans/plan.parquet"
+    args = ["plan", str(tmp_path / "m"), "-o", target, "--max-tokens", "2048"]
+    assert runner.invoke(app, args).exit_code == 0
+    assert s3.keys(bucket) == ["plans/plan.parquet"]
+    assert_user_error(runner.invoke(app, args), 4, f"output {target} already exists; pass --overwrite to replace it")
+    assert runner.invoke(app, [*args, "--overwrite"]).exit_code == 0
+    s3.client.put_object(Bucket=bucket, Key="plans/other.parquet", Body=b"not a plan")
+    other = ["plan", str(tmp_path / "m"), "-o", f"s3://{bucket}/plans/other.parquet", "--max-tokens", "2048",
+             "--overwrite"]
+    assert_user_error(runner.invoke(app, other), 4,
+                      f"output s3://{bucket}/plans/other.parquet is not a varlen plan; --overwrite replaces only "
+                      "varlen outputs")
+    local = tmp_path / "plan.parquet"
+    s3.client.download_file(bucket, "plans/plan.parquet", str(local))
+    assert runner.invoke(app, ["validate", str(local), "--metrics", str(tmp_path / "m")]).exit_code == 0
