@@ -218,6 +218,11 @@ def atomic_write_json(path: str, data: Any) -> None:
 # -- manifests and reading -------------------------------------------------------------------------
 def read_manifest(path: str, what: str = "metrics directory", hint: str = "create one with `varlen analyze`") -> dict:
     """The manifest of a metrics or sorted directory; a clear error for anything else."""
+    from .. import storage
+
+    if storage.is_remote(path):
+        raise InputError(f"{path}: reading a {what} from object storage is not supported here; copy it to a local "
+                         "folder first (varlen_cli.loader.SourceDataset reads it in place)")
     if not os.path.exists(path):
         raise InputError(f"{path} does not exist")
     if not os.path.isdir(path):
