@@ -161,6 +161,18 @@ def fetch_naive(paths: list[str], file_rows: np.ndarray, batches: list[np.ndarra
     return len(batches)
 
 
+def interleaved(variants: dict, repeats: int) -> dict:
+    """Median seconds of each variant, the variants run in turn within each repeat (so that a change
+    of the machine's load affects them alike)."""
+    times: dict = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, fn in variants.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def bench_dataset(work: str, url: str, paths: list[str], repeats: int, naive_batches: int,
                   small_cache_batches: int) -> dict:
     from varlen_cli import storage
@@ -172,16 +184,26 @@ def bench_dataset(work: str, url: str, paths: list[str], repeats: int, naive_bat
     sizes = [len(b) for b in batches]
     out: dict = {"microbatches": len(batches), "samples": int(sum(sizes)),
                  "small_cache_batches": min(small_cache_batches, len(batches))}
+    table = pa.concat_tables([pq.read_table(p, columns=["input_ids"]) for p in paths]).combine_chunks()
+    offsets, flat = table.column("input_ids").chunk(0).offsets.to_numpy(), \
+        table.column("input_ids").chunk(0).values.to_numpy()
+    memory = [{"input_ids": flat[offsets[i]:offsets[i + 1]]} for i in range(len(offsets) - 1)]
+    variants = {}
     for where, metrics in (("local", os.path.join(work, "m-local")), ("s3", os.path.join(work, "m-s3"))):
         def fetch(order, metrics=metrics, cache=1 << 30):
             return lambda: fetch_batches(SourceDataset(metrics, columns=["input_ids"], cache_bytes=cache), order)
 
-        out[f"{where}_shuffled_s"], _ = timed(fetch(batches), repeats)
-        out[f"{where}_sequential_s"], _ = timed(fetch(sequential_batches(sizes)), repeats)
-        out[f"{where}_loader_s"], _ = timed(
-            lambda m=metrics: fetch_plan(SourceDataset(m, columns=["input_ids"]), plan_path), repeats)
-        data_bytes = sum(pq.ParquetFile(p).read(columns=["input_ids"]).nbytes for p in paths)
-        out[f"{where}_small_cache_s"], _ = timed(fetch(batches[:small_cache_batches], cache=data_bytes // 4), 1)
+        variants[f"{where}_shuffled_s"] = fetch(batches)
+        variants[f"{where}_sequential_s"] = fetch(sequential_batches(sizes))
+        variants[f"{where}_loader_s"] = lambda m=metrics: fetch_plan(SourceDataset(m, columns=["input_ids"]),
+                                                                     plan_path)
+    variants["memory_loader_s"] = lambda: fetch_plan(memory, plan_path)
+    out.update(interleaved(variants, repeats))
+    data_bytes = table.nbytes
+    for where in ("local", "s3"):
+        metrics = os.path.join(work, f"m-{where}")
+        ds = SourceDataset(metrics, columns=["input_ids"], cache_bytes=data_bytes // 4)
+        out[f"{where}_small_cache_s"], _ = timed(lambda ds=ds: fetch_batches(ds, batches[:small_cache_batches]), 1)
     file_rows = np.array([pq.ParquetFile(p).metadata.num_rows for p in paths])
     prefix = batches[:naive_batches]
     out["naive_batches"] = len(prefix)
@@ -274,6 +296,8 @@ def main(argv=None) -> None:
                  d["naive_batches" if where == "local" else "s3_naive_batches"] / d[f"{where}_naive_s"])]
         for name, rate in rows:
             print(f"| {name} | {where} | {rate:.1f} | {rate / seq:.2f}x |")
+    print(f"| in-memory list of numpy arrays, whole dataloader_for_plan (+ PadCollate) | memory | "
+          f"{n / d['memory_loader_s']:.1f} | - |")
     if "hf_shuffled_s" in d:
         rate = n / d["hf_shuffled_s"]
         print(f"| HF datasets ds[ids], shuffled (after a {d['hf_load_s']:.1f} s load_dataset) | local | {rate:.1f} | "

@@ -266,14 +266,14 @@ class SourceDataset:
             bad = ids[(ids < 0) | (ids >= self._num_rows)][0]
             raise IndexError(f"sample id {bad} out of range for {self._num_rows} source rows")
         self._check_process()
-        out: list = [None] * len(ids)
-        for block, positions, rows in self._group_by_block(ids):
-            items = self._decoded(block).items(rows.tolist())
-            if self.tokenizer is not None:
-                self._add_token_ids(items)
-            for p, item in zip(positions.tolist(), items):
-                out[p] = item
-        return out
+        starts = self._layout()
+        blocks = np.searchsorted(starts, ids, side="right") - 1
+        rows = (ids - starts[blocks]).tolist()
+        decoded = {b: self._decoded(b) for b in np.unique(blocks).tolist()}
+        items = [decoded[b].item(r) for b, r in zip(blocks.tolist(), rows)]
+        if self.tokenizer is not None:
+            self._add_token_ids(items)
+        return items
 
     def prefetch(self, sample_ids: Iterable[int]) -> None:
         """Start reading, in the background, the blocks that ``sample_ids`` need (what is cached or
@@ -286,10 +286,11 @@ class SourceDataset:
         pool = self._executor()
         starts = self._layout()
         for block in np.unique(np.searchsorted(starts, ids, side="right") - 1).tolist():
+            if block in self._cache or block in self._inflight:  # most are: no lock needed to skip them
+                continue
             with self._lock:
-                if block in self._cache or block in self._inflight:
-                    continue
-                self._inflight[block] = pool.submit(self._load, block)
+                if block not in self._cache and block not in self._inflight:
+                    self._inflight[block] = pool.submit(self._load, block)
 
     # -- blocks -------------------------------------------------------------------------------------
     def _layout(self) -> np.ndarray:
@@ -310,17 +311,6 @@ class SourceDataset:
             self._blocks = [b for blocks in per_file for b in blocks]
             self._block_starts = np.concatenate([[0], np.cumsum([b.rows for b in self._blocks], dtype=np.int64)])
         return self._block_starts
-
-    def _group_by_block(self, ids: np.ndarray):
-        """``(block, positions in ids, rows within the block)`` for each block that ``ids`` touch."""
-        if not len(ids):
-            return
-        starts = self._layout()
-        block_of = np.searchsorted(starts, ids, side="right") - 1
-        order = np.argsort(block_of, kind="stable")
-        blocks, cuts = np.unique(block_of[order], return_index=True)
-        for b, pos in zip(blocks.tolist(), np.split(order, cuts[1:])):
-            yield b, pos, ids[pos] - starts[b]
 
     def _decoded(self, block: int) -> _Decoded:
         with self._lock:
@@ -380,17 +370,15 @@ class _Decoded:
             else:
                 self.columns.append(arr)
 
-    def items(self, rows: list[int]) -> list[dict]:
-        import pyarrow as pa
-
-        values = []
-        for col in self.columns:
+    def item(self, row: int) -> dict:
+        out = {}
+        for name, col in zip(self.names, self.columns):
             if isinstance(col, tuple):
                 offsets, flat = col
-                values.append([flat[offsets[r]:offsets[r + 1]] for r in rows])
+                out[name] = flat[offsets[row]:offsets[row + 1]]
             else:
-                values.append(col.take(pa.array(rows, pa.int64())).to_pylist())
-        return [dict(zip(self.names, row)) for row in zip(*values)] if values else [{} for _ in rows]
+                out[name] = col[row].as_py()
+        return out
 
 
 def _is_primitive(t) -> bool:
