@@ -30,6 +30,7 @@ cached per scheme and options):
 
 ======================================  ====================================================================
 ``configure(options)``                  the options used where a call passes None
+``clear_cache()``                       forget the filesystems built so far (the environment changed)
 ``is_remote(loc)``                      True for a URL that is not a local ``file://`` path
 ``local_path(loc)``                     a ``file://`` URL as a plain path (others unchanged)
 ``join(base, *names)``, ``parent(loc)``, URL-aware path arithmetic (``os.path`` for local paths);
@@ -208,6 +209,11 @@ def configure(options: Options) -> None:
 # -- filesystems -------------------------------------------------------------------------------------
 _FS_CACHE: dict[tuple, Any] = {}
 _DEFAULT_OPTIONS: dict[str, Any] = {}
+
+
+def clear_cache() -> None:
+    """Forget the filesystems built so far (after the environment changed: endpoint, credentials)."""
+    _FS_CACHE.clear()
 
 
 def _need_client(loc: str) -> None:

@@ -79,6 +79,6 @@ def s3_server():
 def s3(s3_server):
     from varlen_cli import storage
 
-    storage._FS_CACHE.clear()  # a filesystem built under another environment is not reused
+    storage.clear_cache()  # a filesystem built under another environment is not reused
     storage.configure(None)
     return s3_server
