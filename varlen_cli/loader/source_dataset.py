@@ -269,7 +269,10 @@ class SourceDataset:
         starts = self._layout()
         blocks = np.searchsorted(starts, ids, side="right") - 1
         rows = (ids - starts[blocks]).tolist()
-        decoded = {b: self._decoded(b) for b in np.unique(blocks).tolist()}
+        needed = np.unique(blocks).tolist()
+        if sum(b not in self._cache for b in needed) > 1:  # several blocks to read: in parallel
+            self._submit(needed)
+        decoded = {b: self._decoded(b) for b in needed}
         items = [decoded[b].item(r) for b, r in zip(blocks.tolist(), rows)]
         if self.tokenizer is not None:
             self._add_token_ids(items)
@@ -283,9 +286,12 @@ class SourceDataset:
         ids = ids[(ids >= 0) & (ids < self._num_rows)]
         if not len(ids):
             return
+        self._submit(np.unique(np.searchsorted(self._layout(), ids, side="right") - 1).tolist())
+
+    def _submit(self, blocks: list[int]) -> None:
+        """Background reads of the ``blocks`` that are neither cached nor being read."""
         pool = self._executor()
-        starts = self._layout()
-        for block in np.unique(np.searchsorted(starts, ids, side="right") - 1).tolist():
+        for block in blocks:
             if block in self._cache or block in self._inflight:  # most are: no lock needed to skip them
                 continue
             with self._lock:
