@@ -303,13 +303,14 @@ def run_in_group(config: AnalyzeConfig, d: Dist, out: artifacts.AtomicDir, t0: f
 
 
 def _with_chunks(fp: dict, files: list[SourceFile], units: list[Unit], unit_rows: np.ndarray) -> dict:
-    """Record the byte chunks of each uncompressed JSONL/text file with their rows (``chunks``:
-    ``[[start, stop, rows], ...]``), so that a reader (``SourceDataset``) can find a row's chunk."""
+    """Record the byte-range units whose rows were not known up front (uncompressed JSONL and text,
+    any format cut into byte ranges) with their rows (``chunks``: ``[[start, stop, rows], ...]`` per
+    file), so that a reader (``SourceDataset``) can find a row's chunk."""
     for entry in fp["files"]:
         entry.pop("chunks", None)
     for unit, n in zip(units, unit_rows.tolist()):
         f = files[unit.file]
-        if f.format in ("jsonl", "text") and f.compression is None:
+        if unit.rows < 0 and unit.part == -1 and f.compression is None:
             fp["files"][unit.file].setdefault("chunks", []).append([unit.start, unit.stop, int(n)])
     return fp
 

@@ -121,10 +121,12 @@ def _line_blocks(file, entry):
 
 
 def _any_blocks(file, entry):
-    """Formats without their own entry: analyze's work units when they know their rows, else the
-    whole file as one block."""
+    """Formats without their own entry: the byte chunks analyze recorded with their rows, else
+    analyze's work units when they know their rows, else the whole file as one block."""
     from ..analyze.sources import Unit, make_units
 
+    if entry.get("chunks"):
+        return _line_blocks(file, entry)
     units = make_units([file])
     if units and all(u.rows >= 0 for u in units):
         return units
