@@ -47,7 +47,8 @@ cached per scheme and options):
 ``read_bytes(loc, options)``            the whole object (small files: manifests, ``state.json``)
 ``arrow_filesystem(loc, options)``      ``(pyarrow.fs.FileSystem, path)``: for ``pq.ParquetFile(path,
                                         filesystem=fs)``, ``pyarrow.dataset``...
-``parquet_file(loc, options)``          a ``pyarrow.parquet.ParquetFile`` (footer and row groups by range)
+``parquet_file(loc, options, size)``    a ``pyarrow.parquet.ParquetFile`` (footer and row groups by range;
+                                        a known ``size`` saves the request that asks for it)
 ``filesystem(loc, options)``            ``(fsspec filesystem, path in it)``: anything not covered above
 ``write_bytes(loc, data)``,             outputs (used by :mod:`varlen_cli.runtime.remote_output`)
 ``remove(loc, recursive)``
@@ -471,7 +472,7 @@ def arrow_filesystem(loc: str, options: Options = None) -> tuple[Any, str]:
     return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path
 
 
-def parquet_file(loc: str, options: Options = None):
+def parquet_file(loc: str, options: Options = None, size: int | None = None):
     """A ``pyarrow.parquet.ParquetFile``; remote: the footer and each row group by range requests."""
     import pyarrow.parquet as pq
 
@@ -481,7 +482,8 @@ def parquet_file(loc: str, options: Options = None):
     with translate_errors(loc):
         # No read-ahead cache: pyarrow asks for exactly the footer and the column chunks it needs,
         # each one range request (s3fs's default 50 MB read-ahead would fetch whole files).
-        return pq.ParquetFile(fs.open(path, "rb", cache_type="none"))
+        kwargs = {"size": size} if size is not None and scheme(loc) in ("s3", "s3a") else {}
+        return pq.ParquetFile(fs.open(path, "rb", cache_type="none", **kwargs))
 
 
 def fingerprint_fields(info: FileInfo) -> dict[str, Any]:

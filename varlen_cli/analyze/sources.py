@@ -38,6 +38,7 @@ TEXT_EXT = (".txt", ".text")
 TEXT_COLUMN = "text"
 DEFAULT_CHUNK_BYTES = 32 << 20
 MAX_UNIT_ROWS = 1 << 20
+FOOTER_PROBE = 64 << 10  # bytes read from a Parquet file's end to hash its footer (one range request)
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,7 @@ def discover(sources: Sequence[str]) -> list[SourceFile]:
             size, mtime_ns, etag, version = st.st_size, st.st_mtime_ns, None, None
         rows, footer = -1, None
         if fmt == "parquet":
-            pf = parquet_file(path)
+            pf = parquet_file(path, size)
             if _is_varlen_plan(pf):
                 if explicit[path]:
                     raise InputError(f"{path} is a varlen plan, not a dataset")
@@ -214,20 +215,21 @@ def footer_digest(path: str, size: int) -> str | None:
     import hashlib
 
     try:
-        tail = storage.read_range(path, max(0, size - 8), size)
-        n = int.from_bytes(tail[:4], "little")
-        if len(tail) < 8 or tail[4:] != b"PAR1" or n + 8 > size:
+        tail = storage.read_range(path, max(0, size - FOOTER_PROBE), size)  # usually holds the whole footer
+        n = int.from_bytes(tail[-8:-4], "little")
+        if len(tail) < 8 or tail[-4:] != b"PAR1" or n + 8 > size:
             return None
-        return hashlib.sha256(storage.read_range(path, size - 8 - n, size - 8)).hexdigest()[:16]
+        footer = tail[-8 - n:-8] if n + 8 <= len(tail) else storage.read_range(path, size - 8 - n, size - 8)
+        return hashlib.sha256(footer).hexdigest()[:16]
     except (OSError, InputError):
         return None
 
 
-def parquet_file(path: str):
+def parquet_file(path: str, size: int | None = None):
     import pyarrow.parquet as pq
 
     if storage.is_remote(path):
-        return storage.parquet_file(path)
+        return storage.parquet_file(path, size=size)
     try:
         return pq.ParquetFile(path)
     except Exception as exc:
@@ -269,7 +271,7 @@ def make_units(files: Sequence[SourceFile], chunk_bytes: int = DEFAULT_CHUNK_BYT
     units: list[Unit] = []
     for i, f in enumerate(files):
         if f.format == "parquet":
-            md = parquet_file(f.path).metadata
+            md = parquet_file(f.path, f.size).metadata
             units.extend(_row_units(i, [md.row_group(g).num_rows for g in range(md.num_row_groups)]))
         elif f.format == "arrow":
             # Record batches are often small (Hugging Face writes 1,000 rows each): one unit is a
@@ -366,7 +368,7 @@ class Reader:
         if self._path != f.path:
             self._path, self._handle, self._group_key, self._group = f.path, None, None, None
             if f.format == "parquet":
-                self._handle = parquet_file(f.path)
+                self._handle = parquet_file(f.path, f.size)
             elif f.format == "arrow":
                 self._handle = _read_arrow_table(f.path)
         return self._handle

@@ -85,7 +85,7 @@ def _parquet_read(file, unit, columns):
     files = _THREAD_LOCAL.__dict__.setdefault("parquet", {})
     pf = files.get(file.path)
     if pf is None:
-        pf = files[file.path] = parquet_file(file.path)
+        pf = files[file.path] = parquet_file(file.path, file.size)
     names = pf.schema_arrow.names
     for c in columns or ():
         if c not in names:
