@@ -139,7 +139,7 @@ def discover(sources: Sequence[str]) -> list[SourceFile]:
         raise InputError("no sources given")
     explicit: dict[str, bool] = {}
     for s in sources:
-        for p, named in _expand(str(s)):
+        for p, named in _expand(storage.local_path(str(s))):  # file:///x is the local path /x
             path = p if storage.is_remote(p) else os.path.abspath(p)
             explicit[path] = explicit.get(path, False) or named
     files = []
