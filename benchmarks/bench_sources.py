@@ -266,6 +266,7 @@ def main(argv=None) -> None:
     p.add_argument("--small-cache-batches", type=int, default=200,
                    help="plan microbatches read with a cache of 1/4 of the data")
     p.add_argument("--train-steps", type=int, default=40)
+    p.add_argument("--parts", default="analyze,dataset,train", help="which measurements to run (comma-separated)")
     p.add_argument("--work", default=None)
     args = p.parse_args(argv)
     work = args.work or tempfile.mkdtemp(prefix="bench-sources-")
@@ -275,14 +276,28 @@ def main(argv=None) -> None:
     size_mb = sum(os.path.getsize(p) for p in paths) / 1e6
     print(f"corpus: {args.rows} rows, {args.files} Parquet files, {size_mb:.1f} MB, row groups of {args.row_group}")
 
-    a = bench_analyze(os.path.join(work, "corpus"), url, work, args.repeats)
-    print(f"analyze --length list:input_ids: local {a['local_s']:.2f} s, s3 {a['s3_s']:.2f} s "
-          f"(s3/local {a['s3_s'] / a['local_s']:.2f}x)")
+    parts = set(args.parts.split(","))
+    a = bench_analyze(os.path.join(work, "corpus"), url, work, args.repeats if "analyze" in parts else 1)
+    if "analyze" in parts:
+        print(f"analyze --length list:input_ids: local {a['local_s']:.2f} s, s3 {a['s3_s']:.2f} s "
+              f"(s3/local {a['s3_s'] / a['local_s']:.2f}x)")
     make_plan(os.path.join(work, "m-local"), os.path.join(work, "plan.parquet"), args.max_tokens)
+    if "dataset" in parts:
+        report_dataset(bench_dataset(work, url, paths, args.repeats, args.naive_batches, args.small_cache_batches),
+                       args.max_tokens)
+    if "train" in parts:
+        t = bench_train(work, args.train_steps)
+        print(f"train (TinyGPT, {t['steps']} microbatches): data {t['data_ms']:.1f} ms vs compute "
+              f"{t['compute_ms']:.1f} ms per microbatch (median); data is {100 * t['data_share']:.1f}% of the loop")
+    server.stdin.close()
+    server.wait(timeout=30)
+    if args.work is None:
+        shutil.rmtree(work, ignore_errors=True)
 
-    d = bench_dataset(work, url, paths, args.repeats, args.naive_batches, args.small_cache_batches)
+
+def report_dataset(d: dict, max_tokens: int) -> None:
     n = d["microbatches"]
-    print(f"plan: {n} microbatches, {d['samples']} samples, order random, max-tokens {args.max_tokens}")
+    print(f"plan: {n} microbatches, {d['samples']} samples, order random, max-tokens {max_tokens}")
     print("| reader | where | microbatches/s | vs sequential (same store) |")
     print("|---|---|---|---|")
     for where in ("local", "s3"):
@@ -302,13 +317,6 @@ def main(argv=None) -> None:
         rate = n / d["hf_shuffled_s"]
         print(f"| HF datasets ds[ids], shuffled (after a {d['hf_load_s']:.1f} s load_dataset) | local | {rate:.1f} | "
               f"{rate / (n / d['local_sequential_s']):.2f}x |")
-    t = bench_train(work, args.train_steps)
-    print(f"train (TinyGPT, {t['steps']} microbatches): data {t['data_ms']:.1f} ms vs compute {t['compute_ms']:.1f} ms "
-          f"per microbatch (median); data is {100 * t['data_share']:.1f}% of the loop")
-    server.stdin.close()
-    server.wait(timeout=30)
-    if args.work is None:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
