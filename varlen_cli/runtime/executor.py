@@ -30,7 +30,8 @@ RunInGroup = Callable[[Any, Any, artifacts.AtomicDir, float], Any]
 def run_in_session(run_in_group: RunInGroup, config: Any) -> Any:
     """One worker's run of a stage: join (or reuse) the process group, share the atomic output."""
     t0 = time.perf_counter()
-    storage.configure(getattr(config, "storage_options", None))
+    if hasattr(config, "storage_options"):  # --storage-option, in every worker process
+        storage.configure(config.storage_options)
     with session(config.device) as d, artifacts.atomic_dir_for_group(d, config.output, config.overwrite) as out:
         return run_in_group(config, d, out, t0)
 
@@ -39,7 +40,8 @@ def execute(run_in_group: RunInGroup, config: Any) -> Any:
     """Run a (checked) stage on ``config.nproc`` workers; the result on rank 0, None elsewhere."""
     entry = functools.partial(run_in_session, run_in_group)
     if storage.is_remote(config.output):  # object storage: no lock, no rename (see remote_output)
-        storage.configure(getattr(config, "storage_options", None))
+        if hasattr(config, "storage_options"):
+            storage.configure(config.storage_options)
         remote_output.check(config.output, config.overwrite, safety.stage_inputs(config))
         return run_distributed(entry, config, config.nproc)
     safety.check_no_overlap(config.output, safety.stage_inputs(config))
