@@ -187,3 +187,19 @@ def test_remote_metrics_dir(tmp_path, s3):
     ds = SourceDataset(run_out, columns=["input_ids"])
     assert [_plain(i)["input_ids"] for i in ds.__getitems__([59, 0, 31])] == [
         table.column("input_ids")[k].as_py() for k in (59, 0, 31)]
+
+
+@pytest.mark.parametrize("depth,stride", [(0, 1), (1, 1), (3, 1), (2, 2), (3, 4)])
+def test_read_ahead_follows_each_worker(depth, stride):
+    """With ``stride`` DataLoader workers taking microbatches in turn, microbatch k carries the ids of
+    k+stride, k+2*stride, ... (depth of them, fewer at the end): what the same worker fetches next."""
+    from types import SimpleNamespace
+
+    from varlen_cli.loader.sampler import _with_ahead
+
+    items = [SimpleNamespace(sample_ids=np.array([k, 100 + k])) for k in range(11)]
+    got = list(_with_ahead(iter(items), depth, stride))
+    assert [item for item, _ in got] == items
+    for k, (_, ahead) in enumerate(got):
+        want = [[j, 100 + j] for j in range(k + stride, min(11, k + stride * depth + 1), stride)]
+        assert (ahead is None and depth == 0) or [a.tolist() for a in ahead] == want
