@@ -236,7 +236,8 @@ def filesystem(loc: str, options: Options = None) -> tuple[Any, str]:
     """``(fsspec filesystem, path inside it)`` for a remote location (cached per scheme + options)."""
     s = scheme(loc)
     opts = parse_options(options) if options is not None else _DEFAULT_OPTIONS
-    key = (s, json.dumps(opts, sort_keys=True, default=str))
+    # Per process: a client made before a fork (DataLoader workers) must not be used after it.
+    key = (os.getpid(), s, json.dumps(opts, sort_keys=True, default=str))
     fs = _FS_CACHE.get(key)
     if fs is None:
         _need_client(loc)

@@ -111,11 +111,15 @@ def test_tokenizer_gives_analyze_lengths(tmp_path):
     assert items[3]["input_ids"].tolist() == tok.encode(table.column("text")[3].as_py()).ids
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_dataloader_for_plan_is_the_whole_data_path(tmp_path, num_workers):
+@pytest.mark.parametrize("num_workers,remote", [(0, False), (2, False), (2, True)])
+def test_dataloader_for_plan_is_the_whole_data_path(tmp_path, request, num_workers, remote):
     table = _token_table(200, seed=2)
     write_parquet(table, tmp_path / "a.parquet", row_group_size=17)
-    _, metrics = run(tmp_path / "m", tmp_path / "a.parquet")
+    source = tmp_path / "a.parquet"
+    if remote:  # DataLoader workers forked from a process whose s3 client already ran
+        s3 = request.getfixturevalue("s3")
+        source = s3.upload_tree(str(tmp_path), s3.bucket(), "d") + "/a.parquet"
+    _, metrics = run(tmp_path / "m", source)
     lengths = metrics.column("length").to_numpy()
     write_plan(tmp_path / "plan.parquet", lengths, max_tokens=128, order="random", seed=3)
     ds = SourceDataset(tmp_path / "m", columns=["input_ids"])

@@ -74,7 +74,7 @@ def _reader_read(file, unit, columns):
     """analyze's own reader (one per thread: it keeps one file open)."""
     from ..analyze.sources import Reader
 
-    reader = _THREAD_LOCAL.__dict__.setdefault("reader", Reader())
+    reader = _thread_cache().setdefault("reader", Reader())
     return reader.read(file, unit, columns)
 
 
@@ -82,7 +82,7 @@ def _parquet_read(file, unit, columns):
     """One row group (slice) of a Parquet file; footers stay open per thread, one per file."""
     from ..analyze.sources import parquet_file
 
-    files = _THREAD_LOCAL.__dict__.setdefault("parquet", {})
+    files = _thread_cache().setdefault("parquet", {})
     pf = files.get(file.path)
     if pf is None:
         pf = files[file.path] = parquet_file(file.path, file.size)
@@ -97,6 +97,15 @@ def _parquet_read(file, unit, columns):
 
 
 _THREAD_LOCAL = threading.local()
+
+
+def _thread_cache() -> dict:
+    """This thread's open readers; emptied in a forked child (a DataLoader worker inherits the
+    forking thread's, whose remote clients must not be used after a fork)."""
+    if getattr(_THREAD_LOCAL, "pid", None) != os.getpid():
+        _THREAD_LOCAL.__dict__.clear()
+        _THREAD_LOCAL.pid = os.getpid()
+    return _THREAD_LOCAL.__dict__
 
 
 def _parquet_blocks(file, entry):
