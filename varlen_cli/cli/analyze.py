@@ -11,8 +11,9 @@ from varlen_cli.runtime.choices import Device
 def analyze_command(
     sources: list[str] = typer.Argument(
         ..., metavar="SOURCE", show_default=False,
-        help="Parquet/Arrow/JSONL/text files, directories, globs, or a Hugging Face save_to_disk directory; rows are "
-        "numbered over the files in sorted path order.",
+        help="Parquet/Arrow/JSONL/text files, directories, globs, or a Hugging Face save_to_disk directory, local or "
+        "in object storage (s3://, gs://, hf://, https:// URLs, prefixes and globs); rows are numbered over the files "
+        "in sorted path order.",
     ),
     output: str = typer.Option(
         ..., "-o", "--output", show_default=False,
