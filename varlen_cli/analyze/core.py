@@ -48,7 +48,8 @@ class AnalyzeConfig:
     sources: tuple = doc(help="Parquet/Arrow/JSONL/text files, directories, globs, or a Hugging Face save_to_disk "
                               "directory, local or in object storage (s3://, gs://, hf://, https:// URLs, prefixes "
                               "and globs); rows are numbered over the files in sorted path order.")
-    output: str = doc(help="Metrics directory to write (part-*.parquet + _manifest.json), atomically.")
+    output: str = doc(help="Metrics directory to write (part-*.parquet + _manifest.json), atomically; or an "
+                           "s3://... prefix (published manifest last).")
     length: str = doc("auto", "KIND:COLUMN with KIND list, tokens, chars, bytes, words or value; 'auto' picks a list "
                               "column input_ids/tokens/token_ids, then text (tokens with --tokenizer, else chars), "
                               "then num_tokens/length/duration.")

@@ -17,7 +17,8 @@ def analyze_command(
     ),
     output: str = typer.Option(
         ..., "-o", "--output", show_default=False,
-        help="Metrics directory to write (part-*.parquet + _manifest.json), atomically.",
+        help="Metrics directory to write (part-*.parquet + _manifest.json), atomically; or an s3://... prefix "
+        "(published manifest last).",
     ),
     length: str = typer.Option(
         "auto", "--length",
