@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .. import storage
 from ..errors import InputError, OutputError, UsageError
 from ..runtime import artifacts
 from ..runtime.choices import NPROC_HELP, Device, check_choices, doc
@@ -34,6 +35,9 @@ from .lengths import (
 from .sources import DEFAULT_CHUNK_BYTES, Reader, SourceFile, Unit, assign, discover, fingerprint, make_units
 from .stats import distribution, float_summary
 
+STORAGE_OPTION_HELP = ("KEY=VALUE passed to the object-storage filesystem of s3://, gs://, hf://... sources and "
+                       "outputs (repeatable; JSON values parsed); credentials and endpoints otherwise come from the "
+                       "standard environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...).")
 RARITY_CACHE_BYTES = 512 << 20  # token ids a worker keeps between the two vocab-rarity passes
 
 
@@ -42,8 +46,10 @@ class AnalyzeConfig:
     """Options of ``varlen analyze`` (see ``varlen analyze --help``)."""
 
     sources: tuple = doc(help="Parquet/Arrow/JSONL/text files, directories, globs, or a Hugging Face save_to_disk "
-                              "directory; rows are numbered over the files in sorted path order.")
-    output: str = doc(help="Metrics directory to write (part-*.parquet + _manifest.json), atomically.")
+                              "directory, local or in object storage (s3://, gs://, hf://, https:// URLs, prefixes "
+                              "and globs); rows are numbered over the files in sorted path order.")
+    output: str = doc(help="Metrics directory to write (part-*.parquet + _manifest.json), atomically; or an "
+                           "s3://... prefix (published manifest last).")
     length: str = doc("auto", "KIND:COLUMN with KIND list, tokens, chars, bytes, words or value; 'auto' picks a list "
                               "column input_ids/tokens/token_ids, then text (tokens with --tokenizer, else chars), "
                               "then num_tokens/length/duration.")
@@ -58,6 +64,7 @@ class AnalyzeConfig:
     device: Device = doc("cpu", "cpu (--nproc: local group; torchrun: gloo) or cuda (nccl).")
     chunk_bytes: int = doc(DEFAULT_CHUNK_BYTES, "Bytes of input a worker reads per chunk.")
     progress: bool = doc(True, "Show a progress bar on rank 0 (only on a terminal).")
+    storage_options: tuple = doc((), STORAGE_OPTION_HELP)
 
 
 @dataclass
@@ -91,6 +98,7 @@ def check(config: AnalyzeConfig) -> None:
     check_frames_per_second(config.frames_per_second)
     if config.chunk_bytes < 1:
         raise UsageError("chunk_bytes must be positive")
+    storage.parse_options(config.storage_options)
 
 
 class _Work:
@@ -192,12 +200,10 @@ def _schema_of(f: SourceFile):
     # JSONL: the first rows tell the columns.
     import pyarrow as pa
 
+    from .. import storage
+    from .sources import read_decompressed
 
-    try:
-        with open(f.path, "rb") if not f.compression else pa.input_stream(f.path, compression=f.compression) as fh:
-            head = fh.read(1 << 20)
-    except OSError as exc:
-        raise InputError(f"cannot read {f.path}: {exc}") from None
+    head = read_decompressed(f, 1 << 20) if f.compression else storage.read_range(f.path, 0, min(f.size, 1 << 20))
     cut = head.rfind(b"\n")
     sample = head[: cut + 1] if cut >= 0 else head
     import pyarrow.json as pj
@@ -216,6 +222,7 @@ def _is_int(t) -> bool:
 
 def run_in_group(config: AnalyzeConfig, d: Dist, out: artifacts.AtomicDir, t0: float) -> AnalyzeResult | None:
     """One rank's share of ``varlen analyze``, writing into the shared temporary output ``out``."""
+    storage.configure(config.storage_options)
     files = discover(config.sources)
     units = make_units(files, config.chunk_bytes)
     lo, hi = assign(units, d.world_size, d.rank)
@@ -277,12 +284,16 @@ def run_in_group(config: AnalyzeConfig, d: Dist, out: artifacts.AtomicDir, t0: f
     per_file = np.zeros(len(files), dtype=np.int64)
     np.add.at(per_file, np.array([u.file for u in mine], dtype=np.int64), np.array(unit_rows, dtype=np.int64))
     per_file = d.all_reduce(per_file)
+    all_unit_rows = np.zeros(len(units), dtype=np.int64)
+    all_unit_rows[lo:hi] = unit_rows
+    all_unit_rows = d.all_reduce(all_unit_rows)
     length_stats = distribution(lengths, d)
     diff_stats = float_summary(diff_parts, total_rows, d)
     d.barrier()  # every part is written
     if not d.is_main:
         return None
-    manifest = _manifest(config, str(work.length), d.world_size, fingerprint(files, per_file.tolist()), rows,
+    fp = _with_chunks(fingerprint(files, per_file.tolist()), files, units, all_unit_rows)
+    manifest = _manifest(config, str(work.length), d.world_size, fp, rows,
                          {"length": length_stats, "difficulty": diff_stats})
     artifacts.atomic_write_json(out.file(artifacts.MANIFEST_NAME), manifest)
     out.commit()
@@ -293,10 +304,24 @@ def run_in_group(config: AnalyzeConfig, d: Dist, out: artifacts.AtomicDir, t0: f
     )
 
 
+def _with_chunks(fp: dict, files: list[SourceFile], units: list[Unit], unit_rows: np.ndarray) -> dict:
+    """Record the byte-range units whose rows were not known up front (uncompressed JSONL and text,
+    any format cut into byte ranges) with their rows (``chunks``: ``[[start, stop, rows], ...]`` per
+    file), so that a reader (``SourceDataset``) can find a row's chunk."""
+    for entry in fp["files"]:
+        entry.pop("chunks", None)
+    for unit, n in zip(units, unit_rows.tolist()):
+        f = files[unit.file]
+        if unit.rows < 0 and unit.part == -1 and f.compression is None:
+            fp["files"][unit.file].setdefault("chunks", []).append([unit.start, unit.stop, int(n)])
+    return fp
+
+
 def _manifest(config: AnalyzeConfig, length: str, world_size: int, fp: dict, rows: np.ndarray, stats: dict) -> dict:
     """The metrics directory's ``_manifest.json`` (``rows``: rows per part, in rank order)."""
     cfg = artifacts.config_dict(config)
     cfg["length"] = length
+    cfg["storage_options"] = storage.redacted(config.storage_options)  # values may be secrets
     return {
         "format": artifacts.METRICS_FORMAT,
         "format_version": artifacts.FORMAT_VERSION,

@@ -11,12 +11,14 @@ from varlen_cli.runtime.choices import Device
 def analyze_command(
     sources: list[str] = typer.Argument(
         ..., metavar="SOURCE", show_default=False,
-        help="Parquet/Arrow/JSONL/text files, directories, globs, or a Hugging Face save_to_disk directory; rows are "
-        "numbered over the files in sorted path order.",
+        help="Parquet/Arrow/JSONL/text files, directories, globs, or a Hugging Face save_to_disk directory, local or "
+        "in object storage (s3://, gs://, hf://, https:// URLs, prefixes and globs); rows are numbered over the files "
+        "in sorted path order.",
     ),
     output: str = typer.Option(
         ..., "-o", "--output", show_default=False,
-        help="Metrics directory to write (part-*.parquet + _manifest.json), atomically.",
+        help="Metrics directory to write (part-*.parquet + _manifest.json), atomically; or an s3://... prefix "
+        "(published manifest last).",
     ),
     length: str = typer.Option(
         "auto", "--length",
@@ -40,6 +42,12 @@ def analyze_command(
         help="Curriculum key: length, value:COLUMN, vocab-rarity, or MODULE:FUNCTION (RecordBatch -> one value per "
         "row).",
     ),
+    storage_options: list[str] = typer.Option(
+        [], "--storage-option", metavar="KEY=VALUE", show_default=False,
+        help="KEY=VALUE passed to the object-storage filesystem of s3://, gs://, hf://... sources and outputs "
+        "(repeatable; JSON values parsed); credentials and endpoints otherwise come from the standard environment "
+        "(AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...).",
+    ),
     nproc: int = common.NPROC,
     device: Device = common.DEVICE,
     overwrite: bool = common.OVERWRITE,
@@ -53,7 +61,7 @@ def analyze_command(
     config = AnalyzeConfig(
         sources=tuple(sources), output=output, length=length, tokenizer=tokenizer, special_tokens=special_tokens,
         frames_per_second=frames_per_second, difficulty=difficulty, nproc=nproc, overwrite=overwrite,
-        device=device, progress=progress,
+        device=device, progress=progress, storage_options=tuple(storage_options),
     )
     result = common.run(analyze, config)
     if result is not None and json_output:
