@@ -89,7 +89,7 @@ CASES = {
         "the sources hold no samples (empty dataset)", 3),
     "missing tokenizer": lambda t: (
         [sample("text.parquet"), "--tokenizer", str(t / "tok.json")],
-        f"tokenizer file {t / 'tok.json'} does not exist", 3),
+        f"tokenizer file or directory {t / 'tok.json'} does not exist", 3),
     "invalid tokenizer": lambda t: (
         [sample("text.parquet"), "--tokenizer",
          str((t / "tok.json").write_text('{"version": "1.0"}') and t / "tok.json")],

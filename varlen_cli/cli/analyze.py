@@ -20,16 +20,22 @@ def analyze_command(
     ),
     length: str = typer.Option(
         "auto", "--length",
-        help="KIND:COLUMN with KIND list, tokens, chars, bytes, words or value; 'auto' picks a list column "
+        help="KIND:COLUMN with KIND list, tokens, chars, bytes, words, value or chat; 'auto' picks a list column "
         "input_ids/tokens/token_ids, then text (tokens with --tokenizer, else chars), then num_tokens/length/duration.",
     ),
     tokenizer: str | None = typer.Option(
         None, "--tokenizer", show_default=False,
-        help="tokenizer.json for --length tokens:COLUMN (truncation and padding are switched off).",
+        help="A tokenizer.json file, or a directory transformers.AutoTokenizer loads (sentencepiece and tiktoken "
+        "models too), for --length tokens:COLUMN and chat:COLUMN (truncation and padding are switched off).",
     ),
     special_tokens: bool = typer.Option(
         True, "--special-tokens/--no-special-tokens",
         help="Count the tokenizer's special tokens (BOS/EOS, CLS/SEP).",
+    ),
+    target_length: str | None = typer.Option(
+        None, "--target-length", show_default=False,
+        help="With --length chat:COLUMN: 'assistant' also stores target_length, the tokens that carry loss under "
+        "assistant-only training (the chat template's {% generation %} mask); plans then count those as loss tokens.",
     ),
     frames_per_second: float | None = typer.Option(
         None, "--frames-per-second", show_default=False,
@@ -58,6 +64,7 @@ def analyze_command(
 
     config = AnalyzeConfig(
         sources=tuple(sources), output=output, length=length, tokenizer=tokenizer, special_tokens=special_tokens,
+        target_length=target_length,
         frames_per_second=frames_per_second, difficulty=difficulty, nproc=nproc, overwrite=overwrite,
         device=device, progress=progress, storage_options=tuple(storage_options),
     )
