@@ -16,8 +16,9 @@ all little-endian::
 
 A sample is a sequence: ``sample_id`` is the sequence index, its length the index's length.
 Columns of a unit: ``length`` (int32) and ``document`` (the document holding the sequence, in this
-file: the last boundary at or below the sequence index); ``input_ids`` (the tokens, from ``.bin``) only when named. Every read is a range
-read of the index (a local file or an object-storage URL, through :mod:`varlen_cli.storage`).
+file: the last boundary at or below the sequence index); ``input_ids`` (the tokens, from ``.bin``)
+only when named. Every read is a range read (a local file or an object-storage URL, through
+:mod:`varlen_cli.storage`).
 """
 
 from __future__ import annotations
