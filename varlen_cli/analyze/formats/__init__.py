@@ -67,7 +67,8 @@ def units(path: str, fmt: str, size: int, chunk_bytes: int) -> list[tuple[int, i
     """(part, start, stop, rows, weight) work units of one file, in sample order."""
     if fmt == "megatron":
         n = megatron.read_index(path, size).sequences
-        bounds = [*range(0, n, megatron.UNIT_ROWS), n] if n else [0, 0]
+        step = max(1, chunk_bytes // 4)  # chunk_bytes of lengths (int32) per unit
+        bounds = [*range(0, n, step), n] if n else [0, 0]
         return [(-1, a, b, b - a, b - a) for a, b in zip(bounds[:-1], bounds[1:])]
     if fmt == "mds":
         return mds.units(mds.read_index(path), chunk_bytes)

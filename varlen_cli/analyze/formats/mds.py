@@ -12,7 +12,7 @@ column's bytes (columns sorted by name). ``sample_id`` is the global index in sh
 Encodings become Arrow columns: ``str`` -> string; ``bytes`` and the image/pickle encodings ->
 binary (never decoded or unpickled); ``int``/``int8``...``uint64``/``float16``...``float64`` ->
 numbers; ``str_int``/``str_float``/``str_decimal`` -> int64/float64; ``ndarray[:dtype[:shape]]``
--> a list of the array's elements (flattened); ``json`` -> the parsed value. So ``--length
+-> a list of the array's elements (flattened; float64 when the dtype is per sample); ``json`` -> the parsed value. So ``--length
 list:COL`` counts an ndarray's elements, ``tokens``/``chars``/``words``/``bytes`` measure a str
 column, ``value:COL`` takes an int column, ``chat:COL`` a json list of messages.
 
@@ -302,12 +302,12 @@ def _ndarray(buf, starts, sizes, config: str, path: str, name: str):
             raise InputError(f"ndarray column '{name}' of MDS shard {path} is corrupt (sizes)")
         data, _ = gather(buf, starts + head, value_bytes)
         counts = value_bytes // dtype.itemsize
-        values = pa.array(data.view(dtype))
+        values = pa.array(data.view(dtype) if dtype_name else data.view(dtype).astype(np.float64))
     else:  # arrays of several dtypes in one column: one per sample, widened by numpy
         parts = [np.frombuffer(buf[s + h: s + z].tobytes(), NDARRAY_DTYPES[int(c)])
                  for s, h, z, c in zip(starts, head, sizes, codes)]
         counts = np.array([len(p) for p in parts], np.int64)
-        values = pa.array(np.concatenate(parts))
+        values = pa.array(np.concatenate(parts).astype(np.float64))
     offsets = np.zeros(n + 1, np.int64)
     np.cumsum(counts, out=offsets[1:])
     return pa.LargeListArray.from_arrays(pa.array(offsets), values)

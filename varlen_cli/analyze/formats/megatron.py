@@ -35,7 +35,6 @@ MAGIC = b"MMIDIDX\x00\x00"
 HEADER_BYTES = 34  # magic 9 + version 8 + dtype 1 + sequences 8 + doc entries 8
 DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
           8: np.uint16}
-UNIT_ROWS = 1 << 22  # sequences per work unit (16 MiB of lengths)
 COLUMNS = ("length", "document")  # what a unit holds; input_ids (the .bin) only when named
 TOKENS_COLUMN = "input_ids"
 
