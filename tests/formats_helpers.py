@@ -66,10 +66,10 @@ def mds_writer():
     """mosaicml-streaming's MDSWriter, or None. ``import streaming`` pulls torchvision for its vision
     datasets (not installable beside this project's CPU torch), so the package's ``__init__`` is
     skipped and the writer module imported directly: the real writer code runs."""
-    spec = importlib.util.find_spec("streaming")
-    if spec is None:
-        return None
     if "streaming" not in sys.modules:
+        spec = importlib.util.find_spec("streaming")
+        if spec is None:
+            return None
         pkg = types.ModuleType("streaming")
         pkg.__path__ = list(spec.submodule_search_locations)
         sys.modules["streaming"] = pkg

@@ -103,7 +103,8 @@ CASES = {
         "--length list:COLUMN on a column of token ids", 2),
     "bad --length": lambda t: (
         [sample("text.parquet"), "--length", "tokens"],
-        "--length must be KIND:COLUMN with KIND one of list, tokens, chars, bytes, words, value, chat; got 'tokens'", 2),
+        "--length must be KIND:COLUMN with KIND one of list, tokens, chars, bytes, words, value, chat; "
+        "got 'tokens'", 2),
     "bad --difficulty": lambda t: (
         [sample("text.parquet"), "--difficulty", "hardness"],
         "--difficulty must be length, value:COLUMN, vocab-rarity or MODULE:FUNCTION; got 'hardness'", 2),

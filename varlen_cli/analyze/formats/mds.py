@@ -12,9 +12,10 @@ column's bytes (columns sorted by name). ``sample_id`` is the global index in sh
 Encodings become Arrow columns: ``str`` -> string; ``bytes`` and the image/pickle encodings ->
 binary (never decoded or unpickled); ``int``/``int8``...``uint64``/``float16``...``float64`` ->
 numbers; ``str_int``/``str_float``/``str_decimal`` -> int64/float64; ``ndarray[:dtype[:shape]]``
--> a list of the array's elements (flattened; float64 when the dtype is per sample); ``json`` -> the parsed value. So ``--length
-list:COL`` counts an ndarray's elements, ``tokens``/``chars``/``words``/``bytes`` measure a str
-column, ``value:COL`` takes an int column, ``chat:COL`` a json list of messages.
+-> a list of the array's elements (flattened; float64 when the dtype is per sample); ``json`` ->
+the parsed value. So ``--length list:COL`` counts an ndarray's elements,
+``tokens``/``chars``/``words``/``bytes`` measure a str column, ``value:COL`` takes an int column,
+``chat:COL`` a json list of messages.
 
 Raw shards are read with range reads (the unit's offsets, then its samples); units are sample
 ranges of about ``chunk_bytes``. A compressed shard (``zstd``, ``gz``, ``bz2``, ``br``,
