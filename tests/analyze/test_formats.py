@@ -367,3 +367,31 @@ def test_chat_errors(tmp_path, case):
     result = CliRunner().invoke(app, ["analyze", src, "-o", str(tmp_path / "out"), "--no-progress", *args])
     assert_user_error(result, code, message)
     assert leftovers(tmp_path) == []
+
+
+def test_plan_counts_assistant_targets(tmp_path):
+    """A plan over chat metrics with target_length: step_loss_tokens and --lr-scale-by tokens count the
+    assistant tokens; the plan validates."""
+    import pyarrow.parquet as pq
+
+    from varlen_cli.plan import PlanConfig, plan
+    from varlen_cli.validate import ValidateConfig, validate
+
+    tok_dir = _sentencepiece_dir(tmp_path, "LlamaTokenizer", TEMPLATE)
+    src, _ = _chat_source(tmp_path)
+    _, metrics = run(tmp_path / "m", src, length="chat:messages", tokenizer=tok_dir, target_length="assistant")
+    target = dict(zip(metrics.column("sample_id").to_pylist(), metrics.column("target_length").to_pylist()))
+    out = str(tmp_path / "plan.parquet")
+    plan(PlanConfig(input=str(tmp_path / "m"), output=out, max_tokens=2000, dp=2, order="random", tail="drop",
+                    lr_scaling="linear", lr_scale_by="tokens", progress=False))
+    rows = pq.read_table(out).to_pylist()
+    per_step: dict = {}
+    for r in rows:
+        per_step[r["step"]] = per_step.get(r["step"], 0) + sum(target[i] for i in r["sample_ids"])
+    assert all(r["step_loss_tokens"] == per_step[r["step"]] for r in rows)
+    report = validate(ValidateConfig(plan=out, metrics=str(tmp_path / "m")))
+    assert report.ok, [c for c in report.checks if not c.ok]
+    assert any(c.name == "loss tokens" and c.skipped for c in report.checks)
+    with pytest.raises(Exception, match="--split-long cannot tell"):
+        plan(PlanConfig(input=str(tmp_path / "m"), output=str(tmp_path / "p2.parquet"), packing=True, seq_len=64,
+                        split_long=True, progress=False))
