@@ -152,7 +152,6 @@ def parent_config(parent, **overrides) -> PlanConfig:
 def read_parent_input(parent, c: PlanConfig) -> tuple[dict, np.ndarray, np.ndarray]:
     """The parent's metrics/sorted directory; refused if it is not the one the parent was planned from."""
     manifest, sample_id, length = core.read_input(c.input, c.allow_stale)
-    target = core.read_targets(c, c.input, manifest)
     recorded = parent.input or {}
     if recorded.get("num_rows") is not None and int(recorded["num_rows"]) != len(sample_id):
         raise InputError(f"{c.input} changed since {parent.path} was planned: it has {len(sample_id):,} samples, "
@@ -189,7 +188,8 @@ def plan_epochs_from(c: PlanConfig, manifest: dict, sample_id: np.ndarray, lengt
                                              first_epoch + len(epochs))
         epochs += more
         fixed_batch = fixed_batch if fixed_batch is not None else fixed_more
-    cols, items = core.assemble_columns(c, sample_id, length, epochs, inputs.slots, target)
+    cols, items = core.assemble_columns(c, sample_id, length, epochs, inputs.slots,
+                                        core.read_targets(c, c.input, manifest))
     return core.finish(c, manifest, sample_id, epochs, cols, items, long_pos, inputs, fixed_batch, t0,
                         extra_metadata={"lineage": lineage} if lineage is not None else None)
 
