@@ -102,9 +102,30 @@ def index_of(path: str) -> Index:
     return read_index(path, storage.stat(path).size)
 
 
+def _array(path: str, offset: int, count: int, dtype) -> np.ndarray:
+    """``count`` values of ``dtype`` at byte ``offset``: ``np.fromfile`` on a local file (no
+    intermediate bytes object), one range read on object storage."""
+    if storage.is_remote(path):
+        return np.frombuffer(_read(path, offset, offset + count * np.dtype(dtype).itemsize), dtype)
+    try:
+        values = np.fromfile(storage.local_path(path), dtype, count=count, offset=offset)
+    except OSError as exc:
+        raise InputError(f"{path} is not readable: {exc.strerror}") from None
+    if len(values) != count:
+        raise InputError(f"corrupt Megatron index {path}: truncated (wanted {count} values at byte {offset})")
+    return values
+
+
 def lengths(index: Index, start: int, stop: int) -> np.ndarray:
-    """``int32`` lengths of sequences [start, stop): one range read, viewed in place."""
-    return np.frombuffer(_read(index.path, HEADER_BYTES + 4 * start, HEADER_BYTES + 4 * stop), np.int32)
+    """``int32`` lengths of sequences [start, stop): one read."""
+    return _array(index.path, HEADER_BYTES + 4 * start, stop - start, np.int32)
+
+
+def _arrow(values: np.ndarray):
+    """A numpy array as an Arrow array without a copy (``pa.array`` copies a read-only array slowly)."""
+    import pyarrow as pa
+
+    return pa.Array.from_buffers(pa.from_numpy_dtype(values.dtype), len(values), [None, pa.py_buffer(values)])
 
 
 def _boundary(index: Index, k: int) -> int:
@@ -112,12 +133,16 @@ def _boundary(index: Index, k: int) -> int:
     return int(np.frombuffer(_read(index.path, at, at + 8), np.int64)[0])
 
 
-def _last_boundary_at_or_below(index: Index, seq: int) -> int:
-    """The largest k with documents[k] <= seq (binary search over range reads: O(log d) small reads)."""
+def _last_boundary_at_or_below(index: Index, seq: int, fh) -> int:
+    """The largest k with documents[k] <= seq: a binary search, O(log d) reads of 8 bytes on ``fh``."""
     lo, hi = 0, index.doc_entries - 1  # documents[0] == 0 <= seq
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if _boundary(index, mid) <= seq:
+        fh.seek(index.documents_at + 8 * mid)
+        raw = fh.read(8)
+        if len(raw) != 8:
+            raise InputError(f"corrupt Megatron index {index.path}: truncated")
+        if int.from_bytes(raw, "little", signed=True) <= seq:
             lo = mid
         else:
             hi = mid - 1
@@ -131,15 +156,24 @@ def documents(index: Index, start: int, stop: int) -> np.ndarray:
     [documents[k], documents[k+1]); empty documents keep their number."""
     if stop <= start:
         return np.zeros(0, np.int64)
-    k0 = _last_boundary_at_or_below(index, start)
-    k1 = _last_boundary_at_or_below(index, stop - 1)
-    at = index.documents_at + 8 * k0
-    bounds = np.frombuffer(_read(index.path, at, at + 8 * (k1 - k0 + 1)), np.int64)
-    if np.any(np.diff(bounds) < 0):
+    with storage.open_input(index.path, block_size=1 << 16) as fh:
+        k0 = _last_boundary_at_or_below(index, start, fh)
+        k1 = _last_boundary_at_or_below(index, stop - 1, fh)
+    bounds = _array(index.path, index.documents_at + 8 * k0, k1 - k0 + 1, np.int64)
+    steps = np.diff(bounds)
+    if len(steps) and steps.min() < 0:
         raise InputError(f"corrupt Megatron index {index.path}: document boundaries decrease")
-    # runs: document k0+j covers [max(bounds[j], start), min(bounds[j+1], stop)) of this range
-    edges = np.clip(np.append(bounds, stop), start, stop)
-    return np.repeat(np.arange(k0, k1 + 1, dtype=np.int64), np.diff(edges))
+    # boundaries after k0 all lie in (start, stop): document = k0 + the boundaries at or below the
+    # sequence, a running sum of boundary marks (faster than np.repeat over many short documents)
+    pos = bounds[1:] - start
+    m = stop - start
+    if len(steps) and steps.min() == 0:  # empty documents: several boundaries at one sequence
+        marks = np.bincount(pos, minlength=m).astype(np.int64)
+    else:
+        marks = np.zeros(m, np.int64)
+        marks[pos] = 1
+    marks[0] += k0
+    return np.cumsum(marks, out=marks)
 
 
 def tokens(index: Index, start: int, stop: int, lens: np.ndarray | None = None):
@@ -159,7 +193,7 @@ def tokens(index: Index, start: int, stop: int, lens: np.ndarray | None = None):
     data = storage.read_range(bin_path(index.path), int(ptr[0]), int(ptr[0]) + int(offsets[-1]) * item)
     if len(data) != int(offsets[-1]) * item:
         raise InputError(f"Megatron data {bin_path(index.path)} is shorter than its index says")
-    values = pa.array(np.frombuffer(data, index.dtype))
+    values = _arrow(np.frombuffer(data, index.dtype))
     return pa.LargeListArray.from_arrays(pa.array(offsets), values)
 
 
@@ -172,7 +206,7 @@ def table(index: Index, start: int, stop: int, columns) -> object:
     out = {}
     for c in wanted:
         if c == "length":
-            out[c] = pa.array(lens)
+            out[c] = _arrow(lens)
         elif c == "document":
             out[c] = pa.array(documents(index, start, stop))
         elif c == TOKENS_COLUMN:
