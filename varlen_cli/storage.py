@@ -30,6 +30,7 @@ cached per scheme and options):
 
 ======================================  ====================================================================
 ``configure(options)``                  the options used where a call passes None
+``clear_cache()``                       forget the filesystems built so far (the environment changed)
 ``is_remote(loc)``                      True for a URL that is not a local ``file://`` path
 ``local_path(loc)``                     a ``file://`` URL as a plain path (others unchanged)
 ``join(base, *names)``, ``parent(loc)``, URL-aware path arithmetic (``os.path`` for local paths);
@@ -210,6 +211,11 @@ _FS_CACHE: dict[tuple, Any] = {}
 _DEFAULT_OPTIONS: dict[str, Any] = {}
 
 
+def clear_cache() -> None:
+    """Forget the filesystems built so far (after the environment changed: endpoint, credentials)."""
+    _FS_CACHE.clear()
+
+
 def _need_client(loc: str) -> None:
     s = scheme(loc)
     if s in EXTRAS:
@@ -357,6 +363,7 @@ def stat(loc: str, options: Options = None) -> FileInfo:
         return FileInfo(loc, st.st_size, stat_mod.S_ISDIR(st.st_mode), mtime_ns=st.st_mtime_ns)
     fs, path = filesystem(loc, options)
     with translate_errors(loc):
+        fs.invalidate_cache(path)  # what the store says now, not a listing cached earlier
         return _info_from_fsspec(loc, fs.info(path))
 
 
@@ -470,9 +477,11 @@ def parquet_file(loc: str, options: Options = None):
 
     if not is_remote(loc):
         return pq.ParquetFile(local_path(loc))
-    fs, path = arrow_filesystem(loc, options)
+    fs, path = filesystem(loc, options)
     with translate_errors(loc):
-        return pq.ParquetFile(fs.open_input_file(path))
+        # No read-ahead cache: pyarrow asks for exactly the footer and the column chunks it needs,
+        # each one range request (s3fs's default 50 MB read-ahead would fetch whole files).
+        return pq.ParquetFile(fs.open(path, "rb", cache_type="none"))
 
 
 def fingerprint_fields(info: FileInfo) -> dict[str, Any]:

@@ -27,8 +27,9 @@ from tests.formats_helpers import (
     write_megatron,
     write_webdataset,
 )
-from varlen_cli.analyze.formats import TAKE_ROWS, megatron
+from varlen_cli.analyze.formats import megatron
 from varlen_cli.cli import app
+from varlen_cli.loader import SourceDataset
 
 
 # -- Megatron --------------------------------------------------------------------------------------
@@ -70,8 +71,9 @@ def test_megatron_matches_megatron_core_reader(tmp_path):
     assert got.column("length").to_pylist() == ds.sequence_lengths.tolist()
     bounds = ds.document_indices
     assert got.column("document").to_pylist() == (np.searchsorted(bounds, np.arange(len(ds)), "right") - 1).tolist()
-    rows = TAKE_ROWS["megatron"](str(tmp_path / "c.idx"), [5, 0, 17], None)
-    assert rows.column("input_ids").to_pylist() == [ds[5].tolist(), ds[0].tolist(), ds[17].tolist()]
+    items = SourceDataset(str(tmp_path / "out"))  # item i: the tokens of sequence i, from the .bin
+    for i in (5, 0, 17):
+        assert items[i]["input_ids"].tolist() == ds[i].tolist() and items[i]["length"] == len(ds[i])
 
 
 @pytest.mark.slow
@@ -162,9 +164,10 @@ def test_mds_columns_and_lengths(tmp_path, kind):
         assert got.column("length").to_pylist() == want, spec
         assert got.column("sample_id").to_pylist() == list(range(len(samples)))
     assert res.manifest["dataset"]["files"][0]["path"] == "index.json"
-    table = TAKE_ROWS["mds"](os.path.join(src, "index.json"), [7, 2], ["messages", "tokens"])
-    assert table.column("messages").to_pylist() == [samples[7]["messages"], samples[2]["messages"]]
-    assert table.column("tokens").to_pylist() == [samples[7]["tokens"].tolist(), samples[2]["tokens"].tolist()]
+    items = SourceDataset(str(tmp_path / "o0"), columns=["messages", "tokens"])
+    for i in (7, 2, 39):
+        assert items[i]["messages"] == samples[i]["messages"]
+        assert items[i]["tokens"].tolist() == samples[i]["tokens"].tolist()
 
 
 @pytest.mark.skipif(mds_writer() is None, reason="mosaicml-streaming is not importable")
@@ -233,8 +236,9 @@ def test_webdataset_members_as_columns(tmp_path):
         res, got = run(tmp_path / f"o{i}", *src, length=spec, chunk_bytes=2048)
         assert got.column("length").to_pylist() == want, spec
     assert res.manifest["dataset"]["num_rows"] == len(samples)
-    rows = TAKE_ROWS["webdataset"](str(folder / "shard-001.tar"), [3, 0], ["__key__", "json.num_tokens"])
-    assert rows.column("__key__").to_pylist() == [samples[33]["__key__"], samples[30]["__key__"]]
+    items = SourceDataset(str(tmp_path / "o0"), columns=["__key__", "json.num_tokens"])
+    for i in (33, 30, 0, len(samples) - 1):
+        assert items[i] == {"__key__": samples[i]["__key__"], "json.num_tokens": samples[i]["json"]["num_tokens"]}
 
 
 @pytest.mark.slow

@@ -53,8 +53,11 @@ def _boto_keys() -> dict:
 def s3_server():
     """The server, with ``AWS_ENDPOINT_URL`` and test credentials in this process's environment
     (inherited by ``--nproc`` workers) for the session; restored afterwards."""
+    import logging
+
     from moto.server import ThreadedMotoServer
 
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one log line per request otherwise
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
@@ -76,6 +79,6 @@ def s3_server():
 def s3(s3_server):
     from varlen_cli import storage
 
-    storage._FS_CACHE.clear()  # a filesystem built under another environment is not reused
+    storage.clear_cache()  # a filesystem built under another environment is not reused
     storage.configure(None)
     return s3_server

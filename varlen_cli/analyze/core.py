@@ -325,6 +325,9 @@ def run_in_group(config: AnalyzeConfig, d: Dist, out: artifacts.AtomicDir, t0: f
     per_file = np.zeros(len(files), dtype=np.int64)
     np.add.at(per_file, np.array([u.file for u in mine], dtype=np.int64), np.array(unit_rows, dtype=np.int64))
     per_file = d.all_reduce(per_file)
+    all_unit_rows = np.zeros(len(units), dtype=np.int64)
+    all_unit_rows[lo:hi] = unit_rows
+    all_unit_rows = d.all_reduce(all_unit_rows)
     length_stats = distribution(lengths, d)
     diff_stats = float_summary(diff_parts, total_rows, d)
     stats = {"length": length_stats, "difficulty": diff_stats}
@@ -333,8 +336,8 @@ def run_in_group(config: AnalyzeConfig, d: Dist, out: artifacts.AtomicDir, t0: f
     d.barrier()  # every part is written
     if not d.is_main:
         return None
-    manifest = _manifest(config, str(work.length), d.world_size, fingerprint(files, per_file.tolist()), rows,
-                         stats, list(extras))
+    fp = _with_chunks(fingerprint(files, per_file.tolist()), files, units, all_unit_rows)
+    manifest = _manifest(config, str(work.length), d.world_size, fp, rows, stats, list(extras))
     artifacts.atomic_write_json(out.file(artifacts.MANIFEST_NAME), manifest)
     out.commit()
     return AnalyzeResult(
@@ -342,6 +345,18 @@ def run_in_group(config: AnalyzeConfig, d: Dist, out: artifacts.AtomicDir, t0: f
         length=str(work.length), difficulty=str(work.difficulty), stats=length_stats, difficulty_stats=diff_stats,
         seconds=time.perf_counter() - t0, manifest=manifest,
     )
+
+
+def _with_chunks(fp: dict, files: list[SourceFile], units: list[Unit], unit_rows: np.ndarray) -> dict:
+    """Record the byte chunks of each uncompressed JSONL/text file (and WebDataset shard) with their rows (``chunks``:
+    ``[[start, stop, rows], ...]``), so that a reader (``SourceDataset``) can find a row's chunk."""
+    for entry in fp["files"]:
+        entry.pop("chunks", None)
+    for unit, n in zip(units, unit_rows.tolist()):
+        f = files[unit.file]
+        if f.format in ("jsonl", "text", "webdataset") and f.compression is None:
+            fp["files"][unit.file].setdefault("chunks", []).append([unit.start, unit.stop, int(n)])
+    return fp
 
 
 def _manifest(config: AnalyzeConfig, length: str, world_size: int, fp: dict, rows: np.ndarray, stats: dict,

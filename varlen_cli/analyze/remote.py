@@ -94,7 +94,12 @@ def expand(source: str, is_candidate: Callable[[str], bool],
         if not out:
             raise InputError(f"no data files (Parquet, Arrow, JSONL, text) match {source}")
         return [(p, False) for p in out]
-    info = storage.stat(source)
+    try:
+        info = storage.stat(source)
+    except InputError as exc:
+        if "does not exist" not in exc.message:
+            raise
+        raise InputError(f"source {exc.message}") from None
     if not info.is_dir and not source.endswith("/"):
         parent = storage.parent(source)
         if artifact_kind(parent) is not None:

@@ -15,6 +15,9 @@ Object stores have no rename, so the local swap of :mod:`.safety` cannot be used
    deleted first, so during the copy the output is incomplete (refused), never a mix;
 4. on failure the temporary prefix and the staging folders are removed; the output is untouched.
 
+A single file (a plan, ``-o s3://bucket/plan.parquet``) is written locally and uploaded with one PUT,
+which object stores make visible whole or not at all (:func:`remote_atomic_file`).
+
 Limits: there is no lock (two runs writing one prefix at once are not detected), and a run
 killed during step 2 leaves the output without its manifest (refused until replaced).
 """
@@ -84,6 +87,44 @@ def check(path: str, overwrite: bool, inputs: Iterable[str] = ()) -> None:
     if objects and not _varlen_made(path, objects):
         raise OutputError(f"output {path} is a prefix varlen did not make (no varlen _manifest.json or _run.json); "
                           "--overwrite replaces only varlen outputs")
+
+
+def check_file(path: str, overwrite: bool) -> None:
+    """Refuse a file output that exists without ``--overwrite``, or (with it) is not a varlen plan."""
+    with storage.translate_errors(path, write=True):
+        if storage.isdir(path):
+            raise OutputError(f"output {path} is a directory; give a file name such as plan.parquet")
+        if not storage.isfile(path):
+            return
+    if not overwrite:
+        raise OutputError(f"output {path} already exists; pass --overwrite to replace it")
+    try:
+        is_plan = format.is_plan_schema(storage.parquet_file(path).schema_arrow)
+    except Exception:  # noqa: BLE001 - an object that is no Parquet at all is simply not a plan
+        is_plan = False
+    if not is_plan:
+        raise OutputError(f"output {path} is not a varlen plan; --overwrite replaces only varlen outputs")
+
+
+class _LocalFile:
+    def __init__(self, path: str, tmp: str):
+        self.given = self.path = path
+        self.tmp = tmp
+
+
+@contextmanager
+def remote_atomic_file(path: str, overwrite: bool) -> Iterator[_LocalFile]:
+    """Yield an object whose ``tmp`` is a local file to write; on success it is uploaded to ``path``
+    in one PUT (visible whole or not at all); on failure nothing is uploaded."""
+    check_file(path, overwrite)
+    fd, tmp = tempfile.mkstemp(prefix="varlen-remote-file-", suffix=".parquet")
+    os.close(fd)
+    try:
+        yield _LocalFile(path, tmp)
+        check_file(path, overwrite)  # still ours to replace
+        storage.put_file(tmp, path)
+    finally:
+        os.remove(tmp)
 
 
 class RemoteAtomicDir:

@@ -10,15 +10,13 @@ webdataset ``.tar`` shards (a file, folder or glob)      a key group, shards in 
 ========== ============================================= ============================================
 
 :mod:`varlen_cli.analyze.sources` calls :func:`format_of` (names), :func:`describe` (rows known
-up front), :func:`units`, :func:`schema`, and a :class:`Reader` per worker; :func:`take_rows` reads
-given rows of a file (for ``varlen_cli.loader.SourceDataset``: the ``TAKE_ROWS`` registry). Every
+up front), :func:`units`, :func:`schema`, and a :class:`Reader` per worker (which
+``varlen_cli.loader.SourceDataset`` also reads items with; :data:`ITEM_COLUMNS`). Every
 byte is read through :mod:`varlen_cli.storage`, so local paths and object-storage URLs both work.
 This package imports nothing from ``sources`` (units are returned as plain tuples).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import numpy as np
 
@@ -107,14 +105,6 @@ def document_offsets(paths: list[str], formats: list[str], sizes: list[int]) -> 
     return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
 
 
-def _take_megatron(path: str, rows, columns):
-    return megatron.take_rows(megatron.index_of(path), rows, columns)
-
-
-#: format -> ``take(path, rows, columns) -> pyarrow.Table``: rows by index in the file (a Megatron
-#: ``.idx``, an MDS ``index.json``, a ``.tar`` shard), for readers of single samples (SourceDataset).
-TAKE_ROWS: dict[str, Callable] = {
-    "megatron": _take_megatron,
-    "mds": mds.take_rows,
-    "webdataset": webdataset.take_rows,
-}
+#: an item's columns when a reader of single samples (``varlen_cli.loader.SourceDataset``) asks for
+#: all: a Megatron sample is its tokens (from ``.bin``) with its length and document
+ITEM_COLUMNS: dict[str, tuple | None] = {"megatron": (megatron.TOKENS_COLUMN, "length", "document")}

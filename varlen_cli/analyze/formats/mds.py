@@ -312,20 +312,3 @@ def _ndarray(buf, starts, sizes, config: str, path: str, name: str):
     offsets = np.zeros(n + 1, np.int64)
     np.cumsum(counts, out=offsets[1:])
     return pa.LargeListArray.from_arrays(pa.array(offsets), values)
-
-
-def take_rows(index_path: str, rows, columns):
-    """Samples with global indexes ``rows`` (any order) as a table (a range read per sample of a raw shard)."""
-    import pyarrow as pa
-
-    shards = read_index(index_path)
-    first = np.concatenate([[0], np.cumsum([s.samples for s in shards])])
-    reader = ShardReader()
-    reader._index = (index_path, shards)
-    parts = []
-    for r in np.asarray(rows, np.int64):
-        k = int(np.searchsorted(first, r, side="right") - 1)
-        if r < 0 or k >= len(shards):
-            raise InputError(f"{index_path} has {int(first[-1])} samples; row {int(r)} asked")
-        parts.append(reader.read(index_path, k, int(r - first[k]), int(r - first[k]) + 1, columns))
-    return pa.concat_tables(parts) if parts else pa.table({})

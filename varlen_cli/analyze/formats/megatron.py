@@ -223,15 +223,6 @@ def schema(index: Index):
     return pa.schema([("length", pa.int32()), ("document", pa.int64())])
 
 
-def take_rows(index: Index, rows: np.ndarray, columns) -> object:
-    """Rows (sequence indexes, any order) as a table; the default columns are ``input_ids`` and
-    ``length`` (what a training sample is)."""
-    import pyarrow as pa
-
-    wanted = [TOKENS_COLUMN, "length"] if columns is None else list(columns)
-    parts = [table(index, int(r), int(r) + 1, wanted) for r in np.asarray(rows, np.int64)]
-    return pa.concat_tables(parts) if parts else table(index, 0, 0, wanted)
-
 
 def write_index(path: str, sequence_lengths, document_starts, dtype=np.int32, modes=None) -> None:
     """Write an ``.idx`` (the inverse of :func:`read_index`; benchmarks and tests build big ones)."""

@@ -277,19 +277,3 @@ def units(size: int, chunk_bytes: int) -> list[tuple[int, int, int, int, int]]:
     """(part, start, stop, rows, weight) byte ranges of one shard (rows unknown: -1)."""
     bounds = list(range(0, max(size, 1), max(chunk_bytes, 512))) + [max(size, 1)]
     return [(-1, a, b, -1, max(1, (b - a) // WEIGHT_BYTES)) for a, b in zip(bounds[:-1], bounds[1:])]
-
-
-def take_rows(path: str, rows, columns):
-    """Key groups ``rows`` (indexes in the shard, any order) as a table (one walk of the shard)."""
-    import pyarrow as pa
-
-    w = Walker(path)
-    try:
-        groups = w.groups(0, 1 << 62)
-        rows = np.asarray(rows, np.int64)
-        if len(rows) and (rows.min() < 0 or rows.max() >= len(groups)):
-            raise InputError(f"{path} has {len(groups)} samples; row {int(rows.max())} asked")
-        table = build_table(w, [groups[int(r)] for r in rows], columns)
-    finally:
-        w.close()
-    return table if len(rows) else pa.table({})
