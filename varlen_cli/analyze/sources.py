@@ -29,7 +29,7 @@ import numpy as np
 
 from .. import storage
 from ..errors import InputError
-from . import discovery, remote
+from . import discovery, formats, remote
 
 PARQUET_EXT = (".parquet", ".pq")
 ARROW_EXT = (".arrow", ".feather", ".ipc")
@@ -69,6 +69,9 @@ class Unit:
 
 
 def _format_of(path: str) -> tuple[str | None, str | None]:
+    shard_format = formats.format_of(path)  # megatron .idx, MDS index.json, WebDataset .tar
+    if shard_format is not None:
+        return shard_format, None
     lower = path.lower()
     compression = None
     if lower.endswith(".gz"):
@@ -106,6 +109,10 @@ def _is_data_file_name(name: str) -> bool:
 def _expand(source: str) -> list[tuple[str, bool]]:
     """The data-file candidates of one SOURCE, each with whether the user named it explicitly
     (see :mod:`varlen_cli.analyze.discovery` for what a directory or glob takes)."""
+    if not any(ch in source for ch in discovery.GLOB_CHARS) and not storage.exists(source):
+        idx = formats.megatron_prefix(source)  # PREFIX of PREFIX.idx + PREFIX.bin
+        if idx is not None:
+            return [(idx, True)]
     if storage.is_remote(source):
         return remote.expand(source, _is_data_file_name, lambda p: _format_of(p)[0])
     if any(ch in source for ch in discovery.GLOB_CHARS):
@@ -147,7 +154,8 @@ def discover(sources: Sequence[str]) -> list[SourceFile]:
         fmt, compression = _format_of(path)
         if fmt is None:
             raise InputError(
-                f"unsupported source file {path}: expected .parquet, .arrow/.feather, .jsonl[.gz] or .txt[.gz]"
+                f"unsupported source file {path}: expected .parquet, .arrow/.feather, .jsonl[.gz], .txt[.gz], "
+                "a Megatron .idx, an MDS index.json or WebDataset .tar shards"
             )
         if storage.is_remote(path):
             info = storage.stat(path)
@@ -166,6 +174,8 @@ def discover(sources: Sequence[str]) -> list[SourceFile]:
             rows, footer = pf.metadata.num_rows, footer_digest(path, size)
         elif fmt == "arrow":
             rows = sum(n for n in _arrow_batch_rows(path))
+        elif fmt in formats.NAMES:
+            rows = formats.describe(path, fmt, size)
         files.append(SourceFile(path, fmt, size, compression, rows, mtime_ns, footer, etag, version))
     if not files:
         raise InputError(f"no data files (Parquet, Arrow, JSONL, text) in {', '.join(map(str, sources))}")
@@ -277,6 +287,8 @@ def make_units(files: Sequence[SourceFile], chunk_bytes: int = DEFAULT_CHUNK_BYT
             # Record batches are often small (Hugging Face writes 1,000 rows each): one unit is a
             # row range of the whole file, read from the memory map without copying.
             units.extend(_row_units(i, [f.rows], whole_file=True))
+        elif f.format in formats.NAMES:
+            units.extend(Unit(i, *u) for u in formats.units(f.path, f.format, f.size, chunk_bytes))
         elif f.compression is not None:
             units.append(Unit(i, -1, 0, f.size, -1, max(1, _estimate_rows(f.path, f.size, compressed=True))))
         else:
@@ -363,6 +375,7 @@ class Reader:
         self._handle = None
         self._group_key = None
         self._group = None
+        self._shards = formats.Reader()  # Megatron, MDS, WebDataset
 
     def _open(self, f: SourceFile):
         if self._path != f.path:
@@ -393,6 +406,8 @@ class Reader:
                     table = table.slice(unit.start, unit.stop - unit.start)
             elif f.format == "arrow":
                 table = self._open(f).slice(unit.start, unit.stop - unit.start)
+            elif f.format in formats.NAMES:
+                table = self._shards.read(f.path, f.format, f.size, unit, columns)
             elif f.format == "jsonl":
                 table = _read_jsonl(f, unit)
             else:

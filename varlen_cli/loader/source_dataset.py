@@ -142,9 +142,20 @@ def _any_blocks(file, entry):
     return [Unit(0, -1, 0, file.size, file.rows, file.rows)]
 
 
+def _shard_read(file, unit, columns):
+    """Megatron, MDS and WebDataset units through analyze's reader; an item's default columns are
+    the format's (a Megatron item holds its tokens, ``input_ids``, read from the ``.bin``)."""
+    from ..analyze.formats import ITEM_COLUMNS
+
+    return _reader_read(file, unit, columns if columns is not None else ITEM_COLUMNS.get(file.format))
+
+
 register_format("parquet", _parquet_blocks, _parquet_read)
 for _fmt, _blocks in (("arrow", _arrow_blocks), ("jsonl", _line_blocks), ("text", _line_blocks)):
     register_format(_fmt, _blocks, _reader_read)
+# sample ranges (Megatron sequences, MDS samples); WebDataset: the byte chunks analyze recorded
+for _fmt, _blocks in (("megatron", _any_blocks), ("mds", _any_blocks), ("webdataset", _line_blocks)):
+    register_format(_fmt, _blocks, _shard_read)
 
 
 # -- the manifest ------------------------------------------------------------------------------------
