@@ -542,7 +542,11 @@ def check_lr(a: PlanArrays, meta: dict) -> Check:
     else:
         if not isinstance(base, (int, float)) or isinstance(base, bool) or not base > 0:
             return Check("lr_scale", False, f"metadata has no base_batch_size > 0 (got {base!r})")
-        ratio = _step_sums(step, c["tokens"] if by == "tokens" else completed(a)) / float(base)
+        if by == "tokens" and meta.get("loss_tokens") == "target_length":  # tokens that carry loss
+            per_step = c["step_loss_tokens"].astype(np.float64)
+        else:
+            per_step = _step_sums(step, c["tokens"] if by == "tokens" else completed(a))
+        ratio = per_step / float(base)
         want = ratio if mode == "linear" else np.sqrt(ratio)
     bad = ~np.isclose(lr, want, rtol=1e-9, atol=1e-12)
     if bad.any():
@@ -584,6 +588,9 @@ def check_loss_tokens(a: PlanArrays, meta: dict) -> Check:
     c = a.cols
     if "step_loss_tokens" not in c:
         return Check("loss tokens", True, "plan has no step_loss_tokens column (older plan)", skipped=True)
+    if meta.get("loss_tokens") == "target_length":  # analyze --target-length: not derived from the lengths
+        return Check("loss tokens", True, "the plan counts the metrics' target_length (assistant tokens), not "
+                     "lengths", skipped=True)
     if a.lengths is not None:
         entry_len = a.lengths
     elif a.sample_length is not None:

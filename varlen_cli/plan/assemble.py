@@ -21,6 +21,7 @@ from .batching import Microbatches
 from .config import PlanConfig, PlanResult
 from .orders import EpochInputs
 from .pipeline import PlannedEpoch, Rows
+from .reader import TARGET_COLUMN
 from .shapes import pair_ids
 
 
@@ -62,7 +63,7 @@ def assemble_columns(c: PlanConfig, rows: Rows, epochs: list[PlannedEpoch], slot
         starts = mb.item_start
         if c.packing and rows.start is not None:  # pieces of a replan: their chunks start inside the sample
             starts = starts + rows.start[mb.samples]
-        completed, targets = entry_totals(mb, sample_length, starts if c.packing else None, any_empty)
+        completed, targets = entry_totals(mb, sample_length, starts if c.packing else None, any_empty, rows.target)
         cols["completed"].append(completed)
         cols["targets"].append(targets)
         if c.packing:
@@ -75,12 +76,15 @@ def assemble_columns(c: PlanConfig, rows: Rows, epochs: list[PlannedEpoch], slot
     return ({k: _concat(v) for k, v in cols.items()}, {k: _concat(v) for k, v in items.items() if v})
 
 
-def entry_totals(mb: Microbatches, sample_length: np.ndarray, starts: np.ndarray | None,
-                 any_empty: bool) -> tuple[np.ndarray, np.ndarray]:
+def entry_totals(mb: Microbatches, sample_length: np.ndarray, starts: np.ndarray | None, any_empty: bool,
+                 target: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per microbatch: the samples it completes (every entry, except the non-final chunks of a split
     sample, which counts once, where its last token is; for step_samples) and its loss targets
-    (:func:`varlen_cli.format.loss_targets`: shifted labels)."""
+    (:func:`varlen_cli.format.loss_targets`: shifted labels; ``target``: per row, the tokens that carry
+    loss as the input counted them, ``target_length``: every entry is then a whole sample)."""
     counts = np.diff(mb.offsets)
+    if target is not None:
+        return counts, batching.segment_sum(target[mb.samples], mb.offsets)
     if starts is None and not any_empty:  # every entry a whole non-empty sample: one completed, l - 1 targets
         return counts, mb.tokens.astype(np.int64) - counts
     final = None
@@ -222,7 +226,9 @@ def finish(c: PlanConfig, rows: Rows, epochs: list[PlannedEpoch], col: dict, it:
     step_samples = np.bincount(step, weights=col["completed"], minlength=num_steps).astype(np.int64)
     step_tokens = np.bincount(step, weights=col["tokens"], minlength=num_steps).astype(np.int64)
     step_loss_tokens = np.bincount(step, weights=col["targets"], minlength=num_steps).astype(np.int64)
-    scales, base = lr.lr_scales(step_samples, step_tokens, c.lr_scaling, c.lr_scale_by, c.base_batch_size)
+    trained_only = rows.target is not None  # tokens: those that carry loss (target_length)
+    scales, base = lr.lr_scales(step_samples, step_loss_tokens if trained_only else step_tokens, c.lr_scaling,
+                                c.lr_scale_by, c.base_batch_size)
     if not np.all(np.isfinite(scales)):
         raise UsageError(f"--base-batch-size {c.base_batch_size} gives a non-finite lr_scale; give a larger base "
                          "batch size")
@@ -256,6 +262,8 @@ def finish(c: PlanConfig, rows: Rows, epochs: list[PlannedEpoch], col: dict, it:
     metadata = build_metadata(c, epochs, source=source, num_steps=num_steps, num_microbatches=len(counts),
                               shapes=shapes, base_batch_size=base, inputs=inputs, fixed_batch=fixed_batch,
                               packing=packing, dropped=dropped.to_dict(dropped_all), summary=summary)
+    if trained_only:
+        metadata["loss_tokens"] = TARGET_COLUMN
     metadata.update(extra_metadata or {})
     if c.schedule is not None:
         from ..schedule.order import combined_report

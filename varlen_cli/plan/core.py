@@ -15,7 +15,7 @@ from .cost_model import resolve_budget
 from .orders import CURRICULAR
 from .pipeline import Rows, check_plan_size, epoch_inputs, plan_epochs
 from .progress import PlanProgress
-from .reader import read_input
+from .reader import read_input, read_targets
 
 __all__ = ["ORDERS", "TAILS", "PlanConfig", "PlanResult", "check", "plan"]
 
@@ -41,12 +41,13 @@ def plan(config: PlanConfig) -> PlanResult:
     with PlanProgress(c.progress, c.epochs) as bar:
         bar.phase("read")
         manifest, sample_id, length = read_input(c.input, c.allow_stale)
+        target = read_targets(c, c.input, manifest)
         kind = manifest.get("kind", "metrics")
         if c.order in CURRICULAR and kind != "sorted":
             raise UsageError(f"--order {c.order} needs a sorted input, but {c.input} is a {kind} directory "
                              f"(sample_id order); sort it first: `varlen sort {c.input} -o SORTED_DIR`")
         check_plan_size(len(sample_id), c.epochs, c.packing, f"{len(sample_id):,} samples")
-        rows = Rows(sample_id, length)
+        rows = Rows(sample_id, length, target=target)
         inputs, long_pos = epoch_inputs(c, rows, budget)
         epochs, fixed_batch = plan_epochs(c, inputs, bar=bar)
         bar.phase("columns")

@@ -20,7 +20,7 @@ from .config import PlanConfig, PlanResult, check
 from .layout import Remedies
 from .orders import EpochInputs
 from .pipeline import PlannedEpoch, Rows, epoch_inputs, plan_epochs
-from .reader import read_input
+from .reader import read_input, read_targets
 
 REPLAN_REMEDIES = Remedies(tail=False, drop_long=False)  # replan keeps the parent's --tail and --drop-long
 
@@ -147,7 +147,7 @@ def parent_rows(parent: Parent, c: PlanConfig) -> tuple[Rows, dict, list | None]
     if recorded.get("artifact_id") and manifest.get("artifact_id") != recorded["artifact_id"]:
         raise InputError(f"{c.input} changed since {parent.path} was planned (artifact_id "
                          f"{manifest.get('artifact_id')}, the plan was made from {recorded['artifact_id']})")
-    return Rows(sample_id, length), manifest, None
+    return Rows(sample_id, length, target=read_targets(c, c.input, manifest)), manifest, None
 
 
 # -- what an epoch has left after a step -------------------------------------------------------------

@@ -41,8 +41,9 @@ class Rows:
     ``sample_id``: the id the plan writes; ``length``: the tokens the row takes; ``source``: the
     mixture source of each row (its rows are then in canonical order already: ids repeat);
     ``start``/``full_length`` (pieces only): where the piece starts in its sample and the sample's
-    whole length. ``base``: rows ``[0, base)`` are the input's (every epoch), rows ``[base, len)``
-    the pieces (only the epochs that name them)."""
+    whole length; ``target``: the tokens of each row that carry loss, when the input counts them
+    (``target_length``, ``varlen analyze --target-length``). ``base``: rows ``[0, base)`` are the
+    input's (every epoch), rows ``[base, len)`` the pieces (only the epochs that name them)."""
 
     sample_id: np.ndarray
     length: np.ndarray
@@ -50,6 +51,7 @@ class Rows:
     start: np.ndarray | None = None
     full_length: np.ndarray | None = None
     base: int | None = None
+    target: np.ndarray | None = None
 
     def __post_init__(self):
         if self.base is None:

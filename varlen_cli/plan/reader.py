@@ -7,8 +7,9 @@ import os
 import numpy as np
 
 from .. import format
-from ..errors import InputError
+from ..errors import InputError, UsageError
 from ..runtime import artifacts, freshness
+from .config import PlanConfig
 
 
 def read_input(path: str, allow_stale: bool = False) -> tuple[dict, np.ndarray, np.ndarray]:
@@ -55,6 +56,24 @@ def read_input(path: str, allow_stale: bool = False) -> tuple[dict, np.ndarray, 
                          f"{format.INT32_MAX:,} (int32)")
     check_ids(sample_id, path)
     return manifest, sample_id, length
+
+
+TARGET_COLUMN = "target_length"  # metrics column of the tokens that carry loss (analyze --target-length)
+
+
+def read_targets(c: PlanConfig, path: str, manifest: dict) -> np.ndarray | None:
+    """The input's ``target_length`` column (row order, as :func:`read_input`), or None without one
+    (``c``: the plan's config; ``--split-long`` cannot place a sample's loss tokens in its chunks)."""
+    import pyarrow.parquet as pq
+
+    if TARGET_COLUMN not in (manifest.get("columns") or {}):
+        return None
+    if c.packing and c.split_long:
+        raise UsageError(f"--split-long cannot tell which chunk of a split sample holds its {TARGET_COLUMN} loss "
+                         f"tokens (analyze --target-length); pack without --split-long")
+    parts = [pq.read_table(os.path.join(path, part["file"]), columns=[TARGET_COLUMN]).column(0)
+             for part in manifest.get("parts", [])]
+    return np.concatenate([p.to_numpy() for p in parts]).astype(np.int64) if parts else np.zeros(0, np.int64)
 
 
 def check_ids(sample_id: np.ndarray, path: str) -> None:
