@@ -34,8 +34,8 @@ cached per scheme and options):
 ``is_remote(loc)``                      True for a URL that is not a local ``file://`` path
 ``local_path(loc)``                     a ``file://`` URL as a plain path (others unchanged)
 ``join(base, *names)``, ``parent(loc)``, URL-aware path arithmetic (``os.path`` for local paths);
-``name(loc)``, ``relpath(loc, base)``,  ``common_root`` is the deepest folder holding all locations
-``common_root(locs)``
+``name(loc)``, ``relpath(loc, base)``,  ``common_root`` is the deepest folder holding all locations,
+``common_root(locs)``, ``absolute(loc)`` ``absolute`` what artifacts record (an absolute path or the URL)
 ``stat(loc, options)``                  :class:`FileInfo` (size, etag, version, mtime_ns, is_dir);
                                         InputError when missing or unreachable
 ``exists(loc)``, ``isdir(loc)``,        cheap probes (errors other than "not found" still raise)
@@ -168,6 +168,11 @@ def common_root(locs: Sequence[str]) -> str:
             break
         common.append(parts[0])
     return head + "/".join(common)
+
+
+def absolute(loc: str) -> str:
+    """A location as artifacts record it: an absolute local path, or the URL without a trailing ``/``."""
+    return str(loc).rstrip("/") if is_remote(loc) else os.path.abspath(local_path(loc))
 
 
 def under(loc: str, root: str) -> str:

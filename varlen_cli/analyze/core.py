@@ -17,7 +17,7 @@ import numpy as np
 from .. import storage
 from ..errors import InputError, OutputError, UsageError
 from ..runtime import artifacts
-from ..runtime.choices import NPROC_HELP, Device, check_choices, doc
+from ..runtime.choices import NPROC_HELP, STORAGE_OPTION_HELP, Device, check_choices, doc
 from ..runtime.dist import Dist, fault_point
 from ..runtime.executor import execute
 from ..runtime.progress import JobProgress
@@ -38,9 +38,6 @@ from .lengths import (
 from .sources import DEFAULT_CHUNK_BYTES, Reader, SourceFile, Unit, assign, discover, fingerprint, make_units
 from .stats import distribution, float_summary
 
-STORAGE_OPTION_HELP = ("KEY=VALUE passed to the object-storage filesystem of s3://, gs://, hf://... sources and "
-                       "outputs (repeatable; JSON values parsed); credentials and endpoints otherwise come from the "
-                       "standard environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...).")
 LENGTH_HELP = ("KIND:COLUMN with KIND list, tokens, chars, bytes, words, value or chat; 'auto' picks a list column "
                "input_ids/tokens/token_ids, then text (tokens with --tokenizer, else chars), then "
                "num_tokens/length/duration.")
@@ -368,7 +365,6 @@ def _manifest(config: AnalyzeConfig, length: str, world_size: int, fp: dict, row
     """The metrics directory's ``_manifest.json`` (``rows``: rows per part, in rank order)."""
     cfg = artifacts.config_dict(config)
     cfg["length"] = length
-    cfg["storage_options"] = storage.redacted(config.storage_options)  # values may be secrets
     return {
         "format": artifacts.METRICS_FORMAT,
         "format_version": artifacts.FORMAT_VERSION,

@@ -48,12 +48,7 @@ def analyze_command(
         help="Curriculum key: length, value:COLUMN, vocab-rarity, or MODULE:FUNCTION (RecordBatch -> one value per "
         "row).",
     ),
-    storage_options: list[str] = typer.Option(
-        [], "--storage-option", metavar="KEY=VALUE", show_default=False,
-        help="KEY=VALUE passed to the object-storage filesystem of s3://, gs://, hf://... sources and outputs "
-        "(repeatable; JSON values parsed); credentials and endpoints otherwise come from the standard environment "
-        "(AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...).",
-    ),
+    storage_options: list[str] = common.STORAGE_OPTION,
     nproc: int = common.NPROC,
     device: Device = common.DEVICE,
     overwrite: bool = common.OVERWRITE,

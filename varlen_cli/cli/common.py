@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from ..runtime.choices import NPROC_HELP
+from ..runtime.choices import NPROC_HELP, STORAGE_OPTION_HELP
 
 NPROC = typer.Option(1, "--nproc", help=NPROC_HELP)
 DEVICE = typer.Option("cpu", "--device", help="cpu (--nproc: local group; torchrun: gloo) or cuda (nccl).")
@@ -14,6 +14,8 @@ ALLOW_STALE = typer.Option(
     help="Use metrics even if their source files changed (size, mtime) since `varlen analyze`: for data moved or "
          "copied on purpose.",
 )
+STORAGE_OPTION = typer.Option([], "--storage-option", metavar="KEY=VALUE", show_default=False,
+                              help=STORAGE_OPTION_HELP)
 PROGRESS = typer.Option(True, "--progress/--no-progress", help="Show a progress bar on rank 0 (only on a terminal).")
 JSON = typer.Option(
     False, "--json",

@@ -8,18 +8,23 @@ from varlen_cli.cli import common
 
 
 def inspect_command(
-    path: str = typer.Argument(..., help="A metrics directory, a sorted directory or a plan file.", show_default=False),
+    path: str = typer.Argument(
+        ..., show_default=False,
+        help="A metrics directory, a sorted directory or a plan file (local or in object storage: s3://...).",
+    ),
     step: int | None = typer.Option(
         None, "--step", show_default=False,
         help="Plans: also show the microbatches of step N.",
     ),
     json_output: bool = typer.Option(False, "--json", help="Print everything as JSON (for scripts)."),
+    storage_options: list[str] = common.STORAGE_OPTION,
 ) -> None:
     """Show an artifact's config, provenance and statistics, with terminal histograms."""
     from varlen_cli.cli.report import print_tables
     from varlen_cli.inspect import InspectConfig, inspect_artifact, tables
 
-    info = common.run(inspect_artifact, InspectConfig(path=path, step=step))
+    info = common.run(inspect_artifact, InspectConfig(path=path, step=step,
+                                                              storage_options=tuple(storage_options)))
     if json_output:
         import json
 

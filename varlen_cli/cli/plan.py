@@ -184,6 +184,7 @@ def plan_command(
     mix: str | None = MIX,
     extend: str | None = EXTEND,
     progress: bool = common.PROGRESS,
+    storage_options: list[str] = common.STORAGE_OPTION,
     json_output: bool = common.JSON,
 ) -> None:
     """Write a token-budget batch plan (Parquet): microbatches, ranks, steps, shapes and LR scales."""
@@ -202,7 +203,7 @@ def plan_command(
         seq_len=seq_len, rows_per_microbatch=rows_per_microbatch, max_per_row=max_per_row, split_long=split_long,
         overwrite=overwrite, allow_stale=allow_stale, schedule=schedule, stages=stages,
         memory_profile=memory_profile, max_memory=max_memory, memory_margin=memory_margin, mix=mix, extend=extend,
-        progress=progress,
+        progress=progress, storage_options=tuple(storage_options),
     )
     with reuse_freed_memory():  # large plans: freed arrays reused, not unmapped and zeroed again (plan/heap.py)
         result = common.run(plan, config)

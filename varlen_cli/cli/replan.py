@@ -33,6 +33,7 @@ def replan_command(
                                                    "recorded)."),
     overwrite: bool = common.OVERWRITE,
     allow_stale: bool = common.ALLOW_STALE,
+    storage_options: list[str] = common.STORAGE_OPTION,
 ) -> None:
     """Re-plan the rest of a running job from step N for another number of ranks: the epoch in progress
     continues with exactly its unconsumed samples, the LR schedule continues (same base batch size)."""
@@ -41,7 +42,7 @@ def replan_command(
 
     config = ReplanConfig(plan=plan, output=output, dp=dp, from_step=from_step, state=state, grad_accum=grad_accum,
                           max_tokens=max_tokens, max_memory=max_memory, memory_profile=memory_profile,
-                          overwrite=overwrite, allow_stale=allow_stale)
+                          overwrite=overwrite, allow_stale=allow_stale, storage_options=tuple(storage_options))
     result = common.run(replan, config)
     if result is not None:
         report.print_plan(result)

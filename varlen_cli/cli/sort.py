@@ -38,6 +38,7 @@ def sort_command(
     overwrite: bool = common.OVERWRITE,
     progress: bool = common.PROGRESS,
     allow_stale: bool = common.ALLOW_STALE,
+    storage_options: list[str] = common.STORAGE_OPTION,
     json_output: bool = common.JSON,
 ) -> None:
     """Sort a metrics directory globally by key, distributed over workers (sample sort)."""
@@ -47,7 +48,7 @@ def sort_command(
     config = SortConfig(
         metrics_dir=metrics_dir, output=output, by=by, descending=descending, ties=ties, seed=seed, nan=nan,
         single_file=single_file, nproc=nproc, device=device, overwrite=overwrite, progress=progress,
-        allow_stale=allow_stale,
+        allow_stale=allow_stale, storage_options=tuple(storage_options),
     )
     result = common.run(sort, config)
     if result is not None and json_output:

@@ -8,11 +8,12 @@ from varlen_cli.cli import common
 
 
 def validate_command(
-    plan: str = typer.Argument(..., help="Plan Parquet file written by `varlen plan`.", show_default=False),
+    plan: str = typer.Argument(..., help="Plan Parquet file written by `varlen plan` (local or an s3://... object).",
+                               show_default=False),
     metrics: str | None = typer.Option(
         None, "--metrics", show_default=False,
-        help="Metrics or sorted directory the plan was built from: also checks the fingerprint, seqlens and token "
-        "counts.",
+        help="Metrics or sorted directory the plan was built from (local or an s3://... prefix): also checks the "
+        "fingerprint, seqlens, token counts and loss tokens.",
     ),
     max_memory: str | None = typer.Option(
         None, "--max-memory", show_default=False,
@@ -25,13 +26,15 @@ def validate_command(
     ),
     json_output: bool = typer.Option(False, "--json", help="Print the checks as JSON instead of a table."),
     allow_stale: bool = common.ALLOW_STALE,
+    storage_options: list[str] = common.STORAGE_OPTION,
 ) -> None:
     """Re-check every invariant of a plan; exit 0 only when all hold (6 when any is violated)."""
     from varlen_cli.errors import VALIDATION_FAILED
     from varlen_cli.validate import ValidateConfig, validate
 
     result = common.run(validate, ValidateConfig(plan=plan, metrics=metrics, allow_stale=allow_stale,
-                                                 max_memory=max_memory, memory_profile=memory_profile))
+                                                 max_memory=max_memory, memory_profile=memory_profile,
+                                                 storage_options=tuple(storage_options)))
     if json_output:
         import json
 

@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import format
+from .. import format, storage
 from ..budget import attention_number, is_auto
 from ..errors import UsageError
 from ..memory.sizes import parse_size
-from ..runtime.choices import LrScaleBy, LrScaling, Order, Tail, check_choices, doc, values
+from ..runtime.choices import STORAGE_OPTION_HELP, LrScaleBy, LrScaling, Order, Tail, check_choices, doc, values
 
 MAX_TOKENS_LIMIT = 2**53  # budgets are compared as float64: exact up to here
 ORDERS = values(Order)
@@ -83,6 +83,7 @@ class PlanConfig:
     extend: str | None = doc(None, "Lengthen this plan to --epochs E: its steps unchanged, new epochs appended (its "
                                    "other options kept; INPUT_DIR only if its input moved).")
     progress: bool = doc(True, "Show a progress bar on rank 0 (only on a terminal).")
+    storage_options: tuple = doc((), STORAGE_OPTION_HELP)
 
 
 @dataclass
@@ -111,6 +112,7 @@ def _positive(name: str, value, allow_none: bool = True) -> None:
 
 def check(c: PlanConfig) -> None:
     check_choices(c)
+    storage.parse_options(c.storage_options)
     if not c.input:
         raise UsageError("missing INPUT_DIR: the metrics or sorted directory to plan (or --extend PLAN)")
     _check_memory(c)

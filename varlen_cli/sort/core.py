@@ -23,9 +23,20 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from .. import storage
 from ..errors import InputError, OutputError, UsageError
 from ..runtime import artifacts, freshness, safety
-from ..runtime.choices import NPROC_HELP, Device, Engine, NanPolicy, Ties, check_choices, doc, values
+from ..runtime.choices import (
+    NPROC_HELP,
+    STORAGE_OPTION_HELP,
+    Device,
+    Engine,
+    NanPolicy,
+    Ties,
+    check_choices,
+    doc,
+    values,
+)
 from ..runtime.dist import Dist, check_nproc, fault_point
 from ..runtime.executor import execute
 from ..runtime.progress import JobProgress
@@ -65,6 +76,7 @@ class SortConfig:
                                  "--device cuda, numpy otherwise); the result is the same.")
     allow_stale: bool = doc(False, "Use metrics even if their source files changed (size, mtime) since "
                                    "`varlen analyze`: for data moved or copied on purpose.")
+    storage_options: tuple = doc((), STORAGE_OPTION_HELP)
 
 
 @dataclass
@@ -86,6 +98,7 @@ def sort(config: SortConfig) -> SortResult | None:
     """Run ``varlen sort``; returns the result on rank 0 (None on other ranks)."""
     config = replace(config, by=parse_by(config.by))
     check(config)
+    storage.configure(config.storage_options)  # the input may be in object storage (workers: the executor)
     check_input(config)
     return execute(run_in_group, config)
 
@@ -116,6 +129,7 @@ def check(config: SortConfig) -> None:
     if config.row_group_size < 1:
         raise UsageError("row_group_size must be positive")
     check_nproc(config.nproc)
+    storage.parse_options(config.storage_options)
     if config.engine == "numpy" and config.device == "cuda":
         raise UsageError("engine 'numpy' sorts on the CPU; use engine 'torch' (or 'auto') with --device cuda")
 
@@ -130,16 +144,10 @@ def _read_input(path: str) -> dict:
 
 
 def _input_schema(path: str, manifest: dict):
-    import pyarrow.parquet as pq
-
     parts = manifest.get("parts", [])
     if not parts:
         return artifacts.metrics_schema()
-    part_path = os.path.join(path, parts[0]["file"])
-    try:
-        return pq.read_schema(part_path).remove_metadata()
-    except Exception as exc:
-        raise InputError(f"cannot read {part_path}: {exc}") from None
+    return artifacts.open_part(artifacts.part_location(path, parts[0])).schema_arrow.remove_metadata()
 
 
 def _is_fixed_width(t) -> bool:
@@ -251,7 +259,6 @@ def _read_columns(path: str, manifest: dict, lo: int, hi: int, schema) -> dict:
     arrays, so the peak is the rows plus one row group (not twice the rows).
     """
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     n = hi - lo
     names = schema.names
@@ -264,9 +271,9 @@ def _read_columns(path: str, manifest: dict, lo: int, hi: int, schema) -> dict:
         offset += rows
         if b <= a:
             continue
-        part_path = os.path.join(path, part["file"])
+        part_path = artifacts.part_location(path, part)
         try:
-            pf = pq.ParquetFile(part_path)
+            pf = artifacts.open_part(part_path)
             rg_offset = 0
             for rg in range(pf.num_row_groups):
                 rg_rows = pf.metadata.row_group(rg).num_rows
@@ -620,7 +627,7 @@ def _finish(config: SortConfig, d: Dist, out: artifacts.AtomicDir, manifest: dic
         "world_size": d.world_size,
         "dataset": manifest.get("dataset"),
         "artifact_id": artifacts.artifact_id("sort", ident, input_id, [total]),
-        "input": {"path": os.path.abspath(config.metrics_dir), "artifact_id": manifest.get("artifact_id")},
+        "input": {"path": storage.absolute(config.metrics_dir), "artifact_id": manifest.get("artifact_id")},
         "order": order,
         "columns": manifest.get("columns") or {},
         "num_rows": total,

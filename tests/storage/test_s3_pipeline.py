@@ -1,0 +1,83 @@
+"""The whole pipeline with every artifact in object storage (the moto S3 server): analyze -> sort ->
+plan -> validate/inspect read metrics, sorted directories and plans from ``s3://`` through
+:mod:`varlen_cli.storage`, and give the plan the all-local pipeline gives, with 1 and 2 workers."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pyarrow as pa
+import pytest
+from typer.testing import CliRunner
+
+from tests.analyze_helpers import text_table, write_jsonl, write_parquet
+from varlen_cli import format, storage
+from varlen_cli.cli import app
+
+# What depends on where the artifacts are or when they were made, not on what was computed.
+PLACE_KEYS = ("created_at", "config", "input")
+
+
+def _corpus(folder) -> None:
+    texts = pa.concat_tables([text_table(150, seed=s, first_id=1000 * s) for s in range(2)])
+    os.makedirs(folder, exist_ok=True)
+    write_parquet(texts.slice(0, 150), os.path.join(folder, "a.parquet"), row_group_size=40)
+    write_jsonl(texts.slice(150, 150), os.path.join(folder, "b.jsonl"))
+
+
+def _cli(*args: str) -> None:
+    result = CliRunner().invoke(app, [*args, "--no-progress"] if args[0] in ("analyze", "sort", "plan") else args)
+    assert result.exit_code == 0, result.output
+
+
+def _pipeline(src: str, where: str, nproc: int) -> dict:
+    """analyze, sort, plan, validate and inspect with every artifact below ``where``; the paths."""
+    p = {k: storage.join(where, k) for k in ("metrics", "sorted", "plan.parquet")}
+    _cli("analyze", src, "-o", p["metrics"], "--length", "words:text", "--nproc", str(nproc))
+    _cli("sort", p["metrics"], "-o", p["sorted"], "--nproc", str(nproc))
+    _cli("plan", p["sorted"], "-o", p["plan.parquet"], "--max-tokens", "512", "--dp", "2", "--order", "curriculum",
+         "--seed", "3")
+    _cli("validate", p["plan.parquet"], "--metrics", p["sorted"])
+    _cli("validate", p["plan.parquet"], "--metrics", p["metrics"])
+    return p
+
+
+def _read_plan(path: str) -> tuple[pa.Table, dict]:
+    pf, meta = format.open_plan_file(path)
+    return pf.read(), meta
+
+
+def _manifest(path: str) -> dict:
+    return json.loads(storage.read_bytes(storage.join(path, format.MANIFEST_NAME)))
+
+
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_pipeline_on_s3_equals_local(tmp_path, s3, nproc):
+    _corpus(tmp_path / "src")
+    bucket = s3.bucket()
+    url = s3.upload_tree(str(tmp_path / "src"), bucket, "corpus")
+    (tmp_path / "out").mkdir()
+    local = _pipeline(str(tmp_path / "src" / "*"), str(tmp_path / "out"), 1)
+    remote = _pipeline(url + "/*", f"s3://{bucket}/out", nproc)
+    assert s3.keys(bucket) == sorted([f"corpus/{n}" for n in ("a.parquet", "b.jsonl")] + [
+        "out/plan.parquet", "out/metrics/_manifest.json", "out/sorted/_manifest.json",
+        *[f"out/{d}/part-0000{r}.parquet" for d in ("metrics", "sorted") for r in range(nproc)]])
+    for kind in ("metrics", "sorted"):  # the same dataset and rows (artifact ids also name the SOURCE given)
+        got, want = _manifest(remote[kind]), _manifest(local[kind])
+        assert got["dataset"]["digest"] == want["dataset"]["digest"] and got["stats"] == want["stats"]
+        assert got["parts"] == want["parts"] if nproc == 1 else sum(p["rows"] for p in got["parts"]) == 300
+    (t_remote, m_remote), (t_local, m_local) = _read_plan(remote["plan.parquet"]), _read_plan(local["plan.parquet"])
+    assert t_remote.equals(t_local)  # the same plan rows, byte for byte in Arrow
+    assert {k: v for k, v in m_remote.items() if k not in PLACE_KEYS + ("stats",)} == \
+        {k: v for k, v in m_local.items() if k not in PLACE_KEYS + ("stats",)}
+    assert {k: v for k, v in m_remote["stats"].items() if k != "seconds"} == \
+        {k: v for k, v in m_local["stats"].items() if k != "seconds"}
+    assert m_remote["input"]["path"] == remote["sorted"] and m_remote["input"]["relative_path"] is None
+    assert {k: v for k, v in m_remote["input"].items() if "path" not in k and k != "artifact_id"} == \
+        {k: v for k, v in m_local["input"].items() if "path" not in k and k != "artifact_id"}
+    # inspect reads both kinds of artifact from the store
+    for path, kind in ((remote["sorted"], "sorted"), (remote["plan.parquet"], "plan")):
+        result = CliRunner().invoke(app, ["inspect", path, "--json"])
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.output)["kind"] == kind
