@@ -227,10 +227,10 @@ class _Work:
 
 
 def _schema_of(f: SourceFile):
-    from .sources import open_arrow, parquet_file
+    from .sources import footer_key, open_arrow, parquet_file
 
     if f.format == "parquet":
-        return parquet_file(f.path).schema_arrow
+        return parquet_file(f.path, f.size, footer_key(f)).schema_arrow
     if f.format == "arrow":
         return open_arrow(f.path)[0].schema
     if f.format in formats.NAMES:
