@@ -11,6 +11,8 @@ import shutil
 import numpy as np
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from tests.analyze_helpers import ipc_bytes, leftovers, run
@@ -146,6 +148,36 @@ def test_megatron_index_reader_inverse():
         assert megatron.lengths(idx, 0, 4).tolist() == [3, 0, 5, 2]
         assert megatron.documents(idx, 0, 4).tolist() == [0, 0, 2, 2]  # document 1 is empty
         assert megatron.documents(idx, 1, 3).tolist() == [0, 2]
+
+
+@settings(max_examples=60, deadline=None)
+@given(docs=st.lists(st.integers(0, 4), min_size=1, max_size=60), cut=st.data(), crowded=st.booleans())
+def test_megatron_documents_equal_a_search_of_the_boundaries(tmp_path_factory, docs, cut, crowded):
+    """The document of every sequence of any unit is the last boundary at or below it: documents of
+    0 to 4 sequences (empty ones included), one-sequence documents (the arange path), and boundaries
+    crowded at one end (the interpolated read misses: the binary search path)."""
+    sizes = ([1] * 50 + docs) if crowded else docs
+    n = sum(sizes)
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    path = str(tmp_path_factory.mktemp("idx") / "x.idx")
+    megatron.write_index(path, np.ones(n, np.int32), starts)
+    idx = megatron.read_index(path, os.path.getsize(path))
+    a = cut.draw(st.integers(0, n))
+    b = cut.draw(st.integers(a, n))
+    want = np.searchsorted(starts, np.arange(a, b), "right") - 1
+    assert megatron.documents(idx, a, b).tolist() == want.tolist()
+
+
+def test_megatron_documents_far_from_an_even_spread(tmp_path):
+    """20,000 one-sequence documents, then one of 20,000 sequences: the interpolated guess of a unit's
+    boundaries misses (binary search instead), the same documents either way."""
+    starts = np.concatenate([np.arange(20_001), [40_000]])
+    path = str(tmp_path / "x.idx")
+    megatron.write_index(path, np.ones(40_000, np.int32), starts)
+    idx = megatron.read_index(path, os.path.getsize(path))
+    for a, b in ((30_000, 30_010), (19_990, 20_010), (0, 40_000), (5, 9)):
+        want = np.searchsorted(starts, np.arange(a, b), "right") - 1
+        assert megatron.documents(idx, a, b).tolist() == want.tolist()
 
 
 # -- MDS -------------------------------------------------------------------------------------------
