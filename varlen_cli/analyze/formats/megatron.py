@@ -157,7 +157,7 @@ def _boundaries(index: Index, start: int, stop: int) -> tuple[int, np.ndarray]:
     misses falls back to two binary searches."""
     d, n = index.doc_entries, index.sequences
     guess_lo, guess_hi = (d - 1) * start // n, -(-(d - 1) * stop // n)
-    slack = 4096 + (guess_hi - guess_lo) // 8
+    slack = 4096 + (guess_hi - guess_lo) // 32
     a, b = max(0, guess_lo - slack), min(d, guess_hi + slack + 1)
     window = _array(index.path, index.documents_at + 8 * a, b - a, np.int64)
     if window[0] <= start and window[-1] > stop - 1:  # documents[d - 1] == n > stop - 1 closes the last one
@@ -171,29 +171,23 @@ def _boundaries(index: Index, start: int, stop: int) -> tuple[int, np.ndarray]:
 
 
 def documents(index: Index, start: int, stop: int) -> np.ndarray:
-    """The document (in this file) of each sequence in [start, stop), as int64 (vectorised; see
-    benchmarks/README.md for the speed).
+    """The document (in this file) of each sequence in [start, stop), as int64 (vectorised; speed in
+    benchmarks/README.md).
 
     Document k holds the sequences [documents[k], documents[k+1]); empty documents keep their
     number. Reads only the boundaries that cover the range."""
     if stop <= start:
         return np.zeros(0, np.int64)
     k0, bounds = _boundaries(index, start, stop)
-    steps = np.diff(bounds)
-    if len(steps) and steps.min() < 0:
+    if np.any(bounds[1:] < bounds[:-1]):
         raise InputError(f"corrupt Megatron index {index.path}: document boundaries decrease")
     m = stop - start
-    if len(steps) == m - 1 and (not len(steps) or steps.min() > 0):
+    if len(bounds) == m and (m == 1 or (bounds[1] == start + 1 and not np.any(bounds[2:] == bounds[1:-1]))):
         # a document starts at every sequence (one sequence a document, Megatron's usual layout)
         return np.arange(k0, k0 + m, dtype=np.int64)
     # boundaries after k0 all lie in (start, stop): document = k0 + the boundaries at or below the
-    # sequence, a running sum of boundary marks (faster than np.repeat over many short documents)
-    pos = bounds[1:] - start
-    if len(steps) and steps.min() == 0:  # empty documents: several boundaries at one sequence
-        marks = np.bincount(pos, minlength=m).astype(np.int64)
-    else:
-        marks = np.zeros(m, np.int64)
-        marks[pos] = 1
+    # sequence, a running sum of the boundaries per sequence (several at one sequence: empty documents)
+    marks = np.bincount(bounds[1:] - start, minlength=m)
     marks[0] += k0
     return np.cumsum(marks, out=marks)
 
