@@ -76,8 +76,31 @@ def test_pipeline_on_s3_equals_local(tmp_path, s3, nproc):
     assert m_remote["input"]["path"] == remote["sorted"] and m_remote["input"]["relative_path"] is None
     assert {k: v for k, v in m_remote["input"].items() if "path" not in k and k != "artifact_id"} == \
         {k: v for k, v in m_local["input"].items() if "path" not in k and k != "artifact_id"}
+    # --mix of directories in the store: the plan of the same directories locally
+    mix = {k: f"a={where['metrics']}:1,b={where['sorted']}:0.5" for k, where in (("local", local), ("remote", remote))}
+    for k, where in (("local", str(tmp_path / "mix.parquet")), ("remote", f"s3://{bucket}/mix.parquet")):
+        _cli("plan", "--mix", mix[k], "-o", where, "--max-tokens", "512", "--seed", "2")
+        _cli("validate", where)
+    assert _read_plan(f"s3://{bucket}/mix.parquet")[0].equals(_read_plan(str(tmp_path / "mix.parquet"))[0])
     # inspect reads both kinds of artifact from the store
     for path, kind in ((remote["sorted"], "sorted"), (remote["plan.parquet"], "plan")):
         result = CliRunner().invoke(app, ["inspect", path, "--json"])
         assert result.exit_code == 0, result.output
         assert json.loads(result.output)["kind"] == kind
+
+
+def test_run_reads_s3_sources_with_storage_options(tmp_path, s3, monkeypatch):
+    """`varlen run` takes --storage-option (given once, every stage gets it): with no endpoint in the
+    environment the option finds the server; the run's record keeps the option names only."""
+    _corpus(tmp_path / "src")
+    url = s3.upload_tree(str(tmp_path / "src"), s3.bucket(), "corpus")
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["run", url + "/*.parquet", "-o", str(out), "--length", "words:text",
+                                      "--order", "curriculum", "--max-tokens", "512", "--no-progress",
+                                      "--storage-option", f"endpoint_url={s3.endpoint}"])
+    assert result.exit_code == 0, result.output
+    record = json.loads((out / "_run.json").read_text())["config"]
+    assert record["analyze"]["storage_options"] == record["sort"]["storage_options"] == \
+        record["plan"]["storage_options"] == ["endpoint_url=***"]
+    assert json.loads((out / "metrics" / "_manifest.json").read_text())["dataset"]["root"] == url
