@@ -238,15 +238,15 @@ def _open_remote_plan_file(path: str) -> tuple[pq.ParquetFile, dict]:
 
     try:
         info = storage.stat(path)
-        if info.is_dir:
-            raise FormatError(f"{path} is a directory, not a plan file (make one with `varlen plan`)")
-        parquet = storage.parquet_file(path, size=info.size)
     except InputError as exc:  # missing, unreachable, denied: one line
         raise FormatError(exc.message) from None
-    except FormatError:
-        raise
-    except Exception as exc:  # pyarrow raises several types for a non-Parquet object
-        raise FormatError(f"{path} is not a readable Parquet file: {exc}") from None
+    if info.is_dir:
+        raise FormatError(f"{path} is a directory, not a plan file (make one with `varlen plan`)")
+    try:
+        parquet = storage.parquet_file(path, size=info.size)
+    except InputError as exc:  # the object is there (stat): it is no Parquet
+        detail = exc.message.removeprefix(f"cannot read {path}: ")
+        raise FormatError(f"{path} is not a readable Parquet file: {detail}") from None
     return parquet, decode_plan_metadata(parquet.schema_arrow, path)
 
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pyarrow as pa
 import pytest
 from typer.testing import CliRunner
 
 from tests.analyze_helpers import text_table, write_jsonl, write_parquet
+from tests.conftest import assert_user_error
 from varlen_cli import format, storage
 from varlen_cli.cli import app
 
@@ -104,3 +106,55 @@ def test_run_reads_s3_sources_with_storage_options(tmp_path, s3, monkeypatch):
     assert record["analyze"]["storage_options"] == record["sort"]["storage_options"] == \
         record["plan"]["storage_options"] == ["endpoint_url=***"]
     assert json.loads((out / "metrics" / "_manifest.json").read_text())["dataset"]["root"] == url
+
+
+def _bad_cases(b: str, tmp) -> dict:
+    """(command, exit code, message) of artifacts in object storage that are missing, not varlen's, or
+    unusable; ``b`` holds corpus/ (data), m/ (metrics), s/ (sorted), p.parquet (a plan)."""
+    return {
+        "missing metrics": (["plan", f"s3://{b}/nope", "-o", str(tmp / "p.parquet"), "--max-tokens", "512"], 3,
+                            f"s3://{b}/nope does not exist"),
+        "data, not metrics": (["sort", f"s3://{b}/corpus", "-o", str(tmp / "s")], 3,
+                              f"s3://{b}/corpus is not a varlen metrics directory (no _manifest.json; or an output "
+                              "still being published); create one with `varlen analyze`"),
+        "a plan, not metrics": (["validate", f"s3://{b}/p.parquet", "--metrics", f"s3://{b}/p.parquet"], 3,
+                                f"s3://{b}/p.parquet is not a varlen metrics directory; create one with "
+                                "`varlen analyze`"),
+        "missing plan": (["validate", f"s3://{b}/none.parquet"], 3,
+                         f"s3://{b}/none.parquet does not exist (no such object)"),
+        "data, not a plan": (["inspect", f"s3://{b}/corpus/b.jsonl"], 3,
+                             f"s3://{b}/corpus/b.jsonl is not a readable Parquet file: "),
+        "incomplete": (["plan", f"s3://{b}/m", "-o", str(tmp / "p.parquet"), "--max-tokens", "512"], 3,
+                       f"s3://{b}/m is incomplete: part-00000.parquet listed in _manifest.json is missing"),
+        "stale sorted": (["plan", f"s3://{b}/s", "-o", str(tmp / "p.parquet"), "--max-tokens", "512"], 3,
+                         f"s3://{b}/s is stale: s3://{b}/m was rebuilt after it"),
+        "replan of a remote plan": (["replan", f"s3://{b}/p.parquet", "-o", str(tmp / "r.parquet"), "--dp", "2",
+                                     "--from-step", "0"], 3,
+                                    f"plan s3://{b}/p.parquet is in object storage: replan and --extend read a local "
+                                    "plan file; copy it to a local file first (its metrics may stay in object "
+                                    "storage)"),
+        "bad storage option": (["inspect", f"s3://{b}/m", "--storage-option", "novalue"], 2,
+                               "--storage-option expects key=value, got 'novalue'"),
+    }
+
+
+BAD = ["missing metrics", "data, not metrics", "a plan, not metrics", "missing plan", "data, not a plan", "incomplete",
+       "stale sorted", "replan of a remote plan", "bad storage option"]
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_artifacts_in_object_storage_are_one_line(tmp_path, s3, case):
+    _corpus(tmp_path / "src")
+    bucket = s3.bucket()
+    s3.upload_tree(str(tmp_path / "src"), bucket, "corpus")
+    _cli("analyze", f"s3://{bucket}/corpus/*", "-o", f"s3://{bucket}/m", "--length", "words:text")
+    _cli("sort", f"s3://{bucket}/m", "-o", f"s3://{bucket}/s")
+    _cli("plan", f"s3://{bucket}/s", "-o", f"s3://{bucket}/p.parquet", "--max-tokens", "512")
+    if case == "incomplete":
+        s3.client.delete_object(Bucket=bucket, Key="m/part-00000.parquet")
+    if case == "stale sorted":  # the metrics rebuilt with other options after the sort
+        _cli("analyze", f"s3://{bucket}/corpus/*", "-o", f"s3://{bucket}/m", "--length", "chars:text", "--overwrite")
+    args, code, message = _bad_cases(bucket, tmp_path)[case]
+    result = CliRunner().invoke(app, args)
+    assert_user_error(result, code, re.compile(re.escape(message) + ".*"))
+    assert not any(p.name.endswith(".parquet") for p in tmp_path.iterdir())

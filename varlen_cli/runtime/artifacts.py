@@ -270,8 +270,8 @@ def _remote_manifest(path: str, what: str, hint: str):
     from .. import storage
 
     root = path.rstrip("/")
-    names = {storage.relpath(o, root) for o in storage.find(root + "/")}
-    if not names:
+    names = {storage.relpath(o, root) for o in storage.find(root + "/") if o.startswith(root + "/")}
+    if not names:  # (an object named ``root`` itself, a plan, is listed as itself)
         if storage.isfile(root):
             raise InputError(f"{path} is not a varlen {what}; {hint}")
         raise InputError(f"{path} does not exist")
