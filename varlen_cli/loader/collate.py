@@ -8,9 +8,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .plan_file import Microbatch, PlanError
-
-IGNORE_INDEX = -100  # label of positions without a target (PyTorch's cross_entropy default)
+from ..errors import PlanError
+from .batch import IGNORE_INDEX, finish_batch, labels_mode
+from .fetch import FetchOrder
+from .microbatch import Microbatch
 
 
 class Samples(list):
@@ -43,10 +44,8 @@ class PlanDataset(torch.utils.data.Dataset):
         return self.dataset[index]
 
     def __getitems__(self, indices: Sequence[int]) -> Samples:
-        if self.check_order:  # a wrapper that re-shards or reorders the batch sampler fails here (guard.py)
+        if self.check_order:  # a wrapper that re-shards or reorders the batch sampler fails here (fetch.py)
             if self._fetched is None:
-                from .guard import FetchOrder
-
                 self._fetched = FetchOrder()
             self._fetched.check(indices)
         getitems = getattr(self.dataset, "__getitems__", None)
@@ -109,8 +108,6 @@ class PadCollate:
                  labels: str | None = None, model_shifts_labels: bool | None = None):
         if pad_multiple < 1:
             raise ValueError("pad_multiple must be >= 1")
-        from .model_inputs import labels_mode
-
         self.pad_id = pad_id
         self.key = key
         self.labels = labels_mode(shift_labels, labels, model_shifts_labels)
@@ -188,8 +185,6 @@ class PadCollate:
             out["step_loss_tokens"] = info.step_targets
         if self.attention_mask_3d:
             out["attention_mask_3d"] = causal_padding_mask(lengths, seqlen, batch)
-        from .model_inputs import finish_batch
-
         return finish_batch(out, info, self.labels)
 
 

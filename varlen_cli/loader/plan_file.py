@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -19,6 +18,8 @@ import pyarrow.parquet as pq
 
 from .. import format
 from ..errors import PlanError  # a ValueError; exit code 6 on the command line
+from .microbatch import Microbatch
+from .position import check_batch
 
 PLAN_FORMAT = format.PLAN_FORMAT
 FORMAT_VERSION = format.PLAN_FORMAT_VERSION
@@ -27,48 +28,6 @@ FORMAT_VERSION = format.PLAN_FORMAT_VERSION
 REQUIRED_COLUMNS = tuple(name for name, _ in format.PLAN_COLUMNS)
 #: Extra columns of packed plans, passed through to :class:`Microbatch`.
 PACKED_COLUMNS = format.PACKED_COLUMN_NAMES
-
-
-@dataclass(frozen=True)
-class Microbatch:
-    """One row of a plan: the samples one data-parallel rank runs in one forward/backward."""
-
-    epoch: int
-    step: int
-    rank: int
-    micro: int
-    sample_ids: np.ndarray  # int64, in the order the loader yields them
-    num_samples: int
-    seqlen: int  # padded sequence length T (packed: the row length)
-    batch_size: int  # padded batch size B >= num_samples (packed: rows per microbatch)
-    tokens: int  # real tokens in this microbatch
-    lr_scale: float
-    shape_id: int
-    step_samples: int  # real samples in the whole step (all ranks, all micros)
-    step_tokens: int  # real tokens in the whole step
-    sample_lengths: np.ndarray | None = None  # packed plans
-    sample_rows: np.ndarray | None = None
-    sample_starts: np.ndarray | None = None
-    source: np.ndarray | None = None  # mixture plans: index of each sample's source (plan.meta["mixture"])
-    step_loss_tokens: int | None = None  # loss targets of the whole step (plans written since the column exists)
-
-    @property
-    def step_targets(self) -> int:
-        """Loss targets of the whole step: the plan's exact ``step_loss_tokens`` (empty samples count 0,
-        a non-final split chunk all its tokens), or ``step_tokens - step_samples`` for older plans."""
-        if self.step_loss_tokens is not None:
-            return self.step_loss_tokens
-        return self.step_tokens - self.step_samples
-
-    @property
-    def position(self) -> tuple[int, int, int]:
-        """``(epoch, step, micro)``: where this microbatch sits in the plan."""
-        return (self.epoch, self.step, self.micro)
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """The padded ``(B, T)`` of this microbatch."""
-        return (self.batch_size, self.seqlen)
 
 
 class _Group:
@@ -260,9 +219,7 @@ class Plan:
 
     def check(self, batch, step: int, rank: int | None = None) -> tuple[int, int, int, int]:
         """Raise :class:`PlanError` unless ``batch`` (a collated batch) is a microbatch of global
-        ``step`` (and of ``rank``); returns its ``(epoch, step, rank, micro)``. See loader/guard.py."""
-        from .guard import check_batch
-
+        ``step`` (and of ``rank``); returns its ``(epoch, step, rank, micro)``. See loader/position.py."""
         return check_batch(self, batch, step, rank)
 
     def __repr__(self) -> str:
@@ -273,6 +230,13 @@ class Plan:
     def validate(self, num_samples: int | None = None, world_size: int | None = None) -> None:
         """Check the plan against the dataset's length and the data-parallel world size."""
         if world_size is not None and world_size != self.dp:
+            launched = os.environ.get("WORLD_SIZE", "")
+            if launched.isdigit() and int(launched) == self.dp:  # the launcher is right, the framework is not
+                raise PlanError(f"the plan was made for {self.dp} data-parallel rank(s) and the launcher started "
+                                f"WORLD_SIZE={launched} processes, but this process sees world size {world_size}: the "
+                                f"training framework did not join them into one process group (on CPU: "
+                                f"Accelerator(cpu=True), TrainingArguments(use_cpu=True), Lightning accelerator='cpu' "
+                                f"with devices={launched})")
             raise PlanError(f"the plan was made for {self.dp} data-parallel rank(s) but the world size is "
                             f"{world_size}: re-plan with --dp {world_size} (with model parallelism, pass the "
                             f"data-parallel rank and world size explicitly)")
