@@ -135,6 +135,11 @@ class PadCollate:
                 raise PlanError(f"sample {int(info.sample_ids[i])} has {longest} tokens but its microbatch "
                                 f"(step {info.step}) is planned at seqlen {seqlen}: the plan was made for "
                                 f"different lengths (another dataset, column or tokenizer)")
+            if int(lengths.sum()) != info.tokens:  # shorter items would make step_loss_tokens wrong
+                ids = ", ".join(str(int(i)) for i in info.sample_ids[:4]) + (", ..." if n > 4 else "")
+                raise PlanError(f"step {info.step} micro {info.micro}: the dataset items of samples {ids} hold "
+                                f"{int(lengths.sum())} tokens but the plan counted {info.tokens}: the plan was made "
+                                f"for different lengths (another dataset, column or tokenizer)")
         else:
             seqlen = -(-longest // self.pad_multiple) * self.pad_multiple
             batch = n

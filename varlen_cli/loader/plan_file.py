@@ -44,6 +44,10 @@ class _Group:
         for name in ("sample_ids", "source") + PACKED_COLUMNS:
             if name in table.column_names:
                 self.lists[name] = _offsets_values(table.column(name))
+        ids = self.lists["sample_ids"][1]
+        if len(ids) and int(ids.min()) < 0:  # plans whose footer has no statistics
+            raise PlanError(f"the plan holds sample id {int(ids.min())}: sample ids index the dataset from 0 (the file "
+                            f"was edited or damaged; make it again with `varlen plan`)")
 
     def microbatch(self, row: int) -> Microbatch:
         i = row - self.first_row
@@ -88,6 +92,7 @@ class Plan:
         self._epoch_starts = np.concatenate([[0], np.cumsum(self.steps_per_epoch, dtype=np.int64)])
         self._check_layout()
         self._index_row_groups()
+        self._check_values()
 
     # -- opening ---------------------------------------------------------------------------
     @classmethod
@@ -116,6 +121,22 @@ class Plan:
         if rows != self.num_steps * self.dp * self.grad_accum:
             raise PlanError(f"{self.path} is inconsistent: {rows} rows, expected num_steps x dp x grad_accum = "
                             f"{self.num_steps} x {self.dp} x {self.grad_accum}")
+
+    def _check_values(self) -> None:
+        """Sample ids >= 0 (from the statistics; decoded row groups check again) and every ``lr_scale``
+        finite and >= 0 (the one float column, read once and kept for :meth:`lr_scales`)."""
+        ids = self._sample_id_range()
+        if ids is not None and ids[0] < 0:
+            raise PlanError(f"{self.path} holds sample id {ids[0]}: sample ids index the dataset from 0 (the file was "
+                            f"edited or damaged; make it again with `varlen plan`)")
+        column = self._pf.read(columns=["lr_scale"]).column("lr_scale").to_numpy()
+        bad = np.flatnonzero(~np.isfinite(column) | (column < 0))
+        if len(bad):
+            row = int(bad[0])
+            raise PlanError(f"{self.path} holds lr_scale {float(column[row])} at step "
+                            f"{row // (self.dp * self.grad_accum)}: an LR scale must be a finite number >= 0 (the file "
+                            f"was edited or damaged; make it again with `varlen plan`)")
+        self._lr_scales = np.ascontiguousarray(column[:: self.dp * self.grad_accum], dtype=np.float64)
 
     def _index_row_groups(self) -> None:
         """First row and step range of every row group, from the footer's statistics."""
@@ -252,6 +273,11 @@ class Plan:
 
     def _max_sample_id(self) -> int | None:
         """The largest sample id, from the row groups' statistics (no data read)."""
+        ids = self._sample_id_range()
+        return ids[1] if ids is not None else None
+
+    def _sample_id_range(self) -> tuple[int, int] | None:
+        """``(smallest, largest)`` sample id from the row groups' statistics (None where they lack them)."""
         md = self._pf.metadata
         path = None
         for i in range(md.num_columns):
@@ -260,13 +286,14 @@ class Plan:
                 break
         if path is None or md.num_row_groups == 0:
             return None
-        largest = -1
+        smallest, largest = None, -1
         for g in range(md.num_row_groups):
             st = md.row_group(g).column(path).statistics
             if st is None or not st.has_min_max:
                 return None
+            smallest = int(st.min) if smallest is None else min(smallest, int(st.min))
             largest = max(largest, int(st.max))
-        return largest
+        return (smallest if smallest is not None else 0), largest
 
     # -- reading ---------------------------------------------------------------------------
     def _row_group_of(self, row: int) -> int:
@@ -318,8 +345,5 @@ class Plan:
         return [self.microbatch(step, r, m) for r in range(self.dp) for m in range(self.grad_accum)]
 
     def lr_scales(self) -> np.ndarray:
-        """The ``lr_scale`` of every global step (reads the one float column, once)."""
-        if self._lr_scales is None:
-            column = self._pf.read(columns=["lr_scale"]).column("lr_scale").to_numpy()
-            self._lr_scales = np.ascontiguousarray(column[:: self.dp * self.grad_accum], dtype=np.float64)
-        return self._lr_scales
+        """The ``lr_scale`` of every global step (the one float column, read when the plan was opened)."""
+        return self._lr_scales  # read and checked when the plan was opened

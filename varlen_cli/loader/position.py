@@ -9,15 +9,12 @@ a batch against the optimizer step being applied.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..errors import PlanError
 from .microbatch import Microbatch
-
-if TYPE_CHECKING:  # annotations only: plan_file imports this module
-    from .plan_file import Plan
 
 #: The batch key of the position tensor (bookkeeping, dropped by :func:`~varlen_cli.loader.to_model_inputs`).
 POSITION_KEY = "plan_position"
@@ -94,8 +91,9 @@ def describe(pos) -> str:
     return f"(epoch {epoch}, step {step}, rank {rank}, micro {micro})"
 
 
-def check_batch(plan: Plan, batch: Any, step: int, rank: int | None = None) -> tuple[int, int, int, int]:
-    """Raise :class:`PlanError` unless ``batch`` is a microbatch of global ``step`` (and of ``rank``)."""
+def check_batch(plan: Any, batch: Any, step: int, rank: int | None = None) -> tuple[int, int, int, int]:
+    """Raise :class:`PlanError` unless ``batch`` is a microbatch of global ``step`` (and of ``rank``).
+    ``plan`` is a :class:`~varlen_cli.loader.Plan` (not imported here: plan_file imports this module)."""
     pos = batch_position(batch)
     epoch, got_step, got_rank, micro = pos
     if got_step != step:
