@@ -52,7 +52,7 @@ class Recorder(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         sched = self.trainer.lr_scheduler
-        self.log["steps"].append(int(sched.step_index))
+        self.log["steps"].append(int(sched.global_step))  # the job's step (a replanned plan continues it)
         self.log["lr"].append(self.trainer.optimizer.param_groups[0]["lr"])
         self.log["unscaled_lr"].append(sched.get_unscaled_lr()[0])
         self.log["lr_scale"].append(sched.scale())

@@ -125,6 +125,11 @@ class PlanDataModule(L.LightningDataModule):
         self.loader = None
         self._callback: PlanCallback | None = None
 
+    @property
+    def max_epochs(self) -> int:
+        """``Trainer(max_epochs=...)``: the job's epochs (a plan made by ``varlen replan`` continues a job)."""
+        return first_epoch(self.plan) + self.plan.epochs
+
     def callback(self) -> PlanCallback:
         if self._callback is None:
             self._callback = PlanCallback(self)

@@ -10,7 +10,7 @@ import torch
 
 from .guard import bind, lookup, register_lr
 from .plan_file import Plan, PlanError
-from .replan import lineage, lr_state_from_parent
+from .replan import first_step, lineage, lr_state_from_parent
 
 
 class VariableBatchSizeLR(torch.optim.lr_scheduler.LRScheduler):
@@ -61,6 +61,11 @@ class VariableBatchSizeLR(torch.optim.lr_scheduler.LRScheduler):
     @last_epoch.setter
     def last_epoch(self, value: int) -> None:
         self.step_index = int(value)
+
+    @property
+    def global_step(self) -> int:
+        """The job's global step: :attr:`step_index` plus the steps before a plan made by ``varlen replan``."""
+        return self.step_index + (first_step(self.plan) if self.plan is not None else 0)
 
     def get_lr(self) -> list[float]:
         return list(self._last_lr)
