@@ -68,11 +68,14 @@ def _check_world(args, plan: Plan) -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         group = (torch.distributed.get_world_size(), torch.distributed.get_rank())
     world, index = int(args.world_size), int(args.process_index)
-    if (group is not None and group != (world, index)) or (group is None and launched != world):
+    mode = str(getattr(args.parallel_mode, "value", args.parallel_mode))
+    launched_many = launched > 1 or (group is not None and group[0] > 1)
+    if (group is not None and group != (world, index)) or (group is None and launched != world) or \
+            (launched_many and mode != "distributed"):
         have = f"{group[0]} processes (this is rank {group[1]})" if group else f"WORLD_SIZE={launched}"
-        raise PlanError(f"TrainingArguments see world size {world} (process {index}) but the launcher started "
-                        f"{have}: transformers is not running data-parallel here, so each process would train its "
-                        f"own model (on CPU pass TrainingArguments(use_cpu=True))")
+        raise PlanError(f"TrainingArguments see world size {world} (process {index}, parallel mode {mode}) but the "
+                        f"launcher started {have}: transformers is not running data-parallel here, so each process "
+                        f"would train its own model (on CPU pass TrainingArguments(use_cpu=True))")
     if world != plan.dp:
         raise PlanError(f"the plan was made for {plan.dp} data-parallel rank(s) but the Trainer runs {world} "
                         f"process(es): re-plan with --dp {world}, or launch {plan.dp} processes")

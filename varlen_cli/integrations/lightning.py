@@ -153,7 +153,6 @@ class PlanDataModule(L.LightningDataModule):
         if self.loader is None:
             self.loader = dataloader_for_plan(self.dataset, self.plan, collate_fn=self.collate_fn,
                                               num_workers=self.num_workers, **self.loader_kwargs)
-            self.loader.full_epoch_len = True  # Lightning counts batches per epoch, also after a resume
             self.loader.consumed_by_trainer = True  # Lightning fetches ahead: PlanCallback reports trained batches
         epoch = trainer.current_epoch if trainer is not None else first_epoch(self.plan)
         if epoch < first_epoch(self.plan) + self.plan.epochs:

@@ -1,5 +1,7 @@
 """``PlanDataLoader``: a DataLoader that frameworks understand, with exact consumed-position state.
 
+* ``len(loader)`` is the epoch's microbatches, whatever the resume position (``len(loader.batch_sampler)``
+  those the next iteration yields);
 * ``set_epoch(epoch)`` reaches the plan's batch sampler (as do ``batch_sampler.set_epoch`` and
   ``batch_sampler.sampler.set_epoch``, which Lightning and accelerate call); ``epoch`` is right
   after every ``load_state_dict``, so ``for epoch in range(loader.epoch, plan.epochs)`` resumes;
@@ -39,7 +41,7 @@ class _PlanLoaderMixin:
         sampler = self.batch_sampler
         self.plan = sampler.plan
         self.all_epochs = bool(all_epochs)
-        self.full_epoch_len = False  # len() = the whole epoch even after a mid-epoch resume (Lightning's count)
+        self.full_epoch_len = True  # len() = the whole epoch, also after a mid-epoch resume (what frameworks count)
         self.consumed_by_trainer = False  # True: the trainer calls mark_consumed (it fetches ahead of training)
         self.len_before = 0  # microbatches a framework counted before this loader's first one (added to len())
         self.guard = ConsumptionGuard(sampler.plan, sampler.rank, lr_scale=lr_scale)
@@ -64,10 +66,12 @@ class _PlanLoaderMixin:
         self.guard.ledger.end_epoch(self.batch_sampler.epoch)
 
     def __len__(self) -> int:
-        """Microbatches of the next iteration; with ``all_epochs``, of the whole plan (constant, as
-        Trainer-style loops that count steps per epoch expect, whatever the resume position); with
-        ``full_epoch_len``, of the whole epoch. ``len_before`` is added: what a framework counted
-        before this loader (the job's steps before a plan made by ``varlen replan``)."""
+        """Microbatches of the current epoch, also after a mid-epoch resume (Lightning counts an epoch's
+        batches from its own restored progress: a shorter length would cut every later epoch short);
+        with ``all_epochs``, of the whole plan (as Trainer-style loops expect). ``len_before`` is added:
+        what a framework counted before this loader (the job's steps before a plan made by ``varlen
+        replan``). ``full_epoch_len = False``: the microbatches the next iteration yields, as
+        ``len(loader.batch_sampler)``."""
         if self.all_epochs:
             return self.len_before + self.plan.num_steps * self.plan.grad_accum
         if self.full_epoch_len:

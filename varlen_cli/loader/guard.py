@@ -197,7 +197,7 @@ class ConsumptionGuard:
         """The ``VariableBatchSizeLR`` bound to this guard (None when none is)."""
         lr = self._lr() if self._lr is not None else None
         if lr is None:
-            lr = _fresh_lr(self.plan)
+            lr = _unclaimed_lr(self.plan, self.ledger.continued)
             if lr is not None:
                 bind(lr, self)
         return lr
@@ -208,8 +208,11 @@ class ConsumptionGuard:
 
 # -- linking loaders and LR schedulers of one plan in one process -------------------------------------
 # A VariableBatchSizeLR checks the guard it is bound to: explicitly (guard=loader, the integrations),
-# else the plan's latest loader when the scheduler is made after it, else the plan's latest unbound
-# scheduler that never stepped when the loader is made after it (Lightning's order).
+# else the first loader of its plan to consume a batch while the scheduler is unbound and has not
+# stepped (made before or after the loader, both orders), else at its first step() the plan's latest
+# loader that consumed; a loader that continues the previous loader's ledger (one loader per epoch)
+# takes over its scheduler. Loaders and schedulers left over from earlier runs in the process (kept
+# alive by a traceback) are never bound: they consumed nothing, or stepped.
 _GUARDS: dict[str, weakref.ReferenceType[ConsumptionGuard]] = {}
 _LRS: dict[str, weakref.ReferenceType] = {}
 
@@ -231,21 +234,22 @@ def lookup(plan: Plan) -> ConsumptionGuard | None:
 
 
 def register_lr(lr, guard: ConsumptionGuard | None = None) -> None:
-    """A new VariableBatchSizeLR of ``lr.plan``: bind it to ``guard``, else to the plan's latest
-    loader if that one has no scheduler yet."""
-    if guard is None:
-        latest = lookup(lr.plan)
-        if latest is not None and (latest._lr is None or latest._lr() is None):
-            guard = latest
+    """A new VariableBatchSizeLR of ``lr.plan``: bound to ``guard`` when given, else to the plan's
+    loader that next consumes a batch (or that it checks first)."""
     if guard is not None:
         bind(lr, guard)
     _LRS[lr.plan.fingerprint] = weakref.ref(lr)
 
 
-def _fresh_lr(plan: Plan):
-    """The plan's latest VariableBatchSizeLR if no guard has it and it never stepped."""
+def _unclaimed_lr(plan: Plan, continued: Ledger | None):
+    """The plan's latest VariableBatchSizeLR if no guard has it and it never stepped, or if it checks
+    the loader whose ledger this guard's continues (a framework that makes a loader per epoch)."""
     ref = _LRS.get(plan.fingerprint)
     lr = ref() if ref is not None else None
-    if lr is None or lr._guard is not None or lr.steps_taken:
+    if lr is None:
         return None
-    return lr
+    if lr._guard is None and not lr.steps_taken:
+        return lr
+    if continued is not None and lr._guard is not None and lr._guard.ledger is continued:
+        return lr
+    return None

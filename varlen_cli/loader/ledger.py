@@ -10,7 +10,9 @@ loader saves, so a resumed job knows what was trained before its checkpoint.
 cause: a position trained twice (a replay after a resume, an epoch loop that went back), positions
 skipped inside an epoch, and an epoch started while an earlier one is incomplete and was not ended
 with ``end_epoch()``. The plan's end needs no rule here: the sampler yields only plan positions, so
-a pass past the end is a replay.
+a pass past the end is a replay. A new loader that starts exactly where the previous loader of the
+same plan and rank in this process stopped (a framework that makes one loader per epoch) continues
+that loader's ledger.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import bisect
 
 from ..errors import PlanError
 from .plan_file import Plan
+
+_LATEST: dict = {}  # (plan fingerprint, rank) -> the ledger that recorded last in this process
 
 LOOP_HINT = "start the epoch loop at the loader's epoch, `for epoch in range(loader.epoch, plan.epochs)`, " \
             "and call loader.set_epoch(epoch) in it"
@@ -33,6 +37,7 @@ class Ledger:
         self.spans: list[list[int]] = []  # sorted, disjoint [start, stop) of consumed positions
         self.ended: set[int] = set()  # epochs ended early on purpose (end_epoch)
         self.restored_at: int | None = None  # the position this job resumed at (None: a fresh job)
+        self.continued: Ledger | None = None  # the previous loader's ledger this one took over
 
     # -- positions -------------------------------------------------------------------------------
     def index(self, step: int, micro: int) -> int:
@@ -78,12 +83,26 @@ class Ledger:
         if k < self.frontier:
             raise PlanError(f"desync: rank {self.rank} is given {self.describe(k)}, before this job's last trained "
                             f"position {self.describe(self.frontier - 1)}: the plan is trained in order ({LOOP_HINT})")
-        if k > self.frontier:
+        if k > self.frontier and not self._continues(k):
             self._check_gap(self.frontier, k, epoch)
         if self.spans and self.spans[-1][1] == k:
             self.spans[-1][1] = k + 1
         else:
             self.spans.append([k, k + 1])
+        _LATEST[(self.plan.fingerprint, self.rank)] = self
+
+    def _continues(self, k: int) -> bool:
+        """A new loader of a job that continues where the previous loader of the same plan and rank in
+        this process stopped (a framework that makes a loader per epoch): take over its ledger."""
+        previous = _LATEST.get((self.plan.fingerprint, self.rank))
+        if self.spans or self.restored_at is not None or previous is None or previous is self:
+            return False
+        if previous.frontier != k:
+            return False
+        self.spans = [list(span) for span in previous.spans]
+        self.ended = set(previous.ended)
+        self.continued = previous
+        return True
 
     def _replay_message(self, k: int) -> str:
         where = (f" (it resumed at {self.describe(self.restored_at)})" if self.restored_at is not None else "")
