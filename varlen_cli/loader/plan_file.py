@@ -85,6 +85,7 @@ class Plan:
         self.row_groups_read = 0  # how many row groups this reader decoded (seeks read one)
         self._group: _Group | None = None
         self._lr_scales: np.ndarray | None = None
+        self._fingerprint: str | None = None
         self.dp = int(meta.get("dp", 0))
         self.grad_accum = int(meta.get("grad_accum", 0))
         self.num_steps = int(meta.get("num_steps", 0))
@@ -216,8 +217,11 @@ class Plan:
 
     @property
     def fingerprint(self) -> str:
-        """A short hash of the plan's metadata: identifies the plan in sampler states."""
-        return format.plan_fingerprint(self._pf.schema_arrow)
+        """A short hash of the plan's metadata: identifies the plan in sampler states (computed once:
+        the guard looks it up for every batch)."""
+        if self._fingerprint is None:
+            self._fingerprint = format.plan_fingerprint(self._pf.schema_arrow)
+        return self._fingerprint
 
     def epoch_start(self, epoch: int) -> int:
         """The global step where ``epoch`` starts."""
