@@ -159,7 +159,8 @@ class PlanDataLoader(_PlanLoaderMixin, DataLoader):
 def dataloader_for_plan(dataset, plan: Plan | str, rank: int | None = None,
                         world_size: int | None = None, collate_fn: Callable[[Any], Any] | None = None,
                         num_workers: int = 0, pin_memory: bool = False, epoch: int = 0, check_length: bool = True,
-                        stateful: bool = False, all_epochs: bool = False, lr_scale: str = "check", **kwargs):
+                        stateful: bool = False, all_epochs: bool = False, read_ahead: int = 4,
+                        lr_scale: str = "check", **kwargs):
     """A :class:`PlanDataLoader` over ``dataset`` that yields this rank's microbatches of ``plan``, collated.
 
     The loader has ``set_epoch``, ``epoch``, ``end_epoch``, ``state_dict``/``load_state_dict`` (the
@@ -174,11 +175,15 @@ def dataloader_for_plan(dataset, plan: Plan | str, rank: int | None = None,
     :class:`PadCollate`, or ``PackedCollate`` for a packed plan) sees each microbatch's plan row.
     ``loader.batch_sampler`` is the :class:`PlanBatchSampler`. With ``check_length`` the plan is
     validated against ``len(dataset)``. Extra keyword arguments go to ``DataLoader``
-    (``prefetch_factor``, ``persistent_workers``, ...).
+    (``prefetch_factor``, ``persistent_workers``, ...). A dataset with a ``prefetch(sample_ids)``
+    method (:class:`~varlen_cli.loader.SourceDataset`) is told the sample ids of the next
+    ``read_ahead`` microbatches each DataLoader worker (or the main process) fetches.
     """
     plan = plan if isinstance(plan, Plan) else Plan.open(plan)
     sampler = PlanBatchSampler(plan, rank, world_size, num_samples=len(dataset) if check_length else None,
                                epoch=epoch)
+    if hasattr(dataset, "prefetch"):
+        sampler.read_ahead, sampler.read_ahead_stride = max(0, int(read_ahead)), max(1, int(num_workers))
     if collate_fn is None:  # packed plans: rows of concatenated samples, cu_seqlens, position ids
         collate_fn = PackedCollate() if plan.packing else PadCollate()
     cls = stateful_loader_class() if stateful else PlanDataLoader
