@@ -98,7 +98,7 @@ def check_trainer(trainer, plan: Plan) -> None:
         raise PlanError(f"Trainer(max_steps={max_steps}) but the plan ends at step {job_steps}: re-plan with more "
                         f"--epochs")
     stops_in_time = max_steps is not None and max_steps > 0
-    if max_epochs is None or max_epochs < 0 and not stops_in_time or max_epochs > job_epochs:
+    if max_epochs is None or (max_epochs < 0 and not stops_in_time) or max_epochs > job_epochs:
         raise PlanError(f"Trainer(max_epochs={max_epochs}) but the plan has {job_epochs} epoch(s): pass "
                         f"max_epochs={job_epochs} (or re-plan with more --epochs)")
     if len(set(plan.steps_per_epoch)) > 1 and trainer.reload_dataloaders_every_n_epochs != 1:
