@@ -14,7 +14,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _docs_text() -> str:
-    paths = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+    # docs/cli.md is --help itself (generated): the guides must say it in their own words
+    paths = [os.path.join(ROOT, "README.md")] + sorted(p for p in glob.glob(os.path.join(ROOT, "docs", "*.md"))
+                                                       if os.path.basename(p) != "cli.md")
     return "\n".join(open(p).read() for p in paths)
 
 

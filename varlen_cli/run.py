@@ -24,7 +24,7 @@ from . import format
 from .analyze import AnalyzeConfig
 from .errors import UsageError
 from .runtime import artifacts, safety
-from .runtime.choices import Device, check_choices
+from .runtime.choices import Device, check_choices, doc
 from .runtime.dist import run_distributed, session
 from .runtime.executor import run_in_session
 
@@ -43,8 +43,8 @@ class RunConfig:
     and the longest sample (rounded up to ``pad_multiple``).
     """
 
-    sources: tuple
-    output: str
+    sources: tuple = doc(help="Sources, as for `varlen analyze`: files, directories, globs.")
+    output: str = doc(help="Output directory: metrics/, sorted/ (when the order needs it), plan.parquet, _run.json.")
     analyze: dict = field(default_factory=dict)
     sort: dict = field(default_factory=dict)
     plan: dict = field(default_factory=dict)

@@ -1,8 +1,9 @@
 """The ``varlen`` command line: one small typer adapter per stage, over the library functions.
 
-Each command lives in its own module (``varlen_cli/cli/<stage>.py``) and is registered here.
-Heavy imports (torch, pyarrow, the stage modules) happen inside the commands, so ``varlen --help``
-stays instant.
+Each command lives in its own module (``varlen_cli/cli/<stage>.py``), loaded only when it runs; its
+options are generated from its stage's config dataclass (``varlen_cli/cli/options.py``: adding an
+option is adding a documented config field). Heavy imports (torch, the stage's work) happen inside
+the commands.
 """
 
 from __future__ import annotations
@@ -14,8 +15,36 @@ from typing import Any
 
 import typer
 
+# The commands, in --help order; each is ``varlen_cli/cli/<name>.py`` with ``register(app)``.
+COMMANDS = ("analyze", "sort", "plan", "replan", "run", "inspect", "validate", "simulate", "calibrate")
+
+
+class _LazyCommands(typer.core.TyperGroup):
+    """The root group, loading a command's module (and so its stage config) only when that command
+    runs: the options are generated from the configs, whose modules import numpy and pyarrow."""
+
+    def list_commands(self, ctx) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx, cmd_name: str):
+        if cmd_name not in self.commands and cmd_name in COMMANDS:
+            self.commands[cmd_name] = load_command(cmd_name)
+        return self.commands.get(cmd_name)
+
+
+def load_command(name: str):
+    """The click command of ``varlen NAME`` (built from its typer adapter)."""
+    import importlib
+
+    module = importlib.import_module(f"varlen_cli.cli.{name}")
+    single = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    module.register(single)
+    return typer.main.get_command(single)
+
+
 app = typer.Typer(
     name="varlen",
+    cls=_LazyCommands,
     help="Prepare variable-length datasets for training: analyze lengths, sort, and plan token-budget batches.",
     no_args_is_help=True,
     add_completion=False,
@@ -75,18 +104,6 @@ def run_command(fn: Callable[[Any], Any], config: Any) -> Any:
             raise
         sys.stderr.write(f"varlen: internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)\n")
         raise typer.Exit(1) from None
-
-
-def _register() -> None:
-    from varlen_cli.cli import analyze as _analyze
-
-    _analyze.register(app)
-    for name in ("sort", "plan", "replan", "run", "inspect", "validate", "simulate", "calibrate"):
-        module = __import__(f"varlen_cli.cli.{name}", fromlist=["register"])
-        module.register(app)
-
-
-_register()
 
 
 def click_module():

@@ -1,60 +1,24 @@
-"""``varlen analyze``: adapter over :func:`varlen_cli.analyze.analyze`."""
+"""``varlen analyze``: adapter over :func:`varlen_cli.analyze.analyze` (options: ``AnalyzeConfig``'s fields)."""
 
 from __future__ import annotations
 
 import typer
 
+from varlen_cli.analyze import AnalyzeConfig
 from varlen_cli.cli import common
-from varlen_cli.runtime.choices import Device
+from varlen_cli.cli.options import OUTPUT, Cli, config_command
 
 
-def analyze_command(
-    sources: list[str] = typer.Argument(
-        ..., metavar="SOURCE", show_default=False,
-        help="Parquet/Arrow/JSONL/text files, directories, globs, or a Hugging Face save_to_disk directory; rows are "
-        "numbered over the files in sorted path order.",
-    ),
-    output: str = typer.Option(
-        ..., "-o", "--output", show_default=False,
-        help="Metrics directory to write (part-*.parquet + _manifest.json), atomically.",
-    ),
-    length: str = typer.Option(
-        "auto", "--length",
-        help="KIND:COLUMN with KIND list, tokens, chars, bytes, words or value; 'auto' picks a list column "
-        "input_ids/tokens/token_ids, then text (tokens with --tokenizer, else chars), then num_tokens/length/duration.",
-    ),
-    tokenizer: str | None = typer.Option(
-        None, "--tokenizer", show_default=False,
-        help="tokenizer.json for --length tokens:COLUMN (truncation and padding are switched off).",
-    ),
-    special_tokens: bool = typer.Option(
-        True, "--special-tokens/--no-special-tokens",
-        help="Count the tokenizer's special tokens (BOS/EOS, CLS/SEP).",
-    ),
-    frames_per_second: float | None = typer.Option(
-        None, "--frames-per-second", show_default=False,
-        help="With --length value:COLUMN in seconds: frames = ceil(seconds x F).",
-    ),
-    difficulty: str = typer.Option(
-        "length", "--difficulty",
-        help="Curriculum key: length, value:COLUMN, vocab-rarity, or MODULE:FUNCTION (RecordBatch -> one value per "
-        "row).",
-    ),
-    nproc: int = common.NPROC,
-    device: Device = common.DEVICE,
-    overwrite: bool = common.OVERWRITE,
-    progress: bool = common.PROGRESS,
-    json_output: bool = common.JSON,
-) -> None:
+@config_command(
+    AnalyzeConfig,
+    fields={"sources": Cli(argument=True, metavar="SOURCE", type=list[str], convert=tuple), "output": OUTPUT},
+    library_only=("chunk_bytes",),
+)
+def analyze_command(config: AnalyzeConfig, json_output: bool = common.JSON) -> None:
     """Compute each sample's length and difficulty, distributed over workers."""
-    from varlen_cli.analyze import AnalyzeConfig, analyze
+    from varlen_cli.analyze import analyze
     from varlen_cli.cli import report
 
-    config = AnalyzeConfig(
-        sources=tuple(sources), output=output, length=length, tokenizer=tokenizer, special_tokens=special_tokens,
-        frames_per_second=frames_per_second, difficulty=difficulty, nproc=nproc, overwrite=overwrite,
-        device=device, progress=progress,
-    )
     result = common.run(analyze, config)
     if result is not None and json_output:
         report.print_json(report.analyze_json(result))

@@ -5,40 +5,27 @@ from __future__ import annotations
 import typer
 
 from varlen_cli.cli import common
-
-WORKERS_HELP = ("Workers W (default: dp for ddp/fsdp; groups x S for gpipe/1f1b; lpp/fslpp: groups x R, "
-                "default R = S).")
-GROUPS_HELP = "Data-parallel groups G of the pipelines (default: the plan's dp); must divide dp x grad_accum."
-ATTENTION_HELP = "A: a stage's forward of a microbatch costs B*T + A*B*T^2 (default 0: padded tokens B*T)."
-GANTT_HELP = "Draw step N as a Gantt chart: worker rows, time columns, microbatch ids."
-SCHEDULE_HELP = ("ddp, fsdp, gpipe, 1f1b, lpp, fslpp, all (side by side), or MODULE:FUNCTION returning a "
-                 "varlen_cli.schedule.Scheme.")
+from varlen_cli.cli.options import Cli, config_command
+from varlen_cli.schedule.simulate import SimulateConfig
 
 
+# --stages is asked for on the command line (the library's default of 1 suits ddp/fsdp only)
+@config_command(SimulateConfig, fields={"plan": Cli(argument=True), "stages": Cli(required=True)})
 def simulate_command(
-    plan: str = typer.Argument(..., help="Plan Parquet file written by `varlen plan`.", show_default=False),
-    schedule: str = typer.Option("all", "--schedule", help=SCHEDULE_HELP),
-    stages: int = typer.Option(..., "--stages", help="Pipeline stages S the model is cut into (equal cost each).",
-                               show_default=False),
-    workers: int | None = typer.Option(None, "--workers", help=WORKERS_HELP, show_default=False),
-    groups: int | None = typer.Option(None, "--groups", help=GROUPS_HELP, show_default=False),
-    backward_ratio: float = typer.Option(2.0, "--backward-ratio", help="Backward time / forward time of a job."),
-    attention_cost: float = typer.Option(0.0, "--attention-cost", help=ATTENTION_HELP),
-    gantt_step: int | None = typer.Option(None, "--gantt-step", help=GANTT_HELP, show_default=False),
+    config: SimulateConfig,
     width: int = typer.Option(96, "--width", help="Columns of the Gantt chart."),
     json_output: bool = typer.Option(False, "--json", help="Print JSON: one object, a list with --schedule all."),
 ) -> None:
     """Simulate the plan's steps under parallel schedules: makespan, bubble, peak activations, transfers."""
-    from varlen_cli.schedule import SimulateConfig, simulate
+    from varlen_cli.schedule import simulate
 
-    config = SimulateConfig(plan=plan, schedule=schedule, stages=stages, workers=workers, groups=groups,
-                            backward_ratio=backward_ratio, attention_cost=attention_cost, gantt_step=gantt_step)
     result = common.run(simulate, config)
+    gantt_step = config.gantt_step
     if json_output:
         import json
 
         objects = [r.to_json() for r in result.results]
-        typer.echo(json.dumps(objects if schedule == "all" else objects[0]))
+        typer.echo(json.dumps(objects if config.schedule == "all" else objects[0]))
         return
     from rich.console import Console
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..errors import InputError, UsageError
 from ..runtime import rank0, safety
-from ..runtime.choices import doc
+from ..runtime.choices import ALLOW_STALE_HELP, OVERWRITE_HELP, doc
 from . import core
 from .core import PlanConfig, PlanResult
 from .shapes import Budget
@@ -37,13 +37,13 @@ class ReplanConfig:
     plan: str = doc(help="The plan being trained (the parent).")
     output: str = doc(help="The new plan file to write.")
     dp: int = doc(help="Data-parallel ranks of the restarted job.")
-    from_step: int | None = doc(None, "Global step of the parent to resume at: steps < N are done.")
-    state: str | None = doc(None, "A sampler state JSON (PlanBatchSampler.state_dict()) of the parent: resume at "
+    from_step: int | None = doc(None, "Global step of the parent to resume at: steps < N are done (or pass --state).")
+    state: str | None = doc(None, "A sampler state JSON of the parent (PlanBatchSampler.state_dict()): resume at "
                                   "its step.")
     grad_accum: int | None = doc(None, "Microbatches per rank per step (default: the parent's).")
     max_tokens: int | None = doc(None, "Budget of the new plan (default: the parent's).")
-    overwrite: bool = doc(False, "Replace an existing output (written atomically either way).")
-    allow_stale: bool = doc(False, "Use metrics even if their source files changed since `varlen analyze`.")
+    overwrite: bool = doc(False, OVERWRITE_HELP)
+    allow_stale: bool = doc(False, ALLOW_STALE_HELP)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import InputError, UsageError
+from ..runtime.choices import doc
 from .closed import chain_starts, gpipe_starts
 from .engine import Jobs, build_jobs, greedy
 from .schemes import SCHEDULES, Scheme, make_scheme
@@ -22,14 +23,18 @@ _COLUMNS = ("step", "rank", "micro", "batch_size", "seqlen")
 class SimulateConfig:
     """Options of ``varlen simulate``."""
 
-    plan: str
-    schedule: str = "all"  # one of SCHEDULES, "all", or MODULE:FUNCTION
-    stages: int = 1
-    workers: int | None = None
-    groups: int | None = None
-    backward_ratio: float = 2.0
-    attention_cost: float = 0.0
-    gantt_step: int | None = None
+    plan: str = doc(help="Plan Parquet file written by `varlen plan`.")
+    schedule: str = doc("all", "ddp, fsdp, gpipe, 1f1b, lpp, fslpp, all (side by side), or MODULE:FUNCTION "
+                               "returning a varlen_cli.schedule.Scheme.")
+    stages: int = doc(1, "Pipeline stages S the model is cut into (equal cost each).")
+    workers: int | None = doc(None, "Workers W (default: dp for ddp/fsdp; groups x S for gpipe/1f1b; lpp/fslpp: "
+                                    "groups x R, default R = S).")
+    groups: int | None = doc(None, "Data-parallel groups G of the pipelines (default: the plan's dp); must divide "
+                                   "dp x grad_accum.")
+    backward_ratio: float = doc(2.0, "Backward time / forward time of a job.")
+    attention_cost: float = doc(0.0, "A: a stage's forward of a microbatch costs B*T + A*B*T^2 (default 0: padded "
+                                     "tokens B*T).")
+    gantt_step: int | None = doc(None, "Draw step N as a Gantt chart: worker rows, time columns, microbatch ids.")
 
 
 @dataclass(frozen=True)
