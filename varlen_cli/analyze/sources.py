@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InputError
+from ..runtime.freshness import footer_digest
 from . import discovery
 
 PARQUET_EXT = (".parquet", ".pq")
@@ -193,24 +194,6 @@ def _check_unique_columns(pf, path: str) -> None:
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise InputError(f"{path} has duplicate column names ({', '.join(dup)}); rename them before analyze")
-
-
-def footer_digest(path: str, size: int) -> str | None:
-    """A hash of the Parquet footer (schema, row groups, statistics): changes when the content is
-    rewritten even where size and mtime do not. One small read at the end of the file."""
-    import hashlib
-
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(max(0, size - 8))
-            tail = fh.read(8)
-            n = int.from_bytes(tail[:4], "little")
-            if len(tail) < 8 or tail[4:] != b"PAR1" or n + 8 > size:
-                return None
-            fh.seek(size - 8 - n)
-            return hashlib.sha256(fh.read(n)).hexdigest()[:16]
-    except OSError:
-        return None
 
 
 def parquet_file(path: str):

@@ -16,6 +16,7 @@ Collectives also carry a timeout (``VARLEN_TIMEOUT`` seconds, default 1800) as a
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -333,7 +334,8 @@ def launch(entry: Callable[[Any], Any], config: Any, nproc: int, cleanup: Sequen
     try:
         if use_torch:
             return _launch_elastic(entry, config, nproc, start_method, worker_env, error_dir)
-        return local_group.launch_local(entry, config, nproc, start_method, worker_env, error_dir)
+        return local_group.launch_local(functools.partial(worker_entry, entry), config, nproc, start_method,
+                                        worker_env, error_dir, collective_timeout())
     except local_group.WorkersFailed as exc:
         _remove_all(cleanup)
         raise failure_error(exc.exitcodes, error_dir) from None

@@ -64,8 +64,24 @@ def _difference(source: str, entry: dict) -> str | None:
     if st.st_mtime_ns != entry.get("mtime_ns"):
         return "was modified"
     if entry.get("footer") is not None:
-        from ..analyze.sources import footer_digest
-
         if footer_digest(source, st.st_size) != entry["footer"]:
             return "was rewritten (its Parquet footer differs)"
     return None
+
+
+def footer_digest(path: str, size: int) -> str | None:
+    """A hash of the Parquet footer (schema, row groups, statistics): changes when the content is
+    rewritten even where size and mtime do not. One small read at the end of the file."""
+    import hashlib
+
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, size - 8))
+            tail = fh.read(8)
+            n = int.from_bytes(tail[:4], "little")
+            if len(tail) < 8 or tail[4:] != b"PAR1" or n + 8 > size:
+                return None
+            fh.seek(size - 8 - n)
+            return hashlib.sha256(fh.read(n)).hexdigest()[:16]
+    except OSError:
+        return None
