@@ -195,6 +195,56 @@ def _run_overwrite_foreign_dir(ws):
             "replaces only varlen outputs", ["mine"])
 
 
+def _tokenizer_inside_output(ws):
+    shutil.copy(os.path.join(ROOT, "sample_data", "tokenizer.json"), "m/tokenizer.json")
+    return (["analyze", "src", "-o", "m", "--length", "tokens:text", "--tokenizer", "m/tokenizer.json",
+             "--overwrite"], 4, "output m contains the input m/tokenizer.json; write the output elsewhere", ["m"])
+
+
+def _difficulty_module_inside_output(ws):
+    (ws / "m" / "rank.py").write_text("def f(batch):\n    return [0.0] * batch.num_rows\n")
+    return (["analyze", "src", "-o", "m", "--difficulty", "m.rank:f", "--overwrite"], 4,
+            f"output m contains the input {os.path.join('m', 'rank.py')}; write the output elsewhere", ["m"])
+
+
+def _run_tokenizer_inside_output(ws):
+    shutil.copy(os.path.join(ROOT, "sample_data", "tokenizer.json"), "r/tok.json")
+    return (["run", "src", "-o", "r", "--length", "tokens:text", "--tokenizer", "r/tok.json", "--max-tokens", "256",
+             "--overwrite", "--no-progress"], 4, "output r contains the input r/tok.json; write the output elsewhere",
+            ["r"])
+
+
+def _run_profile_inside_output(ws):
+    (ws / "r" / "profile.json").write_text("{}")
+    return (["run", "src", "-o", "r", "--memory-profile", "r/profile.json", "--max-memory", "1GiB", "--overwrite"], 4,
+            "output r contains the input r/profile.json; write the output elsewhere", ["r"])
+
+
+def _overwrite_varlen_dir_with_user_files(ws):
+    (ws / "m" / "notes.txt").write_text("keep")
+    os.makedirs("m/mine")
+    return (["analyze", "src", "-o", "m", "--length", "words:text", "--overwrite"], 4,
+            "output m holds files varlen did not write (mine, notes.txt); --overwrite replaces only what varlen made: "
+            "move them out first", ["m"])
+
+
+def _sort_overwrite_with_user_file(ws):
+    assert runner.invoke(app, ["sort", "m", "-o", "s"]).exit_code == 0
+    (ws / "s" / "part-00009.parquet").write_text("not varlen's: the manifest does not list it")
+    return (["sort", "m", "-o", "s", "--overwrite"], 4,
+            "output s holds files varlen did not write (part-00009.parquet); --overwrite replaces only what varlen "
+            "made: move them out first", ["s"])
+
+
+def _run_overwrite_with_user_files(ws):
+    (ws / "r" / "metrics" / "notes.txt").write_text("keep")
+    (ws / "r" / "README").write_text("keep")
+    return (["run", "src", "-o", "r", "--length", "words:text", "--max-tokens", "256", "--overwrite",
+             "--no-progress"], 4,
+            f"output r holds files varlen did not write (README, {os.path.join('metrics', 'notes.txt')}); "
+            "--overwrite replaces only what varlen made: move them out first", ["r"])
+
+
 def _overwrite_foreign_file(ws):
     (ws / "notes.parquet").write_text("not a plan")
     return (["plan", "m", "-o", "notes.parquet", "--max-tokens", "256", "--overwrite"], 4,
@@ -321,6 +371,13 @@ CASES = [
     ("--overwrite of a directory varlen did not make", _overwrite_foreign_dir),
     ("run --overwrite of a directory varlen did not make", _run_overwrite_foreign_dir),
     ("--overwrite of a file varlen did not make", _overwrite_foreign_file),
+    ("analyze --overwrite, tokenizer inside the output", _tokenizer_inside_output),
+    ("analyze --overwrite, difficulty module inside the output", _difficulty_module_inside_output),
+    ("run --overwrite, tokenizer inside the output", _run_tokenizer_inside_output),
+    ("run --overwrite, memory profile inside the output", _run_profile_inside_output),
+    ("--overwrite of a varlen directory holding user files", _overwrite_varlen_dir_with_user_files),
+    ("sort --overwrite, a part the manifest does not list", _sort_overwrite_with_user_file),
+    ("run --overwrite, user files in the run and its metrics", _run_overwrite_with_user_files),
     ("directory output is a plan file", _dir_output_is_file),
     ("plan output is a directory", _plan_output_is_dir),
     ("output locked by a live process", _live_lock),

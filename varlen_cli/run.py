@@ -110,7 +110,7 @@ def run(config: RunConfig) -> RunResult | None:
     # without --max-tokens the budget is chosen after analyze; check the other plan options now
     plan_stage.check(p if p.max_tokens is not None or p.packing else replace(p, max_tokens=AUTO_MIN_BUDGET))
     out = os.path.abspath(config.output)
-    safety.check_no_overlap(config.output, config.sources)
+    safety.check_no_overlap(config.output, safety.stage_inputs(config))
     safety.check_replaceable(config.output, config.overwrite, "dir")
     if config.nproc == 1:  # in this process, or one rank of torchrun: rank 0 locks in _run_worker
         return run_distributed(_run_worker, config, 1)

@@ -25,6 +25,7 @@ from operator import attrgetter
 import numpy as np
 
 from ..errors import InputError, UsageError
+from ..runtime.files import check_regular
 
 LENGTH_KINDS = ("list", "tokens", "chars", "bytes", "words", "value")
 TEXT_KINDS = ("tokens", "chars", "bytes", "words")
@@ -95,6 +96,7 @@ def load_tokenizer(path: str):
         from tokenizers import Tokenizer
     except ImportError:
         raise UsageError("--tokenizer needs the 'tokenizers' package: pip install 'varlen-cli[tokenizers]'") from None
+    check_regular(path, "tokenizer file")
     if not os.path.isfile(path):
         raise InputError(f"tokenizer file {path} does not exist")
     try:

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import InputError
+from ..runtime.files import check_regular, open_regular
 from ..runtime.freshness import footer_digest
 from . import discovery
 
@@ -86,7 +86,7 @@ def _hf_dataset_files(directory: str) -> list[str] | None:
     if not os.path.isfile(state_path):
         return None
     try:
-        with open(state_path) as fh:
+        with open_regular(state_path, what="Hugging Face dataset state") as fh:
             state = json.load(fh)
         return [os.path.join(directory, f["filename"]) for f in state["_data_files"]]
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -166,10 +166,8 @@ def _stat_readable(path: str) -> os.stat_result:
         st = os.stat(path)
     except OSError as exc:
         raise InputError(f"source {path} is not readable: {exc.strerror}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise InputError(f"source {path} is not a regular file")
     try:
-        with open(path, "rb"):
+        with open_regular(path, "rb", what="source"):
             pass
     except OSError as exc:
         raise InputError(f"source {path} is not readable: {exc.strerror}") from None
@@ -199,6 +197,7 @@ def _check_unique_columns(pf, path: str) -> None:
 def parquet_file(path: str):
     import pyarrow.parquet as pq
 
+    check_regular(path, "source")
     try:
         return pq.ParquetFile(path)
     except Exception as exc:
@@ -209,6 +208,7 @@ def open_arrow(path: str):
     """(reader, is_file_format) of a memory-mapped Arrow IPC file or stream."""
     import pyarrow as pa
 
+    check_regular(path, "source")
     try:
         source = pa.memory_map(path)
     except Exception as exc:

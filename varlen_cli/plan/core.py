@@ -309,7 +309,7 @@ def plan(config: PlanConfig) -> PlanResult:
 
         c = plan_config_for_memory(c)
     check(c)
-    safety.check_no_overlap(c.output, [c.input])
+    safety.check_no_overlap(c.output, safety.stage_inputs(c))
     writer.check_output(c.output, c.overwrite)
     with PlanProgress(c.progress, c.epochs) as bar:
         bar.phase("read")

@@ -25,6 +25,7 @@ import numpy as np
 from ..errors import InputError, UsageError
 from ..runtime import rank0, safety
 from ..runtime.choices import ALLOW_STALE_HELP, OVERWRITE_HELP, doc
+from ..runtime.files import open_regular
 from . import core
 from .core import PlanConfig, PlanResult
 from .shapes import Budget
@@ -218,7 +219,7 @@ def resume_step(config: ReplanConfig, parent) -> int:
 
 def _read_state(path: str) -> dict:
     try:
-        with open(path) as f:
+        with open_regular(path, what="sampler state") as f:
             state = json.load(f)
     except FileNotFoundError:
         raise InputError(f"sampler state {path} does not exist") from None
@@ -268,7 +269,7 @@ def replan(config: ReplanConfig) -> PlanResult:
     if rank0.needs_group():  # under torchrun: rank 0 replans and writes, the others wait
         return rank0.on_rank0(replan, config)
     t0 = time.perf_counter()
-    safety.check_no_overlap(config.output, [config.plan])
+    safety.check_no_overlap(config.output, safety.stage_inputs(config))
     parent = open_parent(config.plan)
     step = resume_step(config, parent)
     if (parent.packing or {}).get("split_long"):

@@ -19,6 +19,7 @@ import os
 
 from ..errors import InputError
 from . import artifacts
+from .files import open_regular
 
 ALLOW_STALE_HINT = "pass --allow-stale if the data was moved or copied on purpose"
 
@@ -75,7 +76,7 @@ def footer_digest(path: str, size: int) -> str | None:
     import hashlib
 
     try:
-        with open(path, "rb") as fh:
+        with open_regular(path, "rb") as fh:
             fh.seek(max(0, size - 8))
             tail = fh.read(8)
             n = int.from_bytes(tail[:4], "little")
@@ -83,5 +84,5 @@ def footer_digest(path: str, size: int) -> str | None:
                 return None
             fh.seek(size - 8 - n)
             return hashlib.sha256(fh.read(n)).hexdigest()[:16]
-    except OSError:
+    except (OSError, InputError):
         return None
