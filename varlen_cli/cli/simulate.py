@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import numpy as np
 import typer
 
 from varlen_cli.cli import common
 from varlen_cli.cli.options import Cli, config_command
 from varlen_cli.schedule.simulate import SimulateConfig
 
+MAX_WIDTH = 4096  # a wider chart is no chart (and --width 100000000 would draw for minutes)
+
 
 # --stages is asked for on the command line (the library's default of 1 suits ddp/fsdp only)
 @config_command(SimulateConfig, fields={"plan": Cli(argument=True), "stages": Cli(required=True)})
 def simulate_command(
     config: SimulateConfig,
-    width: int = typer.Option(96, "--width", help="Columns of the Gantt chart."),
+    width: int = typer.Option(96, "--width", min=8, max=MAX_WIDTH, help="Columns of the Gantt chart."),
     json_output: bool = typer.Option(False, "--json", help="Print JSON: one object, a list with --schedule all."),
 ) -> None:
     """Simulate the plan's steps under parallel schedules: makespan, bubble, peak activations, transfers."""
@@ -61,24 +64,38 @@ def gantt_chart(r, step: int, width: int):
     from rich.text import Text
 
     makespan = float(r.steps[step]) or 1.0
-    width = max(8, width)
     text = Text(f"{r.schedule}: step {step}, makespan {makespan:.4g} ({makespan / width:.3g} per column; "
                 "cyan forward, magenta backward, id = microbatch of the step)\n")
     by_worker = {}
     for worker, start, end, micro, direction, _stage in r.gantt or []:
         by_worker.setdefault(worker, []).append((start, end, micro, direction))
+    columns = (np.arange(width) + 0.5) * makespan / width  # the instant each column shows
     for w in range(r.workers):
-        jobs = sorted(by_worker.get(w, []))
         text.append(f"w{w:<3d} ")
-        for col in range(width):
-            t = (col + 0.5) * makespan / width
-            hit = next((j for j in jobs if j[0] <= t < j[1]), None)
-            if hit is None:
-                text.append(".", style="dim")
-            else:
-                text.append(_IDS[hit[2] % len(_IDS)], style="bold cyan" if hit[3] == "F" else "bold magenta")
+        for cell, style in _cells(sorted(by_worker.get(w, [])), columns):
+            text.append(cell, style=style)
         text.append("\n")
     return text
+
+
+def _cells(jobs: list, columns: np.ndarray) -> list[tuple[str, str]]:
+    """(text, style) runs of one worker's row: the job running at each column's instant (a worker runs
+    one job at a time, so the last job starting before it is the only candidate)."""
+    if not jobs:
+        return [("." * len(columns), "dim")]
+    start, end = np.array([j[0] for j in jobs]), np.array([j[1] for j in jobs])
+    at = np.searchsorted(start, columns, side="right") - 1
+    hit = (at >= 0) & (columns < end[np.maximum(at, 0)])
+    runs: list[tuple[str, str]] = []
+    for k in range(len(columns)):
+        job = jobs[at[k]] if hit[k] else None
+        cell = "." if job is None else _IDS[job[2] % len(_IDS)]
+        style = "dim" if job is None else ("bold cyan" if job[3] == "F" else "bold magenta")
+        if runs and runs[-1][1] == style and job is None:
+            runs[-1] = (runs[-1][0] + cell, style)
+        else:
+            runs.append((cell, style))
+    return runs
 
 
 def register(app: typer.Typer) -> None:

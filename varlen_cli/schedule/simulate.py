@@ -17,6 +17,11 @@ from .engine import Jobs, build_jobs, greedy
 from .schemes import SCHEDULES, Scheme, make_scheme
 
 _COLUMNS = ("step", "rank", "micro", "batch_size", "seqlen")
+# Sizes checked before any work: the greedy scheduler takes about a millisecond per job of a step
+# (every step at once; 65,536 jobs: about a minute on one core, the limit: about 7 minutes), and each
+# scheme's stored-weights table has stages x workers cells.
+MAX_JOBS_PER_STEP = 1 << 19
+MAX_STAGE_WORKER_CELLS = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -289,6 +294,18 @@ def check_config(config: SimulateConfig) -> None:
                          "MODULE:FUNCTION")
 
 
+def check_size(scheme: Scheme) -> None:
+    """Refuse, in one line and before any work, a simulation too large to finish (``--stages 100000``)."""
+    jobs = 2 * scheme.stages * scheme.microbatches
+    if jobs > MAX_JOBS_PER_STEP:
+        raise UsageError(f"--schedule {scheme.name} with --stages {scheme.stages} and {scheme.microbatches:,} "
+                         f"microbatches per step has {jobs:,} jobs per step; simulate takes at most "
+                         f"{MAX_JOBS_PER_STEP:,} (fewer --stages, or a plan with fewer microbatches per step)")
+    if scheme.stages * scheme.workers > MAX_STAGE_WORKER_CELLS:
+        raise UsageError(f"--schedule {scheme.name} with --stages {scheme.stages} on {scheme.workers:,} workers is "
+                         f"too large to simulate (stages x workers at most {MAX_STAGE_WORKER_CELLS:,})")
+
+
 def simulate(config: SimulateConfig) -> SimulateResult:
     """Simulate the plan under one schedule, or under every built-in one (``schedule="all"``)."""
     check_config(config)
@@ -305,5 +322,6 @@ def simulate(config: SimulateConfig) -> SimulateResult:
             groups = None if name in ("ddp", "fsdp") else groups
         scheme = make_scheme(name, stages=config.stages, microbatches=costs.per_step, dp=costs.dp,
                              workers=workers, groups=groups)
+        check_size(scheme)
         result.results.append(simulate_scheme(scheme, costs, config.backward_ratio, config.gantt_step))
     return result
