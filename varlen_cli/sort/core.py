@@ -586,18 +586,17 @@ def _write_single(d: Dist, out: artifacts.AtomicDir, schema, cols: dict, rows: l
             for f in schema:
                 d.send_rows(cols[f.name][a:a + G], dst=0)
         return
-    try:
-        writer = pq.ParquetWriter(target, schema, compression="zstd", compression_level=1)
+    try:  # a full disk (ENOSPC, EFBIG) while streaming is the user's disk: OutputError, exit 4
+        with pq.ParquetWriter(target, schema, compression="zstd", compression_level=1) as writer:
+            if rows[0]:
+                writer.write_table(_to_table(cols, schema), row_group_size=G)
+            for src in range(1, d.world_size):
+                for a in range(0, rows[src], G):
+                    c = min(G, rows[src] - a)
+                    chunk = {f.name: d.recv_rows(np.empty(c, dtype=dtypes[f.name]), src=src) for f in schema}
+                    writer.write_table(_to_table(chunk, schema), row_group_size=G)
     except OSError as exc:
         raise OutputError(f"cannot write {target}: {exc}") from None
-    with writer:
-        if rows[0]:
-            writer.write_table(_to_table(cols, schema), row_group_size=G)
-        for src in range(1, d.world_size):
-            for a in range(0, rows[src], G):
-                c = min(G, rows[src] - a)
-                chunk = {f.name: d.recv_rows(np.empty(c, dtype=dtypes[f.name]), src=src) for f in schema}
-                writer.write_table(_to_table(chunk, schema), row_group_size=G)
 
 
 def _finish(config: SortConfig, d: Dist, out: artifacts.AtomicDir, manifest: dict, everyone: list, stats: dict,
