@@ -575,8 +575,9 @@ def test_concurrent_runs_to_one_output(ws):
 # -- torchrun ---------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_plan_validate_inspect_under_torchrun(ws):
-    """`torchrun --nproc-per-node 2 -m varlen_cli plan|validate|inspect`: rank 0 works and writes,
-    rank 1 waits and exits 0; the plan equals a one-process plan byte for byte (minus created_at)."""
+    """`torchrun --nproc-per-node 2 -m varlen_cli plan|validate|inspect|simulate|calibrate`: rank 0 works,
+    writes and prints, rank 1 waits and exits 0; the plan equals a one-process plan byte for byte
+    (minus created_at)."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
                 "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "varlen_cli"]
     plan_args = ["plan", "m", "-o", "t.parquet", "--max-tokens", "256", "--dp", "2", "--seed", "3"]
@@ -584,10 +585,16 @@ def test_plan_validate_inspect_under_torchrun(ws):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert cli("plan", "m", "-o", "one.parquet", "--max-tokens", "256", "--dp", "2", "--seed", "3").returncode == 0
     assert pq.read_table(ws / "t.parquet").equals(pq.read_table(ws / "one.parquet"))
-    for args in (["validate", "t.parquet", "--metrics", "m"], ["inspect", "t.parquet", "--json"]):
+    (ws / "hf.json").write_text(json.dumps({"vocab_size": 100, "hidden_size": 32, "intermediate_size": 64,
+                                            "num_hidden_layers": 2, "num_attention_heads": 4}))
+    # only rank 0 prints: each --json is one document (every rank printed one before)
+    for args in (["validate", "t.parquet", "--metrics", "m", "--json"], ["inspect", "t.parquet", "--json"],
+                 ["simulate", "t.parquet", "--stages", "2", "--json"],
+                 ["calibrate", "--hf-config", "hf.json", "-o", "prof.json", "--json"]):
         torchrun[-3] = str(free_port())
         proc = subprocess.run(torchrun + args, capture_output=True, text=True, env=ENV, cwd=ws, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
+        assert isinstance(json.loads(proc.stdout), (dict, list)), args  # raises on a second document
     torchrun[-3] = str(free_port())
     proc = subprocess.run(torchrun + plan_args, capture_output=True, text=True, env=ENV, cwd=ws, timeout=300)
     assert proc.returncode != 0  # the output exists now: every rank reports rank 0's error

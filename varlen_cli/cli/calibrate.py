@@ -19,6 +19,8 @@ def calibrate_command(
     from varlen_cli.memory.calibrate import calibrate
 
     profile = common.run(calibrate, config)
+    if not common.prints():
+        return
     if json_output:
         import json
 

@@ -5,6 +5,8 @@ The stage options themselves are generated from the config dataclasses (``varlen
 
 from __future__ import annotations
 
+import os
+
 import typer
 
 JSON = typer.Option(
@@ -12,6 +14,12 @@ JSON = typer.Option(
     help="Print the summary as one JSON object on stdout (the table's labels as keys, plus output) instead of the "
          "table; nothing else goes to stdout.",
 )
+
+
+def prints() -> bool:
+    """Whether this process reports: under torchrun every rank runs the command (and gets rank 0's
+    result), but only rank 0 prints, so ``--json`` gives one document."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1 or int(os.environ.get("RANK", "0") or 0) == 0
 
 
 def run(fn, config):

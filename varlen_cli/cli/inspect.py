@@ -20,6 +20,8 @@ def inspect_command(
     from varlen_cli.inspect import inspect_artifact, tables
 
     info = common.run(inspect_artifact, config)
+    if not common.prints():
+        return
     if json_output:
         import json
 

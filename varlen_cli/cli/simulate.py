@@ -23,6 +23,8 @@ def simulate_command(
     from varlen_cli.schedule import simulate
 
     result = common.run(simulate, config)
+    if not common.prints():
+        return
     gantt_step = config.gantt_step
     if json_output:
         import json

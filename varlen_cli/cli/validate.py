@@ -19,6 +19,10 @@ def validate_command(
     from varlen_cli.validate import validate
 
     result = common.run(validate, config)
+    if not common.prints():  # every rank exits with rank 0's answer; rank 0 says it
+        if not result.ok:
+            raise typer.Exit(VALIDATION_FAILED)
+        return
     if json_output:
         import json
 

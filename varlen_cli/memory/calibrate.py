@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..errors import UsageError
-from ..runtime import user_code
+from ..runtime import rank0, user_code
 from ..runtime.choices import OVERWRITE_HELP, doc
 from . import fit as fitting
 from .analytic import analytic_profile_fields, dtype_name
@@ -94,6 +94,8 @@ def _check(c: CalibrateConfig) -> None:
 
 def calibrate(config: CalibrateConfig) -> dict:
     """Measure or compute the profile, fit it, write it atomically; returns the profile."""
+    if rank0.needs_group():  # under torchrun: rank 0 calibrates and writes, the others get its profile
+        return rank0.on_rank0(calibrate, config)
     c = config
     _check(c)
     check_output(c.output, c.overwrite)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import InputError, UsageError
+from ..runtime import rank0
 from ..runtime.choices import doc
 from .closed import chain_starts, gpipe_starts
 from .engine import Jobs, build_jobs, greedy
@@ -308,6 +309,8 @@ def check_size(scheme: Scheme) -> None:
 
 def simulate(config: SimulateConfig) -> SimulateResult:
     """Simulate the plan under one schedule, or under every built-in one (``schedule="all"``)."""
+    if rank0.needs_group():  # under torchrun: rank 0 simulates, the others get its result
+        return rank0.on_rank0(simulate, config)
     check_config(config)
     costs = read_plan_costs(config.plan, config.attention_cost)
     if config.gantt_step is not None and not 0 <= config.gantt_step < costs.num_steps:
