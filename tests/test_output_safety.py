@@ -9,6 +9,7 @@ no temporary or lock is left beside the outputs. docs/commands.md "Output safety
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -541,6 +542,85 @@ def test_signalled_run_under_nproc_2_keeps_the_old_output(ws, sig, code, line):
     assert err.splitlines()[-1] == line and "internal error" not in err
     assert tree_hash("r") == before and leftovers(str(ws)) == []
     assert cli("validate", "r/plan.parquet").returncode == 0
+
+
+@pytest.mark.parametrize("args,output", [
+    (["analyze", "src", "-o", "m", "--length", "chars:text", "--overwrite"], "m"),
+    (["plan", "m", "-o", "p.parquet", "--max-tokens", "300", "--overwrite"], "p.parquet"),
+    (["run", "src", "-o", "r", "--max-tokens", "300", "--overwrite", "--no-progress"], "r"),
+], ids=["directory", "plan file", "run directory"])
+def test_a_failing_rename_in_swap_in_keeps_the_old_output(ws, monkeypatch, args, output):
+    """The rename of the new output into place fails (EXDEV, as across filesystems): one line, exit 4,
+    the old output back byte for byte, nothing left beside it. (Catches a swap that deletes the old
+    output before the new one is in place.)"""
+    before = tree_hash(output)
+    real_rename = os.rename
+
+    def rename(src, dst):
+        if safety.TMP_TAG in os.path.basename(src) and os.path.basename(dst) == output:
+            raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), src)
+        return real_rename(src, dst)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "rename", rename)
+        result = runner.invoke(app, args)
+    assert_user_error(result, 4, f"cannot put output {output} in place: {os.strerror(errno.EXDEV)}")
+    assert tree_hash(output) == before and leftovers(str(ws)) == []
+
+
+def _signal_after_the_swap(ws, args, output, sig=signal.SIGTERM):
+    """Run ``args`` paused right after its output was swapped in (``VARLEN_PAUSE=commit.swapped``),
+    signal it there; returns (exit code, stderr)."""
+    before = safety.identity(output)
+    proc = subprocess.Popen([sys.executable, "-m", "varlen_cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(ENV, VARLEN_PAUSE="commit.swapped"), cwd=ws,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler))
+    t0 = time.time()
+    while safety.identity(output) == before:  # the new output is in place: the run is paused just after
+        assert time.time() - t0 < 120 and proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err
+
+
+@pytest.mark.parametrize("sig,what", [(signal.SIGTERM, "terminated"), (signal.SIGINT, "interrupted")])
+def test_signal_just_after_the_swap_reports_success(ws, sig, what):
+    """The new plan was committed when the signal came: exit 0 and a line saying the output is complete
+    (it reported failure before), the plan valid, nothing left beside it."""
+    code, err = _signal_after_the_swap(ws, ["plan", "m", "-o", "p.parquet", "--max-tokens", "300", "--overwrite"],
+                                       "p.parquet", sig)
+    assert code == 0 and err.splitlines() == [f"varlen: {what} after p.parquet was written; it is complete"], err
+    assert json.loads(pq.read_schema("p.parquet").metadata[b"varlen"])["config"]["max_tokens"] == 300
+    assert cli("validate", "p.parquet", "--metrics", "m").returncode == 0 and leftovers(str(ws)) == []
+
+
+@pytest.mark.slow
+def test_signal_to_the_launcher_after_a_worker_swapped(ws):
+    """`analyze --nproc 2`: rank 0 swapped the new metrics in, then the launcher is terminated: exit 0,
+    the new metrics in place, no set-aside old output or temporary left."""
+    def lengths():
+        return pq.read_table("m").column("length").to_numpy()  # every part, in name order
+
+    old = lengths()
+    code, err = _signal_after_the_swap(ws, ["analyze", "src", "-o", "m", "--nproc", "2", "--overwrite",
+                                            "--length", "chars:text"], "m")
+    assert code == 0 and err.splitlines()[-1] == "varlen: terminated after m was written; it is complete", err
+    new = lengths()  # chars, not words: the new metrics
+    assert (new >= old).all() and (new > old).any() and leftovers(str(ws)) == []
+
+
+def test_sigterm_while_printing_the_gantt_chart(ws):
+    """SIGTERM while `simulate --gantt-step` writes its chart (blocked on a full pipe): `varlen: terminated`,
+    exit 143, no traceback (it was an internal error)."""
+    proc = subprocess.Popen([sys.executable, "-m", "varlen_cli", "simulate", "p.parquet", "--stages", "16",
+                             "--schedule", "1f1b", "--gantt-step", "0", "--width", "4096"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV, cwd=ws)
+    assert proc.stdout.read(1)  # printing has begun; the chart (over 64 KiB) fills the pipe and blocks
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and err.decode().splitlines() == ["varlen: terminated"], err[-2000:]
 
 
 @pytest.mark.slow

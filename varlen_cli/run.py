@@ -126,7 +126,7 @@ def _run_worker(config: RunConfig) -> RunResult | None:
     """Every stage writes inside one temporary directory beside OUT, swapped in when all succeeded."""
     t0 = time.perf_counter()
     out = os.path.abspath(config.output)
-    with session(config.device) as d, artifacts.atomic_dir_for_group(d, out, config.overwrite) as tmp:
+    with session(config.device) as d, artifacts.atomic_dir_for_group(d, config.output, config.overwrite) as tmp:
         result = _run_stages(replace(config, output=tmp.tmp), d, t0, final=out)
         if d.is_main:
             tmp.commit()

@@ -21,6 +21,7 @@ from typing import Any
 from .. import __version__, format
 from ..errors import InputError, OutputError
 from . import safety
+from .faults import fault_point
 from .files import check_regular, open_regular
 
 # The directory format is defined in varlen_cli.format; these are the names the stages use.
@@ -86,7 +87,11 @@ class _AtomicOutput:
     def commit(self) -> None:
         """Rank 0, after every rank finished writing: swap the result into place."""
         self.check()  # still ours to replace (we hold the lock; a user may have changed it meanwhile)
-        safety.swap_in(self.tmp, self.path)
+        try:
+            safety.swap_in(self.tmp, self.path)
+        except OSError as exc:  # the user's filesystem (permissions, a read-only mount): the old output is back
+            raise OutputError(f"cannot put output {self.given} in place: {exc.strerror or exc}") from None
+        fault_point("commit.swapped")  # tests: a signal right after the swap
 
 
 class AtomicDir(_AtomicOutput):

@@ -34,6 +34,7 @@ import numpy as np
 
 from ..errors import ERROR_CLASSES, UsageError, VarlenError, WorkerError
 from . import local_group
+from .faults import fault_point  # noqa: F401 - the stages import it from here
 
 DEFAULT_TIMEOUT_S = 1800.0
 _PROGRESS_KEY = "varlen/progress"
@@ -495,20 +496,3 @@ def run_distributed(entry: Callable[[Any], Any], config: Any, nproc: int, cleanu
     if nproc == 1:
         return entry(config)
     return launch(entry, config, nproc, cleanup=cleanup)
-
-
-def fault_point(name: str) -> None:
-    """Test hooks: ``VARLEN_FAULT=NAME:RANK`` kills this worker (SIGKILL) when it reaches NAME;
-    ``VARLEN_PAUSE=NAME`` makes every worker wait there (60 s, or until a signal ends it).
-
-    Used by the fault-injection tests: a dead worker fails the whole job; a signal that arrives
-    while a stage is surely still running (paused) leaves the previous output as it was.
-    """
-    if os.environ.get("VARLEN_PAUSE") == name:
-        time.sleep(60.0)
-    spec = os.environ.get("VARLEN_FAULT")
-    if not spec:
-        return
-    point, _, rank = spec.rpartition(":")
-    if point == name and int(os.environ.get("RANK", 0)) == int(rank):
-        os.kill(os.getpid(), signal.SIGKILL)

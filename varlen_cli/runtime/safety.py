@@ -361,6 +361,17 @@ def swap_in(tmp: str, path: str) -> None:
         os.rename(tmp, path)
 
 
+def identity(path: str | None) -> tuple[int, int] | None:
+    """``(device, inode)`` of ``path`` (not following a link), or None when it does not exist. A
+    swap puts a new inode at the path (the temporary was made while the old output existed), so a
+    changed identity under the output lock means this run's output was committed."""
+    try:
+        st = os.lstat(path) if path else None
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if st is not None else None
+
+
 # -- SIGTERM -----------------------------------------------------------------------------------------
 class Terminated(BaseException):
     """Raised in the main thread on SIGTERM, so ``finally`` blocks and cleanups run."""
