@@ -420,13 +420,18 @@ def _read_jsonl(f: SourceFile, unit: Unit):
     if not data.strip():
         return pa.table({})
     block = max(1 << 20, min(len(data), 16 << 20))
+    where = f"bytes {unit.start}-{unit.stop}" if not f.compression else "file"
     try:
-        return pj.read_json(pa.BufferReader(data), read_options=pj.ReadOptions(block_size=block))
+        table = pj.read_json(pa.BufferReader(data), read_options=pj.ReadOptions(block_size=block))
     except pa.ArrowInvalid as exc:
-        if "straddling" in str(exc).lower():
-            return pj.read_json(pa.BufferReader(data), read_options=pj.ReadOptions(block_size=len(data) + 1))
-        where = f"bytes {unit.start}-{unit.stop}" if not f.compression else "file"
-        raise InputError(f"invalid JSONL in {f.path} ({where}): {exc}") from None
+        if "straddling" not in str(exc).lower():
+            raise InputError(f"invalid JSONL in {f.path} ({where}): {exc}") from None
+        table = pj.read_json(pa.BufferReader(data), read_options=pj.ReadOptions(block_size=len(data) + 1))
+    try:  # pyarrow's JSON reader passes invalid UTF-8 in strings through; a .txt with the same bytes is refused
+        table.validate(full=True)
+    except pa.ArrowInvalid:
+        raise InputError(f"invalid JSONL in {f.path} ({where}): not valid UTF-8") from None
+    return table
 
 
 def _read_text(f: SourceFile, unit: Unit):
