@@ -73,7 +73,9 @@ def test_readme_block_is_found_and_marks_what_it_skips():
     commands = readme_commands()
     assert commands[0] == "mkdir -p out" and len(commands) > 15
     skipped = [c for c in commands if SKIP_MARK in c]
-    assert [c.split()[1] for c in skipped] == ["calibrate", "plan"]  # the model and what it feeds
+    assert any(c.split()[1] == "calibrate" for c in skipped)  # a GPU and the user's model
+    assert all(c.split(SKIP_MARK, 1)[1].strip() for c in skipped)  # each says what it needs
+    assert len(skipped) <= len(commands) // 3  # most of the block runs on the sample data
 
 
 @pytest.mark.slow
@@ -101,4 +103,4 @@ def test_readme_commands_run_in_order_in_a_fresh_directory(tmp_path):
         assert result.returncode == 0, f"{command}\n{result.stderr[-2000:]}"
         ran.append(command)
     assert os.path.isfile(work / "out" / "plan-dp3.parquet") and os.path.isfile(work / "out" / "run" / "_run.json")
-    assert len(ran) == len(readme_commands()) - 2
+    assert len(ran) == len([c for c in readme_commands() if SKIP_MARK not in c]) > 10

@@ -11,7 +11,9 @@ from varlen_cli.cli.options import OUTPUT, Cli, config_command
 
 @config_command(
     AnalyzeConfig,
-    fields={"sources": Cli(argument=True, metavar="SOURCE", type=list[str], convert=tuple), "output": OUTPUT},
+    fields={"sources": Cli(argument=True, metavar="SOURCE", type=list[str], convert=tuple), "output": OUTPUT,
+            "storage_options": Cli(flags=("--storage-option",), metavar="KEY=VALUE", type=list[str], convert=tuple,
+                                   show=list)},
     library_only=("chunk_bytes",),
 )
 def analyze_command(config: AnalyzeConfig, json_output: bool = common.JSON) -> None:

@@ -96,7 +96,7 @@ def _parameter(f: dataclasses.Field, hint: Any, cli: Cli) -> inspect.Parameter:
         default = None
     annotation = cli.type if cli.type is not None else hint
     extra: dict[str, Any] = {"help": f.metadata.get("help", "")}
-    if default is None or default is ...:
+    if default is None or default is ... or (isinstance(default, (list, tuple)) and not default):
         extra["show_default"] = False
     if cli.metavar is not None or cli.argument:
         extra["metavar"] = cli.metavar or f.name.upper()  # arguments in capitals, as in the usage lines of docs/

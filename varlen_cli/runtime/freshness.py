@@ -9,6 +9,9 @@ before trusting a metrics or sorted directory:
 * a sorted directory's metrics directory must not have been rebuilt since
   (:func:`varlen_cli.runtime.artifacts.check_fresh`).
 
+A source in object storage (``s3://``...) is compared on its size and the ETag and version id
+recorded by ``analyze`` (:func:`varlen_cli.storage.fingerprint_fields`), never on a modification time.
+
 ``--allow-stale`` (``allow_stale=True``) skips both, for data moved or copied on purpose (a copy
 gets a new mtime). Manifests written before varlen recorded ``mtime_ns`` are not checked.
 """
@@ -17,11 +20,12 @@ from __future__ import annotations
 
 import os
 
+from .. import storage
 from ..errors import InputError
 from . import artifacts
-from .files import open_regular
 
 ALLOW_STALE_HINT = "pass --allow-stale if the data was moved or copied on purpose"
+FOOTER_PROBE = 64 << 10  # bytes read from a Parquet file's end to hash its footer (one range request)
 
 
 def check_inputs(path: str, manifest: dict, allow_stale: bool = False, rerun: str = "varlen sort") -> None:
@@ -46,12 +50,28 @@ def stale_source(manifest: dict) -> tuple[str, str] | None:
         return None
     root = dataset.get("root") or ""
     for entry in dataset.get("files") or []:
-        if not isinstance(entry, dict) or "mtime_ns" not in entry:
+        if not isinstance(entry, dict) or not ({"mtime_ns", "etag", "version"} & entry.keys()):
             continue  # recorded before varlen kept mtimes (or a hand-made manifest): cannot tell
-        source = os.path.join(root, str(entry.get("path")))
-        why = _difference(source, entry)
+        source = storage.under(str(entry.get("path")), root)
+        why = _remote_difference(source, entry) if storage.is_remote(source) else _difference(source, entry)
         if why is not None:
             return source, why
+    return None
+
+
+def _remote_difference(source: str, entry: dict) -> str | None:
+    """What changed in an object since analyze: size, ETag or version id (never the time)."""
+    try:
+        info = storage.stat(source)
+    except InputError as exc:
+        if "does not exist" in exc.message:
+            return "is missing"
+        raise InputError(f"cannot check whether source {source} changed: {exc.message}; {ALLOW_STALE_HINT}") from None
+    if info.size != entry.get("size"):
+        return f"changed size ({entry.get('size')} -> {info.size} bytes)"
+    for key, now in (("etag", info.etag), ("version", info.version)):
+        if entry.get(key) is not None and now is not None and now != entry[key]:
+            return f"was modified ({key} {entry[key]} -> {now})"
     return None
 
 
@@ -72,17 +92,16 @@ def _difference(source: str, entry: dict) -> str | None:
 
 def footer_digest(path: str, size: int) -> str | None:
     """A hash of the Parquet footer (schema, row groups, statistics): changes when the content is
-    rewritten even where size and mtime do not. One small read at the end of the file."""
+    rewritten even where size and mtime do not. One small read at the end of the file (one range
+    request for an object in storage)."""
     import hashlib
 
     try:
-        with open_regular(path, "rb") as fh:
-            fh.seek(max(0, size - 8))
-            tail = fh.read(8)
-            n = int.from_bytes(tail[:4], "little")
-            if len(tail) < 8 or tail[4:] != b"PAR1" or n + 8 > size:
-                return None
-            fh.seek(size - 8 - n)
-            return hashlib.sha256(fh.read(n)).hexdigest()[:16]
+        tail = storage.read_range(path, max(0, size - FOOTER_PROBE), size)  # usually holds the whole footer
+        n = int.from_bytes(tail[-8:-4], "little")
+        if len(tail) < 8 or tail[-4:] != b"PAR1" or n + 8 > size:
+            return None
+        footer = tail[-8 - n:-8] if n + 8 <= len(tail) else storage.read_range(path, size - 8 - n, size - 8)
+        return hashlib.sha256(footer).hexdigest()[:16]
     except (OSError, InputError):
         return None
