@@ -14,25 +14,22 @@ from functools import cache
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = "varlen_cli"
 
-# The shared layer: it may import only itself (never a stage package: analyze, sort, plan, loader,
-# memory, schedule, integrations, cli, or the stage modules inspect, validate, run). varlen_cli.storage
-# (where files live: local paths and object storage) is part of it.
-SHARED_PREFIXES = ("varlen_cli.runtime",)
-SHARED_MODULES = {"varlen_cli", "varlen_cli.errors", "varlen_cli.format", "varlen_cli.storage"}
+# The stages. Everything else is the shared layer (varlen_cli.runtime and the top-level modules:
+# errors, format, storage, budget, ...), which may import only itself, never a stage.
+STAGE_PACKAGES = ("analyze", "sort", "plan", "loader", "memory", "schedule", "integrations", "cli")
+STAGE_MODULES = ("inspect", "validate", "plan_checks", "run", "__main__")  # plan_checks: validate's checks
 
-# Cycles being removed on other branches (i23plan: the plan config in a leaf module; i21: loader).
-# The lead empties this set when merging them; any other cycle fails now.
+# Cycles being removed on another branch (i21: the loader). The lead empties this set when merging
+# it; any other cycle fails now. (The plan cycles went with i23plan's leaf config module.)
 KNOWN_CYCLES_ELSEWHERE = {
-    frozenset({"varlen_cli.plan.core", "varlen_cli.plan.cost_model", "varlen_cli.plan.extend",
-               "varlen_cli.plan.mixture", "varlen_cli.plan.orders", "varlen_cli.plan.replan"}),
     frozenset({"varlen_cli.loader.guard", "varlen_cli.loader.plan_file"}),
     frozenset({"varlen_cli.loader.collate", "varlen_cli.loader.model_inputs", "varlen_cli.loader.packed"}),
 }
 
 
 def _is_shared(module: str) -> bool:
-    return module in SHARED_MODULES or module.startswith(tuple(p + "." for p in SHARED_PREFIXES)) \
-        or module in SHARED_PREFIXES
+    parts = module.split(".")
+    return len(parts) == 1 or parts[1] not in STAGE_PACKAGES + STAGE_MODULES
 
 
 @cache
@@ -62,23 +59,27 @@ def _targets(module: str, node: ast.Import | ast.ImportFrom) -> list[str]:
     return [f"{target}.{a.name}" if f"{target}.{a.name}" in mods else target for a in node.names]
 
 
+def imports_in(module: str, source: str) -> frozenset[str]:
+    """The package's modules that ``source`` (the text of ``module``) imports anywhere."""
+    mods = modules()
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for target in _targets(module, node):
+                while target.startswith(PACKAGE) and target not in mods:  # pkg.mod.attr -> pkg.mod
+                    target = target.rpartition(".")[0]
+                if target in mods and target != module:
+                    found.add(target)
+    return frozenset(found)
+
+
 @cache
 def graph() -> dict[str, frozenset[str]]:
     """{module: the package's modules it imports anywhere in its source}."""
-    mods = modules()
     edges = {}
-    for module, path in mods.items():
+    for module, path in modules().items():
         with open(path, encoding="utf-8") as f:
-            tree = ast.parse(f.read(), path)
-        found = set()
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                for target in _targets(module, node):
-                    while target.startswith(PACKAGE) and target not in mods:  # pkg.mod.attr -> pkg.mod
-                        target = target.rpartition(".")[0]
-                    if target in mods and target != module:
-                        found.add(target)
-        edges[module] = frozenset(found)
+            edges[module] = imports_in(module, f.read())
     return edges
 
 
@@ -127,7 +128,10 @@ def test_the_graph_counts_every_kind_of_import():
     assert "varlen_cli.plan.heap" in edges["varlen_cli.cli.plan"]  # inside a function, absolute
     assert "varlen_cli.runtime.safety" in edges["varlen_cli.runtime.dist"]  # inside a function, relative
     assert "varlen_cli.errors" in edges["varlen_cli.runtime.dist"]  # module level, `from ..errors import`
-    assert "varlen_cli.plan.core" in edges["varlen_cli.plan.cost_model"]  # under TYPE_CHECKING
+    source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .config import PlanConfig\n"
+              "from . import writer\nimport varlen_cli.format\n")
+    assert imports_in("varlen_cli.plan.core", source) == {
+        "varlen_cli.plan.config", "varlen_cli.plan.writer", "varlen_cli.format"}  # typing-only imports count too
 
 
 def test_cycle_finder_finds_cycles():
