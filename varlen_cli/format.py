@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from .runtime.files import check_regular
 
 # -- metrics and sorted directories ------------------------------------------------------------------
 MANIFEST_NAME = "_manifest.json"  # "_" so pyarrow datasets skip it
@@ -218,8 +219,7 @@ def open_plan_file(path: str) -> tuple[pq.ParquetFile, dict]:
         raise FormatError(f"plan file not found: {path}")
     if os.path.isdir(path):
         raise FormatError(f"{path} is a directory, not a plan file (make one with `varlen plan`)")
-    if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the open, deaf to SIGINT and SIGTERM
-        raise FormatError(f"{path} is not a regular file (a FIFO, device or socket), not a plan file")
+    check_regular(path, "plan", FormatError)
     try:
         parquet = pq.ParquetFile(path)
     except Exception as exc:  # pyarrow raises several types for a non-Parquet file

@@ -14,6 +14,7 @@ import numpy as np
 from . import format
 from .errors import InputError, UsageError
 from .runtime import artifacts, rank0
+from .runtime.choices import doc
 from .runtime.text import fmt, histogram_lines
 
 SERIES_BINS = 48
@@ -25,8 +26,10 @@ CHART_SCALE = (0.95, 1.05)  # cost / step mean at the lowest and the highest blo
 
 @dataclass(frozen=True)
 class InspectConfig:
-    path: str
-    step: int | None = None
+    """Options of ``varlen inspect``."""
+
+    path: str = doc(help="A metrics directory, a sorted directory or a plan file.")
+    step: int | None = doc(None, "Plans: also show the microbatches of step N.")
 
 
 def inspect_artifact(config: InspectConfig) -> dict:

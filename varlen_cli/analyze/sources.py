@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,6 +28,8 @@ import numpy as np
 
 from .. import storage
 from ..errors import InputError
+from ..runtime.files import check_regular, open_regular
+from ..runtime.freshness import footer_digest
 from . import discovery, formats, remote
 
 PARQUET_EXT = (".parquet", ".pq")
@@ -38,7 +39,6 @@ TEXT_EXT = (".txt", ".text")
 TEXT_COLUMN = "text"
 DEFAULT_CHUNK_BYTES = 32 << 20
 MAX_UNIT_ROWS = 1 << 20
-FOOTER_PROBE = 64 << 10  # bytes read from a Parquet file's end to hash its footer (one range request)
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ def _hf_dataset_files(directory: str) -> list[str] | None:
     if not os.path.isfile(state_path):
         return None
     try:
-        with open(state_path) as fh:
+        with open_regular(state_path, what="Hugging Face dataset state") as fh:
             state = json.load(fh)
         return [os.path.join(directory, f["filename"]) for f in state["_data_files"]]
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -189,10 +189,8 @@ def _stat_readable(path: str) -> os.stat_result:
         st = os.stat(path)
     except OSError as exc:
         raise InputError(f"source {path} is not readable: {exc.strerror}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise InputError(f"source {path} is not a regular file")
     try:
-        with open(path, "rb"):
+        with open_regular(path, "rb", what="source"):
             pass
     except OSError as exc:
         raise InputError(f"source {path} is not readable: {exc.strerror}") from None
@@ -219,27 +217,12 @@ def _check_unique_columns(pf, path: str) -> None:
         raise InputError(f"{path} has duplicate column names ({', '.join(dup)}); rename them before analyze")
 
 
-def footer_digest(path: str, size: int) -> str | None:
-    """A hash of the Parquet footer (schema, row groups, statistics): changes when the content is
-    rewritten even where size and mtime do not. One small read at the end of the file."""
-    import hashlib
-
-    try:
-        tail = storage.read_range(path, max(0, size - FOOTER_PROBE), size)  # usually holds the whole footer
-        n = int.from_bytes(tail[-8:-4], "little")
-        if len(tail) < 8 or tail[-4:] != b"PAR1" or n + 8 > size:
-            return None
-        footer = tail[-8 - n:-8] if n + 8 <= len(tail) else storage.read_range(path, size - 8 - n, size - 8)
-        return hashlib.sha256(footer).hexdigest()[:16]
-    except (OSError, InputError):
-        return None
-
-
 def parquet_file(path: str, size: int | None = None):
     import pyarrow.parquet as pq
 
     if storage.is_remote(path):
         return storage.parquet_file(path, size=size)
+    check_regular(path, "source")
     try:
         return pq.ParquetFile(path)
     except Exception as exc:
@@ -251,6 +234,7 @@ def open_arrow(path: str):
     storage is read whole: the stream format, which ``save_to_disk`` writes, has no index)."""
     import pyarrow as pa
 
+    check_regular(path, "source")
     try:
         source = pa.BufferReader(storage.read_bytes(path)) if storage.is_remote(path) else pa.memory_map(path)
     except Exception as exc:
@@ -473,13 +457,18 @@ def _read_jsonl(f: SourceFile, unit: Unit):
     if not data.strip():
         return pa.table({})
     block = max(1 << 20, min(len(data), 16 << 20))
+    where = f"bytes {unit.start}-{unit.stop}" if not f.compression else "file"
     try:
-        return pj.read_json(pa.BufferReader(data), read_options=pj.ReadOptions(block_size=block))
+        table = pj.read_json(pa.BufferReader(data), read_options=pj.ReadOptions(block_size=block))
     except pa.ArrowInvalid as exc:
-        if "straddling" in str(exc).lower():
-            return pj.read_json(pa.BufferReader(data), read_options=pj.ReadOptions(block_size=len(data) + 1))
-        where = f"bytes {unit.start}-{unit.stop}" if not f.compression else "file"
-        raise InputError(f"invalid JSONL in {f.path} ({where}): {exc}") from None
+        if "straddling" not in str(exc).lower():
+            raise InputError(f"invalid JSONL in {f.path} ({where}): {exc}") from None
+        table = pj.read_json(pa.BufferReader(data), read_options=pj.ReadOptions(block_size=len(data) + 1))
+    try:  # pyarrow's JSON reader passes invalid UTF-8 in strings through; a .txt with the same bytes is refused
+        table.validate(full=True)
+    except pa.ArrowInvalid:
+        raise InputError(f"invalid JSONL in {f.path} ({where}): not valid UTF-8") from None
+    return table
 
 
 def _read_text(f: SourceFile, unit: Unit):
