@@ -19,12 +19,6 @@ PACKAGE = "varlen_cli"
 STAGE_PACKAGES = ("analyze", "sort", "plan", "loader", "memory", "schedule", "integrations", "cli")
 STAGE_MODULES = ("inspect", "validate", "plan_checks", "run", "__main__")  # plan_checks: validate's checks
 
-# Cycles being removed on another branch (i21: the loader). The lead empties this set when merging
-# it; any other cycle fails now. (The plan cycles went with i23plan's leaf config module.)
-KNOWN_CYCLES_ELSEWHERE = {
-    frozenset({"varlen_cli.loader.guard", "varlen_cli.loader.plan_file"}),
-    frozenset({"varlen_cli.loader.collate", "varlen_cli.loader.model_inputs", "varlen_cli.loader.packed"}),
-}
 
 
 def _is_shared(module: str) -> bool:
@@ -141,9 +135,8 @@ def test_cycle_finder_finds_cycles():
 
 
 def test_no_import_cycles():
-    unexpected = [sorted(c) for c in cycles(graph())
-                  if not any(c <= known for known in KNOWN_CYCLES_ELSEWHERE)]
-    assert unexpected == [], f"import cycles: {unexpected}"
+    found = [sorted(c) for c in cycles(graph())]
+    assert found == [], f"import cycles: {found}"
 
 
 def test_the_shared_layer_imports_no_stage():
