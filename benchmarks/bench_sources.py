@@ -137,7 +137,7 @@ def fetch_plan(ds, plan_path: str) -> int:
     from varlen_cli.loader import dataloader_for_plan
 
     n = 0
-    for _ in dataloader_for_plan(ds, plan_path, rank=0, world_size=1):
+    for _ in dataloader_for_plan(ds, plan_path, rank=0, world_size=1, lr_scale="ignore"):
         n += 1
     return n
 
@@ -254,7 +254,7 @@ def bench_train(work: str, steps: int) -> dict:
     torch.manual_seed(0)
     plan = Plan.open(os.path.join(work, "plan.parquet"))
     loader = dataloader_for_plan(SourceDataset(os.path.join(work, "m-local"), columns=["input_ids"]), plan,
-                                 rank=0, world_size=1)
+                                 rank=0, world_size=1, lr_scale="ignore")  # the timing's loop has no LR schedule
     model = TinyGPT(VOCAB, max(mb.seqlen for mb in plan.microbatches(0, 0, 0, plan.num_steps)) + 1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data_s, step_s, it = [], [], iter(loader)

@@ -15,6 +15,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .runtime.files import check_regular
+
 # -- metrics and sorted directories ------------------------------------------------------------------
 MANIFEST_NAME = "_manifest.json"  # "_" so pyarrow datasets skip it
 METRICS_FORMAT = "varlen-metrics"
@@ -225,6 +227,7 @@ def open_plan_file(path: str) -> tuple[pq.ParquetFile, dict]:
         raise FormatError(f"plan file not found: {path}")
     if os.path.isdir(path):
         raise FormatError(f"{path} is a directory, not a plan file (make one with `varlen plan`)")
+    check_regular(path, "plan", FormatError)
     try:
         parquet = pq.ParquetFile(path)
     except Exception as exc:  # pyarrow raises several types for a non-Parquet file

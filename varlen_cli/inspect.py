@@ -26,8 +26,11 @@ CHART_SCALE = (0.95, 1.05)  # cost / step mean at the lowest and the highest blo
 
 @dataclass(frozen=True)
 class InspectConfig:
-    path: str
-    step: int | None = None
+    """Options of ``varlen inspect``."""
+
+    path: str = doc(help="A metrics directory, a sorted directory or a plan file, local or in object storage "
+                         "(s3://...).")
+    step: int | None = doc(None, "Plans: also show the microbatches of step N.")
     storage_options: tuple = doc((), STORAGE_OPTION_HELP)
 
 

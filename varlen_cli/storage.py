@@ -73,6 +73,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import InputError, OutputError, UsageError, VarlenError
+from .runtime.files import check_regular, open_regular
 
 # URL scheme -> (module to import, extra that installs it).
 EXTRAS: dict[str, tuple[str, str]] = {
@@ -433,7 +434,7 @@ def open_input(loc: str, options: Options = None, block_size: int = 1 << 20):
     """A seekable binary file; remote reads are range requests of ``block_size`` (no download)."""
     if not is_remote(loc):
         try:
-            return open(local_path(loc), "rb")
+            return open_regular(local_path(loc), "rb")  # a FIFO or a device is refused, never read
         except OSError as exc:
             raise InputError(f"{loc} is not readable: {exc.strerror}") from None
     fs, path = filesystem(loc, options)
@@ -447,7 +448,7 @@ def read_range(loc: str, start: int, stop: int, options: Options = None) -> byte
         return b""
     if not is_remote(loc):
         try:
-            with open(local_path(loc), "rb") as fh:
+            with open_regular(local_path(loc), "rb") as fh:
                 fh.seek(start)
                 return fh.read(stop - start)
         except OSError as exc:
@@ -461,7 +462,7 @@ def read_bytes(loc: str, options: Options = None) -> bytes:
     """The whole object (manifests, ``state.json``: small files)."""
     if not is_remote(loc):
         try:
-            with open(local_path(loc), "rb") as fh:
+            with open_regular(local_path(loc), "rb") as fh:
                 return fh.read()
         except OSError as exc:
             raise InputError(f"{loc} is not readable: {exc.strerror}") from None
@@ -486,6 +487,7 @@ def parquet_file(loc: str, options: Options = None, size: int | None = None, met
     import pyarrow.parquet as pq
 
     if not is_remote(loc):
+        check_regular(local_path(loc))
         return pq.ParquetFile(local_path(loc), metadata=metadata)
     fs, path = filesystem(loc, options)
     with translate_errors(loc):

@@ -17,7 +17,7 @@ from . import format, storage
 from .errors import InputError, UsageError
 from .plan_checks import Check, PlanArrays, run_checks
 from .runtime import artifacts, freshness, rank0
-from .runtime.choices import STORAGE_OPTION_HELP, doc
+from .runtime.choices import ALLOW_STALE_HELP, STORAGE_OPTION_HELP, doc
 
 TARGET_COLUMN = format.TARGET_LENGTH_COLUMN
 
@@ -28,11 +28,14 @@ __all__ = ["Check", "ValidateConfig", "ValidateResult", "validate"]
 class ValidateConfig:
     """Options of ``varlen validate``."""
 
-    plan: str
-    metrics: str | None = None
-    allow_stale: bool = False
-    max_memory: str | None = None  # check predicted peaks (docs/memory.md)
-    memory_profile: str | None = None
+    plan: str = doc(help="Plan Parquet file written by `varlen plan` (local or an s3://... object).")
+    metrics: str | None = doc(None, "Metrics or sorted directory the plan was built from (local or an s3://... "
+                                    "prefix): also checks the fingerprint, seqlens, token counts and loss tokens.")
+    max_memory: str | None = doc(None, "Also check that no microbatch's predicted peak exceeds this (e.g. 70GiB; "
+                                       "default: the plan's own --max-memory).")
+    memory_profile: str | None = doc(None, "Memory profile for --max-memory (default: the one the plan was made "
+                                           "with).")
+    allow_stale: bool = doc(False, ALLOW_STALE_HELP)
     storage_options: tuple = doc((), STORAGE_OPTION_HELP)
 
 

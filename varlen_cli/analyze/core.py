@@ -17,7 +17,16 @@ import numpy as np
 from .. import storage
 from ..errors import InputError, OutputError, UsageError
 from ..runtime import artifacts
-from ..runtime.choices import NPROC_HELP, STORAGE_OPTION_HELP, Device, check_choices, doc
+from ..runtime.choices import (
+    DEVICE_HELP,
+    NPROC_HELP,
+    OVERWRITE_HELP,
+    PROGRESS_HELP,
+    STORAGE_OPTION_HELP,
+    Device,
+    check_choices,
+    doc,
+)
 from ..runtime.dist import Dist, fault_point
 from ..runtime.executor import execute
 from ..runtime.progress import JobProgress
@@ -66,12 +75,12 @@ class AnalyzeConfig:
     frames_per_second: float | None = doc(None, "With --length value:COLUMN in seconds: frames = ceil(seconds x F).")
     difficulty: str = doc("length", "Curriculum key: length, value:COLUMN, vocab-rarity, or MODULE:FUNCTION "
                                     "(RecordBatch -> one value per row).")
-    nproc: int = doc(1, NPROC_HELP)
-    overwrite: bool = doc(False, "Replace an existing output (written atomically either way).")
-    device: Device = doc("cpu", "cpu (--nproc: local group; torchrun: gloo) or cuda (nccl).")
-    chunk_bytes: int = doc(DEFAULT_CHUNK_BYTES, "Bytes of input a worker reads per chunk.")
-    progress: bool = doc(True, "Show a progress bar on rank 0 (only on a terminal).")
     storage_options: tuple = doc((), STORAGE_OPTION_HELP)
+    nproc: int = doc(1, NPROC_HELP)
+    device: Device = doc("cpu", DEVICE_HELP)
+    overwrite: bool = doc(False, OVERWRITE_HELP)
+    chunk_bytes: int = doc(DEFAULT_CHUNK_BYTES, "Bytes of input a worker reads per chunk.")
+    progress: bool = doc(True, PROGRESS_HELP)
 
 
 @dataclass

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,6 +28,8 @@ import numpy as np
 
 from .. import format, storage
 from ..errors import InputError
+from ..runtime.files import check_regular, open_regular
+from ..runtime.freshness import footer_hash
 from . import discovery, formats, remote
 
 PARQUET_EXT = (".parquet", ".pq")
@@ -50,7 +51,7 @@ class SourceFile:
     compression: str | None = None
     rows: int = -1  # known from metadata for parquet and arrow, -1 for line formats
     mtime_ns: int = 0  # when discovered: with size, what staleness checks compare
-    footer: str | None = None  # Parquet: hash of the footer (see footer_digest)
+    footer: str | None = None  # Parquet: hash of the footer (runtime.freshness.footer_hash)
     etag: str | None = None  # object storage: what staleness checks compare instead of mtime_ns
     version: str | None = None
 
@@ -94,7 +95,7 @@ def _hf_dataset_files(directory: str) -> list[str] | None:
     if not os.path.isfile(state_path):
         return None
     try:
-        with open(state_path) as fh:
+        with open_regular(state_path, what="Hugging Face dataset state") as fh:
             state = json.load(fh)
         return [os.path.join(directory, f["filename"]) for f in state["_data_files"]]
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -190,10 +191,8 @@ def _stat_readable(path: str) -> os.stat_result:
         st = os.stat(path)
     except OSError as exc:
         raise InputError(f"source {path} is not readable: {exc.strerror}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise InputError(f"source {path} is not a regular file")
     try:
-        with open(path, "rb"):
+        with open_regular(path, "rb", what="source"):
             pass
     except OSError as exc:
         raise InputError(f"source {path} is not readable: {exc.strerror}") from None
@@ -214,21 +213,6 @@ def _check_unique_columns(schema, path: str) -> None:
         raise InputError(f"{path} has duplicate column names ({', '.join(dup)}); rename them before analyze")
 
 
-def footer_digest(path: str, size: int) -> str | None:
-    """A hash of the Parquet footer (schema, row groups, statistics): changes when the content is
-    rewritten even where size and mtime do not. One small read at the end of the file."""
-    try:
-        return _digest(storage.parquet_footer(path, size)[0])
-    except (OSError, InputError):
-        return None
-
-
-def _digest(footer: bytes) -> str:
-    import hashlib
-
-    return hashlib.sha256(footer).hexdigest()[:16]
-
-
 # Parquet footers of the files being analysed, read once per run (discovery, unit planning and the
 # reader all need them): (path, size, mtime_ns, etag, version) -> (FileMetaData, footer hash).
 # Cleared when a run discovers its files; the key changes with any change freshness would see.
@@ -239,7 +223,7 @@ def _footer(path: str, size: int, key: tuple) -> tuple:
     hit = _FOOTERS.get(key)
     if hit is None:
         footer, metadata = storage.parquet_footer(path, size)
-        hit = _FOOTERS[key] = (metadata, _digest(footer))
+        hit = _FOOTERS[key] = (metadata, footer_hash(footer))
     return hit
 
 
@@ -255,6 +239,7 @@ def parquet_file(path: str, size: int | None = None, key: tuple | None = None):
     metadata = _footer(path, size, key)[0] if key is not None and size is not None else None
     if storage.is_remote(path):
         return storage.parquet_file(path, size=size, metadata=metadata)
+    check_regular(path, "source")
     try:
         return pq.ParquetFile(path, metadata=metadata)
     except Exception as exc:
@@ -266,6 +251,7 @@ def open_arrow(path: str):
     storage is read whole: the stream format, which ``save_to_disk`` writes, has no index)."""
     import pyarrow as pa
 
+    check_regular(path, "source")
     try:
         source = pa.BufferReader(storage.read_bytes(path)) if storage.is_remote(path) else pa.memory_map(path)
     except Exception as exc:
@@ -488,13 +474,18 @@ def _read_jsonl(f: SourceFile, unit: Unit):
     if not data.strip():
         return pa.table({})
     block = max(1 << 20, min(len(data), 16 << 20))
+    where = f"bytes {unit.start}-{unit.stop}" if not f.compression else "file"
     try:
-        return pj.read_json(pa.BufferReader(data), read_options=pj.ReadOptions(block_size=block))
+        table = pj.read_json(pa.BufferReader(data), read_options=pj.ReadOptions(block_size=block))
     except pa.ArrowInvalid as exc:
-        if "straddling" in str(exc).lower():
-            return pj.read_json(pa.BufferReader(data), read_options=pj.ReadOptions(block_size=len(data) + 1))
-        where = f"bytes {unit.start}-{unit.stop}" if not f.compression else "file"
-        raise InputError(f"invalid JSONL in {f.path} ({where}): {exc}") from None
+        if "straddling" not in str(exc).lower():
+            raise InputError(f"invalid JSONL in {f.path} ({where}): {exc}") from None
+        table = pj.read_json(pa.BufferReader(data), read_options=pj.ReadOptions(block_size=len(data) + 1))
+    try:  # pyarrow's JSON reader passes invalid UTF-8 in strings through; a .txt with the same bytes is refused
+        table.validate(full=True)
+    except pa.ArrowInvalid:
+        raise InputError(f"invalid JSONL in {f.path} ({where}): not valid UTF-8") from None
+    return table
 
 
 def _read_text(f: SourceFile, unit: Unit):

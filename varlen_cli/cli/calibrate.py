@@ -1,71 +1,32 @@
-"""``varlen calibrate``: adapter over :func:`varlen_cli.memory.calibrate`."""
+"""``varlen calibrate``: adapter over :func:`varlen_cli.memory.calibrate` (options: ``CalibrateConfig``'s
+fields)."""
 
 from __future__ import annotations
-
-from typing import Literal
 
 import typer
 
 from varlen_cli.cli import common
-
-_DTYPE_HELP = "Parameter dtype: float32, bfloat16, float16 (bf16, fp16, fp32 also accepted)."
-
-
-_HELP = {
-    "output": "Memory profile to write (JSON).",
-    "model": "Measure: MODULE:FUNCTION (or path/file.py:FUNCTION) returning a torch.nn.Module.",
-    "hf_config": "Analytic: a Hugging Face config.json (Llama-family decoder) instead of measuring.",
-    "device": "Measure on cpu (peak resident memory) or cuda (max_memory_allocated).",
-    "optimizer": "Optimizer whose step (and states) the profile includes.",
-    "vocab_size": "Random ids are drawn below V (default: the model's embedding size).",
-    "shapes": "auto (small up to what fits) or BxT,BxT,... (at least 3, with 2 different T).",
-    "max_seqlen": "Longest T calibrated: auto grid (default 2048) or analytic fit range (default: the config's "
-                  "max_position_embeddings, at most 32768).",
-    "calibration_memory": "Auto grid: do not measure shapes above this peak, e.g. 8GiB (CPU default: half the "
-                          "available RAM; CUDA: until out of memory).",
-    "attention": "Analytic: eager materialises B x heads x T^2 scores; sdpa/flash do not.",
-    "checkpointing": "Analytic: activation checkpointing per layer.",
-    "sharding": "Analytic: which model states are split over --world-size ranks.",
-    "world_size": "Analytic: ranks the sharded states are split over.",
-}
-_NO_DEFAULT = {"show_default": False}
+from varlen_cli.cli.options import OUTPUT, config_command
+from varlen_cli.memory.calibrate import CalibrateConfig
 
 
+@config_command(CalibrateConfig, fields={"output": OUTPUT})
 def calibrate_command(
-    output: str = typer.Option(..., "-o", "--output", help=_HELP["output"], **_NO_DEFAULT),
-    model: str | None = typer.Option(None, "--model", help=_HELP["model"], **_NO_DEFAULT),
-    hf_config: str | None = typer.Option(None, "--hf-config", help=_HELP["hf_config"], **_NO_DEFAULT),
-    device: Literal["cpu", "cuda"] = typer.Option("cpu", "--device", help=_HELP["device"]),
-    dtype: str = typer.Option("float32", "--dtype", help=_DTYPE_HELP),
-    optimizer: Literal["adamw", "sgd", "none"] = typer.Option("adamw", "--optimizer", help=_HELP["optimizer"]),
-    vocab_size: int | None = typer.Option(None, "--vocab-size", help=_HELP["vocab_size"], **_NO_DEFAULT),
-    shapes: str = typer.Option("auto", "--shapes", help=_HELP["shapes"]),
-    max_seqlen: int | None = typer.Option(None, "--max-seqlen", help=_HELP["max_seqlen"], **_NO_DEFAULT),
-    calibration_memory: str | None = typer.Option(None, "--calibration-memory", help=_HELP["calibration_memory"],
-                                                  **_NO_DEFAULT),
-    attention: Literal["eager", "sdpa", "flash"] = typer.Option("eager", "--attention", help=_HELP["attention"]),
-    checkpointing: bool = typer.Option(False, "--checkpointing", help=_HELP["checkpointing"]),
-    sharding: Literal["none", "zero1", "zero2", "zero3", "fsdp"] = typer.Option("none", "--sharding",
-                                                                                help=_HELP["sharding"]),
-    world_size: int = typer.Option(1, "--world-size", help=_HELP["world_size"]),
-    overwrite: bool = common.OVERWRITE,
+    config: CalibrateConfig,
     json_output: bool = typer.Option(False, "--json", help="Print the profile as JSON instead of a table."),
 ) -> None:
     """Write a memory profile, peak(B, T) = c0 + c1*B*T + c2*B*T^2, for `varlen plan --max-memory`."""
-    from varlen_cli.memory.calibrate import CalibrateConfig, calibrate
+    from varlen_cli.memory.calibrate import calibrate
 
-    config = CalibrateConfig(
-        output=output, model=model, hf_config=hf_config, device=device, dtype=dtype, optimizer=optimizer,
-        vocab_size=vocab_size, shapes=shapes, max_seqlen=max_seqlen, calibration_memory=calibration_memory,
-        attention=attention, checkpointing=checkpointing, sharding=sharding, world_size=world_size,
-        overwrite=overwrite)
     profile = common.run(calibrate, config)
+    if not common.prints():
+        return
     if json_output:
         import json
 
         typer.echo(json.dumps(profile, indent=2, default=str))
     else:
-        print_profile(profile, output)
+        print_profile(profile, config.output)
 
 
 def print_profile(profile: dict, path: str) -> None:

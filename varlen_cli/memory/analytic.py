@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 
 from ..errors import InputError, UsageError
+from ..runtime.files import open_regular
 from . import fit as fitting
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -61,7 +62,7 @@ def read_hf_config(path: str) -> tuple[dict, Architecture]:
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     try:
-        with open(path) as fh:
+        with open_regular(path, what="--hf-config") as fh:
             cfg = json.load(fh)
     except FileNotFoundError:
         raise InputError(f"--hf-config {path} does not exist") from None

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..errors import UsageError
-from ..runtime import user_code
+from ..runtime import rank0, user_code
+from ..runtime.choices import OVERWRITE_HELP, doc
 from . import fit as fitting
 from .analytic import analytic_profile_fields, dtype_name
 from .profile import check_output, new_profile, write_profile
@@ -21,6 +22,8 @@ from .sizes import parse_size
 
 Device = Literal["cpu", "cuda"]
 Optimizer = Literal["adamw", "sgd", "none"]
+Attention = Literal["eager", "sdpa", "flash"]
+Sharding = Literal["none", "zero1", "zero2", "zero3", "fsdp"]
 T_MIN = 32
 MAX_AUTO_POINTS = 24
 
@@ -29,21 +32,24 @@ MAX_AUTO_POINTS = 24
 class CalibrateConfig:
     """Options of ``varlen calibrate`` (see ``varlen calibrate --help`` and docs/memory.md)."""
 
-    output: str
-    model: str | None = None  # measured: MODULE:FUNCTION
-    hf_config: str | None = None  # analytic: config.json
-    device: Device = "cpu"
-    dtype: str = "float32"
-    optimizer: Optimizer = "adamw"
-    vocab_size: int | None = None
-    shapes: str = "auto"
-    max_seqlen: int | None = None
-    calibration_memory: str | None = None  # auto grid: stop above this peak (CPU default: half the free RAM)
-    attention: str = "eager"
-    checkpointing: bool = False
-    sharding: str = "none"
-    world_size: int = 1
-    overwrite: bool = False
+    output: str = doc(help="Memory profile to write (JSON).")
+    model: str | None = doc(None, "Measure: MODULE:FUNCTION (or path/file.py:FUNCTION) returning a torch.nn.Module.")
+    hf_config: str | None = doc(None, "Analytic: a Hugging Face config.json (Llama-family decoder) instead of "
+                                      "measuring.")
+    device: Device = doc("cpu", "Measure on cpu (peak resident memory) or cuda (max_memory_allocated).")
+    dtype: str = doc("float32", "Parameter dtype: float32, bfloat16, float16 (bf16, fp16, fp32 also accepted).")
+    optimizer: Optimizer = doc("adamw", "Optimizer whose step (and states) the profile includes.")
+    vocab_size: int | None = doc(None, "Random ids are drawn below V (default: the model's embedding size).")
+    shapes: str = doc("auto", "auto (small up to what fits) or BxT,BxT,... (at least 3, with 2 different T).")
+    max_seqlen: int | None = doc(None, "Longest T calibrated: auto grid (default 2048) or analytic fit range "
+                                       "(default: the config's max_position_embeddings, at most 32768).")
+    calibration_memory: str | None = doc(None, "Auto grid: do not measure shapes above this peak, e.g. 8GiB (CPU "
+                                               "default: half the available RAM; CUDA: until out of memory).")
+    attention: Attention = doc("eager", "Analytic: eager materialises B x heads x T^2 scores; sdpa/flash do not.")
+    checkpointing: bool = doc(False, "Analytic: activation checkpointing per layer.")
+    sharding: Sharding = doc("none", "Analytic: which model states are split over --world-size ranks.")
+    world_size: int = doc(1, "Analytic: ranks the sharded states are split over.")
+    overwrite: bool = doc(False, OVERWRITE_HELP)
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -88,6 +94,8 @@ def _check(c: CalibrateConfig) -> None:
 
 def calibrate(config: CalibrateConfig) -> dict:
     """Measure or compute the profile, fit it, write it atomically; returns the profile."""
+    if rank0.needs_group():  # under torchrun: rank 0 calibrates and writes, the others get its profile
+        return rank0.on_rank0(calibrate, config)
     c = config
     _check(c)
     check_output(c.output, c.overwrite)

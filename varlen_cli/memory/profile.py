@@ -13,6 +13,7 @@ import time
 
 from .. import __version__
 from ..errors import InputError, OutputError
+from ..runtime.files import open_regular
 
 PROFILE_FORMAT = "varlen-memory-profile"
 PROFILE_FORMAT_VERSION = 1
@@ -57,7 +58,7 @@ def load_profile(path: str) -> dict:
     if os.path.isdir(path):
         raise InputError(f"memory profile {path} is a directory, not a profile file")
     try:
-        with open(path) as fh:
+        with open_regular(path, what="memory profile") as fh:
             profile = json.load(fh)
     except (ValueError, UnicodeDecodeError):
         raise InputError(f"{path} is not a varlen memory profile (not JSON); "

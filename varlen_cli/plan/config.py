@@ -23,8 +23,8 @@ class PlanConfig:
     """Options of ``varlen plan`` (see ``varlen plan --help`` and docs/plan.md)."""
 
     input: str = doc(help="Metrics directory (varlen analyze) or sorted directory (varlen sort; needed for --order "
-                          "curriculum/reverse).")
-    output: str = doc(help="Plan file to write (Parquet, one row per microbatch).")
+                          "curriculum/reverse); local or an s3://... prefix.")
+    output: str = doc(help="Plan file to write (Parquet, one row per microbatch); local or an s3://... object.")
     max_tokens: int | None = doc(None, "Hard budget: padded B x T of every microbatch (plus A x B x T^2 with "
                                        "--attention-cost). Required unless --packing or --max-memory.")
     dp: int = doc(1, "Data-parallel ranks: every step has dp x grad-accum microbatches.")
@@ -66,6 +66,11 @@ class PlanConfig:
     max_per_row: int | None = doc(None, "Cap on the samples in one packed row.")
     split_long: bool = doc(False, "With --packing: cut samples longer than --seq-len into chunks (recorded as "
                                   "start/length segments).")
+    memory_profile: str | None = doc(None, "Memory profile from `varlen calibrate`: with --max-memory, the budget "
+                                           "comes from it (instead of --max-tokens/--attention-cost).")
+    max_memory: str | None = doc(None, "Peak memory per microbatch not to exceed, e.g. 70GiB, 512MB or bytes (needs "
+                                       "--memory-profile).")
+    memory_margin: float = doc(0.05, "Plan to a predicted peak of max-memory x (1 - margin).")
     overwrite: bool = doc(False, "Replace an existing output (written atomically either way).")
     allow_stale: bool = doc(False, "Use metrics even if their source files changed (size, mtime) since "
                                    "`varlen analyze`: for data moved or copied on purpose.")
@@ -73,11 +78,6 @@ class PlanConfig:
                                      "1f1b, lpp, fslpp): the best simulated of a few orders per step "
                                      "(docs/schedules.md).")
     stages: int | None = doc(None, "Pipeline stages of --schedule.")
-    memory_profile: str | None = doc(None, "Memory profile from `varlen calibrate`: with --max-memory, the budget "
-                                           "comes from it (instead of --max-tokens/--attention-cost).")
-    max_memory: str | None = doc(None, "Peak memory per microbatch not to exceed, e.g. 70GiB, 512MB or bytes (needs "
-                                       "--memory-profile).")
-    memory_margin: float = doc(0.05, "Plan to a predicted peak of max-memory x (1 - margin).")
     mix: str | None = doc(None, "Plan a mixture of sources: name=DIR:weight,... (weight 2: every sample twice per "
                                 "epoch, 0.5: a seeded half); the plan records each sample's source.")
     extend: str | None = doc(None, "Lengthen this plan to --epochs E: its steps unchanged, new epochs appended (its "

@@ -37,7 +37,7 @@ def plan(config: PlanConfig) -> PlanResult:
     t0 = time.perf_counter()
     c = config
     check(c)
-    safety.check_no_overlap(c.output, [c.input])
+    safety.check_no_overlap(c.output, safety.stage_inputs(c))
     writer.check_output(c.output, c.overwrite)
     budget = resolve_budget(c)
     with PlanProgress(c.progress, c.epochs) as bar:

@@ -21,6 +21,8 @@ from typing import Any
 from .. import __version__, format
 from ..errors import InputError, OutputError
 from . import safety
+from .faults import fault_point
+from .files import check_regular, open_regular
 
 # The directory format is defined in varlen_cli.format; these are the names the stages use.
 MANIFEST_NAME = format.MANIFEST_NAME
@@ -96,7 +98,11 @@ class _AtomicOutput:
     def commit(self) -> None:
         """Rank 0, after every rank finished writing: swap the result into place."""
         self.check()  # still ours to replace (we hold the lock; a user may have changed it meanwhile)
-        safety.swap_in(self.tmp, self.path)
+        try:
+            safety.swap_in(self.tmp, self.path)
+        except OSError as exc:  # the user's filesystem (permissions, a read-only mount): the old output is back
+            raise OutputError(f"cannot put output {self.given} in place: {exc.strerror or exc}") from None
+        fault_point("commit.swapped")  # tests: a signal right after the swap
 
 
 class AtomicDir(_AtomicOutput):
@@ -127,7 +133,11 @@ class AtomicDir(_AtomicOutput):
 
 
 class AtomicFile(_AtomicOutput):
-    """A file (a plan) written to ``.NAME.varlen-tmp-<random>`` and swapped in by :meth:`commit`."""
+    """A file written to ``.NAME.varlen-tmp-<random>`` and swapped in by :meth:`commit`: a plan, or
+    with ``json_format`` a JSON file of that ``format`` (a memory profile: ``--overwrite`` replaces
+    only a file of the same format)."""
+
+    json_format: str | None = None
 
     def check(self) -> None:
         from .. import storage
@@ -138,8 +148,12 @@ class AtomicFile(_AtomicOutput):
             return check_file(self.given, self.overwrite)
         parent = os.path.dirname(self.path)
         if os.path.isdir(self.path) and not os.path.islink(self.path):
-            raise OutputError(f"output {self.given} is a directory; give a file name such as plan.parquet")
-        safety.check_replaceable(self.given, self.overwrite, "file")
+            name = "plan.parquet" if self.json_format is None else "profile.json"
+            raise OutputError(f"output {self.given} is a directory; give a file name such as {name}")
+        if self.json_format is None:
+            safety.check_replaceable(self.given, self.overwrite, "file")
+        else:
+            safety.check_replaceable(self.given, self.overwrite, "json", self.json_format)
         if not os.path.isdir(parent):
             raise OutputError(f"cannot write {self.given}: directory {parent} does not exist")
 
@@ -151,10 +165,15 @@ class AtomicFile(_AtomicOutput):
 
 
 @contextmanager
-def atomic_file(path: str, overwrite: bool, inputs: Sequence[str] = ()) -> Iterator[AtomicFile]:
+def atomic_file(path: str, overwrite: bool, inputs: Sequence[str] = (),
+                json_format: str | None = None) -> Iterator[AtomicFile]:
     """Lock ``path``, check it, yield an :class:`AtomicFile` to write ``.tmp`` of, then swap it in;
     on any failure (or SIGTERM) the temporary is removed and an old file stays as it was. An
-    object-storage ``path`` is written locally and uploaded at the end (:mod:`.remote_output`)."""
+    object-storage ``path`` is written locally and uploaded at the end (:mod:`.remote_output`).
+
+    ``inputs``: every input of the command (``safety.stage_inputs(config)``), none of which the output
+    may be, contain or lie inside. ``json_format``: the output is a JSON file of that format (a memory
+    profile) instead of a plan."""
     from .. import storage
 
     if storage.is_remote(path):
@@ -165,6 +184,7 @@ def atomic_file(path: str, overwrite: bool, inputs: Sequence[str] = ()) -> Itera
         return
     safety.check_no_overlap(path, inputs)
     out = AtomicFile(path, overwrite)
+    out.json_format = json_format
     out.check()
     with safety.output_lock(out.path, path):
         try:
@@ -255,14 +275,20 @@ def _local_manifest(path: str, what: str, hint: str):
     if not os.path.isdir(path):
         raise InputError(f"{path} is not a varlen {what}; {hint}")
     manifest_path = os.path.join(path, MANIFEST_NAME)
+    check_regular(manifest_path, "manifest")
     if not os.path.isfile(manifest_path):
         raise InputError(f"{path} is not a varlen {what} (no {MANIFEST_NAME}); {hint}")
     try:
-        with open(manifest_path) as fh:
+        with open_regular(manifest_path, what="manifest") as fh:
             manifest = json.load(fh)
     except (OSError, ValueError) as exc:
         raise InputError(f"cannot read {manifest_path}: {exc}") from None
-    return manifest, lambda name: os.path.isfile(os.path.join(path, name))
+
+    def present(name: str) -> bool:
+        check_regular(os.path.join(path, name), "part")  # a FIFO or a device is refused, never read
+        return os.path.isfile(os.path.join(path, name))
+
+    return manifest, present
 
 
 def _remote_manifest(path: str, what: str, hint: str):

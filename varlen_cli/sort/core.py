@@ -27,7 +27,11 @@ from .. import storage
 from ..errors import InputError, OutputError, UsageError
 from ..runtime import artifacts, freshness, safety
 from ..runtime.choices import (
+    ALLOW_STALE_HELP,
+    DEVICE_HELP,
     NPROC_HELP,
+    OVERWRITE_HELP,
+    PROGRESS_HELP,
     STORAGE_OPTION_HELP,
     Device,
     Engine,
@@ -57,7 +61,8 @@ class SortConfig:
     ``--device cuda``, numpy otherwise); the result is the same.
     """
 
-    metrics_dir: str = doc(help="Metrics directory from `varlen analyze` (or a sorted directory) to sort.")
+    metrics_dir: str = doc(help="Metrics directory from `varlen analyze` (or a sorted directory) to sort; local or an "
+                                "s3://... prefix.")
     output: str = doc(help="Sorted directory to write (part-*.parquet + _manifest.json); or an s3://... prefix "
                            "(published manifest last).")
     by: tuple = doc(("difficulty",), "Key column(s), comma-separated, most significant first.")
@@ -65,17 +70,16 @@ class SortConfig:
     ties: Ties = doc("id", "Order of equal keys: id (ascending sample_id) or shuffle (seeded hash of sample_id).")
     seed: int = doc(0, "Seed of --ties shuffle.")
     nan: NanPolicy = doc("error", "NaN keys: error (refuse) or last (after all other keys).")
-    nproc: int = doc(1, NPROC_HELP)
-    device: Device = doc("cpu", "cpu (--nproc: local group; torchrun: gloo) or cuda (nccl).")
     single_file: bool = doc(False, "Write one part-00000.parquet, streamed in rank order, instead of one part per "
                                    "worker.")
-    overwrite: bool = doc(False, "Replace an existing output (written atomically either way).")
-    progress: bool = doc(True, "Show a progress bar on rank 0 (only on a terminal).")
+    nproc: int = doc(1, NPROC_HELP)
+    device: Device = doc("cpu", DEVICE_HELP)
+    overwrite: bool = doc(False, OVERWRITE_HELP)
+    progress: bool = doc(True, PROGRESS_HELP)
     row_group_size: int = doc(1 << 20, "Rows per Parquet row group of the sorted parts.")
     engine: Engine = doc("auto", "numpy sorts on the CPU with numpy, torch with torch on device (auto: torch with "
                                  "--device cuda, numpy otherwise); the result is the same.")
-    allow_stale: bool = doc(False, "Use metrics even if their source files changed (size, mtime) since "
-                                   "`varlen analyze`: for data moved or copied on purpose.")
+    allow_stale: bool = doc(False, ALLOW_STALE_HELP)
     storage_options: tuple = doc((), STORAGE_OPTION_HELP)
 
 
@@ -582,18 +586,17 @@ def _write_single(d: Dist, out: artifacts.AtomicDir, schema, cols: dict, rows: l
             for f in schema:
                 d.send_rows(cols[f.name][a:a + G], dst=0)
         return
-    try:
-        writer = pq.ParquetWriter(target, schema, compression="zstd", compression_level=1)
+    try:  # a full disk (ENOSPC, EFBIG) while streaming is the user's disk: OutputError, exit 4
+        with pq.ParquetWriter(target, schema, compression="zstd", compression_level=1) as writer:
+            if rows[0]:
+                writer.write_table(_to_table(cols, schema), row_group_size=G)
+            for src in range(1, d.world_size):
+                for a in range(0, rows[src], G):
+                    c = min(G, rows[src] - a)
+                    chunk = {f.name: d.recv_rows(np.empty(c, dtype=dtypes[f.name]), src=src) for f in schema}
+                    writer.write_table(_to_table(chunk, schema), row_group_size=G)
     except OSError as exc:
         raise OutputError(f"cannot write {target}: {exc}") from None
-    with writer:
-        if rows[0]:
-            writer.write_table(_to_table(cols, schema), row_group_size=G)
-        for src in range(1, d.world_size):
-            for a in range(0, rows[src], G):
-                c = min(G, rows[src] - a)
-                chunk = {f.name: d.recv_rows(np.empty(c, dtype=dtypes[f.name]), src=src) for f in schema}
-                writer.write_table(_to_table(chunk, schema), row_group_size=G)
 
 
 def _finish(config: SortConfig, d: Dist, out: artifacts.AtomicDir, manifest: dict, everyone: list, stats: dict,
