@@ -46,6 +46,7 @@ class ExtendConfig:
 def extend(config: ExtendConfig) -> PlanResult:
     """Run ``varlen plan --extend``: the plan's rows unchanged, then epochs up to ``config.epochs``."""
     t0 = time.perf_counter()
+    storage.configure(config.storage_options)  # the plan's input and the output may be in object storage
     parent = open_parent(config.plan)
     if config.epochs <= parent.epochs:
         raise UsageError(f"--epochs {config.epochs} must be more than the {parent.epochs} epoch(s) of "
