@@ -142,17 +142,30 @@ BAD = ["missing metrics", "data, not metrics", "a plan, not metrics", "missing p
        "stale sorted", "replan of a remote plan", "bad storage option"]
 
 
-@pytest.mark.parametrize("case", BAD)
-def test_bad_artifacts_in_object_storage_are_one_line(tmp_path, s3, case):
-    _corpus(tmp_path / "src")
-    bucket = s3.bucket()
-    s3.upload_tree(str(tmp_path / "src"), bucket, "corpus")
+@pytest.fixture(scope="module")
+def built(s3_server, tmp_path_factory) -> str:
+    """A bucket with corpus/ (data), m/ (its metrics), s/ (sorted) and p.parquet (a plan), made once."""
+    storage.clear_cache()
+    storage.configure(None)
+    src = tmp_path_factory.mktemp("bad") / "src"
+    _corpus(src)
+    bucket = s3_server.bucket()
+    s3_server.upload_tree(str(src), bucket, "corpus")
     _cli("analyze", f"s3://{bucket}/corpus/*", "-o", f"s3://{bucket}/m", "--length", "words:text")
     _cli("sort", f"s3://{bucket}/m", "-o", f"s3://{bucket}/s")
     _cli("plan", f"s3://{bucket}/s", "-o", f"s3://{bucket}/p.parquet", "--max-tokens", "512")
+    return bucket
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_artifacts_in_object_storage_are_one_line(tmp_path, s3, built, case):
+    bucket = s3.bucket()  # a copy of the built one, which this case may damage
+    for key in s3.keys(built):
+        s3.client.copy_object(Bucket=bucket, Key=key, CopySource={"Bucket": built, "Key": key})
     if case == "incomplete":
         s3.client.delete_object(Bucket=bucket, Key="m/part-00000.parquet")
-    if case == "stale sorted":  # the metrics rebuilt with other options after the sort
+    if case == "stale sorted":  # the metrics rebuilt with other options after the sort (of this bucket's m/)
+        _cli("sort", f"s3://{bucket}/m", "-o", f"s3://{bucket}/s", "--overwrite")
         _cli("analyze", f"s3://{bucket}/corpus/*", "-o", f"s3://{bucket}/m", "--length", "chars:text", "--overwrite")
     args, code, message = _bad_cases(bucket, tmp_path)[case]
     result = CliRunner().invoke(app, args)
