@@ -116,13 +116,19 @@ class AtomicDir(_AtomicOutput):
 
 
 class AtomicFile(_AtomicOutput):
-    """A file (a plan) written to ``.NAME.varlen-tmp-<random>`` and swapped in by :meth:`commit`."""
+    """A file written to ``.NAME.varlen-tmp-<random>`` and swapped in by :meth:`commit`: a plan
+    (``kind="file"``) or a memory profile (``kind="profile"``), which is what ``--overwrite`` may replace."""
+
+    def __init__(self, path: str, overwrite: bool = False, kind: str = "file"):
+        super().__init__(path, overwrite)
+        self.kind = kind
 
     def check(self) -> None:
         parent = os.path.dirname(self.path)
         if os.path.isdir(self.path) and not os.path.islink(self.path):
-            raise OutputError(f"output {self.given} is a directory; give a file name such as plan.parquet")
-        safety.check_replaceable(self.given, self.overwrite, "file")
+            example = "profile.json" if self.kind == "profile" else "plan.parquet"
+            raise OutputError(f"output {self.given} is a directory; give a file name such as {example}")
+        safety.check_replaceable(self.given, self.overwrite, self.kind)
         if not os.path.isdir(parent):
             raise OutputError(f"cannot write {self.given}: directory {parent} does not exist")
 
@@ -134,11 +140,11 @@ class AtomicFile(_AtomicOutput):
 
 
 @contextmanager
-def atomic_file(path: str, overwrite: bool, inputs: Sequence[str] = ()) -> Iterator[AtomicFile]:
+def atomic_file(path: str, overwrite: bool, inputs: Sequence[str] = (), kind: str = "file") -> Iterator[AtomicFile]:
     """Lock ``path``, check it, yield an :class:`AtomicFile` to write ``.tmp`` of, then swap it in;
     on any failure (or SIGTERM) the temporary is removed and an old file stays as it was."""
     safety.check_no_overlap(path, inputs)
-    out = AtomicFile(path, overwrite)
+    out = AtomicFile(path, overwrite, kind)
     out.check()
     with safety.output_lock(out.path, path):
         try:

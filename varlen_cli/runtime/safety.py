@@ -13,6 +13,7 @@ import os
 import platform
 import shutil
 import signal
+import stat
 import tempfile
 import time
 import uuid
@@ -100,9 +101,11 @@ def made_by_varlen_dir(path: str) -> bool:
 
 
 def made_by_varlen_file(path: str) -> bool:
-    """A Parquet file whose schema metadata says it is a varlen plan."""
+    """A Parquet file whose schema metadata says it is a varlen plan (never a FIFO or other non-regular file)."""
     from .. import format
 
+    if not _regular_file(path):
+        return False
     try:
         format.read_plan_metadata(path)
     except format.FormatError as exc:
@@ -112,9 +115,24 @@ def made_by_varlen_file(path: str) -> bool:
     return True
 
 
+def _regular_file(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def made_by_varlen_profile(path: str) -> bool:
+    """A regular file holding a varlen memory profile (JSON with its ``format``)."""
+    from .. import format
+
+    return _regular_file(path) and _json_format(path) == format.MEMORY_PROFILE_FORMAT
+
+
 def check_replaceable(path: str, overwrite: bool, kind: str) -> None:
     """Refuse to replace an existing ``path`` unless ``--overwrite`` and varlen made it (``kind``:
-    ``dir`` or ``file``). Symbolic links are never replaced (nor their targets)."""
+    ``dir``, ``file`` (a plan) or ``profile`` (a memory profile)). Symbolic links are never replaced
+    (nor their targets)."""
     if not os.path.lexists(path):
         return
     if not overwrite:
@@ -128,6 +146,12 @@ def check_replaceable(path: str, overwrite: bool, kind: str) -> None:
         if not made_by_varlen_dir(path):
             raise OutputError(f"output {path} is a directory varlen did not make (no varlen _manifest.json or "
                               "_run.json); --overwrite replaces only varlen outputs")
+    elif kind == "profile":
+        if os.path.isdir(path):
+            raise OutputError(f"output {path} is a directory; give a file name such as profile.json")
+        if not made_by_varlen_profile(path):
+            raise OutputError(f"output {path} is not a varlen memory profile; --overwrite replaces only varlen "
+                              "outputs")
     else:
         if os.path.isdir(path):
             raise OutputError(f"output {path} is a directory; give a file name such as plan.parquet")
