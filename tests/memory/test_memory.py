@@ -519,3 +519,17 @@ def test_plan_warns_when_the_margin_is_below_the_fit_error(files, tmp_path):
                                  profile, "--max-memory", "64MiB"])
     assert result.exit_code == 0, result.output
     assert "consider --memory-margin 0.09" in " ".join(result.output.split())
+
+
+def test_calibrate_options_say_what_the_config_says():
+    """Every `varlen calibrate` option's help is its CalibrateConfig field's documentation (one source)."""
+    import inspect
+
+    from varlen_cli.cli.calibrate import calibrate_command
+    from varlen_cli.memory.calibrate import CalibrateConfig
+    from varlen_cli.runtime.choices import field_help
+
+    params = {n: p for n, p in inspect.signature(calibrate_command).parameters.items() if n != "json_output"}
+    assert set(params) == {f for f in CalibrateConfig.__dataclass_fields__}
+    for name, p in params.items():
+        assert p.default.help == field_help(CalibrateConfig, name), name

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -44,9 +45,10 @@ class _Child:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_package_root(), env.get("PYTHONPATH")) if p)
         try:
-            self.proc = subprocess.Popen(
+            self.proc = subprocess.Popen(  # its own session: killing it kills the children it forked too
                 [sys.executable, "-m", "varlen_cli.memory.child", "--result-fd", str(write), *args],
-                stdin=subprocess.PIPE, stdout=self.log, stderr=self.log, pass_fds=(write,), env=env)
+                stdin=subprocess.PIPE, stdout=self.log, stderr=self.log, pass_fds=(write,), env=env,
+                start_new_session=True)
         finally:
             os.close(write)
         self.answers = os.fdopen(read, "rb", buffering=0)
@@ -82,8 +84,11 @@ class _Child:
         return f": {lines[-1].strip()}" if lines else ""
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
+        """Kill the process and every measuring child it forked (one process group)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         self.proc.wait()
 
     def close(self) -> None:
@@ -184,8 +189,8 @@ class Measurer:
     def __enter__(self) -> Measurer:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(kill=exc_type is not None)  # interrupted or failed: stop the measuring processes at once
 
     def measure(self, batch: int, seqlen: int) -> dict:
         """One shape as a fresh process reads it (each shape measured once)."""
@@ -213,11 +218,13 @@ class Measurer:
         return dict(point, peak_bytes=point["peak_bytes"] + self.offset, base_bytes=point["base_bytes"] + self.offset,
                     fork_offset_bytes=self.offset)
 
-    def close(self) -> None:
+    def close(self, kill: bool = False) -> None:
         if self.reference is not None:
             self.reference.child.kill()
             self.reference.child.close()
             self.reference = None
         if self.server is not None:
+            if kill:
+                self.server.child.kill()
             self.server.close()
             self.server = None
