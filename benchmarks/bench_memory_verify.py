@@ -5,7 +5,7 @@ benchmarks/memory.md)
 
 1. a real corpus (``benchmarks/corpora.py``, default ``manpages-paragraphs``: Debian's manual pages
    cut into paragraphs) analysed with ``sample_data/tokenizer.json``;
-2. ``varlen calibrate --model M --max-memory X`` (timed, wall and CPU seconds);
+2. ``varlen calibrate --model M --max-memory X`` (timed, wall and CPU seconds; ``--calibrate`` other options);
 3. ``varlen plan --memory-profile P --max-memory X --drop-long`` (samples whose B = 1 step does not
    fit the limit are dropped and counted);
 4. the plan's biggest microbatches: for every padded T its largest B, the ``--shapes`` of them with the
@@ -97,6 +97,9 @@ def main() -> None:
     ap.add_argument("--shapes", type=int, default=8, help="how many of the largest-by-prediction shapes to run")
     ap.add_argument("--workdir", default="/tmp/varlen-bench-memory")
     ap.add_argument("--extra", default="", help="extra `varlen plan` options, e.g. '--num-shapes 8'")
+    ap.add_argument("--calibrate", default="--max-memory {max_memory}",
+                    help="`varlen calibrate` options besides --model and -o (default: around the limit; '' for the "
+                         "default grid up to the calibration memory)")
     args = ap.parse_args()
 
     import shlex
@@ -112,6 +115,7 @@ def main() -> None:
     corpus = build_corpus(args.corpus, os.path.join(args.workdir, "corpora"))
     metrics = os.path.join(args.workdir, f"metrics-{args.corpus}")
     tag = args.model.rpartition(":")[2]
+    tag += "-grid" if "--max-memory" not in args.calibrate else ""
     profile_path = os.path.join(args.workdir, f"profile-{tag}.json")
     plan_path = os.path.join(args.workdir, f"plan-{tag}.parquet")
 
@@ -124,7 +128,8 @@ def main() -> None:
         varlen("analyze", corpus, "-o", metrics, "--length", "tokens:text", "--tokenizer",
                os.path.join(ROOT, "sample_data", "tokenizer.json"))
     load0, cpu0, t0 = os.getloadavg()[0], _cpu_seconds(), time.perf_counter()
-    varlen("calibrate", "--model", args.model, "--max-memory", args.max_memory, "-o", profile_path, "--overwrite")
+    varlen("calibrate", "--model", args.model, "-o", profile_path, "--overwrite",
+           *shlex.split(args.calibrate.format(max_memory=args.max_memory)))
     wall, cpu = time.perf_counter() - t0, _cpu_seconds() - cpu0
     varlen("plan", metrics, "-o", plan_path, "--memory-profile", profile_path, "--max-memory", args.max_memory,
            "--drop-long", "--overwrite", *shlex.split(args.extra))

@@ -171,7 +171,7 @@ def measure_setup(c: CalibrateConfig):
 
 def _measured(c: CalibrateConfig) -> dict:
     from .grid import walk
-    from .procs import Measurer, use_fork_server
+    from .procs import Measurer
 
     setup = measure_setup(c)
     explicit = parse_shapes(c.shapes) if c.shapes != "auto" else None
@@ -186,19 +186,24 @@ def _measured(c: CalibrateConfig) -> dict:
             points = walk(m.measure, limit, t_max, ladder=c.max_memory is None)
             _check_enough(points, limit, c)
         offset = m.offset
+    return _measured_profile(c, setup, points, {"fork_offset_bytes": offset, "limit": limit})
+
+
+def _measured_profile(c: CalibrateConfig, setup, points: list[dict], measure: dict) -> dict:
+    from .procs import use_fork_server
+
     fit, error = fitting.fit_points(points, "envelope")
-    first_point = points[0]
-    process = "a child forked from a server that imported torch and the model's module, plus the " \
-              "fresh-process offset" if use_fork_server() else "a fresh process"
+    first = points[0]
+    process = ("a child forked from a server that imported torch and the model's module, plus the fresh-process "
+               "offset" if use_fork_server(c.device) else "a fresh process")
     return new_profile(
-        "measured", c.model, device=c.device, device_name=first_point.get("device_name"), dtype=setup.dtype,
-        torch_version=first_point.get("torch_version"), optimizer=c.optimizer, vocab_size=first_point.get("vocab_size"),
-        num_parameters=first_point.get("num_parameters"),
+        "measured", c.model, device=c.device, device_name=first.get("device_name"), dtype=setup.dtype,
+        torch_version=first.get("torch_version"), optimizer=c.optimizer, vocab_size=first.get("vocab_size"),
+        num_parameters=first.get("num_parameters"),
         measure={"method": _method(c.device), "process": f"every shape in {process}; warm-up step at 1x8 first",
                  "gradients": "allocated (zeroed) before the step, as between accumulation microbatches",
                  "outputs": "the model's output is held through backward and the optimizer step",
-                 "threads": first_point.get("threads"), "fork_offset_bytes": offset, "limit": limit,
-                 "max_memory": c.max_memory, "host": platform.node()},
+                 "threads": first.get("threads"), **measure, "max_memory": c.max_memory, "host": platform.node()},
         points=[{k: p[k] for k in POINT_KEYS + ("heldout", "predicted_bytes", "relative_error") if k in p}
                 for p in points],
         fit=fit, fit_error=error)

@@ -8,8 +8,8 @@
   has imported torch and the model's module (seconds faster per shape), plus one fresh process at
   the first shape. A forked child does not count the library pages only the imports touched; that
   difference, constant over shapes (72 +- 3 MB for a transformers model, docs/memory.md), is measured
-  as fresh minus forked at the same shape and added to every point (on CPU; GPU memory does not
-  depend on how the process started).
+  as fresh minus forked at the same shape and added to every point. CPU only: on CUDA every shape
+  runs in a fresh process.
 
 This module does not import torch.
 """
@@ -162,8 +162,10 @@ class ForkServer:
         self.child.close()
 
 
-def use_fork_server() -> bool:
-    return hasattr(os, "fork") and os.environ.get(START_ENV, "fork") not in ("fresh", "spawn")
+def use_fork_server(device: str) -> bool:
+    """CPU on a system with ``fork``, unless ``VARLEN_CALIBRATE_START=fresh``; CUDA always measures in fresh
+    processes (a library that initialised CUDA in the server would break every forked child)."""
+    return device == "cpu" and hasattr(os, "fork") and os.environ.get(START_ENV, "fork") not in ("fresh", "spawn")
 
 
 class Measurer:
@@ -177,9 +179,8 @@ class Measurer:
         self.reference: FreshProcess | None = None
         self.offset = 0
         self.raw: dict[tuple[int, int], dict] = {}  # as measured (forked points without the offset)
-        if use_fork_server():
-            if setup.device == "cpu":
-                self.reference = FreshProcess(setup, *reference)
+        if use_fork_server(setup.device):
+            self.reference = FreshProcess(setup, *reference)
             try:
                 self.server = ForkServer(setup, timeout)
             except BaseException:

@@ -10,7 +10,7 @@ is a violation (the command exits 6).
     from varlen_cli.memory import CalibrateConfig
     from varlen_cli.memory.verify import verify_plan
     result = verify_plan(CalibrateConfig(verify="plan.parquet", model="mypkg.models:build"))
-    assert result.ok, result.rows
+    print(result.ok, result.to_json()["rows"])
 """
 
 from __future__ import annotations
