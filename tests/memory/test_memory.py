@@ -533,3 +533,43 @@ def test_calibrate_options_say_what_the_config_says():
     assert set(params) == {f for f in CalibrateConfig.__dataclass_fields__}
     for name, p in params.items():
         assert p.default.help == field_help(CalibrateConfig, name), name
+
+
+@pytest.mark.parametrize("c0, c1, c2, limit", [(380 * MiB, 25_000.0, 200.0, 640 * MiB),
+                                               (550 * MiB, 500_000.0, 60.0, 1536 * MiB),
+                                               (20 << 30, 2_000_000.0, 0.0, 78 << 30)])
+def test_walk_measures_along_the_limit(c0, c1, c2, limit):
+    """Synthetic peaks: T doubles from 16; at every T the largest B measured is the largest that fits (or
+    within 10% of the limit), nothing is measured more than 5% over it, and the last shape is B = 1 at the
+    longest T that fits, so no plannable T lies beyond the measured ones."""
+    from varlen_cli.memory.grid import walk
+
+    def peak(b, t):
+        return c0 + c1 * b * t + c2 * b * t * t
+
+    points = walk(lambda b, t: {"batch_size": b, "seqlen": t, "peak_bytes": peak(b, t)}, limit)
+    assert all(p["peak_bytes"] <= 1.05 * limit for p in points)
+    assert len(points) <= 24 and len({(p["batch_size"], p["seqlen"]) for p in points}) == len(points)
+    ts = sorted({p["seqlen"] for p in points})
+    assert ts[:-1] == [16 * 2**k for k in range(len(ts) - 1)]
+    for t in ts:
+        top = max((p for p in points if p["seqlen"] == t), key=lambda p: p["batch_size"])
+        assert top["peak_bytes"] >= 0.9 * limit or peak(top["batch_size"] + 1, t) > 0.97 * limit, (t, top)
+    longest = max(ts)
+    assert peak(1, longest) <= limit and peak(1, int(longest * 1.06)) > 0.97 * limit
+
+
+def test_walk_steps_down_after_out_of_memory():
+    """A device that runs out of memory below the limit: the walk comes back under it and goes on."""
+    from varlen_cli.memory.grid import walk
+
+    c0, c1, limit, device = 100 * MiB, 100_000.0, 1000 * MiB, 800 * MiB
+
+    def measure(b, t):
+        p = c0 + c1 * b * t
+        return {"batch_size": b, "seqlen": t, "oom": True} if p > device else {"batch_size": b, "seqlen": t,
+                                                                               "peak_bytes": p}
+
+    points = walk(measure, limit)
+    assert points and all(p["peak_bytes"] <= device for p in points)
+    assert len({p["seqlen"] for p in points}) >= 3
