@@ -14,11 +14,13 @@ from __future__ import annotations
 import importlib
 
 _WHERE = {
-    "budget_from_profile": "budget", "memory_check": "budget", "plan_config_for_memory": "budget",
-    "predicted_peaks": "budget", "CalibrateConfig": "calibrate", "calibrate": "calibrate", "parse_shapes": "calibrate",
-    "fit_envelope": "fit", "fit_nnls": "fit", "fit_points": "fit", "predict": "fit", "PROFILE_FORMAT": "profile",
-    "check_profile": "profile", "coefficients": "profile", "load_profile": "profile", "format_size": "sizes",
-    "parse_size": "sizes", "VerifyResult": "verify", "verify_plan": "verify",
+    "budget_for_memory": "budget", "budget_from_profile": "budget", "memory_check": "budget",
+    "memory_limit": "budget", "predicted_peaks": "budget",
+    "CalibrateConfig": "calibrate", "calibrate": "calibrate", "parse_shapes": "calibrate",
+    "fit_envelope": "fit", "fit_nnls": "fit", "fit_points": "fit", "predict": "fit",
+    "PROFILE_FORMAT": "profile", "check_profile": "profile", "coefficients": "profile", "load_profile": "profile",
+    "format_size": "sizes", "parse_size": "sizes",
+    "VerifyResult": "verify", "verify_plan": "verify",
 }
 __all__ = sorted(_WHERE)
 
