@@ -41,6 +41,10 @@ def metrics_schema() -> pa.Schema:
     return pa.schema(list(METRICS_COLUMNS))
 
 
+#: A memory profile (``varlen calibrate -o profile.json``, docs/memory.md): a JSON object with this "format".
+MEMORY_PROFILE_FORMAT = "varlen-memory-profile"
+MEMORY_PROFILE_FORMAT_VERSION = 1
+
 # -- plan files --------------------------------------------------------------------------------------
 PLAN_FORMAT = "varlen-plan"
 PLAN_FORMAT_VERSION = 1

@@ -13,6 +13,7 @@ import os
 import platform
 import shutil
 import signal
+import stat
 import tempfile
 import time
 import uuid
@@ -180,9 +181,11 @@ def _listed(names: list[str], limit: int = 5) -> str:
 
 
 def made_by_varlen_file(path: str) -> bool:
-    """A Parquet file whose schema metadata says it is a varlen plan."""
+    """A Parquet file whose schema metadata says it is a varlen plan (never a FIFO or other non-regular file)."""
     from .. import format
 
+    if not _regular_file(path):
+        return False
     try:
         format.read_plan_metadata(path)
     except format.FormatError as exc:
@@ -190,6 +193,13 @@ def made_by_varlen_file(path: str) -> bool:
     except Exception:  # noqa: BLE001 - pyarrow raises many types for files that are no Parquet at all
         return False
     return True
+
+
+def _regular_file(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 def check_replaceable(path: str, overwrite: bool, kind: str, json_format: str | None = None) -> None:
@@ -217,8 +227,9 @@ def check_replaceable(path: str, overwrite: bool, kind: str, json_format: str | 
     elif kind == "json":
         if os.path.isdir(path):
             raise OutputError(f"output {path} is a directory; give a file name")
-        if _json_format(path) != json_format:
-            raise OutputError(f"output {path} is not a {json_format} file; --overwrite replaces only varlen outputs")
+        if not _regular_file(path) or _json_format(path) != json_format:
+            raise OutputError(f"output {path} is not a {json_format.replace('-', ' ')}; --overwrite replaces only "
+                              "varlen outputs")
     else:
         if os.path.isdir(path):
             raise OutputError(f"output {path} is a directory; give a file name such as plan.parquet")
