@@ -12,16 +12,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from .. import format
+from .. import format, storage
 from ..budget import segment_sum_squares
 from ..errors import UsageError
 from ..runtime import safety
-from ..runtime.choices import ALLOW_MEMORY_EXTRAPOLATION_HELP, doc
+from ..runtime.choices import ALLOW_MEMORY_EXTRAPOLATION_HELP, STORAGE_OPTION_HELP, doc
 from . import stats, writer
 from .assemble import self_check
 from .config import PlanConfig, PlanResult
@@ -40,11 +41,13 @@ class ExtendConfig:
     overwrite: bool = doc(False, "Replace an existing output (written atomically either way).")
     allow_stale: bool = doc(False, "Use metrics even if their source files changed since `varlen analyze`.")
     allow_memory_extrapolation: bool = doc(False, ALLOW_MEMORY_EXTRAPOLATION_HELP)
+    storage_options: tuple = doc((), STORAGE_OPTION_HELP)
 
 
 def extend(config: ExtendConfig) -> PlanResult:
     """Run ``varlen plan --extend``: the plan's rows unchanged, then epochs up to ``config.epochs``."""
     t0 = time.perf_counter()
+    storage.configure(config.storage_options)  # the plan's input and the output may be in object storage
     parent = open_parent(config.plan)
     if config.epochs <= parent.epochs:
         raise UsageError(f"--epochs {config.epochs} must be more than the {parent.epochs} epoch(s) of "
@@ -55,10 +58,12 @@ def extend(config: ExtendConfig) -> PlanResult:
         [config.input or recorded_input(parent)]
     safety.check_no_overlap(config.output, [config.plan] + [p for p in inputs if p])
     writer.check_output(config.output, config.overwrite)
-    out_dir = os.path.dirname(os.path.abspath(config.output))
-    tmp = os.path.join(out_dir, f".{os.path.basename(config.output)}.extend-{os.getpid()}-{time.time_ns()}")
+    # the new epochs' plan, a local temporary (beside the output, or in the temporary folder for an object)
+    out_dir = (tempfile.gettempdir() if storage.is_remote(config.output)
+               else os.path.dirname(os.path.abspath(config.output)))
+    tmp = os.path.join(out_dir, f".{storage.name(config.output)}.extend-{os.getpid()}-{time.time_ns()}")
     c = parent_config(parent, input=config.input, output=tmp, epochs=config.epochs - parent.epochs,
-                      overwrite=False, allow_stale=config.allow_stale)
+                      overwrite=False, allow_stale=config.allow_stale, storage_options=config.storage_options)
     if config.allow_memory_extrapolation:  # this run's opt-in, recorded like the parent's (config_record)
         c = dataclasses.replace(c, allow_memory_extrapolation=True)
     budget = parent.budget
@@ -86,7 +91,7 @@ def extend(config: ExtendConfig) -> PlanResult:
 
 
 EXTEND_KEEPS = ("input", "output", "epochs", "overwrite", "allow_stale", "allow_memory_extrapolation", "extend",
-                "progress")  # others: refused
+                "progress", "storage_options")  # others: refused
 
 
 def run_extend(given: PlanConfig) -> PlanResult:
@@ -99,7 +104,8 @@ def run_extend(given: PlanConfig) -> PlanResult:
                              "(use `varlen replan` to change the layout)")
     return extend(ExtendConfig(plan=given.extend, output=given.output, epochs=given.epochs, input=given.input or None,
                                overwrite=given.overwrite, allow_stale=given.allow_stale,
-                               allow_memory_extrapolation=given.allow_memory_extrapolation))
+                               allow_memory_extrapolation=given.allow_memory_extrapolation,
+                               storage_options=given.storage_options))
 
 
 # -- merging -----------------------------------------------------------------------------------------

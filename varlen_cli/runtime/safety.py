@@ -51,11 +51,16 @@ def _inside(child: str, parent: str) -> bool:
 
 
 def check_no_overlap(output: str, inputs: Iterable[str]) -> None:
-    """Refuse an output that is, contains, or lies inside one of ``inputs`` (OutputError, exit 4)."""
+    """Refuse an output that is, contains, or lies inside one of ``inputs`` (OutputError, exit 4).
+    An object-storage output is compared with the inputs in the same store by key prefix."""
+    from .. import storage
+
+    if storage.is_remote(output):
+        return _check_no_remote_overlap(output, [str(g) for g in inputs if g and storage.is_remote(str(g))])
     out = os.path.realpath(output)
     for given in inputs:
-        if not given:
-            continue
+        if not given or storage.is_remote(str(given)):
+            continue  # an object-storage input cannot overlap a local output
         inp = os.path.realpath(_source_root(str(given)))
         if out == inp:
             how = "is"
@@ -66,6 +71,14 @@ def check_no_overlap(output: str, inputs: Iterable[str]) -> None:
         else:
             continue
         raise OutputError(f"output {output} {how} the input {given}; write the output elsewhere")
+
+
+def _check_no_remote_overlap(output: str, inputs: list[str]) -> None:
+    path = output.rstrip("/")
+    for given in inputs:
+        root = given.split("*", 1)[0].rstrip("/")
+        if path == root or path.startswith(root + "/") or root.startswith(path + "/"):
+            raise OutputError(f"output {path} overlaps the input {given}; write the output elsewhere")
 
 
 # Config fields that name input paths, and fields that name user code as MODULE:FUNCTION (its file
