@@ -1,8 +1,8 @@
 """Shared checks of the framework integrations (tests/integrations/test_*.py).
 
 Each framework test trains a tiny Llama built from a config on a 300-sample slice of
-sample_data/tokenized.parquet, with 2 processes (torchrun, gloo, a free port picked by
-``--standalone``), and compares what ran with the plan and with single-process references
+sample_data/tokenized.parquet, with 2 processes (as torchrun starts them: tests/launcher.py; gloo, a free port each
+launch), and compares what ran with the plan and with single-process references
 computed here from the data and the model alone.
 """
 
@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -60,13 +58,26 @@ def tokens(data: str) -> list:
     return [np.asarray(x, dtype=np.int64) for x in pq.read_table(data).column("input_ids").to_pylist()]
 
 
+# what each example imports, loaded once in the launcher's zygote (tests/launcher.py) instead of in every rank
+_HF = ("transformers.trainer", "transformers.models.llama.modeling_llama", "varlen_cli.integrations.hf")
+IMPORTS = {
+    "train_hf_trainer.py": _HF,
+    "train_trl.py": _HF + ("datasets", "trl.trainer.sft_trainer"),
+    "train_accelerate.py": _HF + ("accelerate", "varlen_cli.integrations.accelerate"),
+    "train_lightning.py": _HF + ("lightning.pytorch", "varlen_cli.integrations.lightning"),
+    "train_fsdp2.py": _HF + ("torch.distributed.fsdp", "torch.distributed.checkpoint"),
+    "train_tiny_lm.py": ("torch.nn.parallel",),
+}
+
+
 def torchrun(script: str, *args, nproc: int = 2, timeout: int = 420, expect_ok: bool = True):
-    """Run an example under ``python -m torch.distributed.run --standalone`` (a free port each time)."""
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           os.path.join(EXAMPLES, script), *map(str, args)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    """Run ``examples/SCRIPT`` with ``nproc`` ranks as ``torchrun --standalone --nproc-per-node NPROC``
+    would (tests/launcher.py: real processes with torchrun's environment, gloo, a free port each time;
+    forked from a process that imported the frameworks once)."""
+    from tests.launcher import launch
+
+    proc = launch(os.path.join(EXAMPLES, script), *args, nproc=nproc, timeout=timeout, cwd=ROOT,
+                  imports=IMPORTS.get(script, ()))
     if expect_ok:
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     return proc
