@@ -81,10 +81,11 @@ def _get_zygote() -> _Zygote:
 
 
 def launch(script: str, *args, nproc: int = 2, timeout: float = 420, cwd: str = ROOT, env: dict | None = None,
-           imports=()) -> subprocess.CompletedProcess:
+           imports=(), module: bool = False) -> subprocess.CompletedProcess:
     """Run ``script`` with ``nproc`` ranks as ``torchrun --standalone --nproc-per-node NPROC script ARGS``
-    would; ``imports``: modules the script needs, imported once in the zygote (a speed-up only).
-    Returns the ranks' stdout and stderr (rank after rank) and 0 or the first failing rank's exit code."""
+    would (``module=True``: ``script`` is a module name, as ``torchrun ... -m script ARGS``); ``imports``:
+    modules the script needs, imported once in the zygote (a speed-up only). Returns the ranks' stdout
+    and stderr (rank after rank) and 0 or the first failing rank's exit code."""
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # a free port, no race
@@ -99,8 +100,9 @@ def launch(script: str, *args, nproc: int = 2, timeout: float = 420, cwd: str = 
                           MASTER_PORT=str(store.port), TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
                           TORCHELASTIC_RUN_ID=run_id, TORCHELASTIC_USE_AGENT_STORE="True",
                           TORCH_NCCL_ASYNC_ERROR_HANDLING="1"))
-    req = {"script": os.path.abspath(str(script)), "argv": [str(a) for a in args], "cwd": str(cwd), "envs": ranks,
-           "imports": list(imports), "timeout": timeout, "log_dir": log_dir}
+    req = {"script": str(script) if module else os.path.abspath(str(script)), "module": module,
+           "argv": [str(a) for a in args], "cwd": str(cwd), "envs": ranks, "imports": list(imports),
+           "timeout": timeout, "log_dir": log_dir}
     try:
         result = _get_zygote().request(req, timeout + 2 * FAILURE_GRACE + 30)
     finally:
@@ -183,12 +185,15 @@ def _rank_main(req: dict, rank: int, env: dict, reply_fd: int) -> None:
         os.chdir(req["cwd"])
         script = req["script"]
         sys.argv = [script, *req["argv"]]
-        sys.path.insert(0, os.path.dirname(script))
+        sys.path.insert(0, os.getcwd() if req["module"] else os.path.dirname(script))
         import runpy
         import traceback
 
         try:
-            runpy.run_path(script, run_name="__main__")
+            if req["module"]:
+                runpy.run_module(script, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(script, run_name="__main__")
             code = 0
         except SystemExit as exc:
             if exc.code is None or isinstance(exc.code, int):
