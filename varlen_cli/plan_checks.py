@@ -33,7 +33,9 @@ class PlanArrays:
     batch_size, tokens, lr_scale, shape_id, step_samples, step_tokens and, when present,
     step_loss_tokens), the list columns flattened (``ids``; packed plans ``lengths``, ``rows``,
     ``starts``; mixtures ``source``) with their CSR ``offsets``, and, when known (``--metrics``, the
-    planner), ``sample_length``: each entry's whole sample length."""
+    planner), ``sample_length``: each entry's whole sample length, and ``sample_target``: each
+    entry's loss tokens as the metrics counted them (their ``target_length``; plans whose metadata
+    says ``loss_tokens: target_length``)."""
 
     cols: dict
     offsets: np.ndarray
@@ -43,6 +45,7 @@ class PlanArrays:
     starts: np.ndarray | None = None
     source: np.ndarray | None = None
     sample_length: np.ndarray | None = None
+    sample_target: np.ndarray | None = None
     _final: np.ndarray | None = field(default=None, repr=False)
     _split: bool | None = field(default=None, repr=False)
 
@@ -542,7 +545,7 @@ def check_lr(a: PlanArrays, meta: dict) -> Check:
     else:
         if not isinstance(base, (int, float)) or isinstance(base, bool) or not base > 0:
             return Check("lr_scale", False, f"metadata has no base_batch_size > 0 (got {base!r})")
-        if by == "tokens" and meta.get("loss_tokens") == "target_length":  # tokens that carry loss
+        if by == "tokens" and meta.get("loss_tokens") == format.TARGET_LENGTH_COLUMN:  # tokens that carry loss
             per_step = c["step_loss_tokens"].astype(np.float64)
         else:
             per_step = _step_sums(step, c["tokens"] if by == "tokens" else completed(a))
@@ -583,14 +586,16 @@ def check_straggler(a: PlanArrays, meta: dict, budget: Budget) -> Check:
 
 
 def check_loss_tokens(a: PlanArrays, meta: dict) -> Check:
-    """``step_loss_tokens`` (when the plan has it) against the targets counted from the lengths
-    (:func:`varlen_cli.format.loss_targets`)."""
+    """``step_loss_tokens`` (when the plan has it) against the targets counted from the lengths, or
+    from the metrics' ``target_length`` for plans that count it (:func:`varlen_cli.format.loss_targets`)."""
     c = a.cols
     if "step_loss_tokens" not in c:
         return Check("loss tokens", True, "plan has no step_loss_tokens column (older plan)", skipped=True)
-    if meta.get("loss_tokens") == "target_length":  # analyze --target-length: not derived from the lengths
-        return Check("loss tokens", True, "the plan counts the metrics' target_length (assistant tokens), not "
-                     "lengths", skipped=True)
+    if meta.get("loss_tokens") == format.TARGET_LENGTH_COLUMN:  # analyze --target-length: not derived from the lengths
+        if a.sample_target is None:
+            return Check("loss tokens", True, "needs --metrics: the plan counts the metrics' target_length "
+                         "(assistant tokens)", skipped=True)
+        return _loss_token_sums(a, format.loss_targets(None, target=a.sample_target), "the metrics' target_length")
     if a.lengths is not None:
         entry_len = a.lengths
     elif a.sample_length is not None:
@@ -603,14 +608,22 @@ def check_loss_tokens(a: PlanArrays, meta: dict) -> Check:
     final = final_entries(a)
     if final is None and (not len(entry_len) or int(entry_len.min()) > 0):  # l - 1 per entry, in one pass
         targets = segment_reduce(np.add, entry_len, a.offsets) - np.diff(a.offsets)
-    else:
-        targets = segment_reduce(np.add, format.loss_targets(entry_len, final), a.offsets)
+        return _loss_token_sums(a, None, "the samples' lengths", targets)
+    return _loss_token_sums(a, format.loss_targets(entry_len, final), "the samples' lengths")
+
+
+def _loss_token_sums(a: PlanArrays, entry_targets: np.ndarray | None, what: str,
+                     targets: np.ndarray | None = None) -> Check:
+    """``step_loss_tokens`` against the step sums of the entries' targets (or of ``targets`` per row)."""
+    c = a.cols
+    if targets is None:
+        targets = segment_reduce(np.add, entry_targets, a.offsets)
     step = c["step"].astype(np.int64)
     bad = _step_sums(step, targets).astype(np.int64) != c["step_loss_tokens"]
     if bad.any():
         return Check("loss tokens", False, f"step_loss_tokens wrong in {int(bad.sum())} rows (e.g. steps "
                      f"{_examples(bad, step)})")
-    return Check("loss tokens", True, "step_loss_tokens = targets counted from the samples' lengths")
+    return Check("loss tokens", True, f"step_loss_tokens = targets counted from {what}")
 
 
 def check_memory(a: PlanArrays, meta: dict, max_memory=None, profile_path: str | None = None) -> Check:

@@ -13,11 +13,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import format
+from . import format, storage
 from .errors import InputError, UsageError
 from .plan_checks import Check, PlanArrays, run_checks
 from .runtime import artifacts, freshness, rank0
-from .runtime.choices import ALLOW_STALE_HELP, doc
+from .runtime.choices import ALLOW_STALE_HELP, STORAGE_OPTION_HELP, doc
+
+TARGET_COLUMN = format.TARGET_LENGTH_COLUMN
 
 __all__ = ["Check", "ValidateConfig", "ValidateResult", "validate"]
 
@@ -26,14 +28,15 @@ __all__ = ["Check", "ValidateConfig", "ValidateResult", "validate"]
 class ValidateConfig:
     """Options of ``varlen validate``."""
 
-    plan: str = doc(help="Plan Parquet file written by `varlen plan`.")
-    metrics: str | None = doc(None, "Metrics or sorted directory the plan was built from: also checks the "
-                                    "fingerprint, seqlens and token counts.")
+    plan: str = doc(help="Plan Parquet file written by `varlen plan` (local or an s3://... object).")
+    metrics: str | None = doc(None, "Metrics or sorted directory the plan was built from (local or an s3://... "
+                                    "prefix): also checks the fingerprint, seqlens, token counts and loss tokens.")
     max_memory: str | None = doc(None, "Also check that no microbatch's predicted peak exceeds this (e.g. 70GiB; "
                                        "default: the plan's own --max-memory).")
     memory_profile: str | None = doc(None, "Memory profile for --max-memory (default: the one the plan was made "
                                            "with).")
     allow_stale: bool = doc(False, ALLOW_STALE_HELP)
+    storage_options: tuple = doc((), STORAGE_OPTION_HELP)
 
 
 @dataclass
@@ -50,13 +53,13 @@ class ValidateResult:
         return [c for c in self.checks if not c.ok]
 
 
-def _read_plan_metadata(path: str) -> tuple[dict, object]:
-    """The plan's metadata and Parquet schema (:func:`varlen_cli.format.read_plan_metadata`); an
-    :class:`InputError` for anything else."""
-    if not os.path.exists(path):
+def _open_plan(path: str):
+    """The plan's open Parquet file and metadata (:func:`varlen_cli.format.open_plan_file`; local or in
+    object storage); an :class:`InputError` for anything else."""
+    if not storage.is_remote(path) and not os.path.exists(path):
         raise InputError(f"plan {path} does not exist")
     try:
-        return format.read_plan_metadata(path)
+        return format.open_plan_file(path)
     except format.FormatError as exc:
         raise InputError(str(exc)) from None
 
@@ -65,14 +68,16 @@ def validate(config: ValidateConfig) -> ValidateResult:
     """Check a plan; returns every check's outcome (``result.ok`` when all hold)."""
     if rank0.needs_group():  # under torchrun: rank 0 checks, the others wait for its result
         return rank0.on_rank0(validate, config)
-    meta, schema = _read_plan_metadata(config.plan)
+    storage.configure(config.storage_options)
+    pf, meta = _open_plan(config.plan)
+    schema = pf.schema_arrow
     problems = format.plan_schema_problems(schema, meta)
     result = ValidateResult(config.plan)
     result.checks.append(Check("columns", not problems, "; ".join(problems) if problems else
                                f"{len(schema.names)} columns"))
     if problems:
         return result
-    arrays = plan_arrays(_read_table(config.plan))
+    arrays = plan_arrays(_read_table(pf, config.plan))
     if config.metrics:
         if meta.get("mixture"):
             raise UsageError("--metrics does not apply to a mixture plan (varlen plan --mix): it has one input per "
@@ -82,20 +87,16 @@ def validate(config: ValidateConfig) -> ValidateResult:
         fp = _check_fingerprint(meta, manifest, config.metrics)
         result.checks.append(fp)
         if fp.ok:  # lengths of another dataset would only produce noise
-            lengths = _metrics_lengths(config.metrics, manifest)
-            ids = arrays.ids
-            if not len(ids) or (int(ids.min()) >= 0 and int(ids.max()) < len(lengths)):
-                arrays.sample_length = lengths[ids]  # else ids outside the metrics: the coverage check says so
+            _add_metrics_columns(arrays, meta, config.metrics, manifest)
     result.checks += run_checks(arrays, meta, max_memory=config.max_memory, profile_path=config.memory_profile)
     return result
 
 
-def _read_table(path: str):
+def _read_table(pf, path: str):
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     try:
-        return pq.read_table(path)
+        return pf.read()
     except (OSError, pa.ArrowException) as exc:  # corrupted pages: the file, not varlen
         raise InputError(f"cannot read plan {path}: {str(exc).strip().splitlines()[0] if str(exc) else exc}") \
             from None
@@ -141,15 +142,38 @@ def _check_fingerprint(meta: dict, manifest: dict, metrics_path: str) -> Check:
     return Check("fingerprint", True, f"dataset {have_digest}")
 
 
-def _metrics_lengths(path: str, manifest: dict) -> np.ndarray:
-    """Length per sample id of a metrics or sorted directory; an InputError when its ids are not 0..N-1."""
+def _add_metrics_columns(arrays: PlanArrays, meta: dict, path: str, manifest: dict) -> None:
+    """Each plan entry's sample length from the metrics (and its ``target_length``, for plans that
+    count it as their loss tokens; a plan that says so without such a column fails its check)."""
+    columns = ["length"]
+    if meta.get("loss_tokens") == TARGET_COLUMN:
+        if TARGET_COLUMN not in (manifest.get("columns") or {}):
+            raise InputError(f"the plan counts the metrics' {TARGET_COLUMN} as its loss tokens, but {path} has no "
+                             f"{TARGET_COLUMN} column (analyze --target-length); pass the metrics the plan was made "
+                             "from")
+        columns.append(TARGET_COLUMN)
+    per_id = _metrics_columns(path, manifest, columns)
+    ids = arrays.ids
+    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= len(per_id["length"])):
+        return  # ids outside the metrics: the coverage check says so
+    arrays.sample_length = per_id["length"][ids]
+    if TARGET_COLUMN in per_id:
+        arrays.sample_target = per_id[TARGET_COLUMN][ids]
+
+
+def _metrics_columns(path: str, manifest: dict, columns: list[str]) -> dict[str, np.ndarray]:
+    """``columns`` of a metrics or sorted directory indexed by sample id; an InputError when its ids are
+    not 0..N-1."""
     n = int(manifest["num_rows"])
-    table = artifacts.read_row_range(path, manifest, 0, n, ["sample_id", "length"])
+    table = artifacts.read_row_range(path, manifest, 0, n, ["sample_id", *columns])
     ids = table.column("sample_id").to_numpy()
     if len(ids) != n or (n and (int(ids.min()) < 0 or int(ids.max()) >= n)) or \
             (n and len(np.unique(ids)) != n):
         raise InputError(f"{path} does not hold each sample_id 0..{n - 1} once: it is not the metrics of a plan's "
                          "input (re-run `varlen analyze`)")
-    lengths = np.zeros(n, dtype=np.int64)
-    lengths[ids] = table.column("length").to_numpy()
-    return lengths
+    out = {}
+    for name in columns:
+        values = np.zeros(n, dtype=np.int64)
+        values[ids] = table.column(name).to_numpy()
+        out[name] = values
+    return out

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import storage
+from .. import format, storage
 from ..errors import InputError
 from ..runtime.files import check_regular, open_regular
-from ..runtime.freshness import footer_digest
+from ..runtime.freshness import footer_hash
 from . import discovery, formats, remote
 
 PARQUET_EXT = (".parquet", ".pq")
@@ -51,7 +51,7 @@ class SourceFile:
     compression: str | None = None
     rows: int = -1  # known from metadata for parquet and arrow, -1 for line formats
     mtime_ns: int = 0  # when discovered: with size, what staleness checks compare
-    footer: str | None = None  # Parquet: hash of the footer (see footer_digest)
+    footer: str | None = None  # Parquet: hash of the footer (runtime.freshness.footer_hash)
     etag: str | None = None  # object storage: what staleness checks compare instead of mtime_ns
     version: str | None = None
 
@@ -144,6 +144,7 @@ def discover(sources: Sequence[str]) -> list[SourceFile]:
     """Resolve files, directories and globs into data files in sorted path order."""
     if not sources:
         raise InputError("no sources given")
+    _FOOTERS.clear()  # a new run: footers are read (once) again
     explicit: dict[str, bool] = {}
     for s in sources:
         for p, named in _expand(storage.local_path(str(s))):  # file:///x is the local path /x
@@ -165,13 +166,14 @@ def discover(sources: Sequence[str]) -> list[SourceFile]:
             size, mtime_ns, etag, version = st.st_size, st.st_mtime_ns, None, None
         rows, footer = -1, None
         if fmt == "parquet":
-            pf = parquet_file(path, size)
-            if _is_varlen_plan(pf):
+            metadata, footer = _footer(path, size, (path, size, mtime_ns, etag, version))
+            schema = metadata.schema.to_arrow_schema()
+            if format.is_plan_schema(schema):
                 if explicit[path]:
                     raise InputError(f"{path} is a varlen plan, not a dataset")
                 continue  # a plan written inside a source directory is not data
-            _check_unique_columns(pf, path)
-            rows, footer = pf.metadata.num_rows, footer_digest(path, size)
+            _check_unique_columns(schema, path)
+            rows = metadata.num_rows
         elif fmt == "arrow":
             rows = sum(n for n in _arrow_batch_rows(path))
         elif fmt in formats.NAMES:
@@ -197,34 +199,49 @@ def _stat_readable(path: str) -> os.stat_result:
     return st
 
 
-def _is_varlen_plan(pf) -> bool:
-    from .. import format
-
-    return format.is_plan_schema(pf.schema_arrow)
-
-
 def _is_plan_file(path: str) -> bool:
     try:
-        return _is_varlen_plan(parquet_file(path))
+        return format.is_plan_schema(parquet_file(path).schema_arrow)
     except InputError:
         return False
 
 
-def _check_unique_columns(pf, path: str) -> None:
-    names = [pf.schema_arrow.field(i).name for i in range(len(pf.schema_arrow))]
+def _check_unique_columns(schema, path: str) -> None:
+    names = [schema.field(i).name for i in range(len(schema))]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise InputError(f"{path} has duplicate column names ({', '.join(dup)}); rename them before analyze")
 
 
-def parquet_file(path: str, size: int | None = None):
+# Parquet footers of the files being analysed, read once per run (discovery, unit planning and the
+# reader all need them): (path, size, mtime_ns, etag, version) -> (FileMetaData, footer hash).
+# Cleared when a run discovers its files; the key changes with any change freshness would see.
+_FOOTERS: dict[tuple, tuple] = {}
+
+
+def _footer(path: str, size: int, key: tuple) -> tuple:
+    hit = _FOOTERS.get(key)
+    if hit is None:
+        footer, metadata = storage.parquet_footer(path, size)
+        hit = _FOOTERS[key] = (metadata, footer_hash(footer))
+    return hit
+
+
+def footer_key(f: SourceFile) -> tuple:
+    return (f.path, f.size, f.mtime_ns, f.etag, f.version)
+
+
+def parquet_file(path: str, size: int | None = None, key: tuple | None = None):
+    """A Parquet file opened for reading; with ``key`` (:func:`footer_key`) and ``size`` its footer
+    comes from this run's cache (read by one tail request the first time)."""
     import pyarrow.parquet as pq
 
+    metadata = _footer(path, size, key)[0] if key is not None and size is not None else None
     if storage.is_remote(path):
-        return storage.parquet_file(path, size=size)
+        return storage.parquet_file(path, size=size, metadata=metadata)
     check_regular(path, "source")
     try:
-        return pq.ParquetFile(path)
+        return pq.ParquetFile(path, metadata=metadata)
     except Exception as exc:
         raise InputError(f"cannot read Parquet file {path}: {exc}") from None
 
@@ -265,7 +282,7 @@ def make_units(files: Sequence[SourceFile], chunk_bytes: int = DEFAULT_CHUNK_BYT
     units: list[Unit] = []
     for i, f in enumerate(files):
         if f.format == "parquet":
-            md = parquet_file(f.path, f.size).metadata
+            md = _footer(f.path, f.size, footer_key(f))[0]
             units.extend(_row_units(i, [md.row_group(g).num_rows for g in range(md.num_row_groups)]))
         elif f.format == "arrow":
             # Record batches are often small (Hugging Face writes 1,000 rows each): one unit is a
@@ -365,7 +382,7 @@ class Reader:
         if self._path != f.path:
             self._path, self._handle, self._group_key, self._group = f.path, None, None, None
             if f.format == "parquet":
-                self._handle = parquet_file(f.path, f.size)
+                self._handle = parquet_file(f.path, f.size, footer_key(f))
             elif f.format == "arrow":
                 self._handle = _read_arrow_table(f.path)
         return self._handle

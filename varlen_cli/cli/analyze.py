@@ -6,14 +6,13 @@ import typer
 
 from varlen_cli.analyze import AnalyzeConfig
 from varlen_cli.cli import common
-from varlen_cli.cli.options import OUTPUT, Cli, config_command
+from varlen_cli.cli.options import OUTPUT, STORAGE_OPTION, Cli, config_command
 
 
 @config_command(
     AnalyzeConfig,
     fields={"sources": Cli(argument=True, metavar="SOURCE", type=list[str], convert=tuple), "output": OUTPUT,
-            "storage_options": Cli(flags=("--storage-option",), metavar="KEY=VALUE", type=list[str], convert=tuple,
-                                   show=list)},
+            "storage_options": STORAGE_OPTION},
     library_only=("chunk_bytes",),
 )
 def analyze_command(config: AnalyzeConfig, json_output: bool = common.JSON) -> None:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import typer
 
 from varlen_cli.cli import common
-from varlen_cli.cli.options import Cli, config_command
+from varlen_cli.cli.options import STORAGE_OPTION, Cli, config_command
 from varlen_cli.inspect import InspectConfig
 
 
-@config_command(InspectConfig, fields={"path": Cli(argument=True)})
+@config_command(InspectConfig, fields={"path": Cli(argument=True), "storage_options": STORAGE_OPTION})
 def inspect_command(
     config: InspectConfig,
     json_output: bool = typer.Option(False, "--json", help="Print everything as JSON (for scripts)."),

@@ -54,6 +54,8 @@ class Cli:
 
 
 OUTPUT = Cli(flags=("-o", "--output"))
+#: ``storage_options`` of every command that reads or writes object storage (``--storage-option KEY=VALUE``, repeatable)
+STORAGE_OPTION = Cli(flags=("--storage-option",), metavar="KEY=VALUE", type=list[str], convert=tuple, show=list)
 
 
 @dataclasses.dataclass(frozen=True)

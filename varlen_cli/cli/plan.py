@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from varlen_cli.cli import common
-from varlen_cli.cli.options import OUTPUT, Cli, config_command
+from varlen_cli.cli.options import OUTPUT, STORAGE_OPTION, Cli, config_command
 from varlen_cli.plan import PlanConfig
 
 
@@ -22,6 +22,7 @@ def _attention_cost(value: str) -> float | str:
         "input": Cli(argument=True, metavar="INPUT_DIR", optional=True),
         "output": OUTPUT,
         "attention_cost": Cli(type=str, convert=_attention_cost, show=lambda a: f"{a:g}"),
+        "storage_options": STORAGE_OPTION,
     },
 )
 def plan_command(config: PlanConfig, json_output: bool = common.JSON) -> None:

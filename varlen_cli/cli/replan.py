@@ -5,11 +5,11 @@ from __future__ import annotations
 import typer
 
 from varlen_cli.cli import common
-from varlen_cli.cli.options import OUTPUT, Cli, config_command
+from varlen_cli.cli.options import OUTPUT, STORAGE_OPTION, Cli, config_command
 from varlen_cli.plan.replan import ReplanConfig
 
 
-@config_command(ReplanConfig, fields={"plan": Cli(argument=True), "output": OUTPUT})
+@config_command(ReplanConfig, fields={"plan": Cli(argument=True), "output": OUTPUT, "storage_options": STORAGE_OPTION})
 def replan_command(config: ReplanConfig) -> None:
     """Re-plan the rest of a running job from step N for another number of ranks.
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import typer
 
 from varlen_cli.cli import common
-from varlen_cli.cli.options import OUTPUT, Cli, config_command
+from varlen_cli.cli.options import OUTPUT, STORAGE_OPTION, Cli, config_command
 from varlen_cli.sort import SortConfig
 
 
 @config_command(
     SortConfig,
-    fields={"metrics_dir": Cli(argument=True), "output": OUTPUT, "by": Cli(type=str, show=",".join)},
+    fields={"metrics_dir": Cli(argument=True), "output": OUTPUT, "by": Cli(type=str, show=",".join),
+            "storage_options": STORAGE_OPTION},
     library_only=("row_group_size", "engine"),
 )
 def sort_command(config: SortConfig, json_output: bool = common.JSON) -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import typer
 
 from varlen_cli.cli import common
-from varlen_cli.cli.options import Cli, config_command
+from varlen_cli.cli.options import STORAGE_OPTION, Cli, config_command
 from varlen_cli.validate import ValidateConfig
 
 
-@config_command(ValidateConfig, fields={"plan": Cli(argument=True)})
+@config_command(ValidateConfig, fields={"plan": Cli(argument=True), "storage_options": STORAGE_OPTION})
 def validate_command(
     config: ValidateConfig,
     json_output: bool = typer.Option(False, "--json", help="Print the checks as JSON instead of a table."),

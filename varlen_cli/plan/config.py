@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import format
+from .. import format, storage
 from ..budget import attention_number, is_auto
 from ..errors import UsageError
 from ..memory.sizes import parse_size
-from ..runtime.choices import LrScaleBy, LrScaling, Order, Tail, check_choices, doc, values
+from ..runtime.choices import STORAGE_OPTION_HELP, LrScaleBy, LrScaling, Order, Tail, check_choices, doc, values
 
 MAX_TOKENS_LIMIT = 2**53  # budgets are compared as float64: exact up to here
 ORDERS = values(Order)
@@ -23,8 +23,8 @@ class PlanConfig:
     """Options of ``varlen plan`` (see ``varlen plan --help`` and docs/plan.md)."""
 
     input: str = doc(help="Metrics directory (varlen analyze) or sorted directory (varlen sort; needed for --order "
-                          "curriculum/reverse).")
-    output: str = doc(help="Plan file to write (Parquet, one row per microbatch).")
+                          "curriculum/reverse); local or an s3://... prefix.")
+    output: str = doc(help="Plan file to write (Parquet, one row per microbatch); local or an s3://... object.")
     max_tokens: int | None = doc(None, "Hard budget: padded B x T of every microbatch (plus A x B x T^2 with "
                                        "--attention-cost). Required unless --packing or --max-memory.")
     dp: int = doc(1, "Data-parallel ranks: every step has dp x grad-accum microbatches.")
@@ -83,6 +83,7 @@ class PlanConfig:
     extend: str | None = doc(None, "Lengthen this plan to --epochs E: its steps unchanged, new epochs appended (its "
                                    "other options kept; INPUT_DIR only if its input moved).")
     progress: bool = doc(True, "Show a progress bar on rank 0 (only on a terminal).")
+    storage_options: tuple = doc((), STORAGE_OPTION_HELP)
 
 
 @dataclass
@@ -111,6 +112,7 @@ def _positive(name: str, value, allow_none: bool = True) -> None:
 
 def check(c: PlanConfig) -> None:
     check_choices(c)
+    storage.parse_options(c.storage_options)
     if not c.input:
         raise UsageError("missing INPUT_DIR: the metrics or sorted directory to plan (or --extend PLAN)")
     _check_memory(c)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+from .. import storage
 from ..errors import UsageError
 from ..runtime import rank0, safety
 from . import writer
@@ -24,6 +25,7 @@ def plan(config: PlanConfig) -> PlanResult:
     """Run ``varlen plan``: read the input, plan every epoch, write the plan; returns the summary."""
     if rank0.needs_group():  # under torchrun: rank 0 plans and writes, the others wait
         return rank0.on_rank0(plan, config)
+    storage.configure(config.storage_options)  # inputs and the output may be in object storage
     if config.extend is not None:  # varlen plan --extend PLAN --epochs E (plan/replan.py)
         from .extend import run_extend
 

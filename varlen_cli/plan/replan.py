@@ -19,9 +19,10 @@ import os
 import time
 from dataclasses import dataclass
 
+from .. import storage
 from ..errors import InputError, UsageError
 from ..runtime import rank0, safety
-from ..runtime.choices import ALLOW_STALE_HELP, OVERWRITE_HELP, doc
+from ..runtime.choices import ALLOW_STALE_HELP, OVERWRITE_HELP, STORAGE_OPTION_HELP, doc
 from ..runtime.files import open_regular
 from . import writer
 from .config import PlanResult
@@ -50,6 +51,7 @@ class ReplanConfig:
     memory_profile: str | None = doc(None, "Memory profile for --max-memory (default: the one the parent recorded).")
     overwrite: bool = doc(False, OVERWRITE_HELP)
     allow_stale: bool = doc(False, ALLOW_STALE_HELP)
+    storage_options: tuple = doc((), STORAGE_OPTION_HELP)
 
 
 def resume_step(config: ReplanConfig, parent: Parent) -> int:
@@ -94,11 +96,13 @@ def replan(config: ReplanConfig) -> PlanResult:
     if rank0.needs_group():  # under torchrun: rank 0 replans and writes, the others wait
         return rank0.on_rank0(replan, config)
     t0 = time.perf_counter()
+    storage.configure(config.storage_options)  # the plan's input and the output may be in object storage
     safety.check_no_overlap(config.output, safety.stage_inputs(config))
     parent = open_parent(config.plan)
     step = resume_step(config, parent)
     c = parent_config(parent, output=config.output, dp=config.dp, grad_accum=config.grad_accum,
-                      overwrite=config.overwrite, allow_stale=config.allow_stale)
+                      overwrite=config.overwrite, allow_stale=config.allow_stale,
+                      storage_options=config.storage_options)
     budget = rebudget(parent.budget, max_tokens=config.max_tokens, max_memory=config.max_memory,
                       memory_profile=config.memory_profile)
     inputs = [c.input] if not parent.mixture else [s["path"] for s in parent.mixture["sources"] if s.get("path")]

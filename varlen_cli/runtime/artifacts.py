@@ -37,9 +37,20 @@ RUNTIME_FIELDS = frozenset({"nproc", "overwrite", "device", "progress", "output"
 
 
 def config_dict(config: Any) -> dict:
-    """A JSON-ready dict of a config dataclass (tuples become lists)."""
+    """A JSON-ready dict of a config dataclass (tuples become lists), as artifacts record it:
+    ``--storage-option`` values (at any depth: ``varlen run`` nests the stages' options) are
+    recorded as ``key=***`` (they may be secrets)."""
     data = asdict(config) if is_dataclass(config) else dict(config)
-    return json.loads(json.dumps(data, default=str))
+    return _redacted(json.loads(json.dumps(data, default=str)))
+
+
+def _redacted(data: Any) -> Any:
+    from .. import storage
+
+    if isinstance(data, dict):
+        return {k: storage.redacted(v) if k == "storage_options" and isinstance(v, list) else _redacted(v)
+                for k, v in data.items()}
+    return data
 
 
 def digest(obj: Any) -> str:
@@ -237,12 +248,28 @@ def atomic_write_json(path: str, data: Any) -> None:
 
 # -- manifests and reading -------------------------------------------------------------------------
 def read_manifest(path: str, what: str = "metrics directory", hint: str = "create one with `varlen analyze`") -> dict:
-    """The manifest of a metrics or sorted directory; a clear error for anything else."""
+    """The manifest of a metrics or sorted directory, local or in object storage (``s3://...``: the
+    manifest is the commit marker of a remote output, see :mod:`.remote_output`); a clear error for
+    anything else."""
     from .. import storage
 
-    if storage.is_remote(path):
-        raise InputError(f"{path}: reading a {what} from object storage is not supported here; copy it to a local "
-                         "folder first (varlen_cli.loader.SourceDataset reads it in place)")
+    manifest, present = (_remote_manifest if storage.is_remote(path) else _local_manifest)(path, what, hint)
+    if not isinstance(manifest, dict) or manifest.get("format") != METRICS_FORMAT:
+        raise InputError(f"{path} is not a varlen {what} ({MANIFEST_NAME} has no format '{METRICS_FORMAT}'); {hint}")
+    try:
+        format.check_manifest_fields(path, manifest, MANIFEST_NAME)
+    except format.FormatError as exc:
+        raise InputError(str(exc)) from None
+    if manifest.get("format_version", 0) > FORMAT_VERSION:
+        raise InputError(f"{path} was written by a newer varlen (format {manifest['format_version']}); upgrade varlen")
+    for part in manifest.get("parts", []):
+        if not present(part["file"]):
+            raise InputError(f"{path} is incomplete: {part['file']} listed in {MANIFEST_NAME} is missing")
+    return manifest
+
+
+def _local_manifest(path: str, what: str, hint: str):
+    """``(manifest, is a file of the directory)`` of a local directory."""
     if not os.path.exists(path):
         raise InputError(f"{path} does not exist")
     if not os.path.isdir(path):
@@ -256,19 +283,48 @@ def read_manifest(path: str, what: str = "metrics directory", hint: str = "creat
             manifest = json.load(fh)
     except (OSError, ValueError) as exc:
         raise InputError(f"cannot read {manifest_path}: {exc}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != METRICS_FORMAT:
-        raise InputError(f"{path} is not a varlen {what} ({MANIFEST_NAME} has no format '{METRICS_FORMAT}'); {hint}")
+
+    def present(name: str) -> bool:
+        check_regular(os.path.join(path, name), "part")  # a FIFO or a device is refused, never read
+        return os.path.isfile(os.path.join(path, name))
+
+    return manifest, present
+
+
+def _remote_manifest(path: str, what: str, hint: str):
+    """``(manifest, is an object of the prefix)`` of an object-storage prefix: one listing, one read."""
+    from .. import storage
+
+    root = path.rstrip("/")
+    names = {storage.relpath(o, root) for o in storage.find(root + "/") if o.startswith(root + "/")}
+    if not names:  # (an object named ``root`` itself, a plan, is listed as itself)
+        if storage.isfile(root):
+            raise InputError(f"{path} is not a varlen {what}; {hint}")
+        raise InputError(f"{path} does not exist")
+    if MANIFEST_NAME not in names:
+        raise InputError(f"{path} is not a varlen {what} (no {MANIFEST_NAME}; or an output still being "
+                         f"published); {hint}")
+    loc = storage.join(root, MANIFEST_NAME)
     try:
-        format.check_manifest_fields(path, manifest, MANIFEST_NAME)
-    except format.FormatError as exc:
-        raise InputError(str(exc)) from None
-    if manifest.get("format_version", 0) > FORMAT_VERSION:
-        raise InputError(f"{path} was written by a newer varlen (format {manifest['format_version']}); upgrade varlen")
-    for part in manifest.get("parts", []):
-        check_regular(os.path.join(path, part["file"]), "part")
-        if not os.path.isfile(os.path.join(path, part["file"])):
-            raise InputError(f"{path} is incomplete: {part['file']} listed in {MANIFEST_NAME} is missing")
-    return manifest
+        manifest = json.loads(storage.read_bytes(loc))
+    except ValueError as exc:
+        raise InputError(f"cannot read {loc}: {exc}") from None
+    return manifest, names.__contains__
+
+
+def _artifact_id_at(path: str) -> str | None:
+    """The ``artifact_id`` of the metrics or sorted directory at ``path`` (local or object storage);
+    None when it is gone or unreadable (a moved input cannot be checked)."""
+    from .. import storage
+
+    loc = storage.join(path, MANIFEST_NAME)
+    try:
+        if not storage.isfile(loc):
+            return None
+        manifest = json.loads(storage.read_bytes(loc))
+    except (InputError, ValueError):
+        return None
+    return manifest.get("artifact_id") if isinstance(manifest, dict) else None
 
 
 def check_fresh(path: str, manifest: dict, rerun: str) -> None:
@@ -280,15 +336,35 @@ def check_fresh(path: str, manifest: dict, rerun: str) -> None:
     """
     inp = manifest.get("input") or {}
     src, want = inp.get("path"), inp.get("artifact_id")
-    if not src or not want or not os.path.isfile(os.path.join(src, MANIFEST_NAME)):
+    if not src or not want:
         return
-    try:
-        with open_regular(os.path.join(src, MANIFEST_NAME)) as fh:
-            have = json.load(fh).get("artifact_id")
-    except (OSError, ValueError, InputError):
-        return
-    if have != want:
+    have = _artifact_id_at(src)
+    if have is not None and have != want:
         raise InputError(f"{path} is stale: {src} was rebuilt after it (artifact {want}, now {have}); re-run `{rerun}`")
+
+
+def part_location(path: str, part: dict) -> str:
+    """Where a part (an entry of the manifest's ``parts``) of the directory ``path`` lies."""
+    from .. import storage
+
+    return storage.join(path, part["file"])
+
+
+def open_part(loc: str, memory_map: bool = False):
+    """A part of a metrics or sorted directory as a ``pyarrow.parquet.ParquetFile``: a local file
+    (memory-mapped if asked), or an object read by range requests (footer, then column chunks)."""
+    import pyarrow.parquet as pq
+
+    from .. import storage
+
+    try:
+        if storage.is_remote(loc):
+            return storage.parquet_file(loc)
+        return pq.ParquetFile(loc, memory_map=memory_map)
+    except InputError:
+        raise
+    except Exception as exc:  # pyarrow raises several types for a bad file
+        raise InputError(f"cannot read {loc}: {exc}") from None
 
 
 def row_bounds(total: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -299,10 +375,9 @@ def row_bounds(total: int, world_size: int, rank: int) -> tuple[int, int]:
 
 
 def read_row_range(path: str, manifest: dict, start: int, stop: int, columns: Sequence[str] | None = None):
-    """Rows [start, stop) of a metrics or sorted directory as one Arrow table, reading only the
-    row groups that overlap the range."""
+    """Rows [start, stop) of a metrics or sorted directory (local or in object storage) as one
+    Arrow table, reading only the row groups that overlap the range."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     pieces = []
     offset = 0
@@ -310,12 +385,8 @@ def read_row_range(path: str, manifest: dict, start: int, stop: int, columns: Se
     for part in manifest["parts"]:
         n = int(part["rows"])
         lo, hi = max(start, offset), min(stop, offset + n)
-        part_path = os.path.join(path, part["file"])
         if hi > lo or schema is None:
-            try:
-                pf = pq.ParquetFile(part_path)
-            except Exception as exc:
-                raise InputError(f"cannot read {part_path}: {exc}") from None
+            pf = open_part(part_location(path, part))
             schema = pf.schema_arrow if columns is None else pa.schema([pf.schema_arrow.field(c) for c in columns])
         if hi > lo:
             rg_offset = 0

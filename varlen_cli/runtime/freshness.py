@@ -25,7 +25,6 @@ from ..errors import InputError
 from . import artifacts
 
 ALLOW_STALE_HINT = "pass --allow-stale if the data was moved or copied on purpose"
-FOOTER_PROBE = 64 << 10  # bytes read from a Parquet file's end to hash its footer (one range request)
 
 
 def check_inputs(path: str, manifest: dict, allow_stale: bool = False, rerun: str = "varlen sort") -> None:
@@ -93,15 +92,15 @@ def _difference(source: str, entry: dict) -> str | None:
 def footer_digest(path: str, size: int) -> str | None:
     """A hash of the Parquet footer (schema, row groups, statistics): changes when the content is
     rewritten even where size and mtime do not. One small read at the end of the file (one range
-    request for an object in storage)."""
-    import hashlib
-
+    request for an object in storage: :func:`varlen_cli.storage.parquet_footer`)."""
     try:
-        tail = storage.read_range(path, max(0, size - FOOTER_PROBE), size)  # usually holds the whole footer
-        n = int.from_bytes(tail[-8:-4], "little")
-        if len(tail) < 8 or tail[-4:] != b"PAR1" or n + 8 > size:
-            return None
-        footer = tail[-8 - n:-8] if n + 8 <= len(tail) else storage.read_range(path, size - 8 - n, size - 8)
-        return hashlib.sha256(footer).hexdigest()[:16]
+        return footer_hash(storage.parquet_footer(path, size)[0])
     except (OSError, InputError):
         return None
+
+
+def footer_hash(footer: bytes) -> str:
+    """What the manifest records as a Parquet file's ``footer``: 16 hex digits of its SHA-256."""
+    import hashlib
+
+    return hashlib.sha256(footer).hexdigest()[:16]

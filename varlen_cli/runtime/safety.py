@@ -13,6 +13,7 @@ import os
 import platform
 import shutil
 import signal
+import stat
 import tempfile
 import time
 import uuid
@@ -50,11 +51,16 @@ def _inside(child: str, parent: str) -> bool:
 
 
 def check_no_overlap(output: str, inputs: Iterable[str]) -> None:
-    """Refuse an output that is, contains, or lies inside one of ``inputs`` (OutputError, exit 4)."""
+    """Refuse an output that is, contains, or lies inside one of ``inputs`` (OutputError, exit 4).
+    An object-storage output is compared with the inputs in the same store by key prefix."""
+    from .. import storage
+
+    if storage.is_remote(output):
+        return _check_no_remote_overlap(output, [str(g) for g in inputs if g and storage.is_remote(str(g))])
     out = os.path.realpath(output)
     for given in inputs:
-        if not given:
-            continue
+        if not given or storage.is_remote(str(given)):
+            continue  # an object-storage input cannot overlap a local output
         inp = os.path.realpath(_source_root(str(given)))
         if out == inp:
             how = "is"
@@ -65,6 +71,14 @@ def check_no_overlap(output: str, inputs: Iterable[str]) -> None:
         else:
             continue
         raise OutputError(f"output {output} {how} the input {given}; write the output elsewhere")
+
+
+def _check_no_remote_overlap(output: str, inputs: list[str]) -> None:
+    path = output.rstrip("/")
+    for given in inputs:
+        root = given.split("*", 1)[0].rstrip("/")
+        if path == root or path.startswith(root + "/") or root.startswith(path + "/"):
+            raise OutputError(f"output {path} overlaps the input {given}; write the output elsewhere")
 
 
 # Config fields that name input paths, and fields that name user code as MODULE:FUNCTION (its file
@@ -167,9 +181,11 @@ def _listed(names: list[str], limit: int = 5) -> str:
 
 
 def made_by_varlen_file(path: str) -> bool:
-    """A Parquet file whose schema metadata says it is a varlen plan."""
+    """A Parquet file whose schema metadata says it is a varlen plan (never a FIFO or other non-regular file)."""
     from .. import format
 
+    if not _regular_file(path):
+        return False
     try:
         format.read_plan_metadata(path)
     except format.FormatError as exc:
@@ -177,6 +193,13 @@ def made_by_varlen_file(path: str) -> bool:
     except Exception:  # noqa: BLE001 - pyarrow raises many types for files that are no Parquet at all
         return False
     return True
+
+
+def _regular_file(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 def check_replaceable(path: str, overwrite: bool, kind: str, json_format: str | None = None) -> None:
@@ -204,8 +227,9 @@ def check_replaceable(path: str, overwrite: bool, kind: str, json_format: str | 
     elif kind == "json":
         if os.path.isdir(path):
             raise OutputError(f"output {path} is a directory; give a file name")
-        if _json_format(path) != json_format:
-            raise OutputError(f"output {path} is not a {json_format} file; --overwrite replaces only varlen outputs")
+        if not _regular_file(path) or _json_format(path) != json_format:
+            raise OutputError(f"output {path} is not a {json_format.replace('-', ' ')}; --overwrite replaces only "
+                              "varlen outputs")
     else:
         if os.path.isdir(path):
             raise OutputError(f"output {path} is a directory; give a file name such as plan.parquet")
