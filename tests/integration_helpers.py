@@ -1,8 +1,8 @@
 """Shared checks of the framework integrations (tests/integrations/test_*.py).
 
 Each framework test trains a tiny Llama built from a config on a 300-sample slice of
-sample_data/tokenized.parquet, with 2 processes (as torchrun starts them: tests/launcher.py; gloo, a free port each
-launch), and compares what ran with the plan and with single-process references
+sample_data/tokenized.parquet, with 2 processes (gloo, a free port each launch; the full run under the real
+torchrun, the resume under tests/launcher.py, which starts ranks as torchrun does), and compares what ran with the plan and with single-process references
 computed here from the data and the model alone.
 """
 
@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -70,17 +72,31 @@ IMPORTS = {
 }
 
 
-def torchrun(script: str, *args, nproc: int = 2, timeout: int = 420, expect_ok: bool = True):
+def torchrun(script: str, *args, nproc: int = 2, timeout: int = 420, expect_ok: bool = True, real: bool = False):
     """Run ``examples/SCRIPT`` with ``nproc`` ranks as ``torchrun --standalone --nproc-per-node NPROC``
-    would (tests/launcher.py: real processes with torchrun's environment, gloo, a free port each time;
-    forked from a process that imported the frameworks once)."""
-    from tests.launcher import launch
+    would: ``real=True`` (or VARLEN_TEST_REAL_TORCHRUN=1 for every launch) under the real command
+    (``python -m torch.distributed.run``), else under tests/launcher.py (real processes with torchrun's
+    environment, gloo, a free port each time; forked from a process that imported the frameworks once)."""
+    if real or os.environ.get("VARLEN_TEST_REAL_TORCHRUN") == "1":
+        proc = real_torchrun(os.path.join(EXAMPLES, script), *args, nproc=nproc, timeout=timeout, cwd=ROOT)
+    else:
+        from tests.launcher import launch
 
-    proc = launch(os.path.join(EXAMPLES, script), *args, nproc=nproc, timeout=timeout, cwd=ROOT,
-                  imports=IMPORTS.get(script, ()))
+        proc = launch(os.path.join(EXAMPLES, script), *args, nproc=nproc, timeout=timeout, cwd=ROOT,
+                      imports=IMPORTS.get(script, ()))
     if expect_ok:
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     return proc
+
+
+def real_torchrun(script: str, *args, nproc: int = 2, timeout: int = 420, cwd=ROOT) -> subprocess.CompletedProcess:
+    """``python -m torch.distributed.run --standalone --nproc-per-node NPROC SCRIPT ARGS`` (a free port)."""
+    from tests.launcher import STATIC_ENV
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(script), *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ, **STATIC_ENV),
+                          cwd=str(cwd))
 
 
 def logs(log_dir, world: int = 2) -> list:

@@ -10,8 +10,10 @@ LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_*, MASTER_ADDR/MASTER_PORT, TORCHELASTIC_*; t
 TCPStore is hosted by the launcher, as torchrun's agent hosts it), runs the script as ``__main__``
 with its argv, and joins torch.distributed (gloo) by itself exactly as under torchrun. As torchrun
 does, a launch whose rank fails stops the other ranks (after a short grace) and a launch past its
-timeout is killed. tests/integrations/test_launcher.py runs one example under real torchrun and
-under this launcher and compares what the ranks trained.
+timeout is killed. Each framework's 2-rank test (tests/integrations/test_{hf,trl,accelerate,lightning,
+fsdp2}.py) runs its full run under the real ``python -m torch.distributed.run`` and resumes from that
+run's checkpoint under this launcher, comparing the two bit for bit: the launcher is checked against
+torchrun there.
 """
 
 from __future__ import annotations
