@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from tests.loader_helpers import ROOT, real_plan, token_lengths, write_plan
 from varlen_cli.loader import Plan
@@ -41,6 +42,7 @@ def _logs(log_dir, world):
     return [json.load(open(os.path.join(log_dir, f"rank-{r}.json"))) for r in range(world)]
 
 
+@pytest.mark.slow
 def test_ddp_two_ranks_exactly_once_lr_and_resume(tmp_path):
     plan_path = _plan(tmp_path, max_tokens=2048, dp=2, grad_accum=2)
     plan = Plan.open(plan_path)
@@ -78,6 +80,7 @@ def test_ddp_two_ranks_exactly_once_lr_and_resume(tmp_path):
         assert b["loss"] == a["loss"][k:]  # same model, optimizer and data: bit-identical on CPU
 
 
+@pytest.mark.slow
 def test_compile_static_shapes_no_recompiles_after_warmup(tmp_path):
     """torch.compile(dynamic=False) on a --static-shapes --compile-warmup plan with 3 shapes.
 
