@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 
+from tests.launcher import launch
 from tests.loader_helpers import ROOT, real_plan, token_lengths, write_plan
 from varlen_cli.loader import Plan
 
@@ -69,8 +70,11 @@ def test_ddp_two_ranks_exactly_once_lr_and_resume(tmp_path):
         assert np.allclose(log["lr"], np.array(log["unscaled_lr"]) * scales, rtol=1e-12)
     assert len(set(scales.round(6))) > 1  # the plan's batch sizes vary, so the scale does
     # resume from the mid-epoch checkpoint: the rest of the stream, LRs and losses, exactly
-    _run("--plan", plan_path, "--nproc", "2", "--lr", "0.01", "--log-dir", str(tmp_path / "resumed"),
-         "--resume", ckpt, *small)
+    # (the full run above used the script's own --nproc launcher; the resume runs its 2 ranks under
+    # tests/launcher.py, as torchrun starts them)
+    proc = launch(SCRIPT, "--plan", plan_path, "--lr", "0.01", "--log-dir", str(tmp_path / "resumed"), "--resume", ckpt,
+                  *small, imports=("torch.nn.parallel",), timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     resumed = _logs(tmp_path / "resumed", 2)
     for a, b in zip(full, resumed):
         k = save_at + 1
