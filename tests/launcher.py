@@ -23,6 +23,7 @@ import importlib
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -54,8 +55,9 @@ class _Zygote:
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
         line = self.proc.stdout.readline() if ready else ""
         if not line:  # the zygote itself is stuck or died: kill it and its ranks
+            log = self.log()[-4000:]
             self.stop(kill=True)
-            raise RuntimeError(f"launcher: no answer in {timeout:.0f} s; zygote log:\n" + self.log()[-4000:])
+            raise RuntimeError(f"launcher: no answer in {timeout:.0f} s; zygote log:\n" + log)
         return json.loads(line)
 
     def log(self) -> str:
@@ -69,6 +71,7 @@ class _Zygote:
             else:
                 self.proc.stdin.close()
         self.proc.wait(timeout=60)  # reaped: its CPU time (and its ranks') counts in this process's
+        shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
 _zygote: _Zygote | None = None
@@ -111,6 +114,7 @@ def launch(script: str, *args, nproc: int = 2, timeout: float = 420, cwd: str = 
         del store
     out = "".join(_read(os.path.join(log_dir, f"rank-{r}.out")) for r in range(nproc))
     err = "".join(_read(os.path.join(log_dir, f"rank-{r}.err")) for r in range(nproc))
+    shutil.rmtree(log_dir, ignore_errors=True)
     if result["timed_out"]:
         raise subprocess.TimeoutExpired([script, *map(str, args)], timeout, out, err)
     failed = [c for c in result["codes"] if c != 0]
