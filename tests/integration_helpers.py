@@ -95,8 +95,21 @@ def real_torchrun(script: str, *args, nproc: int = 2, timeout: int = 420, cwd=RO
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(script), *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ, **STATIC_ENV),
-                          cwd=str(cwd))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(cwd),
+                            env=dict(os.environ, **STATIC_ENV))
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # past the timeout: SIGTERM, which torchrun's agent passes on to its workers (each in a session of
+        # its own, so killing the agent alone would leave them running), then SIGKILL
+        proc.terminate()
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate(timeout=60)
+        raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def logs(log_dir, world: int = 2) -> list:
