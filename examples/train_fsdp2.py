@@ -112,6 +112,7 @@ def main(argv=None) -> None:
             json.dump(log, fh)
     if rank == 0:
         print(f"rank 0: {len(log['steps'])} steps", flush=True)
+    dist.barrier()  # every rank meets before the group goes (none tears down connections a peer still uses)
     dist.destroy_process_group()
 
 

@@ -133,6 +133,11 @@ def main(argv=None) -> None:
     if rank == 0:
         print(f"rank 0: {result.global_step} steps, train loss {result.training_loss:.4f}, "
               f"{speed[-1] if speed else 0:.0f} tokens/s", flush=True)
+    # Trainer leaves its gloo group up. Every rank meets first, then the group's owner (accelerate)
+    # destroys it: no rank tears down its connections while a peer still uses them (an occasional
+    # "terminate called without an active exception", SIGABRT, at interpreter exit under load).
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":

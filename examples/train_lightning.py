@@ -112,6 +112,11 @@ def main(argv=None) -> None:
             json.dump(module.record, fh)
     if trainer.global_rank == 0:
         print(f"rank 0: {trainer.global_step} steps", flush=True)
+    # Lightning leaves a gloo group up (it destroys only nccl ones, at exit): every rank meets, then it goes,
+    # so no rank tears down its connections while a peer still uses them (a SIGABRT at exit under load).
+    trainer.strategy.barrier("end")
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -99,10 +99,15 @@ def train(args: argparse.Namespace) -> dict:
     if world > 1 and not torch.distributed.is_initialized():
         torch.distributed.init_process_group("nccl" if args.device == "cuda" else "gloo")
     dist = torch.distributed.is_initialized()
+    done = False
     try:
-        return _train(args, rank, world, device, dist)
+        result = _train(args, rank, world, device, dist)
+        done = True
+        return result
     finally:
         if dist:
+            if done:  # every rank meets before the group goes (none tears down connections a peer still uses)
+                torch.distributed.barrier()
             torch.distributed.destroy_process_group()
 
 

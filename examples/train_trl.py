@@ -96,6 +96,8 @@ def main(argv=None) -> None:
             json.dump(log, fh)
     if rank == 0:
         print(f"rank 0: {result.global_step} steps, train loss {result.training_loss:.4f}", flush=True)
+    trainer.accelerator.wait_for_everyone()  # every rank done before the group goes (train_hf_trainer.py)
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":

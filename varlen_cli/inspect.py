@@ -234,11 +234,11 @@ def _plan_tables(info: dict) -> list[TextTable]:
     if meta.get("packing"):
         t.rows.append(("packing", ", ".join(f"{k}={v}" for k, v in meta["packing"].items())))
     t.rows.append(("dropped", fmt(meta.get("dropped", {}).get("count", 0))))
-    if meta.get("memory"):  # a plan made with --max-memory: predicted peak per shape and the maximum
+    budget = format.plan_budget(meta)
+    if budget.memory:  # a plan made with --max-memory: predicted peak per shape and the maximum
         from .memory.budget import memory_rows
 
-        t.rows.extend(memory_rows(meta))
-    budget = format.plan_budget(meta)
+        t.rows.extend(memory_rows(budget.memory, shapes))
     t.rows.append(("budget", ", ".join(f"{k}={v}" for k, v in budget.to_metadata().items() if k != "model")))
     t.rows.append(("straggler cost", ", ".join(f"{k}={v}" for k, v in budget.straggler_spec().items())))
     st = TextTable("statistics", [("stat", "left"), ("value", "right")], show_header=False)

@@ -626,11 +626,11 @@ def _loss_token_sums(a: PlanArrays, entry_targets: np.ndarray | None, what: str,
     return Check("loss tokens", True, f"step_loss_tokens = targets counted from {what}")
 
 
-def check_memory(a: PlanArrays, meta: dict, max_memory=None, profile_path: str | None = None) -> Check:
+def check_memory(a: PlanArrays, budget: Budget, max_memory=None, profile_path: str | None = None) -> Check:
     """Predicted peaks against the limit given, or else the one the plan recorded (``--max-memory``)."""
     from .memory.budget import memory_check
 
-    ok, detail = memory_check(a.cols["batch_size"], a.cols["seqlen"], meta, max_memory, profile_path)
+    ok, detail = memory_check(a.cols["batch_size"], a.cols["seqlen"], budget, max_memory, profile_path)
     return Check("memory", ok, detail)
 
 
@@ -647,7 +647,7 @@ def run_checks(a: PlanArrays, meta: dict, *, max_memory=None, profile_path: str 
         return checks  # list columns of different lengths, negative ids: the checks below would index out of them
     checks += [check_coverage(a, meta), check_budget(a, meta, budget), check_shapes(a, meta),
                check_step_totals(a, meta), check_lr(a, meta)]
-    if max_memory is not None or profile_path is not None or meta.get("memory"):
-        checks.append(check_memory(a, meta, max_memory, profile_path))
+    if max_memory is not None or profile_path is not None or budget.memory:
+        checks.append(check_memory(a, budget, max_memory, profile_path))
     checks += [check_straggler(a, meta, budget), check_loss_tokens(a, meta)]
     return checks

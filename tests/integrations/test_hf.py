@@ -199,6 +199,25 @@ def test_checkpoint_of_another_plan_is_refused(setup, tmp_path):
         load_plan_state(str(tmp_path), Plan.open(padded))
 
 
+@pytest.mark.parametrize("kind, message", [
+    ("fifo", r"^plan state \S+/varlen_plan_state\.json is a FIFO \(named pipe\), not a regular file$"),
+    ("text", r"^cannot read \S+/varlen_plan_state\.json: Expecting value: line 1 column 1 \(char 0\)$"),
+    ("list", r"^\S+/varlen_plan_state\.json is not a plan state \(a JSON object\)$"),
+])
+def test_a_bad_plan_state_is_one_line(setup, tmp_path, kind, message):
+    """The checkpoint's plan state is read like every other input: a FIFO is refused (never read: it would
+    block), a file that is not a JSON object is a PlanError, not an internal error."""
+    from varlen_cli.integrations.hf import STATE_FILE, load_plan_state
+
+    path = tmp_path / STATE_FILE
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.write_text("not json" if kind == "text" else "[1, 2]")
+    with pytest.raises(PlanError, match=message):
+        load_plan_state(str(tmp_path), Plan.open(setup[2]))
+
+
 def test_epoch_replay_and_grad_accum_mismatch_raise_before_the_wrong_step(setup):
     """Trainer's old behaviour, reproduced on the plain loader: set_epoch that misses the batch
     sampler replays epoch 0 under epoch 1's LR scales; an accumulation of 1 instead of 2 pairs the

@@ -99,6 +99,22 @@ def test_envelope_fit_reports_heldout_error_of_the_other_points():
     assert error["heldout_max_under"] == pytest.approx(1 - 1 / 1.04, rel=1e-3)
     assert fit["allowance"] == pytest.approx(0.04 * peak[4] / 1.04, rel=1e-6)  # raised by what it missed
     assert all(p["predicted_bytes"] >= p["peak_bytes"] * (1 - 1e-9) for p in points)
+    assert error["max_under"] <= 1e-9  # the envelope's coefficients are under no point
+
+
+def test_least_squares_fit_reports_its_largest_under_prediction():
+    """fit_error.max_under of a least-squares (analytic) fit: the largest shortfall over every point, fitted or
+    held out: what --memory-margin must cover."""
+    from varlen_cli.memory import fit_points
+
+    b = [1, 4, 16, 1, 4, 16, 1, 2, 4]
+    t = [32, 32, 32, 128, 128, 128, 512, 512, 512]
+    peak = [5e8 + 5e5 * x * y + 40 * x * y * y for x, y in zip(b, t)]
+    peak[6] *= 1.10  # a fitted point the least-squares line cannot reach
+    points = [{"batch_size": x, "seqlen": y, "peak_bytes": p} for x, y, p in zip(b, t, peak)]
+    _, error = fit_points(points, "nnls")
+    shortfall = max(0.0, max((p["peak_bytes"] - p["predicted_bytes"]) / p["peak_bytes"] for p in points))
+    assert error["max_under"] == pytest.approx(shortfall) and shortfall > 0.01
 
 
 def test_fit_is_non_negative_on_data_a_free_fit_makes_negative():
@@ -515,12 +531,127 @@ def test_memory_package_and_cli_do_not_import_torch():
     assert out.stdout.split() == ["False", "False"]
 
 
-def test_plan_warns_when_the_margin_is_below_the_fit_error(files, tmp_path):
-    profile = _write(tmp_path / "p.json", _profile(fit_error={"heldout_max_under": 0.08}))
-    result = runner.invoke(app, ["plan", files["metrics"], "-o", str(tmp_path / "p.parquet"), "--memory-profile",
-                                 profile, "--max-memory", "64MiB"])
+MARGIN_WARNINGS = [
+    # (fit, fit_error, the margin the warning suggests or None: no warning)
+    ({"method": "nnls"}, {"max_under": 0.08, "heldout_max_under": 0.01}, "0.09"),  # least squares: every point
+    ({}, {"heldout_max_under": 0.08}, "0.09"),  # a profile written before max_under
+    ({"method": "envelope", "allowance": 3e6}, {"heldout_max_under": 0.08, "max_under": 0.0}, None),  # in c0
+    ({"method": "envelope"}, {"heldout_max_under": 0.08}, "0.09"),  # an envelope without the allowance
+    ({"method": "nnls"}, {"max_under": 0.03}, None),  # below the 5% margin
+]
+
+
+@pytest.mark.parametrize("fit, error, suggested", MARGIN_WARNINGS)
+def test_plan_warns_when_the_margin_is_below_the_fit_error(files, tmp_path, fit, error, suggested):
+    """The margin warning follows the fit: an envelope's c0 already holds the held-out excess
+    (fit.allowance), a least-squares fit can be under any of its points (fit_error.max_under)."""
+    profile = _profile(fit_error=error)
+    profile["fit"].update(fit)
+    path = _write(tmp_path / "p.json", profile)
+    out = str(tmp_path / "p.parquet")
+    result = runner.invoke(app, ["plan", files["metrics"], "-o", out, "--memory-profile", path, "--max-memory",
+                                 "64MiB", "--json"])
     assert result.exit_code == 0, result.output
-    assert "consider --memory-margin 0.09" in " ".join(result.output.split())
+    warning = json.loads(result.stdout).get("warning")
+    if suggested is None:
+        assert warning is None, warning
+    else:
+        assert warning.endswith(f"consider --memory-margin {suggested}"), warning
+    shown = runner.invoke(app, ["inspect", out]).stdout
+    assert ("--memory-margin" in shown) == (suggested is not None)  # inspect shows the same rows
+
+
+# -- planning beyond the profile's measured range ------------------------------------------------------
+def _ranged(tmp_path, name, limit=None, peaks=(), mode="measured") -> str:
+    """A profile whose measurements reach ``limit`` (its grid's) and ``peaks`` (its points)."""
+    points = [{"batch_size": 1, "seqlen": 16 * (i + 1), "peak_bytes": p} for i, p in enumerate(peaks)]
+    return _write(tmp_path / name, _profile(mode=mode, measure={"limit": limit}, points=points,
+                                            fit={"c0": 2 * MiB, "c1": 16_000.0, "c2": 80.0, "method": "envelope",
+                                                 "allowance": 0.0}))
+
+
+def _beyond(given: str, margin: float, path: str, reach: int) -> str:
+    from varlen_cli.memory.sizes import format_size
+
+    return (f"--max-memory {given} (minus the {margin:g} margin: {format_size(parse_size(given) * (1 - margin))}) "
+            f"is beyond what {path} measured (peaks up to {format_size(reach)}): its predictions there are "
+            f"extrapolated and can fall short; re-run `varlen calibrate --max-memory {given}` (or pass "
+            "--allow-memory-extrapolation)")
+
+
+RANGES = [
+    # (profile: grid limit, point peaks, mode; --max-memory, --memory-margin; refused?)
+    ((64 * MiB, (30 * MiB, 60 * MiB), "measured"), "64MiB", 0.05, False),
+    ((64 * MiB, (30 * MiB, 60 * MiB), "measured"), "70MiB", 0.05, False),  # 66.5 MiB: within 5% of 64
+    ((64 * MiB, (30 * MiB, 60 * MiB), "measured"), "70MiB", 0.0, True),  # 70 MiB: beyond
+    ((64 * MiB, (30 * MiB, 60 * MiB), "measured"), "1GiB", 0.05, True),
+    ((None, (20 * MiB, 40 * MiB), "measured"), "48MiB", 0.05, True),  # --shapes: up to its largest peak
+    ((None, (20 * MiB, 40 * MiB), "measured"), "44MiB", 0.05, False),
+    ((None, (), "measured"), "1GiB", 0.05, False),  # records no measurement: nothing to compare with
+    ((None, (1 * MiB, 2 * MiB), "analytic"), "1GiB", 0.05, False),  # a formula of the tensors: exempt
+]
+
+
+@pytest.mark.parametrize("profile, given, margin, refused", RANGES)
+def test_a_limit_beyond_the_measured_range_is_refused(tmp_path, files, profile, given, margin, refused):
+    limit, peaks, mode = profile
+    path = _ranged(tmp_path, "p.json", limit, peaks, mode)
+    out = tmp_path / "plan.parquet"
+    args = ["plan", files["metrics"], "-o", str(out), "--memory-profile", path, "--max-memory", given,
+            "--memory-margin", str(margin)]
+    result = runner.invoke(app, args)
+    if not refused:
+        assert result.exit_code == 0, result.output
+        return
+    reach = max([limit or 0, *peaks])
+    assert_user_error(result, 2, _beyond(given, margin, f"the memory profile {path}", reach))
+    assert not out.exists()
+    result = runner.invoke(app, args + ["--allow-memory-extrapolation"])
+    assert result.exit_code == 0, result.output
+    meta = json.loads(__import__("pyarrow.parquet").parquet.read_schema(out).metadata[b"varlen"])
+    assert meta["config"]["allow_memory_extrapolation"] is True
+    assert meta["memory"]["profile"]["measured_range"] == reach
+
+
+def test_every_planning_command_refuses_extrapolation(tmp_path, files):
+    """plan --mix, run, replan (a new limit, from the recorded profile or another) and --extend (the
+    recorded limit, with the recorded opt-in) make the same check."""
+    import pyarrow.parquet as pq
+
+    from tests.conftest import sample
+
+    path = _ranged(tmp_path, "p.json", 48 * MiB, (40 * MiB,))
+    over = ["--memory-profile", path, "--max-memory", "64MiB"]
+    refused = _beyond("64MiB", 0.05, f"the memory profile {path}", 48 * MiB)
+    mixed = str(tmp_path / "mix.parquet")
+    assert_user_error(runner.invoke(app, ["plan", "--mix", f"a={files['metrics']}:1.5", "-o", mixed, *over]), 2,
+                      refused)
+    assert_user_error(runner.invoke(app, ["run", sample("tokenized.parquet"), "-o", str(tmp_path / "run"), *over]),
+                      2, refused)
+    assert not os.path.exists(mixed) and not os.path.exists(tmp_path / "run")
+    ok = str(tmp_path / "ok.parquet")
+    res = runner.invoke(app, ["plan", files["metrics"], "-o", ok, "--memory-profile", path, "--max-memory", "48MiB",
+                              "--dp", "2"])
+    assert res.exit_code == 0, res.output
+    new = str(tmp_path / "replan.parquet")
+    replan = ["replan", ok, "--from-step", "1", "--dp", "3", "-o", new]
+    assert_user_error(runner.invoke(app, replan + ["--max-memory", "64MiB"]), 2, refused)
+    assert_user_error(runner.invoke(app, replan + ["--allow-memory-extrapolation"]), 2,
+                      "--allow-memory-extrapolation applies to a new --max-memory (or --memory-profile)")
+    res = runner.invoke(app, replan + ["--max-memory", "64MiB", "--allow-memory-extrapolation"])
+    assert res.exit_code == 0, res.output
+    longer = str(tmp_path / "longer.parquet")
+    res = runner.invoke(app, ["plan", "--extend", new, "--epochs", "2", "-o", longer])  # its recorded opt-in
+    assert res.exit_code == 0, res.output
+    table = pq.read_table(new)  # the same plan without the opt-in: --extend refuses its recorded limit
+    meta = json.loads(table.schema.metadata[b"varlen"])
+    meta["config"]["allow_memory_extrapolation"] = False
+    pq.write_table(table.replace_schema_metadata({b"varlen": json.dumps(meta)}), new)
+    extend = ["plan", "--extend", new, "--epochs", "2", "-o", longer, "--overwrite"]
+    assert_user_error(runner.invoke(app, extend), 2, _beyond("64.00MiB", 0.05, f"the memory profile {path}", 48 * MiB))
+    res = runner.invoke(app, extend + ["--allow-memory-extrapolation"])  # the opt-in the message names
+    assert res.exit_code == 0, res.output
+    assert json.loads(pq.read_schema(longer).metadata[b"varlen"])["config"]["allow_memory_extrapolation"] is True
 
 
 def test_calibrate_options_say_what_the_config_says():

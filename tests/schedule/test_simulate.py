@@ -210,25 +210,59 @@ def _real_plan(tmp_path, **kw):
     return out
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_real_plan_data_parallel_and_work(tmp_path, packed):
+def _plan_costs(path, attention_cost):
+    """Per microbatch, the cost docs/schedules.md gives, from the plan's columns: padded B*T + A*B*T^2,
+    packed tokens + A*sum(l_i^2) over the segments."""
     import pyarrow.parquet as pq
 
-    kw = {"packing": True, "seq_len": 512, "max_tokens": 1024} if packed else {"max_tokens": 1024}
-    path = _real_plan(tmp_path, dp=2, grad_accum=3, **kw)
-    t = pq.read_table(path, columns=["step", "rank", "batch_size", "seqlen"]).to_pandas()
-    t["cost"] = t.batch_size * t.seqlen * (1 + 0.01 * t.seqlen)
+    t = pq.read_table(path).to_pandas()
+    if "sample_lengths" in t:
+        t["cost"] = t.tokens + attention_cost * t.sample_lengths.map(lambda ls: float((ls.astype(float) ** 2).sum()))
+    else:
+        t["cost"] = t.batch_size * t.seqlen * (1 + attention_cost * t.seqlen)
+    return t
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_real_plan_data_parallel_and_work(tmp_path, packed):
+    """By default a stage's forward costs what the plan's own budget says (its A, padded or packed)."""
+    kw = {"packing": True, "seq_len": 512, "max_tokens": 4096} if packed else {"max_tokens": 2048}
+    path = _real_plan(tmp_path, dp=2, grad_accum=3, attention_cost=0.002, **kw)
+    t = _plan_costs(path, 0.002)
     S, r = 3, 2.0
     per_rank = t.groupby(["step", "rank"]).cost.sum().unstack()
-    ddp = run(path, "ddp", S, r, attention_cost=0.01)
+    ddp = run(path, "ddp", S, r)
+    assert ddp.cost_model == {"kind": "packed" if packed else "padded", "attention_cost": 0.002, "source": "plan",
+                              "plan_attention_cost": 0.002}
     assert ddp.steps == pytest.approx(((1 + r) * S * per_rank.max(axis=1)).to_numpy())
     assert ddp.work == pytest.approx((1 + r) * S * t.cost.sum())
     for schedule in ("gpipe", "1f1b", "lpp", "fslpp"):
-        res = run(path, schedule, S, r, attention_cost=0.01)
+        res = run(path, schedule, S, r)
         assert res.work == pytest.approx(ddp.work) and res.workers == 2 * S
         assert res.utilization == pytest.approx(res.work / (res.workers * res.makespan))
         # no schedule beats the busiest worker: each pipeline worker does one stage of its group's microbatches
         assert np.all(res.steps >= (1 + r) * per_rank.max(axis=1).to_numpy() - 1e-6)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_attention_cost_overrides_the_plans_and_says_so(tmp_path, packed):
+    kw = {"packing": True, "seq_len": 512, "max_tokens": 4096} if packed else {"max_tokens": 2048}
+    path = _real_plan(tmp_path, attention_cost=0.002, **kw)
+    S, r = 2, 2.0
+    for a in (0.0, 0.0005):
+        t = _plan_costs(path, a)
+        result = runner.invoke(app, ["simulate", path, "--schedule", "ddp", "--stages", str(S), "--json",
+                                     "--attention-cost", str(a)])
+        assert result.exit_code == 0, result.output
+        out = json.loads(result.stdout)
+        kind = ("packed" if a else "tokens") if packed else "padded"
+        assert out["cost"] == {"kind": kind, "attention_cost": a, "source": "option", "plan_attention_cost": 0.002}
+        assert out["work"] == pytest.approx((1 + r) * S * t.cost.sum())
+    result = runner.invoke(app, ["simulate", path, "--schedule", "ddp", "--stages", "2", "--attention-cost", "0"])
+    assert result.exit_code == 0, result.output
+    assert "A = 0 (--attention-cost, overriding the plan's A = 0.002)" in " ".join(result.stdout.split())
+    result = runner.invoke(app, ["simulate", path, "--schedule", "ddp", "--stages", "2"])
+    assert "A = 0.002 (the plan's budget)" in " ".join(result.stdout.split())
 
 
 # -- command line -------------------------------------------------------------------------------------

@@ -143,6 +143,8 @@ def print_sort(result) -> None:
 
 
 def plan_rows(result) -> list:
+    from varlen_cli import format
+
     s = result.stats
     strag, lr = [s["straggler_mean"], s["straggler_max"]], [s["lr_scale_min"], s["lr_scale_max"]]
     rows = [
@@ -168,10 +170,11 @@ def plan_rows(result) -> list:
     if result.packing:
         eff = 100 * result.packing["efficiency"]
         rows.append(_row("packing efficiency %", eff, f"{eff:.3f}"))
-    if result.metadata.get("memory"):
+    memory = format.plan_budget(result.metadata).memory
+    if memory:
         from varlen_cli.memory.budget import memory_rows
 
-        rows += [_row(label, value, value) for label, value in memory_rows(result.metadata)]
+        rows += [_row(label, value, value) for label, value in memory_rows(memory, result.metadata.get("shapes") or [])]
     ordered = result.metadata.get("schedule")
     if ordered:
         rows.append(_row(f"{ordered['name']} makespan ({ordered['stages']} stages) vs plan order",

@@ -46,7 +46,7 @@ def simulate_command(
 def summary_table(result):
     from rich.table import Table
 
-    t = Table(title=f"varlen simulate {result.plan}")
+    t = Table(title=f"varlen simulate {result.plan}", caption=cost_caption(result.results[0].cost_model))
     for name in ("schedule", "workers", "makespan", "utilization", "bubble", "peak act. (tokens)",
                  "act. transfers (tokens)", "weight transfers (stages)"):
         t.add_column(name, justify="left" if name == "schedule" else "right")
@@ -55,6 +55,17 @@ def summary_table(result):
                   f"{r.peak_activation.max():,.0f}", f"{r.activation_transfers.sum():,.0f}",
                   f"{r.weight_transfers.sum():,.0f}")
     return t
+
+
+def cost_caption(model: dict | None) -> str | None:
+    """The cost of a stage's forward, as the table's caption: the plan's budget or the override."""
+    if model is None:
+        return None
+    a = model["attention_cost"]
+    formula = {"padded": "B*T + A*B*T^2", "packed": "tokens + A*sum(l_i^2)", "tokens": "tokens (packed)"}[model["kind"]]
+    where = ("the plan's budget" if model["source"] == "plan" else
+             f"--attention-cost, overriding the plan's A = {model['plan_attention_cost']:g}")
+    return f"cost of a stage's forward: {formula}, A = {a:g} ({where})"
 
 
 _IDS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"

@@ -32,6 +32,7 @@ from ..loader import PadCollate, VariableBatchSizeLR, dataloader_for_plan, to_mo
 from ..loader.packed import PackedCollate
 from ..loader.plan_file import Plan, PlanError
 from ..loader.replan import first_step, lineage
+from ..runtime.files import open_regular
 from . import open_plan
 
 STATE_FILE = "varlen_plan_state.json"
@@ -223,8 +224,13 @@ def load_plan_state(folder: str, plan: Plan) -> dict:
     if not os.path.exists(path):
         raise PlanError(f"{folder} has no {STATE_FILE}: it was not saved by a PlanTrainer, so the plan position "
                         f"is unknown")
-    with open(path) as fh:
-        state = json.load(fh)
+    try:
+        with open_regular(path, what="plan state", error=PlanError) as fh:  # a FIFO is refused, never read
+            state = json.load(fh)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise PlanError(f"cannot read {path}: {exc}") from None
+    if not isinstance(state, dict):
+        raise PlanError(f"{path} is not a plan state (a JSON object)")
     if state.get("plan") not in (plan.fingerprint, lineage(plan).get("parent")):
         raise PlanError(f"{folder} was saved with another plan ({state.get('plan_path')}); resume with the same "
                         f"plan file")

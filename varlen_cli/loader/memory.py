@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import format
 from .plan_file import Plan, PlanError
 
 
@@ -25,7 +26,12 @@ def predicted_memory(plan, step: int, rank: int | None = None, profile: dict | N
     if attention not in ("row", "segment"):
         raise ValueError(f"attention must be 'row' or 'segment' (got {attention!r})")
     plan = plan if isinstance(plan, Plan) else Plan.open(plan)
-    source = profile if profile is not None else (plan.meta.get("memory") or {}).get("profile")
+    if profile is None:
+        try:
+            profile = (format.plan_budget(plan.meta).memory or {}).get("profile")  # the one budget reader
+        except format.FormatError as exc:
+            raise PlanError(f"{plan.path}: {exc}") from None
+    source = profile
     if not source or "fit" not in source:
         raise PlanError(f"{plan.path} records no memory profile (make it with `varlen plan --memory-profile P "
                         "--max-memory X`), and no profile was given")

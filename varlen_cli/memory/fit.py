@@ -109,7 +109,10 @@ def fit_points(points: list, method: str = "nnls") -> tuple[dict, dict]:
     fitting points on the held-out ones (how far a shape that was not measured can exceed the
     envelope); the coefficients are the envelope of all points, its c0 raised by the largest amount
     a held-out peak exceeded the others' envelope (``fit["allowance"]``, bytes): the allocator can
-    make the peak jump between shapes, and the held-out shapes say by how much."""
+    make the peak jump between shapes, and the held-out shapes say by how much.
+
+    ``fit_error["max_under"]``: how far the returned coefficients fall below any point (0 for an
+    envelope; what ``--memory-margin`` must cover for a least-squares fit)."""
     b = np.array([p["batch_size"] for p in points], dtype=np.int64)
     t = np.array([p["seqlen"] for p in points], dtype=np.int64)
     y = np.array([p["peak_bytes"] for p in points], dtype=np.float64)
@@ -127,7 +130,8 @@ def fit_points(points: list, method: str = "nnls") -> tuple[dict, dict]:
         coef = (c0 + allowance, c1, c2)
         held = np.zeros(len(b), dtype=bool)
     err_fit = relative_errors(coef, b[~held], t[~held], y[~held])
-    for p, e in zip(points, relative_errors(coef, b, t, y).tolist()):
+    err_all = relative_errors(coef, b, t, y)
+    for p, e in zip(points, err_all.tolist()):
         p["predicted_bytes"] = float(predict(coef, p["batch_size"], p["seqlen"]))
         p["relative_error"] = float(e)
     fit = {"form": "c0 + c1*B*T + c2*B*T^2", "c0": coef[0], "c1": coef[1], "c2": coef[2], "method": method,
@@ -139,5 +143,6 @@ def fit_points(points: list, method: str = "nnls") -> tuple[dict, dict]:
         "heldout_max_abs_rel": float(np.abs(err_held).max()) if len(err_held) else None,
         "heldout_mean_abs_rel": float(np.abs(err_held).mean()) if len(err_held) else None,
         "heldout_max_under": float(max(0.0, -err_held.min())) if len(err_held) else None,
+        "max_under": float(max(0.0, -err_all.min())) if len(err_all) else 0.0,
     }
     return fit, error

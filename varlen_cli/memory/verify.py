@@ -83,7 +83,10 @@ def verify_plan(config: CalibrateConfig) -> VerifyResult:
     if c.verify is None:
         raise UsageError("verify_plan() needs verify=PLAN")
     meta, cols = _read_plan(c.verify)
-    recorded = meta.get("memory") or {}
+    try:
+        recorded = format.plan_budget(meta).memory or {}  # the one reader of a plan's budget
+    except format.FormatError as exc:
+        raise InputError(str(exc)) from None
     limit = _limit(c, recorded)
     profile, source = _profile(c, recorded)
     if profile is not None:

@@ -11,7 +11,17 @@ from .. import format, storage
 from ..budget import attention_number, is_auto
 from ..errors import UsageError
 from ..memory.sizes import parse_size
-from ..runtime.choices import STORAGE_OPTION_HELP, LrScaleBy, LrScaling, Order, Tail, check_choices, doc, values
+from ..runtime.choices import (
+    ALLOW_MEMORY_EXTRAPOLATION_HELP,
+    STORAGE_OPTION_HELP,
+    LrScaleBy,
+    LrScaling,
+    Order,
+    Tail,
+    check_choices,
+    doc,
+    values,
+)
 
 MAX_TOKENS_LIMIT = 2**53  # budgets are compared as float64: exact up to here
 ORDERS = values(Order)
@@ -71,6 +81,7 @@ class PlanConfig:
     max_memory: str | None = doc(None, "Peak memory per microbatch not to exceed, e.g. 70GiB, 512MB or bytes (needs "
                                        "--memory-profile).")
     memory_margin: float = doc(0.05, "Plan to a predicted peak of max-memory x (1 - margin).")
+    allow_memory_extrapolation: bool = doc(False, ALLOW_MEMORY_EXTRAPOLATION_HELP)
     overwrite: bool = doc(False, "Replace an existing output (written atomically either way).")
     allow_stale: bool = doc(False, "Use metrics even if their source files changed (size, mtime) since "
                                    "`varlen analyze`: for data moved or copied on purpose.")
@@ -183,6 +194,8 @@ def _check_attention(c: PlanConfig) -> None:
 def _check_memory(c: PlanConfig) -> None:
     """``--max-memory`` and ``--memory-profile`` (the profile itself is read by the budget's resolution)."""
     if c.memory_profile is None and c.max_memory is None:
+        if c.allow_memory_extrapolation:
+            raise UsageError("--allow-memory-extrapolation applies to --max-memory with --memory-profile")
         return
     if c.memory_profile is None or c.max_memory is None:
         raise UsageError("--max-memory and --memory-profile go together")

@@ -54,7 +54,7 @@ def resolve_budget(c: PlanConfig) -> Budget:
         from ..memory.budget import budget_for_memory, memory_limit
 
         memory = memory_limit(c.memory_profile, c.max_memory, c.memory_margin)
-        max_tokens, a = budget_for_memory(memory, c.max_memory)
+        max_tokens, a = budget_for_memory(memory, c.max_memory, c.allow_memory_extrapolation)
         return Budget(max_tokens, c.max_samples, a, bool(c.packing), "memory", None, memory)
     if is_auto(c.attention_cost):
         model = {"model_dim": c.model_dim, "layers": c.layers, "vocab_size": c.vocab_size or 0,
@@ -65,12 +65,15 @@ def resolve_budget(c: PlanConfig) -> Budget:
 
 
 def rebudget(parent: Budget, *, max_tokens: int | None = None, max_memory=None, memory_profile: str | None = None,
-             memory_margin: float | None = None) -> Budget:
+             memory_margin: float | None = None, allow_memory_extrapolation: bool = False) -> Budget:
     """A parent plan's budget for ``varlen replan``: unchanged, or with a new ``--max-tokens`` (A and
     any memory limit kept: the limit is re-checked on the new plan), or a new ``--max-memory`` (from
-    ``--memory-profile`` or the profile the parent recorded)."""
+    ``--memory-profile`` or the profile the parent recorded; refused beyond the profile's measured
+    range unless ``allow_memory_extrapolation``, as in :func:`resolve_budget`)."""
     if max_tokens is not None and (max_memory is not None or memory_profile is not None):
         raise UsageError("--max-tokens and --max-memory exclude each other (the budget comes from the profile)")
+    if allow_memory_extrapolation and max_memory is None and memory_profile is None:
+        raise UsageError("--allow-memory-extrapolation applies to a new --max-memory (or --memory-profile)")
     if max_tokens is not None:
         if max_tokens < 1:
             raise UsageError(f"--max-tokens must be >= 1 (got {max_tokens})")
@@ -94,5 +97,5 @@ def rebudget(parent: Budget, *, max_tokens: int | None = None, max_memory=None, 
         memory = memory_limit(memory_profile, limit, margin)
     else:
         memory = {**recorded, "max_memory": parse_size(limit), "margin": margin, "given": str(limit)}
-    max_tokens, a = budget_for_memory(memory, limit)
+    max_tokens, a = budget_for_memory(memory, limit, allow_memory_extrapolation)
     return Budget(max_tokens, parent.max_samples, a, parent.packed, "memory", None, memory)

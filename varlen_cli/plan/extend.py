@@ -22,7 +22,7 @@ from .. import format, storage
 from ..budget import segment_sum_squares
 from ..errors import UsageError
 from ..runtime import safety
-from ..runtime.choices import STORAGE_OPTION_HELP, doc
+from ..runtime.choices import ALLOW_MEMORY_EXTRAPOLATION_HELP, STORAGE_OPTION_HELP, doc
 from . import stats, writer
 from .assemble import self_check
 from .config import PlanConfig, PlanResult
@@ -40,6 +40,7 @@ class ExtendConfig:
     input: str | None = doc(None, "The plan's metrics/sorted directory, if it moved (default: the recorded path).")
     overwrite: bool = doc(False, "Replace an existing output (written atomically either way).")
     allow_stale: bool = doc(False, "Use metrics even if their source files changed since `varlen analyze`.")
+    allow_memory_extrapolation: bool = doc(False, ALLOW_MEMORY_EXTRAPOLATION_HELP)
     storage_options: tuple = doc((), STORAGE_OPTION_HELP)
 
 
@@ -63,7 +64,13 @@ def extend(config: ExtendConfig) -> PlanResult:
     tmp = os.path.join(out_dir, f".{storage.name(config.output)}.extend-{os.getpid()}-{time.time_ns()}")
     c = parent_config(parent, input=config.input, output=tmp, epochs=config.epochs - parent.epochs,
                       overwrite=False, allow_stale=config.allow_stale, storage_options=config.storage_options)
+    if config.allow_memory_extrapolation:  # this run's opt-in, recorded like the parent's (config_record)
+        c = dataclasses.replace(c, allow_memory_extrapolation=True)
     budget = parent.budget
+    if budget.memory:  # the recorded limit, re-checked as every planning command checks it
+        from ..memory.budget import check_calibrated_range
+
+        check_calibrated_range(budget.memory, c.allow_memory_extrapolation)
     rows, manifest, mixture_info = parent_rows(parent, c)
     check_plan_size(rows.base, config.epochs, c.packing, f"{rows.base:,} samples")
     before = parent.lineage
@@ -83,8 +90,8 @@ def extend(config: ExtendConfig) -> PlanResult:
             os.remove(tmp)
 
 
-EXTEND_KEEPS = ("input", "output", "epochs", "overwrite", "allow_stale", "extend", "progress",
-                "storage_options")  # others: refused
+EXTEND_KEEPS = ("input", "output", "epochs", "overwrite", "allow_stale", "allow_memory_extrapolation", "extend",
+                "progress", "storage_options")  # others: refused
 
 
 def run_extend(given: PlanConfig) -> PlanResult:
@@ -97,6 +104,7 @@ def run_extend(given: PlanConfig) -> PlanResult:
                              "(use `varlen replan` to change the layout)")
     return extend(ExtendConfig(plan=given.extend, output=given.output, epochs=given.epochs, input=given.input or None,
                                overwrite=given.overwrite, allow_stale=given.allow_stale,
+                               allow_memory_extrapolation=given.allow_memory_extrapolation,
                                storage_options=given.storage_options))
 
 

@@ -299,5 +299,6 @@ def config_record(c: PlanConfig, budget: Budget) -> dict:
         values.update(max_tokens=None, max_memory=budget.memory.get("max_memory"),
                       memory_profile=budget.memory.get("profile_path"), memory_margin=budget.memory.get("margin"))
     else:
-        values.update(max_tokens=budget.max_tokens, max_memory=None, memory_profile=None)
+        values.update(max_tokens=budget.max_tokens, max_memory=None, memory_profile=None,
+                      allow_memory_extrapolation=False)
     return values

@@ -22,7 +22,13 @@ from dataclasses import dataclass
 from .. import storage
 from ..errors import InputError, UsageError
 from ..runtime import rank0, safety
-from ..runtime.choices import ALLOW_STALE_HELP, OVERWRITE_HELP, STORAGE_OPTION_HELP, doc
+from ..runtime.choices import (
+    ALLOW_MEMORY_EXTRAPOLATION_HELP,
+    ALLOW_STALE_HELP,
+    OVERWRITE_HELP,
+    STORAGE_OPTION_HELP,
+    doc,
+)
 from ..runtime.files import open_regular
 from . import writer
 from .config import PlanResult
@@ -49,6 +55,7 @@ class ReplanConfig:
     max_memory: str | None = doc(None, "New peak memory limit, e.g. 70GiB (default: the parent's); the budget comes "
                                        "from --memory-profile or the profile the parent recorded.")
     memory_profile: str | None = doc(None, "Memory profile for --max-memory (default: the one the parent recorded).")
+    allow_memory_extrapolation: bool = doc(False, ALLOW_MEMORY_EXTRAPOLATION_HELP)
     overwrite: bool = doc(False, OVERWRITE_HELP)
     allow_stale: bool = doc(False, ALLOW_STALE_HELP)
     storage_options: tuple = doc((), STORAGE_OPTION_HELP)
@@ -104,7 +111,10 @@ def replan(config: ReplanConfig) -> PlanResult:
                       overwrite=config.overwrite, allow_stale=config.allow_stale,
                       storage_options=config.storage_options)
     budget = rebudget(parent.budget, max_tokens=config.max_tokens, max_memory=config.max_memory,
-                      memory_profile=config.memory_profile)
+                      memory_profile=config.memory_profile,
+                      allow_memory_extrapolation=config.allow_memory_extrapolation)
+    if config.allow_memory_extrapolation:  # recorded with the new limit (config_record), for --extend
+        c = dataclasses.replace(c, allow_memory_extrapolation=True)
     inputs = [c.input] if not parent.mixture else [s["path"] for s in parent.mixture["sources"] if s.get("path")]
     safety.check_no_overlap(c.output, inputs)
     writer.check_output(c.output, c.overwrite)

@@ -71,6 +71,9 @@ def check_choices(config: Any) -> None:
 OVERWRITE_HELP = "Replace an existing output (written atomically either way)."
 ALLOW_STALE_HELP = ("Use metrics even if their source files changed (size, mtime) since `varlen analyze`: for data "
                     "moved or copied on purpose.")
+ALLOW_MEMORY_EXTRAPOLATION_HELP = ("Plan with a memory limit beyond the peaks the memory profile measured (its "
+                                   "predictions there are extrapolated and can fall short); refused by default: "
+                                   "re-run `varlen calibrate --max-memory X` instead.")
 PROGRESS_HELP = "Show a progress bar on rank 0 (only on a terminal)."
 DEVICE_HELP = "cpu (--nproc: local group; torchrun: gloo) or cuda (nccl)."
 NPROC_HELP = ("Local worker processes to launch (on the CPU a torch-free local group; with --device cuda torch's "

@@ -276,8 +276,25 @@ def session(device: str = "cpu") -> Iterator[Dist]:
         tdist.init_process_group(backend=backend, timeout=timeout)
     except Exception as exc:
         raise WorkerError(f"could not join the process group ({backend}): {exc}") from exc
+    succeeded = False
     try:
         yield Dist(rank, world, local, device)
+        succeeded = True
+    finally:
+        _close_group(tdist, synchronise=succeeded)
+
+
+def _close_group(tdist, synchronise: bool) -> None:
+    """Destroy the process group. After a success every rank first meets at a barrier (bounded by the
+    group's timeout, :func:`collective_timeout`), so no rank tears down its gloo connections while a
+    peer still uses them (that race makes a gloo process abort at exit: "terminate called without an
+    active exception"). After a failure there is no barrier: the peers may be gone, and the launcher
+    stops them; a barrier whose peer died meanwhile raises (gloo: the connection closed) and is skipped."""
+    try:
+        if synchronise:
+            tdist.barrier()
+    except RuntimeError:  # a peer failed after this rank succeeded: the launcher reports it
+        pass
     finally:
         try:
             tdist.destroy_process_group()

@@ -6,6 +6,7 @@ separated by the gradient sync) and sums. See docs/schedules.md for the model.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,8 +39,9 @@ class SimulateConfig:
     groups: int | None = doc(None, "Data-parallel groups G of the pipelines (default: the plan's dp); must divide "
                                    "dp x grad_accum.")
     backward_ratio: float = doc(2.0, "Backward time / forward time of a job.")
-    attention_cost: float = doc(0.0, "A: a stage's forward of a microbatch costs B*T + A*B*T^2 (default 0: padded "
-                                     "tokens B*T).")
+    attention_cost: float | None = doc(None, "A of a stage's forward cost (default: the plan's recorded budget, padded "
+                                             "B*T + A*B*T^2 or packed tokens + A*sum(l_i^2)); a value overrides the "
+                                             "plan's A.")
     gantt_step: int | None = doc(None, "Draw step N as a Gantt chart: worker rows, time columns, microbatch ids.")
 
 
@@ -50,8 +52,9 @@ class PlanCosts:
     path: str
     dp: int
     grad_accum: int
-    cost: np.ndarray  # forward time of one stage: B*T + A*B*T^2 (varlen_cli.budget.padded_cost)
+    cost: np.ndarray  # forward time of one stage: the plan's microbatch cost (varlen_cli.budget.Budget)
     tokens: np.ndarray  # padded tokens B*T: the activations of one stage
+    cost_model: dict | None = None  # {"kind", "attention_cost", "source": "plan" | "option", "plan_attention_cost"}
 
     @property
     def num_steps(self) -> int:
@@ -79,6 +82,7 @@ class ScheduleResult:
     weight_transfers: np.ndarray  # per worker, stage weights fetched
     gantt: list | None = None  # jobs of the --gantt-step step: (worker, start, end, micro, "F"/"B", stage)
     step_peak: np.ndarray | None = None  # per step, the largest peak activation of any worker
+    cost_model: dict | None = None  # the cost of a job (PlanCosts.cost_model)
 
     @property
     def makespan(self) -> float:
@@ -101,6 +105,7 @@ class ScheduleResult:
             "peak_activation": self.peak_activation.tolist(),
             "activation_transfers": self.activation_transfers.tolist(),
             "weight_transfers": self.weight_transfers.tolist(),
+            **({"cost": dict(self.cost_model)} if self.cost_model is not None else {}),
             **({"gantt": [dict(zip(("worker", "start", "end", "micro", "direction", "stage"), job))
                           for job in sorted(self.gantt)]} if self.gantt is not None else {}),
         }
@@ -112,23 +117,29 @@ class SimulateResult:
     results: list = field(default_factory=list)
 
 
-def read_plan_costs(path: str, attention_cost: float = 0.0) -> PlanCosts:
-    """The plan's per-microbatch costs; a one-line :class:`InputError` for anything not a plan
-    (the checks of :mod:`varlen_cli.format`, the one definition of the plan format)."""
+def read_plan_costs(path: str, attention_cost: float | None = None) -> PlanCosts:
+    """The plan's per-microbatch costs under its recorded budget (:func:`varlen_cli.format.plan_budget`:
+    padded ``B*T + A*B*T^2`` or packed ``tokens + A*sum(l_i^2)``), with ``attention_cost`` replacing
+    its A when given; a one-line :class:`InputError` for anything not a plan (the checks of
+    :mod:`varlen_cli.format`, the one definition of the plan format)."""
     from .. import format
-    from ..budget import COST_LIMIT, padded_cost
 
     try:
         pf, meta = format.open_plan_file(path)
+        budget = format.plan_budget(meta)
     except format.FormatError as exc:
         raise InputError(str(exc)) from None
-    missing = [c for c in _COLUMNS if c not in pf.schema_arrow.names]
+    recorded = budget.attention_cost
+    if attention_cost is not None:
+        budget = dataclasses.replace(budget, attention_cost=float(attention_cost))
+    columns = list(dict.fromkeys(_COLUMNS + tuple(format.plan_cost_columns(budget))))
+    missing = [c for c in columns if c not in pf.schema_arrow.names]
     if missing:
         raise InputError(f"{path} lacks plan columns: {', '.join(missing)}")
     dp, accum, steps = (int(meta.get(k) or 0) for k in ("dp", "grad_accum", "num_steps"))
     if dp < 1 or accum < 1 or steps < 1:
         raise InputError(f"{path} has dp={dp}, grad_accum={accum}, num_steps={steps}: nothing to simulate")
-    table = pf.read(columns=list(_COLUMNS))
+    table = pf.read(columns=columns)
     col = {c: table.column(c).to_numpy().astype(np.int64) for c in _COLUMNS}
     per_step = dp * accum
     if table.num_rows != steps * per_step:
@@ -141,16 +152,25 @@ def read_plan_costs(path: str, attention_cost: float = 0.0) -> PlanCosts:
     b, t = col["batch_size"].astype(np.float64), col["seqlen"].astype(np.float64)
     if np.any(b * t <= 0):
         raise InputError(f"{path} has a microbatch with batch_size x seqlen <= 0")
-    tokens = b * t
-    cost = np.asarray(padded_cost(b, t, attention_cost), dtype=np.float64)  # the one cost formula
-    worst = float(cost.max()) if len(cost) else 0.0
-    if not worst <= COST_LIMIT:
-        big = int(np.argmax(cost))
-        raise UsageError(f"--attention-cost {attention_cost:g} is too large: microbatch {int(b[big])} x {int(t[big])} "
-                         f"would cost {worst:.3g}, beyond what float64 sums over a plan hold (A is per squared "
-                         "token; realistic values are below 1e-3)")
+    cost = np.asarray(format.table_cost(table, budget), dtype=np.float64)  # the one cost formula
+    model = {**budget.straggler_spec(), "attention_cost": budget.attention_cost,
+             "source": "plan" if attention_cost is None else "option", "plan_attention_cost": recorded}
+    _check_cost_range(cost, b, t, model)
     return PlanCosts(path=path, dp=dp, grad_accum=accum, cost=cost.reshape(steps, per_step),
-                     tokens=tokens.reshape(steps, per_step))
+                     tokens=(b * t).reshape(steps, per_step), cost_model=model)
+
+
+def _check_cost_range(cost: np.ndarray, b: np.ndarray, t: np.ndarray, model: dict) -> None:
+    from ..budget import COST_LIMIT
+
+    worst = float(cost.max()) if len(cost) else 0.0
+    if worst <= COST_LIMIT:
+        return
+    big = int(np.argmax(cost))
+    given = "--attention-cost" if model["source"] == "option" else "the plan's attention cost"
+    raise UsageError(f"{given} {model['attention_cost']:g} is too large: microbatch {int(b[big])} x {int(t[big])} "
+                     f"would cost {worst:.3g}, beyond what float64 sums over a plan hold (A is per squared "
+                     "token; realistic values are below 1e-3)")
 
 
 def unit_starts(scheme: Scheme, jobs: Jobs, costs: np.ndarray, r: float) -> tuple[np.ndarray, np.ndarray]:
@@ -291,7 +311,7 @@ def check_config(config: SimulateConfig) -> None:
         raise UsageError(f"--stages must be >= 1 (got {config.stages})")
     if not config.backward_ratio > 0 or not np.isfinite(config.backward_ratio):
         raise UsageError(f"--backward-ratio must be > 0 (got {config.backward_ratio})")
-    if not config.attention_cost >= 0 or not np.isfinite(config.attention_cost):
+    if config.attention_cost is not None and not (config.attention_cost >= 0 and np.isfinite(config.attention_cost)):
         raise UsageError(f"--attention-cost must be >= 0 (got {config.attention_cost})")
     if config.workers is not None and config.workers < 1:
         raise UsageError(f"--workers must be >= 1 (got {config.workers})")
@@ -333,5 +353,7 @@ def simulate(config: SimulateConfig) -> SimulateResult:
         scheme = make_scheme(name, stages=config.stages, microbatches=costs.per_step, dp=costs.dp,
                              workers=workers, groups=groups)
         check_size(scheme)
-        result.results.append(simulate_scheme(scheme, costs, config.backward_ratio, config.gantt_step))
+        res = simulate_scheme(scheme, costs, config.backward_ratio, config.gantt_step)
+        res.cost_model = costs.cost_model
+        result.results.append(res)
     return result

@@ -30,6 +30,7 @@ import numpy as np
 
 from ... import storage
 from ...errors import InputError
+from ...runtime.files import open_regular
 
 MAGIC = b"MMIDIDX\x00\x00"
 HEADER_BYTES = 34  # magic 9 + version 8 + dtype 1 + sequences 8 + doc entries 8
@@ -109,7 +110,8 @@ def _array(path: str, offset: int, count: int, dtype) -> np.ndarray:
     if storage.is_remote(path):
         return np.frombuffer(_read(path, offset, offset + count * np.dtype(dtype).itemsize), dtype)
     try:
-        values = np.fromfile(storage.local_path(path), dtype, count=count, offset=offset)
+        with open_regular(storage.local_path(path), "rb", what="Megatron index") as fh:  # a FIFO: refused
+            values = np.fromfile(fh, dtype, count=count, offset=offset)
     except OSError as exc:
         raise InputError(f"{path} is not readable: {exc.strerror}") from None
     if len(values) != count:
