@@ -13,6 +13,7 @@ registered for checkpointing (not prepared), ``save_state``/``load_state`` for e
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import sys
@@ -25,11 +26,13 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
+from accelerate.utils import InitProcessGroupKwargs  # noqa: E402
 from tiny_lm import TokenDataset, warmup_cosine  # noqa: E402
 from train_hf_trainer import tiny_llama  # noqa: E402
 
 from varlen_cli.integrations.accelerate import plan_loss, prepare_plan_dataloader  # noqa: E402
 from varlen_cli.loader import Plan, VariableBatchSizeLR, dataloader_for_plan, to_model_inputs  # noqa: E402
+from varlen_cli.runtime.dist import collective_timeout  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -51,7 +54,9 @@ def main(argv=None) -> None:
     plan = Plan.open(args.plan)
     if args.log_dir:
         os.makedirs(args.log_dir, exist_ok=True)
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=plan.grad_accum)
+    # a collective waits at most VARLEN_TIMEOUT seconds (default 1800) for a peer, then this rank fails
+    group = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=collective_timeout()))
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=plan.grad_accum, kwargs_handlers=[group])
     dataset = TokenDataset(args.data)
     model = tiny_llama(dataset.vocab_size, max(t for _, t in plan.shapes))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -98,9 +103,19 @@ def main(argv=None) -> None:
             json.dump(log, fh)
     if accelerator.is_main_process:
         print(f"rank 0: {len(log['steps'])} steps", flush=True)
+    del model, optimizer, scheduler, loader  # the accelerator's own references go in end_group
+    end_group(accelerator)
+
+
+def end_group(accelerator) -> None:
+    """End the process group here, the same way on every rank. The prepared (DDP) model holds the
+    group, and the accelerator lives in reference cycles: ``destroy_process_group()`` alone leaves the
+    gloo group up until the garbage collector frees the model, at any later point, while a peer may
+    already have exited (a rank then hung at exit, 1 run in ~40 under load). So: release the
+    prepared objects (``free_memory`` collects them), meet, then destroy the group for real."""
+    accelerator.free_memory()
     accelerator.wait_for_everyone()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    accelerator.end_training()  # destroy_process_group
 
 
 if __name__ == "__main__":
