@@ -13,7 +13,8 @@ benchmarks/memory.md)
    a fresh Python process that does not import varlen (``--step``: import torch and the model's
    module, build, AdamW, a 1x8 warm-up step, then the step; ``outputs = model(input_ids=ids,
    labels=ids); outputs.loss.backward(); opt.step(); opt.zero_grad()``), its peak resident memory
-   read from ``getrusage`` (``ru_maxrss``).
+   read as ``VmHWM`` (``/proc/self/status``; not ``ru_maxrss``, which carries the starting process's
+   peak over fork+exec).
 
 Printed: a markdown table (B x T, measured, predicted, limit, % of limit) and the verdict: every
 measured peak <= the limit, and the biggest >= 75% of it.
@@ -31,7 +32,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def step_main(spec: str, batch: int, seqlen: int) -> None:
     """One training step in this fresh process; prints its peak resident memory in bytes."""
     import importlib
-    import resource
 
     import torch
 
@@ -51,7 +51,8 @@ def step_main(spec: str, batch: int, seqlen: int) -> None:
 
     step(1, 8)
     step(batch, seqlen)
-    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    with open("/proc/self/status") as fh:  # VmHWM: this process's own peak (ru_maxrss includes the parent's)
+        print(next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:")))
 
 
 def measure_step(spec: str, batch: int, seqlen: int) -> int:

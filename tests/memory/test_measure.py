@@ -30,9 +30,12 @@ LIMIT = "640MiB"  # the tiny model's process peaks at ~380 MiB before its first 
 pytestmark = pytest.mark.slow
 
 # A training step as a user's script runs it, without varlen: import torch, build, AdamW, a 1x8
-# warm-up step, the step; prints the process's peak resident memory in bytes.
+# warm-up step, the step; prints the process's peak resident memory in bytes. Read as VmHWM (this
+# process's own high-water mark), not getrusage's ru_maxrss: Linux carries the parent's peak over
+# fork+exec into the child's ru_maxrss, so under a pytest worker that ran frameworks in-process
+# (~800 MB) ru_maxrss reported the worker's peak, not the step's.
 PLAIN_STEP = """
-import resource, sys
+import sys
 import torch
 from tests.memory_models import lm_4k
 b, t = int(sys.argv[1]), int(sys.argv[2])
@@ -49,8 +52,16 @@ step(1, 8)
 step(b, t)
 status = dict(line.split(":", 1) for line in open("/proc/self/status"))
 print(*(status[k].split()[0] for k in ("RssAnon", "RssFile")), torch.get_num_threads())
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+print(int(status["VmHWM"].split()[0]) * 1024)
 """
+
+
+def raise_own_peak(nbytes: int) -> None:
+    """Make this (the test) process's peak resident memory at least ``nbytes``, as a pytest worker that ran
+    frameworks in-process has it; the bytes are freed at once, the high-water mark stays. A peak reading of
+    a process this one starts must not see it."""
+    ballast = b"\1" * nbytes  # written, so resident
+    del ballast
 
 
 def plain_step_peak(batch: int, seqlen: int) -> tuple[int, str]:
@@ -111,6 +122,7 @@ def test_planned_steps_stay_under_the_limit(calibrated):
     peaks = [r["measured_bytes"] for r in rows]
     assert max(peaks) <= limit and max(peaks) >= 0.75 * limit, rows
     top = max(rows, key=lambda r: r["predicted_bytes"])
+    raise_own_peak(limit + limit // 2)  # the plain script's reading is its own step's, whatever ran before here
     plain, details = plain_step_peak(top["batch_size"], top["seqlen"])
     seen = f"plain script: peak {plain} bytes (RssAnon, RssFile kB, threads: {details}); verify: {rows}"
     assert plain <= limit, seen
@@ -150,13 +162,16 @@ def test_forked_measurement_plus_offset_is_a_fresh_process(calibrated):
 
 
 def test_cpu_peak_sees_a_known_allocation():
-    """A 48 MiB buffer that lives only inside forward: the process peak is 48 MiB higher than without it."""
+    """A 48 MiB buffer that lives only inside forward: the process peak is 48 MiB higher than without it; and
+    the peak is the measuring process's own, not that of the process that started it (here 1 GiB)."""
     from tests.memory_models import BALLAST_BYTES
     from varlen_cli.memory.measure import MeasureSetup
     from varlen_cli.memory.procs import measure_fresh
 
+    raise_own_peak(1 << 30)
     with_buffer = measure_fresh(MeasureSetup(model="tests.memory_models:ballast"), 4, 64)
     without = measure_fresh(MeasureSetup(model="tests.memory_models:no_ballast"), 4, 64)
+    assert without["peak_bytes"] < 800 * MiB, without  # torch and a tiny model: ~300 MiB, nothing inherited
     grown = with_buffer["peak_bytes"] - without["peak_bytes"]
     assert BALLAST_BYTES - 2 * MiB <= grown <= BALLAST_BYTES + 4 * MiB, grown  # page-level and library noise
 
