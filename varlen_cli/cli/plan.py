@@ -142,6 +142,11 @@ MAX_MEMORY = typer.Option(
     help="Peak memory per microbatch not to exceed, e.g. 70GiB, 512MB or bytes (needs --memory-profile).",
 )
 MEMORY_MARGIN = typer.Option(0.05, "--memory-margin", help="Plan to a predicted peak of max-memory x (1 - margin).")
+CHUNK_SAMPLES = typer.Option(
+    1 << 23, "--chunk-samples",
+    help="Samples planned together (a chunk): a worker holds one chunk at a time, so memory per worker is bounded "
+         "by it; chunks, not workers, define the plan (docs/plan.md, \"Plans at scale\").",
+)
 
 
 def plan_command(
@@ -184,6 +189,8 @@ def plan_command(
     mix: str | None = MIX,
     extend: str | None = EXTEND,
     progress: bool = common.PROGRESS,
+    nproc: int = common.NPROC,
+    chunk_samples: int = CHUNK_SAMPLES,
     json_output: bool = common.JSON,
 ) -> None:
     """Write a token-budget batch plan (Parquet): microbatches, ranks, steps, shapes and LR scales."""
@@ -202,7 +209,7 @@ def plan_command(
         seq_len=seq_len, rows_per_microbatch=rows_per_microbatch, max_per_row=max_per_row, split_long=split_long,
         overwrite=overwrite, allow_stale=allow_stale, schedule=schedule, stages=stages,
         memory_profile=memory_profile, max_memory=max_memory, memory_margin=memory_margin, mix=mix, extend=extend,
-        progress=progress,
+        progress=progress, nproc=nproc, chunk_samples=chunk_samples,
     )
     with reuse_freed_memory():  # large plans: freed arrays reused, not unmapped and zeroed again (plan/heap.py)
         result = common.run(plan, config)

@@ -11,7 +11,7 @@ import numpy as np
 from .. import __version__, format
 from ..errors import InputError, InternalConsistencyError, UsageError
 from ..runtime import artifacts, freshness, rank0, safety
-from ..runtime.choices import LrScaleBy, LrScaling, Order, Tail, check_choices, doc, values
+from ..runtime.choices import NPROC_HELP, LrScaleBy, LrScaling, Order, Tail, check_choices, doc, values
 from . import balance, batching, cost_model, layout, lr, stats, writer
 from .batching import Microbatches
 from .layout import EpochLayout
@@ -20,6 +20,7 @@ from .progress import PlanProgress
 from .shapes import Budget, ShapeMap, choose_edges, pair_ids
 
 MAX_TOKENS_LIMIT = 2**53  # budgets are compared as float64: exact up to here
+CHUNK_SAMPLES = 1 << 23  # samples per chunk (varlen_cli/plan/chunked)
 ORDERS = values(Order)
 TAILS = values(Tail)
 
@@ -89,6 +90,10 @@ class PlanConfig:
     extend: str | None = doc(None, "Lengthen this plan to --epochs E: its steps unchanged, new epochs appended (its "
                                    "other options kept; INPUT_DIR only if its input moved).")
     progress: bool = doc(True, "Show a progress bar on rank 0 (only on a terminal).")
+    nproc: int = doc(1, NPROC_HELP)
+    chunk_samples: int = doc(CHUNK_SAMPLES, "Samples planned together (a chunk): a worker holds one chunk at a time, "
+                                            "so memory per worker is bounded by it; chunks, not workers, define the "
+                                            "plan (docs/plan.md, \"Plans at scale\").")
 
 
 @dataclass
@@ -128,6 +133,7 @@ def check(c: PlanConfig) -> None:
     _positive("--pad-multiple", c.pad_multiple, False)
     _positive("--num-shapes", c.num_shapes)
     _positive("--max-samples", c.max_samples)
+    _positive("--chunk-samples", c.chunk_samples, False)
     _check_ranges(c)
     if c.base_batch_size is not None and not c.base_batch_size > 0:
         raise UsageError(f"--base-batch-size must be > 0 (got {c.base_batch_size})")
@@ -291,20 +297,41 @@ def canonical_order(sample_id: np.ndarray) -> np.ndarray:
 
 # -- the planner -----------------------------------------------------------------------------------
 def plan(config: PlanConfig) -> PlanResult:
-    """Run ``varlen plan``: read the input, plan every epoch, write the plan; returns the summary."""
-    if rank0.needs_group():  # under torchrun: rank 0 plans and writes, the others wait
-        return rank0.on_rank0(plan, config)
-    if config.extend is not None:  # varlen plan --extend PLAN --epochs E (plan/replan.py)
-        from .replan import run_extend
+    """Run ``varlen plan``: read the input, plan every epoch, write the plan; returns the summary.
+    Plans of a metrics or sorted directory are planned by chunks (``plan/chunked``), on ``--nproc``
+    workers or the ranks of a torchrun job; ``--extend`` and ``--mix`` run on rank 0."""
+    if config.extend is not None or config.mix is not None:
+        if config.nproc != 1:
+            raise UsageError("--nproc applies to plans of one metrics or sorted directory, not to --extend or --mix")
+        if rank0.needs_group():  # under torchrun: rank 0 plans and writes, the others wait
+            return rank0.on_rank0(plan, config)
+        if config.extend is not None:  # varlen plan --extend PLAN --epochs E (plan/replan.py)
+            from .replan import run_extend
 
-        return run_extend(config)
-    if config.mix is not None:  # varlen plan --mix a=DIR:w,... (plan/mixture.py)
-        from .mixture import plan_mixture
+            return run_extend(config)
+        from .mixture import plan_mixture  # varlen plan --mix a=DIR:w,... (plan/mixture.py)
 
         return plan_mixture(config)
     t0 = time.perf_counter()
     c = config
     if c.memory_profile is not None or c.max_memory is not None:  # budget = max_tokens/attention_cost from memory
+        from varlen_cli.memory.budget import plan_config_for_memory
+
+        c = plan_config_for_memory(c)
+    check(c)
+    from ..runtime.dist import check_nproc
+    from .chunked.run import plan_chunked
+
+    check_nproc(c.nproc)
+    return plan_chunked(c, t0)
+
+
+def plan_in_memory(config: PlanConfig) -> PlanResult:
+    """The single-process planner on the whole input at once (what ``plan`` ran before chunks;
+    kept for comparisons in tests and benchmarks)."""
+    t0 = time.perf_counter()
+    c = config
+    if c.memory_profile is not None or c.max_memory is not None:
         from varlen_cli.memory.budget import plan_config_for_memory
 
         c = plan_config_for_memory(c)
@@ -336,22 +363,30 @@ def _too_long(c: PlanConfig, length: np.ndarray, budget: Budget, shape: ShapeMap
     else:
         too_long = length > _longest_fitting(length, budget, shape)
     n_long = int(np.count_nonzero(too_long))
+    error = too_long_error(c, n_long, len(length), int(length.max()) if len(length) else 0,
+                           int(length.min()) if len(length) else 0)
+    if error is not None:
+        raise error
+    return too_long
+
+
+def too_long_error(c: PlanConfig, n_long: int, n: int, longest: int, shortest: int) -> InputError | None:
+    """The error for ``n_long`` of ``n`` samples too long for any microbatch (None when that is fine:
+    none, or --drop-long and some fit)."""
     budget_name = (f"--max-memory {c.max_memory} (max_tokens {c.max_tokens:,} from the profile)" if c.max_memory
                    else f"--max-tokens {c.max_tokens:,}" if c.max_tokens is not None else "")
-    if n_long == len(length):
+    if n_long and n_long == n:
         if c.packing:
-            raise InputError(f"--seq-len {c.seq_len:,} is below every sample: the shortest has "
-                             f"{int(length.min()):,} tokens")
-        raise InputError(f"the budget is below every sample: {budget_name} fits none of the "
-                         f"{len(length):,} samples (the shortest has {int(length.min()):,} tokens)")
+            return InputError(f"--seq-len {c.seq_len:,} is below every sample: the shortest has {shortest:,} tokens")
+        return InputError(f"the budget is below every sample: {budget_name} fits none of the {n:,} samples (the "
+                          f"shortest has {shortest:,} tokens)")
     if n_long and not c.drop_long:
-        longest = int(length.max())
         if c.packing:
-            raise InputError(f"{n_long:,} samples are longer than --seq-len {c.seq_len:,} (the longest has "
-                             f"{longest:,} tokens); pass --split-long, --drop-long or a larger --seq-len")
-        raise InputError(f"{n_long:,} samples do not fit the budget {budget_name} (the longest has "
-                         f"{longest:,} tokens); raise {budget_name.split()[0]} or pass --drop-long")
-    return too_long
+            return InputError(f"{n_long:,} samples are longer than --seq-len {c.seq_len:,} (the longest has "
+                              f"{longest:,} tokens); pass --split-long, --drop-long or a larger --seq-len")
+        return InputError(f"{n_long:,} samples do not fit the budget {budget_name} (the longest has {longest:,} "
+                          f"tokens); raise {budget_name.split()[0]} or pass --drop-long")
+    return None
 
 
 def _longest_fitting(length: np.ndarray, budget: Budget, shape: ShapeMap) -> int:

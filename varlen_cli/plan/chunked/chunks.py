@@ -1,0 +1,160 @@
+"""Chunks: which samples a chunk holds, its random streams, and reading it from the input.
+
+A chunk is defined by the input alone (its number of samples and ``--chunk-samples``), never by
+the number of workers. See the package docstring for the design.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...errors import InputError
+from ...runtime import artifacts
+
+DEFAULT_CHUNK_SAMPLES = 1 << 23
+GLOBAL_STREAM = (0, 1)  # appended to (seed, epoch): the stream of the cross-chunk order
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """``count`` chunks of balanced size over ``n`` samples, each at most ``size``."""
+
+    n: int
+    size: int
+
+    @property
+    def count(self) -> int:
+        return max(1, -(-self.n // self.size))
+
+    def bounds(self, k: int) -> tuple[int, int]:
+        """Chunk ``k`` is ``[lo, hi)`` of the canonical (random orders) or sorted (curriculum) sequence."""
+        k_all = self.count
+        return self.n * k // k_all, self.n * (k + 1) // k_all
+
+    def edges(self) -> np.ndarray:
+        k_all = self.count
+        return (np.arange(k_all + 1, dtype=np.int64) * self.n) // k_all
+
+
+def chunk_rng(seed: int, epoch: int, k: int) -> np.random.Generator:
+    """Chunk ``k``'s stream in ``epoch``: ``(seed, epoch)`` for chunk 0 (what one process drew before
+    chunks existed), ``(seed, epoch, k)`` for the others."""
+    return np.random.default_rng([seed, epoch] if k == 0 else [seed, epoch, k])
+
+
+def global_rng(seed: int, epoch: int) -> np.random.Generator:
+    """The stream of an epoch's cross-chunk order (interleaving, step shuffle inside windows)."""
+    return np.random.default_rng([seed, epoch, *GLOBAL_STREAM])
+
+
+# -- reading ---------------------------------------------------------------------------------------
+@dataclass
+class ChunkData:
+    """A chunk's samples: ids and lengths per local position, and the sequences epochs start from."""
+
+    index: int
+    ids: np.ndarray  # int64 sample id per local position
+    length: np.ndarray  # int64 per local position
+    first_id: int | None  # ids == first_id + arange(n) (canonical chunks of a metrics directory), else None
+
+    @property
+    def n(self) -> int:
+        return len(self.length)
+
+
+class InputRows:
+    """Row ranges of a metrics or sorted directory (the concatenation of its parts in name order)."""
+
+    def __init__(self, path: str, manifest: dict):
+        self.path = path
+        self.manifest = manifest
+        self.parts = [(os.path.join(path, p["file"]), int(p["rows"])) for p in manifest.get("parts", [])]
+        self.num_rows = sum(rows for _, rows in self.parts)
+
+    def read(self, lo: int, hi: int, columns=("sample_id", "length")) -> dict[str, np.ndarray]:
+        """Rows ``[lo, hi)`` as int64 numpy arrays, checked (no nulls, lengths >= 0)."""
+        import pyarrow.parquet as pq
+
+        from ..arrow_io import to_numpy
+
+        out = {c: np.empty(hi - lo, np.int64) for c in columns}
+        at, offset = 0, 0
+        for path, rows in self.parts:
+            a, b = max(lo, offset), min(hi, offset + rows)
+            if b > a:
+                try:
+                    pf = pq.ParquetFile(path, memory_map=True)
+                    missing = [c for c in columns if c not in pf.schema_arrow.names]
+                    if missing:
+                        raise InputError(f"{path} has no column {missing[0]!r}")
+                    if pf.metadata.num_rows != rows:
+                        raise InputError(f"{path} has {pf.metadata.num_rows:,} rows but {artifacts.MANIFEST_NAME} "
+                                         f"lists {rows:,}")
+                    rg_lo = 0
+                    for g in range(pf.num_row_groups):
+                        rg_rows = pf.metadata.row_group(g).num_rows
+                        s, e = max(a - offset, rg_lo), min(b - offset, rg_lo + rg_rows)
+                        if e > s:
+                            t = pf.read_row_group(g, columns=list(columns)).slice(s - rg_lo, e - s)
+                            for c in columns:
+                                pos = at
+                                for chunk in t.column(c).chunks:
+                                    if chunk.null_count:
+                                        raise InputError(f"{path} has missing values in column {c!r}")
+                                    out[c][pos:pos + len(chunk)] = to_numpy(chunk)
+                                    pos += len(chunk)
+                            at += e - s
+                            del t
+                        rg_lo += rg_rows
+                except InputError:
+                    raise
+                except Exception as exc:  # pyarrow raises several types for bad files
+                    raise InputError(f"cannot read {path}: {exc}") from None
+            offset += rows
+        if "length" in out and len(out["length"]):
+            low, high = int(out["length"].min()), int(out["length"].max())
+            if low < 0:
+                raise InputError(f"{self.path} has negative lengths")
+            from ... import format
+
+            if high > format.INT32_MAX:
+                raise InputError(f"{self.path} has a sample of {high:,} tokens; plans hold lengths up to "
+                                 f"{format.INT32_MAX:,} (int32)")
+        return out
+
+
+class ChunkSource:
+    """The chunks of one input for one kind of order: canonical id ranges (random, bucket-shuffle) or
+    ranges of the input's rows (curriculum; ``reverse`` reads them from the end)."""
+
+    def __init__(self, rows: InputRows, spec: ChunkSpec, curricular: bool, reverse: bool = False):
+        self.rows, self.spec, self.curricular, self.reverse = rows, spec, curricular, reverse
+
+    def read(self, k: int) -> ChunkData:
+        lo, hi = self.spec.bounds(k)
+        if self.curricular:
+            if self.reverse:  # chunk k of the reversed order: rows [n - hi, n - lo), read back to front
+                lo, hi = self.spec.n - hi, self.spec.n - lo
+            got = self.rows.read(lo, hi)
+            ids, length = got["sample_id"], got["length"]
+            if self.reverse:
+                ids, length = ids[::-1].copy(), length[::-1].copy()
+            return ChunkData(k, ids, length, None)
+        got = self.rows.read(lo, hi)
+        ids = got["sample_id"]
+        if self.spec.count == 1:  # one chunk: any ids (the former takes them in increasing id order)
+            return ChunkData(k, ids, got["length"], lo if _is_range(ids, lo) else None)
+        if not _is_range(ids, lo):
+            raise InputError(f"{self.rows.path}: sample ids are not 0..{self.spec.n - 1:,} in row order (rows "
+                             f"{lo:,}..{hi - 1:,}); plans of more than one chunk read random orders from a metrics "
+                             "directory written by `varlen analyze`")
+        return ChunkData(k, ids, got["length"], lo)
+
+
+def _is_range(ids: np.ndarray, lo: int) -> bool:
+    """Whether ``ids`` is ``lo, lo + 1, ...`` (one pass)."""
+    n = len(ids)
+    return n == 0 or (int(ids[0]) == lo and int(ids[-1]) == lo + n - 1 and bool(np.all(ids[1:] > ids[:-1])))

@@ -1,0 +1,294 @@
+"""The chunked planner across workers: phase 1 on every rank, phases 2 and 3 on rank 0.
+
+:func:`plan_chunked` runs ``varlen plan`` (a metrics or sorted directory input) as world size 1 in
+this process, in ``--nproc N`` local workers, or on the ranks of a torchrun job: every rank forms
+the (epoch, chunk) jobs ``j`` with ``j mod world_size == rank`` and writes them into a temporary
+directory beside the output; rank 0 then lays the epochs out and streams the plan. Every rank
+returns rank 0's result (or raises its error). See the package docstring for the design.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import time
+
+import numpy as np
+
+from ...errors import InputError, UsageError, VarlenError, WorkerError
+from ...runtime import artifacts, freshness, safety
+from ...runtime.dist import Dist, fault_point, run_distributed, session
+from .. import cost_model
+from ..orders import CURRICULAR
+from ..shapes import Budget, ShapeMap, choose_edges
+from . import emit, spill
+from .chunks import ChunkSource, ChunkSpec, InputRows, chunk_rng, global_rng
+from .epoch import EpochRows, lay_out
+from .finish import finish
+from .form import PlanContext, form_chunk
+
+SPILL_TAG = safety.TMP_TAG + "-spill"  # .NAME.varlen-tmp-spill-<random>: a leftover the next run cleans
+
+
+def epoch_mode(c, e: int) -> str:
+    if c.curriculum_epochs is not None and e >= c.curriculum_epochs:
+        return "bucket-shuffle"
+    return c.order
+
+
+def plan_chunked(c, t0: float | None = None):
+    """``varlen plan`` on ``c.nproc`` workers (or the torchrun ranks); the result on every rank."""
+    t0 = time.perf_counter() if t0 is None else t0
+    safety.check_no_overlap(c.output, [c.input])
+    out = artifacts.AtomicFile(c.output, c.overwrite)
+    out.check()
+    entry = functools.partial(_in_session, t0=t0)
+    if c.nproc == 1:
+        return run_distributed(entry, c, 1)
+    with safety.output_lock(out.path, c.output):  # the launcher holds it; its workers inherit it
+        try:
+            return run_distributed(entry, c, c.nproc)
+        except BaseException:
+            safety.clean_leftovers(out.path)
+            raise
+
+
+def _in_session(c, t0: float):
+    with session("cpu") as d:
+        return _shared(d, lambda: run_in_group(c, d, t0))
+
+
+def _shared(d: Dist, fn):
+    """``fn()`` on every rank; rank 0's result (or user error) is every rank's."""
+    if not d.distributed:
+        return fn()
+    outcome: tuple = ("ok", None)
+    try:
+        value = fn()
+        outcome = ("ok", value)
+    except VarlenError as exc:
+        outcome = ("error", type(exc).__name__, exc.message)
+    from ...errors import ERROR_CLASSES
+
+    outcome = d.all_gather_object(outcome)[0]
+    if outcome[0] == "ok":
+        return outcome[1]
+    raise ERROR_CLASSES.get(outcome[1], WorkerError)(outcome[2])
+
+
+def context(c, manifest: dict, rows: InputRows, spec: ChunkSpec, d: Dist) -> PlanContext:
+    """The budget, shape map and limits every chunk is formed with."""
+    from ..core import _longest_fitting, _rows_per_microbatch
+
+    budget = Budget(c.max_tokens, c.max_samples, cost_model.attention_cost(c))
+    shape = ShapeMap(1 if c.packing else c.pad_multiple)
+    rows_per_mb = _rows_per_microbatch(c, budget) if c.packing else None
+    if c.packing:
+        fit = (1 << 62) if c.split_long else int(c.seq_len)
+    else:
+        fit = _longest_fitting(np.array([np.iinfo(np.int32).max], np.int64), budget, shape)
+    ctx = PlanContext(order=c.order, shape=shape, budget=budget, dp=c.dp, grad_accum=c.grad_accum,
+                      static=c.static_shapes, same_shape=c.same_shape_per_step, packing=c.packing, seq_len=c.seq_len,
+                      max_per_row=c.max_per_row, split_long=c.split_long, rows_per_mb=rows_per_mb, tail=c.tail,
+                      longest_fitting=int(fit))
+    if (c.num_shapes is not None and not c.packing) or (spec.count > 1 and c.order == "random"):
+        _census(c, ctx, rows, spec, d)
+    return ctx
+
+
+def _census(c, ctx: PlanContext, rows: InputRows, spec: ChunkSpec, d: Dist) -> None:
+    """One pass over the lengths (shared out by rank): the bucket edges of ``--num-shapes`` and the
+    random order's fixed batch size, from the whole input (the samples that fit)."""
+    counts: dict = {}
+    longest = -1
+    for k in range(d.rank, spec.count, d.world_size):
+        lo, hi = spec.bounds(k)
+        length = rows.read(lo, hi, columns=("length",))["length"]
+        length = length[length <= ctx.longest_fitting]
+        if len(length):
+            longest = max(longest, int(length.max()))
+            u, n = np.unique(ctx.shape.pad(length), return_counts=True)
+            for a, b in zip(u.tolist(), n.tolist()):
+                counts[a] = counts.get(a, 0) + b
+    merged: dict = {}
+    for part in d.all_gather_object((counts, longest)):
+        for a, b in part[0].items():
+            merged[a] = merged.get(a, 0) + b
+        longest = max(longest, part[1])
+    if c.num_shapes is not None and not c.packing and merged:
+        u = np.array(sorted(merged), np.int64)
+        ctx.shape = ShapeMap(c.pad_multiple, choose_edges(np.repeat(u, [merged[x] for x in u.tolist()]), c.num_shapes))
+    if c.order == "random" and longest >= 0:
+        t_max = int(ctx.shape(np.array([longest]))[0])
+        ctx.fixed_batch = max(int(ctx.budget.cap(np.array([t_max]))[0]), 1)
+
+
+def _spill_dir(d: Dist, out: artifacts.AtomicFile) -> str:
+    path = None
+    if d.is_main:
+        path = safety.sibling(out.path, SPILL_TAG, unique=True)
+        os.makedirs(path)
+    return d.all_gather_object(path)[0] if d.distributed else path
+
+
+def run_in_group(c, d: Dist, t0: float):
+    """One rank's part (see the module docstring); the result on rank 0, None elsewhere."""
+    manifest = artifacts.read_manifest(c.input, what="metrics or sorted directory",
+                                       hint="create one with `varlen analyze` (and `varlen sort` for curriculum "
+                                            "order)")
+    freshness.check_inputs(c.input, manifest, c.allow_stale, rerun="varlen sort")
+    kind = manifest.get("kind", "metrics")
+    if c.order in CURRICULAR and kind != "sorted":
+        raise UsageError(f"--order {c.order} needs a sorted input, but {c.input} is a {kind} directory "
+                         f"(sample_id order); sort it first: `varlen sort {c.input} -o SORTED_DIR`")
+    rows = InputRows(c.input, manifest)
+    if rows.num_rows == 0:
+        raise InputError(f"{c.input} holds no samples")
+    spec = ChunkSpec(rows.num_rows, int(c.chunk_samples))
+    out = artifacts.AtomicFile(c.output, c.overwrite)
+    with _locked(d, out):
+        directory = _spill_dir(d, out)
+        try:
+            ctx = context(c, manifest, rows, spec, d)
+            _phase1(c, ctx, rows, spec, d, directory)
+            d.barrier()
+            if not d.is_main:
+                return None
+            _trim()
+            return _phase23(c, ctx, manifest, rows, spec, directory, out, t0)
+        finally:
+            if d.is_main:
+                shutil.rmtree(directory, ignore_errors=True)
+
+
+class _locked:
+    """Rank 0 holds the output lock (already held by a ``--nproc`` launcher: re-entrant)."""
+
+    def __init__(self, d: Dist, out: artifacts.AtomicFile):
+        self.d, self.out, self.cm = d, out, None
+
+    def __enter__(self):
+        if self.d.is_main:
+            self.cm = safety.output_lock(self.out.path, self.out.given)
+            self.cm.__enter__()
+            self.out.check()
+        return self
+
+    def __exit__(self, *exc):
+        return self.cm.__exit__(*exc) if self.cm is not None else False
+
+
+def _phase1(c, ctx: PlanContext, rows: InputRows, spec: ChunkSpec, d: Dist, directory: str) -> None:
+    jobs = [(e, k) for e in range(c.epochs) for k in range(spec.count)]
+    cached: tuple | None = None
+    for j, (e, k) in enumerate(jobs):
+        if j % d.world_size != d.rank:
+            continue
+        mode = epoch_mode(c, e)
+        key = (k, mode in CURRICULAR)
+        if cached is None or cached[0] != key:
+            source = ChunkSource(rows, spec, curricular=mode in CURRICULAR, reverse=mode == "reverse")
+            cached = (key, source.read(k))
+        cu = form_chunk(cached[1], ctx, mode, e, chunk_rng(c.seed, e, k), whole=spec.count == 1, config=c)
+        spill.write(directory, cu)
+        del cu
+        fault_point("plan.chunk")
+    cached = None
+    _trim()
+
+
+def _trim() -> None:
+    from ..heap import trim
+
+    trim()
+
+
+def _check_long(c, ctx: PlanContext, tables: list, n: int) -> tuple[int, np.ndarray, int]:
+    """Too-long samples of the input (counted in the first epoch's chunks): ``core._too_long``'s errors."""
+    num_long = sum(int(t.header["num_long"]) for t in tables)
+    longest = max(int(t.header["longest"]) for t in tables)
+    long_ids = np.concatenate([np.asarray(t.long_ids, np.int64) for t in tables])
+    if num_long:
+        from ..core import too_long_error
+
+        error = too_long_error(c, num_long, n, longest, _shortest(tables))
+        if error is not None:
+            raise error
+    return num_long, long_ids, longest
+
+
+def _shortest(tables) -> int:
+    return min((int(t.header.get("shortest", 0)) for t in tables), default=0)
+
+
+def _phase23(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSpec, directory: str,
+             out: artifacts.AtomicFile, t0: float):
+    from ..core import PlanResult
+
+    epochs: list[EpochRows] = []
+    readers = []
+    packing_stats, num_long, long_ids, fixed_batch = [], 0, np.zeros(0, np.int64), None
+    for e in range(c.epochs):
+        tables = [spill.read_table(directory, e, k) for k in range(spec.count)]
+        if e == 0:
+            num_long, long_ids, _ = _check_long(c, ctx, tables, rows.num_rows)
+            fixed_batch = tables[0].header.get("fixed_batch") or ctx.fixed_batch
+            if ctx.fixed_batch is None and fixed_batch is not None:
+                ctx.fixed_batch = int(fixed_batch)
+        if c.packing:
+            packing_stats.append(_packing_stats(tables))
+        mode = epoch_mode(c, e)
+        ep = lay_out(tables, ctx, mode, global_rng(c.seed, e), warmup=c.compile_warmup and e == 0,
+                     schedule=c.schedule, stages=c.stages)
+        dropped = _tail_ids(directory, tables, ep)
+        if len(dropped):
+            ep.tail_ids = np.concatenate([ep.tail_ids, dropped])
+        epochs.append(ep)
+        readers.append([spill.ItemReader(directory, t) for t in tables])
+        del tables
+    fin = finish(c, ctx, manifest, rows.num_rows, epochs, long_ids=long_ids, num_long=num_long,
+                 packing_stats=packing_stats, fixed_batch=fixed_batch, t0=t0)
+    fin.metadata["chunks"]["count"] = spec.count
+    try:
+        emit.write(c.output, c.overwrite, epochs, fin, readers, c.dp, c.grad_accum, bool(c.packing), out.tmp)
+        fault_point("plan.write")
+        out.commit()
+    except BaseException:
+        out.abort()
+        raise
+    finally:
+        for rs in readers:
+            for r in rs:
+                r.close()
+    fin.summary["seconds"] = time.perf_counter() - t0
+    return PlanResult(output=os.path.abspath(c.output), order=c.order, num_steps=int(fin.step_start[-1]),
+                      num_microbatches=sum(ep.count for ep in epochs), stats=fin.summary,
+                      packing=fin.metadata.get("packing"), dropped_ids=fin.dropped_ids,
+                      seconds=fin.summary["seconds"], metadata=fin.metadata)
+
+
+def _tail_ids(directory: str, tables: list, ep: EpochRows) -> np.ndarray:
+    """Sample ids of the units ``--tail drop`` dropped in phase 2 (read from their chunk files)."""
+    units = ep.dropped_units
+    if units is None or not len(units["chunk"]):
+        return np.zeros(0, np.int64)
+    parts = []
+    for k, lo, n in zip(units["chunk"].tolist(), units["item_lo"].tolist(), units["count"].tolist()):
+        r = spill.ItemReader(directory, tables[k])
+        parts.append(r.read("ids", lo, lo + n))
+        r.close()
+    return np.concatenate(parts)
+
+
+def _packing_stats(tables: list) -> dict:
+    """An epoch's packing statistics from its chunks' (rows, items, ...; ``Packing.stats``' formulas)."""
+    infos = [t.header["packing"] for t in tables]
+    if len(infos) == 1 and "samples_per_row_mean" in infos[0]:
+        return infos[0]
+    rows = sum(int(p["rows"]) for p in infos)
+    items = sum(int(p["items"]) for p in infos)
+    return {"split_samples": sum(int(p["split_samples"]) for p in infos),
+            "samples_per_row_mean": items / rows if rows else 0.0,
+            "samples_per_row_max": max(int(p["samples_per_row_max"]) for p in infos)}
+
