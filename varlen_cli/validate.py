@@ -77,6 +77,8 @@ def validate(config: ValidateConfig) -> ValidateResult:
         return result
     import pyarrow as pa
 
+    if not meta.get("mixture"):  # every plan but mixtures: read in windows, a bitmap per epoch (validate_scan)
+        return _validate_scan(config, meta, result)
     try:
         table = pq.read_table(config.plan)
     except (OSError, pa.ArrowException) as exc:  # corrupted pages: the file, not varlen
@@ -115,6 +117,29 @@ def validate(config: ValidateConfig) -> ValidateResult:
                                                            config.max_memory, config.memory_profile)))
     result.checks.append(_check_straggler(table, cols, meta))
     result.checks.append(_check_loss_tokens(cols, packing, lengths))
+    return result
+
+
+def _validate_scan(config: ValidateConfig, meta: dict, result: ValidateResult) -> ValidateResult:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from .validate_scan import MetricsLengths, scan
+
+    lengths = None
+    if config.metrics:
+        manifest = artifacts.read_manifest(config.metrics)
+        freshness.check_inputs(config.metrics, manifest, config.allow_stale, rerun="varlen sort")
+        fp = _check_fingerprint(meta, manifest, config.metrics)
+        result.checks.append(fp)
+        if fp.ok:  # lengths of another dataset would only produce noise
+            lengths = MetricsLengths(config.metrics, manifest)
+    try:
+        pf = pq.ParquetFile(config.plan)
+        result.checks += scan(config, meta, pf, lengths)
+    except (OSError, pa.ArrowException) as exc:  # corrupted pages: the file, not varlen
+        raise InputError(f"cannot read plan {config.plan}: {str(exc).strip().splitlines()[0] if str(exc) else exc}") \
+            from None
     return result
 
 

@@ -129,7 +129,8 @@ def finish(c, ctx: PlanContext, manifest: dict, num_rows: int, epochs: list[Epoc
     budget_tokens = _check_budget(c, ctx, epochs)
     strag, overhead = _straggler(epochs, c.dp, c.grad_accum)
     tail_ids = [np.asarray(ep.tail_ids, np.int64) for ep in epochs]
-    dropped = Dropped(np.asarray(long_ids, np.int64), tail_ids, c.epochs)
+    listed = num_long <= LIST_LIMIT  # more are counted, not listed: the rule that drops them is recorded
+    dropped = Dropped(np.asarray(long_ids if listed else [], np.int64), tail_ids, c.epochs)
     dropped_all = dropped.all_ids()
     count = sum(ep.count for ep in epochs)
     tokens = sum(int(ep.cols["tokens"].sum()) for ep in epochs)
@@ -153,7 +154,7 @@ def finish(c, ctx: PlanContext, manifest: dict, num_rows: int, epochs: list[Epoc
                                 layout=SimpleNamespace(warmup_steps=ep.warmup_steps)) for ep in epochs]
     inputs = SimpleNamespace(budget=ctx.budget, slots=slots, shape=ctx.shape)
     dropped_meta = dropped.to_dict(dropped_all)
-    if num_long > len(long_ids):  # too many to list: counted, and the rule that drops them recorded
+    if not listed:
         dropped_meta.update(count=dropped.tail_count + num_long * c.epochs,
                             reason={"too_long": num_long * c.epochs, "tail": dropped.tail_count},
                             too_long_listed=False, too_long_count=int(num_long),

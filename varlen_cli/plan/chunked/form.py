@@ -117,7 +117,16 @@ def form_chunk(chunk: ChunkData, ctx: PlanContext, mode: str, epoch: int, rng: n
     """The chunk's units for an epoch planned in ``mode`` (see the module docstring); ``whole``: the
     chunk is the whole epoch (``config``: the plan's PlanConfig, for the single-process former)."""
     seq, too_long = _kept(chunk, ctx, mode)
-    if whole:
+    if whole:  # the whole input: its too-long samples are the plan's (the error before any forming)
+        from ..core import too_long_error
+
+        error = too_long_error(config, len(chunk.length) - len(seq), chunk.n, int(chunk.length.max()),
+                               int(chunk.length.min()))
+        if error is not None:
+            raise error
+    if not len(seq):
+        out = _empty(ctx, mode)
+    elif whole:
         out = _whole_epoch(chunk, ctx, mode, seq, rng, config)
     elif ctx.packing:
         out = _packed(chunk, ctx, mode, seq, rng)
@@ -131,6 +140,28 @@ def form_chunk(chunk: ChunkData, ctx: PlanContext, mode: str, epoch: int, rng: n
     out.shortest = int(chunk.length.min()) if chunk.n else 0
     if out.num_long:
         out.long_ids = chunk.ids[np.flatnonzero(too_long)][:LIST_LIMIT]
+    return out
+
+
+def _empty(ctx: PlanContext, mode: str) -> ChunkUnits:
+    """A chunk whose samples are all too long (phase 2 reports them, or they are dropped)."""
+    if ctx.packing and ctx.level(mode) == "unit":
+        cols = PACKED_ROW_COLUMNS
+        items = {"ids": np.zeros(0, np.int64), "item_length": np.zeros(0, np.int32),
+                 "item_start": np.zeros(0, np.int32)}
+    else:
+        cols = PADDED_UNIT_COLUMNS if not ctx.packing else ("count", "seqlen", "batch", "tokens", "completed", "lost",
+                                                             "rows", "sumsq")
+        items = {"ids": np.zeros(0, np.int64)}
+        if ctx.packing:
+            items.update(item_length=np.zeros(0, np.int32), item_start=np.zeros(0, np.int32),
+                         item_row=np.zeros(0, np.int32))
+    units = {name: np.zeros(0, np.float64 if name == "sumsq" else np.int64) for name in cols}
+    out = ChunkUnits(0, 0, ctx.level(mode), units, np.zeros(1, np.int64), items, {"index": np.zeros(0, np.int64),
+                                                                                    "complete": True})
+    out.ranked = ctx.ranked
+    if ctx.packing:
+        out.packing = {"rows": 0, "items": 0, "tokens": 0, "split_samples": 0, "samples_per_row_max": 0}
     return out
 
 

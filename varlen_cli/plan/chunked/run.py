@@ -150,13 +150,16 @@ def run_in_group(c, d: Dist, t0: float):
     with _locked(d, out):
         directory = _spill_dir(d, out)
         try:
+            phases = {"census": time.perf_counter()}
             ctx = context(c, manifest, rows, spec, d)
+            phases["form"] = time.perf_counter()
             _phase1(c, ctx, rows, spec, d, directory)
             d.barrier()
             if not d.is_main:
                 return None
             _trim()
-            return _phase23(c, ctx, manifest, rows, spec, directory, out, t0)
+            phases["layout"] = time.perf_counter()
+            return _phase23(c, ctx, manifest, rows, spec, directory, out, t0, phases)
         finally:
             if d.is_main:
                 shutil.rmtree(directory, ignore_errors=True)
@@ -223,7 +226,7 @@ def _shortest(tables) -> int:
 
 
 def _phase23(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSpec, directory: str,
-             out: artifacts.AtomicFile, t0: float):
+             out: artifacts.AtomicFile, t0: float, phases: dict):
     from ..core import PlanResult
 
     epochs: list[EpochRows] = []
@@ -250,6 +253,7 @@ def _phase23(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSp
     fin = finish(c, ctx, manifest, rows.num_rows, epochs, long_ids=long_ids, num_long=num_long,
                  packing_stats=packing_stats, fixed_batch=fixed_batch, t0=t0)
     fin.metadata["chunks"]["count"] = spec.count
+    phases["write"] = time.perf_counter()
     try:
         emit.write(c.output, c.overwrite, epochs, fin, readers, c.dp, c.grad_accum, bool(c.packing), out.tmp)
         fault_point("plan.write")
@@ -262,10 +266,12 @@ def _phase23(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSp
             for r in rs:
                 r.close()
     fin.summary["seconds"] = time.perf_counter() - t0
+    marks = list(phases.items()) + [("end", time.perf_counter())]
+    seconds = {name: round(marks[i + 1][1] - at, 3) for i, (name, at) in enumerate(marks[:-1])}
     return PlanResult(output=os.path.abspath(c.output), order=c.order, num_steps=int(fin.step_start[-1]),
                       num_microbatches=sum(ep.count for ep in epochs), stats=fin.summary,
                       packing=fin.metadata.get("packing"), dropped_ids=fin.dropped_ids,
-                      seconds=fin.summary["seconds"], metadata=fin.metadata)
+                      seconds=fin.summary["seconds"], metadata=fin.metadata, phases=seconds)
 
 
 def _tail_ids(directory: str, tables: list, ep: EpochRows) -> np.ndarray:
