@@ -32,7 +32,7 @@ from .lengths import (
     token_lengths,
 )
 from .sources import DEFAULT_CHUNK_BYTES, Reader, SourceFile, Unit, assign, discover, fingerprint, make_units
-from .stats import distribution, float_summary
+from .stats import FloatSummary, LengthStats, distribution, float_summary
 
 RARITY_CACHE_BYTES = 512 << 20  # token ids a worker keeps between the two vocab-rarity passes
 
@@ -222,6 +222,8 @@ def run_in_group(config: AnalyzeConfig, d: Dist, out: artifacts.AtomicDir, t0: f
     mine = units[lo:hi]
     work = _Work(config, files)
     rarity_mode = work.difficulty.kind == "vocab-rarity"
+    if not rarity_mode and all(u.rows >= 0 for u in units):  # rows known up front: stream the part
+        return _run_streaming(config, d, out, t0, files, units, lo, hi, work)
     total_weight = sum(u.weight for u in units) * (2 if rarity_mode else 1)
 
     lengths_parts, diff_parts, unit_rows = [], [], []
@@ -293,6 +295,97 @@ def run_in_group(config: AnalyzeConfig, d: Dist, out: artifacts.AtomicDir, t0: f
     )
 
 
+def _run_streaming(config: AnalyzeConfig, d: Dist, out: artifacts.AtomicDir, t0: float, files, units, lo: int,
+                   hi: int, work: _Work) -> AnalyzeResult | None:
+    """``run_in_group`` for sources whose row counts are known before reading (Parquet, Arrow): each
+    rank knows its first sample_id up front and writes its part row group by row group, so a worker
+    holds one unit and one row group of output, whatever the number of rows (1B rows on 2 workers)."""
+    rows_all = np.fromiter((u.rows for u in units), dtype=np.int64, count=len(units))
+    total_rows = int(rows_all.sum())
+    if total_rows == 0:
+        raise InputError("the sources hold no samples (empty dataset)")
+    first_id = int(rows_all[:lo].sum())
+    length_stats, diff_stats = LengthStats(), FloatSummary(total_rows)
+    writer = _PartWriter(out.file(artifacts.part_name(d.rank)), first_id)
+    with JobProgress(d, int(sum(u.weight for u in units)), "analyze", show=config.progress) as bar, writer:
+        for unit in units[lo:hi]:
+            lengths, _, table = work.lengths_and_ids(unit, want_ids=False)
+            if len(lengths) != unit.rows:
+                raise InputError(f"{work.where(unit)} changed while it was read: {len(lengths):,} rows where its "
+                                 f"metadata says {unit.rows:,}")
+            difficulty = work.difficulty_values(unit, lengths, table)
+            del table
+            length_stats.add(lengths)
+            diff_stats.add(difficulty)
+            writer.add(lengths, difficulty)
+            bar.advance(unit.weight)
+            fault_point("analyze.unit")
+        bar.wait_for_peers(sum(u.weight for u in units))
+    rows = d.all_gather_int(writer.rows)
+    per_file = np.bincount(np.array([u.file for u in units], dtype=np.int64), weights=rows_all,
+                           minlength=len(files)).astype(np.int64)
+    length_stats = length_stats.finish(d)
+    diff_stats = diff_stats.finish(d)
+    d.barrier()  # every part is written
+    if not d.is_main:
+        return None
+    manifest = _manifest(config, str(work.length), d.world_size, fingerprint(files, per_file.tolist()), rows,
+                         {"length": length_stats, "difficulty": diff_stats})
+    artifacts.atomic_write_json(out.file(artifacts.MANIFEST_NAME), manifest)
+    out.commit()
+    return AnalyzeResult(
+        output=out.path, num_samples=total_rows, num_files=len(files), num_parts=len(manifest["parts"]),
+        length=str(work.length), difficulty=str(work.difficulty), stats=length_stats, difficulty_stats=diff_stats,
+        seconds=time.perf_counter() - t0, manifest=manifest,
+    )
+
+
+class _PartWriter:
+    """A part file written row group by row group (:data:`PART_ROW_GROUP` rows each), as
+    :func:`_write_part` writes it whole."""
+
+    def __init__(self, path: str, first_id: int):
+        self.path, self.next_id, self.rows = path, first_id, 0
+        self.lengths: list = []
+        self.difficulty: list = []
+        self.buffered = 0
+        self._writer = None
+
+    def __enter__(self) -> _PartWriter:
+        return self
+
+    def add(self, lengths: np.ndarray, difficulty: np.ndarray) -> None:
+        self.lengths.append(np.asarray(lengths, np.int64))
+        self.difficulty.append(np.asarray(difficulty, np.float64))
+        self.buffered += len(lengths)
+        while self.buffered >= PART_ROW_GROUP:
+            self._flush(PART_ROW_GROUP)
+
+    def _flush(self, n: int) -> None:
+        import pyarrow.parquet as pq
+
+        lengths, difficulty = np.concatenate(self.lengths), np.concatenate(self.difficulty)
+        table = _part_table(self.next_id, lengths[:n], difficulty[:n])
+        self.lengths, self.difficulty = [lengths[n:]], [difficulty[n:]]
+        self.buffered -= n
+        self.next_id += n
+        self.rows += n
+        try:
+            if self._writer is None:
+                self._writer = pq.ParquetWriter(self.path, table.schema, **PART_OPTIONS)
+            self._writer.write_table(table, row_group_size=PART_ROW_GROUP)
+        except OSError as exc:
+            raise OutputError(f"cannot write {self.path}: {exc}") from None
+
+    def __exit__(self, exc_type, *rest) -> None:
+        try:
+            if exc_type is None and (self.buffered or self._writer is None):
+                self._flush(self.buffered)
+        finally:
+            if self._writer is not None:
+                self._writer.close()
+
+
 def _manifest(config: AnalyzeConfig, length: str, world_size: int, fp: dict, rows: np.ndarray, stats: dict) -> dict:
     """The metrics directory's ``_manifest.json`` (``rows``: rows per part, in rank order)."""
     cfg = artifacts.config_dict(config)
@@ -315,20 +408,30 @@ def _manifest(config: AnalyzeConfig, length: str, world_size: int, fp: dict, row
     }
 
 
-def _write_part(path: str, first_id: int, lengths: np.ndarray, difficulty: np.ndarray) -> None:
-    """One part file. ``sample_id`` is a run of consecutive integers: delta encoding stores it in
-    almost nothing and writes fast; dictionaries only where values repeat (lengths, difficulty)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+PART_ROW_GROUP = 1 << 20
+# sample_id is a run of consecutive integers: delta encoding stores it in almost nothing and writes
+# fast; dictionaries only where values repeat (lengths, difficulty)
+PART_OPTIONS = {"compression": "zstd", "compression_level": 1, "use_dictionary": ["length", "difficulty"],
+                "column_encoding": {"sample_id": "DELTA_BINARY_PACKED"}}
 
-    table = pa.table({
+
+def _part_table(first_id: int, lengths: np.ndarray, difficulty: np.ndarray):
+    import pyarrow as pa
+
+    return pa.table({
         "sample_id": pa.array(np.arange(first_id, first_id + len(lengths), dtype=np.int64)),
         "length": pa.array(lengths.astype(np.int64, copy=False)),
         "difficulty": pa.array(difficulty.astype(np.float64, copy=False)),
     })
+
+
+def _write_part(path: str, first_id: int, lengths: np.ndarray, difficulty: np.ndarray) -> None:
+    """One part file, written whole (sources whose row counts are known only once read)."""
+    import pyarrow.parquet as pq
+
     try:
-        pq.write_table(table, path, row_group_size=1 << 20, compression="zstd", compression_level=1,
-                       use_dictionary=["length", "difficulty"], column_encoding={"sample_id": "DELTA_BINARY_PACKED"})
+        pq.write_table(_part_table(first_id, lengths, difficulty), path, row_group_size=PART_ROW_GROUP,
+                       **PART_OPTIONS)
     except OSError as exc:
         raise OutputError(f"cannot write {path}: {exc}") from None
 

@@ -313,17 +313,31 @@ def plan(config: PlanConfig) -> PlanResult:
 
         return plan_mixture(config)
     t0 = time.perf_counter()
+    c = _resolved(config)
+    from ..runtime.dist import check_nproc
+    from .chunked.run import plan_chunked
+
+    check_nproc(c.nproc)
+    return plan_chunked(c, t0)
+
+
+def _resolved(config: PlanConfig) -> PlanConfig:
+    """The config with a ``--max-memory`` budget resolved, checked."""
     c = config
     if c.memory_profile is not None or c.max_memory is not None:  # budget = max_tokens/attention_cost from memory
         from varlen_cli.memory.budget import plan_config_for_memory
 
         c = plan_config_for_memory(c)
     check(c)
-    from ..runtime.dist import check_nproc
-    from .chunked.run import plan_chunked
+    return c
 
-    check_nproc(c.nproc)
-    return plan_chunked(c, t0)
+
+def plan_in_group(config: PlanConfig, d) -> PlanResult | None:
+    """``plan`` by every rank of an existing process group ``d`` (``varlen run``); rank 0's result."""
+    t0 = time.perf_counter()
+    from .chunked.run import plan_in_group as chunked
+
+    return chunked(_resolved(config), d, t0)
 
 
 def plan_in_memory(config: PlanConfig) -> PlanResult:

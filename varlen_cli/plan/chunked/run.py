@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from ...errors import InputError, UsageError, VarlenError, WorkerError
-from ...runtime import artifacts, freshness, safety
+from ...runtime import artifacts, freshness, rank0, safety
 from ...runtime.dist import Dist, fault_point, run_distributed, session
 from .. import cost_model
 from ..orders import CURRICULAR
@@ -45,7 +45,9 @@ def plan_chunked(c, t0: float | None = None):
     out.check()
     entry = functools.partial(_in_session, t0=t0)
     if c.nproc == 1:
-        return run_distributed(entry, c, 1)
+        if rank0.needs_group():  # a torchrun rank: every rank forms its share of the chunks
+            return entry(c)
+        return run_in_group(c, Dist(), t0)  # alone (a process group the caller made stays the caller's)
     with safety.output_lock(out.path, c.output):  # the launcher holds it; its workers inherit it
         try:
             return run_distributed(entry, c, c.nproc)
@@ -57,6 +59,12 @@ def plan_chunked(c, t0: float | None = None):
 def _in_session(c, t0: float):
     with session("cpu") as d:
         return _shared(d, lambda: run_in_group(c, d, t0))
+
+
+def plan_in_group(c, d: Dist, t0: float):
+    """The chunked plan by every rank of the caller's process group ``d`` (``varlen run``); the
+    result on rank 0, None elsewhere."""
+    return run_in_group(c, d, t0)
 
 
 def _shared(d: Dist, fn):
