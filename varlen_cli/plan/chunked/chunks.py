@@ -126,14 +126,72 @@ class InputRows:
         return out
 
 
-class ChunkSource:
-    """The chunks of one input for one kind of order: canonical id ranges (random, bucket-shuffle) or
-    ranges of the input's rows (curriculum; ``reverse`` reads them from the end)."""
+class Scatter:
+    """Canonical chunks of an input whose rows are not in sample_id order (a sorted directory read for
+    random or bucket-shuffle epochs): one pass, shared out by rank, writes each piece of rows
+    (pieces = the chunk bounds over rows) grouped by the chunk of each sample's id; chunk ``k`` then
+    reads its group of every piece (``K`` short reads) and puts the lengths in id order."""
 
-    def __init__(self, rows: InputRows, spec: ChunkSpec, curricular: bool, reverse: bool = False):
-        self.rows, self.spec, self.curricular, self.reverse = rows, spec, curricular, reverse
+    def __init__(self, rows: InputRows, spec: ChunkSpec, directory: str):
+        self.rows, self.spec, self.directory = rows, spec, directory
+
+    def _name(self, p: int) -> str:
+        return os.path.join(self.directory, f"scatter-{p:06d}")
+
+    def write(self, rank: int, world_size: int) -> None:
+        edges = self.spec.edges()
+        for p in range(rank, self.spec.count, world_size):
+            lo, hi = self.spec.bounds(p)
+            got = self.rows.read(lo, hi)
+            ids, length = got["sample_id"], got["length"]
+            if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.spec.n):
+                raise InputError(f"{self.rows.path} has sample ids outside 0..{self.spec.n - 1:,}")
+            chunk = (np.searchsorted(edges, ids, side="right") - 1).astype(np.int32)
+            order = np.argsort(chunk, kind="stable")
+            starts = np.searchsorted(chunk[order], np.arange(self.spec.count + 1)).astype(np.int64)
+            try:
+                ids[order].tofile(self._name(p) + ".ids")
+                length[order].tofile(self._name(p) + ".len")
+                np.save(self._name(p) + ".npy", starts)
+            except OSError as exc:
+                from ...errors import OutputError
+
+                raise OutputError(f"cannot write the plan's temporary files in {self.directory}: "
+                                  f"{exc.strerror or exc}") from None
 
     def read(self, k: int) -> ChunkData:
+        lo, hi = self.spec.bounds(k)
+        ids_parts, len_parts = [], []
+        for p in range(self.spec.count):
+            starts = np.load(self._name(p) + ".npy")
+            a, b = int(starts[k]), int(starts[k + 1])
+            for suffix, parts in ((".ids", ids_parts), (".len", len_parts)):
+                with open(self._name(p) + suffix, "rb") as fh:
+                    fh.seek(a * 8)
+                    parts.append(np.fromfile(fh, np.int64, b - a))
+        ids, length = np.concatenate(ids_parts), np.concatenate(len_parts)
+        seen = np.bincount(ids - lo, minlength=hi - lo)
+        if len(ids) != hi - lo or (seen != 1).any():
+            raise InputError(f"{self.rows.path}: sample ids are not 0..{self.spec.n - 1:,} each once (sample_id "
+                             f"{lo + int(np.flatnonzero(seen != 1)[0]):,} appears {int(seen[seen != 1][0])} times)")
+        dense = np.empty(hi - lo, np.int64)
+        dense[ids - lo] = length
+        return ChunkData(k, np.arange(lo, hi, dtype=np.int64), dense, lo)
+
+
+class ChunkSource:
+    """The chunks of one input for one kind of order: canonical id ranges (random, bucket-shuffle) or
+    ranges of the input's rows (curriculum; ``reverse`` reads them from the end). ``scatter``: the
+    canonical chunks of an input not in sample_id order (:class:`Scatter`)."""
+
+    def __init__(self, rows: InputRows, spec: ChunkSpec, curricular: bool, reverse: bool = False,
+                 scatter: Scatter | None = None):
+        self.rows, self.spec, self.curricular, self.reverse = rows, spec, curricular, reverse
+        self.scatter = scatter
+
+    def read(self, k: int) -> ChunkData:
+        if self.scatter is not None and not self.curricular:
+            return self.scatter.read(k)
         lo, hi = self.spec.bounds(k)
         if self.curricular:
             if self.reverse:  # chunk k of the reversed order: rows [n - hi, n - lo), read back to front

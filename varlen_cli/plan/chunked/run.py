@@ -23,7 +23,7 @@ from .. import cost_model
 from ..orders import CURRICULAR
 from ..shapes import Budget, ShapeMap, choose_edges
 from . import emit, spill
-from .chunks import ChunkSource, ChunkSpec, InputRows, chunk_rng, global_rng
+from .chunks import ChunkSource, ChunkSpec, InputRows, Scatter, chunk_rng, global_rng
 from .epoch import EpochRows, lay_out
 from .finish import finish
 from .form import PlanContext, form_chunk
@@ -161,7 +161,7 @@ def run_in_group(c, d: Dist, t0: float):
             phases = {"census": time.perf_counter()}
             ctx = context(c, manifest, rows, spec, d)
             phases["form"] = time.perf_counter()
-            _phase1(c, ctx, rows, spec, d, directory)
+            _phase1(c, ctx, rows, spec, d, directory, kind)
             d.barrier()
             if not d.is_main:
                 return None
@@ -190,8 +190,13 @@ class _locked:
         return self.cm.__exit__(*exc) if self.cm is not None else False
 
 
-def _phase1(c, ctx: PlanContext, rows: InputRows, spec: ChunkSpec, d: Dist, directory: str) -> None:
+def _phase1(c, ctx: PlanContext, rows: InputRows, spec: ChunkSpec, d: Dist, directory: str, kind: str) -> None:
     jobs = [(e, k) for e in range(c.epochs) for k in range(spec.count)]
+    scatter = None
+    if spec.count > 1 and kind != "metrics" and any(epoch_mode(c, e) not in CURRICULAR for e in range(c.epochs)):
+        scatter = Scatter(rows, spec, directory)  # canonical chunks of a sorted directory
+        scatter.write(d.rank, d.world_size)
+        d.barrier()
     cached: tuple | None = None
     for j, (e, k) in enumerate(jobs):
         if j % d.world_size != d.rank:
@@ -199,7 +204,7 @@ def _phase1(c, ctx: PlanContext, rows: InputRows, spec: ChunkSpec, d: Dist, dire
         mode = epoch_mode(c, e)
         key = (k, mode in CURRICULAR)
         if cached is None or cached[0] != key:
-            source = ChunkSource(rows, spec, curricular=mode in CURRICULAR, reverse=mode == "reverse")
+            source = ChunkSource(rows, spec, curricular=mode in CURRICULAR, reverse=mode == "reverse", scatter=scatter)
             cached = (key, source.read(k))
         cu = form_chunk(cached[1], ctx, mode, e, chunk_rng(c.seed, e, k), whole=spec.count == 1, config=c)
         spill.write(directory, cu)
