@@ -101,11 +101,22 @@ def write(path: str, overwrite: bool, epochs: list[EpochRows], fin: Finished, re
     names = ("ids", "item_length", "item_start") if packed else ("ids",)
     starts = np.concatenate([[0], np.cumsum([ep.count for ep in epochs])])
     total = int(starts[-1])
+    from concurrent.futures import ThreadPoolExecutor
+
+    def prepare(lo: int):
+        return _group(epochs, fin, readers, names, starts, lo, min(total, lo + group), dp, grad_accum, packed)
+
+    bounds = list(range(0, max(total, 1), group))
+    # one thread reads and gathers the next row group while this one is encoded (pyarrow and the
+    # reads release the GIL: the two overlap on two cores)
     try:
-        with pq.ParquetWriter(tmp_path, schema, **writer.parquet_options(schema)) as w:
-            for lo in range(0, max(total, 1), group):
-                hi = min(total, lo + group)
-                cols, items, offsets = _group(epochs, fin, readers, names, starts, lo, hi, dp, grad_accum, packed)
+        with pq.ParquetWriter(tmp_path, schema, **writer.parquet_options(schema)) as w, \
+                ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(prepare, bounds[0])
+            for i in range(len(bounds)):
+                cols, items, offsets = pending.result()
+                if i + 1 < len(bounds):
+                    pending = pool.submit(prepare, bounds[i + 1])
                 local = offsets.astype(np.int32)
                 arrays = []
                 for name in schema.names:
