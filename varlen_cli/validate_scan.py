@@ -147,13 +147,15 @@ class Coverage:
             self.outside = True
         if self.outside:
             return
-        epoch = w.cols["epoch"].astype(np.int64)[w.parent()]
+        row_epoch = w.cols["epoch"]
+        one = not w.n or int(row_epoch.min()) == int(row_epoch.max())  # the usual window: one epoch
+        epoch = None if one else row_epoch.astype(np.int64)[w.parent()]
         if self.split:
             first = w.values("sample_starts") == 0
-            ids, epoch = ids[first], epoch[first]
-        uniq = np.unique(epoch) if len(epoch) else np.zeros(0, np.int64)
-        for e in uniq.tolist():
-            mine = ids if len(uniq) == 1 else ids[epoch == e]
+            ids, epoch = ids[first], (None if one else epoch[first])
+        groups = [(int(row_epoch[0]), ids)] if one and w.n else \
+            [(int(e), ids[epoch == e]) for e in (np.unique(epoch).tolist() if epoch is not None else [])]
+        for e, mine in groups:
             self._epoch(int(e))
             if len(self.dup_ids) < MAX_EXAMPLES:
                 self.dup_ids += mine[self.bitmap.test(mine)][:MAX_EXAMPLES].tolist()

@@ -227,23 +227,25 @@ def test_table_tail_is_the_single_process_tail(counts, chunks, slots):
                  "tokens": sub.tokens, "nonempty": np.diff(sub.offsets)}
         tables.append(dataclasses.make_dataclass("T", ["units", "offsets", "candidates", "count"])(
             units, sub.offsets, cand, b - a))
-    cols = {name: np.concatenate([t.units[name] for t in tables]) for name in tables[0].units}
-    cols["chunk"] = np.repeat(np.arange(len(tables)), [t.count for t in tables])
-    cols["item_lo"] = np.concatenate([t.offsets[:-1] for t in tables])
-    start = np.concatenate([[0], np.cumsum([t.count for t in tables])])
+    from varlen_cli.plan.chunked.epoch import _concat
+
+    units, start = _concat(tables, ("count", "seqlen", "batch", "tokens", "nonempty"))
 
     def pieces(lengths_, off, extras):
         mb = batching.finalize_padded(np.arange(len(lengths_)), off, lengths_, shape, budget, False)
         return {"count": np.diff(off), "seqlen": mb.seqlen, "batch": mb.batch_size, "tokens": mb.tokens,
                 "nonempty": np.diff(off)}
 
-    got, dropped = tail.fix(cols, tables, start, slots, slots, 1, "split", pieces)
-    assert not len(dropped)
+    fix = tail.fix(units.cols["count"], tables, start, slots, slots, 1, "split", pieces)
+    assert not len(fix.dropped)
+    units.apply(fix)
+    seq = units.ids(np.arange(len(units)))
     chunk_first = np.concatenate([[0], np.cumsum([len(t.offsets) - 1 for t in tables])])
-    first_item = offsets[chunk_first[got["chunk"]]] + got["item_lo"]
+    first_item = offsets[chunk_first[units.take("chunk", seq).astype(np.int64)]] + units.take("item_lo", seq)
     assert np.array_equal(first_item, want.offsets[:-1])
-    assert np.array_equal(got["count"], np.diff(want.offsets))
-    assert np.array_equal(got["tokens"], want.tokens) and np.array_equal(got["seqlen"], want.seqlen)
+    assert np.array_equal(units.take("count", seq), np.diff(want.offsets))
+    assert np.array_equal(units.take("tokens", seq), want.tokens)
+    assert np.array_equal(units.take("seqlen", seq), want.seqlen)
 
 
 # -- workers ------------------------------------------------------------------------------------------

@@ -69,21 +69,22 @@ class GroupItems:
         return out, offsets
 
 
-def _local_rows(ep: EpochRows, rows: slice, counts: np.ndarray) -> np.ndarray:
-    """Row of each item inside its microbatch, for chunk-level packed rows (from the rows' item counts)."""
-    k = ep.cols["chunk"][rows].astype(np.int64)
-    row_lo = ep.cols["row_lo"][rows].astype(np.int64)
-    nrows = ep.cols["rows"][rows].astype(np.int64)
-    flat_counts = ep.row_counts_flat
-    first = ep.row_start[k] + row_lo
+def _local_rows(ep: EpochRows, lo: int, hi: int, counts: np.ndarray) -> np.ndarray:
+    """Row of each item inside its microbatch, for microbatches of R > 1 chunk rows (from the rows' item
+    counts; with R = 1 every item is in row 0)."""
+    if ep.rows is None:
+        return np.zeros(int(counts.sum()), np.int32)
+    k = ep.column("chunk", lo, hi).astype(np.int64)
+    first = ep.row_seq_start[k] + ep.column("row_lo", lo, hi).astype(np.int64)
+    nrows = ep.column("rows", lo, hi).astype(np.int64)
     row_off = np.concatenate([[0], np.cumsum(nrows)])
-    idx = batching.segment_gather(first, nrows, row_off)
-    per_row = flat_counts[idx].astype(np.int64)
-    local = np.arange(len(idx), dtype=np.int64) - np.repeat(row_off[:-1], nrows)
+    positions = batching.segment_gather(first, nrows, row_off)
+    per_row = ep.rows.take("count", ep.rows.ids(positions)).astype(np.int64)
+    local = np.arange(len(positions), dtype=np.int64) - np.repeat(row_off[:-1], nrows)
     out = np.repeat(local, per_row)
     if len(out) != int(counts.sum()):  # pragma: no cover - the tables disagree with the items
         raise OutputError("a packed microbatch's rows do not hold its items")
-    return out
+    return out.astype(np.int32)
 
 
 def write(path: str, overwrite: bool, epochs: list[EpochRows], fin: Finished, readers: list[list[ItemReader]],
@@ -136,24 +137,24 @@ def _group(epochs, fin: Finished, readers, names, starts, lo: int, hi: int, dp: 
         a, b = max(lo, int(starts[e])), min(hi, int(starts[e + 1]))
         if b <= a:
             continue
-        rows = slice(a - int(starts[e]), b - int(starts[e]))
-        step, rank, micro = row_positions(b - a, dp, grad_accum, rows.start)
+        lo_e, hi_e = a - int(starts[e]), b - int(starts[e])
+        step, rank, micro = row_positions(b - a, dp, grad_accum, lo_e)
         gstep = step + fin.step_start[e]
-        c = ep.cols
-        count = c["count"][rows]
+        count = ep.column("count", lo_e, hi_e)
+        batch, seqlen = ep.column("batch", lo_e, hi_e), ep.column("seqlen", lo_e, hi_e)
         cols = {"epoch": np.full(b - a, e, np.int32), "step": gstep, "rank": rank.astype(np.int32),
                 "micro": micro.astype(np.int32), "num_samples": count.astype(np.int32),
-                "seqlen": c["seqlen"][rows].astype(np.int32), "batch_size": c["batch"][rows].astype(np.int32),
-                "tokens": c["tokens"][rows].astype(np.int64), "lr_scale": fin.scales[gstep],
-                "shape_id": fin.shape_id[e][rows], "step_samples": fin.step_samples[gstep],
+                "seqlen": seqlen.astype(np.int32), "batch_size": batch.astype(np.int32),
+                "tokens": ep.column("tokens", lo_e, hi_e).astype(np.int64), "lr_scale": fin.scales[gstep],
+                "shape_id": fin.shape_id(batch, seqlen.astype(np.int64)), "step_samples": fin.step_samples[gstep],
                 "step_tokens": fin.step_tokens[gstep], "step_loss_tokens": fin.step_loss_tokens[gstep]}
         got, _ = GroupItems(readers[e], names + (("item_row",) if packed and ep.item_rows else ())).read(
-            c["chunk"][rows], c["item_lo"][rows], count)
+            ep.column("chunk", lo_e, hi_e), ep.column("item_lo", lo_e, hi_e), count)
         items = {"sample_ids": got["ids"]}
         if packed:
             items["sample_lengths"] = got["item_length"]
             items["sample_starts"] = got["item_start"]
-            items["sample_rows"] = got["item_row"] if ep.item_rows else _local_rows(ep, rows, count).astype(np.int32)
+            items["sample_rows"] = got["item_row"] if ep.item_rows else _local_rows(ep, lo_e, hi_e, count)
         parts_cols.append(cols)
         parts_items.append(items)
         parts_counts.append(count.astype(np.int64))

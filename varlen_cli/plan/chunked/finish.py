@@ -16,8 +16,7 @@ import numpy as np
 from ... import format
 from ...errors import InternalConsistencyError, UsageError
 from .. import lr, stats
-from ..shapes import pair_ids
-from .epoch import EpochRows
+from .epoch import BLOCK_ROWS, EpochRows
 from .form import LIST_LIMIT, PlanContext
 
 
@@ -30,54 +29,68 @@ def row_positions(m: int, dp: int, grad_accum: int, lo: int = 0) -> tuple[np.nda
 
 @dataclass
 class Finished:
-    """What the writer needs besides the epochs' rows: per-step columns and per-row shape ids."""
+    """What the writer needs besides the epochs' rows: per-step columns and the shapes."""
 
     step_start: list  # global step of each epoch's first step
     scales: np.ndarray  # per global step
     step_samples: np.ndarray
     step_tokens: np.ndarray
     step_loss_tokens: np.ndarray
-    shape_id: list  # per epoch, int32 per row
+    shape_keys: np.ndarray  # sorted (B << 32 | T) of the shapes: a row's shape_id is its key's index
+    fixed_b: bool  # B is part of a shape (static shapes, packing)
     metadata: dict
     summary: dict
     dropped_ids: np.ndarray
 
+    def shape_id(self, batch: np.ndarray, seqlen: np.ndarray) -> np.ndarray:
+        key = (batch.astype(np.int64) if self.fixed_b else np.zeros(len(seqlen), np.int64)) << 32 | seqlen
+        return np.searchsorted(self.shape_keys, key).astype(np.int32)
+
+
+def blocks(ep: EpochRows, slots: int):
+    """``(lo, hi)`` blocks of whole steps of an epoch's rows (bounded temporaries)."""
+    size = slots * max(1, BLOCK_ROWS // slots)
+    for lo in range(0, ep.count, size):
+        yield lo, min(ep.count, lo + size)
+
 
 def _step_sums(ep: EpochRows, slots: int, name: str) -> np.ndarray:
-    return ep.cols[name].astype(np.int64).reshape(-1, slots).sum(axis=1) if ep.count else np.zeros(0, np.int64)
+    parts = [ep.column(name, lo, hi).astype(np.int64).reshape(-1, slots).sum(axis=1) for lo, hi in blocks(ep, slots)]
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
-def _loads(ep: EpochRows, dp: int, grad_accum: int) -> np.ndarray:
-    step, rank, _ = row_positions(ep.count, dp, grad_accum)
-    return format.step_loads(step, rank, ep.cols["cost"], dp)
+def _total(ep: EpochRows, slots: int, name: str) -> int:
+    return sum(int(ep.column(name, lo, hi).astype(np.int64).sum()) for lo, hi in blocks(ep, slots))
 
 
 def _straggler(epochs: list[EpochRows], dp: int, grad_accum: int) -> tuple[np.ndarray, float]:
-    per_step, top, mean = [], [], []
+    per_step, top, mean = [], 0.0, 0.0
+    slots = dp * grad_accum
     for ep in epochs:
-        load = _loads(ep, dp, grad_accum)
-        m = load.mean(axis=1)
-        per_step.append(np.where(m > 0, load.max(axis=1) / np.where(m > 0, m, 1), 1.0))
-        top.append(load.max(axis=1))
-        mean.append(m)
+        for lo, hi in blocks(ep, slots):
+            step, rank, _ = row_positions(hi - lo, dp, grad_accum)
+            load = format.step_loads(step, rank, ep.column("cost", lo, hi), dp)
+            m = load.mean(axis=1)
+            per_step.append(np.where(m > 0, load.max(axis=1) / np.where(m > 0, m, 1), 1.0))
+            top += float(load.max(axis=1).sum())
+            mean += float(m.sum())
     strag = np.concatenate(per_step) if per_step else np.zeros(0)
-    mean_all = float(np.concatenate(mean).sum()) if mean else 0.0
-    overhead = float(np.concatenate(top).sum()) / mean_all - 1.0 if mean_all > 0 else 0.0
-    return strag, overhead
+    return strag, (top / mean - 1.0 if mean > 0 else 0.0)
 
 
 def _check_budget(c, ctx: PlanContext, epochs: list[EpochRows]) -> float:
     """The per-microbatch token budget; no microbatch over it, every T within int32 (``core._budget_tokens``)."""
     over, t_max = 0, 0
     for ep in epochs:
-        b, t = ep.cols["batch"].astype(np.int64), ep.cols["seqlen"].astype(np.int64)
-        if ctx.packing:
-            over += int(np.count_nonzero(ep.cols["tokens"] > b * t))
-            if c.max_tokens is not None:
+        for lo, hi in blocks(ep, ctx.slots):
+            b, t = ep.column("batch", lo, hi).astype(np.int64), ep.column("seqlen", lo, hi).astype(np.int64)
+            if ctx.packing:
+                over += int(np.count_nonzero(ep.column("tokens", lo, hi) > b * t))
+                if c.max_tokens is not None:
+                    over += int(np.count_nonzero(~ctx.budget.fits(b, t)))
+            else:
                 over += int(np.count_nonzero(~ctx.budget.fits(b, t)))
-        else:
-            over += int(np.count_nonzero(~ctx.budget.fits(b, t)))
-        t_max = max(t_max, int(t.max()) if len(t) else 0)
+            t_max = max(t_max, int(t.max()) if len(t) else 0)
     if over:
         raise InternalConsistencyError(f"{over} microbatches over budget")
     if t_max > format.INT32_MAX:
@@ -88,21 +101,22 @@ def _check_budget(c, ctx: PlanContext, epochs: list[EpochRows]) -> float:
     return float(c.max_tokens)
 
 
-def _shapes(c, ctx: PlanContext, epochs: list[EpochRows]) -> tuple[list, list]:
-    fixed_b = c.static_shapes or c.packing
-    sizes = [ep.count for ep in epochs]
-    seqlen = np.concatenate([ep.cols["seqlen"].astype(np.int64) for ep in epochs])
-    key_b = (np.concatenate([ep.cols["batch"].astype(np.int64) for ep in epochs]) if fixed_b
-             else np.zeros(len(seqlen), np.int64))
-    shape_b, shape_t, shape_id = pair_ids(key_b, seqlen)
-    shapes = [[int(x), int(y)] for x, y in zip(shape_b.tolist(), shape_t.tolist())]
-    cut = np.cumsum(sizes)[:-1]
-    return shapes, np.split(shape_id.astype(np.int32).reshape(-1), cut)
+def _shapes(c, ctx: PlanContext, epochs: list[EpochRows]) -> tuple[list, np.ndarray, bool]:
+    """The plan's (B, T) shapes sorted by (B, T) (B = 0 where it varies), as ``shapes.pair_ids`` sorts them."""
+    fixed_b = bool(c.static_shapes or c.packing)
+    keys = set()
+    for ep in epochs:
+        for lo, hi in blocks(ep, ctx.slots):
+            b = ep.column("batch", lo, hi).astype(np.int64) if fixed_b else np.zeros(hi - lo, np.int64)
+            keys.update(np.unique(b << 32 | ep.column("seqlen", lo, hi).astype(np.int64)).tolist())
+    shape_keys = np.array(sorted(keys), np.int64)
+    shapes = [[int(k >> 32), int(k & 0xFFFFFFFF)] for k in shape_keys.tolist()]
+    return shapes, shape_keys, fixed_b
 
 
 def _packing_info(c, ctx: PlanContext, epochs: list[EpochRows], packing_stats: list[dict]) -> dict:
-    tokens = sum(int(ep.cols["tokens"].sum()) for ep in epochs)
-    rows_used = sum(int(ep.cols["rows"].astype(np.int64).sum()) for ep in epochs)
+    tokens = sum(_total(ep, ctx.slots, "tokens") for ep in epochs)
+    rows_used = sum(_total(ep, ctx.slots, "rows") for ep in epochs)
     return {"seq_len": int(c.seq_len), "rows_per_microbatch": int(ctx.rows_per_mb), "max_per_row": c.max_per_row,
             "efficiency": tokens / (rows_used * c.seq_len) if rows_used else 1.0, "split_long": bool(c.split_long),
             "split_samples": int(sum(p["split_samples"] for p in packing_stats)),
@@ -120,12 +134,12 @@ def finish(c, ctx: PlanContext, manifest: dict, num_rows: int, epochs: list[Epoc
     num_steps = int(step_start[-1])
     step_samples = np.concatenate([_step_sums(ep, slots, "completed") for ep in epochs])
     step_tokens = np.concatenate([_step_sums(ep, slots, "tokens") for ep in epochs])
-    step_targets = np.concatenate([_step_sums(ep, slots, "tokens") - _step_sums(ep, slots, "lost") for ep in epochs])
+    step_targets = step_tokens - np.concatenate([_step_sums(ep, slots, "lost") for ep in epochs])
     scales, base = lr.lr_scales(step_samples, step_tokens, c.lr_scaling, c.lr_scale_by, c.base_batch_size)
     if not np.all(np.isfinite(scales)):
         raise UsageError(f"--base-batch-size {c.base_batch_size} gives a non-finite lr_scale; give a larger base "
                          "batch size")
-    shapes, shape_id = _shapes(c, ctx, epochs)
+    shapes, shape_keys, fixed_b = _shapes(c, ctx, epochs)
     budget_tokens = _check_budget(c, ctx, epochs)
     strag, overhead = _straggler(epochs, c.dp, c.grad_accum)
     tail_ids = [np.asarray(ep.tail_ids, np.int64) for ep in epochs]
@@ -133,15 +147,17 @@ def finish(c, ctx: PlanContext, manifest: dict, num_rows: int, epochs: list[Epoc
     dropped = Dropped(np.asarray(long_ids if listed else [], np.int64), tail_ids, c.epochs)
     dropped_all = dropped.all_ids()
     count = sum(ep.count for ep in epochs)
-    tokens = sum(int(ep.cols["tokens"].sum()) for ep in epochs)
-    padded = sum(int((ep.cols["batch"].astype(np.int64) * ep.cols["seqlen"].astype(np.int64)).sum()) for ep in epochs)
-    samples = sum(int(ep.cols["count"].astype(np.int64).sum()) for ep in epochs)
+    tokens = int(step_tokens.sum())
+    padded = 0
+    for ep in epochs:
+        for lo, hi in blocks(ep, slots):
+            padded += int((ep.column("batch", lo, hi).astype(np.int64) * ep.column("seqlen", lo, hi)).sum())
+    per_epoch = [_total(ep, slots, "count") for ep in epochs]
     summary = stats.summary(
-        num_steps=num_steps, num_microbatches=count, samples=samples, tokens=tokens, padded_tokens=padded,
+        num_steps=num_steps, num_microbatches=count, samples=sum(per_epoch), tokens=tokens, padded_tokens=padded,
         budget_tokens=budget_tokens, strag=strag, shapes=len(shapes), lr=scales,
         dropped=num_long * c.epochs + dropped.tail_count, over_budget=0, warmup_steps=epochs[0].warmup_steps,
-        epochs=c.epochs, samples_per_epoch=[int(ep.cols["count"].astype(np.int64).sum()) for ep in epochs],
-        seconds=time.perf_counter() - t0)
+        epochs=c.epochs, samples_per_epoch=per_epoch, seconds=time.perf_counter() - t0)
     summary["straggler_overhead"] = overhead
     if epochs[0].warmup_missing:
         summary["warmup_missing"] = int(epochs[0].warmup_missing)
@@ -170,12 +186,12 @@ def finish(c, ctx: PlanContext, manifest: dict, num_rows: int, epochs: list[Epoc
     if c.memory_profile is not None:
         from ...memory.budget import plan_memory_metadata
 
-        b = np.concatenate([ep.cols["batch"].astype(np.int64) for ep in epochs])
-        t = np.concatenate([ep.cols["seqlen"].astype(np.int64) for ep in epochs])
-        metadata["memory"] = plan_memory_metadata(c, b, t, np.concatenate(shape_id), len(shapes), bool(c.packing),
-                                                  None, None)
+        b = np.concatenate([ep.column("batch").astype(np.int64) for ep in epochs])
+        t = np.concatenate([ep.column("seqlen").astype(np.int64) for ep in epochs])
+        sid = np.searchsorted(shape_keys, (b if fixed_b else np.zeros(len(t), np.int64)) << 32 | t)
+        metadata["memory"] = plan_memory_metadata(c, b, t, sid, len(shapes), bool(c.packing), None, None)
         summary["predicted_peak_max"] = metadata["memory"]["predicted_peak_max"]
     if len(dropped_all) > LIST_LIMIT:
         dropped_all = dropped_all[:LIST_LIMIT]
-    return Finished(step_start, scales, step_samples, step_tokens, step_targets, shape_id, metadata, summary,
-                    dropped_all)
+    return Finished(step_start, scales, step_samples, step_tokens, step_targets, shape_keys, fixed_b, metadata,
+                    summary, dropped_all)
