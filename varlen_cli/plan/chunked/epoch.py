@@ -148,6 +148,11 @@ def _concat(tables: list, columns, const: dict | None = None) -> tuple[Units, np
     for name in ("count", "completed", "lost", "nonempty", "seqlen", "batch", "rows"):
         if name in cols:
             cols[name] = cols[name].astype(np.int32)
+    if "tokens" in cols and (not len(cols["tokens"]) or int(cols["tokens"].max()) < 1 << 31):
+        cols["tokens"] = cols["tokens"].astype(np.int32)
+    for t in tables:  # the chunks' own copies are freed; the tail reads its candidates' counts only
+        t.candidates["count"] = np.asarray(t.units["count"])[np.asarray(t.candidates.get("index", []), np.int64)]
+        t.units = None
     return Units(cols, counts, const), unit_start
 
 

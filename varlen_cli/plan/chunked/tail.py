@@ -43,7 +43,7 @@ def merged_candidates(tables: list, unit_start: np.ndarray) -> dict:
         if not len(cand.get("index", ())):
             continue
         index = np.asarray(cand["index"], np.int64)
-        parts = {"g": unit_start[k] + index, "count": t.units["count"][index].astype(np.int64)}
+        parts = {"g": unit_start[k] + index, "count": np.asarray(cand["count"]).astype(np.int64)}
         for name, values in cand.items():
             if name.startswith("half_"):
                 parts[name] = np.asarray(values).reshape(len(index), 2)
