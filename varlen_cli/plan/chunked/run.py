@@ -21,6 +21,7 @@ from ...runtime import artifacts, freshness, rank0, safety
 from ...runtime.dist import Dist, fault_point, run_distributed, session
 from .. import cost_model
 from ..orders import CURRICULAR
+from ..progress import PlanProgress
 from ..shapes import Budget, ShapeMap, choose_edges
 from . import emit, spill
 from .chunks import ChunkSource, ChunkSpec, InputRows, Scatter, chunk_rng, global_rng
@@ -155,22 +156,22 @@ def run_in_group(c, d: Dist, t0: float):
         raise InputError(f"{c.input} holds no samples")
     spec = ChunkSpec(rows.num_rows, int(c.chunk_samples))
     out = artifacts.AtomicFile(c.output, c.overwrite)
-    with _locked(d, out):
+    with _locked(d, out), PlanProgress(c.progress and d.is_main, c.epochs) as bar:
         directory = _spill_dir(d, out)
         try:
-            phases = {"census": time.perf_counter()}
+            bar.phase("read")
             ctx = context(c, manifest, rows, spec, d)
-            phases["form"] = time.perf_counter()
-            _phase1(c, ctx, rows, spec, d, directory, kind)
+            _phase1(c, ctx, rows, spec, d, directory, kind, bar)
             d.barrier()
             if not d.is_main:
                 return None
             _trim()
-            phases["layout"] = time.perf_counter()
-            return _phase23(c, ctx, manifest, rows, spec, directory, out, t0, phases)
+            result = _phase23(c, ctx, manifest, rows, spec, directory, out, t0, bar)
         finally:
             if d.is_main:
                 shutil.rmtree(directory, ignore_errors=True)
+    result.phases = dict(bar.seconds)
+    return result
 
 
 class _locked:
@@ -190,7 +191,8 @@ class _locked:
         return self.cm.__exit__(*exc) if self.cm is not None else False
 
 
-def _phase1(c, ctx: PlanContext, rows: InputRows, spec: ChunkSpec, d: Dist, directory: str, kind: str) -> None:
+def _phase1(c, ctx: PlanContext, rows: InputRows, spec: ChunkSpec, d: Dist, directory: str, kind: str,
+            bar: PlanProgress) -> None:
     jobs = [(e, k) for e in range(c.epochs) for k in range(spec.count)]
     scatter = None
     if spec.count > 1 and kind != "metrics" and any(epoch_mode(c, e) not in CURRICULAR for e in range(c.epochs)):
@@ -198,9 +200,13 @@ def _phase1(c, ctx: PlanContext, rows: InputRows, spec: ChunkSpec, d: Dist, dire
         scatter.write(d.rank, d.world_size)
         d.barrier()
     cached: tuple | None = None
+    shown = None
     for j, (e, k) in enumerate(jobs):
         if j % d.world_size != d.rank:
             continue
+        if e != shown:
+            bar.phase(f"form epoch {e + 1}/{c.epochs}")
+            shown = e
         mode = epoch_mode(c, e)
         key = (k, mode in CURRICULAR)
         if cached is None or cached[0] != key:
@@ -239,7 +245,7 @@ def _shortest(tables) -> int:
 
 
 def _phase23(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSpec, directory: str,
-             out: artifacts.AtomicFile, t0: float, phases: dict):
+             out: artifacts.AtomicFile, t0: float, bar: PlanProgress):
     from ..core import PlanResult
 
     epochs: list[EpochRows] = []
@@ -255,6 +261,7 @@ def _phase23(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSp
         if c.packing:
             packing_stats.append(_packing_stats(tables))
         mode = epoch_mode(c, e)
+        bar.phase(f"layout epoch {e + 1}/{c.epochs}")
         ep = lay_out(tables, ctx, mode, global_rng(c.seed, e), warmup=c.compile_warmup and e == 0,
                      schedule=c.schedule, stages=c.stages)
         dropped = _tail_ids(directory, tables, ep)
@@ -263,10 +270,11 @@ def _phase23(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSp
         epochs.append(ep)
         readers.append([spill.ItemReader(directory, t) for t in tables])
         del tables
+    bar.phase("columns")
     fin = finish(c, ctx, manifest, rows.num_rows, epochs, long_ids=long_ids, num_long=num_long,
                  packing_stats=packing_stats, fixed_batch=fixed_batch, t0=t0)
     fin.metadata["chunks"]["count"] = spec.count
-    phases["write"] = time.perf_counter()
+    bar.phase("write")
     try:
         emit.write(c.output, c.overwrite, epochs, fin, readers, c.dp, c.grad_accum, bool(c.packing), out.tmp)
         fault_point("plan.write")
@@ -279,12 +287,10 @@ def _phase23(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSp
             for r in rs:
                 r.close()
     fin.summary["seconds"] = time.perf_counter() - t0
-    marks = list(phases.items()) + [("end", time.perf_counter())]
-    seconds = {name: round(marks[i + 1][1] - at, 3) for i, (name, at) in enumerate(marks[:-1])}
     return PlanResult(output=os.path.abspath(c.output), order=c.order, num_steps=int(fin.step_start[-1]),
                       num_microbatches=sum(ep.count for ep in epochs), stats=fin.summary,
                       packing=fin.metadata.get("packing"), dropped_ids=fin.dropped_ids,
-                      seconds=fin.summary["seconds"], metadata=fin.metadata, phases=seconds)
+                      seconds=fin.summary["seconds"], metadata=fin.metadata)
 
 
 def _tail_ids(directory: str, tables: list, ep: EpochRows) -> np.ndarray:
