@@ -82,6 +82,7 @@ class ChunkUnits:
     units: dict  # column -> per-unit array
     offsets: np.ndarray  # int64, units + 1: items of unit u are items[offsets[u]:offsets[u + 1]]
     items: dict  # "ids" (+ packed: "item_length", "item_start", "item_row")
+    id_base: int | None = None  # items["ids"] are positions: the sample id is id_base + position
     candidates: dict = field(default_factory=dict)
     long_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     num_long: int = 0
@@ -157,8 +158,8 @@ def _empty(ctx: PlanContext, mode: str) -> ChunkUnits:
             items.update(item_length=np.zeros(0, np.int32), item_start=np.zeros(0, np.int32),
                          item_row=np.zeros(0, np.int32))
     units = {name: np.zeros(0, np.float64 if name == "sumsq" else np.int64) for name in cols}
-    out = ChunkUnits(0, 0, ctx.level(mode), units, np.zeros(1, np.int64), items, {"index": np.zeros(0, np.int64),
-                                                                                    "complete": True})
+    out = ChunkUnits(0, 0, ctx.level(mode), units, np.zeros(1, np.int64), items,
+                     candidates={"index": np.zeros(0, np.int64), "complete": True})
     out.ranked = ctx.ranked
     if ctx.packing:
         out.packing = {"rows": 0, "items": 0, "tokens": 0, "split_samples": 0, "samples_per_row_max": 0}
@@ -177,16 +178,16 @@ def _whole_epoch(chunk: ChunkData, ctx: PlanContext, mode: str, seq: np.ndarray,
     mb = formed.mb
     if mb.samples is None:  # a deferred reorder (bucket-shuffle): gather the samples once
         mb = mb.take(np.arange(mb.count))
+    items, id_base = _ids(chunk, mb.samples)
     if ctx.packing:
         units = _packed_mb_units(mb, chunk.length)
-        items = {"ids": chunk.ids[mb.samples], "item_length": mb.item_length.astype(np.int32),
-                 "item_start": mb.item_start.astype(np.int32), "item_row": mb.item_row.astype(np.int32)}
+        items.update(item_length=mb.item_length.astype(np.int32), item_start=mb.item_start.astype(np.int32),
+                     item_row=mb.item_row.astype(np.int32))
         info = dict(formed.packing_stats or {})
     else:
-        units = _padded_units(mb, chunk.length)
-        items = {"ids": chunk.ids[mb.samples]}
+        units = _padded_units(mb, chunk.length, all_nonempty=chunk.n > 0 and int(chunk.length.min()) > 0)
         info = None
-    out = ChunkUnits(0, 0, "epoch", units, mb.offsets, items, packing=info)
+    out = ChunkUnits(0, 0, "epoch", units, mb.offsets, items, id_base, packing=info)
     out.tail_ids = chunk.ids[formed.dropped] if len(formed.dropped) else np.zeros(0, np.int64)
     out.ranked = bool(formed.ranked)
     out.fixed_batch = formers.random.fixed_batch
@@ -221,9 +222,17 @@ def _padded(chunk: ChunkData, ctx: PlanContext, mode: str, seq: np.ndarray, rng)
     else:
         lens = length[seq]
         mb = batching.form_sequence(seq, length, shape, budget, ctx.static, shape(lens), lens)
-    units = _padded_units(mb, length)
+    units = _padded_units(mb, length, all_nonempty=chunk.n > 0 and int(length.min()) > 0)
     cands = _padded_candidates(mb, length, ctx)
-    return ChunkUnits(0, 0, "unit", units, mb.offsets, {"ids": chunk.ids[mb.samples]}, cands)
+    return ChunkUnits(0, 0, "unit", units, mb.offsets, *_ids(chunk, mb.samples), candidates=cands)
+
+
+def _ids(chunk: ChunkData, positions: np.ndarray) -> tuple[dict, int | None]:
+    """The items' sample ids: the positions themselves (and the chunk's first id) when the chunk's
+    ids are a range, so no gather is needed."""
+    if chunk.first_id is not None:
+        return {"ids": positions}, chunk.first_id
+    return {"ids": chunk.ids[positions]}, None
 
 
 def _random(seq: np.ndarray, length: np.ndarray, ctx: PlanContext, rng) -> Microbatches:
@@ -234,10 +243,14 @@ def _random(seq: np.ndarray, length: np.ndarray, ctx: PlanContext, rng) -> Micro
     return batching.finalize_padded(perm, off, length, ctx.shape, ctx.budget, ctx.static, fixed_batch=b)
 
 
-def _padded_units(mb: Microbatches, length: np.ndarray) -> dict:
+def _padded_units(mb: Microbatches, length: np.ndarray, all_nonempty: bool = False) -> dict:
     counts = np.diff(mb.offsets)
-    nonempty = batching.segment_sum((length[mb.samples] > 0).astype(np.int32), mb.offsets) if len(mb.samples) \
-        else np.zeros(mb.count, np.int64)
+    if all_nonempty:  # no empty sample: every entry has a loss target to lose (no gather)
+        nonempty = counts
+    elif len(mb.samples):
+        nonempty = batching.segment_sum((length[mb.samples] > 0).astype(np.int32), mb.offsets)
+    else:
+        nonempty = np.zeros(mb.count, np.int64)
     return {"count": counts.astype(np.int32), "seqlen": mb.seqlen.astype(np.int32),
             "batch": mb.batch_size.astype(np.int32), "tokens": mb.tokens.astype(np.int64),
             "nonempty": nonempty.astype(np.int32)}

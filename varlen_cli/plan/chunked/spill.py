@@ -37,11 +37,17 @@ def _write_raw(path: str, values: np.ndarray) -> None:
 def write(directory: str, cu: ChunkUnits) -> None:
     """Write one chunk's units and items (raises OutputError on a full disk)."""
     name = os.path.join(directory, job_name(cu.epoch, cu.chunk))
-    ids = np.asarray(cu.items["ids"], np.int64)
-    base = int(ids.min()) if len(ids) else 0
-    small = not len(ids) or int(ids.max()) - base < 1 << 32
+    ids = np.asarray(cu.items["ids"])
+    if cu.id_base is not None:  # positions of a chunk whose ids are a range: the ids are base + position
+        base, small = int(cu.id_base), not len(ids) or int(ids.max()) < 1 << 32
+        ids_out = ids.astype(np.uint32) if small else ids.astype(np.int64) + base
+    else:
+        ids = ids.astype(np.int64, copy=False)
+        base = int(ids.min()) if len(ids) else 0
+        small = not len(ids) or int(ids.max()) - base < 1 << 32
+        ids_out = (ids - base).astype(np.uint32) if small else ids
     header = {"epoch": cu.epoch, "chunk": cu.chunk, "level": cu.level, "count": cu.count, "items": int(len(ids)),
-              "ids_base": base, "ids_dtype": "uint32" if small else "int64", "num_long": cu.num_long,
+              "ids_base": base if small else 0, "ids_dtype": "uint32" if small else "int64", "num_long": cu.num_long,
               "longest": cu.longest, "shortest": cu.shortest, "packing": cu.packing, "item_arrays": sorted(cu.items),
               "complete": bool(cu.candidates.get("complete", True)),
               "ranked": cu.ranked, "fixed_batch": cu.fixed_batch}
@@ -52,7 +58,7 @@ def write(directory: str, cu: ChunkUnits) -> None:
     try:
         for item, values in cu.items.items():
             if item == "ids":
-                values = (ids - base).astype(np.uint32) if small else ids
+                values = ids_out
             else:
                 values = np.asarray(values, ITEM_DTYPES[item])
             _write_raw(f"{name}.{item}.bin", values)
