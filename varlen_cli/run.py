@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from . import analyze as analyze_stage
-from . import format
+from . import format, storage
 from .analyze import AnalyzeConfig
 from .errors import UsageError
 from .runtime import artifacts, safety
@@ -109,6 +109,9 @@ def run(config: RunConfig) -> RunResult | None:
         sort_stage.check(s)
     # without --max-tokens the budget is chosen after analyze; check the other plan options now
     plan_stage.check(p if p.max_tokens is not None or p.packing else replace(p, max_tokens=AUTO_MIN_BUDGET))
+    if storage.is_remote(config.output):
+        raise UsageError(f"varlen run writes a local output directory, not {config.output}; run analyze and sort "
+                         "with -o URL instead")
     out = os.path.abspath(config.output)
     safety.check_no_overlap(config.output, config.sources)
     safety.check_replaceable(config.output, config.overwrite, "dir")

@@ -116,7 +116,11 @@ def validate(config: ValidateConfig) -> ValidateResult:
         result.checks.append(Check("memory", *memory_check(cols["batch_size"], cols["seqlen"], meta,
                                                            config.max_memory, config.memory_profile)))
     result.checks.append(_check_straggler(table, cols, meta))
-    result.checks.append(_check_loss_tokens(cols, packing, lengths))
+    if meta.get("loss_tokens") == "target_length":  # analyze --target-length: not derived from the lengths
+        result.checks.append(Check("loss tokens", True, "the plan counts the metrics' target_length (assistant "
+                                   "tokens), not lengths", skipped=True))
+    else:
+        result.checks.append(_check_loss_tokens(cols, packing, lengths))
     return result
 
 
@@ -413,7 +417,10 @@ def _check_lr(c: dict, meta: dict) -> Check:
     by = meta.get("lr_scale_by", meta.get("config", {}).get("lr_scale_by", "samples"))
     base = meta.get("base_batch_size")
     step = c["step"]
-    per_step = np.bincount(step, weights=c["tokens"] if by == "tokens" else _completed(c))[step]
+    if by == "tokens" and meta.get("loss_tokens") == "target_length":  # tokens that carry loss (assistant-only)
+        per_step = c["step_loss_tokens"].astype(np.float64)
+    else:
+        per_step = np.bincount(step, weights=c["tokens"] if by == "tokens" else _completed(c))[step]
     if mode == "none":
         want = np.ones(len(step))
     else:

@@ -45,7 +45,8 @@ CASES = {
         [str(t / "*.parquet")], f"no data files (Parquet, Arrow, JSONL, text) match {t / '*.parquet'}", 3),
     "unsupported file": lambda t: (
         [str((t / "x.csv").write_text("a,b\n") and t / "x.csv")],
-        f"unsupported source file {t / 'x.csv'}: expected .parquet, .arrow/.feather, .jsonl[.gz] or .txt[.gz]", 3),
+        f"unsupported source file {t / 'x.csv'}: expected .parquet, .arrow/.feather, .jsonl[.gz], .txt[.gz], a "
+        "Megatron .idx, an MDS index.json or WebDataset .tar shards", 3),
     "corrupt parquet": lambda t: (
         [str((t / "bad.parquet").write_bytes(b"not parquet at all") and t / "bad.parquet")],
         re.compile(re.escape(f"cannot read Parquet file {t / 'bad.parquet'}: ") + r".+"), 3),
@@ -89,7 +90,7 @@ CASES = {
         "the sources hold no samples (empty dataset)", 3),
     "missing tokenizer": lambda t: (
         [sample("text.parquet"), "--tokenizer", str(t / "tok.json")],
-        f"tokenizer file {t / 'tok.json'} does not exist", 3),
+        f"tokenizer file or directory {t / 'tok.json'} does not exist", 3),
     "invalid tokenizer": lambda t: (
         [sample("text.parquet"), "--tokenizer",
          str((t / "tok.json").write_text('{"version": "1.0"}') and t / "tok.json")],
@@ -102,7 +103,8 @@ CASES = {
         "--length list:COLUMN on a column of token ids", 2),
     "bad --length": lambda t: (
         [sample("text.parquet"), "--length", "tokens"],
-        "--length must be KIND:COLUMN with KIND one of list, tokens, chars, bytes, words, value; got 'tokens'", 2),
+        "--length must be KIND:COLUMN with KIND one of list, tokens, chars, bytes, words, value, chat; "
+        "got 'tokens'", 2),
     "bad --difficulty": lambda t: (
         [sample("text.parquet"), "--difficulty", "hardness"],
         "--difficulty must be length, value:COLUMN, vocab-rarity or MODULE:FUNCTION; got 'hardness'", 2),

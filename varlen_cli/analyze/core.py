@@ -14,12 +14,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .. import storage
 from ..errors import InputError, OutputError, UsageError
 from ..runtime import artifacts
 from ..runtime.choices import NPROC_HELP, Device, check_choices, doc
 from ..runtime.dist import Dist, fault_point
 from ..runtime.executor import execute
 from ..runtime.progress import JobProgress
+from . import formats, hf_tokenizer
+from .chat import chat_lengths, check_target
+from .chat import check_tokenizer as check_chat_tokenizer
 from .difficulty import call_function, load_function, parse_difficulty, rarity
 from .lengths import (
     LengthSpec,
@@ -34,6 +38,17 @@ from .lengths import (
 from .sources import DEFAULT_CHUNK_BYTES, Reader, SourceFile, Unit, assign, discover, fingerprint, make_units
 from .stats import FloatSummary, LengthStats, distribution, float_summary
 
+STORAGE_OPTION_HELP = ("KEY=VALUE passed to the object-storage filesystem of s3://, gs://, hf://... sources and "
+                       "outputs (repeatable; JSON values parsed); credentials and endpoints otherwise come from the "
+                       "standard environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...).")
+LENGTH_HELP = ("KIND:COLUMN with KIND list, tokens, chars, bytes, words, value or chat; 'auto' picks a list column "
+               "input_ids/tokens/token_ids, then text (tokens with --tokenizer, else chars), then "
+               "num_tokens/length/duration.")
+TOKENIZER_HELP = ("A tokenizer.json file, or a directory transformers.AutoTokenizer loads (sentencepiece and tiktoken "
+                  "models too), for --length tokens:COLUMN and chat:COLUMN (truncation and padding are switched off).")
+TARGET_LENGTH_HELP = ("With --length chat:COLUMN: 'assistant' also stores target_length, the tokens that carry loss "
+                      "under assistant-only training (the chat template's {% generation %} mask); plans then count "
+                      "those as loss tokens.")
 RARITY_CACHE_BYTES = 512 << 20  # token ids a worker keeps between the two vocab-rarity passes
 
 
@@ -42,14 +57,15 @@ class AnalyzeConfig:
     """Options of ``varlen analyze`` (see ``varlen analyze --help``)."""
 
     sources: tuple = doc(help="Parquet/Arrow/JSONL/text files, directories, globs, or a Hugging Face save_to_disk "
-                              "directory; rows are numbered over the files in sorted path order.")
-    output: str = doc(help="Metrics directory to write (part-*.parquet + _manifest.json), atomically.")
-    length: str = doc("auto", "KIND:COLUMN with KIND list, tokens, chars, bytes, words or value; 'auto' picks a list "
-                              "column input_ids/tokens/token_ids, then text (tokens with --tokenizer, else chars), "
-                              "then num_tokens/length/duration.")
-    tokenizer: str | None = doc(None, "tokenizer.json for --length tokens:COLUMN (truncation and padding are switched "
-                                      "off).")
+                              "directory, local or in object storage (s3://, gs://, hf://, https:// URLs, prefixes "
+                              "and globs), a Megatron PREFIX.idx, an MDS index.json directory or WebDataset .tar "
+                              "shards; rows are numbered over the files in sorted path order.")
+    output: str = doc(help="Metrics directory to write (part-*.parquet + _manifest.json), atomically; or an "
+                           "s3://... prefix (published manifest last).")
+    length: str = doc("auto", LENGTH_HELP)
+    tokenizer: str | None = doc(None, TOKENIZER_HELP)
     special_tokens: bool = doc(True, "Count the tokenizer's special tokens (BOS/EOS, CLS/SEP).")
+    target_length: str | None = doc(None, TARGET_LENGTH_HELP)
     frames_per_second: float | None = doc(None, "With --length value:COLUMN in seconds: frames = ceil(seconds x F).")
     difficulty: str = doc("length", "Curriculum key: length, value:COLUMN, vocab-rarity, or MODULE:FUNCTION "
                                     "(RecordBatch -> one value per row).")
@@ -58,6 +74,7 @@ class AnalyzeConfig:
     device: Device = doc("cpu", "cpu (--nproc: local group; torchrun: gloo) or cuda (nccl).")
     chunk_bytes: int = doc(DEFAULT_CHUNK_BYTES, "Bytes of input a worker reads per chunk.")
     progress: bool = doc(True, "Show a progress bar on rank 0 (only on a terminal).")
+    storage_options: tuple = doc((), STORAGE_OPTION_HELP)
 
 
 @dataclass
@@ -87,10 +104,14 @@ def check(config: AnalyzeConfig) -> None:
         raise UsageError("give at least one SOURCE")
     if config.length != "auto":
         parse_length(config.length)
+    check_target(config.target_length)
+    if config.target_length is not None and not config.length.startswith("chat:"):
+        raise UsageError("--target-length needs --length chat:COLUMN (the loss mask comes from the chat template)")
     parse_difficulty(config.difficulty)
     check_frames_per_second(config.frames_per_second)
     if config.chunk_bytes < 1:
         raise UsageError("chunk_bytes must be positive")
+    storage.parse_options(config.storage_options)
 
 
 class _Work:
@@ -100,10 +121,15 @@ class _Work:
         self.config = config
         self.files = files
         self.difficulty = parse_difficulty(config.difficulty)
-        self.tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else None
-        self.length = parse_length(config.length) if config.length != "auto" else self._auto_length()
+        self.length = parse_length(config.length) if config.length != "auto" else None
+        self.hf, self.tokenizer = _load_tokenizers(config, self.length)
+        if self.length is None:
+            self.length = self._auto_length()
         if self.length.kind == "tokens" and self.tokenizer is None:
             raise UsageError(f"--length {self.length} needs --tokenizer FILE")
+        # every source with documents (Megatron indexes): the global document number of each sample
+        self.doc_offsets = formats.document_offsets([f.path for f in files], [f.format for f in files],
+                                                    [f.size for f in files])
         if self.difficulty.kind == "vocab-rarity" and self.length.kind not in ("tokens", "list"):
             raise UsageError(
                 "--difficulty vocab-rarity needs token ids: use --length tokens:COLUMN --tokenizer FILE "
@@ -113,6 +139,8 @@ class _Work:
         columns = [self.length.column]
         if self.difficulty.kind == "value" and self.difficulty.column not in columns:
             columns.append(self.difficulty.column)
+        if self.doc_offsets is not None and "document" not in columns:
+            columns.append("document")
         self.columns = columns
         self.reader = Reader()
 
@@ -136,17 +164,36 @@ class _Work:
         f = self.files[unit.file]
         return self.reader.read(f, unit, None if all_columns else self.columns)
 
+    def extra_names(self) -> list[str]:
+        return (["target_length"] if self.config.target_length is not None else []) + (
+            ["document"] if self.doc_offsets is not None else [])
+
+    def extra_columns(self, unit: Unit, table, target: np.ndarray | None) -> dict:
+        """The metrics columns beyond length and difficulty: ``target_length``, ``document``."""
+        out = {}
+        if target is not None:
+            out["target_length"] = target
+        if self.doc_offsets is not None:
+            docs = table.column("document").to_numpy(zero_copy_only=False) if len(table) else np.zeros(0, np.int64)
+            out["document"] = docs.astype(np.int64, copy=False) + self.doc_offsets[unit.file]
+        return out
+
     def lengths_and_ids(self, unit: Unit, want_ids: bool):
-        """Lengths of the unit's rows (and flat token ids when ``want_ids``), plus the table read."""
+        """Lengths of the unit's rows (and flat token ids when ``want_ids``), the table read, and the
+        unit's extra metrics columns."""
         table = self.read(unit, all_columns=self.function is not None)
         column = table.column(self.length.column)
         where = self.where(unit)
+        if self.length.kind == "chat":
+            lengths, target = chat_lengths(self.hf, column, self.length.column, where,
+                                           self.config.target_length is not None)
+            return lengths, None, table, self.extra_columns(unit, table, target)
         if want_ids and self.length.kind == "tokens":
             if len(column) and column.null_count:
                 raise InputError(f"column '{self.length.column}' has {column.null_count} null values in {where}")
             lengths, ids = token_lengths(self.tokenizer, column.combine_chunks() if len(column) else column,
                                          self.config.special_tokens, with_ids=True)
-            return lengths, ids, table
+            return lengths, ids, table, self.extra_columns(unit, table, None)
         lengths = compute_lengths(column, self.length, where, self.tokenizer, self.config.special_tokens,
                                   self.config.frames_per_second)
         ids = None
@@ -162,7 +209,7 @@ class _Work:
                 ids = ids.astype(np.int64)
             if len(ids) and ids.min() < 0:
                 raise InputError(f"column '{self.length.column}' has negative token ids in {where}")
-        return lengths, ids, table
+        return lengths, ids, table, self.extra_columns(unit, table, None)
 
     def difficulty_values(self, unit: Unit, lengths: np.ndarray, table) -> np.ndarray:
         kind = self.difficulty.kind
@@ -189,15 +236,15 @@ def _schema_of(f: SourceFile):
         return parquet_file(f.path).schema_arrow
     if f.format == "arrow":
         return open_arrow(f.path)[0].schema
+    if f.format in formats.NAMES:
+        return formats.schema(f.path, f.format, f.size)
     # JSONL: the first rows tell the columns.
     import pyarrow as pa
 
+    from .. import storage
+    from .sources import read_decompressed
 
-    try:
-        with open(f.path, "rb") if not f.compression else pa.input_stream(f.path, compression=f.compression) as fh:
-            head = fh.read(1 << 20)
-    except OSError as exc:
-        raise InputError(f"cannot read {f.path}: {exc}") from None
+    head = read_decompressed(f, 1 << 20) if f.compression else storage.read_range(f.path, 0, min(f.size, 1 << 20))
     cut = head.rfind(b"\n")
     sample = head[: cut + 1] if cut >= 0 else head
     import pyarrow.json as pj
@@ -216,6 +263,7 @@ def _is_int(t) -> bool:
 
 def run_in_group(config: AnalyzeConfig, d: Dist, out: artifacts.AtomicDir, t0: float) -> AnalyzeResult | None:
     """One rank's share of ``varlen analyze``, writing into the shared temporary output ``out``."""
+    storage.configure(config.storage_options)
     files = discover(config.sources)
     units = make_units(files, config.chunk_bytes)
     lo, hi = assign(units, d.world_size, d.rank)
@@ -226,14 +274,15 @@ def run_in_group(config: AnalyzeConfig, d: Dist, out: artifacts.AtomicDir, t0: f
         return _run_streaming(config, d, out, t0, files, units, lo, hi, work)
     total_weight = sum(u.weight for u in units) * (2 if rarity_mode else 1)
 
-    lengths_parts, diff_parts, unit_rows = [], [], []
+    lengths_parts, diff_parts, unit_rows, extra_parts = [], [], [], []
     ids_cache: list = []  # vocab-rarity: each unit's token ids, kept while they fit RARITY_CACHE_BYTES
     cached_bytes = 0
     max_id, counts = -1, None
     with JobProgress(d, total_weight, "analyze", show=config.progress) as bar:
         for unit in mine:
-            lengths, ids, table = work.lengths_and_ids(unit, want_ids=rarity_mode)
+            lengths, ids, table, extras = work.lengths_and_ids(unit, want_ids=rarity_mode)
             lengths_parts.append(lengths)
+            extra_parts.append(extras)
             unit_rows.append(len(lengths))
             if rarity_mode:
                 if len(ids):
@@ -273,19 +322,27 @@ def run_in_group(config: AnalyzeConfig, d: Dist, out: artifacts.AtomicDir, t0: f
         raise InputError("the sources hold no samples (empty dataset)")
     first_id = int(rows[: d.rank].sum())
 
-    _write_part(out.file(artifacts.part_name(d.rank)), first_id, lengths, difficulty)
+    extras = {name: np.concatenate([e[name] for e in extra_parts]) if extra_parts else np.zeros(0, np.int64)
+              for name in work.extra_names()}
+    _write_part(out.file(artifacts.part_name(d.rank)), first_id, lengths, difficulty, extras)
 
     # Rows per file, for the dataset fingerprint: each rank knows its units' rows.
     per_file = np.zeros(len(files), dtype=np.int64)
     np.add.at(per_file, np.array([u.file for u in mine], dtype=np.int64), np.array(unit_rows, dtype=np.int64))
     per_file = d.all_reduce(per_file)
+    all_unit_rows = np.zeros(len(units), dtype=np.int64)
+    all_unit_rows[lo:hi] = unit_rows
+    all_unit_rows = d.all_reduce(all_unit_rows)
     length_stats = distribution(lengths, d)
     diff_stats = float_summary(diff_parts, total_rows, d)
+    stats = {"length": length_stats, "difficulty": diff_stats}
+    if "target_length" in extras:  # a collective: every rank
+        stats["target_length"] = distribution(extras["target_length"], d)
     d.barrier()  # every part is written
     if not d.is_main:
         return None
-    manifest = _manifest(config, str(work.length), d.world_size, fingerprint(files, per_file.tolist()), rows,
-                         {"length": length_stats, "difficulty": diff_stats})
+    fp = _with_chunks(fingerprint(files, per_file.tolist()), files, units, all_unit_rows)
+    manifest = _manifest(config, str(work.length), d.world_size, fp, rows, stats, list(extras))
     artifacts.atomic_write_json(out.file(artifacts.MANIFEST_NAME), manifest)
     out.commit()
     return AnalyzeResult(
@@ -306,10 +363,11 @@ def _run_streaming(config: AnalyzeConfig, d: Dist, out: artifacts.AtomicDir, t0:
         raise InputError("the sources hold no samples (empty dataset)")
     first_id = int(rows_all[:lo].sum())
     length_stats, diff_stats = LengthStats(), FloatSummary(total_rows)
+    extra_stats = {name: LengthStats() for name in work.extra_names() if name == "target_length"}
     writer = _PartWriter(out.file(artifacts.part_name(d.rank)), first_id)
     with JobProgress(d, int(sum(u.weight for u in units)), "analyze", show=config.progress) as bar, writer:
         for unit in units[lo:hi]:
-            lengths, _, table = work.lengths_and_ids(unit, want_ids=False)
+            lengths, _, table, extras = work.lengths_and_ids(unit, want_ids=False)
             if len(lengths) != unit.rows:
                 raise InputError(f"{work.where(unit)} changed while it was read: {len(lengths):,} rows where its "
                                  f"metadata says {unit.rows:,}")
@@ -317,26 +375,29 @@ def _run_streaming(config: AnalyzeConfig, d: Dist, out: artifacts.AtomicDir, t0:
             del table
             length_stats.add(lengths)
             diff_stats.add(difficulty)
-            writer.add(lengths, difficulty)
+            for name, acc in extra_stats.items():
+                acc.add(extras[name])
+            writer.add(lengths, difficulty, extras)
             bar.advance(unit.weight)
             fault_point("analyze.unit")
         bar.wait_for_peers(sum(u.weight for u in units))
     rows = d.all_gather_int(writer.rows)
     per_file = np.bincount(np.array([u.file for u in units], dtype=np.int64), weights=rows_all,
                            minlength=len(files)).astype(np.int64)
-    length_stats = length_stats.finish(d)
-    diff_stats = diff_stats.finish(d)
+    stats = {"length": length_stats.finish(d), "difficulty": diff_stats.finish(d)}
+    for name, acc in extra_stats.items():  # collectives: every rank
+        stats[name] = acc.finish(d)
     d.barrier()  # every part is written
     if not d.is_main:
         return None
-    manifest = _manifest(config, str(work.length), d.world_size, fingerprint(files, per_file.tolist()), rows,
-                         {"length": length_stats, "difficulty": diff_stats})
+    fp = _with_chunks(fingerprint(files, per_file.tolist()), files, units, rows_all)
+    manifest = _manifest(config, str(work.length), d.world_size, fp, rows, stats, list(work.extra_names()))
     artifacts.atomic_write_json(out.file(artifacts.MANIFEST_NAME), manifest)
     out.commit()
     return AnalyzeResult(
         output=out.path, num_samples=total_rows, num_files=len(files), num_parts=len(manifest["parts"]),
-        length=str(work.length), difficulty=str(work.difficulty), stats=length_stats, difficulty_stats=diff_stats,
-        seconds=time.perf_counter() - t0, manifest=manifest,
+        length=str(work.length), difficulty=str(work.difficulty), stats=stats["length"],
+        difficulty_stats=stats["difficulty"], seconds=time.perf_counter() - t0, manifest=manifest,
     )
 
 
@@ -348,15 +409,18 @@ class _PartWriter:
         self.path, self.next_id, self.rows = path, first_id, 0
         self.lengths: list = []
         self.difficulty: list = []
+        self.extras: dict = {}
         self.buffered = 0
         self._writer = None
 
     def __enter__(self) -> _PartWriter:
         return self
 
-    def add(self, lengths: np.ndarray, difficulty: np.ndarray) -> None:
+    def add(self, lengths: np.ndarray, difficulty: np.ndarray, extras: dict) -> None:
         self.lengths.append(np.asarray(lengths, np.int64))
         self.difficulty.append(np.asarray(difficulty, np.float64))
+        for name, values in extras.items():
+            self.extras.setdefault(name, []).append(np.asarray(values, np.int64))
         self.buffered += len(lengths)
         while self.buffered >= PART_ROW_GROUP:
             self._flush(PART_ROW_GROUP)
@@ -365,8 +429,10 @@ class _PartWriter:
         import pyarrow.parquet as pq
 
         lengths, difficulty = np.concatenate(self.lengths), np.concatenate(self.difficulty)
-        table = _part_table(self.next_id, lengths[:n], difficulty[:n])
+        extras = {name: np.concatenate(v) for name, v in self.extras.items()}
+        table = _part_table(self.next_id, lengths[:n], difficulty[:n], {name: v[:n] for name, v in extras.items()})
         self.lengths, self.difficulty = [lengths[n:]], [difficulty[n:]]
+        self.extras = {name: [v[n:]] for name, v in extras.items()}
         self.buffered -= n
         self.next_id += n
         self.rows += n
@@ -386,10 +452,25 @@ class _PartWriter:
                 self._writer.close()
 
 
-def _manifest(config: AnalyzeConfig, length: str, world_size: int, fp: dict, rows: np.ndarray, stats: dict) -> dict:
+def _with_chunks(fp: dict, files: list[SourceFile], units: list[Unit], unit_rows: np.ndarray) -> dict:
+    """Record the byte-range units whose rows were not known up front (uncompressed JSONL and text,
+    any format cut into byte ranges) with their rows (``chunks``: ``[[start, stop, rows], ...]`` per
+    file), so that a reader (``SourceDataset``) can find a row's chunk."""
+    for entry in fp["files"]:
+        entry.pop("chunks", None)
+    for unit, n in zip(units, unit_rows.tolist()):
+        f = files[unit.file]
+        if unit.rows < 0 and unit.part == -1 and f.compression is None:
+            fp["files"][unit.file].setdefault("chunks", []).append([unit.start, unit.stop, int(n)])
+    return fp
+
+
+def _manifest(config: AnalyzeConfig, length: str, world_size: int, fp: dict, rows: np.ndarray, stats: dict,
+              extra_columns: list) -> dict:
     """The metrics directory's ``_manifest.json`` (``rows``: rows per part, in rank order)."""
     cfg = artifacts.config_dict(config)
     cfg["length"] = length
+    cfg["storage_options"] = storage.redacted(config.storage_options)  # values may be secrets
     return {
         "format": artifacts.METRICS_FORMAT,
         "format_version": artifacts.FORMAT_VERSION,
@@ -401,7 +482,8 @@ def _manifest(config: AnalyzeConfig, length: str, world_size: int, fp: dict, row
         "dataset": fp,
         "artifact_id": artifacts.artifact_id("analyze", cfg, fp["digest"], rows.tolist()),
         "order": {"by": ["sample_id"], "descending": False},
-        "columns": {"sample_id": "int64", "length": "int64", "difficulty": "float64"},
+        "columns": {"sample_id": "int64", "length": "int64", "difficulty": "float64",
+                    **{name: "int64" for name in extra_columns}},
         "num_rows": int(rows.sum()),
         "parts": [{"file": artifacts.part_name(r), "rows": int(n)} for r, n in enumerate(rows)],
         "stats": stats,
@@ -415,25 +497,44 @@ PART_OPTIONS = {"compression": "zstd", "compression_level": 1, "use_dictionary":
                 "column_encoding": {"sample_id": "DELTA_BINARY_PACKED"}}
 
 
-def _part_table(first_id: int, lengths: np.ndarray, difficulty: np.ndarray):
+def _part_table(first_id: int, lengths: np.ndarray, difficulty: np.ndarray, extras: dict):
+    """Rows of a part: ``extras``: further int64 columns (``target_length``, ``document``)."""
     import pyarrow as pa
 
     return pa.table({
         "sample_id": pa.array(np.arange(first_id, first_id + len(lengths), dtype=np.int64)),
         "length": pa.array(lengths.astype(np.int64, copy=False)),
         "difficulty": pa.array(difficulty.astype(np.float64, copy=False)),
+        **{name: pa.array(values.astype(np.int64, copy=False)) for name, values in extras.items()},
     })
 
 
-def _write_part(path: str, first_id: int, lengths: np.ndarray, difficulty: np.ndarray) -> None:
+def _write_part(path: str, first_id: int, lengths: np.ndarray, difficulty: np.ndarray, extras: dict) -> None:
     """One part file, written whole (sources whose row counts are known only once read)."""
     import pyarrow.parquet as pq
 
     try:
-        pq.write_table(_part_table(first_id, lengths, difficulty), path, row_group_size=PART_ROW_GROUP,
+        pq.write_table(_part_table(first_id, lengths, difficulty, extras), path, row_group_size=PART_ROW_GROUP,
                        **PART_OPTIONS)
     except OSError as exc:
         raise OutputError(f"cannot write {path}: {exc}") from None
+
+
+def _load_tokenizers(config: AnalyzeConfig, length: LengthSpec | None):
+    """(AutoTokenizer or None, what counts tokens or None) for ``--tokenizer``; chat needs the former."""
+    if not config.tokenizer:
+        if length is not None and length.kind == "chat":
+            raise UsageError(f"--length {length} needs --tokenizer DIR (a tokenizer directory with a chat template)")
+        return None, None
+    if not hf_tokenizer.is_directory(config.tokenizer):
+        if length is not None and length.kind == "chat":
+            raise UsageError(f"--length {length} needs a tokenizer directory (tokenizer_config.json holds the chat "
+                             f"template), not the file {config.tokenizer}")
+        return None, load_tokenizer(config.tokenizer)
+    hf = hf_tokenizer.load_auto(config.tokenizer)
+    if length is not None and length.kind == "chat":
+        check_chat_tokenizer(hf, config.tokenizer, config.target_length is not None)
+    return hf, hf_tokenizer.counter(hf)
 
 
 def _add_counts(counts: np.ndarray | None, ids: np.ndarray) -> np.ndarray:

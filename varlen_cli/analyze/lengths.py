@@ -10,6 +10,7 @@ bytes     UTF-8 bytes of a text (or binary) column
 words     whitespace-separated words of a text column
 value     a numeric column as it is (precomputed token counts), or seconds times
           ``--frames-per-second`` rounded up (audio durations)
+chat      tokens of a list of messages after the tokenizer's chat template (:mod:`.chat`)
 ========  ===================================================================================
 """
 
@@ -26,7 +27,7 @@ import numpy as np
 
 from ..errors import InputError, UsageError
 
-LENGTH_KINDS = ("list", "tokens", "chars", "bytes", "words", "value")
+LENGTH_KINDS = ("list", "tokens", "chars", "bytes", "words", "value", "chat")
 TEXT_KINDS = ("tokens", "chars", "bytes", "words")
 TOKENIZE_BATCH = 8192
 # A word is a run of non-whitespace, whitespace being exactly what Python's str.split() splits on
@@ -86,17 +87,22 @@ def _is_text(t) -> bool:
 
 
 def load_tokenizer(path: str):
-    """A HF ``tokenizers.Tokenizer`` with truncation and padding switched off.
+    """A HF ``tokenizers.Tokenizer`` with truncation and padding switched off (for a directory:
+    what counts tokens for its ``AutoTokenizer``, see :mod:`.hf_tokenizer`).
 
     Shipped tokenizer.json files often fix truncation and padding (at 128, say), which would make
     every length the same; lengths must be the true token counts.
     """
+    from . import hf_tokenizer
+
+    if hf_tokenizer.is_directory(path):
+        return hf_tokenizer.counter(hf_tokenizer.load_auto(path))
     try:
         from tokenizers import Tokenizer
     except ImportError:
         raise UsageError("--tokenizer needs the 'tokenizers' package: pip install 'varlen-cli[tokenizers]'") from None
     if not os.path.isfile(path):
-        raise InputError(f"tokenizer file {path} does not exist")
+        raise InputError(f"tokenizer file or directory {path} does not exist")
     try:
         tok = Tokenizer.from_file(path)
     except Exception as exc:
@@ -151,6 +157,8 @@ def compute_lengths(column, spec: LengthSpec, where: str, tokenizer=None, add_sp
         return pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
     if kind == "value":
         return value_lengths(column, spec.column, where, frames_per_second)
+    if kind == "chat":
+        raise UsageError("--length chat:COLUMN needs --tokenizer DIR (a tokenizer with a chat template)")
     if kind == "bytes" and (pa.types.is_binary(t) or pa.types.is_large_binary(t)):
         return pc.binary_length(column).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
     if not _is_text(t):

@@ -12,6 +12,9 @@ Formats (by extension; ``.gz`` allowed on the line formats):
 
 ``sample_id`` is the row index over all files in sorted path order, rows in file order; that is the
 index of a map-style dataset built over the same files.
+
+Sources may be URLs (``s3://``, ``gs://``, ``hf://``...): every read goes through
+:mod:`varlen_cli.storage` (range requests; prefixes and globs through :mod:`.remote`).
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import storage
 from ..errors import InputError
-from . import discovery
+from . import discovery, formats, remote
 
 PARQUET_EXT = (".parquet", ".pq")
 ARROW_EXT = (".arrow", ".feather", ".ipc")
@@ -34,6 +38,7 @@ TEXT_EXT = (".txt", ".text")
 TEXT_COLUMN = "text"
 DEFAULT_CHUNK_BYTES = 32 << 20
 MAX_UNIT_ROWS = 1 << 20
+FOOTER_PROBE = 64 << 10  # bytes read from a Parquet file's end to hash its footer (one range request)
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,8 @@ class SourceFile:
     rows: int = -1  # known from metadata for parquet and arrow, -1 for line formats
     mtime_ns: int = 0  # when discovered: with size, what staleness checks compare
     footer: str | None = None  # Parquet: hash of the footer (see footer_digest)
+    etag: str | None = None  # object storage: what staleness checks compare instead of mtime_ns
+    version: str | None = None
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,9 @@ class Unit:
 
 
 def _format_of(path: str) -> tuple[str | None, str | None]:
+    shard_format = formats.format_of(path)  # megatron .idx, MDS index.json, WebDataset .tar
+    if shard_format is not None:
+        return shard_format, None
     lower = path.lower()
     compression = None
     if lower.endswith(".gz"):
@@ -99,6 +109,12 @@ def _is_data_file_name(name: str) -> bool:
 def _expand(source: str) -> list[tuple[str, bool]]:
     """The data-file candidates of one SOURCE, each with whether the user named it explicitly
     (see :mod:`varlen_cli.analyze.discovery` for what a directory or glob takes)."""
+    if not any(ch in source for ch in discovery.GLOB_CHARS) and not storage.exists(source):
+        idx = formats.megatron_prefix(source)  # PREFIX of PREFIX.idx + PREFIX.bin
+        if idx is not None:
+            return [(idx, True)]
+    if storage.is_remote(source):
+        return remote.expand(source, _is_data_file_name, lambda p: _format_of(p)[0])
     if any(ch in source for ch in discovery.GLOB_CHARS):
         out = discovery.expand_glob(source, _is_data_file_name)
         if not out:
@@ -130,29 +146,37 @@ def discover(sources: Sequence[str]) -> list[SourceFile]:
         raise InputError("no sources given")
     explicit: dict[str, bool] = {}
     for s in sources:
-        for p, named in _expand(str(s)):
-            path = os.path.abspath(p)
+        for p, named in _expand(storage.local_path(str(s))):  # file:///x is the local path /x
+            path = p if storage.is_remote(p) else os.path.abspath(p)
             explicit[path] = explicit.get(path, False) or named
     files = []
     for path in sorted(explicit):
         fmt, compression = _format_of(path)
         if fmt is None:
             raise InputError(
-                f"unsupported source file {path}: expected .parquet, .arrow/.feather, .jsonl[.gz] or .txt[.gz]"
+                f"unsupported source file {path}: expected .parquet, .arrow/.feather, .jsonl[.gz], .txt[.gz], "
+                "a Megatron .idx, an MDS index.json or WebDataset .tar shards"
             )
-        st = _stat_readable(path)
+        if storage.is_remote(path):
+            info = storage.stat(path)
+            size, mtime_ns, etag, version = info.size, 0, info.etag, info.version
+        else:
+            st = _stat_readable(path)
+            size, mtime_ns, etag, version = st.st_size, st.st_mtime_ns, None, None
         rows, footer = -1, None
         if fmt == "parquet":
-            pf = parquet_file(path)
+            pf = parquet_file(path, size)
             if _is_varlen_plan(pf):
                 if explicit[path]:
                     raise InputError(f"{path} is a varlen plan, not a dataset")
                 continue  # a plan written inside a source directory is not data
             _check_unique_columns(pf, path)
-            rows, footer = pf.metadata.num_rows, footer_digest(path, st.st_size)
+            rows, footer = pf.metadata.num_rows, footer_digest(path, size)
         elif fmt == "arrow":
             rows = sum(n for n in _arrow_batch_rows(path))
-        files.append(SourceFile(path, fmt, st.st_size, compression, rows, st.st_mtime_ns, footer))
+        elif fmt in formats.NAMES:
+            rows = formats.describe(path, fmt, size)
+        files.append(SourceFile(path, fmt, size, compression, rows, mtime_ns, footer, etag, version))
     if not files:
         raise InputError(f"no data files (Parquet, Arrow, JSONL, text) in {', '.join(map(str, sources))}")
     return files
@@ -201,21 +225,21 @@ def footer_digest(path: str, size: int) -> str | None:
     import hashlib
 
     try:
-        with open(path, "rb") as fh:
-            fh.seek(max(0, size - 8))
-            tail = fh.read(8)
-            n = int.from_bytes(tail[:4], "little")
-            if len(tail) < 8 or tail[4:] != b"PAR1" or n + 8 > size:
-                return None
-            fh.seek(size - 8 - n)
-            return hashlib.sha256(fh.read(n)).hexdigest()[:16]
-    except OSError:
+        tail = storage.read_range(path, max(0, size - FOOTER_PROBE), size)  # usually holds the whole footer
+        n = int.from_bytes(tail[-8:-4], "little")
+        if len(tail) < 8 or tail[-4:] != b"PAR1" or n + 8 > size:
+            return None
+        footer = tail[-8 - n:-8] if n + 8 <= len(tail) else storage.read_range(path, size - 8 - n, size - 8)
+        return hashlib.sha256(footer).hexdigest()[:16]
+    except (OSError, InputError):
         return None
 
 
-def parquet_file(path: str):
+def parquet_file(path: str, size: int | None = None):
     import pyarrow.parquet as pq
 
+    if storage.is_remote(path):
+        return storage.parquet_file(path, size=size)
     try:
         return pq.ParquetFile(path)
     except Exception as exc:
@@ -223,11 +247,12 @@ def parquet_file(path: str):
 
 
 def open_arrow(path: str):
-    """(reader, is_file_format) of a memory-mapped Arrow IPC file or stream."""
+    """(reader, is_file_format) of a memory-mapped Arrow IPC file or stream (an object in object
+    storage is read whole: the stream format, which ``save_to_disk`` writes, has no index)."""
     import pyarrow as pa
 
     try:
-        source = pa.memory_map(path)
+        source = pa.BufferReader(storage.read_bytes(path)) if storage.is_remote(path) else pa.memory_map(path)
     except Exception as exc:
         raise InputError(f"cannot read Arrow file {path}: {exc}") from None
     try:
@@ -256,12 +281,14 @@ def make_units(files: Sequence[SourceFile], chunk_bytes: int = DEFAULT_CHUNK_BYT
     units: list[Unit] = []
     for i, f in enumerate(files):
         if f.format == "parquet":
-            md = parquet_file(f.path).metadata
+            md = parquet_file(f.path, f.size).metadata
             units.extend(_row_units(i, [md.row_group(g).num_rows for g in range(md.num_row_groups)]))
         elif f.format == "arrow":
             # Record batches are often small (Hugging Face writes 1,000 rows each): one unit is a
             # row range of the whole file, read from the memory map without copying.
             units.extend(_row_units(i, [f.rows], whole_file=True))
+        elif f.format in formats.NAMES:
+            units.extend(Unit(i, *u) for u in formats.units(f.path, f.format, f.size, chunk_bytes))
         elif f.compression is not None:
             units.append(Unit(i, -1, 0, f.size, -1, max(1, _estimate_rows(f.path, f.size, compressed=True))))
         else:
@@ -282,8 +309,7 @@ def _row_units(file_index: int, part_rows: Sequence[int], whole_file: bool = Fal
 
 
 def _rows_per_byte(path: str, probe: int = 1 << 20) -> float:
-    with open(path, "rb") as fh:
-        head = fh.read(probe)
+    head = storage.read_range(path, 0, probe)
     if not head:
         return 0.0
     return max(1, head.count(b"\n")) / len(head)
@@ -297,7 +323,7 @@ def _estimate_rows(path: str, size: int, compressed: bool) -> int:
 
 def _line_aligned_bounds(path: str, size: int, chunk_bytes: int) -> list[int]:
     bounds = [0]
-    with open(path, "rb") as fh:
+    with storage.open_input(path, block_size=1 << 16) as fh:
         target = chunk_bytes
         while target < size:
             fh.seek(target)
@@ -349,12 +375,13 @@ class Reader:
         self._handle = None
         self._group_key = None
         self._group = None
+        self._shards = formats.Reader()  # Megatron, MDS, WebDataset
 
     def _open(self, f: SourceFile):
         if self._path != f.path:
             self._path, self._handle, self._group_key, self._group = f.path, None, None, None
             if f.format == "parquet":
-                self._handle = parquet_file(f.path)
+                self._handle = parquet_file(f.path, f.size)
             elif f.format == "arrow":
                 self._handle = _read_arrow_table(f.path)
         return self._handle
@@ -379,6 +406,8 @@ class Reader:
                     table = table.slice(unit.start, unit.stop - unit.start)
             elif f.format == "arrow":
                 table = self._open(f).slice(unit.start, unit.stop - unit.start)
+            elif f.format in formats.NAMES:
+                table = self._shards.read(f.path, f.format, f.size, unit, columns)
             elif f.format == "jsonl":
                 table = _read_jsonl(f, unit)
             else:
@@ -417,16 +446,23 @@ def _read_arrow_table(path: str):
 
 def _read_bytes(f: SourceFile, unit: Unit) -> bytes:
     if f.compression:
-        import pyarrow as pa
+        return read_decompressed(f)
+    return storage.read_range(f.path, unit.start, unit.stop)
 
-        try:
-            with pa.input_stream(f.path, compression=f.compression) as stream:
-                return stream.read()
-        except OSError as exc:
-            raise InputError(f"cannot read {f.path}: {exc}") from None
-    with open(f.path, "rb") as fh:
-        fh.seek(unit.start)
-        return fh.read(unit.stop - unit.start)
+
+def read_decompressed(f: SourceFile, limit: int = -1) -> bytes:
+    """A compressed file's decompressed bytes (the first ``limit`` of them when ``limit >= 0``)."""
+    import pyarrow as pa
+
+    try:
+        if storage.is_remote(f.path):
+            with storage.open_input(f.path, block_size=8 << 20) as raw, \
+                    pa.CompressedInputStream(pa.PythonFile(raw, mode="r"), f.compression) as stream:
+                return stream.read() if limit < 0 else stream.read(limit)
+        with pa.input_stream(f.path, compression=f.compression) as stream:
+            return stream.read() if limit < 0 else stream.read(limit)
+    except OSError as exc:
+        raise InputError(f"cannot read {f.path}: {exc}") from None
 
 
 def _read_jsonl(f: SourceFile, unit: Unit):
@@ -485,16 +521,18 @@ def fingerprint(files: Sequence[SourceFile], rows_per_file: Sequence[int]) -> di
     """Identity of the dataset: file names relative to their common folder, sizes and row counts."""
     from ..runtime.artifacts import digest
 
-    root = os.path.commonpath([os.path.dirname(f.path) for f in files]) if files else ""
+    root = storage.common_root([f.path for f in files])
     entries = [
-        {"path": os.path.relpath(f.path, root), "size": f.size, "rows": int(n), "format": f.format}
+        {"path": storage.relpath(f.path, root) if root else f.path, "size": f.size, "rows": int(n),
+         "format": f.format}
         for f, n in zip(files, rows_per_file)
     ]
     ident = digest(entries)
     # When each file was seen (not part of the identity: a copied dataset is the same dataset), so
     # that sort, plan and validate can refuse metrics of a source rewritten since (runtime.freshness).
     for entry, f in zip(entries, files):
-        entry["mtime_ns"] = int(f.mtime_ns)
+        entry.update(storage.fingerprint_fields(storage.FileInfo(f.path, f.size, etag=f.etag, version=f.version,
+                                                                 mtime_ns=f.mtime_ns)))
         if f.footer is not None:
             entry["footer"] = f.footer
     return {

@@ -15,7 +15,8 @@ def sort_command(
     ),
     output: str = typer.Option(
         ..., "-o", "--output", show_default=False,
-        help="Sorted directory to write (part-*.parquet + _manifest.json).",
+        help="Sorted directory to write (part-*.parquet + _manifest.json); or an s3://... prefix (published manifest "
+        "last).",
     ),
     by: str = typer.Option("difficulty", "--by", help="Key column(s), comma-separated, most significant first."),
     descending: bool = typer.Option(

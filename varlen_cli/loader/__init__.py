@@ -29,13 +29,14 @@ from .model_inputs import BOOKKEEPING_KEYS, to_model_inputs
 from .packed import PackedCollate, PackedLayoutError, block_causal_mask, collate_packed, packed_layout
 from .plan_file import Microbatch, Plan, PlanError
 from .sampler import MicrobatchIndices, PlanBatchSampler, resolve_rank
+from .source_dataset import SourceDataset
 
 __all__ = [
     "BOOKKEEPING_KEYS", "ConsumptionGuard", "PlanDataLoader", "PlanRow", "batch_position", "check_batch",
     "to_model_inputs",
     "IGNORE_INDEX", "Microbatch", "MicrobatchIndices", "PackedCollate", "PackedLayoutError", "PadCollate", "Plan",
-    "PlanBatchSampler", "PlanDataset", "PlanError", "Samples", "VariableBatchSizeLR", "block_causal_mask",
-    "causal_padding_mask", "collate_packed", "dataloader_for_plan", "packed_layout",
+    "PlanBatchSampler", "PlanDataset", "PlanError", "Samples", "SourceDataset", "VariableBatchSizeLR",
+    "block_causal_mask", "causal_padding_mask", "collate_packed", "dataloader_for_plan", "packed_layout",
     "pad_collate", "predicted_memory", "resolve_rank",
 ]
 
@@ -43,7 +44,7 @@ __all__ = [
 def dataloader_for_plan(dataset, plan: Plan | str, rank: int | None = None,
                         world_size: int | None = None, collate_fn: Callable[[Any], Any] | None = None,
                         num_workers: int = 0, pin_memory: bool = False, epoch: int = 0, check_length: bool = True,
-                        stateful: bool = False, all_epochs: bool = False, **kwargs):
+                        stateful: bool = False, all_epochs: bool = False, read_ahead: int = 4, **kwargs):
     """A :class:`PlanDataLoader` over ``dataset`` that yields this rank's microbatches of ``plan``, collated.
 
     The loader has ``set_epoch``, ``state_dict``/``load_state_dict`` (the position after the last
@@ -57,11 +58,15 @@ def dataloader_for_plan(dataset, plan: Plan | str, rank: int | None = None,
     ``loader.batch_sampler`` is the
     :class:`PlanBatchSampler` (``set_epoch``, ``state_dict``, ``load_state_dict``). With
     ``check_length`` the plan is validated against ``len(dataset)``. Extra keyword arguments
-    go to ``DataLoader`` (``prefetch_factor``, ``persistent_workers``, ...).
+    go to ``DataLoader`` (``prefetch_factor``, ``persistent_workers``, ...). A dataset with a
+    ``prefetch(sample_ids)`` method (:class:`SourceDataset`) is told the sample ids of the next
+    ``read_ahead`` microbatches each DataLoader worker (or the main process) fetches.
     """
     plan = plan if isinstance(plan, Plan) else Plan.open(plan)
     sampler = PlanBatchSampler(plan, rank, world_size, num_samples=len(dataset) if check_length else None,
                                epoch=epoch)
+    if hasattr(dataset, "prefetch"):
+        sampler.read_ahead, sampler.read_ahead_stride = max(0, int(read_ahead)), max(1, int(num_workers))
     if collate_fn is None:
         if plan.packing:  # packed plans: rows of concatenated samples, cu_seqlens, position ids
             collate_fn = PackedCollate()

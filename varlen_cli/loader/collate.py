@@ -49,6 +49,9 @@ class PlanDataset(torch.utils.data.Dataset):
 
                 self._fetched = FetchOrder()
             self._fetched.check(indices)
+        prefetch, ahead = getattr(self.dataset, "prefetch", None), getattr(indices, "ahead", None)
+        if prefetch is not None and ahead:  # read-ahead hook (SourceDataset): the next microbatches' ids
+            prefetch(np.concatenate(ahead))
         getitems = getattr(self.dataset, "__getitems__", None)
         items = getitems(indices) if getitems else [self.dataset[i] for i in indices]  # a list, with its .info
         return Samples(items, getattr(indices, "info", None))

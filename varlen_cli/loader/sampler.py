@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import sys
 import weakref
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from .plan_file import Microbatch, Plan, PlanError
@@ -38,11 +39,35 @@ class MicrobatchIndices(list):
 
     info: Microbatch
     order: tuple[str, int] | None  # (sampler iteration id, index in it): the fetch-order check
+    ahead: list | None  # sample ids of the microbatches the same consumer fetches next (read-ahead)
 
-    def __init__(self, ids, info: Microbatch, order: tuple[str, int] | None = None):
+    def __init__(self, ids, info: Microbatch, order: tuple[str, int] | None = None, ahead: list | None = None):
         super().__init__(ids)
         self.info = info
         self.order = order
+        self.ahead = ahead
+
+
+def _with_ahead(items: Iterable, depth: int, stride: int) -> Iterator[tuple[Any, list | None]]:
+    """``(item, [sample ids of items k+stride, k+2*stride, ... k+depth*stride])`` for each item k:
+    with ``stride`` DataLoader workers taking microbatches in turn, what the same worker gets next."""
+    if depth <= 0:
+        for item in items:
+            yield item, None
+        return
+    window: deque = deque()
+    span = depth * stride
+    for item in items:
+        window.append(item)
+        if len(window) > span:
+            yield _ahead_of(window, stride)
+    while window:
+        yield _ahead_of(window, stride)
+
+
+def _ahead_of(window: deque, stride: int) -> tuple[Any, list]:
+    head = window.popleft()
+    return head, [window[j].sample_ids for j in range(stride - 1, len(window), stride)]
 
 
 def _as_info(obj: Any) -> Microbatch:
@@ -87,7 +112,14 @@ class PlanBatchSampler:
     Use as ``DataLoader(dataset, batch_sampler=sampler)``; every rank yields exactly
     ``grad_accum`` microbatches per step and the same number of steps. All ranks share one
     position ``(epoch, step, micro)``, so one rank's :meth:`state_dict` resumes every rank.
+
+    ``read_ahead``/``read_ahead_stride``: attach to each microbatch (``.ahead``) the sample ids of the
+    next ``read_ahead`` microbatches its consumer fetches, for a dataset's ``prefetch`` (set by
+    :func:`~varlen_cli.loader.dataloader_for_plan` when the dataset has one; stride = DataLoader workers).
     """
+
+    read_ahead = 0
+    read_ahead_stride = 1
 
     def __init__(self, plan: Plan | str | os.PathLike, rank: int | None = None,
                  world_size: int | None = None, *, num_samples: int | None = None, epoch: int = 0):
@@ -127,9 +159,10 @@ class PlanBatchSampler:
 
         step, micro, stop = self.bounds()
         iteration = new_iteration_id()
-        for k, mb in enumerate(self.plan.microbatches(self.rank, step, micro, stop)):
+        microbatches = self.plan.microbatches(self.rank, step, micro, stop)
+        for k, (mb, ahead) in enumerate(_with_ahead(microbatches, self.read_ahead, self.read_ahead_stride)):
             self._next = self._after(mb)
-            yield MicrobatchIndices(mb.sample_ids.tolist(), mb, (iteration, k))
+            yield MicrobatchIndices(mb.sample_ids.tolist(), mb, (iteration, k), ahead)
         self._resume = None  # the epoch is done: the next iteration starts the epoch from its beginning
 
     # -- resuming --------------------------------------------------------------------------

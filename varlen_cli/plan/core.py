@@ -258,6 +258,23 @@ def read_input(path: str, allow_stale: bool = False) -> tuple[dict, np.ndarray, 
     return manifest, sample_id, length
 
 
+TARGET_COLUMN = "target_length"  # metrics column of the tokens that carry loss (analyze --target-length)
+
+
+def read_targets(c: PlanConfig, path: str, manifest: dict) -> np.ndarray | None:
+    """The input's ``target_length`` column (row order, as :func:`read_input`), or None without one."""
+    import pyarrow.parquet as pq
+
+    if TARGET_COLUMN not in (manifest.get("columns") or {}):
+        return None
+    if c.packing and c.split_long:
+        raise UsageError(f"--split-long cannot tell which chunk of a split sample holds its {TARGET_COLUMN} loss "
+                         f"tokens (analyze --target-length); pack without --split-long")
+    parts = [pq.read_table(os.path.join(path, part["file"]), columns=[TARGET_COLUMN]).column(0)
+             for part in manifest.get("parts", [])]
+    return np.concatenate([p.to_numpy() for p in parts]).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+
 def _fill(out: np.ndarray, at: int, table, name: str, path: str) -> None:
     """Copy a column into ``out[at:]`` chunk by chunk (as numpy views: ``to_numpy`` imports pandas, ~0.3 s)."""
     from .arrow_io import to_numpy
@@ -355,6 +372,7 @@ def plan_in_memory(config: PlanConfig) -> PlanResult:
     with PlanProgress(c.progress, c.epochs) as bar:
         bar.phase("read")
         manifest, sample_id, length = read_input(c.input, c.allow_stale)
+        target = read_targets(c, c.input, manifest)
         kind = manifest.get("kind", "metrics")
         if c.order in CURRICULAR and kind != "sorted":
             raise UsageError(f"--order {c.order} needs a sorted input, but {c.input} is a {kind} directory "
@@ -363,7 +381,7 @@ def plan_in_memory(config: PlanConfig) -> PlanResult:
         inputs, long_pos = epoch_inputs(c, sample_id, length, budget)
         epochs, fixed_batch = plan_epochs(c, inputs, bar=bar)
         bar.phase("columns")
-        cols, items = assemble_columns(c, sample_id, length, epochs, inputs.slots)
+        cols, items = assemble_columns(c, sample_id, length, epochs, inputs.slots, target)
         bar.phase("write")
         result = finish(c, manifest, sample_id, epochs, cols, items, long_pos, inputs, fixed_batch, t0)
     result.phases = dict(bar.seconds)
@@ -490,8 +508,9 @@ def _concat(parts: list) -> np.ndarray:
 
 
 def assemble_columns(c: PlanConfig, sample_id: np.ndarray, length: np.ndarray, epochs: list[PlannedEpoch],
-                     slots: int) -> tuple[dict, dict]:
-    """Per-microbatch columns (all epochs, plan order) and per-sample-entry items of the plan."""
+                     slots: int, target: np.ndarray | None = None) -> tuple[dict, dict]:
+    """Per-microbatch columns (all epochs, plan order) and per-sample-entry items of the plan.
+    ``target``: per input row, the tokens that carry loss (``target_length``), when the input has them."""
     cols = {k: [] for k in ("epoch", "step", "rank", "micro", "num_samples", "seqlen", "batch_size", "tokens", "cost",
                             "completed", "targets")}
     items = {"sample_ids": [], "sample_lengths": [], "sample_rows": [], "sample_starts": []}
@@ -513,13 +532,19 @@ def assemble_columns(c: PlanConfig, sample_id: np.ndarray, length: np.ndarray, e
         items["sample_ids"].append(mb.samples if identity else sample_id[mb.samples])
         completed, lost = _completed_and_lost(c, mb, length, any_empty)
         cols["completed"].append(completed)
-        cols["targets"].append(mb.tokens.astype(np.int64) - lost)
+        cols["targets"].append(mb.tokens.astype(np.int64) - lost if target is None else _target_sums(mb, target))
         if c.packing:
             items["sample_lengths"].append(mb.item_length)
             items["sample_rows"].append(mb.item_row)
             items["sample_starts"].append(mb.item_start)
         step0 += mb.count // slots
     return ({k: _concat(v) for k, v in cols.items()}, {k: _concat(v) for k, v in items.items() if v})
+
+
+def _target_sums(mb: Microbatches, target: np.ndarray) -> np.ndarray:
+    """Per microbatch, the ``target_length`` of its samples (every entry is a whole sample here)."""
+    parent = np.repeat(np.arange(mb.count), np.diff(mb.offsets))
+    return np.bincount(parent, weights=target[mb.samples], minlength=mb.count).astype(np.int64)
 
 
 def _completed_and_lost(c: PlanConfig, mb: Microbatches, length: np.ndarray,
@@ -644,7 +669,9 @@ def finish(c: PlanConfig, manifest: dict, sample_id: np.ndarray, epochs: list[Pl
     step_samples = np.bincount(step, weights=col["completed"], minlength=num_steps).astype(np.int64)
     step_tokens = np.bincount(step, weights=col["tokens"], minlength=num_steps).astype(np.int64)
     step_loss_tokens = np.bincount(step, weights=col["targets"], minlength=num_steps).astype(np.int64)
-    scales, base = lr.lr_scales(step_samples, step_tokens, c.lr_scaling, c.lr_scale_by, c.base_batch_size)
+    trained_only = TARGET_COLUMN in (manifest.get("columns") or {})  # tokens: those that carry loss
+    scales, base = lr.lr_scales(step_samples, step_loss_tokens if trained_only else step_tokens, c.lr_scaling,
+                                c.lr_scale_by, c.base_batch_size)
     if not np.all(np.isfinite(scales)):
         raise UsageError(f"--base-batch-size {c.base_batch_size} gives a non-finite lr_scale; give a larger base "
                          "batch size")
@@ -678,6 +705,8 @@ def finish(c: PlanConfig, manifest: dict, sample_id: np.ndarray, epochs: list[Pl
     metadata = build_metadata(c, manifest, len(sample_id), epochs, num_steps=num_steps, num_microbatches=len(counts),
                               shapes=shapes, base_batch_size=base, inputs=inputs, fixed_batch=fixed_batch,
                               packing=packing, dropped=dropped.to_dict(dropped_all), summary=summary)
+    if trained_only:
+        metadata["loss_tokens"] = TARGET_COLUMN
     metadata.update(extra_metadata or {})
     if c.schedule is not None:
         from ..schedule.order import combined_report

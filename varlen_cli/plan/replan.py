@@ -188,7 +188,8 @@ def plan_epochs_from(c: PlanConfig, manifest: dict, sample_id: np.ndarray, lengt
                                              first_epoch + len(epochs))
         epochs += more
         fixed_batch = fixed_batch if fixed_batch is not None else fixed_more
-    cols, items = core.assemble_columns(c, sample_id, length, epochs, inputs.slots)
+    cols, items = core.assemble_columns(c, sample_id, length, epochs, inputs.slots,
+                                        core.read_targets(c, c.input, manifest))
     return core.finish(c, manifest, sample_id, epochs, cols, items, long_pos, inputs, fixed_batch, t0,
                         extra_metadata={"lineage": lineage} if lineage is not None else None)
 

@@ -31,7 +31,7 @@ metrics_schema = format.metrics_schema
 # Config fields that say how a stage ran, not what it computed: left out of artifact ids. (An input
 # directory's path is too: its artifact id is part of the id, and `varlen run` builds in a temporary.)
 RUNTIME_FIELDS = frozenset({"nproc", "overwrite", "device", "progress", "output", "debug", "quiet", "allow_stale",
-                            "metrics_dir"})
+                            "metrics_dir", "storage_options"})
 
 
 def config_dict(config: Any) -> dict:
@@ -119,6 +119,12 @@ class AtomicFile(_AtomicOutput):
     """A file (a plan) written to ``.NAME.varlen-tmp-<random>`` and swapped in by :meth:`commit`."""
 
     def check(self) -> None:
+        from .. import storage
+
+        if storage.is_remote(self.given):
+            from .remote_output import check_file
+
+            return check_file(self.given, self.overwrite)
         parent = os.path.dirname(self.path)
         if os.path.isdir(self.path) and not os.path.islink(self.path):
             raise OutputError(f"output {self.given} is a directory; give a file name such as plan.parquet")
@@ -136,7 +142,16 @@ class AtomicFile(_AtomicOutput):
 @contextmanager
 def atomic_file(path: str, overwrite: bool, inputs: Sequence[str] = ()) -> Iterator[AtomicFile]:
     """Lock ``path``, check it, yield an :class:`AtomicFile` to write ``.tmp`` of, then swap it in;
-    on any failure (or SIGTERM) the temporary is removed and an old file stays as it was."""
+    on any failure (or SIGTERM) the temporary is removed and an old file stays as it was. An
+    object-storage ``path`` is written locally and uploaded at the end (:mod:`.remote_output`)."""
+    from .. import storage
+
+    if storage.is_remote(path):
+        from .remote_output import remote_atomic_file
+
+        with remote_atomic_file(path, overwrite) as remote_out:
+            yield remote_out
+        return
     safety.check_no_overlap(path, inputs)
     out = AtomicFile(path, overwrite)
     out.check()
@@ -155,8 +170,17 @@ def atomic_dir_for_group(d, path: str, overwrite: bool) -> Iterator[AtomicDir]:
 
     Rank 0 takes the output lock (already held when a ``--nproc`` launcher took it), checks the
     output and creates the temporary directory, whose name it shares, while the others wait; if the
-    stage fails on rank 0, rank 0 removes it. A peer still writing then fails too.
+    stage fails on rank 0, rank 0 removes it. A peer still writing then fails too. An object-storage
+    ``path`` (``s3://...``) goes to :func:`.remote_output.remote_dir_for_group` instead.
     """
+    from .. import storage
+
+    if storage.is_remote(path):
+        from .remote_output import remote_dir_for_group
+
+        with remote_dir_for_group(d, path, overwrite) as remote_out:
+            yield remote_out
+        return
     out = AtomicDir(path, overwrite)
     with ExitStack() as stack:
         if d.is_main:
@@ -194,6 +218,11 @@ def atomic_write_json(path: str, data: Any) -> None:
 # -- manifests and reading -------------------------------------------------------------------------
 def read_manifest(path: str, what: str = "metrics directory", hint: str = "create one with `varlen analyze`") -> dict:
     """The manifest of a metrics or sorted directory; a clear error for anything else."""
+    from .. import storage
+
+    if storage.is_remote(path):
+        raise InputError(f"{path}: reading a {what} from object storage is not supported here; copy it to a local "
+                         "folder first (varlen_cli.loader.SourceDataset reads it in place)")
     if not os.path.exists(path):
         raise InputError(f"{path} does not exist")
     if not os.path.isdir(path):

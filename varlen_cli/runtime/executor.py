@@ -20,7 +20,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import artifacts, safety
+from .. import storage
+from . import artifacts, remote_output, safety
 from .dist import run_distributed, session
 
 RunInGroup = Callable[[Any, Any, artifacts.AtomicDir, float], Any]
@@ -29,16 +30,23 @@ RunInGroup = Callable[[Any, Any, artifacts.AtomicDir, float], Any]
 def run_in_session(run_in_group: RunInGroup, config: Any) -> Any:
     """One worker's run of a stage: join (or reuse) the process group, share the atomic output."""
     t0 = time.perf_counter()
+    if hasattr(config, "storage_options"):  # --storage-option, in every worker process
+        storage.configure(config.storage_options)
     with session(config.device) as d, artifacts.atomic_dir_for_group(d, config.output, config.overwrite) as out:
         return run_in_group(config, d, out, t0)
 
 
 def execute(run_in_group: RunInGroup, config: Any) -> Any:
     """Run a (checked) stage on ``config.nproc`` workers; the result on rank 0, None elsewhere."""
+    entry = functools.partial(run_in_session, run_in_group)
+    if storage.is_remote(config.output):  # object storage: no lock, no rename (see remote_output)
+        if hasattr(config, "storage_options"):
+            storage.configure(config.storage_options)
+        remote_output.check(config.output, config.overwrite, safety.stage_inputs(config))
+        return run_distributed(entry, config, config.nproc)
     safety.check_no_overlap(config.output, safety.stage_inputs(config))
     out = artifacts.AtomicDir(config.output, config.overwrite)
     out.check()
-    entry = functools.partial(run_in_session, run_in_group)
     if config.nproc == 1:  # in this process (or a torchrun rank): atomic_dir_for_group locks on rank 0
         return run_distributed(entry, config, config.nproc)
     with safety.output_lock(out.path, config.output):  # the launcher holds the lock; its workers inherit it

@@ -9,6 +9,9 @@ before trusting a metrics or sorted directory:
 * a sorted directory's metrics directory must not have been rebuilt since
   (:func:`varlen_cli.runtime.artifacts.check_fresh`).
 
+A source in object storage (``s3://``...) is compared on its size and the ETag and version id
+recorded by ``analyze`` (:func:`varlen_cli.storage.fingerprint_fields`), never on a modification time.
+
 ``--allow-stale`` (``allow_stale=True``) skips both, for data moved or copied on purpose (a copy
 gets a new mtime). Manifests written before varlen recorded ``mtime_ns`` are not checked.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import os
 
+from .. import storage
 from ..errors import InputError
 from . import artifacts
 
@@ -45,12 +49,28 @@ def stale_source(manifest: dict) -> tuple[str, str] | None:
         return None
     root = dataset.get("root") or ""
     for entry in dataset.get("files") or []:
-        if not isinstance(entry, dict) or "mtime_ns" not in entry:
+        if not isinstance(entry, dict) or not ({"mtime_ns", "etag", "version"} & entry.keys()):
             continue  # recorded before varlen kept mtimes (or a hand-made manifest): cannot tell
-        source = os.path.join(root, str(entry.get("path")))
-        why = _difference(source, entry)
+        source = storage.under(str(entry.get("path")), root)
+        why = _remote_difference(source, entry) if storage.is_remote(source) else _difference(source, entry)
         if why is not None:
             return source, why
+    return None
+
+
+def _remote_difference(source: str, entry: dict) -> str | None:
+    """What changed in an object since analyze: size, ETag or version id (never the time)."""
+    try:
+        info = storage.stat(source)
+    except InputError as exc:
+        if "does not exist" in exc.message:
+            return "is missing"
+        raise InputError(f"cannot check whether source {source} changed: {exc.message}; {ALLOW_STALE_HINT}") from None
+    if info.size != entry.get("size"):
+        return f"changed size ({entry.get('size')} -> {info.size} bytes)"
+    for key, now in (("etag", info.etag), ("version", info.version)):
+        if entry.get(key) is not None and now is not None and now != entry[key]:
+            return f"was modified ({key} {entry[key]} -> {now})"
     return None
 
 

@@ -47,7 +47,8 @@ class SortConfig:
     """
 
     metrics_dir: str = doc(help="Metrics directory from `varlen analyze` (or a sorted directory) to sort.")
-    output: str = doc(help="Sorted directory to write (part-*.parquet + _manifest.json).")
+    output: str = doc(help="Sorted directory to write (part-*.parquet + _manifest.json); or an s3://... prefix "
+                           "(published manifest last).")
     by: tuple = doc(("difficulty",), "Key column(s), comma-separated, most significant first.")
     descending: bool = doc(False, "Largest keys first (ties still ascending by sample_id).")
     ties: Ties = doc("id", "Order of equal keys: id (ascending sample_id) or shuffle (seeded hash of sample_id).")

@@ -1,0 +1,401 @@
+"""Shard formats (Megatron ``.idx``, MosaicML MDS, WebDataset ``.tar``), tokenizer directories and chat
+lengths, against files written by each format's own library and against ``AutoTokenizer`` itself."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+import shutil
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from typer.testing import CliRunner
+
+from tests.analyze_helpers import ipc_bytes, leftovers, run
+from tests.conftest import assert_user_error
+from tests.formats_helpers import (
+    MDS_FIXTURES,
+    make_mds_fixtures,
+    mds_samples,
+    mds_writer,
+    megatron_builder,
+    random_docs,
+    wds_samples,
+    write_megatron,
+    write_webdataset,
+)
+from varlen_cli.analyze.formats import megatron
+from varlen_cli.cli import app
+from varlen_cli.loader import SourceDataset
+
+
+# -- Megatron --------------------------------------------------------------------------------------
+def _megatron_expected(docs):
+    lengths = [len(s) for d in docs for s in d]
+    document = [k for k, d in enumerate(docs) for _ in d]
+    return lengths, document
+
+
+def test_megatron_index_lengths_documents_and_prefix(tmp_path):
+    docs = random_docs(60, seed=1)
+    write_megatron(str(tmp_path / "corpus"), docs)
+    lengths, document = _megatron_expected(docs)
+    # PREFIX (no extension) and PREFIX.idx give the same; the .bin is not read (removed here)
+    os.remove(tmp_path / "corpus.bin")
+    shutil.copy(tmp_path / "corpus.idx", tmp_path / "copy.idx")
+    (tmp_path / "copy.bin").write_bytes(b"")
+    res, got = run(tmp_path / "out", str(tmp_path / "copy"))
+    assert res.length == "value:length"
+    assert got.column("length").to_pylist() == lengths
+    assert got.column("document").to_pylist() == document
+    assert got.column("sample_id").to_pylist() == list(range(len(lengths)))
+    assert res.manifest["columns"]["document"] == "int64"
+    _, again = run(tmp_path / "out2", str(tmp_path / "corpus.idx"))
+    assert ipc_bytes(again) == ipc_bytes(got)
+
+
+@pytest.mark.skipif(megatron_builder() is None, reason="megatron-core is not importable")
+def test_megatron_matches_megatron_core_reader(tmp_path):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+    docs = random_docs(40, seed=2)
+    write_megatron(str(tmp_path / "c"), docs, dtype=np.int32)
+    ds = IndexedDataset(str(tmp_path / "c"))
+    _, got = run(tmp_path / "out", str(tmp_path / "c.idx"), length="list:input_ids")
+    assert got.column("length").to_pylist() == ds.sequence_lengths.tolist()
+    bounds = ds.document_indices
+    assert got.column("document").to_pylist() == (np.searchsorted(bounds, np.arange(len(ds)), "right") - 1).tolist()
+    items = SourceDataset(str(tmp_path / "out"))  # item i: the tokens of sequence i, from the .bin
+    for i in (5, 0, 17):
+        assert items[i]["input_ids"].tolist() == ds[i].tolist() and items[i]["length"] == len(ds[i])
+
+
+@pytest.mark.slow
+def test_megatron_two_files_two_workers_equal_one(tmp_path):
+    write_megatron(str(tmp_path / "a"), random_docs(300, seed=3))
+    write_megatron(str(tmp_path / "b"), random_docs(200, seed=4))
+    la, da = _megatron_expected(random_docs(300, seed=3))
+    lb, db = _megatron_expected(random_docs(200, seed=4))
+    opts = dict(chunk_bytes=400)  # 100 sequences per unit: files split across workers
+    _, one = run(tmp_path / "one", str(tmp_path / "a.idx"), str(tmp_path / "b.idx"), **opts)
+    _, two = run(tmp_path / "two", str(tmp_path / "a.idx"), str(tmp_path / "b.idx"), nproc=2, **opts)
+    assert ipc_bytes(one) == ipc_bytes(two)
+    assert one.column("length").to_pylist() == la + lb
+    assert one.column("document").to_pylist() == da + [300 + d for d in db]  # numbered over both files
+
+
+def _idx_bytes(tmp_path) -> bytes:
+    write_megatron(str(tmp_path / "good"), random_docs(5, seed=5))
+    return (tmp_path / "good.idx").read_bytes()
+
+
+def _corrupt(tmp_path, mutate) -> str:
+    data = bytearray(_idx_bytes(tmp_path))
+    data = mutate(data)
+    (tmp_path / "bad.idx").write_bytes(bytes(data))
+    return str(tmp_path / "bad.idx")
+
+
+def _set(data, at, fmt_bytes):
+    data[at: at + len(fmt_bytes)] = fmt_bytes
+    return data
+
+
+CORRUPT = {
+    "bad magic": (lambda d: _set(d, 0, b"NOTANIDX\x00"), r"corrupt Megatron index .*bad\.idx: bad magic .*"),
+    "bad version": (lambda d: _set(d, 9, (2).to_bytes(8, "little")),
+                    r"corrupt Megatron index .*: version 2 \(only version 1 is known\)"),
+    "bad dtype": (lambda d: _set(d, 17, b"\x63"), r"corrupt Megatron index .*: unknown token dtype code 99"),
+    "truncated": (lambda d: d[:-5], r"corrupt Megatron index .*: \d+ bytes, but \d+ sequences and \d+ document "
+                                    r"entries need \d+ \(or \d+ with modes\)"),
+    "header only": (lambda d: d[:20], r"corrupt Megatron index .*: 20 bytes, shorter than the 34-byte header"),
+    "counts": (lambda d: _set(d, 18, (10**6).to_bytes(8, "little")), r"corrupt Megatron index .*: \d+ bytes, but "
+                                                                      r"1000000 sequences .*"),
+    "boundaries": (lambda d: _set(d, len(d) - 8, (999).to_bytes(8, "little")),
+                   r"corrupt Megatron index .*: document boundaries must run from 0 to \d+ \(the sequence count\)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CORRUPT))
+def test_corrupt_megatron_index_is_one_line(tmp_path, case):
+    mutate, message = CORRUPT[case]
+    src = _corrupt(tmp_path, mutate)
+    result = CliRunner().invoke(app, ["analyze", src, "-o", str(tmp_path / "out"), "--no-progress"])
+    assert_user_error(result, 3, re.compile(message))
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_megatron_index_reader_inverse():
+    """write_index (benchmarks build big indexes with it) is read back exactly, modes included."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "x.idx")
+        megatron.write_index(path, [3, 0, 5, 2], [0, 2, 2, 4], np.uint16, modes=[0, 1, 0, 1])
+        idx = megatron.read_index(path, os.path.getsize(path))
+        assert idx.multimodal and idx.sequences == 4 and idx.num_documents == 3
+        assert megatron.lengths(idx, 0, 4).tolist() == [3, 0, 5, 2]
+        assert megatron.documents(idx, 0, 4).tolist() == [0, 0, 2, 2]  # document 1 is empty
+        assert megatron.documents(idx, 1, 3).tolist() == [0, 2]
+
+
+# -- MDS -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["raw", "zstd", "gz"])
+def test_mds_columns_and_lengths(tmp_path, kind):
+    samples = mds_samples()
+    src = os.path.join(MDS_FIXTURES, kind)
+    cases = {
+        "list:tokens": [len(s["tokens"]) for s in samples],
+        "value:n": [int(s["n"]) for s in samples],
+        "chars:text": [len(s["text"]) for s in samples],
+        "bytes:blob": [len(s["blob"]) for s in samples],
+        "list:dyn": [s["dyn"].size for s in samples],
+        "list:patch": [4] * len(samples),
+        "value:sint": [s["sint"] for s in samples],
+    }
+    for i, (spec, want) in enumerate(cases.items()):
+        res, got = run(tmp_path / f"o{i}", src, length=spec, chunk_bytes=300)
+        assert got.column("length").to_pylist() == want, spec
+        assert got.column("sample_id").to_pylist() == list(range(len(samples)))
+    assert res.manifest["dataset"]["files"][0]["path"] == "index.json"
+    items = SourceDataset(str(tmp_path / "o0"), columns=["messages", "tokens"])
+    for i in (7, 2, 39):
+        assert items[i]["messages"] == samples[i]["messages"]
+        assert items[i]["tokens"].tolist() == samples[i]["tokens"].tolist()
+
+
+@pytest.mark.skipif(mds_writer() is None, reason="mosaicml-streaming is not importable")
+def test_mds_fixtures_are_mdswriter_output(tmp_path):
+    make_mds_fixtures(str(tmp_path))
+    for kind in ("raw", "zstd", "gz"):
+        names = sorted(os.listdir(tmp_path / kind))
+        assert names == sorted(os.listdir(os.path.join(MDS_FIXTURES, kind)))
+        for name in names:
+            if name == "index.json":  # its hashes and sizes are the shards'
+                continue
+            new, old = (tmp_path / kind / name).read_bytes(), open(os.path.join(MDS_FIXTURES, kind, name), "rb").read()
+            if name.endswith(".gz"):  # a gzip header holds the time it was written
+                new, old = gzip.decompress(new), gzip.decompress(old)
+            assert new == old
+
+
+@pytest.mark.slow
+def test_mds_two_workers_equal_one(tmp_path):
+    src = os.path.join(MDS_FIXTURES, "raw")
+    _, one = run(tmp_path / "one", src, length="list:tokens", chunk_bytes=300)
+    _, two = run(tmp_path / "two", src, length="list:tokens", chunk_bytes=300, nproc=2)
+    assert ipc_bytes(one) == ipc_bytes(two)
+
+
+def test_mds_unknown_column_and_bad_index(tmp_path):
+    src = os.path.join(MDS_FIXTURES, "raw")
+    result = CliRunner().invoke(app, ["analyze", src, "-o", str(tmp_path / "o"), "--length", "list:nope",
+                                      "--no-progress"])
+    assert_user_error(result, 3, re.compile(r"column 'nope' not found in MDS shard .*shard\.00000\.mds \(columns: "
+                                            r"blob, dyn, messages, n, patch, score, sint, text, tokens\)"))
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "index.json").write_text('{"version": 2}')
+    result = CliRunner().invoke(app, ["analyze", str(tmp_path / "bad"), "-o", str(tmp_path / "out"), "--no-progress"])
+    assert_user_error(result, 3, re.compile(r".*index\.json is not an MDS index: 'shards'"))
+    assert leftovers(tmp_path) == []
+
+
+# -- WebDataset ------------------------------------------------------------------------------------
+def _shards(tmp_path, sizes=(30, 25, 1)):
+    folder = tmp_path / "wds"
+    folder.mkdir()
+    samples, first = [], 0
+    for k, n in enumerate(sizes):
+        part = wds_samples(n, seed=k, first=first)
+        write_webdataset(str(folder / f"shard-{k:03d}.tar"), part)
+        samples += part
+        first += n
+    return folder, samples
+
+
+def test_webdataset_members_as_columns(tmp_path):
+    folder, samples = _shards(tmp_path)
+    cases = {
+        "value:json.num_tokens": [s["json"]["num_tokens"] for s in samples],
+        "value:json.meta.frames": [s["json"]["meta"]["frames"] for s in samples],
+        "list:npy": [s["npy"].size for s in samples],
+        "chars:txt": [len(s["txt"]) for s in samples],
+        "bytes:txt": [len(s["txt"].encode()) for s in samples],
+        "words:json.text": [len(s["json"]["text"].split()) for s in samples],
+    }
+    for i, (spec, want) in enumerate(cases.items()):
+        # a folder, a glob and the files: the same samples in shard order
+        src = [str(folder)] if i % 3 == 0 else [str(folder / "*.tar")] if i % 3 == 1 else sorted(
+            str(p) for p in folder.iterdir())
+        res, got = run(tmp_path / f"o{i}", *src, length=spec, chunk_bytes=2048)
+        assert got.column("length").to_pylist() == want, spec
+    assert res.manifest["dataset"]["num_rows"] == len(samples)
+    items = SourceDataset(str(tmp_path / "o0"), columns=["__key__", "json.num_tokens"])
+    for i in (33, 30, 0, len(samples) - 1):
+        assert items[i] == {"__key__": samples[i]["__key__"], "json.num_tokens": samples[i]["json"]["num_tokens"]}
+
+
+@pytest.mark.slow
+def test_webdataset_two_workers_split_shards(tmp_path):
+    folder, samples = _shards(tmp_path, sizes=(60, 45))
+    opts = dict(length="list:npy", difficulty="value:json.num_tokens", chunk_bytes=3000)  # ~10 units a shard
+    _, one = run(tmp_path / "one", str(folder), **opts)
+    _, two = run(tmp_path / "two", str(folder), nproc=2, **opts)
+    assert ipc_bytes(one) == ipc_bytes(two)
+    assert one.column("length").to_pylist() == [s["npy"].size for s in samples]
+
+
+def test_webdataset_missing_member_is_one_line(tmp_path):
+    folder = tmp_path / "w"
+    folder.mkdir()
+    samples = wds_samples(5)
+    del samples[3]["npy"]
+    write_webdataset(str(folder / "a.tar"), samples)
+    result = CliRunner().invoke(app, ["analyze", str(folder), "-o", str(tmp_path / "out"), "--length", "list:npy",
+                                      "--no-progress"])
+    assert_user_error(result, 3, f"tar member missing: key group 's000003' in {folder / 'a.tar'} has no .npy "
+                                 "member (it has: json, txt)")
+    assert leftovers(tmp_path) == []
+
+
+# -- tokenizer directories and chat ----------------------------------------------------------------
+TEXTS = ["hello world this is a test", "the quick brown fox jumps over the lazy dog", "ünïcödé 日本語 text",
+         "assistant user system"] * 30
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}<|assistant|>\n"
+            "{% generation %}{{ m['content'] }}{{ eos_token }}{% endgeneration %}\n"
+            "{% else %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endif %}{% endfor %}")
+
+
+def _sentencepiece_dir(tmp_path, tokenizer_class: str, chat_template: str | None = None) -> str:
+    """A tokenizer directory with only a sentencepiece model (no tokenizer.json), trained here."""
+    import io
+
+    spm = pytest.importorskip("sentencepiece")
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(TEXTS), model_writer=model, vocab_size=40,
+                                   model_type="unigram", character_coverage=1.0, bos_id=1, eos_id=2, unk_id=0,
+                                   pad_id=-1, minloglevel=2, hard_vocab_limit=False)
+    folder = tmp_path / f"tok-{tokenizer_class}"
+    folder.mkdir()
+    (folder / "tokenizer.model" if tokenizer_class == "LlamaTokenizer" else folder / "spiece.model").write_bytes(
+        model.getvalue())
+    config = {"tokenizer_class": tokenizer_class, "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    if chat_template:
+        config["chat_template"] = chat_template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+@pytest.mark.parametrize("cls", ["LlamaTokenizer", "T5Tokenizer"])
+def test_sentencepiece_directory_gives_autotokenizer_lengths(tmp_path, cls):
+    from transformers import AutoTokenizer
+
+    tok_dir = _sentencepiece_dir(tmp_path, cls)
+    assert not os.path.exists(os.path.join(tok_dir, "tokenizer.json"))
+    texts = [t * (i % 4) for i, t in enumerate(TEXTS)]
+    src = tmp_path / "t.parquet"
+    pa.parquet.write_table(pa.table({"text": texts}), src)
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    for special in (True, False):
+        _, got = run(tmp_path / f"o{special}", str(src), length="tokens:text", tokenizer=tok_dir,
+                     special_tokens=special)
+        want = [len(ids) for ids in tok(texts, add_special_tokens=special)["input_ids"]]
+        assert got.column("length").to_pylist() == want
+
+
+def _chat_source(tmp_path, as_json: bool = False):
+    convs = [[{"role": "system", "content": "be nice"}, {"role": "user", "content": "hello world " * i},
+              {"role": "assistant", "content": "the lazy dog " * (i % 5)},
+              {"role": "user", "content": "ünï"}, {"role": "assistant", "content": "fox " * (i % 3)}]
+             for i in range(25)]
+    column = [json.dumps(c) for c in convs] if as_json else convs
+    path = tmp_path / ("chat_json.parquet" if as_json else "chat.parquet")
+    pa.parquet.write_table(pa.table({"messages": column}), path, row_group_size=7)
+    return str(path), convs
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_chat_lengths_and_assistant_targets_equal_apply_chat_template(tmp_path, as_json):
+    from transformers import AutoTokenizer
+
+    tok_dir = _sentencepiece_dir(tmp_path, "LlamaTokenizer", TEMPLATE)
+    src, convs = _chat_source(tmp_path, as_json)
+    res, got = run(tmp_path / "o", src, length="chat:messages", tokenizer=tok_dir, target_length="assistant")
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    one = [tok.apply_chat_template(c, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+           for c in convs]  # one conversation at a time: the reference
+    assert got.column("length").to_pylist() == [len(o["input_ids"]) for o in one]
+    assert got.column("target_length").to_pylist() == [sum(o["assistant_masks"]) for o in one]
+    # the assistant tokens are exactly those of the assistant turns' content plus EOS (this template)
+    rendered = [tok(m["content"] + tok.eos_token, add_special_tokens=False)["input_ids"] for m in convs[3][2::2]]
+    assert got.column("target_length")[3].as_py() <= sum(map(len, rendered)) + 2
+    assert res.manifest["columns"]["target_length"] == "int64" and "target_length" in res.manifest["stats"]
+
+
+CHAT_ERRORS = {
+    "target without chat": (["--length", "chars:text", "--target-length", "assistant"],
+                            "--target-length needs --length chat:COLUMN (the loss mask comes from the chat template)",
+                            2),
+    "bad target": (["--length", "chat:messages", "--target-length", "all"],
+                   "--target-length must be one of assistant; got 'all'", 2),
+    "no generation markers": (["--length", "chat:messages", "--target-length", "assistant", "--tokenizer", "{plain}"],
+                              "--target-length assistant needs a chat template with {% generation %} markers around "
+                              "the assistant turns; the template of {plain} has none", 2),
+    "no template": (["--length", "chat:messages", "--tokenizer", "{notemplate}"],
+                    "--length chat:COLUMN needs a tokenizer with a chat template; {notemplate} has none", 2),
+    "chat without tokenizer": (["--length", "chat:messages"],
+                               "--length chat:messages needs --tokenizer DIR (a tokenizer directory with a chat "
+                               "template)", 2),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CHAT_ERRORS))
+def test_chat_errors(tmp_path, case):
+    args, message, code = CHAT_ERRORS[case]
+    src, _ = _chat_source(tmp_path)
+    dirs = {}
+    if "{plain}" in message:
+        dirs["plain"] = _sentencepiece_dir(tmp_path, "LlamaTokenizer", TEMPLATE.replace("{% generation %}", "")
+                                           .replace("{% endgeneration %}", ""))
+    if "{notemplate}" in message:
+        dirs["notemplate"] = _sentencepiece_dir(tmp_path, "LlamaTokenizer")
+    for name, folder in dirs.items():
+        args = [a.replace("{" + name + "}", folder) for a in args]
+        message = message.replace("{" + name + "}", folder)
+    result = CliRunner().invoke(app, ["analyze", src, "-o", str(tmp_path / "out"), "--no-progress", *args])
+    assert_user_error(result, code, message)
+    assert leftovers(tmp_path) == []
+
+
+def test_plan_counts_assistant_targets(tmp_path):
+    """A plan over chat metrics with target_length: step_loss_tokens and --lr-scale-by tokens count the
+    assistant tokens; the plan validates."""
+    import pyarrow.parquet as pq
+
+    from varlen_cli.plan import PlanConfig, plan
+    from varlen_cli.validate import ValidateConfig, validate
+
+    tok_dir = _sentencepiece_dir(tmp_path, "LlamaTokenizer", TEMPLATE)
+    src, _ = _chat_source(tmp_path)
+    _, metrics = run(tmp_path / "m", src, length="chat:messages", tokenizer=tok_dir, target_length="assistant")
+    target = dict(zip(metrics.column("sample_id").to_pylist(), metrics.column("target_length").to_pylist()))
+    out = str(tmp_path / "plan.parquet")
+    plan(PlanConfig(input=str(tmp_path / "m"), output=out, max_tokens=2000, dp=2, order="random", tail="drop",
+                    lr_scaling="linear", lr_scale_by="tokens", progress=False))
+    rows = pq.read_table(out).to_pylist()
+    per_step: dict = {}
+    for r in rows:
+        per_step[r["step"]] = per_step.get(r["step"], 0) + sum(target[i] for i in r["sample_ids"])
+    assert all(r["step_loss_tokens"] == per_step[r["step"]] for r in rows)
+    report = validate(ValidateConfig(plan=out, metrics=str(tmp_path / "m")))
+    assert report.ok, [c for c in report.checks if not c.ok]
+    assert any(c.name == "loss tokens" and c.skipped for c in report.checks)
+    with pytest.raises(Exception, match="--split-long cannot tell"):
+        plan(PlanConfig(input=str(tmp_path / "m"), output=str(tmp_path / "p2.parquet"), packing=True, seq_len=64,
+                        split_long=True, progress=False))

@@ -1,0 +1,209 @@
+"""``SourceDataset``: item i is the source row with sample_id i, for every format, local and from
+the S3-protocol server; plan-order read-ahead through ``dataloader_for_plan``; stale sources refused."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from tests.analyze_helpers import (
+    run,
+    text_table,
+    write_arrow_file,
+    write_hf_save_to_disk,
+    write_jsonl,
+    write_parquet,
+    write_text,
+)
+from tests.conftest import sample
+from tests.loader_helpers import write_plan
+from varlen_cli.errors import InputError
+from varlen_cli.loader import SourceDataset, dataloader_for_plan
+
+TOK = sample("tokenizer.json")
+
+
+def _token_table(n: int, seed: int = 0) -> pa.Table:
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 40, size=n)
+    ids = [rng.integers(0, 1000, size=k).tolist() for k in lengths]
+    return pa.table({"input_ids": pa.array(ids, pa.list_(pa.int32())), "text": [f"row {i}" for i in range(n)]})
+
+
+def _write_format(fmt: str, folder, table: pa.Table) -> str:
+    """``table`` as files of ``fmt`` in ``folder`` (several files, several blocks each); the SOURCE."""
+    os.makedirs(folder, exist_ok=True)
+    half = len(table) // 2
+    parts = [table.slice(0, half), table.slice(half)]
+    for k, part in enumerate(parts):
+        path = os.path.join(folder, f"p{k}")
+        if fmt == "parquet":
+            write_parquet(part, path + ".parquet", row_group_size=23)
+        elif fmt == "jsonl":
+            write_jsonl(part, path + ".jsonl")
+        elif fmt == "jsonl.gz":
+            write_jsonl(part, path + ".jsonl.gz", gz=True)
+        elif fmt == "arrow":
+            write_arrow_file(part, path + ".arrow")
+        elif fmt == "text":
+            write_text(part.column("text").to_pylist(), path + ".txt")
+    if fmt == "hf":
+        write_hf_save_to_disk(table, os.path.join(folder, "ds"), num_shards=3)
+        return os.path.join(folder, "ds")
+    return str(folder)
+
+
+def _expected(fmt: str, table: pa.Table) -> list[dict]:
+    if fmt == "text":
+        return [{"text": t} for t in table.column("text").to_pylist()]
+    return table.to_pylist()
+
+
+def _plain(item: dict) -> dict:
+    return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in item.items()}
+
+
+FORMATS = ["parquet", "jsonl", "jsonl.gz", "arrow", "text", "hf"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_items_equal_source_rows_local(tmp_path, fmt):
+    table = text_table(150, seed=3) if fmt == "text" else _token_table(150)
+    source = _write_format(fmt, tmp_path / "src", table)
+    run(tmp_path / "m", source, chunk_bytes=512, length="chars:text" if fmt == "text" else "auto")
+    ds = SourceDataset(tmp_path / "m", cache_bytes=2048)  # a small cache: blocks are evicted and read again
+    expected = _expected(fmt, table)
+    assert len(ds) == len(expected)
+    order = np.random.default_rng(0).permutation(len(ds))
+    got = ds.__getitems__(order.tolist())
+    assert [_plain(g) for g in got] == [expected[i] for i in order]
+    assert _plain(ds[7]) == expected[7]
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl", "text", "arrow"])
+def test_items_equal_source_rows_s3(tmp_path, s3, fmt):
+    table = text_table(120, seed=4) if fmt == "text" else _token_table(120, seed=1)
+    local = _write_format(fmt, tmp_path / "src", table)
+    url = s3.upload_tree(local, s3.bucket(), "data")
+    run(tmp_path / "m", url, chunk_bytes=512, length="chars:text" if fmt == "text" else "auto")
+    ds = SourceDataset(tmp_path / "m", columns=["text"])
+    expected = [{"text": row["text"]} for row in _expected(fmt, table)]
+    order = np.random.default_rng(1).permutation(len(ds))
+    assert [_plain(g) for g in ds.__getitems__(order.tolist())] == [expected[i] for i in order]
+
+
+def test_tokenizer_gives_analyze_lengths(tmp_path):
+    pytest.importorskip("tokenizers")
+    table = text_table(80, seed=5)
+    write_parquet(table, tmp_path / "a.parquet", row_group_size=16)
+    _, metrics = run(tmp_path / "m", tmp_path / "a.parquet", length="tokens:text", tokenizer=TOK)
+    ds = SourceDataset(tmp_path / "m", columns=["text"], tokenizer=TOK)
+    items = ds.__getitems__(list(range(len(ds))))
+    assert [len(it["input_ids"]) for it in items] == metrics.column("length").to_pylist()
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(TOK)
+    tok.no_truncation()
+    tok.no_padding()
+    assert items[3]["input_ids"].tolist() == tok.encode(table.column("text")[3].as_py()).ids
+
+
+@pytest.mark.parametrize("num_workers,remote", [(0, False), (2, False), (2, True)])
+def test_dataloader_for_plan_is_the_whole_data_path(tmp_path, request, num_workers, remote):
+    table = _token_table(200, seed=2)
+    write_parquet(table, tmp_path / "a.parquet", row_group_size=17)
+    source = tmp_path / "a.parquet"
+    if remote:  # DataLoader workers forked from a process whose s3 client already ran
+        s3 = request.getfixturevalue("s3")
+        source = s3.upload_tree(str(tmp_path), s3.bucket(), "d") + "/a.parquet"
+    _, metrics = run(tmp_path / "m", source)
+    lengths = metrics.column("length").to_numpy()
+    write_plan(tmp_path / "plan.parquet", lengths, max_tokens=128, order="random", seed=3)
+    ds = SourceDataset(tmp_path / "m", columns=["input_ids"])
+    loader = dataloader_for_plan(ds, str(tmp_path / "plan.parquet"), rank=0, world_size=1, num_workers=num_workers)
+    rows = table.column("input_ids").to_pylist()
+    seen = []
+    for batch in loader:
+        for b, sid in enumerate(batch["sample_ids"].tolist()):
+            if sid < 0:
+                continue
+            n = len(rows[sid])
+            assert batch["input_ids"][b, :n].tolist() == rows[sid]
+            seen.append(sid)
+    assert sorted(seen) == list(range(len(rows)))
+
+
+def test_read_ahead_hook_reaches_the_dataset(tmp_path):
+    """The sampler tells ``prefetch`` the next microbatches of the same consumer, in plan order."""
+    table = _token_table(120, seed=6)
+    write_parquet(table, tmp_path / "a.parquet", row_group_size=10)
+    _, metrics = run(tmp_path / "m", tmp_path / "a.parquet")
+    write_plan(tmp_path / "plan.parquet", metrics.column("length").to_numpy(), max_tokens=96, order="random")
+
+    class Recording(SourceDataset):
+        def prefetch(self, sample_ids):
+            self.asked.append(np.asarray(sample_ids).tolist())
+            super().prefetch(sample_ids)
+
+    ds = Recording(tmp_path / "m", columns=["input_ids"])
+    ds.asked = []
+    loader = dataloader_for_plan(ds, str(tmp_path / "plan.parquet"), rank=0, world_size=1, read_ahead=2)
+    batches = [b["sample_ids"][b["sample_ids"] >= 0].tolist() for b in loader]
+    assert len(ds.asked) == len(batches) - 1  # the last microbatch has nothing after it
+    for k, asked in enumerate(ds.asked):
+        assert asked == sum(batches[k + 1:k + 3], [])
+
+
+def test_changed_source_is_refused(tmp_path):
+    table = _token_table(50)
+    path = write_parquet(table, tmp_path / "a.parquet")
+    run(tmp_path / "m", path)
+    write_parquet(table.slice(0, 40), path)
+    with pytest.raises(InputError, match=r"is stale: source .*a\.parquet changed size"):
+        SourceDataset(tmp_path / "m")
+    assert len(SourceDataset(tmp_path / "m", allow_stale=True)) == 50
+
+
+def test_changed_object_is_refused(tmp_path, s3):
+    bucket = s3.bucket()
+    write_jsonl(_token_table(30), tmp_path / "a.jsonl")
+    s3.client.upload_file(str(tmp_path / "a.jsonl"), bucket, "d/a.jsonl")
+    run(tmp_path / "m", f"s3://{bucket}/d/")
+    data = (tmp_path / "a.jsonl").read_bytes()
+    s3.client.put_object(Bucket=bucket, Key="d/a.jsonl", Body=data.replace(b"row 1", b"row 9"))  # same size
+    with pytest.raises(InputError, match=r"s3://.*/d/a\.jsonl was modified \(etag "):
+        SourceDataset(tmp_path / "m")
+
+
+def test_remote_metrics_dir(tmp_path, s3):
+    """Metrics written to object storage are a SourceDataset's input too."""
+    bucket = s3.bucket()
+    table = _token_table(60)
+    write_parquet(table, tmp_path / "a.parquet", row_group_size=16)
+    s3.client.upload_file(str(tmp_path / "a.parquet"), bucket, "d/a.parquet")
+    run_out = f"s3://{bucket}/metrics"
+    from varlen_cli.analyze import AnalyzeConfig, analyze
+
+    analyze(AnalyzeConfig(sources=(f"s3://{bucket}/d",), output=run_out, progress=False))
+    ds = SourceDataset(run_out, columns=["input_ids"])
+    assert [_plain(i)["input_ids"] for i in ds.__getitems__([59, 0, 31])] == [
+        table.column("input_ids")[k].as_py() for k in (59, 0, 31)]
+
+
+@pytest.mark.parametrize("depth,stride", [(0, 1), (1, 1), (3, 1), (2, 2), (3, 4)])
+def test_read_ahead_follows_each_worker(depth, stride):
+    """With ``stride`` DataLoader workers taking microbatches in turn, microbatch k carries the ids of
+    k+stride, k+2*stride, ... (depth of them, fewer at the end): what the same worker fetches next."""
+    from types import SimpleNamespace
+
+    from varlen_cli.loader.sampler import _with_ahead
+
+    items = [SimpleNamespace(sample_ids=np.array([k, 100 + k])) for k in range(11)]
+    got = list(_with_ahead(iter(items), depth, stride))
+    assert [item for item, _ in got] == items
+    for k, (_, ahead) in enumerate(got):
+        want = [[j, 100 + j] for j in range(k + stride, min(11, k + stride * depth + 1), stride)]
+        assert (ahead is None and depth == 0) or [a.tolist() for a in ahead] == want

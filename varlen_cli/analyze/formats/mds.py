@@ -1,0 +1,314 @@
+"""MosaicML Streaming MDS datasets: a folder with ``index.json`` and its shards.
+
+``index.json`` lists the shards in order (``{"version": 2, "shards": [{"format": "mds",
+"column_names", "column_encodings", "column_sizes", "samples", "raw_data": {"basename", "bytes"},
+"zip_data", "compression"}, ...]}``). A raw shard (``MDSWriter``'s ``encode_joint_shard``) is::
+
+    uint32 n | uint32 offsets[n + 1] (absolute, per sample) | config JSON | samples
+
+and a sample is ``uint32 size`` for each variable-size column (in column order), then every
+column's bytes (columns sorted by name). ``sample_id`` is the global index in shard order.
+
+Encodings become Arrow columns: ``str`` -> string; ``bytes`` and the image/pickle encodings ->
+binary (never decoded or unpickled); ``int``/``int8``...``uint64``/``float16``...``float64`` ->
+numbers; ``str_int``/``str_float``/``str_decimal`` -> int64/float64; ``ndarray[:dtype[:shape]]``
+-> a list of the array's elements (flattened; float64 when the dtype is per sample); ``json`` ->
+the parsed value. So ``--length list:COL`` counts an ndarray's elements,
+``tokens``/``chars``/``words``/``bytes`` measure a str column, ``value:COL`` takes an int column,
+``chat:COL`` a json list of messages.
+
+Raw shards are read with range reads (the unit's offsets, then its samples); units are sample
+ranges of about ``chunk_bytes``. A compressed shard (``zstd``, ``gz``, ``bz2``, ``br``,
+``snappy``) is read and decompressed whole, as one unit.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from ... import storage
+from ...errors import InputError
+
+INDEX_NAME = "index.json"
+SCALARS = {"uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32, "uint64": np.uint64, "int8": np.int8,
+           "int16": np.int16, "int32": np.int32, "int64": np.int64, "int": np.int64, "float16": np.float16,
+           "float32": np.float32, "float64": np.float64}
+NDARRAY_DTYPES = {8: "uint8", 9: "int8", 16: "uint16", 17: "int16", 18: "float16", 32: "uint32", 33: "int32",
+                  34: "float32", 64: "uint64", 65: "int64", 66: "float64"}
+SHAPE_DTYPES = {0: np.uint8, 1: np.uint16, 2: np.uint32, 3: np.uint64}
+CODECS = ("zstd", "gz", "bz2", "br", "snappy")
+MAX_UNIT_ROWS = 1 << 20
+GATHER_BYTES = 8 << 20  # bytes gathered per numpy pass (bounds the index array's memory)
+
+
+@dataclass(frozen=True)
+class Shard:
+    path: str  # the raw (or compressed) shard file
+    samples: int
+    raw_bytes: int
+    names: tuple
+    encodings: tuple
+    sizes: tuple  # fixed size in bytes, or None (stored per sample)
+    compression: str | None
+
+
+def read_index(index_path: str) -> list[Shard]:
+    """The shards listed by an MDS ``index.json``, checked."""
+    try:
+        obj = json.loads(storage.read_bytes(index_path))
+        shards = obj["shards"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise InputError(f"{index_path} is not an MDS index: {exc}") from None
+    folder = storage.parent(index_path)
+    out = []
+    for k, s in enumerate(shards):
+        try:
+            if s.get("format") != "mds":
+                raise InputError(f"{index_path}: shard {k} has format {s.get('format')!r}; only 'mds' shards are "
+                                 "read (not xsv/json)")
+            compression = s.get("compression")
+            data = s["zip_data"] if compression else s["raw_data"]
+            if compression and compression.split(":")[0] not in CODECS:
+                raise InputError(f"{index_path}: shard {k} has unknown compression {compression!r}")
+            out.append(Shard(storage.join(folder, data["basename"]), int(s["samples"]), int(s["raw_data"]["bytes"]),
+                             tuple(s["column_names"]), tuple(s["column_encodings"]), tuple(s["column_sizes"]),
+                             compression.split(":")[0] if compression else None))
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            raise InputError(f"{index_path}: shard {k} is not a valid MDS shard entry ({exc})") from None
+    return out
+
+
+def units(shards: list[Shard], chunk_bytes: int) -> list[tuple[int, int, int, int, int]]:
+    """(part, start, stop, rows, weight): sample ranges of about ``chunk_bytes`` per shard."""
+    out = []
+    for k, s in enumerate(shards):
+        by_bytes = s.samples * chunk_bytes // max(s.raw_bytes, 1)
+        step = s.samples if s.compression else max(1, min(MAX_UNIT_ROWS, by_bytes))
+        for a in range(0, max(s.samples, 1), max(step, 1)):
+            b = min(s.samples, a + step)
+            out.append((k, a, b, b - a, b - a))
+    return out
+
+
+def schema(shards: list[Shard]):
+    import pyarrow as pa
+
+    if not shards:
+        return pa.schema([])
+    s = shards[0]
+    return pa.schema([(n, arrow_type(e)) for n, e in zip(s.names, s.encodings)])
+
+
+def arrow_type(encoding: str):
+    import pyarrow as pa
+
+    name, _, rest = encoding.partition(":")
+    if name == "str":
+        return pa.large_string()
+    if name in SCALARS:
+        return pa.from_numpy_dtype(SCALARS[name])
+    if name == "str_int":
+        return pa.int64()
+    if name in ("str_float", "str_decimal"):
+        return pa.float64()
+    if name == "ndarray":
+        dtype = rest.partition(":")[0]
+        return pa.large_list(pa.from_numpy_dtype(np.dtype(dtype)) if dtype else pa.float64())
+    if name == "json":
+        return pa.large_string()  # parsed per unit; its type is what the values are
+    return pa.large_binary()
+
+
+class ShardReader:
+    """Reads units of MDS shards; keeps the last decompressed shard (a compressed shard is one unit)."""
+
+    def __init__(self):
+        self._index: tuple[str, list[Shard]] | None = None
+        self._decompressed: tuple[str, bytes] | None = None
+
+    def shards(self, index_path: str) -> list[Shard]:
+        if self._index is None or self._index[0] != index_path:
+            self._index = (index_path, read_index(index_path))
+        return self._index[1]
+
+    def read(self, index_path: str, part: int, start: int, stop: int, columns):
+        shard = self.shards(index_path)[part]
+        if shard.compression:
+            buf = self._whole(shard)
+            offsets = _offsets(buf[4: 4 * (shard.samples + 2)], shard, 0, shard.samples)[start: stop + 1]
+            base = 0
+        else:
+            offsets = _offsets(storage.read_range(shard.path, 4 * (start + 1), 4 * (stop + 2)), shard, start, stop)
+            base = int(offsets[0])
+            buf = storage.read_range(shard.path, base, int(offsets[-1]))
+            if len(buf) != int(offsets[-1]) - base:
+                raise InputError(f"MDS shard {shard.path} is truncated")
+        view = np.frombuffer(buf, np.uint8)
+        return decode(view, offsets.astype(np.int64) - base, shard, columns)
+
+    def _whole(self, shard: Shard) -> bytes:
+        if self._decompressed is None or self._decompressed[0] != shard.path:
+            self._decompressed = None
+            self._decompressed = (shard.path, decompress(storage.read_bytes(shard.path), shard))
+        return self._decompressed[1]
+
+
+def decompress(data: bytes, shard: Shard) -> bytes:
+    import bz2
+    import gzip
+
+    import pyarrow as pa
+
+    try:
+        if shard.compression == "gz":
+            out = gzip.decompress(data)
+        elif shard.compression == "bz2":
+            out = bz2.decompress(data)
+        else:
+            codec = {"zstd": "zstd", "br": "brotli", "snappy": "snappy"}[shard.compression]
+            out = pa.decompress(data, decompressed_size=shard.raw_bytes, codec=codec).to_pybytes()
+    except (OSError, ValueError, EOFError, pa.ArrowException) as exc:
+        raise InputError(f"cannot decompress MDS shard {shard.path} ({shard.compression}): {exc}") from None
+    if len(out) != shard.raw_bytes:
+        raise InputError(f"MDS shard {shard.path} decompresses to {len(out)} bytes; index.json says {shard.raw_bytes}")
+    return out
+
+
+def _offsets(data: bytes, shard: Shard, start: int, stop: int) -> np.ndarray:
+    offsets = np.frombuffer(data, np.uint32)
+    if len(offsets) != stop - start + 1 or np.any(np.diff(offsets.astype(np.int64)) < 0):
+        raise InputError(f"MDS shard {shard.path} is corrupt or truncated (sample offsets {start}-{stop})")
+    return offsets
+
+
+def gather(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes ``buf[starts[i]:starts[i]+lengths[i]]`` of every i, concatenated, and their offsets."""
+    offsets = np.zeros(len(starts) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    out = np.empty(int(offsets[-1]), np.uint8)
+    i = 0
+    while i < len(starts):  # in slices of about GATHER_BYTES: the index array costs 8 bytes a byte
+        j = int(np.searchsorted(offsets, offsets[i] + GATHER_BYTES, side="right"))
+        j = min(max(j - 1, i + 1), len(starts))
+        lo, hi = int(offsets[i]), int(offsets[j])
+        if hi > lo:
+            idx = np.repeat(starts[i:j] - offsets[i:j], lengths[i:j]) + np.arange(lo, hi)
+            out[lo:hi] = buf[idx]
+        i = j
+    return out, offsets
+
+
+def _uint32_at(buf: np.ndarray, at: np.ndarray) -> np.ndarray:
+    b = buf[at[:, None] + np.arange(4)].astype(np.uint32)
+    return (b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24)).astype(np.int64)
+
+
+def column_spans(buf: np.ndarray, starts: np.ndarray, shard: Shard) -> tuple[np.ndarray, np.ndarray]:
+    """(n, columns) arrays of each column's start and size in ``buf`` for samples starting at ``starts``."""
+    n, k = len(starts), len(shard.names)
+    sizes = np.zeros((n, k), np.int64)
+    var = [j for j, s in enumerate(shard.sizes) if s is None]
+    for v, j in enumerate(var):
+        sizes[:, j] = _uint32_at(buf, starts + 4 * v) if n else 0
+    for j, s in enumerate(shard.sizes):
+        if s is not None:
+            sizes[:, j] = int(s)
+    col_start = starts[:, None] + 4 * len(var) + np.cumsum(sizes, axis=1) - sizes
+    return col_start, sizes
+
+
+def decode(buf: np.ndarray, offsets: np.ndarray, shard: Shard, columns):
+    """The samples at ``offsets`` (n + 1 sample bounds in ``buf``) as an Arrow table of ``columns``."""
+    import pyarrow as pa
+
+    wanted = list(shard.names) if columns is None else list(columns)
+    starts = offsets[:-1]
+    col_start, sizes = column_spans(buf, starts, shard)
+    if len(starts) and np.any(col_start[:, -1] + sizes[:, -1] > offsets[1:]):
+        raise InputError(f"MDS shard {shard.path} is corrupt: column sizes run past their samples")
+    out = {}
+    for name in wanted:
+        if name not in shard.names:
+            raise InputError(f"column '{name}' not found in MDS shard {shard.path} (columns: {', '.join(shard.names)})")
+        j = shard.names.index(name)
+        out[name] = _column(buf, col_start[:, j], sizes[:, j], shard.encodings[j], shard.path, name)
+    return pa.table(out)
+
+
+def _column(buf, starts, sizes, encoding: str, path: str, name: str):
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    kind, _, rest = encoding.partition(":")
+    n = len(starts)
+    if kind in SCALARS:
+        dtype = np.dtype(SCALARS[kind])
+        data, _ = gather(buf, starts, np.full(n, dtype.itemsize, np.int64))
+        return pa.array(data.view(dtype))
+    if kind == "ndarray":
+        return _ndarray(buf, starts, sizes, rest, path, name)
+    data, offsets = gather(buf, starts, sizes)
+    binary = pa.Array.from_buffers(pa.large_binary(), n, [None, pa.py_buffer(offsets), pa.py_buffer(data)])
+    if kind in ("str", "str_int", "str_float", "str_decimal", "json"):
+        try:
+            text = binary.cast(pa.large_string())
+        except pa.ArrowInvalid:
+            raise InputError(f"column '{name}' of MDS shard {path} is not valid UTF-8") from None
+        if kind == "str":
+            return text
+        if kind == "json":
+            return _json_values(text, path, name)
+        try:
+            return pc.cast(text, pa.int64() if kind == "str_int" else pa.float64())
+        except pa.ArrowInvalid as exc:
+            raise InputError(f"column '{name}' ({kind}) of MDS shard {path}: {exc}") from None
+    return binary
+
+
+def _json_values(text, path: str, name: str):
+    import pyarrow as pa
+
+    try:
+        return pa.array([json.loads(v) for v in text.to_pylist()])
+    except (ValueError, pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        raise InputError(f"json column '{name}' of MDS shard {path}: {exc}") from None
+
+
+def _ndarray(buf, starts, sizes, config: str, path: str, name: str):
+    """An ``ndarray[:dtype[:shape]]`` column as a large_list of each array's elements (flattened)."""
+    import pyarrow as pa
+
+    dtype_name, _, shape_text = config.partition(":")
+    n = len(starts)
+    head = np.zeros(n, np.int64)
+    if dtype_name:
+        codes = None
+    else:
+        codes = buf[starts].astype(np.int64) if n else np.zeros(0, np.int64)
+        head += 1
+        known = np.isin(codes, list(NDARRAY_DTYPES))
+        if not known.all():
+            raise InputError(f"ndarray column '{name}' of MDS shard {path} has an unknown dtype code "
+                             f"{int(codes[~known][0])}")
+    if not shape_text:
+        byte = buf[starts + head].astype(np.int64) if n else np.zeros(0, np.int64)
+        head += 1 + (byte >> 2) * (1 << (byte & 3))  # ndim, times the shape dtype's bytes
+    value_bytes = sizes - head
+    if codes is None or not n or np.all(codes == codes[0]):
+        dtype = np.dtype(dtype_name or NDARRAY_DTYPES[int(codes[0])] if n else dtype_name or "float64")
+        if np.any(value_bytes % dtype.itemsize) or np.any(value_bytes < 0):
+            raise InputError(f"ndarray column '{name}' of MDS shard {path} is corrupt (sizes)")
+        data, _ = gather(buf, starts + head, value_bytes)
+        counts = value_bytes // dtype.itemsize
+        values = pa.array(data.view(dtype) if dtype_name else data.view(dtype).astype(np.float64))
+    else:  # arrays of several dtypes in one column: one per sample, widened by numpy
+        parts = [np.frombuffer(buf[s + h: s + z].tobytes(), NDARRAY_DTYPES[int(c)])
+                 for s, h, z, c in zip(starts, head, sizes, codes)]
+        counts = np.array([len(p) for p in parts], np.int64)
+        values = pa.array(np.concatenate(parts).astype(np.float64))
+    offsets = np.zeros(n + 1, np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    return pa.LargeListArray.from_arrays(pa.array(offsets), values)

@@ -1,0 +1,242 @@
+"""Megatron-LM indexed datasets (``PREFIX.idx`` + ``PREFIX.bin``), read from the index alone.
+
+The ``.idx`` layout (megatron-core ``megatron/core/datasets/indexed_dataset.py``, ``_IndexWriter``),
+all little-endian::
+
+    magic         9 bytes   b"MMIDIDX\\x00\\x00"
+    version       uint64    1
+    dtype code    uint8     of the tokens in .bin: 1 uint8, 2 int8, 3 int16, 4 int32, 5 int64,
+                            6 float64, 7 float32, 8 uint16
+    sequences     uint64    n
+    doc entries   uint64    d (the document boundaries, a leading 0 included)
+    lengths       int32[n]  tokens per sequence
+    pointers      int64[n]  byte offset of each sequence in .bin
+    documents     int64[d]  sequence index where each document starts (0, ..., end of the last)
+    modes         int8[n]   multimodal indexes only
+
+A sample is a sequence: ``sample_id`` is the sequence index, its length the index's length.
+Columns of a unit: ``length`` (int32) and ``document`` (the document holding the sequence, in this
+file: the last boundary at or below the sequence index); ``input_ids`` (the tokens, from ``.bin``)
+only when named. Every read is a range read (a local file or an object-storage URL, through
+:mod:`varlen_cli.storage`).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from ... import storage
+from ...errors import InputError
+
+MAGIC = b"MMIDIDX\x00\x00"
+HEADER_BYTES = 34  # magic 9 + version 8 + dtype 1 + sequences 8 + doc entries 8
+DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
+          8: np.uint16}
+COLUMNS = ("length", "document")  # what a unit holds; input_ids (the .bin) only when named
+TOKENS_COLUMN = "input_ids"
+
+
+@dataclass(frozen=True)
+class Index:
+    """The header of one ``.idx`` file, checked against the file's size."""
+
+    path: str
+    sequences: int
+    doc_entries: int
+    dtype: type
+    multimodal: bool
+
+    @property
+    def pointers_at(self) -> int:
+        return HEADER_BYTES + 4 * self.sequences
+
+    @property
+    def documents_at(self) -> int:
+        return HEADER_BYTES + 12 * self.sequences
+
+    @property
+    def num_documents(self) -> int:
+        return self.doc_entries - 1
+
+
+def bin_path(idx_path: str) -> str:
+    return idx_path[: -len(".idx")] + ".bin"
+
+
+def _read(path: str, start: int, stop: int) -> bytes:
+    """Bytes [start, stop) of a file or object; short reads are a corrupt (truncated) index."""
+    data = storage.read_range(path, start, stop)
+    if len(data) != stop - start:
+        raise InputError(f"corrupt Megatron index {path}: truncated (wanted bytes {start}-{stop})")
+    return data
+
+
+def read_index(path: str, size: int) -> Index:
+    """The checked header of ``path`` (``size``: the file's size in bytes)."""
+    if size < HEADER_BYTES:
+        raise InputError(f"corrupt Megatron index {path}: {size} bytes, shorter than the {HEADER_BYTES}-byte header")
+    head = _read(path, 0, HEADER_BYTES)
+    if head[:9] != MAGIC:
+        raise InputError(f"corrupt Megatron index {path}: bad magic {head[:9]!r} (expected {MAGIC!r})")
+    version, code, n, d = struct.unpack("<QBQQ", head[9:])
+    if version != 1:
+        raise InputError(f"corrupt Megatron index {path}: version {version} (only version 1 is known)")
+    if code not in DTYPES:
+        raise InputError(f"corrupt Megatron index {path}: unknown token dtype code {code}")
+    plain = HEADER_BYTES + 12 * n + 8 * d
+    if size not in (plain, plain + n):
+        raise InputError(f"corrupt Megatron index {path}: {size} bytes, but {n} sequences and {d} document "
+                         f"entries need {plain} (or {plain + n} with modes)")
+    index = Index(path, n, d, DTYPES[code], size == plain + n and n > 0)
+    # megatron-core's IndexedDataset asserts the same: boundaries run from 0 to the sequence count
+    if d < 1 or _boundary(index, 0) != 0 or _boundary(index, d - 1) != n:
+        raise InputError(f"corrupt Megatron index {path}: document boundaries must run from 0 to {n} (the "
+                         f"sequence count)")
+    return index
+
+
+def index_of(path: str) -> Index:
+    return read_index(path, storage.stat(path).size)
+
+
+def _array(path: str, offset: int, count: int, dtype) -> np.ndarray:
+    """``count`` values of ``dtype`` at byte ``offset``: ``np.fromfile`` on a local file (no
+    intermediate bytes object), one range read on object storage."""
+    if storage.is_remote(path):
+        return np.frombuffer(_read(path, offset, offset + count * np.dtype(dtype).itemsize), dtype)
+    try:
+        values = np.fromfile(storage.local_path(path), dtype, count=count, offset=offset)
+    except OSError as exc:
+        raise InputError(f"{path} is not readable: {exc.strerror}") from None
+    if len(values) != count:
+        raise InputError(f"corrupt Megatron index {path}: truncated (wanted {count} values at byte {offset})")
+    return values
+
+
+def lengths(index: Index, start: int, stop: int) -> np.ndarray:
+    """``int32`` lengths of sequences [start, stop): one read."""
+    return _array(index.path, HEADER_BYTES + 4 * start, stop - start, np.int32)
+
+
+def _arrow(values: np.ndarray):
+    """A numpy array as an Arrow array without a copy (``pa.array`` copies a read-only array slowly)."""
+    import pyarrow as pa
+
+    return pa.Array.from_buffers(pa.from_numpy_dtype(values.dtype), len(values), [None, pa.py_buffer(values)])
+
+
+def _boundary(index: Index, k: int) -> int:
+    at = index.documents_at + 8 * k
+    return int(np.frombuffer(_read(index.path, at, at + 8), np.int64)[0])
+
+
+def _last_boundary_at_or_below(index: Index, seq: int, fh) -> int:
+    """The largest k with documents[k] <= seq: a binary search, O(log d) reads of 8 bytes on ``fh``."""
+    lo, hi = 0, index.doc_entries - 1  # documents[0] == 0 <= seq
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        fh.seek(index.documents_at + 8 * mid)
+        raw = fh.read(8)
+        if len(raw) != 8:
+            raise InputError(f"corrupt Megatron index {index.path}: truncated")
+        if int.from_bytes(raw, "little", signed=True) <= seq:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def documents(index: Index, start: int, stop: int) -> np.ndarray:
+    """The document (in this file) of each sequence in [start, stop), as int64.
+
+    Reads only the boundaries that cover the range: document k holds the sequences
+    [documents[k], documents[k+1]); empty documents keep their number."""
+    if stop <= start:
+        return np.zeros(0, np.int64)
+    with storage.open_input(index.path, block_size=1 << 16) as fh:
+        k0 = _last_boundary_at_or_below(index, start, fh)
+        k1 = _last_boundary_at_or_below(index, stop - 1, fh)
+    bounds = _array(index.path, index.documents_at + 8 * k0, k1 - k0 + 1, np.int64)
+    steps = np.diff(bounds)
+    if len(steps) and steps.min() < 0:
+        raise InputError(f"corrupt Megatron index {index.path}: document boundaries decrease")
+    # boundaries after k0 all lie in (start, stop): document = k0 + the boundaries at or below the
+    # sequence, a running sum of boundary marks (faster than np.repeat over many short documents)
+    pos = bounds[1:] - start
+    m = stop - start
+    if len(steps) and steps.min() == 0:  # empty documents: several boundaries at one sequence
+        marks = np.bincount(pos, minlength=m).astype(np.int64)
+    else:
+        marks = np.zeros(m, np.int64)
+        marks[pos] = 1
+    marks[0] += k0
+    return np.cumsum(marks, out=marks)
+
+
+def tokens(index: Index, start: int, stop: int, lens: np.ndarray | None = None):
+    """The tokens of sequences [start, stop) as an Arrow large_list (one range read of ``.bin``:
+    a builder writes consecutive sequences back to back)."""
+    import pyarrow as pa
+
+    lens = lengths(index, start, stop) if lens is None else lens
+    offsets = np.zeros(len(lens) + 1, np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    if stop <= start:
+        return pa.array([], pa.large_list(pa.from_numpy_dtype(index.dtype)))
+    ptr = np.frombuffer(_read(index.path, index.pointers_at + 8 * start, index.pointers_at + 8 * stop), np.int64)
+    item = np.dtype(index.dtype).itemsize
+    if np.any(ptr - ptr[0] != offsets[:-1] * item):
+        raise InputError(f"Megatron data {bin_path(index.path)}: sequences {start}-{stop} are not stored back to back")
+    data = storage.read_range(bin_path(index.path), int(ptr[0]), int(ptr[0]) + int(offsets[-1]) * item)
+    if len(data) != int(offsets[-1]) * item:
+        raise InputError(f"Megatron data {bin_path(index.path)} is shorter than its index says")
+    values = _arrow(np.frombuffer(data, index.dtype))
+    return pa.LargeListArray.from_arrays(pa.array(offsets), values)
+
+
+def table(index: Index, start: int, stop: int, columns) -> object:
+    """Sequences [start, stop) as an Arrow table of ``columns`` (None: length and document)."""
+    import pyarrow as pa
+
+    wanted = list(COLUMNS) if columns is None else list(columns)
+    lens = lengths(index, start, stop)
+    out = {}
+    for c in wanted:
+        if c == "length":
+            out[c] = _arrow(lens)
+        elif c == "document":
+            out[c] = pa.array(documents(index, start, stop))
+        elif c == TOKENS_COLUMN:
+            out[c] = tokens(index, start, stop, lens)
+        else:
+            raise InputError(f"column '{c}' not found in Megatron index {index.path} (columns: length, document, "
+                             f"{TOKENS_COLUMN})")
+    return pa.table(out)
+
+
+def schema(index: Index):
+    import pyarrow as pa
+
+    return pa.schema([("length", pa.int32()), ("document", pa.int64())])
+
+
+
+def write_index(path: str, sequence_lengths, document_starts, dtype=np.int32, modes=None) -> None:
+    """Write an ``.idx`` (the inverse of :func:`read_index`; benchmarks and tests build big ones)."""
+    lens = np.asarray(sequence_lengths, np.int32)
+    item = np.dtype(dtype).itemsize
+    pointers = np.zeros(len(lens), np.int64)
+    if len(lens):
+        np.cumsum(lens[:-1].astype(np.int64) * item, out=pointers[1:])
+    docs = np.asarray(document_starts, np.int64)
+    code = {np.dtype(v): k for k, v in DTYPES.items()}[np.dtype(dtype)]
+    with open(path, "wb") as fh:
+        fh.write(MAGIC + struct.pack("<QBQQ", 1, code, len(lens), len(docs)))
+        fh.write(lens.tobytes())
+        fh.write(pointers.tobytes())
+        fh.write(docs.tobytes())
+        if modes is not None:
+            fh.write(np.asarray(modes, np.int8).tobytes())
