@@ -367,6 +367,7 @@ class Lr:
     name = "lr_scale"
 
     def __init__(self, meta: dict):
+        self.trained_only = meta.get("loss_tokens") == "target_length"  # tokens: those that carry loss
         self.mode = meta.get("lr_scaling", meta.get("config", {}).get("lr_scaling", "none"))
         self.by = meta.get("lr_scale_by", meta.get("config", {}).get("lr_scale_by", "samples"))
         self.base = meta.get("base_batch_size")
@@ -374,7 +375,10 @@ class Lr:
 
     def update(self, w, completed: np.ndarray) -> None:
         s, _ = _local_steps(w.cols["step"])
-        per_step = np.bincount(s, weights=w.cols["tokens"] if self.by == "tokens" else completed)[s]
+        if self.by == "tokens" and self.trained_only:
+            per_step = w.cols["step_loss_tokens"].astype(np.float64)
+        else:
+            per_step = np.bincount(s, weights=w.cols["tokens"] if self.by == "tokens" else completed)[s]
         lr = w.cols["lr_scale"]
         self.nonfinite += int(np.count_nonzero(~np.isfinite(lr)))
         if self.mode == "none":
@@ -640,7 +644,10 @@ def scan(config, meta: dict, pf, lengths: MetricsLengths | None) -> list[Check]:
         t = np.concatenate([x[1] for x in memory_bt]) if memory_bt else np.zeros(0, np.int64)
         out.append(Check("memory", *memory_check(b, t, meta, config.max_memory, config.memory_profile)))
     out.append(strag.result())
-    if not has_loss:
+    if meta.get("loss_tokens") == "target_length":  # analyze --target-length: not derived from the lengths
+        out.append(Check("loss tokens", True, "the plan counts the metrics' target_length (assistant tokens), not "
+                         "lengths", skipped=True))
+    elif not has_loss:
         out.append(Check("loss tokens", True, "plan has no step_loss_tokens column (older plan)", skipped=True))
     elif not packing and lengths is None:
         out.append(Check("loss tokens", True, "needs --metrics for a padded plan", skipped=True))

@@ -220,21 +220,21 @@ def test_table_tail_is_the_single_process_tail(counts, chunks, slots):
             hoff = np.sort(np.concatenate([s2.offsets, s2.offsets[:-1] + c2 // 2]))
             halves = batching.finalize_padded(s2.samples, hoff, lengths, shape, budget, False)
             cand.update(half_count=np.diff(hoff), half_seqlen=halves.seqlen, half_batch=halves.batch_size,
-                        half_tokens=halves.tokens, half_nonempty=np.diff(hoff))
+                        half_tokens=halves.tokens, half_lost=np.diff(hoff))
             if complete:
                 cand.update(lengths=lengths[s2.samples], offsets=s2.offsets)
         units = {"count": np.diff(sub.offsets), "seqlen": sub.seqlen, "batch": sub.batch_size,
-                 "tokens": sub.tokens, "nonempty": np.diff(sub.offsets)}
+                 "tokens": sub.tokens, "lost": np.diff(sub.offsets)}
         tables.append(dataclasses.make_dataclass("T", ["units", "offsets", "candidates", "count"])(
             units, sub.offsets, cand, b - a))
     from varlen_cli.plan.chunked.epoch import _concat
 
-    units, start = _concat(tables, ("count", "seqlen", "batch", "tokens", "nonempty"))
+    units, start = _concat(tables, ("count", "seqlen", "batch", "tokens", "lost"))
 
     def pieces(lengths_, off, extras):
         mb = batching.finalize_padded(np.arange(len(lengths_)), off, lengths_, shape, budget, False)
         return {"count": np.diff(off), "seqlen": mb.seqlen, "batch": mb.batch_size, "tokens": mb.tokens,
-                "nonempty": np.diff(off)}
+                "lost": np.diff(off)}
 
     fix = tail.fix(units.cols["count"], tables, start, slots, slots, 1, "split", pieces)
     assert not len(fix.dropped)

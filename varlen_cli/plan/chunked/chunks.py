@@ -15,6 +15,7 @@ from ...errors import InputError
 from ...runtime import artifacts
 
 DEFAULT_CHUNK_SAMPLES = 1 << 23
+TARGET_COLUMN = "target_length"  # metrics column of the tokens that carry loss (analyze --target-length)
 GLOBAL_STREAM = (0, 1)  # appended to (seed, epoch): the stream of the cross-chunk order
 
 
@@ -59,6 +60,7 @@ class ChunkData:
     ids: np.ndarray  # int64 sample id per local position
     length: np.ndarray  # int64 per local position
     first_id: int | None  # ids == first_id + arange(n) (canonical chunks of a metrics directory), else None
+    target: np.ndarray | None = None  # per local position, the tokens that carry loss (target_length)
 
     @property
     def n(self) -> int:
@@ -73,13 +75,21 @@ class InputRows:
         self.manifest = manifest
         self.parts = [(os.path.join(path, p["file"]), int(p["rows"])) for p in manifest.get("parts", [])]
         self.num_rows = sum(rows for _, rows in self.parts)
+        # the columns a chunk reads: target_length too when the metrics have it (analyze --target-length)
+        self.columns = ("sample_id", "length") + ((TARGET_COLUMN,) if TARGET_COLUMN in (manifest.get("columns") or {})
+                                                  else ())
 
-    def read(self, lo: int, hi: int, columns=("sample_id", "length")) -> dict[str, np.ndarray]:
+    @property
+    def has_target(self) -> bool:
+        return TARGET_COLUMN in self.columns
+
+    def read(self, lo: int, hi: int, columns=None) -> dict[str, np.ndarray]:
         """Rows ``[lo, hi)`` as int64 numpy arrays, checked (no nulls, lengths >= 0)."""
         import pyarrow.parquet as pq
 
         from ..arrow_io import to_numpy
 
+        columns = self.columns if columns is None else columns
         out = {c: np.empty(hi - lo, np.int64) for c in columns}
         at, offset = 0, 0
         for path, rows in self.parts:
@@ -152,6 +162,8 @@ class Scatter:
             try:
                 ids[order].tofile(self._name(p) + ".ids")
                 length[order].tofile(self._name(p) + ".len")
+                if self.rows.has_target:
+                    got[TARGET_COLUMN][order].tofile(self._name(p) + ".tgt")
                 np.save(self._name(p) + ".npy", starts)
             except OSError as exc:
                 from ...errors import OutputError
@@ -161,22 +173,27 @@ class Scatter:
 
     def read(self, k: int) -> ChunkData:
         lo, hi = self.spec.bounds(k)
-        ids_parts, len_parts = [], []
+        parts: dict = {".ids": [], ".len": [], ".tgt": []}
+        suffixes = (".ids", ".len") + ((".tgt",) if self.rows.has_target else ())
         for p in range(self.spec.count):
             starts = np.load(self._name(p) + ".npy")
             a, b = int(starts[k]), int(starts[k + 1])
-            for suffix, parts in ((".ids", ids_parts), (".len", len_parts)):
+            for suffix in suffixes:
                 with open(self._name(p) + suffix, "rb") as fh:
                     fh.seek(a * 8)
-                    parts.append(np.fromfile(fh, np.int64, b - a))
-        ids, length = np.concatenate(ids_parts), np.concatenate(len_parts)
+                    parts[suffix].append(np.fromfile(fh, np.int64, b - a))
+        ids, length = np.concatenate(parts[".ids"]), np.concatenate(parts[".len"])
         seen = np.bincount(ids - lo, minlength=hi - lo)
         if len(ids) != hi - lo or (seen != 1).any():
             raise InputError(f"{self.rows.path}: sample ids are not 0..{self.spec.n - 1:,} each once (sample_id "
                              f"{lo + int(np.flatnonzero(seen != 1)[0]):,} appears {int(seen[seen != 1][0])} times)")
         dense = np.empty(hi - lo, np.int64)
         dense[ids - lo] = length
-        return ChunkData(k, np.arange(lo, hi, dtype=np.int64), dense, lo)
+        target = None
+        if self.rows.has_target:
+            target = np.empty(hi - lo, np.int64)
+            target[ids - lo] = np.concatenate(parts[".tgt"])
+        return ChunkData(k, np.arange(lo, hi, dtype=np.int64), dense, lo, target)
 
 
 class ChunkSource:
@@ -197,19 +214,18 @@ class ChunkSource:
             if self.reverse:  # chunk k of the reversed order: rows [n - hi, n - lo), read back to front
                 lo, hi = self.spec.n - hi, self.spec.n - lo
             got = self.rows.read(lo, hi)
-            ids, length = got["sample_id"], got["length"]
             if self.reverse:
-                ids, length = ids[::-1].copy(), length[::-1].copy()
-            return ChunkData(k, ids, length, None)
+                got = {name: values[::-1].copy() for name, values in got.items()}
+            return ChunkData(k, got["sample_id"], got["length"], None, got.get(TARGET_COLUMN))
         got = self.rows.read(lo, hi)
         ids = got["sample_id"]
         if self.spec.count == 1:  # one chunk: any ids (the former takes them in increasing id order)
-            return ChunkData(k, ids, got["length"], lo if _is_range(ids, lo) else None)
+            return ChunkData(k, ids, got["length"], lo if _is_range(ids, lo) else None, got.get(TARGET_COLUMN))
         if not _is_range(ids, lo):
             raise InputError(f"{self.rows.path}: sample ids are not 0..{self.spec.n - 1:,} in row order (rows "
                              f"{lo:,}..{hi - 1:,}); plans of more than one chunk read random orders from a metrics "
                              "directory written by `varlen analyze`")
-        return ChunkData(k, ids, got["length"], lo)
+        return ChunkData(k, ids, got["length"], lo, got.get(TARGET_COLUMN))
 
 
 def _is_range(ids: np.ndarray, lo: int) -> bool:

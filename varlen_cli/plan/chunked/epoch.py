@@ -145,7 +145,7 @@ def _concat(tables: list, columns, const: dict | None = None) -> tuple[Units, np
     cols["item_lo"] = items.astype(_index_dtype(int(items.max()) + 1 if len(items) else 1))
     cols["chunk"] = np.repeat(np.arange(len(tables), dtype=np.int32 if len(tables) >= 1 << 15 else np.int16),
                               counts)
-    for name in ("count", "completed", "lost", "nonempty", "seqlen", "batch", "rows"):
+    for name in ("count", "completed", "lost", "seqlen", "batch", "rows"):
         if name in cols:
             cols[name] = cols[name].astype(np.int32)
     if "tokens" in cols and (not len(cols["tokens"]) or int(cols["tokens"].max()) < 1 << 31):
@@ -221,30 +221,32 @@ def _padded_refinalize(ctx: PlanContext):
     def refinalize(lengths, offsets, extras):
         mb = batching.finalize_padded(np.arange(len(lengths)), offsets, lengths, ctx.shape, ctx.budget, ctx.static,
                                       ctx.fixed_batch)
-        nonempty = batching.segment_sum((lengths > 0).astype(np.int32), offsets)
+        if "target" in extras:  # target_length: the tokens that carry loss
+            lost = mb.tokens - batching.segment_sum(extras["target"], offsets)
+        else:
+            lost = batching.segment_sum((lengths > 0).astype(np.int32), offsets)
         return {"count": np.diff(offsets).astype(np.int32), "seqlen": mb.seqlen.astype(np.int32),
-                "batch": mb.batch_size.astype(np.int32), "tokens": mb.tokens, "nonempty": nonempty.astype(np.int32)}
+                "batch": mb.batch_size.astype(np.int32), "tokens": mb.tokens, "lost": lost.astype(np.int32)}
     return refinalize
 
 
 def _row_refinalize(lengths, offsets, extras):
     final = extras["final"]
-    return {"count": np.diff(offsets).astype(np.int32),
-            "tokens": batching.segment_sum(lengths, offsets).astype(np.int64),
+    tokens = batching.segment_sum(lengths, offsets).astype(np.int64)
+    lost = (tokens - batching.segment_sum(extras["target"], offsets) if "target" in extras
+            else batching.segment_sum(((lengths > 0) & final).astype(np.int32), offsets))
+    return {"count": np.diff(offsets).astype(np.int32), "tokens": tokens,
             "completed": batching.segment_sum(final.astype(np.int32), offsets).astype(np.int32),
-            "lost": batching.segment_sum(((lengths > 0) & final).astype(np.int32), offsets).astype(np.int32)}
+            "lost": lost.astype(np.int32)}
 
 
 def _padded_units(tables: list, ctx: PlanContext, unit_level: bool) -> tuple[Units, dict | None]:
     """The padded units of all chunks (their tail fixed) and the units ``--tail drop`` dropped."""
-    units, start = _concat(tables, ("count", "seqlen", "batch", "tokens", "nonempty"))
-    units.cols["lost"] = units.cols.pop("nonempty")  # loss targets = tokens - one per non-empty sample
+    units, start = _concat(tables, ("count", "seqlen", "batch", "tokens", "lost"))  # lost: tokens without a target
     dropped = None
     if unit_level:
         counts = units.cols["count"]
         fix = tail.fix(counts, tables, start, ctx.slots, ctx.dp, ctx.grad_accum, ctx.tail, _padded_refinalize(ctx))
-        if "nonempty" in fix.pieces:
-            fix.pieces["lost"] = fix.pieces.pop("nonempty")
         if len(fix.dropped):
             dropped = {name: units.take(name, fix.dropped) for name in ("chunk", "item_lo", "count")}
         units.apply(fix)

@@ -125,7 +125,8 @@ def _packing_info(c, ctx: PlanContext, epochs: list[EpochRows], packing_stats: l
 
 
 def finish(c, ctx: PlanContext, manifest: dict, num_rows: int, epochs: list[EpochRows], *, long_ids: np.ndarray,
-           num_long: int, packing_stats: list[dict], fixed_batch: int | None, t0: float) -> Finished:
+           num_long: int, packing_stats: list[dict], fixed_batch: int | None, t0: float,
+           trained_only: bool = False) -> Finished:
     """Step columns, LR, shapes, statistics and metadata (``core.finish``'s, epoch by epoch)."""
     from ..core import Dropped, build_metadata
 
@@ -135,7 +136,9 @@ def finish(c, ctx: PlanContext, manifest: dict, num_rows: int, epochs: list[Epoc
     step_samples = np.concatenate([_step_sums(ep, slots, "completed") for ep in epochs])
     step_tokens = np.concatenate([_step_sums(ep, slots, "tokens") for ep in epochs])
     step_targets = step_tokens - np.concatenate([_step_sums(ep, slots, "lost") for ep in epochs])
-    scales, base = lr.lr_scales(step_samples, step_tokens, c.lr_scaling, c.lr_scale_by, c.base_batch_size)
+    # target_length (analyze --target-length): "tokens" are those that carry loss
+    scales, base = lr.lr_scales(step_samples, step_targets if trained_only else step_tokens, c.lr_scaling,
+                                c.lr_scale_by, c.base_batch_size)
     if not np.all(np.isfinite(scales)):
         raise UsageError(f"--base-batch-size {c.base_batch_size} gives a non-finite lr_scale; give a larger base "
                          "batch size")
@@ -178,6 +181,8 @@ def finish(c, ctx: PlanContext, manifest: dict, num_rows: int, epochs: list[Epoc
     metadata = build_metadata(c, manifest, num_rows, adapters, num_steps=num_steps, num_microbatches=count,
                               shapes=shapes, base_batch_size=base, inputs=inputs, fixed_batch=fixed_batch,
                               packing=packing, dropped=dropped_meta, summary=summary)
+    if trained_only:
+        metadata["loss_tokens"] = "target_length"
     metadata["chunks"] = {"samples": int(c.chunk_samples), "count": None}
     if c.schedule is not None:
         from ...schedule.order import combined_report

@@ -32,7 +32,7 @@ from ..orders import CURRICULAR, padded_lengths
 from ..shapes import Budget, ShapeMap
 from .chunks import ChunkData
 
-PADDED_UNIT_COLUMNS = ("count", "seqlen", "batch", "tokens", "nonempty")
+PADDED_UNIT_COLUMNS = ("count", "seqlen", "batch", "tokens", "lost")
 PACKED_ROW_COLUMNS = ("count", "tokens", "completed", "lost")
 LIST_LIMIT = 10_000  # too-long ids listed per plan (more: counted, and the rule recorded)
 
@@ -180,12 +180,12 @@ def _whole_epoch(chunk: ChunkData, ctx: PlanContext, mode: str, seq: np.ndarray,
         mb = mb.take(np.arange(mb.count))
     items, id_base = _ids(chunk, mb.samples)
     if ctx.packing:
-        units = _packed_mb_units(mb, chunk.length)
+        units = _packed_mb_units(mb, chunk.length, chunk.target)
         items.update(item_length=mb.item_length.astype(np.int32), item_start=mb.item_start.astype(np.int32),
                      item_row=mb.item_row.astype(np.int32))
         info = dict(formed.packing_stats or {})
     else:
-        units = _padded_units(mb, chunk.length, all_nonempty=chunk.n > 0 and int(chunk.length.min()) > 0)
+        units = _padded_units(mb, chunk.length, chunk.n > 0 and int(chunk.length.min()) > 0, chunk.target)
         info = None
     out = ChunkUnits(0, 0, "epoch", units, mb.offsets, items, id_base, packing=info)
     out.tail_ids = chunk.ids[formed.dropped] if len(formed.dropped) else np.zeros(0, np.int64)
@@ -194,14 +194,15 @@ def _whole_epoch(chunk: ChunkData, ctx: PlanContext, mode: str, seq: np.ndarray,
     return out
 
 
-def _packed_mb_units(mb: Microbatches, length: np.ndarray) -> dict:
+def _packed_mb_units(mb: Microbatches, length: np.ndarray, target: np.ndarray | None = None) -> dict:
     """Per packed microbatch: samples, shape, tokens, completed samples, loss-less tokens, rows, sum of l^2."""
     final = mb.item_start + mb.item_length == length[mb.samples]
     empty = not len(mb.samples)
     return {"count": np.diff(mb.offsets).astype(np.int32), "seqlen": mb.seqlen.astype(np.int32),
             "batch": mb.batch_size.astype(np.int32), "tokens": mb.tokens.astype(np.int64),
             "completed": batching.segment_sum(final.astype(np.int32), mb.offsets).astype(np.int32),
-            "lost": batching.segment_sum(((mb.item_length > 0) & final).astype(np.int32), mb.offsets).astype(np.int32),
+            "lost": (batching.segment_sum(((mb.item_length > 0) & final).astype(np.int32), mb.offsets) if target is None
+                     else mb.tokens - batching.segment_sum(target[mb.samples], mb.offsets)).astype(np.int32),
             "rows": np.zeros(mb.count, np.int32) if empty else
             (batching.segment_max(mb.item_row, mb.offsets) + 1).astype(np.int32),
             "sumsq": format.segment_sum_squares(mb.item_length, np.repeat(np.arange(mb.count), np.diff(mb.offsets)),
@@ -222,8 +223,8 @@ def _padded(chunk: ChunkData, ctx: PlanContext, mode: str, seq: np.ndarray, rng)
     else:
         lens = length[seq]
         mb = batching.form_sequence(seq, length, shape, budget, ctx.static, shape(lens), lens)
-    units = _padded_units(mb, length, all_nonempty=chunk.n > 0 and int(length.min()) > 0)
-    cands = _padded_candidates(mb, length, ctx)
+    units = _padded_units(mb, length, chunk.n > 0 and int(length.min()) > 0, chunk.target)
+    cands = _padded_candidates(mb, length, ctx, chunk.target)
     return ChunkUnits(0, 0, "unit", units, mb.offsets, *_ids(chunk, mb.samples), candidates=cands)
 
 
@@ -243,17 +244,23 @@ def _random(seq: np.ndarray, length: np.ndarray, ctx: PlanContext, rng) -> Micro
     return batching.finalize_padded(perm, off, length, ctx.shape, ctx.budget, ctx.static, fixed_batch=b)
 
 
-def _padded_units(mb: Microbatches, length: np.ndarray, all_nonempty: bool = False) -> dict:
+def _padded_units(mb: Microbatches, length: np.ndarray, all_nonempty: bool = False,
+                  target: np.ndarray | None = None) -> dict:
+    """Per padded microbatch: samples, shape, tokens and the tokens without a loss target (``lost``:
+    one per non-empty sample, or the tokens beyond the samples' ``target_length``)."""
     counts = np.diff(mb.offsets)
-    if all_nonempty:  # no empty sample: every entry has a loss target to lose (no gather)
-        nonempty = counts
+    if target is not None:
+        lost = mb.tokens - batching.segment_sum(target[mb.samples], mb.offsets) if len(mb.samples) else \
+            np.zeros(mb.count, np.int64)
+    elif all_nonempty:  # no empty sample: every entry has a loss target to lose (no gather)
+        lost = counts
     elif len(mb.samples):
-        nonempty = batching.segment_sum((length[mb.samples] > 0).astype(np.int32), mb.offsets)
+        lost = batching.segment_sum((length[mb.samples] > 0).astype(np.int32), mb.offsets)
     else:
-        nonempty = np.zeros(mb.count, np.int64)
+        lost = np.zeros(mb.count, np.int64)
     return {"count": counts.astype(np.int32), "seqlen": mb.seqlen.astype(np.int32),
             "batch": mb.batch_size.astype(np.int32), "tokens": mb.tokens.astype(np.int64),
-            "nonempty": nonempty.astype(np.int32)}
+            "lost": np.asarray(lost).astype(np.int32)}
 
 
 def top_candidates(counts: np.ndarray, slots: int) -> tuple[np.ndarray, bool]:
@@ -264,7 +271,8 @@ def top_candidates(counts: np.ndarray, slots: int) -> tuple[np.ndarray, bool]:
     return pick.astype(np.int64), len(pick) == len(cand)
 
 
-def _padded_candidates(mb: Microbatches, length: np.ndarray, ctx: PlanContext) -> dict:
+def _padded_candidates(mb: Microbatches, length: np.ndarray, ctx: PlanContext,
+                       target: np.ndarray | None = None) -> dict:
     """The chunk's tail candidates with the statistics of their halves (what a split makes)."""
     counts = np.diff(mb.offsets)
     pick, complete = top_candidates(counts, ctx.slots)
@@ -280,11 +288,13 @@ def _padded_candidates(mb: Microbatches, length: np.ndarray, ctx: PlanContext) -
     halves_off[-1] = sub.offsets[-1]
     halves = batching.finalize_padded(sub.samples, halves_off, length, ctx.shape, ctx.budget, ctx.static,
                                       ctx.fixed_batch)
-    for name, values in _padded_units(halves, length).items():
+    for name, values in _padded_units(halves, length, target=target).items():
         out["half_" + name] = values
     if complete:  # the rare multi-round tail needs every splittable unit's lengths (phase 2)
         out["lengths"] = length[sub.samples].astype(np.int64)
         out["offsets"] = sub.offsets
+        if target is not None:
+            out["target"] = target[sub.samples].astype(np.int64)
     return out
 
 
@@ -308,7 +318,8 @@ def _same_shape(chunk: ChunkData, ctx: PlanContext, mode: str, seq: np.ndarray, 
     else:
         step_order = rng.permutation(nsteps)
     mb = mb.take((step_order[:, None] * slots + np.arange(slots)[None, :]).reshape(-1))
-    out = ChunkUnits(0, 0, "step", _padded_units(mb, length), mb.offsets, {"ids": chunk.ids[mb.samples]})
+    out = ChunkUnits(0, 0, "step", _padded_units(mb, length, target=chunk.target), mb.offsets,
+                     {"ids": chunk.ids[mb.samples]})
     out.tail_ids = chunk.ids[dropped]
     return out
 
@@ -328,15 +339,20 @@ def _packed(chunk: ChunkData, ctx: PlanContext, mode: str, seq: np.ndarray, rng)
         return _packed_ranked(chunk, ctx, mode, p, samples, rng, info)
     row_off = p.row_offsets()
     final = p.item_start + p.item_length == chunk.length[samples]
-    units = {"count": np.diff(row_off).astype(np.int32),
-             "tokens": p.row_tokens().astype(np.int64),
+    tokens = p.row_tokens().astype(np.int64)
+    lost = (batching.segment_sum(((p.item_length > 0) & final).astype(np.int32), row_off) if chunk.target is None
+            else tokens - batching.segment_sum(chunk.target[samples], row_off))
+    units = {"count": np.diff(row_off).astype(np.int32), "tokens": tokens,
              "completed": batching.segment_sum(final.astype(np.int32), row_off).astype(np.int32),
-             "lost": batching.segment_sum(((p.item_length > 0) & final).astype(np.int32), row_off).astype(np.int32)}
+             "lost": lost.astype(np.int32)}
     items = {"ids": chunk.ids[samples], "item_length": p.item_length.astype(np.int32),
              "item_start": p.item_start.astype(np.int32), "final": final}
+    if chunk.target is not None:
+        items["target"] = chunk.target[samples]
     out = ChunkUnits(0, 0, "unit", units, row_off, items, packing=info)
     out.candidates = _packed_candidates(units, row_off, items, ctx)
-    del items["final"]
+    items.pop("final")
+    items.pop("target", None)
     return out
 
 
@@ -356,12 +372,16 @@ def _packed_candidates(units: dict, row_off: np.ndarray, items: dict, ctx: PlanC
     h_off[1::2] = local[:-1] + cnt // 2
     h_off[-1] = local[-1]
     length, final = items["item_length"][idx], items["final"][idx]
+    target = items["target"][idx] if "target" in items else None
     out["half_count"] = np.diff(h_off).astype(np.int32)
     out["half_tokens"] = batching.segment_sum(length, h_off).astype(np.int64)
     out["half_completed"] = batching.segment_sum(final.astype(np.int32), h_off).astype(np.int32)
-    out["half_lost"] = batching.segment_sum(((length > 0) & final).astype(np.int32), h_off).astype(np.int32)
+    out["half_lost"] = (batching.segment_sum(((length > 0) & final).astype(np.int32), h_off) if target is None
+                        else out["half_tokens"] - batching.segment_sum(target, h_off)).astype(np.int32)
     if complete:  # the rare multi-round tail needs every splittable row's items (phase 2)
         out.update(lengths=length.astype(np.int64), final=final, offsets=local.astype(np.int64))
+        if target is not None:
+            out["target"] = target.astype(np.int64)
     return out
 
 
@@ -372,7 +392,7 @@ def _packed_ranked(chunk: ChunkData, ctx: PlanContext, mode: str, p, samples: np
                                          ctx.rows_per_mb, ctx.seq_len, ctx.slots, ctx.dp, ctx.grad_accum, ctx.tail)
     mb = balance.balance_rows(mb, ctx.budget.attention_cost, ctx.dp, ctx.grad_accum, keep_order=mode in CURRICULAR,
                               rng=rng)
-    units = _packed_mb_units(mb, chunk.length)
+    units = _packed_mb_units(mb, chunk.length, chunk.target)
     items = {"ids": chunk.ids[mb.samples], "item_length": mb.item_length.astype(np.int32),
              "item_start": mb.item_start.astype(np.int32), "item_row": mb.item_row.astype(np.int32)}
     out = ChunkUnits(0, 0, "step", units, mb.offsets, items, packing=info, ranked=True)

@@ -154,6 +154,9 @@ def run_in_group(c, d: Dist, t0: float):
     rows = InputRows(c.input, manifest)
     if rows.num_rows == 0:
         raise InputError(f"{c.input} holds no samples")
+    if rows.has_target and c.packing and c.split_long:
+        raise UsageError("--split-long cannot tell which chunk of a split sample holds its target_length loss tokens "
+                         "(analyze --target-length); pack without --split-long")
     spec = ChunkSpec(rows.num_rows, int(c.chunk_samples))
     out = artifacts.AtomicFile(c.output, c.overwrite)
     with _locked(d, out), PlanProgress(c.progress and d.is_main, c.epochs) as bar:
@@ -272,7 +275,7 @@ def _phase23(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSp
         del tables
     bar.phase("columns")
     fin = finish(c, ctx, manifest, rows.num_rows, epochs, long_ids=long_ids, num_long=num_long,
-                 packing_stats=packing_stats, fixed_batch=fixed_batch, t0=t0)
+                 packing_stats=packing_stats, fixed_batch=fixed_batch, t0=t0, trained_only=rows.has_target)
     fin.metadata["chunks"]["count"] = spec.count
     bar.phase("write")
     try:

@@ -79,8 +79,9 @@ def all_rounds(tables: list, unit_start: np.ndarray, extra: int, refinalize) -> 
         g_parts.append(unit_start[k] + np.asarray(cand["index"], np.int64))
         len_parts.append(np.asarray(cand["lengths"], np.int64))
         count_parts.append(np.diff(np.asarray(cand["offsets"], np.int64)))
-        if "final" in cand:
-            extra_parts.setdefault("final", []).append(np.asarray(cand["final"]))
+        for name in ("final", "target"):
+            if name in cand:
+                extra_parts.setdefault(name, []).append(np.asarray(cand[name]))
     g = np.concatenate(g_parts)
     order = np.argsort(g, kind="stable")  # the units in sequence order (each chunk lists them fullest first)
     counts = np.concatenate(count_parts)
