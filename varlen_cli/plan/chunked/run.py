@@ -9,9 +9,8 @@ returns rank 0's result (or raises its error). See the package docstring for the
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import os
-import shutil
 import time
 
 import numpy as np
@@ -28,8 +27,7 @@ from .chunks import ChunkSource, ChunkSpec, InputRows, Scatter, chunk_rng, globa
 from .epoch import EpochRows, lay_out
 from .finish import finish
 from .form import PlanContext, form_chunk
-
-SPILL_TAG = safety.TMP_TAG + "-spill"  # .NAME.varlen-tmp-spill-<random>: a leftover the next run cleans
+from .output import PlanOutput
 
 
 def epoch_mode(c, e: int) -> str:
@@ -41,19 +39,19 @@ def epoch_mode(c, e: int) -> str:
 def plan_chunked(c, t0: float | None = None):
     """``varlen plan`` on ``c.nproc`` workers (or the torchrun ranks); the result on every rank."""
     t0 = time.perf_counter() if t0 is None else t0
-    safety.check_no_overlap(c.output, [c.input])
-    out = artifacts.AtomicFile(c.output, c.overwrite)
-    out.check()
+    out = PlanOutput(c.output, c.overwrite)
+    out.check([c.input])
     entry = functools.partial(_in_session, t0=t0)
     if c.nproc == 1:
         if rank0.needs_group():  # a torchrun rank: every rank forms its share of the chunks
             return entry(c)
         return run_in_group(c, Dist(), t0)  # alone (a process group the caller made stays the caller's)
-    with safety.output_lock(out.path, c.output):  # the launcher holds it; its workers inherit it
+    with out.locked():  # the launcher holds it; its workers inherit it
         try:
             return run_distributed(entry, c, c.nproc)
         except BaseException:
-            safety.clean_leftovers(out.path)
+            if not out.remote:
+                safety.clean_leftovers(out.local.path)
             raise
 
 
@@ -133,11 +131,8 @@ def _census(c, ctx: PlanContext, rows: InputRows, spec: ChunkSpec, d: Dist) -> N
         ctx.fixed_batch = max(int(ctx.budget.cap(np.array([t_max]))[0]), 1)
 
 
-def _spill_dir(d: Dist, out: artifacts.AtomicFile) -> str:
-    path = None
-    if d.is_main:
-        path = safety.sibling(out.path, SPILL_TAG, unique=True)
-        os.makedirs(path)
+def _spill_dir(d: Dist, out: PlanOutput) -> str:
+    path = out.make_spill_dir(d.world_size) if d.is_main else None
     return d.all_gather_object(path)[0] if d.distributed else path
 
 
@@ -158,8 +153,9 @@ def run_in_group(c, d: Dist, t0: float):
         raise UsageError("--split-long cannot tell which chunk of a split sample holds its target_length loss tokens "
                          "(analyze --target-length); pack without --split-long")
     spec = ChunkSpec(rows.num_rows, int(c.chunk_samples))
-    out = artifacts.AtomicFile(c.output, c.overwrite)
-    with _locked(d, out), PlanProgress(c.progress and d.is_main, c.epochs) as bar:
+    out = PlanOutput(c.output, c.overwrite)
+    with (out.locked() if d.is_main else contextlib.nullcontext()), \
+            PlanProgress(c.progress and d.is_main, c.epochs) as bar:
         directory = _spill_dir(d, out)
         try:
             bar.phase("read")
@@ -172,26 +168,9 @@ def run_in_group(c, d: Dist, t0: float):
             result = _phase23(c, ctx, manifest, rows, spec, directory, out, t0, bar)
         finally:
             if d.is_main:
-                shutil.rmtree(directory, ignore_errors=True)
+                out.remove_spill_dir(directory)
     result.phases = dict(bar.seconds)
     return result
-
-
-class _locked:
-    """Rank 0 holds the output lock (already held by a ``--nproc`` launcher: re-entrant)."""
-
-    def __init__(self, d: Dist, out: artifacts.AtomicFile):
-        self.d, self.out, self.cm = d, out, None
-
-    def __enter__(self):
-        if self.d.is_main:
-            self.cm = safety.output_lock(self.out.path, self.out.given)
-            self.cm.__enter__()
-            self.out.check()
-        return self
-
-    def __exit__(self, *exc):
-        return self.cm.__exit__(*exc) if self.cm is not None else False
 
 
 def _phase1(c, ctx: PlanContext, rows: InputRows, spec: ChunkSpec, d: Dist, directory: str, kind: str,
@@ -248,7 +227,7 @@ def _shortest(tables) -> int:
 
 
 def _phase23(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSpec, directory: str,
-             out: artifacts.AtomicFile, t0: float, bar: PlanProgress):
+             out: PlanOutput, t0: float, bar: PlanProgress):
     from ..core import PlanResult
 
     epochs: list[EpochRows] = []
@@ -279,18 +258,15 @@ def _phase23(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSp
     fin.metadata["chunks"]["count"] = spec.count
     bar.phase("write")
     try:
-        emit.write(c.output, c.overwrite, epochs, fin, readers, c.dp, c.grad_accum, bool(c.packing), out.tmp)
-        fault_point("plan.write")
-        out.commit()
-    except BaseException:
-        out.abort()
-        raise
+        out.write(lambda tmp: emit.write(c.output, c.overwrite, epochs, fin, readers, c.dp, c.grad_accum,
+                                         bool(c.packing), tmp),
+                  before_commit=lambda: fault_point("plan.write"))
     finally:
         for rs in readers:
             for r in rs:
                 r.close()
     fin.summary["seconds"] = time.perf_counter() - t0
-    return PlanResult(output=os.path.abspath(c.output), order=c.order, num_steps=int(fin.step_start[-1]),
+    return PlanResult(output=out.final, order=c.order, num_steps=int(fin.step_start[-1]),
                       num_microbatches=sum(ep.count for ep in epochs), stats=fin.summary,
                       packing=fin.metadata.get("packing"), dropped_ids=fin.dropped_ids,
                       seconds=fin.summary["seconds"], metadata=fin.metadata)
