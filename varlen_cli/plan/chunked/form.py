@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ... import format
-from ...errors import InputError
+from ...errors import InputError, UsageError
 from .. import balance, batching, layout
 from ..batching import Microbatches
 from ..orders import CURRICULAR, padded_lengths
@@ -249,6 +249,9 @@ def _padded_units(mb: Microbatches, length: np.ndarray, all_nonempty: bool = Fal
     """Per padded microbatch: samples, shape, tokens and the tokens without a loss target (``lost``:
     one per non-empty sample, or the tokens beyond the samples' ``target_length``)."""
     counts = np.diff(mb.offsets)
+    if mb.count and int(mb.seqlen.max()) > format.INT32_MAX:  # a padded T over int32 (e.g. a huge --pad-multiple)
+        raise UsageError(f"a microbatch would have seqlen {int(mb.seqlen.max()):,}, more than plans store "
+                         f"({format.INT32_MAX:,}, int32); lower --pad-multiple or --max-tokens")
     if target is not None:
         lost = mb.tokens - batching.segment_sum(target[mb.samples], mb.offsets) if len(mb.samples) else \
             np.zeros(mb.count, np.int64)
