@@ -233,11 +233,13 @@ def _padded_refinalize(ctx: PlanContext):
 def _row_refinalize(lengths, offsets, extras):
     final = extras["final"]
     tokens = batching.segment_sum(lengths, offsets).astype(np.int64)
+    parent = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
     lost = (tokens - batching.segment_sum(extras["target"], offsets) if "target" in extras
             else batching.segment_sum(((lengths > 0) & final).astype(np.int32), offsets))
     return {"count": np.diff(offsets).astype(np.int32), "tokens": tokens,
             "completed": batching.segment_sum(final.astype(np.int32), offsets).astype(np.int32),
-            "lost": lost.astype(np.int32)}
+            "lost": lost.astype(np.int32),
+            "sumsq": format.segment_sum_squares(lengths, parent, len(offsets) - 1)}
 
 
 def _padded_units(tables: list, ctx: PlanContext, unit_level: bool) -> tuple[Units, dict | None]:
@@ -259,7 +261,7 @@ def _packed_rows_to_microbatches(tables: list, ctx: PlanContext) -> tuple[Units,
     each chunk spreads its rows evenly over ceil(rows / R) microbatches, plus the epoch's extra
     microbatches (to a multiple of dp x grad_accum) given to the last chunks with rows to spare, then
     by splitting the fullest rows (:mod:`.tail`). With R = 1 the rows are the microbatches."""
-    rows, start = _concat(tables, ("count", "tokens", "completed", "lost"))
+    rows, start = _concat(tables, ("count", "tokens", "completed", "lost", "sumsq"))
     r = int(ctx.rows_per_mb)
     n_rows = rows.per_chunk.copy()
     mbs = -(-n_rows // r)
@@ -286,7 +288,7 @@ def _packed_rows_to_microbatches(tables: list, ctx: PlanContext) -> tuple[Units,
 def _group_rows(rows: Units, mbs: np.ndarray, r: int, ctx: PlanContext) -> Units:
     """Microbatches of consecutive rows of each chunk: row i of a chunk's n goes to (i x m) // n."""
     parts: dict = {name: [] for name in ("chunk", "item_lo", "row_lo", "rows", "count", "tokens", "completed",
-                                         "lost")}
+                                         "lost", "sumsq")}
     seq_start = np.concatenate([[0], np.cumsum(rows.per_chunk)])
     for k in range(len(mbs)):  # one step per chunk
         n, m = int(rows.per_chunk[k]), int(mbs[k])
@@ -296,9 +298,10 @@ def _group_rows(rows: Units, mbs: np.ndarray, r: int, ctx: PlanContext) -> Units
         parts["item_lo"].append(rows.take("item_lo", ids[first]))
         parts["row_lo"].append(first.astype(np.int32))
         parts["rows"].append(np.diff(np.append(first, n)).astype(np.int32))
-        for name in ("count", "tokens", "completed", "lost"):
-            v = rows.take(name, ids).astype(np.int64)
-            parts[name].append(np.add.reduceat(v, first) if m and n else np.zeros(m, np.int64))
+        for name in ("count", "tokens", "completed", "lost", "sumsq"):
+            v = rows.take(name, ids)
+            v = v if name == "sumsq" else v.astype(np.int64)
+            parts[name].append(np.add.reduceat(v, first) if m and n else np.zeros(m, v.dtype))
     cols = {name: np.concatenate(v) for name, v in parts.items()}
     for name in ("count", "completed", "lost"):
         cols[name] = cols[name].astype(np.int32)

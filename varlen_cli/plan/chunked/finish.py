@@ -194,7 +194,8 @@ def finish(c, ctx: PlanContext, manifest: dict, num_rows: int, epochs: list[Epoc
         b = np.concatenate([ep.column("batch").astype(np.int64) for ep in epochs])
         t = np.concatenate([ep.column("seqlen").astype(np.int64) for ep in epochs])
         sid = np.searchsorted(shape_keys, (b if fixed_b else np.zeros(len(t), np.int64)) << 32 | t)
-        metadata["memory"] = plan_memory_metadata(c, b, t, sid, len(shapes), bool(c.packing), None, None)
+        sumsq = np.concatenate([ep.column("sumsq") for ep in epochs]) if c.packing else None
+        metadata["memory"] = plan_memory_metadata(c, b, t, sid, len(shapes), bool(c.packing), sum_squares=sumsq)
         summary["predicted_peak_max"] = metadata["memory"]["predicted_peak_max"]
     if len(dropped_all) > LIST_LIMIT:
         dropped_all = dropped_all[:LIST_LIMIT]

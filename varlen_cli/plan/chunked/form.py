@@ -33,7 +33,7 @@ from ..shapes import Budget, ShapeMap
 from .chunks import ChunkData
 
 PADDED_UNIT_COLUMNS = ("count", "seqlen", "batch", "tokens", "lost")
-PACKED_ROW_COLUMNS = ("count", "tokens", "completed", "lost")
+PACKED_ROW_COLUMNS = ("count", "tokens", "completed", "lost", "sumsq")
 LIST_LIMIT = 10_000  # too-long ids listed per plan (more: counted, and the rule recorded)
 
 
@@ -347,7 +347,8 @@ def _packed(chunk: ChunkData, ctx: PlanContext, mode: str, seq: np.ndarray, rng)
             else tokens - batching.segment_sum(chunk.target[samples], row_off))
     units = {"count": np.diff(row_off).astype(np.int32), "tokens": tokens,
              "completed": batching.segment_sum(final.astype(np.int32), row_off).astype(np.int32),
-             "lost": lost.astype(np.int32)}
+             "lost": lost.astype(np.int32),
+             "sumsq": format.segment_sum_squares(p.item_length, p.item_row, p.num_rows)}
     items = {"ids": chunk.ids[samples], "item_length": p.item_length.astype(np.int32),
              "item_start": p.item_start.astype(np.int32), "final": final}
     if chunk.target is not None:
@@ -381,6 +382,8 @@ def _packed_candidates(units: dict, row_off: np.ndarray, items: dict, ctx: PlanC
     out["half_completed"] = batching.segment_sum(final.astype(np.int32), h_off).astype(np.int32)
     out["half_lost"] = (batching.segment_sum(((length > 0) & final).astype(np.int32), h_off) if target is None
                         else out["half_tokens"] - batching.segment_sum(target, h_off)).astype(np.int32)
+    out["half_sumsq"] = format.segment_sum_squares(length, np.repeat(np.arange(len(h_off) - 1), np.diff(h_off)),
+                                                   len(h_off) - 1)
     if complete:  # the rare multi-round tail needs every splittable row's items (phase 2)
         out.update(lengths=length.astype(np.int64), final=final, offsets=local.astype(np.int64))
         if target is not None:
