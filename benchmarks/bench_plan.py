@@ -161,12 +161,13 @@ t0 = time.perf_counter(); np.sort(x); print(time.perf_counter() - t0)
 """
 
 
-def _timed(cmd: list) -> tuple[float, float, float, float]:
-    """(wall s, CPU s, peak RSS bytes, system CPU s) of a child process (its own rusage from wait4)."""
+def _timed(cmd: list, code: str | None = None) -> tuple[float, float, float, float]:
+    """(wall s, CPU s, peak RSS bytes, system CPU s) of a child process (its own rusage from wait4);
+    ``code``: a checkout to run instead of this one (PYTHONPATH)."""
     t0 = time.perf_counter()
     # run from a neutral directory: `python -m` puts the working directory first on sys.path, so the
     # code measured is the one PYTHONPATH names (this checkout by default)
-    env = dict(os.environ, VARLEN_NO_PROGRESS="1", PYTHONPATH=os.environ.get("PYTHONPATH") or ROOT)
+    env = dict(os.environ, VARLEN_NO_PROGRESS="1", PYTHONPATH=code or os.environ.get("PYTHONPATH") or ROOT)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=tempfile.gettempdir())
     _, status, ru = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
@@ -194,20 +195,31 @@ def command(args) -> None:
             cmd = [sys.executable, "-m", "varlen_cli", "plan", mdir, "-o", os.path.join(args.work, f"plan{n}.parquet"),
                    "--max-tokens", str(args.max_tokens), "--dp", str(args.dp), "--overwrite", "--drop-long",
                    *extra]  # VARLEN_NO_PROGRESS (set below) also works for versions without --no-progress
-            runs, refs, loads = [], [], []
-            for _ in range(args.repeats):
+            runs, base_runs, refs, loads = [], [], [], []
+            for _ in range(args.repeats):  # with --baseline: the two versions alternate, same load
                 loads.append(os.getloadavg()[0])
                 runs.append(_timed(cmd))
+                if args.baseline:
+                    base_runs.append(_timed(cmd, args.baseline))
                 out = subprocess.run([sys.executable, "-c", NUMPY_SORT_REF, part], capture_output=True, text=True)
                 refs.append(float(out.stdout.strip()))
-            wall = statistics.median(r[0] for r in runs)
-            cpu = statistics.median(r[1] for r in runs)
-            sys_cpu = statistics.median(r[3] for r in runs)  # kernel time: page faults, zeroing
-            rss = max(r[2] for r in runs)
             ref = statistics.median(refs)
-            print(f"{n:>12,} {order:<15} {wall:>7.2f} {cpu:>6.2f} {sys_cpu:>6.2f} {ref:>9.3f} {wall / ref:>9.1f} "
-                  f"{rss / 2**20:>11,.0f} "
-                  f"{rss / n:>8.1f} {statistics.median(loads):>5.1f}", flush=True)
+            for label, got in ((order, runs), (f"{order} (base)", base_runs)):
+                if not got:
+                    continue
+                wall = statistics.median(r[0] for r in got)
+                cpu = statistics.median(r[1] for r in got)
+                sys_cpu = statistics.median(r[3] for r in got)  # kernel time: page faults, zeroing
+                rss = max(r[2] for r in got)
+                print(f"{n:>12,} {label:<15} {wall:>7.2f} {cpu:>6.2f} {sys_cpu:>6.2f} {ref:>9.3f} {wall / ref:>9.1f} "
+                      f"{rss / 2**20:>11,.0f} "
+                      f"{rss / n:>8.1f} {statistics.median(loads):>5.1f}", flush=True)
+            if base_runs:
+                ratios = [a[1] / b[1] for a, b in zip(runs, base_runs)]
+                print(f"# {order}: this / baseline, CPU s per pair: {', '.join(f'{r:.3f}' for r in ratios)}; "
+                      f"median {statistics.median(ratios):.3f}; wall medians "
+                      f"{statistics.median(r[0] for r in runs) / statistics.median(r[0] for r in base_runs):.3f}",
+                      flush=True)
         subprocess.run(["rm", "-rf", mdir])
 
 
@@ -383,6 +395,7 @@ def main() -> None:
     w.add_argument("--dp", type=int, default=8)
     w.add_argument("--repeats", type=int, default=3)
     w.add_argument("--work", default=tempfile.gettempdir())
+    w.add_argument("--baseline", default="", help="a checkout of another version: timed alternately, ratios printed")
     c = sub.add_parser("_child")
     c.add_argument("--config", required=True)
     args = p.parse_args()

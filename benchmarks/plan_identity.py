@@ -4,7 +4,7 @@ Run once per version (PYTHONPATH picks the code), then compare the two JSON file
 
     PYTHONPATH=/path/to/old python benchmarks/plan_identity.py run --work /tmp/pid --out old.json
     PYTHONPATH=/path/to/new python benchmarks/plan_identity.py run --work /tmp/pid --out new.json
-    python benchmarks/plan_identity.py compare old.json new.json
+    python benchmarks/plan_identity.py compare old.json new.json [--ignore-keys budget,cost_model]
 
 Each configuration's fingerprint: a SHA-256 of every column's values (as int64/float64 per row,
 list columns flattened with their lengths), the schema's column names and types, and the key-value
@@ -126,11 +126,13 @@ def _digest(path: str) -> dict:
     meta.get("stats", {}).pop("seconds", None)
     meta.get("config", {}).pop("progress", None)
     h.update(json.dumps(meta, sort_keys=True).encode())
-    return {"table": h.hexdigest()[:16], "rows": table.num_rows, "columns": cols,
+    keys = {k: hashlib.sha256(json.dumps(v, sort_keys=True).encode()).hexdigest()[:16] for k, v in meta.items()}
+    return {"table": h.hexdigest()[:16], "rows": table.num_rows, "columns": cols, "keys": keys,
             "metadata": hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:16]}
 
 
 def run(args) -> None:
+    from varlen_cli.errors import VarlenError
     from varlen_cli.plan import PlanConfig, plan
 
     dirs = inputs(args.work, args.samples)
@@ -142,7 +144,12 @@ def run(args) -> None:
         cfg["input"] = dirs[cfg.get("input", "metrics")]
         dest = os.path.join(args.work, "plans", f"{name}.parquet")
         os.makedirs(os.path.dirname(dest), exist_ok=True)
-        plan(PlanConfig(output=dest, overwrite=True, progress=False, **cfg))
+        try:
+            plan(PlanConfig(output=dest, overwrite=True, progress=False, **cfg))
+        except VarlenError as exc:  # a refusal is part of the fingerprint too
+            out[name] = {"refused": str(exc), "table": "refused", "rows": 0, "columns": {}, "metadata": ""}
+            print(f"{name:<32} refused: {exc}", flush=True)
+            continue
         out[name] = _digest(dest)
         print(f"{name:<32} {out[name]['table']} rows {out[name]['rows']:,}", flush=True)
     with open(args.out, "w") as fh:
@@ -151,21 +158,35 @@ def run(args) -> None:
 
 def compare(args) -> None:
     a, b = (json.load(open(p)) for p in (args.a, args.b))
+    ignore = {k for k in args.ignore_keys.split(",") if k}
+
+    def view(entry: dict) -> dict:
+        """What must match: every column, the rows, the metadata (or, with --ignore-keys, its other keys)."""
+        keys = {k: v for k, v in entry.get("keys", {}).items() if k not in ignore}
+        meta = keys if ignore else entry.get("metadata")
+        return {"columns": entry.get("columns"), "rows": entry.get("rows"), "metadata": meta,
+                "refused": entry.get("refused")}
+
     bad = 0
     for name in sorted(set(a) | set(b)):
         if name not in a or name not in b:
-            print(f"{name}: only in {'one'}")
+            print(f"{name}: only in {args.a if name in a else args.b}")
             bad += 1
             continue
-        if a[name] != b[name]:
-            diff = [c for c in set(a[name]["columns"]) | set(b[name]["columns"])
-                    if a[name]["columns"].get(c) != b[name]["columns"].get(c)]
-            meta = a[name]["metadata"] != b[name]["metadata"]
-            print(f"{name}: DIFFERENT (columns {sorted(diff)}, metadata {'differs' if meta else 'same'})")
+        va, vb = view(a[name]), view(b[name])
+        if va != vb:
+            diff = sorted(c for c in set(va["columns"]) | set(vb["columns"])
+                          if va["columns"].get(c) != vb["columns"].get(c))
+            ka, kb = a[name].get("keys", {}), b[name].get("keys", {})
+            keys = sorted(k for k in set(ka) | set(kb) if k not in ignore and ka.get(k) != kb.get(k))
+            refused = b[name].get("refused") or a[name].get("refused")
+            print(f"{name}: DIFFERENT (columns {diff}, metadata keys {keys}"
+                  + (f"; refused: {refused}" if refused else "") + ")")
             bad += 1
         else:
             print(f"{name}: identical ({a[name]['rows']:,} rows)")
-    print(f"{len(set(a) | set(b)) - bad} identical, {bad} different")
+    print(f"{len(set(a) | set(b)) - bad} identical, {bad} different"
+          + (f" (metadata keys {', '.join(sorted(ignore))} not compared)" if ignore else ""))
     sys.exit(1 if bad else 0)
 
 
@@ -180,6 +201,7 @@ def main() -> None:
     c = sub.add_parser("compare")
     c.add_argument("a")
     c.add_argument("b")
+    c.add_argument("--ignore-keys", default="", help="metadata keys changed on purpose (comma-separated)")
     args = p.parse_args()
     {"run": run, "compare": compare}[args.cmd](args)
 

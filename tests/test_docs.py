@@ -2,6 +2,7 @@
 
 import glob
 import os
+import re
 
 import pytest
 import typer.main
@@ -43,3 +44,77 @@ def test_command_and_options_documented(name, command):
             assert any(o in docs for o in longs), f"{name} option {longs} is not documented in README.md or docs/"
         elif param.param_type_name == "argument":
             assert getattr(param, "help", None), f"{name} argument {param.name} has no help text"
+
+
+# -- docs/formats.md lists every key a plan's metadata has --------------------------------------------
+NESTED_FREE = {"config", "shapes", "steps_per_epoch", "orders"}  # values whose keys are documented elsewhere
+# (config: every PlanConfig field, docs/plan.md; schedule.steps_by_order: one key per candidate order;
+#  memory.profile: the profile's own fields, docs/memory.md; budget.model: listed in its row)
+OPAQUE = {"schedule.steps_by_order", "memory.profile", "budget.model", "dropped.reason"}
+
+
+def _key_paths(meta: dict) -> set:
+    """Every key of a plan's metadata: top-level ``a``, ``a.b`` in objects and ``a.b[].c`` in lists of objects."""
+    paths = set()
+    for key, value in meta.items():
+        paths.add(key)
+        if key in NESTED_FREE or not isinstance(value, dict):
+            continue
+        for sub, inner in value.items():
+            path = f"{key}.{sub}"
+            paths.add(path)
+            if path in OPAQUE:
+                continue
+            items = inner if isinstance(inner, list) else []
+            for item in items:
+                if isinstance(item, dict):
+                    paths.update(f"{path}[].{k}" for k in item)
+    return paths
+
+
+def _formats_metadata_section() -> str:
+    text = open(os.path.join(ROOT, "docs", "formats.md")).read()
+    return text[text.index("### Schema metadata"):text.index("Row groups hold whole steps")]
+
+
+def test_formats_md_lists_every_plan_metadata_key(tmp_path):
+    """Plans of every kind (padded with shapes, packed and split with an auto attention cost, a mixture
+    with drops, a replan, an extension, a memory plan, a schedule-ordered plan): each key they write
+    is in docs/formats.md's metadata table, written as `key` or `key.sub` (`key.sub[].item` in lists)."""
+    import json
+
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from tests.plan_helpers import write_metrics
+    from varlen_cli.plan import PlanConfig, plan
+    from varlen_cli.plan.replan import ExtendConfig, ReplanConfig, extend, replan
+
+    lengths = np.concatenate([np.random.default_rng(1).integers(1, 200, 120), [0, 900]])
+    m = write_metrics(tmp_path / "m", lengths)
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"format": "varlen-memory-profile", "format_version": 1, "mode": "measured",
+                                   "model": "m:f", "fit": {"c0": 2 * 2**20, "c1": 16000.0, "c2": 20.0}}))
+    made = []
+
+    def make(name, **options):
+        out = str(tmp_path / f"{name}.parquet")
+        plan(PlanConfig(output=out, progress=False, **{"input": m, **options}))
+        made.append(out)
+        return out
+
+    padded = make("padded", max_tokens=512, drop_long=True, dp=2, num_shapes=3, compile_warmup=True, epochs=2,
+                  order="random", tail="drop")
+    make("packed", packing=True, seq_len=128, split_long=True, attention_cost="auto", model_dim=64, layers=2, dp=2)
+    mixed = make("mixed", input="", mix=f"a={m}:1.5,b={m}:0.5", max_tokens=200, drop_long=True, dp=2, grad_accum=2,
+                 tail="drop", order="random")  # one sample per microbatch: a tail is dropped
+    assert json.loads(pq.read_schema(mixed).metadata[b"varlen"])["dropped"]["tail"][0]["sources"]
+    make("memory", memory_profile=str(profile), max_memory="64MiB", packing=True, seq_len=256, split_long=True)
+    make("schedule", max_tokens=512, drop_long=True, dp=2, grad_accum=2, schedule="1f1b", stages=2)
+    made.append(replan(ReplanConfig(plan=padded, output=str(tmp_path / "r.parquet"), dp=3, from_step=1)).output)
+    made.append(extend(ExtendConfig(plan=made[-1], output=str(tmp_path / "e.parquet"), epochs=3)).output)
+    section = _formats_metadata_section()
+    documented = set(re.findall(r"`([a-z_]+(?:\.[a-z_]+(?:\[\]\.[a-z_]+)?)?)`", section))
+    written = set().union(*(_key_paths(json.loads(pq.read_schema(p).metadata[b"varlen"])) for p in made))
+    missing = sorted(written - documented)
+    assert not missing, f"docs/formats.md's metadata table lacks {missing}"

@@ -559,7 +559,8 @@ def test_no_assert_in_the_package():
 
 def test_budget_check_raises_an_internal_consistency_error():
     from varlen_cli.errors import InternalConsistencyError
-    from varlen_cli.plan.core import PlanConfig, _budget_tokens
+    from varlen_cli.plan.assemble import _budget_tokens
+    from varlen_cli.plan.config import PlanConfig
     from varlen_cli.plan.shapes import Budget
 
     c = PlanConfig(input="m", output="p", max_tokens=100)

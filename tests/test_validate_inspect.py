@@ -74,7 +74,7 @@ def _drop_sample(c):
 @pytest.mark.parametrize("edit,check,message", [
     (_dup_first_sample, "coverage", "appear more than once in an epoch"),
     (_drop_sample, "coverage", "missing from an epoch and not listed as dropped"),
-    (_over_budget, "budget", "microbatches over the budget 1024"),
+    (_over_budget, "budget", "microbatches over the budget --max-tokens 1,024"),
     (_wrong_lr, "lr_scale", "rows whose lr_scale is not linear"),
     (_bad_layout, "layout", "rank out of (step, rank, micro) order"),
 ])
@@ -233,7 +233,8 @@ def test_inspect_straggler_equals_plan_summary(made, packed_plan, tmp_path, kind
             return float(r["tokens"])
     meta = json.loads(pq.read_schema(path).metadata[b"varlen"])
     want = {"kind": "tokens"} if kind == "packed" else {"kind": "padded", "attention_cost": 0.002}
-    assert meta[fmt.STRAGGLER_COST_KEY] == want
+    assert meta["budget"]["cost"] == ("packed" if kind == "packed" else "padded")
+    assert meta["budget"]["attention_cost"] == (0.0 if kind == "packed" else 0.002)
     series = inspect_artifact(InspectConfig(path))["series"]
     assert series["straggler_cost"] == want
     mean, worst = _independent_straggler(path, cost_of)

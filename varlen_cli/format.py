@@ -68,8 +68,6 @@ PLAN_SCALAR_COLUMNS = tuple(name for name, t in PLAN_COLUMNS if not pa.types.is_
 PACKED_COLUMN_NAMES = tuple(name for name, _ in PACKED_PLAN_COLUMNS)
 #: Metadata keys a reader needs to lay the rows out.
 PLAN_LAYOUT_KEYS = ("dp", "grad_accum", "num_steps", "steps_per_epoch")
-#: Metadata key naming the per-microbatch cost the plan's straggler statistics use.
-STRAGGLER_COST_KEY = "straggler_cost"
 
 
 class FormatError(ValueError):
@@ -158,7 +156,15 @@ _METADATA_TYPES = {
                                                 and np.isfinite(v)), "a finite number or null"),
     "config": (lambda v: isinstance(v, dict), "an object"),
     "input": (lambda v: isinstance(v, dict), "an object"),
-    "budget": (lambda v: isinstance(v, dict), "an object"),
+    "budget": (lambda v: isinstance(v, dict) and _budget_ok(v), "an object with integer max_tokens/max_samples "
+               "(or null) and a finite attention_cost >= 0"),
+    "memory": (lambda v: v is None or _memory_ok(v), "null or an object with an integer max_memory, a margin in "
+               "[0, 1), predicted peaks and a profile fit of finite c0, c1, c2 >= 0"),
+    "mixture": (lambda v: v is None or _mixture_ok(v), "null or an object with sources of a name, integer num_rows "
+                "and a finite weight > 0, and an integer seed"),
+    "lineage": (lambda v: v is None or (isinstance(v, dict) and all(
+        _is_int(v.get(k, 0)) and v.get(k, 0) >= 0 for k in ("consumed_samples", "first_step", "first_epoch"))),
+        "null or an object with integer consumed_samples, first_step and first_epoch"),
     "packing": (lambda v: v is None or (isinstance(v, dict) and _is_int(v.get("seq_len"))), "null or an object "
                 "with an integer seq_len"),
     "dropped": (lambda v: isinstance(v, dict) and _int_list(v.get("sample_ids", []))
@@ -166,6 +172,35 @@ _METADATA_TYPES = {
                 and all(isinstance(t, dict) and _is_int(t.get("epoch")) and _int_list(t.get("sample_ids"))
                         for t in v.get("tail", [])), "an object of sample id lists"),
 }
+
+
+def _number(value, low: float = 0.0) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and bool(np.isfinite(value))
+            and value >= low)
+
+
+def _budget_ok(v: dict) -> bool:
+    ints = all(v.get(k) is None or (_is_int(v[k]) and v[k] >= 1) for k in ("max_tokens", "max_samples"))
+    return ints and _number(v.get("attention_cost", 0.0)) and v.get("cost", "padded") in ("padded", "packed")
+
+
+def _memory_ok(v) -> bool:
+    if not isinstance(v, dict) or not _is_int(v.get("max_memory")) or v["max_memory"] < 1:
+        return False
+    if not _number(v.get("margin", 0.0)) or v.get("margin", 0.0) >= 1:
+        return False
+    fit = (v.get("profile") or {}).get("fit") if isinstance(v.get("profile"), dict) else None
+    if not isinstance(fit, dict) or not all(_number(fit.get(k)) for k in ("c0", "c1", "c2")):
+        return False
+    peaks = v.get("predicted_peak_per_shape", [])
+    return _number(v.get("predicted_peak_max", 0.0)) and isinstance(peaks, list) and all(_number(p) for p in peaks)
+
+
+def _mixture_ok(v) -> bool:
+    sources = v.get("sources") if isinstance(v, dict) else None
+    return (isinstance(sources, list) and _is_int(v.get("seed", 0)) and all(
+        isinstance(s, dict) and isinstance(s.get("name"), str) and _is_int(s.get("num_rows")) and s["num_rows"] >= 0
+        and _number(s.get("weight")) and s["weight"] > 0 and _is_int(s.get("samples_per_epoch", 0)) for s in sources))
 
 
 def plan_metadata_type_problem(meta: dict) -> str | None:
@@ -222,81 +257,54 @@ def plan_schema_problems(schema: pa.Schema, meta: dict) -> list[str]:
     return problems
 
 
-# -- straggler: one cost, one formula ----------------------------------------------------------------
-#: Kinds of per-microbatch cost: real tokens; packed tokens + A x sum(l_i^2) over the segments
-#: (``--attention-cost`` with ``--packing``); the padded budget cost B*T (+ A*B*T^2).
-STRAGGLER_COST_KINDS = ("tokens", "packed", "padded")
+# -- cost, straggler and loss targets ---------------------------------------------------------------
+def plan_budget(meta: dict):
+    """The :class:`varlen_cli.budget.Budget` a plan was made with (its ``budget`` entry; older plans'
+    ``straggler_cost``/``packing``): the one cost model every reader uses. :class:`FormatError` when
+    the entry is malformed."""
+    from .budget import Budget
 
-
-def straggler_cost(packed: bool, attention_cost: float = 0.0) -> dict:
-    """The per-microbatch cost a plan balances ranks on (recorded under :data:`STRAGGLER_COST_KEY`):
-    packed plans: real tokens (``kind: tokens``) or, with an attention cost A, tokens plus
-    A x sum(l_i^2) over the segments (``kind: packed``; a split chunk counts its own length);
-    padded plans: the budget cost ``B*T (+ A*B*T^2)``."""
-    attention = float(attention_cost or 0.0)
-    if packed:
-        return {"kind": "packed", "attention_cost": attention} if attention else {"kind": "tokens"}
-    return {"kind": "padded", "attention_cost": attention}
+    try:
+        return Budget.from_metadata(meta)
+    except ValueError as exc:
+        raise FormatError(f"malformed plan metadata: {exc}") from None
 
 
 def plan_straggler_cost(meta: dict) -> dict:
-    """The cost a plan's straggler statistics used: recorded in its metadata, or (older plans) the
-    one its packing and budget imply."""
-    recorded = meta.get(STRAGGLER_COST_KEY)
-    if isinstance(recorded, dict) and recorded.get("kind") in STRAGGLER_COST_KINDS:
-        return recorded
-    budget = meta.get("budget") or {}
-    return straggler_cost(bool(meta.get("packing")), budget.get("attention_cost") or 0.0)
+    """The cost a plan's straggler statistics use, as ``{"kind", "attention_cost"}`` (for display)."""
+    return plan_budget(meta).straggler_spec()
 
 
-def needs_segment_lengths(spec: dict) -> bool:
-    """Whether :func:`microbatch_cost` under ``spec`` needs the segments' squared lengths."""
-    return spec.get("kind") == "packed"
+def plan_cost_columns(budget) -> list[str]:
+    """The plan columns :func:`table_cost` reads under ``budget``."""
+    return ["tokens", "batch_size", "seqlen"] + (["sample_lengths"] if budget.needs_segment_lengths else [])
 
 
-def segment_sum_squares(lengths, parent, count: int) -> np.ndarray:
-    """Per microbatch: sum of l^2 over its segments (``lengths`` flat, ``parent`` the microbatch of
-    each segment, as the plan's ``sample_lengths`` list column gives them), as float64."""
-    lf = np.asarray(lengths, dtype=np.float64)
-    return np.bincount(np.asarray(parent, dtype=np.int64), weights=lf * lf, minlength=count)[:count]
-
-
-def microbatch_cost(spec: dict, tokens, batch_size, seqlen, sum_squares=None) -> np.ndarray:
-    """Cost of each microbatch under ``spec`` (from :func:`straggler_cost`), as float64.
-    ``sum_squares``: per microbatch sum of squared segment lengths (needed for ``kind: packed``)."""
-    if spec["kind"] == "tokens":
-        return np.asarray(tokens, dtype=np.float64)
-    attention = float(spec.get("attention_cost") or 0.0)
-    if spec["kind"] == "packed":
-        if sum_squares is None:
-            raise ValueError("a packed attention cost needs the per-microbatch sum of squared segment lengths")
-        return np.asarray(tokens, dtype=np.float64) + attention * np.asarray(sum_squares, dtype=np.float64)
-    b = np.asarray(batch_size, dtype=np.int64)
-    t = np.asarray(seqlen, dtype=np.int64)
-    if attention:
-        bf, tf = b.astype(np.float64), t.astype(np.float64)
-        return bf * tf + attention * bf * tf * tf
-    return (b * t).astype(np.float64)
-
-
-def plan_cost_columns(spec: dict) -> list[str]:
-    """The plan columns :func:`table_cost` reads under ``spec``."""
-    return ["tokens", "batch_size", "seqlen"] + (["sample_lengths"] if needs_segment_lengths(spec) else [])
-
-
-def table_cost(table: pa.Table, spec: dict) -> np.ndarray:
-    """Per-microbatch cost of a plan table (with :func:`plan_cost_columns`) under ``spec``."""
+def table_cost(table: pa.Table, budget) -> np.ndarray:
+    """Per-microbatch cost of a plan table (with :func:`plan_cost_columns`) under ``budget``."""
     import pyarrow.compute as pc
+
+    from .budget import segment_sum_squares
 
     tokens = table.column("tokens").to_numpy()
     sum_squares = None
-    if needs_segment_lengths(spec):
+    if budget.needs_segment_lengths:
         col = table.column("sample_lengths").combine_chunks()
         flat = pc.list_flatten(col).to_numpy(zero_copy_only=False)
-        parent = pc.list_parent_indices(col).to_numpy(zero_copy_only=False)
-        sum_squares = segment_sum_squares(flat, parent, len(tokens))
-    return microbatch_cost(spec, tokens, table.column("batch_size").to_numpy(), table.column("seqlen").to_numpy(),
-                           sum_squares)
+        offsets = np.zeros(len(tokens) + 1, np.int64)
+        np.cumsum(pc.list_value_length(col).to_numpy(zero_copy_only=False), out=offsets[1:])
+        sum_squares = segment_sum_squares(flat, offsets)
+    return budget.microbatch_cost(tokens, table.column("batch_size").to_numpy(), table.column("seqlen").to_numpy(),
+                                  sum_squares)
+
+
+def loss_targets(entry_length, final=None) -> np.ndarray:
+    """Next-token loss targets of each sample entry of a plan (``step_loss_tokens`` sums them per
+    step): ``max(l - 1, 0)`` for a whole sample or the last chunk of a split one (``final``, None:
+    every entry), ``l`` for an earlier chunk (its last token's target is the next chunk's first)."""
+    length = np.asarray(entry_length, dtype=np.int64)
+    whole = np.maximum(length - 1, 0)
+    return whole if final is None else np.where(final, whole, length)
 
 
 def step_loads(step: np.ndarray, rank: np.ndarray, cost: np.ndarray, dp: int) -> np.ndarray:

@@ -66,11 +66,12 @@ def plan_series(path: str, meta: dict) -> dict:
     """Per-step tokens, samples, lr_scale and straggler; per-rank totals (no sample ids read).
 
     The straggler is :func:`varlen_cli.format.straggler` over the cost the plan recorded
-    (:func:`varlen_cli.format.plan_straggler_cost`), so it matches the plan's own statistics."""
+    (:func:`varlen_cli.format.plan_budget`), so it matches the plan's own statistics."""
     import pyarrow.parquet as pq
 
-    cost_spec = format.plan_straggler_cost(meta)
-    cols = ["step", "rank", "num_samples", "lr_scale"] + format.plan_cost_columns(cost_spec)
+    budget = format.plan_budget(meta)
+    cost_spec = budget.straggler_spec()
+    cols = ["step", "rank", "num_samples", "lr_scale"] + format.plan_cost_columns(budget)
     t = pq.read_table(path, columns=cols)
     step = t.column("step").to_numpy()
     rank = t.column("rank").to_numpy()
@@ -80,7 +81,7 @@ def plan_series(path: str, meta: dict) -> dict:
     tokens = t.column("tokens").to_numpy().astype(np.float64)
     batch_size, seqlen = t.column("batch_size").to_numpy(), t.column("seqlen").to_numpy()
     padded = batch_size.astype(np.float64) * seqlen
-    cost = format.table_cost(t, cost_spec)
+    cost = format.table_cost(t, budget)
     samples = t.column("num_samples").to_numpy().astype(np.float64)
     lr = t.column("lr_scale").to_numpy()
     step_tokens = np.bincount(step, weights=tokens, minlength=n_steps)
@@ -109,12 +110,21 @@ def plan_series(path: str, meta: dict) -> dict:
 
 
 def _binned(values: np.ndarray) -> dict:
-    """Min/max and the mean over SERIES_BINS equal slices of the steps (for a sparkline)."""
+    """Min/max and the mean over SERIES_BINS equal slices of the steps (for a sparkline); values that
+    are not finite (a damaged plan: ``varlen validate`` says which) are counted, not averaged."""
+    finite = np.isfinite(values)
     edges = np.linspace(0, len(values), min(SERIES_BINS, len(values)) + 1).astype(np.int64)
-    sums = np.add.reduceat(values, edges[:-1]) if len(values) else np.zeros(0)
-    means = sums / np.maximum(np.diff(edges), 1)
-    return {"min": float(values.min()), "max": float(values.max()), "mean": float(values.mean()),
-            "binned_mean": means.tolist()}
+    clean = np.where(finite, values, 0.0)
+    sums = np.add.reduceat(clean, edges[:-1]) if len(values) else np.zeros(0)
+    counts = np.add.reduceat(finite.astype(np.int64), edges[:-1]) if len(values) else np.zeros(0)
+    means = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+    kept = values[finite]
+    out = {"min": float(kept.min()) if len(kept) else float("nan"),
+           "max": float(kept.max()) if len(kept) else float("nan"),
+           "mean": float(kept.mean()) if len(kept) else float("nan"), "binned_mean": means.tolist()}
+    if not finite.all():
+        out["non_finite"] = int((~finite).sum())
+    return out
 
 
 def _plan_step(path: str, step: int, num_steps: int) -> list:
@@ -140,11 +150,14 @@ def sparkline(values: list) -> str:
     arr = np.asarray(values, dtype=np.float64)
     if len(arr) == 0:
         return ""
-    lo, hi = arr.min(), arr.max()
+    finite = np.isfinite(arr)
+    if not finite.any():
+        return "?" * len(arr)
+    lo, hi = arr[finite].min(), arr[finite].max()
     if hi <= lo:
-        return SPARK[4] * len(arr)
-    idx = np.round((arr - lo) / (hi - lo) * (len(SPARK) - 2)).astype(int) + 1
-    return "".join(SPARK[i] for i in idx)
+        return "".join(SPARK[4] if ok else "?" for ok in finite)
+    idx = np.round((np.where(finite, arr, lo) - lo) / (hi - lo) * (len(SPARK) - 2)).astype(int) + 1
+    return "".join(SPARK[i] if ok else "?" for i, ok in zip(idx, finite))
 
 
 @dataclass
@@ -215,8 +228,9 @@ def _plan_tables(info: dict) -> list[TextTable]:
         from .memory.budget import memory_rows
 
         t.rows.extend(memory_rows(meta))
-    cost = format.plan_straggler_cost(meta)
-    t.rows.append(("straggler cost", ", ".join(f"{k}={v}" for k, v in cost.items())))
+    budget = format.plan_budget(meta)
+    t.rows.append(("budget", ", ".join(f"{k}={v}" for k, v in budget.to_metadata().items() if k != "model")))
+    t.rows.append(("straggler cost", ", ".join(f"{k}={v}" for k, v in budget.straggler_spec().items())))
     st = TextTable("statistics", [("stat", "left"), ("value", "right")], show_header=False)
     st.rows = [(key, fmt(value)) for key, value in (meta.get("stats") or {}).items()
                if not isinstance(value, (list, dict))]
@@ -247,6 +261,8 @@ def _series_tables(series: dict) -> list[TextTable]:
     for name in ("tokens_per_step", "samples_per_step", "lr_scale", "straggler"):
         s = series[name]
         sp.rows.append((name, fmt(s["min"]), fmt(s["max"]), sparkline(s["binned_mean"])))
+        if s.get("non_finite"):
+            sp.rows.append((f"  {name} not finite", fmt(s["non_finite"]), "", "steps (varlen validate reports them)"))
     if "straggler_overhead" in series:
         sp.rows.append(("straggler overhead", f"{100 * series['straggler_overhead']:.2f}%", "",
                         "sum of the busiest rank's cost / sum of the mean, - 1"))

@@ -39,8 +39,8 @@ class RunConfig:
 
     ``analyze``, ``sort`` and ``plan`` hold keyword arguments of :class:`AnalyzeConfig`,
     :class:`~varlen_cli.sort.SortConfig` and :class:`~varlen_cli.plan.PlanConfig` (without their
-    input and output, which ``run`` sets). ``plan["max_tokens"]`` defaults to the larger of 16384
-    and the longest sample (rounded up to ``pad_multiple``).
+    input and output, which ``run`` sets). ``plan["max_tokens"]`` defaults (without ``--max-memory`` or
+    ``--packing``) to the larger of 16384 and the longest sample (rounded up to ``pad_multiple``).
     """
 
     sources: tuple
@@ -95,6 +95,11 @@ def stage_configs(config: RunConfig):
     return a, s, p
 
 
+def needs_auto_budget(p) -> bool:
+    """Whether the plan's budget is chosen after analyze: no --max-tokens, --max-memory or --packing."""
+    return p.max_tokens is None and p.max_memory is None and not p.packing
+
+
 def run(config: RunConfig) -> RunResult | None:
     """Run the pipeline; returns the result on rank 0 (None on other ranks)."""
     check_choices(config)
@@ -108,7 +113,7 @@ def run(config: RunConfig) -> RunResult | None:
     if s is not None:
         sort_stage.check(s)
     # without --max-tokens the budget is chosen after analyze; check the other plan options now
-    plan_stage.check(p if p.max_tokens is not None or p.packing else replace(p, max_tokens=AUTO_MIN_BUDGET))
+    plan_stage.check(p if not needs_auto_budget(p) else replace(p, max_tokens=AUTO_MIN_BUDGET))
     if storage.is_remote(config.output):
         raise UsageError(f"varlen run writes a local output directory, not {config.output}; run analyze and sort "
                          "with -o URL instead")
@@ -147,7 +152,8 @@ def _moved(stage_result, tmp: str, out: str):
 
 
 def _run_stages(config: RunConfig, d, t0: float, final: str) -> RunResult | None:
-    """analyze, sort and plan into ``config.output`` (the temporary directory); rank 0 plans."""
+    """analyze, sort and plan into ``config.output`` (the temporary directory); every rank plans its
+    chunks, rank 0 writes the plan."""
     from . import sort as sort_stage
     from .plan.core import plan_in_group
 
@@ -155,7 +161,7 @@ def _run_stages(config: RunConfig, d, t0: float, final: str) -> RunResult | None
     analyzed = run_in_session(analyze_stage.run_in_group, a)
     sorted_ = run_in_session(sort_stage.run_in_group, s) if s is not None else None
     auto = None
-    if p.max_tokens is None and not p.packing:
+    if needs_auto_budget(p):
         longest = int(analyzed.stats["max"]) if d.is_main else 0
         longest = int(d.all_gather_object(longest)[0]) if d.distributed else longest
         m = max(1, int(p.pad_multiple))

@@ -221,8 +221,9 @@ def test_plan_with_max_memory_records_predictions(files, tmp_path):
     want = int(np.ceil(peak[np.array(t["step"]) == step].max()))
     assert predicted_memory(plan, step) == want
     assert predicted_memory(out, step, rank=1) <= want
-    ok = runner.invoke(app, ["validate", out, "--json"])  # no --max-memory: no memory check
-    assert "memory" not in {c["name"] for c in json.loads(ok.stdout)["checks"]}
+    ok = runner.invoke(app, ["validate", out, "--json"])  # no --max-memory: the plan's own limit is checked
+    checks = {c["name"]: c for c in json.loads(ok.stdout)["checks"]}
+    assert checks["memory"]["ok"] and "<= 64.00 MiB in every microbatch" in checks["memory"]["detail"]
     ok = runner.invoke(app, ["validate", out, "--max-memory", "64MiB"])  # profile recorded in the plan
     assert ok.exit_code == 0, ok.output
     bad = runner.invoke(app, ["validate", out, "--max-memory", f"{int(peak.max()) - 1}",

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from tests.conftest import assert_user_error
 from tests.plan_helpers import check_plan, write_metrics
+from varlen_cli.budget import Budget
 from varlen_cli.cli import app
 from varlen_cli.errors import UsageError
 from varlen_cli.inspect import InspectConfig, inspect_artifact, tables
@@ -117,7 +118,8 @@ def test_balance_keeps_exactly_once_cap_and_row_length(tmp_path_factory, case):
                        seq_len=case["seq_len"])
     if not md["dropped"]["count"]:
         check_exactly_once(d, lengths, case["max_per_row"])
-    assert md["straggler_cost"] == {"kind": "packed", "attention_cost": case["attention"]}
+    assert md["budget"]["cost"] == "packed" and md["budget"]["attention_cost"] == case["attention"]
+    assert "straggler_cost" not in md and "cost_model" not in md  # the budget is stored once
     res = validate(ValidateConfig(out, metrics))
     assert res.ok, [c.detail for c in res.violations]
 
@@ -135,8 +137,8 @@ def test_balance_rows_moves_whole_rows(slots_dp, grad_accum, rows_per_mb, data):
     samples = np.arange(len(item_row), dtype=np.int64)
     mb = packed_microbatches(samples, np.zeros(len(samples), np.int64), length, item_row, num_rows, 200,
                              rows_per_mb, count)
-    out = balance_rows(mb, 0.01, slots_dp, grad_accum, keep_order=data.draw(st.booleans()),
-                       rng=np.random.default_rng(0))
+    out = balance_rows(mb, Budget(None, None, 0.01, packed=True), slots_dp, grad_accum,
+                       keep_order=data.draw(st.booleans()), rng=np.random.default_rng(0))
     assert out.count == count
     parent = np.repeat(np.arange(count), np.diff(out.offsets))
     rows_of = {}
@@ -230,8 +232,10 @@ def test_auto_attention_cost_from_model_shape(tmp_path):
     meta = json.loads(pq.read_schema(out).metadata[b"varlen"])
     want = 1 / (12 * 64)
     assert meta["budget"]["attention_cost"] == pytest.approx(want)
-    assert meta["straggler_cost"] == {"kind": "packed", "attention_cost": pytest.approx(want)}
-    assert meta["cost_model"]["source"] == "flops" and meta["config"]["attention_cost"] == "auto"
+    assert meta["budget"]["cost"] == "packed" and meta["budget"]["source"] == "flops"
+    assert meta["budget"]["model"] == {"model_dim": 64, "layers": 2, "vocab_size": 0,
+                                       "formula": "A = 2 d L / (24 d^2 L + 2 d V)"}
+    assert meta["config"]["attention_cost"] == "auto"
     res = validate(ValidateConfig(out, metrics))  # split samples: coverage needs the lengths
     assert res.ok, [c.detail for c in res.violations]
 

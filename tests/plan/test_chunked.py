@@ -21,8 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import ROOT
-from tests.plan_helpers import check_plan, epoch_ids, write_metrics
-from varlen_cli.plan.core import PlanConfig, plan, plan_in_memory
+from tests.plan_helpers import check_plan, epoch_ids, plan_whole, write_metrics
+from varlen_cli.plan.core import PlanConfig, plan
 from varlen_cli.validate import ValidateConfig, validate
 
 N = 3000
@@ -107,7 +107,7 @@ def test_one_chunk_is_the_single_process_plan(dirs, tmp_path, name):
     """A plan of one chunk is exactly what the planner wrote before chunks existed."""
     options = CASES[name]
     plan(_config(dirs, tmp_path / "a.parquet", options))
-    plan_in_memory(_config(dirs, tmp_path / "b.parquet", options))
+    plan_whole(_config(dirs, tmp_path / "b.parquet", options))
     assert pq.read_table(tmp_path / "a.parquet").equals(pq.read_table(tmp_path / "b.parquet"))
 
 

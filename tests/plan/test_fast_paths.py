@@ -63,7 +63,7 @@ def test_int32_paths_keep_values():
        pad=st.sampled_from([1, 8, 64, 1000]), attention=st.sampled_from([0.0, 1e-4, 0.01]),
        max_samples=st.sampled_from([None, 1, 4]))
 def test_too_long_threshold_matches_the_per_sample_test(lengths, budget, pad, attention, max_samples):
-    from varlen_cli.plan.core import _longest_fitting
+    from varlen_cli.plan.pipeline import _longest_fitting
     from varlen_cli.plan.shapes import ShapeMap
 
     length = np.array(lengths, dtype=np.int64)
@@ -119,7 +119,7 @@ def test_a_missing_length_is_an_input_error(tmp_path):
 
     from tests.plan_helpers import write_metrics
     from varlen_cli.errors import InputError
-    from varlen_cli.plan.core import read_input
+    from varlen_cli.plan.reader import read_input
     from varlen_cli.runtime import artifacts
 
     d = write_metrics(tmp_path / "m", [3, 4, 5])

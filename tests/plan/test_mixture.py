@@ -142,8 +142,7 @@ def test_bad_inputs(dirs, tmp_path):
         assert_user_error(res, code, message)
     res = runner.invoke(app, ["plan", a, "--mix", f"a={a}:1", "-o", out, "--max-tokens", "1024"])
     assert_user_error(res, 2, "--mix names the directories itself: give no INPUT_DIR")
-    mixed = str(tmp_path / "m.parquet")
-    _plan(dirs, mixed, epochs=1)
-    res = runner.invoke(app, ["replan", mixed, "--from-step", "1", "--dp", "3", "-o", out])
-    assert_user_error(res, 2, f"{mixed} is a mixture plan (--mix): replan and --extend do not support mixtures yet; "
-                              "plan afresh")
+    huge = f"a={a}:1e20"
+    res = runner.invoke(app, ["plan", "--mix", huge, "-o", out, "--max-tokens", "1024"])
+    assert_user_error(res, 2, "--mix makes 30,000,000,000,000,000,000,000 samples per epoch, more than a plan holds "
+                              "(2^31); lower the weights")

@@ -10,6 +10,8 @@ from tests.conftest import sample
 from tests.packing_helpers import check_packing, heavy_tailed_lengths, reference_bfd
 from varlen_cli.errors import InputError, UsageError
 from varlen_cli.plan import packing as P
+from varlen_cli.plan.bfd import NO_CAP, bfd, min_rows
+from varlen_cli.plan.cap_repair import cap_aware, uncrowd
 from varlen_cli.plan.packing import pack
 
 
@@ -217,15 +219,15 @@ def test_capped_packer_properties(case):
     """The cap-aware packer on its own and through pack(): every item exactly once, rows <= T,
     at most cap items per row, the same result for the same input and seed."""
     lengths, T, cap, seed = case
-    bound = P._min_rows(lengths, T, cap)
-    got = P._cap_aware(lengths, T, cap, bound)
+    bound = min_rows(lengths, T, cap)
+    got = cap_aware(lengths, T, cap, bound)
     if got is not None:
         order, row, nrows = got
         assert np.array_equal(np.sort(order), np.arange(len(lengths)))
         assert row.min() == 0 and row.max() == nrows - 1 and len(np.unique(row)) == nrows
         assert np.bincount(row, weights=lengths[order]).max() <= T
         assert np.bincount(row).max() <= cap
-        again = P._cap_aware(lengths.copy(), T, cap, bound)
+        again = cap_aware(lengths.copy(), T, cap, bound)
         assert np.array_equal(order, again[0]) and np.array_equal(row, again[1])
     p = pack(lengths, T, max_per_row=cap, seed=seed)
     check_packing(p, lengths, T, cap)
@@ -252,8 +254,8 @@ def test_uncrowd_swaps_keep_every_row(case):
     """The vectorised swap fix-up of uncapped BFD: when it answers, every item is there exactly
     once, no row is over T or the cap, and it keeps BFD's number of rows."""
     lengths, T, cap, _ = case
-    free = P._bfd(lengths, T, P.NO_CAP)
-    got = P._uncrowd(lengths, T, cap, free)
+    free = bfd(lengths, T, NO_CAP)
+    got = uncrowd(lengths, T, cap, free)
     if got is not None:
         order, row, nrows = got
         assert nrows == free[2]

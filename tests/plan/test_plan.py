@@ -236,7 +236,7 @@ BAD = [
     (["--max-tokens", "100", "--dp", "0"], "tiny", 2, "--dp must be >= 1 (got 0)"),
     (["--max-tokens", "100", "--grad-accum", "0"], "tiny", 2, "--grad-accum must be >= 1 (got 0)"),
     (["--max-tokens", "0"], "tiny", 2, "--max-tokens must be >= 1 (got 0)"),
-    ([], "tiny", 2, "--max-tokens is required (or --packing --seq-len T)"),
+    ([], "tiny", 2, "--max-tokens is required (or --max-memory with --memory-profile, or --packing --seq-len T)"),
     (["--max-tokens", "100", "--order", "curriculum"], "tiny", 2, "--order curriculum needs a sorted input, but {tiny} "
                                                                   "is a metrics directory (sample_id order); sort it "
                                                                   "first: `varlen sort {tiny} -o SORTED_DIR`"),

@@ -5,7 +5,7 @@ import tempfile
 
 import numpy as np
 import pyarrow.parquet as pq
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from tests.plan_helpers import check_plan, write_metrics
@@ -70,8 +70,23 @@ def _expected_error(msg: str, n_fit: int, slots: int, tail: str) -> bool:
     return "samples cannot fill" in msg and msg.endswith("lower --dp/--grad-accum or pass --tail drop")
 
 
+RANDOM_LAYOUT = dict(order="random", dp=3, grad_accum=2, max_tokens=1024, pad_multiple=1, num_shapes=None,
+                     same_shape_per_step=False, compile_warmup=False, max_samples=None, attention_cost=0.0, epochs=2,
+                     seed=1, lr_scaling="linear", lr_scale_by="samples", drop_long=True, tail="split",
+                     static_shapes=False)
+
+
 @SETTINGS
 @given(lengths=lengths_st, o=options(), diff_is_length=st.booleans())
+# the random order with several ranks and microbatches per rank, always run (not left to the draw)
+@example(lengths=list(range(1, 301)), o=RANDOM_LAYOUT, diff_is_length=True)
+@example(lengths=list(range(1, 301)), o={**RANDOM_LAYOUT, "tail": "drop", "dp": 4, "grad_accum": 3},
+         diff_is_length=True)
+@example(lengths=[5, 70, 300, 1000, 9] * 40, o={**RANDOM_LAYOUT, "num_shapes": 3, "static_shapes": True,
+                                                 "compile_warmup": True, "attention_cost": 0.002},
+         diff_is_length=False)
+@example(lengths=list(range(0, 200)), o={**RANDOM_LAYOUT, "dp": 2, "grad_accum": 4, "max_samples": 5,
+                                          "lr_scale_by": "tokens", "lr_scaling": "sqrt"}, diff_is_length=True)
 def test_padded_plan_properties(lengths, o, diff_is_length):
     L = np.asarray(lengths, dtype=np.int64)
     rng = np.random.default_rng(len(L))

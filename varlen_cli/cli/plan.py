@@ -30,7 +30,7 @@ OUTPUT = typer.Option(
 MAX_TOKENS = typer.Option(
     None, "--max-tokens", show_default=False,
     help="Hard budget: padded B x T of every microbatch (plus A x B x T^2 with --attention-cost). Required unless "
-    "--packing.",
+    "--packing or --max-memory.",
 )
 ORDER = typer.Option(
     "bucket-shuffle", "--order",

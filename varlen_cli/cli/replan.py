@@ -22,7 +22,15 @@ def replan_command(
     grad_accum: int | None = typer.Option(None, "--grad-accum", show_default=False,
                                           help="Microbatches per rank per step (default: the parent's)."),
     max_tokens: int | None = typer.Option(None, "--max-tokens", show_default=False,
-                                          help="Budget of the new plan (default: the parent's)."),
+                                          help="Budget of the new plan (default: the parent's; a parent's "
+                                               "--max-memory limit is re-checked)."),
+    max_memory: str | None = typer.Option(None, "--max-memory", show_default=False,
+                                          help="New peak memory limit, e.g. 70GiB (default: the parent's); the "
+                                               "budget comes from --memory-profile or the profile the parent "
+                                               "recorded."),
+    memory_profile: str | None = typer.Option(None, "--memory-profile", show_default=False,
+                                              help="Memory profile for --max-memory (default: the one the parent "
+                                                   "recorded)."),
     overwrite: bool = common.OVERWRITE,
     allow_stale: bool = common.ALLOW_STALE,
 ) -> None:
@@ -32,7 +40,8 @@ def replan_command(
     from varlen_cli.plan.replan import ReplanConfig, replan
 
     config = ReplanConfig(plan=plan, output=output, dp=dp, from_step=from_step, state=state, grad_accum=grad_accum,
-                          max_tokens=max_tokens, overwrite=overwrite, allow_stale=allow_stale)
+                          max_tokens=max_tokens, max_memory=max_memory, memory_profile=memory_profile,
+                          overwrite=overwrite, allow_stale=allow_stale)
     result = common.run(replan, config)
     if result is not None:
         report.print_plan(result)

@@ -203,8 +203,10 @@ def run_json(result) -> dict:
 
 
 def _overhead(stats: dict, metadata: dict) -> str:
-    """The straggler overhead and the cost it is measured in (the plan's ``straggler_cost``)."""
-    cost = metadata.get("straggler_cost") or {}
+    """The straggler overhead and the cost it is measured in (the plan's budget)."""
+    from varlen_cli import format
+
+    cost = format.plan_straggler_cost(metadata)
     what = {"tokens": "tokens", "packed": "tokens + A sum(l^2)", "padded": "B T + A B T^2"}.get(cost.get("kind"), "")
     value = stats.get("straggler_overhead")
     return (f"{100 * value:.2f}" if value is not None else "-") + (f" ({what})" if what else "")

@@ -8,7 +8,7 @@ import.
 
 from __future__ import annotations
 
-from .budget import budget_from_profile, memory_check, plan_config_for_memory, predicted_peaks
+from .budget import budget_for_memory, budget_from_profile, memory_check, memory_limit, predicted_peaks
 from .calibrate import CalibrateConfig, calibrate, parse_shapes
 from .fit import fit_nnls, fit_points, predict
 from .profile import PROFILE_FORMAT, check_profile, coefficients, load_profile
@@ -17,5 +17,5 @@ from .sizes import format_size, parse_size
 __all__ = [
     "PROFILE_FORMAT", "CalibrateConfig", "budget_from_profile", "calibrate", "check_profile", "coefficients",
     "memory_check", "fit_nnls", "fit_points", "format_size", "load_profile", "parse_shapes", "parse_size",
-    "plan_config_for_memory", "predict", "predicted_peaks",
+    "budget_for_memory", "memory_limit", "predict", "predicted_peaks",
 ]

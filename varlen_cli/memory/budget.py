@@ -9,7 +9,6 @@ floor only tightens it). So ``--max-memory`` reuses the planner unchanged.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import numpy as np
@@ -40,21 +39,26 @@ def budget_from_profile(profile: dict, max_memory, margin: float = 0.05) -> tupl
     return max_tokens, c2 / c1_eff
 
 
-def plan_config_for_memory(config):
-    """The :class:`~varlen_cli.plan.PlanConfig` with ``max_tokens``/``attention_cost`` derived from
-    ``--memory-profile`` and ``--max-memory`` (config unchanged when neither is given)."""
-    c = config
-    if c.memory_profile is None and c.max_memory is None:
-        return c
-    if c.memory_profile is None or c.max_memory is None:
-        raise UsageError("--max-memory and --memory-profile go together")
-    if c.max_tokens is not None:
-        raise UsageError("--max-tokens and --max-memory exclude each other (the budget comes from the profile)")
-    if c.attention_cost:
-        raise UsageError("--attention-cost and --max-memory exclude each other (A comes from the profile)")
-    profile = load_profile(c.memory_profile)
-    max_tokens, attention_cost = budget_from_profile(profile, c.max_memory, c.memory_margin)
-    return dataclasses.replace(c, max_tokens=max_tokens, attention_cost=attention_cost)
+PROFILE_KEYS = ("mode", "model", "device", "dtype", "torch_version", "optimizer", "fit", "fit_error", "created_at",
+                "varlen_version")
+"""What a plan keeps of its memory profile (provenance and the fit): enough to re-derive its budget
+and re-check its limit without the profile file (``varlen replan``, ``--extend``, ``validate``)."""
+
+
+def memory_limit(profile_path: str, max_memory, margin: float) -> dict:
+    """The memory part of a ``--max-memory`` budget: the limit in bytes, the margin and the profile
+    (read from ``profile_path``; provenance and fit only)."""
+    profile = load_profile(profile_path)
+    return {"max_memory": parse_size(max_memory), "margin": float(margin),
+            "profile": {k: profile.get(k) for k in PROFILE_KEYS}, "profile_path": profile_path,
+            "given": str(max_memory)}  # as the user wrote it, for messages (not recorded in the plan)
+
+
+def budget_for_memory(memory: dict, max_memory=None) -> tuple[int, float]:
+    """``(max_tokens, attention_cost)`` of a :func:`memory_limit` (``max_memory``: the limit as the
+    user wrote it, for messages; default its bytes)."""
+    return budget_from_profile(memory["profile"], memory["max_memory"] if max_memory is None else max_memory,
+                               memory["margin"])
 
 
 def predicted_peaks(coef, batch, seqlen, packed: bool = False) -> np.ndarray:
@@ -75,26 +79,20 @@ def segment_peaks(coef, batch, seqlen, segment_lengths, offsets) -> np.ndarray:
     return c0 + c1 * np.asarray(batch, dtype=np.float64) * np.asarray(seqlen, dtype=np.float64) + c2 * squares
 
 
-def plan_memory_metadata(config, batch, seqlen, shape_id, num_shapes: int, packed: bool, segment_lengths=None,
-                         offsets=None, sum_squares=None) -> dict | None:
-    """The plan metadata's ``memory`` entry: the profile used, the limit, and the predicted peak of
-    every shape (the largest over its microbatches when B varies) and of the whole plan; packed
-    plans also get the per-segment-attention maximum."""
-    if config.memory_profile is None:
-        return None
-    profile = load_profile(config.memory_profile)
-    coef = coefficients(profile)
+def plan_memory_metadata(memory: dict, batch, seqlen, shape_id, num_shapes: int, packed: bool,
+                         segment_lengths=None, offsets=None, sum_squares=None) -> dict:
+    """The plan metadata's ``memory`` entry of a :func:`memory_limit`: the profile used, the limit,
+    and the predicted peak of every shape (the largest over its microbatches when B varies) and of
+    the whole plan; packed plans also get the per-segment-attention maximum."""
+    coef = coefficients(memory["profile"])
     peak = predicted_peaks(coef, batch, seqlen, packed)
     per_shape = np.zeros(num_shapes)
     if len(peak):
         np.maximum.at(per_shape, np.asarray(shape_id, dtype=np.int64), peak)
-    max_memory = parse_size(config.max_memory)
+    max_memory, margin = int(memory["max_memory"]), float(memory["margin"])
     out = {
-        "max_memory": max_memory, "margin": float(config.memory_margin),
-        "limit": max_memory * (1.0 - config.memory_margin),
-        "profile": {k: profile.get(k) for k in ("mode", "model", "device", "dtype", "torch_version", "optimizer",
-                                                "fit", "fit_error", "created_at", "varlen_version")},
-        "profile_path": config.memory_profile,
+        "max_memory": max_memory, "margin": margin, "limit": max_memory * (1.0 - margin),
+        "profile": dict(memory["profile"]), "profile_path": memory.get("profile_path"),
         "packed_attention": "row" if packed else None,
         "predicted_peak_per_shape": [float(v) for v in per_shape],
         "predicted_peak_max": float(peak.max()) if len(peak) else float(coef[0]),
@@ -107,6 +105,12 @@ def plan_memory_metadata(config, batch, seqlen, shape_id, num_shapes: int, packe
         out["predicted_peak_max_per_segment"] = float(segment_peaks(coef, batch, seqlen, segment_lengths,
                                                                     offsets).max())
     return out
+
+
+def over_limit(memory: dict, batch, seqlen, packed: bool) -> tuple[int, float]:
+    """``(microbatches predicted above the limit, the largest predicted peak)`` of a :func:`memory_limit`."""
+    peak = predicted_peaks(coefficients(memory["profile"]), batch, seqlen, packed)
+    return int(np.count_nonzero(peak > int(memory["max_memory"]))), float(peak.max()) if len(peak) else 0.0
 
 
 def memory_check(batch, seqlen, meta: dict, max_memory, profile_path: str | None):

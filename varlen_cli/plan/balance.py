@@ -4,7 +4,7 @@ A packed row's compute is not its token count: with varlen attention each segmen
 costs ``l + A l^2`` (linear layers plus causal attention over the segment alone), so a row holding
 one long document costs far more than a row of many short samples. A row costs its tokens plus
 ``A x sum(l_i^2)`` over its segments (a split chunk counts its own length), a microbatch the sum of
-its rows (:func:`microbatch_cost`, the same formula as :func:`varlen_cli.format.microbatch_cost`).
+its rows (:func:`microbatch_cost`: :func:`varlen_cli.budget.packed_cost`, the one formula).
 
 :func:`balance_rows` re-deals the rows the packer made (it never changes a row, so exactly-once,
 ``--max-per-row`` and the row length hold as packed) over the epoch's microbatches, and returns them
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import format
+from ..budget import Budget, packed_cost, segment_sum_squares
 from ..errors import InternalConsistencyError
 from .batching import Microbatches, segment_gather
 
@@ -85,14 +85,11 @@ def cut_steps(load: np.ndarray, dp: int) -> np.ndarray:
     return step
 
 
-def microbatch_cost(mb: Microbatches, attention_cost: float) -> np.ndarray:
-    """Per microbatch: tokens + A x sum(l_i^2) over its segments (tokens only when A = 0)."""
-    spec = format.straggler_cost(True, attention_cost)
-    sum_squares = None
-    if format.needs_segment_lengths(spec):
-        parent = np.repeat(np.arange(mb.count), np.diff(mb.offsets))
-        sum_squares = format.segment_sum_squares(mb.item_length, parent, mb.count)
-    return format.microbatch_cost(spec, mb.tokens, mb.batch_size, mb.seqlen, sum_squares)
+def microbatch_cost(mb: Microbatches, budget: Budget) -> np.ndarray:
+    """Per microbatch, the cost ranks are balanced on (:meth:`varlen_cli.budget.Budget.microbatch_cost`):
+    packed: tokens + A x sum(l_i^2) over its segments; padded: B*T + A*B*T^2."""
+    sum_squares = segment_sum_squares(mb.item_length, mb.offsets) if budget.needs_segment_lengths else None
+    return budget.microbatch_cost(mb.tokens, mb.batch_size, mb.seqlen, sum_squares)
 
 
 def deal_rows(cost: np.ndarray, bins: int) -> tuple[np.ndarray, np.ndarray]:
@@ -142,7 +139,7 @@ def _window(cost: np.ndarray, row_index: np.ndarray, dp: int, grad_accum: int, s
     return (step_of_bin[bin_of] * dp + rank_of_bin[bin_of]) * grad_accum + micro
 
 
-def balance_rows(mb: Microbatches, attention_cost: float, dp: int, grad_accum: int, *, keep_order: bool,
+def balance_rows(mb: Microbatches, budget: Budget, dp: int, grad_accum: int, *, keep_order: bool,
                  rng: np.random.Generator | None = None) -> Microbatches:
     """``mb`` (packed, count a multiple of dp x grad_accum) with its rows re-dealt over the same number
     of microbatches, returned in (step, rank, micro) order: the ranks of a step cost alike (see the
@@ -160,7 +157,7 @@ def balance_rows(mb: Microbatches, attention_cost: float, dp: int, grad_accum: i
     num_rows = int(row_of_item[-1]) + 1
     tokens = np.bincount(row_of_item, weights=mb.item_length, minlength=num_rows)
     sq = np.bincount(row_of_item, weights=mb.item_length.astype(np.float64) ** 2, minlength=num_rows)
-    cost = tokens + float(attention_cost) * sq
+    cost = packed_cost(tokens, sq, budget.attention_cost)
     mb_of_row = _deal_windows(cost, m, dp, grad_accum, keep_order)
     if not keep_order and rng is not None:  # shuffle whole steps; the set-aside step stays last
         steps = m // slots

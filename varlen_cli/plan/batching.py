@@ -21,7 +21,7 @@ class Microbatches:
     seqlen: np.ndarray  # int64 padded T per microbatch
     batch_size: np.ndarray  # int64 padded B per microbatch
     tokens: np.ndarray  # int64 real tokens per microbatch
-    # packed plans: per entry of ``samples``
+    # per entry of ``samples``: its tokens (padded plans: the sample's length); packed plans also
     item_length: np.ndarray | None = None
     item_start: np.ndarray | None = None
     item_row: np.ndarray | None = None  # row inside the microbatch
@@ -122,7 +122,13 @@ def finalize_padded(samples: np.ndarray, offsets: np.ndarray, lengths: np.ndarra
     else:
         batch = counts.astype(np.int64)
     return Microbatches(samples, offsets, seqlen.astype(np.int64), batch.astype(np.int64),
-                        segment_sum(lens, offsets))
+                        segment_sum(lens, offsets), item_length=narrow(lens))
+
+
+def narrow(lengths: np.ndarray) -> np.ndarray:
+    """Sample lengths kept per entry (the plan's own check reads them), in 4 bytes where they were 8
+    (lengths fit int32: the reader refuses longer samples)."""
+    return lengths.astype(np.int32) if lengths.dtype.itemsize > 4 else lengths
 
 
 # -- greedy consecutive microbatches ---------------------------------------------------------------
@@ -320,7 +326,8 @@ def form_same_shape(seq: np.ndarray, lengths: np.ndarray, shape: ShapeMap, budge
     samples = seq2[:end]
     lens = lengths[samples]
     mb = Microbatches(samples, offsets, np.concatenate(seqlens) if seqlens else np.zeros(0, np.int64),
-                      np.concatenate(batches) if batches else np.zeros(0, np.int64), segment_sum(lens, offsets))
+                      np.concatenate(batches) if batches else np.zeros(0, np.int64), segment_sum(lens, offsets),
+                      item_length=narrow(lens))
     return mb, leftover
 
 

@@ -1,5 +1,8 @@
-"""The attention cost A of ``varlen plan``: given (``--attention-cost 0.00004``) or derived from the
-model's shape (``--attention-cost auto --model-dim d --layers L [--vocab-size V]``).
+"""The budget of ``varlen plan``, resolved once from the options (:func:`resolve_budget`): ``max_tokens``
+and the attention cost A given (``--max-tokens N --attention-cost 0.00004``), A derived from the
+model's shape (``--attention-cost auto --model-dim d --layers L [--vocab-size V]``), or both from a
+memory profile (``--memory-profile P --max-memory X``, :mod:`varlen_cli.memory.budget`). Replans
+start from the parent's recorded budget instead (:func:`rebudget`).
 
 A segment of ``l`` tokens costs ``l + A l^2`` in units of "one token through the linear layers".
 Forward FLOPs of a decoder-only transformer (a multiply-add counted as 2 FLOPs; the backward pass
@@ -19,14 +22,13 @@ read A from it -- see docs/packing.md).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
 
+from ..budget import Budget, attention_number, is_auto
 from ..errors import UsageError
+from .config import PlanConfig
 
-if TYPE_CHECKING:
-    from .core import PlanConfig
-
-AUTO = "auto"
+FLOPS_FORMULA = "A = 2 d L / (24 d^2 L + 2 d V)"
 
 
 def flops_attention_cost(model_dim: int, layers: int, vocab_size: int = 0) -> float:
@@ -36,55 +38,61 @@ def flops_attention_cost(model_dim: int, layers: int, vocab_size: int = 0) -> fl
     return 2.0 * d * n_layers / (24.0 * d * d * n_layers + 2.0 * d * v)
 
 
-def _number(value) -> float:
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            raise UsageError(f"--attention-cost must be a number >= 0 or 'auto' (got {value!r})") from None
-    return float(value)
-
-
 def from_cli(value: str) -> float | str:
     """``--attention-cost`` as the CLI reads it: a float when it is a number, else the text ('auto';
-    anything else is rejected by :func:`check` in one line)."""
+    anything else is rejected by :func:`varlen_cli.plan.config.check` in one line)."""
     try:
         return float(value)
     except ValueError:
         return value
 
 
-def check(c: PlanConfig) -> None:
-    """One-line UsageErrors for a bad ``--attention-cost`` / ``--model-dim`` / ``--layers`` / ``--vocab-size``."""
-    for name, value in (("--model-dim", c.model_dim), ("--layers", c.layers)):
-        if value is not None and value < 1:
-            raise UsageError(f"{name} must be >= 1 (got {value})")
-    if c.vocab_size is not None and c.vocab_size < 0:
-        raise UsageError(f"--vocab-size must be >= 0 (got {c.vocab_size})")
-    if isinstance(c.attention_cost, str) and c.attention_cost.strip().lower() == AUTO:
-        if c.model_dim is None or c.layers is None:
-            raise UsageError("--attention-cost auto needs --model-dim and --layers (the model's shape)")
-        return
-    if c.model_dim is not None or c.layers is not None or c.vocab_size is not None:
-        raise UsageError("--model-dim, --layers and --vocab-size need --attention-cost auto")
-    a = _number(c.attention_cost)
-    if not a >= 0 or a == float("inf"):
-        raise UsageError(f"--attention-cost must be >= 0 (got {c.attention_cost})")
+def resolve_budget(c: PlanConfig) -> Budget:
+    """The plan's budget from its (checked) options: the one place ``max_tokens`` and A are derived
+    (a number, ``auto``, or a memory profile and ``--max-memory``)."""
+    if c.max_memory is not None:
+        from ..memory.budget import budget_for_memory, memory_limit
+
+        memory = memory_limit(c.memory_profile, c.max_memory, c.memory_margin)
+        max_tokens, a = budget_for_memory(memory, c.max_memory)
+        return Budget(max_tokens, c.max_samples, a, bool(c.packing), "memory", None, memory)
+    if is_auto(c.attention_cost):
+        model = {"model_dim": c.model_dim, "layers": c.layers, "vocab_size": c.vocab_size or 0,
+                 "formula": FLOPS_FORMULA}
+        a = flops_attention_cost(c.model_dim, c.layers, c.vocab_size or 0)
+        return Budget(c.max_tokens, c.max_samples, a, bool(c.packing), "flops", model)
+    return Budget(c.max_tokens, c.max_samples, attention_number(c.attention_cost) or 0.0, bool(c.packing))
 
 
-def attention_cost(c: PlanConfig) -> float:
-    """The A a plan uses (after :func:`check`)."""
-    if isinstance(c.attention_cost, str) and c.attention_cost.strip().lower() == AUTO:
-        return flops_attention_cost(c.model_dim, c.layers, c.vocab_size or 0)
-    return _number(c.attention_cost or 0.0)
+def rebudget(parent: Budget, *, max_tokens: int | None = None, max_memory=None, memory_profile: str | None = None,
+             memory_margin: float | None = None) -> Budget:
+    """A parent plan's budget for ``varlen replan``: unchanged, or with a new ``--max-tokens`` (A and
+    any memory limit kept: the limit is re-checked on the new plan), or a new ``--max-memory`` (from
+    ``--memory-profile`` or the profile the parent recorded)."""
+    if max_tokens is not None and (max_memory is not None or memory_profile is not None):
+        raise UsageError("--max-tokens and --max-memory exclude each other (the budget comes from the profile)")
+    if max_tokens is not None:
+        if max_tokens < 1:
+            raise UsageError(f"--max-tokens must be >= 1 (got {max_tokens})")
+        return dataclasses.replace(parent, max_tokens=int(max_tokens),
+                                   source="given" if parent.source == "memory" else parent.source)
+    if max_memory is None and memory_profile is None:
+        return parent
+    from ..memory.budget import budget_for_memory, memory_limit
+    from ..memory.sizes import parse_size
 
-
-def describe(c: PlanConfig) -> dict:
-    """The ``cost_model`` metadata entry: A, where it came from and the formula."""
-    a = attention_cost(c)
-    out = {"attention_cost": a, "source": "given"}
-    if isinstance(c.attention_cost, str) and c.attention_cost.strip().lower() == AUTO:
-        out.update(source="flops", model_dim=c.model_dim, layers=c.layers, vocab_size=c.vocab_size or 0,
-                   formula="A = 2 d L / (24 d^2 L + 2 d V)")
-    out["segment_cost"] = "l + A l^2" if a else "l"
-    return out
+    recorded = parent.memory or {}
+    if memory_profile is None and not recorded.get("profile"):
+        raise UsageError("--max-memory needs --memory-profile (the plan records no memory profile)")
+    if max_memory is None and "max_memory" not in recorded:
+        raise UsageError("--memory-profile needs --max-memory (the plan records no memory limit)")
+    margin = float(recorded.get("margin", 0.05) if memory_margin is None else memory_margin)
+    if not 0 <= margin < 1:
+        raise UsageError(f"--memory-margin must be in [0, 1) (got {margin})")
+    limit = max_memory if max_memory is not None else recorded["max_memory"]
+    if memory_profile is not None:
+        memory = memory_limit(memory_profile, limit, margin)
+    else:
+        memory = {**recorded, "max_memory": parse_size(limit), "margin": margin, "given": str(limit)}
+    max_tokens, a = budget_for_memory(memory, limit)
+    return Budget(max_tokens, parent.max_samples, a, parent.packed, "memory", None, memory)

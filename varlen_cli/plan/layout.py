@@ -15,13 +15,40 @@ from .shapes import pair_ids
 LPT_MAX_DP = 64  # above this many ranks, deal serpentine instead of LPT (cost O(M * dp))
 
 
-def tail_message(num: int, slots: int, dp: int, grad_accum: int, what: str = "samples") -> str:
+@dataclass(frozen=True)
+class Remedies:
+    """What the planner's refusals suggest: the options of the command that runs it (``varlen
+    replan`` has neither ``--tail`` nor ``--drop-long``: it keeps the parent's)."""
+
+    tail: bool = True
+    drop_long: bool = True
+
+    @property
+    def fewer_slots(self) -> str:
+        return "lower --dp/--grad-accum" + (" or pass --tail drop" if self.tail else "")
+
+    @property
+    def or_drop_long(self) -> str:
+        return " or pass --drop-long" if self.drop_long else ""
+
+    @property
+    def too_long_packed(self) -> str:
+        return ("pass --split-long, --drop-long or a larger --seq-len" if self.drop_long else
+                "plan afresh with --split-long, --drop-long or a larger --seq-len")
+
+
+PLAN_REMEDIES = Remedies()  # varlen plan's: --tail drop and --drop-long are its options
+
+
+def tail_message(num: int, slots: int, dp: int, grad_accum: int, what: str = "samples",
+                 remedies: Remedies = PLAN_REMEDIES) -> str:
     return (f"{num:,} {what} cannot fill {slots:,} microbatch slots ({slots // (dp * grad_accum):,} step(s) x dp {dp} "
-            f"x grad-accum {grad_accum}) without duplicating samples; lower --dp/--grad-accum or pass --tail drop")
+            f"x grad-accum {grad_accum}) without duplicating samples; {remedies.fewer_slots}")
 
 
 def fix_tail_padded(mb: Microbatches, slots: int, dp: int, grad_accum: int, tail: str,
-                    refinalize: Callable[[np.ndarray, np.ndarray], Microbatches]) -> tuple[Microbatches, np.ndarray]:
+                    refinalize: Callable[[np.ndarray, np.ndarray], Microbatches],
+                    remedies: Remedies = PLAN_REMEDIES) -> tuple[Microbatches, np.ndarray]:
     """Make the microbatch count a multiple of ``slots`` = dp x grad_accum by splitting the fullest
     microbatches in two (never duplicating, never dropping). Only when there are fewer samples than
     slots: ``tail="drop"`` drops the smallest microbatches (returned), else an InputError."""
@@ -43,7 +70,7 @@ def fix_tail_padded(mb: Microbatches, slots: int, dp: int, grad_accum: int, tail
         return refinalize(mb.samples, offsets), np.zeros(0, np.int64)
     keep_count = slots * (m // slots)
     if tail != "drop" or keep_count == 0:
-        raise InputError(tail_message(n, target, dp, grad_accum) if tail != "drop" else
+        raise InputError(tail_message(n, target, dp, grad_accum, remedies=remedies) if tail != "drop" else
                          f"{n:,} samples are fewer than the {slots:,} microbatches of one step (dp x grad-accum); "
                          "nothing would be left after --tail drop: lower --dp/--grad-accum")
     counts = np.diff(offsets)
@@ -60,7 +87,7 @@ def fix_tail_padded(mb: Microbatches, slots: int, dp: int, grad_accum: int, tail
 
 def fix_tail_packed(samples: np.ndarray, start: np.ndarray, length: np.ndarray, item_row: np.ndarray, num_rows: int,
                     rows_per_mb: int, seq_len: int, slots: int, dp: int, grad_accum: int,
-                    tail: str) -> tuple[Microbatches, np.ndarray]:
+                    tail: str, remedies: Remedies = PLAN_REMEDIES) -> tuple[Microbatches, np.ndarray]:
     """Packed plans: spread the rows (items sorted by global row) over a multiple of ``slots``
     microbatches of at most R rows (the rest are padding rows), splitting the fullest rows when
     there are fewer rows than microbatches."""
@@ -71,9 +98,10 @@ def fix_tail_packed(samples: np.ndarray, start: np.ndarray, length: np.ndarray, 
     if items < target:
         keep_mbs = slots * (m // slots)
         if tail != "drop" or keep_mbs == 0:
-            raise InputError(tail_message(items, target, dp, grad_accum, "packed samples") if tail != "drop" else
-                             f"{items:,} packed samples are fewer than the {slots:,} microbatches of one step "
-                             "(dp x grad-accum); nothing would be left after --tail drop: lower --dp/--grad-accum")
+            raise InputError(tail_message(items, target, dp, grad_accum, "packed samples", remedies)
+                             if tail != "drop" else f"{items:,} packed samples are fewer than the {slots:,} "
+                             "microbatches of one step (dp x grad-accum); nothing would be left after --tail drop: "
+                             "lower --dp/--grad-accum")
         keep_rows = min(num_rows, keep_mbs * rows_per_mb)
         cut = int(np.searchsorted(item_row, keep_rows, side="left"))
         dropped = samples[cut:]
@@ -86,7 +114,7 @@ def fix_tail_packed(samples: np.ndarray, start: np.ndarray, length: np.ndarray, 
         item_row = np.cumsum(flag) - 1
         num_rows, target = int(flag.sum()), keep_mbs
         if len(samples) < target:
-            raise InputError(tail_message(len(samples), target, dp, grad_accum, "packed samples"))
+            raise InputError(tail_message(len(samples), target, dp, grad_accum, "packed samples", remedies))
     while num_rows < target:  # split the fullest rows in two
         row_off = np.searchsorted(item_row, np.arange(num_rows + 1), side="left")
         cnt = np.diff(row_off)

@@ -1,11 +1,15 @@
 """``varlen plan --mix name1=DIR1:w1,name2=DIR2:w2,...``: one plan over several metrics directories.
 
 Each source's samples enter every epoch ``floor(w)`` times, plus a seeded subset of
-``round(frac(w) x n)`` of them (the same subset in every epoch): weight 2 = every sample twice per
-epoch, 0.5 = a seeded half. The planner then runs unchanged on these *virtual rows* (one per copy);
-the plan's ``sample_ids`` hold each source's own sample ids and the ``source`` list column the index
-of the source (into the metadata's ``mixture.sources``). With ``--order curriculum``/``reverse`` the
-virtual rows are ordered by difficulty over the union (ties by source, then sample id).
+``round(frac(w) x n)`` of them (the same subset in every epoch; :func:`varlen_cli.plan_checks.mixture_copies`):
+weight 2 = every sample twice per epoch, 0.5 = a seeded half. The planner then runs unchanged on these
+*virtual rows* (one per copy, :class:`~varlen_cli.plan.pipeline.Rows` with a ``source``); the plan's
+``sample_ids`` hold each source's own sample ids and the ``source`` list column the index of the
+source (into the metadata's ``mixture.sources``). With ``--order curriculum``/``reverse`` the
+virtual rows are ordered by difficulty over the union (ties by source, then sample id). Every other
+option works as without ``--mix`` (``--split-long`` cuts every copy alike; ``--drop-long`` and
+``--tail drop`` list each dropped copy with its source); ``varlen replan`` and ``--extend`` rebuild
+the same virtual rows from the metadata (:func:`rows_of`).
 """
 
 from __future__ import annotations
@@ -18,12 +22,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import UsageError
-from ..runtime import safety
-from .core import PlanConfig, PlanResult
+from ..errors import InputError, UsageError
+from ..plan_checks import mixture_extra
+from ..runtime import artifacts, safety
+from . import writer
+from .assemble import assemble_columns, finish
+from .config import PlanConfig, PlanResult, check
+from .cost_model import resolve_budget
+from .pipeline import Rows, check_plan_size, epoch_inputs, plan_epochs
+from .reader import read_input
 
 _ENTRY = re.compile(r"(?P<name>[A-Za-z0-9_.-]+)=(?P<dir>.+):(?P<weight>[^:]+)")
-_MIX_SEED = 0x6D6978  # seed stream of the fractional subsets ("mix")
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,26 @@ def parse_mix(spec: str) -> list[Source]:
     return sources
 
 
+def copies_per_epoch(n: int, weight: float) -> int:
+    """Virtual rows of a source of ``n`` samples per epoch (Python ints: no overflow for huge weights)."""
+    whole = int(weight // 1)
+    return whole * int(n) + int(round((weight - whole) * n))
+
+
+def _check_size(c: PlanConfig, sources: list[Source]) -> None:
+    """The mixture's size from the manifests, before anything is read: one line instead of a
+    MemoryError for a huge weight."""
+    total = 0
+    for s in sources:
+        manifest = artifacts.read_manifest(s.path, what="metrics or sorted directory",
+                                           hint="create one with `varlen analyze` (and `varlen sort` for curriculum "
+                                                "order)")
+        total += copies_per_epoch(sum(int(p["rows"]) for p in manifest.get("parts", [])), s.weight)
+    if total >= 1 << 31:
+        raise UsageError(f"--mix makes {total:,} samples per epoch, more than a plan holds (2^31); lower the weights")
+    check_plan_size(total, c.epochs, c.packing, f"{total:,} samples of the mixture")
+
+
 def _difficulty(path: str, manifest: dict) -> np.ndarray:
     import pyarrow.parquet as pq
 
@@ -62,97 +91,105 @@ def _difficulty(path: str, manifest: dict) -> np.ndarray:
     return np.concatenate(parts).astype(np.float64) if parts else np.zeros(0)
 
 
-def _copies(n: int, weight: float, seed: int, index: int) -> np.ndarray:
-    """Positions of one source's virtual rows: ``floor(w)`` full copies plus a seeded subset."""
+def _positions(sample_id: np.ndarray, weight: float, seed: int, index: int) -> np.ndarray:
+    """Row positions of one source's virtual rows: ``floor(w)`` full copies, then the rows of the
+    seeded subset of sample ids (:func:`~varlen_cli.plan_checks.mixture_extra`; a sorted source's rows
+    are not in id order)."""
+    n = len(sample_id)
     whole = int(np.floor(weight))
-    extra_n = int(round((weight - whole) * n))
-    extra = np.sort(np.random.default_rng([seed, _MIX_SEED, index]).choice(n, extra_n, replace=False))
+    extra = mixture_extra(n, weight, seed, index)
+    if len(extra) and not (int(sample_id[0]) == 0 and bool(np.all(sample_id[1:] > sample_id[:-1]))):
+        row_of = np.empty(n, np.int64)
+        row_of[sample_id] = np.arange(n)
+        extra = np.sort(row_of[extra])
     return np.concatenate([np.tile(np.arange(n, dtype=np.int64), whole), extra.astype(np.int64)])
 
 
-@dataclass
-class VirtualRows:
-    source: np.ndarray  # int32 per virtual row
-    sample_id: np.ndarray  # the source's own sample id
-    length: np.ndarray
-    info: list  # per source: metadata entry
-
-
-def virtual_rows(c: PlanConfig, sources: list[Source]) -> VirtualRows:
-    """The union of the sources' samples, each repeated by its weight; in curriculum order if asked."""
-    from . import core
-
-    src, ids, lens, diff, info = [], [], [], [], []
+def virtual_rows(c: PlanConfig, sources: list[Source],
+                 recorded: list[dict] | None = None) -> tuple[Rows, list[dict], list[dict]]:
+    """The union of the sources' samples, each repeated by its weight; in curriculum order if asked.
+    Returns the rows, the metadata entry of each source and each source's manifest. ``recorded``:
+    the entries a replan's parent recorded (each source must still be the one planned)."""
+    src, ids, lens, diff, info, manifests = [], [], [], [], [], []
     for k, s in enumerate(sources):
-        manifest, sample_id, length = core.read_input(s.path, c.allow_stale)
-        pos = _copies(len(sample_id), s.weight, c.seed, k)
+        manifest, sample_id, length = read_input(s.path, c.allow_stale)
+        if recorded is not None:
+            _same_source(s, recorded[k], manifest, len(sample_id))
+        pos = _positions(sample_id, s.weight, c.seed, k)
         src.append(np.full(len(pos), k, np.int32))
         ids.append(sample_id[pos])
         lens.append(length[pos])
         if c.order in ("curriculum", "reverse"):
             diff.append(_difficulty(s.path, manifest)[pos])
-        info.append({"name": s.name, "path": os.path.abspath(s.path), "weight": s.weight,
+        out_dir = os.path.dirname(os.path.abspath(c.output))
+        info.append({"name": s.name, "path": os.path.abspath(s.path),
+                     "relative_path": os.path.relpath(os.path.abspath(s.path), out_dir), "weight": s.weight,
                      "num_rows": int(len(sample_id)), "artifact_id": manifest.get("artifact_id"),
                      "dataset_digest": (manifest.get("dataset") or {}).get("digest"),
                      "samples_per_epoch": int(len(pos))})
-    rows = VirtualRows(np.concatenate(src), np.concatenate(ids), np.concatenate(lens), info)
+        manifests.append(manifest)
+    rows = Rows(np.concatenate(ids), np.concatenate(lens), np.concatenate(src))
     if diff:  # curriculum over the union: difficulty, then source, then sample id
         order = np.lexsort((rows.sample_id, rows.source, np.concatenate(diff)))
-        rows = VirtualRows(rows.source[order], rows.sample_id[order], rows.length[order], info)
-    return rows
+        rows = Rows(rows.sample_id[order], rows.length[order], rows.source[order])
+    return rows, info, manifests
+
+
+def _same_source(s: Source, recorded: dict, manifest: dict, num_rows: int) -> None:
+    if int(recorded.get("num_rows", -1)) != num_rows or (recorded.get("artifact_id") and
+                                                          recorded["artifact_id"] != manifest.get("artifact_id")):
+        raise InputError(f"source {s.name!r} ({s.path}) changed since the plan was made: it has {num_rows:,} samples "
+                         f"(artifact {manifest.get('artifact_id')}), the plan was made for "
+                         f"{int(recorded.get('num_rows', -1)):,} (artifact {recorded.get('artifact_id')})")
 
 
 def plan_mixture(config: PlanConfig) -> PlanResult:
     """``varlen plan --mix``: plan the virtual rows of the sources with the ordinary planner."""
-    from . import core
-    from .shapes import Budget
-
     t0 = time.perf_counter()
     if config.input:
         raise UsageError("--mix names the directories itself: give no INPUT_DIR")
     sources = parse_mix(config.mix)
-    if config.split_long:
-        raise UsageError("--split-long cannot be combined with --mix (a sample's chunks must be told apart from "
-                         "its copies)")
     c = dataclasses.replace(config, input=sources[0].path)
-    core.check(c)
+    check(c)
     safety.check_no_overlap(c.output, [s.path for s in sources])
-    core.writer.check_output(c.output, c.overwrite)
-    rows = virtual_rows(c, sources)
-    vid = np.arange(len(rows.length), dtype=np.int64)  # the planner's ids: virtual rows
-    budget = Budget(c.max_tokens, c.max_samples, float(c.attention_cost))
-    inputs, long_pos = core.epoch_inputs(c, vid, rows.length, budget)
-    epochs, fixed_batch = core.plan_epochs(c, inputs)
-    tokens = [np.bincount(rows.source[ep.mb.samples], weights=rows.length[ep.mb.samples],
-                          minlength=len(sources)).astype(np.int64) for ep in epochs]
-    for k, entry in enumerate(rows.info):
-        entry["tokens_per_epoch"] = [int(t[k]) for t in tokens]
-    source = np.concatenate([rows.source[ep.mb.samples] for ep in epochs])
-    cols, items = core.assemble_columns(c, rows.sample_id, rows.length, epochs, inputs.slots)
-    items["source"] = source
-    mixture = {"sources": rows.info, "seed": c.seed}
+    writer.check_output(c.output, c.overwrite)
+    _check_size(c, sources)
+    budget = resolve_budget(c)
+    rows, info, _ = virtual_rows(c, sources)
+    inputs, long_pos = epoch_inputs(c, rows, budget)
+    epochs, fixed_batch = plan_epochs(c, inputs)
+    return finish_mixture(c, artifacts.config_dict(config), rows, info, epochs, inputs, long_pos, fixed_batch, t0)
+
+
+def finish_mixture(c: PlanConfig, config_record: dict, rows: Rows, info: list[dict], epochs: list, inputs,
+                   long_pos: np.ndarray, fixed_batch, t0: float, lineage: dict | None = None) -> PlanResult:
+    """Columns, metadata (``mixture``: the sources, their tokens per epoch) and the written plan."""
+    tokens = [np.bincount(rows.source[ep.mb.samples], weights=ep.mb.item_length if c.packing else
+                          rows.length[ep.mb.samples], minlength=len(info)).astype(np.int64) for ep in epochs]
+    info = [{**entry, "tokens_per_epoch": [int(t[k]) for t in tokens]} for k, entry in enumerate(info)]
+    cols, items = assemble_columns(c, rows, epochs, inputs.slots)
+    mixture = {"sources": info, "seed": c.seed}
     input_info = {"path": None, "kind": "mixture", "artifact_id": None, "num_rows": None, "dataset_digest": None}
-    result = core.finish(c, {}, rows.sample_id, epochs, cols, items, long_pos, inputs, fixed_batch, t0,
-                          extra_metadata={"mixture": mixture, "input": input_info,
-                                          "config": {**core.artifacts.config_dict(config)}})
-    result.stats["tokens_per_source_per_epoch"] = {e["name"]: e["tokens_per_epoch"] for e in rows.info}
+    extra = {"mixture": mixture, **({"lineage": lineage} if lineage is not None else {})}
+    result = finish(c, rows, epochs, cols, items, long_pos, inputs, fixed_batch, t0,
+                    source={"input": input_info, "config": config_record}, extra_metadata=extra)
+    result.stats["tokens_per_source_per_epoch"] = {e["name"]: e["tokens_per_epoch"] for e in info}
     return result
 
 
-def coverage_problems(ids: np.ndarray, source: np.ndarray, epoch: np.ndarray, meta: dict) -> list[str]:
-    """``varlen validate`` of a mixture plan: per epoch and source, every sample ``floor(w)`` or
-    ``ceil(w)`` times and the source's recorded ``samples_per_epoch`` in all."""
-    problems = []
-    for k, entry in enumerate(meta["mixture"]["sources"]):
-        n, w = int(entry["num_rows"]), float(entry["weight"])
-        mine = source == k
-        if mine.any() and (ids[mine].min() < 0 or ids[mine].max() >= n):
-            problems.append(f"source {entry['name']!r} has sample ids outside 0..{n - 1}")
-            continue
-        for e in range(int(meta["epochs"])):
-            sel = mine & (epoch == e)
-            counts = np.bincount(ids[sel], minlength=n)
-            if counts.min() < np.floor(w) or counts.max() > np.ceil(w) or sel.sum() != entry["samples_per_epoch"]:
-                problems.append(f"source {entry['name']!r} epoch {e}: {int(sel.sum())} samples, expected "
-                                f"{entry['samples_per_epoch']} with each sample {w:g} times")
-    return problems
+def recorded_sources(meta: dict, plan_path: str) -> list[Source]:
+    """A mixture plan's sources as it recorded them (a moved source found beside the plan, as the input is)."""
+    out = []
+    for entry in meta["mixture"]["sources"]:
+        path, relative = entry.get("path"), entry.get("relative_path")
+        if not (path and os.path.exists(path)) and relative:
+            moved = os.path.join(os.path.dirname(os.path.abspath(plan_path)), relative)
+            path = moved if os.path.exists(moved) else path
+        out.append(Source(entry["name"], path, float(entry["weight"])))
+    return out
+
+
+def rows_of(c: PlanConfig, meta: dict, plan_path: str) -> tuple[Rows, list[dict]]:
+    """The virtual rows a mixture plan was made from (for ``varlen replan`` and ``--extend``)."""
+    rows, info, _ = virtual_rows(c, recorded_sources(meta, plan_path), meta["mixture"]["sources"])
+    return rows, info

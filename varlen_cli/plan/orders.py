@@ -19,17 +19,16 @@ changes the plan for a given seed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 
+from ..budget import Budget
 from ..errors import InputError
 from . import balance, batching, layout
 from .batching import Microbatches
-from .shapes import Budget, ShapeMap
-
-if TYPE_CHECKING:
-    from .core import PlanConfig
+from .config import PlanConfig
+from .shapes import ShapeMap
 
 CURRICULAR = ("curriculum", "reverse")
 
@@ -46,6 +45,7 @@ class EpochInputs:
     ordered: np.ndarray | None  # curriculum/reverse: input positions in (reversed) sorted order, long ones removed
     canon: np.ndarray  # input positions in increasing sample_id, long ones removed
     rows_per_mb: int | None = None  # packing only
+    remedies: layout.Remedies = layout.PLAN_REMEDIES  # what refusals suggest (plan or replan)
 
 
 @dataclass
@@ -79,7 +79,7 @@ def _finish_padded(inputs: EpochInputs, mb: Microbatches, mode: str, rng: np.ran
         return batching.finalize_padded(samples, offsets, length, shape, budget, c.static_shapes, fixed_batch,
                                         lens=lens if same else None, padded=padded if same else None)
 
-    mb, dropped = layout.fix_tail_padded(mb, inputs.slots, c.dp, c.grad_accum, c.tail, refinalize)
+    mb, dropped = layout.fix_tail_padded(mb, inputs.slots, c.dp, c.grad_accum, c.tail, refinalize, inputs.remedies)
     if mode == "bucket-shuffle":
         cost = np.asarray(budget.cost(mb.batch_size, mb.seqlen), dtype=np.float64)
         # the samples move once, with the layout's order (plan_epochs takes the final order)
@@ -157,7 +157,8 @@ class SameShapeFormer:
         seq = inputs.ordered if mode in CURRICULAR else inputs.canon[rng.permutation(len(inputs.canon))]
         mb, dropped = batching.form_same_shape(seq, length, inputs.shape, inputs.budget, c.static_shapes, slots)
         if len(dropped) and c.tail != "drop":
-            raise InputError(layout.tail_message(len(seq), mb.count + slots, c.dp, c.grad_accum))
+            raise InputError(layout.tail_message(len(seq), mb.count + slots, c.dp, c.grad_accum,
+                                                 remedies=inputs.remedies))
         if mb.count == 0:
             raise InputError(f"{len(seq):,} samples are fewer than the {slots:,} microbatches of one step "
                              "(dp x grad-accum); lower --dp/--grad-accum")
@@ -187,9 +188,9 @@ class PackingFormer:
                  seed=int(rng.integers(1 << 62)), split_long=c.split_long)
         mb, dropped = layout.fix_tail_packed(seq[p.item_sample], p.item_start, p.item_length, p.item_row,
                                              p.num_rows, inputs.rows_per_mb, c.seq_len, inputs.slots, c.dp,
-                                             c.grad_accum, c.tail)
+                                             c.grad_accum, c.tail, inputs.remedies)
         if inputs.budget.attention_cost > 0:  # rows dealt so microbatches of a step cost alike (balance.py)
-            mb = balance.balance_rows(mb, inputs.budget.attention_cost, c.dp, c.grad_accum,
+            mb = balance.balance_rows(mb, inputs.budget, c.dp, c.grad_accum,
                                       keep_order=mode in CURRICULAR, rng=rng)
             return Formed(mb, dropped, p.stats(), ranked=True)
         return Formed(mb, dropped, p.stats())

@@ -1,68 +1,16 @@
-"""Budgets and padded shapes: what a microbatch of B samples at seqlen T costs, which T a length
-pads to (``--pad-multiple``, ``--num-shapes``), and padding-minimising bucket edges."""
+"""Padded shapes: which T a length pads to (``--pad-multiple``, ``--num-shapes``), and
+padding-minimising bucket edges. What a microbatch costs is :class:`varlen_cli.budget.Budget`
+(re-exported here)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
+from ..budget import Budget
+
+__all__ = ["Budget", "ShapeMap", "choose_edges", "dense_ids", "pair_ids", "value_counts"]
+
 MAX_CANDIDATES = 1024  # distinct seqlen candidates the bucket-edge DP considers (quantiles beyond)
-
-
-@dataclass(frozen=True)
-class Budget:
-    """Cost of a padded microbatch: ``B*T`` (+ ``A*B*T^2`` with ``--attention-cost A``), bounded by
-    ``max_tokens``; ``max_samples`` caps B."""
-
-    max_tokens: int | None
-    max_samples: int | None = None
-    attention_cost: float = 0.0
-
-    def cost(self, batch, seqlen) -> np.ndarray:
-        b = np.asarray(batch, dtype=np.int64)
-        t = np.asarray(seqlen, dtype=np.int64)
-        if self.attention_cost:
-            bf, tf = b.astype(np.float64), t.astype(np.float64)
-            return bf * tf + self.attention_cost * bf * tf * tf
-        return b * t
-
-    def fits(self, batch, seqlen) -> np.ndarray:
-        if self.max_tokens is None:
-            ok = np.ones(np.broadcast(np.asarray(batch), np.asarray(seqlen)).shape, dtype=bool)
-        else:
-            ok = self.cost(batch, seqlen) <= self.max_tokens
-        if self.max_samples is not None:
-            ok &= np.asarray(batch) <= self.max_samples
-        return ok
-
-    def cap(self, seqlen) -> np.ndarray:
-        """The most samples a microbatch of seqlen T may hold (0: not even one fits)."""
-        t = np.asarray(seqlen)
-        if t.ndim == 1 and len(t) > 4096 and t.dtype.kind in "iu":
-            hi = int(t.max()) if len(t) else 0
-            if 0 <= int(t.min()) and hi <= max(1 << 20, len(t) // 4):
-                table = self._cap(np.arange(hi + 1, dtype=np.int64))  # a table: one division per T
-                if int(table.max()) < 1 << 31:  # int32 result: 4 bytes a sample
-                    table = table.astype(np.int32)
-                return table[t]
-        return self._cap(t.astype(np.int64, copy=False))
-
-    def _cap(self, t: np.ndarray) -> np.ndarray:
-        if self.max_tokens is None:
-            c = np.full(t.shape, np.iinfo(np.int64).max // 4, dtype=np.int64)
-        elif self.attention_cost:
-            tf = np.maximum(t, 1).astype(np.float64)
-            c = np.floor(self.max_tokens / (tf + self.attention_cost * tf * tf)).astype(np.int64)
-            c = np.maximum(c, 0)
-            # float rounding: step down where the exact check fails, up where one more still fits
-            c -= (self.cost(c, t) > self.max_tokens) & (c > 0)
-            c += self.cost(c + 1, t) <= self.max_tokens
-        else:
-            c = self.max_tokens // np.maximum(t, 1)
-        if self.max_samples is not None:
-            c = np.minimum(c, self.max_samples)
-        return c
 
 
 class ShapeMap:

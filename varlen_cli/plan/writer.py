@@ -22,13 +22,9 @@ def rows_per_group(slots: int) -> int:
     return slots * max(1, ROW_GROUP_TARGET // slots)
 
 
-def plan_metadata(metadata: dict, packed: bool) -> dict:
-    """``metadata`` with the keys the format owns filled in: format name and version, and the
-    straggler cost (the planner's budget cost, or tokens for packed plans) unless already there."""
-    budget = metadata.get("budget") or {}
-    owned = {"format": format.PLAN_FORMAT, "format_version": format.PLAN_FORMAT_VERSION,
-             format.STRAGGLER_COST_KEY: format.straggler_cost(packed, budget.get("attention_cost") or 0.0)}
-    return {**owned, **metadata}
+def plan_metadata(metadata: dict) -> dict:
+    """``metadata`` with the keys the format owns filled in: format name and version."""
+    return {"format": format.PLAN_FORMAT, "format_version": format.PLAN_FORMAT_VERSION, **metadata}
 
 
 def check_output(path: str, overwrite: bool) -> None:
@@ -41,7 +37,7 @@ def write_plan(path: str, overwrite: bool, cols: dict, offsets: np.ndarray, item
     """``cols``: per-row numpy arrays; ``offsets`` (rows + 1) and ``items`` (``sample_ids`` and, for
     packed plans, ``sample_lengths``/``sample_rows``/``sample_starts``) the list columns as CSR."""
     packed = "sample_lengths" in items
-    schema = format.plan_schema(packed, plan_metadata(metadata, packed), mixture="source" in items)
+    schema = format.plan_schema(packed, plan_metadata(metadata), mixture="source" in items)
     n = len(offsets) - 1
     group = rows_per_group(slots)
     types = {f.name: f.type for f in schema}

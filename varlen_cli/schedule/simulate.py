@@ -39,7 +39,7 @@ class PlanCosts:
     path: str
     dp: int
     grad_accum: int
-    cost: np.ndarray  # forward time of one stage: B*T + A*B*T^2
+    cost: np.ndarray  # forward time of one stage: B*T + A*B*T^2 (varlen_cli.budget.padded_cost)
     tokens: np.ndarray  # padded tokens B*T: the activations of one stage
 
     @property
@@ -105,6 +105,7 @@ def read_plan_costs(path: str, attention_cost: float = 0.0) -> PlanCosts:
     """The plan's per-microbatch costs; a one-line :class:`InputError` for anything not a plan
     (the checks of :mod:`varlen_cli.format`, the one definition of the plan format)."""
     from .. import format
+    from ..budget import COST_LIMIT, padded_cost
 
     try:
         pf, meta = format.open_plan_file(path)
@@ -130,7 +131,13 @@ def read_plan_costs(path: str, attention_cost: float = 0.0) -> PlanCosts:
     if np.any(b * t <= 0):
         raise InputError(f"{path} has a microbatch with batch_size x seqlen <= 0")
     tokens = b * t
-    cost = tokens + attention_cost * tokens * t
+    cost = np.asarray(padded_cost(b, t, attention_cost), dtype=np.float64)  # the one cost formula
+    worst = float(cost.max()) if len(cost) else 0.0
+    if not worst <= COST_LIMIT:
+        big = int(np.argmax(cost))
+        raise UsageError(f"--attention-cost {attention_cost:g} is too large: microbatch {int(b[big])} x {int(t[big])} "
+                         f"would cost {worst:.3g}, beyond what float64 sums over a plan hold (A is per squared "
+                         "token; realistic values are below 1e-3)")
     return PlanCosts(path=path, dp=dp, grad_accum=accum, cost=cost.reshape(steps, per_step),
                      tokens=tokens.reshape(steps, per_step))
 

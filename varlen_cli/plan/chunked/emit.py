@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from ... import format
-from ...errors import OutputError
+from ...errors import InternalConsistencyError, OutputError
+from ...plan_checks import PlanArrays, PlanChecks
 from .. import batching, writer
 from .epoch import EpochRows
 from .finish import Finished, row_positions
@@ -95,11 +96,11 @@ def write(path: str, overwrite: bool, epochs: list[EpochRows], fin: Finished, re
 
     from ..arrow_io import list_array, to_arrow
 
-    schema = format.plan_schema(packed, writer.plan_metadata(fin.metadata, packed))
+    schema = format.plan_schema(packed, writer.plan_metadata(fin.metadata))
     types = {f.name: f.type for f in schema}
     slots = dp * grad_accum
     group = writer.rows_per_group(slots)
-    names = ("ids", "item_length", "item_start") if packed else ("ids",)
+    names = ("ids", "sample_length", "item_length", "item_start") if packed else ("ids", "sample_length")
     starts = np.concatenate([[0], np.cumsum([ep.count for ep in epochs])])
     total = int(starts[-1])
     from concurrent.futures import ThreadPoolExecutor
@@ -110,6 +111,7 @@ def write(path: str, overwrite: bool, epochs: list[EpochRows], fin: Finished, re
     bounds = list(range(0, max(total, 1), group))
     # one thread reads and gathers the next row group while this one is encoded (pyarrow and the
     # reads release the GIL: the two overlap on two cores)
+    checks = PlanChecks(fin.metadata, lengths=True)  # the plan's own check, row group by row group
     try:
         with pq.ParquetWriter(tmp_path, schema, **writer.parquet_options(schema)) as w, \
                 ThreadPoolExecutor(1) as pool:
@@ -118,6 +120,9 @@ def write(path: str, overwrite: bool, epochs: list[EpochRows], fin: Finished, re
                 cols, items, offsets = pending.result()
                 if i + 1 < len(bounds):
                     pending = pool.submit(prepare, bounds[i + 1])
+                checks.update(PlanArrays(cols, offsets, items["sample_ids"], items.get("sample_lengths"),
+                                         items.get("sample_rows"), items.get("sample_starts"), None,
+                                         items.pop("sample_length"), first_row=bounds[i]))
                 local = offsets.astype(np.int32)
                 arrays = []
                 for name in schema.names:
@@ -128,6 +133,10 @@ def write(path: str, overwrite: bool, epochs: list[EpochRows], fin: Finished, re
                 w.write_table(pa.Table.from_arrays(arrays, schema=schema))
     except OSError as exc:
         raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
+    bad = [check for check in checks.results() if not check.ok]
+    if bad:
+        raise InternalConsistencyError("the plan fails its own check: " + "; ".join(f"{x.name}: {x.detail}"
+                                                                                  for x in bad))
 
 
 def _group(epochs, fin: Finished, readers, names, starts, lo: int, hi: int, dp: int, grad_accum: int, packed: bool):
@@ -150,7 +159,7 @@ def _group(epochs, fin: Finished, readers, names, starts, lo: int, hi: int, dp: 
                 "step_tokens": fin.step_tokens[gstep], "step_loss_tokens": fin.step_loss_tokens[gstep]}
         got, _ = GroupItems(readers[e], names + (("item_row",) if packed and ep.item_rows else ())).read(
             ep.column("chunk", lo_e, hi_e), ep.column("item_lo", lo_e, hi_e), count)
-        items = {"sample_ids": got["ids"]}
+        items = {"sample_ids": got["ids"], "sample_length": got["sample_length"].astype(np.int64)}
         if packed:
             items["sample_lengths"] = got["item_length"]
             items["sample_starts"] = got["item_start"]

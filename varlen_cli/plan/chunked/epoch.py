@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ... import format
+from ...budget import segment_sum_squares
 from .. import batching, layout
 from ..batching import Microbatches
 from ..orders import CURRICULAR
@@ -114,7 +114,6 @@ class EpochRows:
     item_rows: bool = False  # the chunk files hold each item's row inside its microbatch
     rows: Units | None = None  # packed microbatches of R > 1 chunk rows: the rows (row_lo/rows index them)
     row_seq_start: np.ndarray | None = None  # first sequence position of each chunk's rows
-    cost_spec: dict | None = None
     budget: object = None
 
     @property
@@ -125,15 +124,16 @@ class EpochRows:
         """Column ``name`` of plan rows ``[lo, hi)`` (``cost``: the microbatch's cost)."""
         idx = self.order[lo:hi]
         if name == "cost":
-            return _cost_of(self.units, idx, self.cost_spec, self.budget)
+            return _cost_of(self.units, idx, self.budget)
         return self.units.take(name, idx)
 
 
-def _cost_of(units: Units, idx: np.ndarray, spec: dict, budget) -> np.ndarray:
-    if spec["kind"] == "padded":  # Budget.cost, the planner's own formula
+def _cost_of(units: Units, idx: np.ndarray, budget) -> np.ndarray:
+    """The cost ranks are balanced on (``Budget.microbatch_cost``), of the units ``idx``."""
+    if not budget.packed:
         return np.asarray(budget.cost(units.take("batch", idx), units.take("seqlen", idx)), dtype=np.float64)
-    sumsq = units.take("sumsq", idx) if format.needs_segment_lengths(spec) else None
-    return format.microbatch_cost(spec, units.take("tokens", idx), None, None, sumsq)
+    sumsq = units.take("sumsq", idx) if budget.needs_segment_lengths else None
+    return budget.microbatch_cost(units.take("tokens", idx), None, None, sumsq)
 
 
 def _concat(tables: list, columns, const: dict | None = None) -> tuple[Units, np.ndarray]:
@@ -233,13 +233,12 @@ def _padded_refinalize(ctx: PlanContext):
 def _row_refinalize(lengths, offsets, extras):
     final = extras["final"]
     tokens = batching.segment_sum(lengths, offsets).astype(np.int64)
-    parent = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
     lost = (tokens - batching.segment_sum(extras["target"], offsets) if "target" in extras
             else batching.segment_sum(((lengths > 0) & final).astype(np.int32), offsets))
     return {"count": np.diff(offsets).astype(np.int32), "tokens": tokens,
             "completed": batching.segment_sum(final.astype(np.int32), offsets).astype(np.int32),
             "lost": lost.astype(np.int32),
-            "sumsq": format.segment_sum_squares(lengths, parent, len(offsets) - 1)}
+            "sumsq": segment_sum_squares(lengths, offsets)}
 
 
 def _padded_units(tables: list, ctx: PlanContext, unit_level: bool) -> tuple[Units, dict | None]:
@@ -248,7 +247,8 @@ def _padded_units(tables: list, ctx: PlanContext, unit_level: bool) -> tuple[Uni
     dropped = None
     if unit_level:
         counts = units.cols["count"]
-        fix = tail.fix(counts, tables, start, ctx.slots, ctx.dp, ctx.grad_accum, ctx.tail, _padded_refinalize(ctx))
+        fix = tail.fix(counts, tables, start, ctx.slots, ctx.dp, ctx.grad_accum, ctx.tail, _padded_refinalize(ctx),
+                       remedies=ctx.remedies)
         if len(fix.dropped):
             dropped = {name: units.take(name, fix.dropped) for name in ("chunk", "item_lo", "count")}
         units.apply(fix)
@@ -276,7 +276,7 @@ def _packed_rows_to_microbatches(tables: list, ctx: PlanContext) -> tuple[Units,
     if left:  # fewer rows than microbatches: split the fullest rows
         before = rows.per_chunk.copy()
         rows.apply(tail.fix(rows.cols["count"], tables, start, ctx.slots, ctx.dp, ctx.grad_accum, ctx.tail,
-                            _row_refinalize, "packed samples", extra=left))
+                            _row_refinalize, "packed samples", extra=left, remedies=ctx.remedies))
         mbs += rows.per_chunk - before
     rows.const.update(seqlen=int(ctx.seq_len), batch=r)
     if r == 1:  # a microbatch is a row
@@ -331,10 +331,8 @@ def lay_out(tables: list, ctx: PlanContext, mode: str, rng: np.random.Generator,
         units, _ = _concat(tables, ("count", "seqlen", "batch", "tokens", "completed", "lost", "rows", "sumsq"))
     else:
         units, dropped = _padded_units(tables, ctx, level == "unit")
-    spec = format.straggler_cost(bool(ctx.packing), ctx.budget.attention_cost)
-
     def cost_of(idx):
-        return _cost_of(units, idx, spec, ctx.budget)
+        return _cost_of(units, idx, ctx.budget)
 
     if level == "epoch":
         seq = units.ids(np.arange(len(units), dtype=_index_dtype(len(units))))
@@ -347,7 +345,7 @@ def lay_out(tables: list, ctx: PlanContext, mode: str, rng: np.random.Generator,
     tail_ids = np.concatenate([np.asarray(t.tail_ids, np.int64) for t in tables])
     return EpochRows(mode, units, order, *lay_info, tail_ids=tail_ids, dropped_units=dropped,
                      item_rows=ctx.packing and level != "unit", rows=rows, row_seq_start=row_seq_start,
-                     cost_spec=spec, budget=ctx.budget)
+                     budget=ctx.budget)
 
 
 def _ranks(units: Units, seq: np.ndarray, cost_of, ctx: PlanContext, ranked: bool, warmup: bool, schedule,

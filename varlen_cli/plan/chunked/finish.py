@@ -124,11 +124,35 @@ def _packing_info(c, ctx: PlanContext, epochs: list[EpochRows], packing_stats: l
             "samples_per_row_max": int(max(p["samples_per_row_max"] for p in packing_stats))}
 
 
+@dataclass
+class _Dropped:
+    """Samples the plan leaves out (``assemble.Dropped``'s entries, from sample ids): too long (every
+    epoch) or dropped by ``--tail drop`` (per epoch)."""
+
+    long_ids: np.ndarray
+    tail_ids: list
+    epochs: int
+
+    @property
+    def tail_count(self) -> int:
+        return int(sum(len(x) for x in self.tail_ids))
+
+    def all_ids(self) -> np.ndarray:
+        return np.unique(np.concatenate([self.long_ids] + self.tail_ids)) if len(self.long_ids) or self.tail_count \
+            else np.zeros(0, np.int64)
+
+    def to_dict(self, all_ids: np.ndarray) -> dict:
+        return {"count": len(self.long_ids) * self.epochs + self.tail_count,
+                "reason": {"too_long": len(self.long_ids) * self.epochs, "tail": self.tail_count},
+                "sample_ids": all_ids.tolist(), "too_long_ids": self.long_ids.tolist(),
+                "tail": [{"epoch": e, "sample_ids": ids.tolist()} for e, ids in enumerate(self.tail_ids) if len(ids)]}
+
+
 def finish(c, ctx: PlanContext, manifest: dict, num_rows: int, epochs: list[EpochRows], *, long_ids: np.ndarray,
            num_long: int, packing_stats: list[dict], fixed_batch: int | None, t0: float,
            trained_only: bool = False) -> Finished:
-    """Step columns, LR, shapes, statistics and metadata (``core.finish``'s, epoch by epoch)."""
-    from ..core import Dropped, build_metadata
+    """Step columns, LR, shapes, statistics and metadata (``assemble.finish``'s, epoch by epoch)."""
+    from ..assemble import build_metadata, input_info, memory_entry
 
     slots = ctx.slots
     step_start = list(np.concatenate([[0], np.cumsum([ep.count // slots for ep in epochs])]).astype(int))
@@ -147,7 +171,7 @@ def finish(c, ctx: PlanContext, manifest: dict, num_rows: int, epochs: list[Epoc
     strag, overhead = _straggler(epochs, c.dp, c.grad_accum)
     tail_ids = [np.asarray(ep.tail_ids, np.int64) for ep in epochs]
     listed = num_long <= LIST_LIMIT  # more are counted, not listed: the rule that drops them is recorded
-    dropped = Dropped(np.asarray(long_ids if listed else [], np.int64), tail_ids, c.epochs)
+    dropped = _Dropped(np.asarray(long_ids if listed else [], np.int64), tail_ids, c.epochs)
     dropped_all = dropped.all_ids()
     count = sum(ep.count for ep in epochs)
     tokens = int(step_tokens.sum())
@@ -178,9 +202,9 @@ def finish(c, ctx: PlanContext, manifest: dict, num_rows: int, epochs: list[Epoc
                             reason={"too_long": num_long * c.epochs, "tail": dropped.tail_count},
                             too_long_listed=False, too_long_count=int(num_long),
                             too_long_over=int(ctx.longest_fitting))
-    metadata = build_metadata(c, manifest, num_rows, adapters, num_steps=num_steps, num_microbatches=count,
-                              shapes=shapes, base_batch_size=base, inputs=inputs, fixed_batch=fixed_batch,
-                              packing=packing, dropped=dropped_meta, summary=summary)
+    metadata = build_metadata(c, adapters, source={"input": input_info(c, manifest, num_rows)}, num_steps=num_steps,
+                              num_microbatches=count, shapes=shapes, base_batch_size=base, inputs=inputs,
+                              fixed_batch=fixed_batch, packing=packing, dropped=dropped_meta, summary=summary)
     if trained_only:
         metadata["loss_tokens"] = "target_length"
     metadata["chunks"] = {"samples": int(c.chunk_samples), "count": None}
@@ -188,14 +212,12 @@ def finish(c, ctx: PlanContext, manifest: dict, num_rows: int, epochs: list[Epoc
         from ...schedule.order import combined_report
 
         metadata["schedule"] = combined_report(c.schedule, c.stages, [ep.schedule_order for ep in epochs])
-    if c.memory_profile is not None:
-        from ...memory.budget import plan_memory_metadata
-
+    if ctx.budget.memory is not None:
         b = np.concatenate([ep.column("batch").astype(np.int64) for ep in epochs])
         t = np.concatenate([ep.column("seqlen").astype(np.int64) for ep in epochs])
         sid = np.searchsorted(shape_keys, (b if fixed_b else np.zeros(len(t), np.int64)) << 32 | t)
         sumsq = np.concatenate([ep.column("sumsq") for ep in epochs]) if c.packing else None
-        metadata["memory"] = plan_memory_metadata(c, b, t, sid, len(shapes), bool(c.packing), sum_squares=sumsq)
+        metadata["memory"] = memory_entry(c, ctx.budget, b, t, sid, len(shapes), sum_squares=sumsq)
         summary["predicted_peak_max"] = metadata["memory"]["predicted_peak_max"]
     if len(dropped_all) > LIST_LIMIT:
         dropped_all = dropped_all[:LIST_LIMIT]

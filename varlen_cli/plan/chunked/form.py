@@ -25,11 +25,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ... import format
+from ...budget import Budget, segment_sum_squares
 from ...errors import InputError, UsageError
 from .. import balance, batching, layout
 from ..batching import Microbatches
+from ..layout import PLAN_REMEDIES, Remedies
 from ..orders import CURRICULAR, padded_lengths
-from ..shapes import Budget, ShapeMap
+from ..shapes import ShapeMap
 from .chunks import ChunkData
 
 PADDED_UNIT_COLUMNS = ("count", "seqlen", "batch", "tokens", "lost")
@@ -56,6 +58,7 @@ class PlanContext:
     tail: str
     longest_fitting: int  # samples longer than this fit no microbatch (packing: seq_len; split-long: no limit)
     fixed_batch: int | None = None  # random order: B of every microbatch (from the longest kept sample)
+    remedies: Remedies = PLAN_REMEDIES  # what refusals suggest
 
     @property
     def slots(self) -> int:
@@ -105,7 +108,7 @@ def _kept(chunk: ChunkData, ctx: PlanContext, mode: str) -> tuple[np.ndarray, np
     if mode in CURRICULAR or chunk.first_id is not None:
         seq = np.arange(chunk.n, dtype=np.int64)  # rows already in the epoch's order (chunks.ChunkSource)
     else:
-        from ..core import canonical_order
+        from ..reader import canonical_order
 
         seq = canonical_order(chunk.ids).astype(np.int64)
     if too_long.any():
@@ -119,10 +122,10 @@ def form_chunk(chunk: ChunkData, ctx: PlanContext, mode: str, epoch: int, rng: n
     chunk is the whole epoch (``config``: the plan's PlanConfig, for the single-process former)."""
     seq, too_long = _kept(chunk, ctx, mode)
     if whole:  # the whole input: its too-long samples are the plan's (the error before any forming)
-        from ..core import too_long_error
+        from ..pipeline import too_long_error
 
-        error = too_long_error(config, len(chunk.length) - len(seq), chunk.n, int(chunk.length.max()),
-                               int(chunk.length.min()))
+        error = too_long_error(config, ctx.budget, ctx.remedies, len(chunk.length) - len(seq), chunk.n,
+                               int(chunk.length.max()), int(chunk.length.min()))
         if error is not None:
             raise error
     if not len(seq):
@@ -148,12 +151,12 @@ def _empty(ctx: PlanContext, mode: str) -> ChunkUnits:
     """A chunk whose samples are all too long (phase 2 reports them, or they are dropped)."""
     if ctx.packing and ctx.level(mode) == "unit":
         cols = PACKED_ROW_COLUMNS
-        items = {"ids": np.zeros(0, np.int64), "item_length": np.zeros(0, np.int32),
-                 "item_start": np.zeros(0, np.int32)}
+        items = {"ids": np.zeros(0, np.int64), "sample_length": np.zeros(0, np.int32),
+                 "item_length": np.zeros(0, np.int32), "item_start": np.zeros(0, np.int32)}
     else:
         cols = PADDED_UNIT_COLUMNS if not ctx.packing else ("count", "seqlen", "batch", "tokens", "completed", "lost",
                                                              "rows", "sumsq")
-        items = {"ids": np.zeros(0, np.int64)}
+        items = {"ids": np.zeros(0, np.int64), "sample_length": np.zeros(0, np.int32)}
         if ctx.packing:
             items.update(item_length=np.zeros(0, np.int32), item_start=np.zeros(0, np.int32),
                          item_row=np.zeros(0, np.int32))
@@ -172,7 +175,8 @@ def _whole_epoch(chunk: ChunkData, ctx: PlanContext, mode: str, seq: np.ndarray,
     from ..orders import EpochInputs, Formers
 
     ordered = seq if mode in CURRICULAR else None
-    inputs = EpochInputs(config, chunk.length, ctx.shape, ctx.budget, ctx.slots, ordered, seq, ctx.rows_per_mb)
+    inputs = EpochInputs(config, chunk.length, ctx.shape, ctx.budget, ctx.slots, ordered, seq, ctx.rows_per_mb,
+                         ctx.remedies)
     formers = Formers()
     formed = formers.for_epoch(config, mode).form(inputs, mode, rng)
     mb = formed.mb
@@ -205,8 +209,7 @@ def _packed_mb_units(mb: Microbatches, length: np.ndarray, target: np.ndarray | 
                      else mb.tokens - batching.segment_sum(target[mb.samples], mb.offsets)).astype(np.int32),
             "rows": np.zeros(mb.count, np.int32) if empty else
             (batching.segment_max(mb.item_row, mb.offsets) + 1).astype(np.int32),
-            "sumsq": format.segment_sum_squares(mb.item_length, np.repeat(np.arange(mb.count), np.diff(mb.offsets)),
-                                                mb.count)}
+            "sumsq": segment_sum_squares(mb.item_length, mb.offsets)}
 
 
 # -- padded ----------------------------------------------------------------------------------------
@@ -229,11 +232,12 @@ def _padded(chunk: ChunkData, ctx: PlanContext, mode: str, seq: np.ndarray, rng)
 
 
 def _ids(chunk: ChunkData, positions: np.ndarray) -> tuple[dict, int | None]:
-    """The items' sample ids: the positions themselves (and the chunk's first id) when the chunk's
-    ids are a range, so no gather is needed."""
+    """The items' sample ids (the positions themselves, and the chunk's first id, when the chunk's ids
+    are a range: no gather) and whole sample lengths (for the plan's own check)."""
+    length = chunk.length[positions].astype(np.int32)
     if chunk.first_id is not None:
-        return {"ids": positions}, chunk.first_id
-    return {"ids": chunk.ids[positions]}, None
+        return {"ids": positions, "sample_length": length}, chunk.first_id
+    return {"ids": chunk.ids[positions], "sample_length": length}, None
 
 
 def _random(seq: np.ndarray, length: np.ndarray, ctx: PlanContext, rng) -> Microbatches:
@@ -307,7 +311,8 @@ def _same_shape(chunk: ChunkData, ctx: PlanContext, mode: str, seq: np.ndarray, 
     start = seq if mode in CURRICULAR else seq[rng.permutation(len(seq))]
     mb, dropped = batching.form_same_shape(start, length, ctx.shape, ctx.budget, ctx.static, slots)
     if len(dropped) and ctx.tail != "drop":
-        raise InputError(layout.tail_message(len(start), mb.count + slots, ctx.dp, ctx.grad_accum))
+        raise InputError(layout.tail_message(len(start), mb.count + slots, ctx.dp, ctx.grad_accum,
+                                             remedies=ctx.remedies))
     if mb.count == 0:
         raise InputError(f"{len(start):,} samples are fewer than the {slots:,} microbatches of one step "
                          "(dp x grad-accum); lower --dp/--grad-accum")
@@ -322,7 +327,7 @@ def _same_shape(chunk: ChunkData, ctx: PlanContext, mode: str, seq: np.ndarray, 
         step_order = rng.permutation(nsteps)
     mb = mb.take((step_order[:, None] * slots + np.arange(slots)[None, :]).reshape(-1))
     out = ChunkUnits(0, 0, "step", _padded_units(mb, length, target=chunk.target), mb.offsets,
-                     {"ids": chunk.ids[mb.samples]})
+                     *_ids(chunk, mb.samples))
     out.tail_ids = chunk.ids[dropped]
     return out
 
@@ -348,12 +353,12 @@ def _packed(chunk: ChunkData, ctx: PlanContext, mode: str, seq: np.ndarray, rng)
     units = {"count": np.diff(row_off).astype(np.int32), "tokens": tokens,
              "completed": batching.segment_sum(final.astype(np.int32), row_off).astype(np.int32),
              "lost": lost.astype(np.int32),
-             "sumsq": format.segment_sum_squares(p.item_length, p.item_row, p.num_rows)}
-    items = {"ids": chunk.ids[samples], "item_length": p.item_length.astype(np.int32),
-             "item_start": p.item_start.astype(np.int32), "final": final}
+             "sumsq": segment_sum_squares(p.item_length, row_off)}
+    items, id_base = _ids(chunk, samples)
+    items.update(item_length=p.item_length.astype(np.int32), item_start=p.item_start.astype(np.int32), final=final)
     if chunk.target is not None:
         items["target"] = chunk.target[samples]
-    out = ChunkUnits(0, 0, "unit", units, row_off, items, packing=info)
+    out = ChunkUnits(0, 0, "unit", units, row_off, items, id_base, packing=info)
     out.candidates = _packed_candidates(units, row_off, items, ctx)
     items.pop("final")
     items.pop("target", None)
@@ -382,8 +387,7 @@ def _packed_candidates(units: dict, row_off: np.ndarray, items: dict, ctx: PlanC
     out["half_completed"] = batching.segment_sum(final.astype(np.int32), h_off).astype(np.int32)
     out["half_lost"] = (batching.segment_sum(((length > 0) & final).astype(np.int32), h_off) if target is None
                         else out["half_tokens"] - batching.segment_sum(target, h_off)).astype(np.int32)
-    out["half_sumsq"] = format.segment_sum_squares(length, np.repeat(np.arange(len(h_off) - 1), np.diff(h_off)),
-                                                   len(h_off) - 1)
+    out["half_sumsq"] = segment_sum_squares(length, h_off)
     if complete:  # the rare multi-round tail needs every splittable row's items (phase 2)
         out.update(lengths=length.astype(np.int64), final=final, offsets=local.astype(np.int64))
         if target is not None:
@@ -395,12 +399,13 @@ def _packed_ranked(chunk: ChunkData, ctx: PlanContext, mode: str, p, samples: np
                    info: dict) -> ChunkUnits:
     """Attention-balanced packing: the chunk's rows spread over whole steps and dealt over rank-steps."""
     mb, dropped = layout.fix_tail_packed(samples, p.item_start, p.item_length, p.item_row, p.num_rows,
-                                         ctx.rows_per_mb, ctx.seq_len, ctx.slots, ctx.dp, ctx.grad_accum, ctx.tail)
-    mb = balance.balance_rows(mb, ctx.budget.attention_cost, ctx.dp, ctx.grad_accum, keep_order=mode in CURRICULAR,
-                              rng=rng)
+                                         ctx.rows_per_mb, ctx.seq_len, ctx.slots, ctx.dp, ctx.grad_accum, ctx.tail,
+                                         ctx.remedies)
+    mb = balance.balance_rows(mb, ctx.budget, ctx.dp, ctx.grad_accum, keep_order=mode in CURRICULAR, rng=rng)
     units = _packed_mb_units(mb, chunk.length, chunk.target)
-    items = {"ids": chunk.ids[mb.samples], "item_length": mb.item_length.astype(np.int32),
-             "item_start": mb.item_start.astype(np.int32), "item_row": mb.item_row.astype(np.int32)}
-    out = ChunkUnits(0, 0, "step", units, mb.offsets, items, packing=info, ranked=True)
+    items, id_base = _ids(chunk, mb.samples)
+    items.update(item_length=mb.item_length.astype(np.int32), item_start=mb.item_start.astype(np.int32),
+                 item_row=mb.item_row.astype(np.int32))
+    out = ChunkUnits(0, 0, "step", units, mb.offsets, items, id_base, packing=info, ranked=True)
     out.tail_ids = chunk.ids[dropped] if len(dropped) else np.zeros(0, np.int64)
     return out

@@ -18,10 +18,10 @@ import numpy as np
 from ...errors import InputError, UsageError, VarlenError, WorkerError
 from ...runtime import artifacts, freshness, rank0, safety
 from ...runtime.dist import Dist, fault_point, run_distributed, session
-from .. import cost_model
+from ..cost_model import resolve_budget
 from ..orders import CURRICULAR
 from ..progress import PlanProgress
-from ..shapes import Budget, ShapeMap, choose_edges
+from ..shapes import ShapeMap, choose_edges
 from . import emit, spill
 from .chunks import ChunkSource, ChunkSpec, InputRows, Scatter, chunk_rng, global_rng
 from .epoch import EpochRows, lay_out
@@ -86,11 +86,12 @@ def _shared(d: Dist, fn):
 
 def context(c, manifest: dict, rows: InputRows, spec: ChunkSpec, d: Dist) -> PlanContext:
     """The budget, shape map and limits every chunk is formed with."""
-    from ..core import _longest_fitting, _rows_per_microbatch
+    from ..pipeline import _check_cost_range, _longest_fitting, _rows_per_microbatch
 
-    budget = Budget(c.max_tokens, c.max_samples, cost_model.attention_cost(c))
+    budget = resolve_budget(c)
     shape = ShapeMap(1 if c.packing else c.pad_multiple)
     rows_per_mb = _rows_per_microbatch(c, budget) if c.packing else None
+    _check_cost_range(c, budget, rows_per_mb)
     if c.packing:
         fit = (1 << 62) if c.split_long else int(c.seq_len)
     else:
@@ -209,14 +210,14 @@ def _trim() -> None:
 
 
 def _check_long(c, ctx: PlanContext, tables: list, n: int) -> tuple[int, np.ndarray, int]:
-    """Too-long samples of the input (counted in the first epoch's chunks): ``core._too_long``'s errors."""
+    """Too-long samples of the input (counted in the first epoch's chunks): ``pipeline._too_long``'s errors."""
     num_long = sum(int(t.header["num_long"]) for t in tables)
     longest = max(int(t.header["longest"]) for t in tables)
     long_ids = np.concatenate([np.asarray(t.long_ids, np.int64) for t in tables])
     if num_long:
-        from ..core import too_long_error
+        from ..pipeline import too_long_error
 
-        error = too_long_error(c, num_long, n, longest, _shortest(tables))
+        error = too_long_error(c, ctx.budget, ctx.remedies, num_long, n, longest, _shortest(tables))
         if error is not None:
             raise error
     return num_long, long_ids, longest
@@ -228,7 +229,7 @@ def _shortest(tables) -> int:
 
 def _phase23(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSpec, directory: str,
              out: PlanOutput, t0: float, bar: PlanProgress):
-    from ..core import PlanResult
+    from ..config import PlanResult
 
     epochs: list[EpochRows] = []
     readers = []

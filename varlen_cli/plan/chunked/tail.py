@@ -116,7 +116,8 @@ def drop_fewest(counts: np.ndarray, slots: int) -> Tail:
 
 
 def fix(counts: np.ndarray, tables: list, unit_start: np.ndarray, slots: int, dp: int, grad_accum: int, tail: str,
-        refinalize, what: str = "samples", extra: int | None = None) -> Tail:
+        refinalize, what: str = "samples", extra: int | None = None,
+        remedies: layout.Remedies = layout.PLAN_REMEDIES) -> Tail:
     """What makes the epoch's unit count (``counts``: items per unit, sequence order) a multiple of
     ``slots`` (or ``extra`` more units, when given)."""
     m = len(counts)
@@ -128,7 +129,8 @@ def fix(counts: np.ndarray, tables: list, unit_start: np.ndarray, slots: int, dp
         done = round_one(merged_candidates(tables, unit_start), target - m)
         return done if done is not None else all_rounds(tables, unit_start, target - m, refinalize)
     if extra is not None or tail != "drop" or slots * (m // slots) == 0:
-        raise InputError(layout.tail_message(n, target, dp, grad_accum, what) if tail != "drop" or extra is not None
+        raise InputError(layout.tail_message(n, target, dp, grad_accum, what, remedies) if tail != "drop" or
+                         extra is not None
                          else f"{n:,} {what} are fewer than the {slots:,} microbatches of one step (dp x grad-accum); "
                          "nothing would be left after --tail drop: lower --dp/--grad-accum")
     return drop_fewest(counts, slots)

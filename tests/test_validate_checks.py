@@ -1,0 +1,246 @@
+"""Each of `varlen validate`'s checks is triggered by a plan tampered in the one way it guards against
+(so a check that always passed would fail its test), and validate, inspect and the planner refuse or
+report bad plans and inputs in one line (issue 23)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from tests.conftest import assert_user_error, sample
+from tests.plan_helpers import write_metrics
+from varlen_cli.cli import app
+from varlen_cli.plan import PlanConfig, plan
+from varlen_cli.plan.replan import ReplanConfig, replan
+from varlen_cli.validate import ValidateConfig, validate
+
+runner = CliRunner()
+N = 240
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory):
+    root = tmp_path_factory.mktemp("checks")
+    lengths = np.random.default_rng(5).integers(1, 300, N)
+    metrics = write_metrics(root / "metrics", lengths)
+    profile = root / "profile.json"
+    profile.write_text(json.dumps({"format": "varlen-memory-profile", "format_version": 1, "mode": "measured",
+                                   "model": "m:f", "fit": {"c0": 2 * 2**20, "c1": 16000.0, "c2": 20.0}}))
+    padded = str(root / "padded.parquet")
+    plan(PlanConfig(input=metrics, output=padded, max_tokens=1024, dp=2, grad_accum=2, epochs=2, num_shapes=4))
+    packed = str(root / "packed.parquet")
+    plan(PlanConfig(input=metrics, output=packed, packing=True, seq_len=128, split_long=True, dp=2,
+                    attention_cost=0.001, epochs=2))
+    memory = str(root / "memory.parquet")
+    plan(PlanConfig(input=metrics, output=memory, memory_profile=str(profile), max_memory="64MiB", dp=2))
+    return {"root": root, "metrics": metrics, "lengths": lengths, "padded": padded, "packed": packed,
+            "memory": memory, "profile": str(profile)}
+
+
+def _rewrite(src: str, dst: str, columns=None, metadata=None, drop: str | None = None) -> str:
+    """A copy of a plan with its columns edited (``columns(dict of lists)``), its metadata edited
+    (``metadata(dict)``) or one column dropped."""
+    table = pq.read_table(src)
+    meta = json.loads(table.schema.metadata[b"varlen"])
+    if columns is not None:
+        cols = {name: table.column(name).to_pylist() for name in table.column_names}
+        columns(cols)
+        table = pa.table({n: pa.array(cols[n], type=table.schema.field(n).type) for n in table.column_names},
+                         schema=table.schema)
+    if metadata is not None:
+        metadata(meta)
+    if drop is not None:
+        table = table.drop_columns([drop])
+    pq.write_table(table.replace_schema_metadata({b"varlen": json.dumps(meta)}), dst)
+    return dst
+
+
+def _set(key, fn):
+    def edit(cols):
+        cols[key] = fn(cols[key])
+    return edit
+
+
+def _first_plus_one(values):
+    return [values[0] + 1] + values[1:]
+
+
+def _meta(*keys_value):
+    def edit(meta):
+        *keys, value = keys_value
+        target = meta
+        for k in keys[:-1]:
+            target = target[k]
+        target[keys[-1]] = value(target[keys[-1]]) if callable(value) else value
+    return edit
+
+
+TAMPERED = [  # (plan, edit of columns, edit of metadata, dropped column, the check that must fail, message part)
+    ("padded", None, None, "step_tokens", "columns", "lacks plan columns: step_tokens"),
+    ("padded", _set("rank", lambda v: [v[2], v[1], v[0]] + v[3:]), None, None, "layout", "rank out of"),
+    ("padded", None, _meta("steps_per_epoch", lambda s: [s[0] + 1, s[1] - 1]), None, "layout",
+     "steps_per_epoch says"),
+    ("padded", None, _meta("num_steps", lambda s: s + 1), None, "layout", "metadata says"),
+    ("padded", _set("num_samples", _first_plus_one), None, None, "counts", "num_samples != len(sample_ids)"),
+    ("padded", _set("sample_ids", lambda v: [v[0] + [v[1][0]]] + v[1:]), None, None, "coverage",
+     "appear more than once in an epoch"),
+    ("padded", _set("sample_ids", lambda v: [v[0][1:]] + v[1:]), None, None, "coverage", "missing from an epoch"),
+    ("padded", None, _meta("dropped", lambda d: {**d, "too_long_ids": [0], "sample_ids": [0]}), None,
+     "coverage", "appear more than once"),
+    ("padded", _set("seqlen", lambda v: [4096] + v[1:]), None, None, "budget", "over the budget"),
+    ("padded", _set("shape_id", lambda v: [(v[0] + 1) % 4] + v[1:]), None, None, "shapes", "differs from their shape"),
+    ("padded", _set("step_samples", _first_plus_one), None, None, "step totals", "step_samples/step_tokens wrong"),
+    ("padded", _set("step_tokens", _first_plus_one), None, None, "step totals", "step_samples/step_tokens wrong"),
+    ("padded", _set("lr_scale", lambda v: [x * 1.5 for x in v]), None, None, "lr_scale", "is not linear"),
+    ("padded", None, _meta("stats", "straggler_mean", lambda x: x * 2), None, "straggler",
+     "metadata says straggler_mean"),
+    ("padded", _set("step_loss_tokens", _first_plus_one), None, None, "loss tokens", "step_loss_tokens wrong"),
+    ("packed", _set("sample_starts", lambda v: [[s + 1 if s else s for s in v[0]]] + v[1:]), None, None,
+     "coverage", "split chunks"),
+    ("packed", _set("sample_lengths", lambda v: [[x + 200 for x in v[0]]] + v[1:]), None, None, "budget",
+     "packed rows hold more than seq_len"),
+    ("packed", None, _meta("budget", "attention_cost", 0.5), None, "straggler", "metadata says"),
+    ("memory", None, _meta("memory", "max_memory", 3 * 2**20), None, "memory", "predicted above"),
+]
+
+
+@pytest.mark.parametrize("which,columns,metadata,drop,check,message", TAMPERED,
+                         ids=[f"{t[4]}-{t[5][:24]}" for t in TAMPERED])
+def test_each_check_catches_its_tampering(plans, tmp_path, which, columns, metadata, drop, check, message):
+    src = plans[which]
+    assert validate(ValidateConfig(src, metrics=plans["metrics"])).ok  # the plan as written passes
+    bad = _rewrite(src, str(tmp_path / "bad.parquet"), columns, metadata, drop)
+    result = validate(ValidateConfig(bad, metrics=plans["metrics"]))
+    failed = {c.name: c.detail for c in result.violations}
+    assert check in failed, failed
+    assert message in failed[check], failed[check]
+    res = runner.invoke(app, ["validate", bad, "--metrics", plans["metrics"]])
+    assert res.exit_code == 6 and f"violation: {check}:" in res.stderr
+
+
+def test_validate_checks_the_recorded_memory_limit_by_default(plans):
+    checks = {c.name: c for c in validate(ValidateConfig(plans["memory"])).checks}
+    assert checks["memory"].ok and "<= 64.00 MiB" in checks["memory"].detail
+
+
+def test_validate_metrics_with_out_of_range_ids(plans, tmp_path):
+    """A plan id past the metrics, or metrics whose ids are not 0..N-1: a violation or one line, never a crash."""
+    bad = _rewrite(plans["padded"], str(tmp_path / "far.parquet"), _set("sample_ids", lambda v: [[N + 7]] + v[1:]))
+    result = validate(ValidateConfig(bad, metrics=plans["metrics"]))
+    assert not result.ok and "sample ids outside 0..239" in {c.name: c.detail for c in result.violations}["coverage"]
+    gappy = tmp_path / "gappy"
+    write_metrics(gappy, plans["lengths"])
+    table = pq.read_table(gappy / "part-00000.parquet")
+    ids = table.column("sample_id").to_numpy() * 2
+    pq.write_table(table.set_column(0, "sample_id", pa.array(ids)), gappy / "part-00000.parquet")
+    res = runner.invoke(app, ["validate", plans["padded"], "--metrics", str(gappy)])
+    assert_user_error(res, 3, f"{gappy} does not hold each sample_id 0..{N - 1} once: it is not the metrics of a "
+                              "plan's input (re-run `varlen analyze`)")
+
+
+def test_inspect_of_damaged_plans(plans, tmp_path):
+    """A NaN lr_scale is shown ('?') and counted; a malformed memory entry is one line (exit 3)."""
+    nan = _rewrite(plans["padded"], str(tmp_path / "nan.parquet"), _set("lr_scale", lambda v: [float("nan")] * len(v)))
+    res = runner.invoke(app, ["inspect", nan], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert "lr_scale not finite" in res.output
+    bad = _rewrite(plans["memory"], str(tmp_path / "mem.parquet"), metadata=_meta("memory", "max_memory", "x"))
+    for command in ("inspect", "validate", "simulate"):
+        res = runner.invoke(app, [command, bad] + (["--stages", "1"] if command == "simulate" else []))
+        assert res.exit_code == 3 and "malformed plan metadata: 'memory' is" in res.stderr, res.output
+
+
+def test_plan_refuses_duplicate_sample_ids(tmp_path):
+    src = write_metrics(tmp_path / "m", [5, 6, 7, 8])
+    table = pq.read_table(tmp_path / "m" / "part-00000.parquet")
+    pq.write_table(table.set_column(0, "sample_id", pa.array([0, 1, 1, 3], pa.int64())),
+                   tmp_path / "m" / "part-00000.parquet")
+    res = runner.invoke(app, ["plan", src, "-o", str(tmp_path / "p.parquet"), "--max-tokens", "64"])
+    assert_user_error(res, 3, f"{src} has sample_id 1 more than once (and 2 never): sample ids must be the rows' "
+                              "indices 0..N-1, each once (re-run `varlen analyze`)")
+
+
+def test_replan_of_a_replan_validates_with_metrics(plans, tmp_path):
+    """lineage.consumed_samples adds up over replans of the same epoch."""
+    first, second = str(tmp_path / "r1.parquet"), str(tmp_path / "r2.parquet")
+    replan(ReplanConfig(plan=plans["padded"], output=first, dp=3, from_step=2))
+    replan(ReplanConfig(plan=first, output=second, dp=2, from_step=2))
+    meta = json.loads(pq.read_schema(second).metadata[b"varlen"])
+    done = pq.read_table(plans["padded"], filters=[("step", "<", 2)]).column("num_samples").to_numpy().sum()
+    done += pq.read_table(first, filters=[("step", "<", 2)]).column("num_samples").to_numpy().sum()
+    assert meta["lineage"]["consumed_samples"] == done and meta["lineage"]["first_step"] == 4
+    assert validate(ValidateConfig(second, metrics=plans["metrics"])).ok
+
+
+def test_replan_suggests_only_its_own_options(plans, tmp_path):
+    out = str(tmp_path / "r.parquet")
+    res = runner.invoke(app, ["replan", plans["padded"], "--from-step", "0", "--dp", "3", "--max-tokens", "100",
+                              "-o", out])
+    assert res.exit_code == 3 and res.stderr.rstrip().endswith("raise --max-tokens"), res.stderr
+    assert "--drop-long" not in res.stderr and "--tail" not in res.stderr
+    last = json.loads(pq.read_schema(plans["padded"]).metadata[b"varlen"])["num_steps"] - 1
+    res = runner.invoke(app, ["replan", plans["padded"], "--from-step", str(last), "--dp", "64", "-o", out])
+    assert res.exit_code == 3 and res.stderr.rstrip().endswith("lower --dp/--grad-accum"), res.stderr
+
+
+def test_replan_of_a_memory_plan_rechecks_the_limit(plans, tmp_path):
+    """--max-tokens beyond what the recorded limit allows is refused; within it the memory entry is
+    recomputed; --max-memory re-derives the budget from the recorded profile."""
+    out = str(tmp_path / "r.parquet")
+    res = runner.invoke(app, ["replan", plans["memory"], "--from-step", "1", "--dp", "3", "--max-tokens", "100000",
+                              "-o", out])
+    assert res.exit_code == 2 and "are predicted above the plan's --max-memory 64.00 MiB" in res.stderr, res.stderr
+    res = runner.invoke(app, ["replan", plans["memory"], "--from-step", "1", "--dp", "3", "--max-tokens", "1000",
+                              "-o", out])
+    assert res.exit_code == 0, res.output
+    meta = json.loads(pq.read_schema(out).metadata[b"varlen"])
+    assert meta["budget"]["max_tokens"] == 1000 and meta["memory"]["max_memory"] == 64 * 2**20
+    assert meta["memory"]["predicted_peak_max"] <= 64 * 2**20 and validate(ValidateConfig(out)).ok
+    res = runner.invoke(app, ["replan", plans["memory"], "--from-step", "1", "--dp", "3", "--max-memory", "32MiB",
+                              "-o", out, "--overwrite"])
+    assert res.exit_code == 0, res.output
+    meta = json.loads(pq.read_schema(out).metadata[b"varlen"])
+    assert meta["memory"]["max_memory"] == 32 * 2**20 and meta["budget"]["source"] == "memory"
+    assert validate(ValidateConfig(out)).ok
+
+
+def test_sizes_are_checked_up_front(plans, tmp_path):
+    out = str(tmp_path / "p.parquet")
+    res = runner.invoke(app, ["plan", plans["metrics"], "-o", out, "--max-tokens", "1024", "--epochs", "1000000"])
+    assert_user_error(res, 2, "--epochs 1,000,000 is more than 100,000 epochs in one run; plan fewer and lengthen "
+                              "the plan with `varlen plan --extend PLAN --epochs E`")
+    res = runner.invoke(app, ["plan", "--mix", f"a={plans['metrics']}:1e7", "-o", out, "--max-tokens", "1024"])
+    assert_user_error(res, 2, "--mix makes 2,400,000,000 samples per epoch, more than a plan holds (2^31); lower the "
+                              "weights")
+    res = runner.invoke(app, ["plan", "--mix", f"a={plans['metrics']}:1e6", "-o", out, "--max-tokens", "1024",
+                              "--epochs", "20000"])
+    assert res.exit_code == 2 and "GiB while planning, more than the" in res.stderr, res.stderr
+    assert len(res.stderr.splitlines()) == 1
+
+
+def test_every_planning_command_honours_max_memory(plans, tmp_path):
+    """varlen run and plan --mix take --memory-profile/--max-memory (no --max-tokens needed)."""
+    memory = ["--memory-profile", plans["profile"], "--max-memory", "64MiB"]
+    res = runner.invoke(app, ["run", sample("tokenized.parquet"), "-o", str(tmp_path / "run"), "--dp", "2", *memory])
+    assert res.exit_code == 0, res.output
+    meta = json.loads(pq.read_schema(tmp_path / "run" / "plan.parquet").metadata[b"varlen"])
+    assert meta["budget"]["source"] == "memory" and meta["memory"]["max_memory"] == 64 * 2**20
+    mixed = str(tmp_path / "mix.parquet")
+    res = runner.invoke(app, ["plan", "--mix", f"a={plans['metrics']}:1.5", "-o", mixed, *memory])
+    assert res.exit_code == 0, res.output
+    assert validate(ValidateConfig(mixed)).ok
+
+
+def test_simulate_with_a_huge_attention_cost_is_refused(plans):
+    res = runner.invoke(app, ["simulate", plans["padded"], "--schedule", "ddp", "--stages", "1", "--attention-cost",
+                              "1e300"])
+    assert res.exit_code == 2 and "--attention-cost 1e+300 is too large" in res.stderr, res.output
+    assert len(res.stderr.splitlines()) == 1
+    ok = runner.invoke(app, ["simulate", plans["padded"], "--schedule", "ddp", "--stages", "1", "--attention-cost",
+                             "1e-3", "--json"])
+    assert ok.exit_code == 0 and json.loads(ok.stdout)["utilization"] > 0
