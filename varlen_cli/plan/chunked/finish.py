@@ -86,7 +86,7 @@ def _check_budget(c, ctx: PlanContext, epochs: list[EpochRows]) -> float:
             b, t = ep.column("batch", lo, hi).astype(np.int64), ep.column("seqlen", lo, hi).astype(np.int64)
             if ctx.packing:
                 over += int(np.count_nonzero(ep.column("tokens", lo, hi) > b * t))
-                if c.max_tokens is not None:
+                if ctx.budget.max_tokens is not None:
                     over += int(np.count_nonzero(~ctx.budget.fits(b, t)))
             else:
                 over += int(np.count_nonzero(~ctx.budget.fits(b, t)))
@@ -96,9 +96,10 @@ def _check_budget(c, ctx: PlanContext, epochs: list[EpochRows]) -> float:
     if t_max > format.INT32_MAX:
         raise UsageError(f"a microbatch would have seqlen {t_max:,}, more than plans store ({format.INT32_MAX:,}, "
                          "int32); lower --pad-multiple or --max-tokens")
+    budget = ctx.budget.max_tokens  # given, or from a memory profile (--max-memory)
     if ctx.packing:
-        return float(c.max_tokens) if c.max_tokens is not None else float(ctx.rows_per_mb * c.seq_len)
-    return float(c.max_tokens)
+        return float(budget) if budget is not None else float(ctx.rows_per_mb * c.seq_len)
+    return float(budget)
 
 
 def _shapes(c, ctx: PlanContext, epochs: list[EpochRows]) -> tuple[list, np.ndarray, bool]:
