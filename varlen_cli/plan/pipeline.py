@@ -61,14 +61,19 @@ class Rows:
         return len(self.length)
 
 
-def check_plan_size(entries_per_epoch: int, epochs: int, packed: bool, what: str) -> None:
+def check_plan_size(entries_per_epoch: int, epochs: int, packed: bool, what: str,
+                    bytes_per_entry: float | None = None, fixed: int = 0) -> None:
     """Refuse, before any work, a plan that would not fit in this machine's memory (an estimate) or
-    would take thousands of epochs of fixed work: one line instead of a stall or an out-of-memory kill."""
+    would take thousands of epochs of fixed work: one line instead of a stall or an out-of-memory kill.
+    ``bytes_per_entry``/``fixed``: another planner's estimate (the chunked planner's, whose memory
+    grows with the microbatches, not the samples)."""
     if epochs > MAX_EPOCHS_PER_RUN:
         raise UsageError(f"--epochs {epochs:,} is more than {MAX_EPOCHS_PER_RUN:,} epochs in one run; plan fewer and "
                          "lengthen the plan with `varlen plan --extend PLAN --epochs E`")
     entries = int(entries_per_epoch) * int(epochs)
-    need = entries * (PACKED_BYTES_PER_ENTRY if packed else BYTES_PER_ENTRY)
+    per_entry = bytes_per_entry if bytes_per_entry is not None else \
+        (PACKED_BYTES_PER_ENTRY if packed else BYTES_PER_ENTRY)
+    need = int(entries * per_entry) + int(fixed)
     have = _available_memory()
     if have is not None and need > have:
         raise UsageError(f"the plan would hold {entries:,} sample entries ({epochs:,} epoch(s) of {what}), about "

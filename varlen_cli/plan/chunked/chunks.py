@@ -183,10 +183,8 @@ class Scatter:
                     fh.seek(a * 8)
                     parts[suffix].append(np.fromfile(fh, np.int64, b - a))
         ids, length = np.concatenate(parts[".ids"]), np.concatenate(parts[".len"])
-        seen = np.bincount(ids - lo, minlength=hi - lo)
-        if len(ids) != hi - lo or (seen != 1).any():
-            raise InputError(f"{self.rows.path}: sample ids are not 0..{self.spec.n - 1:,} each once (sample_id "
-                             f"{lo + int(np.flatnonzero(seen != 1)[0]):,} appears {int(seen[seen != 1][0])} times)")
+        if len(ids) != hi - lo or not _is_permutation(ids, lo, hi):
+            _refuse_ids(ids, lo, hi, self.spec.n, self.rows.path)
         dense = np.empty(hi - lo, np.int64)
         dense[ids - lo] = length
         target = None
@@ -214,17 +212,25 @@ class ChunkSource:
             if self.reverse:  # chunk k of the reversed order: rows [n - hi, n - lo), read back to front
                 lo, hi = self.spec.n - hi, self.spec.n - lo
             got = self.rows.read(lo, hi)
+            if self.spec.count == 1:
+                from ..reader import check_ids
+
+                check_ids(got["sample_id"], self.rows.path)
+            elif len(got["sample_id"]) and (int(got["sample_id"].min()) < 0
+                                            or int(got["sample_id"].max()) >= self.spec.n):
+                _refuse_ids(got["sample_id"], 0, self.spec.n, self.spec.n, self.rows.path)
             if self.reverse:
                 got = {name: values[::-1].copy() for name, values in got.items()}
             return ChunkData(k, got["sample_id"], got["length"], None, got.get(TARGET_COLUMN))
         got = self.rows.read(lo, hi)
         ids = got["sample_id"]
-        if self.spec.count == 1:  # one chunk: any ids (the former takes them in increasing id order)
+        if self.spec.count == 1:  # one chunk: ids 0..N-1 in any order (the former takes them in increasing id order)
+            from ..reader import check_ids
+
+            check_ids(ids, self.rows.path)
             return ChunkData(k, ids, got["length"], lo if _is_range(ids, lo) else None, got.get(TARGET_COLUMN))
         if not _is_range(ids, lo):
-            raise InputError(f"{self.rows.path}: sample ids are not 0..{self.spec.n - 1:,} in row order (rows "
-                             f"{lo:,}..{hi - 1:,}); plans of more than one chunk read random orders from a metrics "
-                             "directory written by `varlen analyze`")
+            _refuse_ids(ids, lo, hi, self.spec.n, self.rows.path)
         return ChunkData(k, ids, got["length"], lo, got.get(TARGET_COLUMN))
 
 
@@ -232,3 +238,29 @@ def _is_range(ids: np.ndarray, lo: int) -> bool:
     """Whether ``ids`` is ``lo, lo + 1, ...`` (one pass)."""
     n = len(ids)
     return n == 0 or (int(ids[0]) == lo and int(ids[-1]) == lo + n - 1 and bool(np.all(ids[1:] > ids[:-1])))
+
+
+def _is_permutation(ids: np.ndarray, lo: int, hi: int) -> bool:
+    seen = np.zeros(hi - lo, bool)
+    seen[ids - lo] = True
+    return bool(seen.all())
+
+
+def _refuse_ids(ids: np.ndarray, lo: int, hi: int, n: int, path: str) -> None:
+    """The input's sample ids, which chunk ``[lo, hi)`` should hold each once, are not 0..N-1 each
+    once: ``reader.check_ids``' message, from this chunk's ids."""
+    bad = ids[(ids < 0) | (ids >= n)]
+    if len(bad):
+        raise InputError(f"{path} has sample_id {int(bad[0]):,}, outside 0..{n - 1:,}: sample ids must be the rows' "
+                         "indices 0..N-1 (re-run `varlen analyze`)")
+    mine = ids[(ids >= lo) & (ids < hi)]
+    counts = np.bincount(mine - lo, minlength=hi - lo)
+    twice = np.flatnonzero(counts > 1)
+    never = np.flatnonzero(counts == 0)
+    if len(twice):
+        raise InputError(f"{path} has sample_id {lo + int(twice[0]):,} more than once"
+                         + (f" (and {lo + int(never[0]):,} never)" if len(never) else "")
+                         + ": sample ids must be the rows' indices 0..N-1, each once (re-run `varlen analyze`)")
+    raise InputError(f"{path}: sample ids are not 0..{n - 1:,} in row order (rows {lo:,}..{hi - 1:,}); plans of more "
+                     "than one chunk read random orders from a metrics directory in sample_id order (as `varlen "
+                     "analyze` writes it) or from a sorted directory")

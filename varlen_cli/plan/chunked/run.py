@@ -20,6 +20,7 @@ from ...runtime import artifacts, freshness, rank0, safety
 from ...runtime.dist import Dist, fault_point, run_distributed, session
 from ..cost_model import resolve_budget
 from ..orders import CURRICULAR
+from ..pipeline import check_plan_size
 from ..progress import PlanProgress
 from ..shapes import ShapeMap, choose_edges
 from . import emit, spill
@@ -28,6 +29,9 @@ from .epoch import EpochRows, lay_out
 from .finish import finish
 from .form import PlanContext, form_chunk
 from .output import PlanOutput
+
+TABLE_BYTES_PER_ENTRY = 4  # phase 2, padded: ~40 bytes a microbatch of ~16 samples, and the plan order
+CHUNK_BYTES_PER_SAMPLE = 200  # phase 1: one chunk's formation (packing, measured ~190 at 2^23 samples)
 
 
 def epoch_mode(c, e: int) -> str:
@@ -154,6 +158,10 @@ def run_in_group(c, d: Dist, t0: float):
         raise UsageError("--split-long cannot tell which chunk of a split sample holds its target_length loss tokens "
                          "(analyze --target-length); pack without --split-long")
     spec = ChunkSpec(rows.num_rows, int(c.chunk_samples))
+    # rank 0 holds the microbatch tables of every epoch (~3-6 bytes a sample entry), each worker one chunk
+    check_plan_size(rows.num_rows, c.epochs, c.packing, f"{rows.num_rows:,} samples",
+                    bytes_per_entry=TABLE_BYTES_PER_ENTRY * (2 if c.packing else 1),
+                    fixed=CHUNK_BYTES_PER_SAMPLE * min(spec.size, rows.num_rows) * d.world_size)
     out = PlanOutput(c.output, c.overwrite)
     with (out.locked() if d.is_main else contextlib.nullcontext()), \
             PlanProgress(c.progress and d.is_main, c.epochs) as bar:
