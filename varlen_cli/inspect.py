@@ -212,7 +212,7 @@ def _plan_tables(info: dict) -> list[TextTable]:
 
     meta = info["metadata"]
     t = _key_value(f"plan {info['path']}")
-    for key in ("varlen_version", "created_at", "dp", "grad_accum", "epochs", "num_steps", "num_microbatches",
+    for key in ("varlen_version", "dp", "grad_accum", "epochs", "num_steps", "num_microbatches",
                 "warmup_steps", "base_batch_size", "lr_scaling"):
         t.rows.append((key, fmt(meta.get(key))))
     inp = meta.get("input", {})

@@ -399,6 +399,12 @@ class Coverage:
         self.needs_diagnosis: set = set()
         self.chunks: dict = {name: [] for name in ("epoch", "key", "start", "length", "full")}
 
+    def long_samples(self, ids: np.ndarray) -> None:
+        """The samples too long for any microbatch (from the lengths), for a plan that counted them
+        instead of listing them (``dropped.too_long_listed``: false)."""
+        self.long_bitmap = Bitmap(self.keys.size)
+        self.long_bitmap.set(np.asarray(ids, np.int64))
+
     def update(self, a: PlanArrays) -> None:
         if self.problem is not None:
             return

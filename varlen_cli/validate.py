@@ -118,6 +118,9 @@ def _scan(config: ValidateConfig, meta: dict, lengths: np.ndarray | None) -> lis
                                meta)
         checks = PlanChecks(meta, split=split, lengths=lengths is not None, max_memory=config.max_memory,
                             profile_path=config.memory_profile)
+        over = (meta.get("dropped") or {}).get("too_long_over")
+        if lengths is not None and over is not None and checks.error is None:  # too-long samples counted, not listed
+            checks.coverage.long_samples(np.flatnonzero(lengths > int(over)))
         for a in arrays():
             checks.update(a)
         return checks.results()

@@ -180,8 +180,8 @@ def build_metadata(c: PlanConfig, epochs: list[PlannedEpoch], *, source: dict, n
     as recorded, if not ``c``'s)."""
     return {
         "format": format.PLAN_FORMAT, "format_version": format.PLAN_FORMAT_VERSION,
-        "varlen_version": __version__, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "config": source.get("config") or artifacts.config_dict(c), "input": source["input"],
+        "varlen_version": __version__,
+        "config": source.get("config") or recorded_config(c), "input": source["input"],
         "dp": c.dp, "grad_accum": c.grad_accum, "epochs": c.epochs, "num_steps": num_steps,
         "steps_per_epoch": [ep.mb.count // inputs.slots for ep in epochs], "num_microbatches": num_microbatches,
         "orders": [ep.mode for ep in epochs],
@@ -191,8 +191,15 @@ def build_metadata(c: PlanConfig, epochs: list[PlannedEpoch], *, source: dict, n
         "shape_map": inputs.shape.to_dict(), "fixed_batch_size": fixed_batch,
         "packing": packing,
         "dropped": dropped,
-        "stats": summary,
+        "stats": {key: value for key, value in summary.items() if key != "seconds"},
     }
+
+
+def recorded_config(c: PlanConfig) -> dict:
+    """The options a plan records: what it is made of, not how the command ran (no output, overwrite,
+    progress, nproc, allow_stale: ``artifacts.RUNTIME_FIELDS``), so the same input and options give
+    the same file, whatever the number of workers and wherever it is written."""
+    return {k: v for k, v in artifacts.config_dict(c).items() if k not in artifacts.RUNTIME_FIELDS}
 
 
 def memory_entry(c: PlanConfig, budget: Budget, b: np.ndarray, t: np.ndarray, shape_id: np.ndarray, num_shapes: int,
