@@ -117,21 +117,24 @@ def read_plan_costs(path: str, attention_cost: float = 0.0) -> PlanCosts:
     dp, accum, steps = (int(meta.get(k) or 0) for k in ("dp", "grad_accum", "num_steps"))
     if dp < 1 or accum < 1 or steps < 1:
         raise InputError(f"{path} has dp={dp}, grad_accum={accum}, num_steps={steps}: nothing to simulate")
-    table = pf.read(columns=list(_COLUMNS))
-    col = {c: table.column(c).to_numpy().astype(np.int64) for c in _COLUMNS}
     per_step = dp * accum
-    if table.num_rows != steps * per_step:
-        raise InputError(f"{path} is inconsistent: {table.num_rows} rows, expected num_steps x dp x grad_accum = "
+    rows = pf.metadata.num_rows
+    if rows != steps * per_step:
+        raise InputError(f"{path} is inconsistent: {rows} rows, expected num_steps x dp x grad_accum = "
                          f"{steps} x {dp} x {accum}")
-    position = np.arange(table.num_rows)
-    if (np.any(col["step"] != position // per_step)
-            or np.any(col["rank"] * accum + col["micro"] != position % per_step)):
-        raise InputError(f"{path} rows are not in (step, rank, micro) order")
-    b, t = col["batch_size"].astype(np.float64), col["seqlen"].astype(np.float64)
+    # read row group by row group (a plan of 100M+ microbatches: 16 bytes each are kept, not 40)
+    b, t = np.empty(rows, np.float64), np.empty(rows, np.float64)
+    for g, at in _row_groups(pf):
+        col = {c: v.astype(np.int64) for c, v in _read_group(pf, g).items()}
+        position = np.arange(at, at + len(col["step"]))
+        if (np.any(col["step"] != position // per_step)
+                or np.any(col["rank"] * accum + col["micro"] != position % per_step)):
+            raise InputError(f"{path} rows are not in (step, rank, micro) order")
+        b[position], t[position] = col["batch_size"], col["seqlen"]
     if np.any(b * t <= 0):
         raise InputError(f"{path} has a microbatch with batch_size x seqlen <= 0")
-    tokens = b * t
     cost = np.asarray(padded_cost(b, t, attention_cost), dtype=np.float64)  # the one cost formula
+    tokens = b * t
     worst = float(cost.max()) if len(cost) else 0.0
     if not worst <= COST_LIMIT:
         big = int(np.argmax(cost))
@@ -140,6 +143,19 @@ def read_plan_costs(path: str, attention_cost: float = 0.0) -> PlanCosts:
                          "token; realistic values are below 1e-3)")
     return PlanCosts(path=path, dp=dp, grad_accum=accum, cost=cost.reshape(steps, per_step),
                      tokens=tokens.reshape(steps, per_step))
+
+
+def _row_groups(pf):
+    """(row group, its first row) of a Parquet file."""
+    at = 0
+    for g in range(pf.metadata.num_row_groups):
+        yield g, at
+        at += pf.metadata.row_group(g).num_rows
+
+
+def _read_group(pf, g: int) -> dict:
+    table = pf.read_row_group(g, columns=list(_COLUMNS))
+    return {c: table.column(c).to_numpy() for c in _COLUMNS}
 
 
 def unit_starts(scheme: Scheme, jobs: Jobs, costs: np.ndarray, r: float) -> tuple[np.ndarray, np.ndarray]:
