@@ -1,11 +1,12 @@
 """Benchmark of ``varlen calibrate`` + ``varlen plan --max-memory`` (results: benchmarks/memory.md).
 
-    python benchmarks/bench_calibrate.py --model tests.memory_models:tiny_lm --max-memory 96MiB \\
-        --buckets 64,128,256,512 --calibration-memory 256MiB --max-seqlen 512 --runs 3
+    python benchmarks/bench_calibrate.py --model tests.memory_models:lm_4k --max-memory 640MiB \\
+        --buckets 64,128,256,512 --runs 3
 
-Per run, on CPU (peak = resident memory of a fresh process per shape, docs/memory.md):
+Per run, on CPU (peak = the peak resident memory of the training process, docs/memory.md; both
+methods measure the same way: a child forked from an imported server plus the fresh-process offset):
 
-1. varlen: ``calibrate`` with the auto grid (timed; every measured shape is one trial step), then
+1. varlen: ``calibrate --max-memory`` with the auto grid (timed; every measured shape is one trial step), then
    for every length bucket T the planner's largest B under ``--max-memory`` (margin 0.05) from the
    profile alone; that (B, T) is then measured once to check it (not counted as a trial).
 2. Trial and error, NeMo OOMptimizer's method: per bucket, B doubles from 1 while the step fits the
@@ -30,11 +31,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from varlen_cli.memory import CalibrateConfig, budget_from_profile, calibrate, parse_size  # noqa: E402
-from varlen_cli.memory.measure import MeasureSetup, measure_shape  # noqa: E402
+from varlen_cli.memory.measure import MeasureSetup  # noqa: E402
+from varlen_cli.memory.procs import Measurer  # noqa: E402
 from varlen_cli.plan.shapes import Budget  # noqa: E402
 
 
-def trial_and_error(setup: MeasureSetup, seqlen: int, limit: int) -> tuple[int, int, float]:
+def trial_and_error(m: Measurer, seqlen: int, limit: int) -> tuple[int, int, float]:
     """OOMptimizer-style search: ``(largest B that fits, trial steps, its peak)``."""
     trials = 0
     peaks = {}
@@ -42,7 +44,8 @@ def trial_and_error(setup: MeasureSetup, seqlen: int, limit: int) -> tuple[int, 
     def fits(b: int) -> bool:
         nonlocal trials
         trials += 1
-        peaks[b] = measure_shape(setup, b, seqlen)["peak_bytes"]
+        r = m.measure(b, seqlen)
+        peaks[b] = float("inf") if r.get("oom") else r["peak_bytes"]
         return peaks[b] <= limit
 
     good, bad = 0, None
@@ -66,17 +69,20 @@ def one_run(args, workdir: str, run: int) -> dict:
     limit = parse_size(args.max_memory)
     t0 = time.perf_counter()
     profile = calibrate(CalibrateConfig(output=os.path.join(workdir, f"profile{run}.json"), model=args.model,
-                                        max_seqlen=args.max_seqlen, calibration_memory=args.calibration_memory))
+                                        max_memory=args.max_memory))
     calib_seconds = time.perf_counter() - t0
     max_tokens, attention = budget_from_profile(profile, limit, args.margin)
     budget = Budget(max_tokens, None, attention)
     rows = []
     t1 = time.perf_counter()
-    search = {t: trial_and_error(setup, t, limit) for t in args.buckets}
-    search_seconds = time.perf_counter() - t1
+    with Measurer(setup, (1, args.buckets[0])) as m:
+        search = {t: trial_and_error(m, t, limit) for t in args.buckets}
+        search_seconds = time.perf_counter() - t1
+        checks = {t: m.measure(int(budget.cap([t])[0]), t)["peak_bytes"] if budget.cap([t])[0] else 0.0
+                  for t in args.buckets}
     for t in args.buckets:
         b = int(budget.cap([t])[0])
-        peak = measure_shape(setup, b, t)["peak_bytes"] if b else 0.0
+        peak = checks[t]
         sb, strials, speak = search[t]
         rows.append({"T": t, "varlen_B": b, "varlen_use": peak / limit, "search_B": sb, "search_use": speak / limit,
                      "search_trials": strials})
@@ -86,12 +92,10 @@ def one_run(args, workdir: str, run: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tests.memory_models:tiny_lm")
-    ap.add_argument("--max-memory", default="96MiB")
+    ap.add_argument("--model", default="tests.memory_models:lm_4k")
+    ap.add_argument("--max-memory", default="640MiB")
     ap.add_argument("--margin", type=float, default=0.05)
     ap.add_argument("--buckets", default="64,128,256,512")
-    ap.add_argument("--calibration-memory", default="256MiB")
-    ap.add_argument("--max-seqlen", type=int, default=512)
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
     args.buckets = [int(x) for x in args.buckets.split(",")]

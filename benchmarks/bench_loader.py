@@ -93,11 +93,11 @@ def overhead(args) -> None:
     # 1. the loader alone (no-op model): plan rows -> dataset fetch -> padded tensors
     loader_ms, sampler_us = [], []
     for _ in range(args.repeats):
-        sampler = dataloader_for_plan(data, plan_path).batch_sampler
+        sampler = dataloader_for_plan(data, plan_path, lr_scale="ignore").batch_sampler
         t = time.perf_counter()
         n = sum(1 for _ in sampler)
         sampler_us.append((time.perf_counter() - t) / n * 1e6)
-        loader = dataloader_for_plan(data, plan_path)
+        loader = dataloader_for_plan(data, plan_path, lr_scale="ignore")
         t = time.perf_counter()
         n = 0
         for _ in loader:
@@ -106,7 +106,7 @@ def overhead(args) -> None:
     # 2. a realistic step on the same batches: small GPT forward + backward + AdamW
     model = TinyGPT(2000, max(t for _, t in plan.shapes), args.d_model, args.layers, args.heads)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loader = dataloader_for_plan(data, plan_path)
+    loader = dataloader_for_plan(data, plan_path, lr_scale="ignore")
     step_ms, wait_ms = [], []
     it = iter(loader)
     for s in range(args.model_steps):
@@ -128,7 +128,7 @@ def overhead(args) -> None:
     for name, step in (("start", 0), ("middle", plan.num_steps // 2), ("end", plan.num_steps - 1)):
         times = []
         for _ in range(args.repeats):
-            fresh = dataloader_for_plan(data, plan_path)
+            fresh = dataloader_for_plan(data, plan_path, lr_scale="ignore")
             t = time.perf_counter()
             fresh.batch_sampler.load_state_dict({"plan": fresh.batch_sampler.plan.fingerprint, "epoch": 0,
                                                  "step": step, "micro": 0})
@@ -172,7 +172,7 @@ def _variant(args) -> None:
         max_len = int(data.lengths().max()) + 8
     else:
         plan = Plan.open(args.plan_file)
-        loader = dataloader_for_plan(data, plan)
+        loader = dataloader_for_plan(data, plan, lr_scale="ignore")  # throughput only: no LR schedule here
         max_len = max(t for _, t in plan.shapes)
     model = TinyGPT(data.vocab_size, max_len, args.d_model, args.layers, args.heads).to(args.device)
     net = model

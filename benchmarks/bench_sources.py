@@ -94,6 +94,7 @@ def timed(fn, repeats: int) -> tuple[float, object]:
 
 
 def bench_analyze(local: str, url: str, work: str, repeats: int) -> dict:
+    from tests.s3_requests import s3_requests
     from varlen_cli.analyze import AnalyzeConfig, analyze
 
     def go(src, out):
@@ -102,7 +103,26 @@ def bench_analyze(local: str, url: str, work: str, repeats: int) -> dict:
 
     t_local, _ = timed(go(local, os.path.join(work, "m-local")), repeats)
     t_s3, _ = timed(go(url, os.path.join(work, "m-s3")), repeats)
-    return {"local_s": t_local, "s3_s": t_s3}
+    with s3_requests() as log:  # one more run, untimed: what it asks the server for
+        go(url, os.path.join(work, "m-s3"))()
+    return {"local_s": t_local, "s3_s": t_s3, "requests": log}
+
+
+def report_requests(log: list, files: int) -> None:
+    """Requests of one analyze of the s3 prefix, by operation; Parquet reads split into footer
+    (tail) reads and column-chunk reads."""
+    from collections import Counter
+
+    ops = Counter(r.op for r in log)
+    gets = [r for r in log if r.op == "get_object"]
+    ends: dict = {}
+    for r in gets:  # the largest end seen per key: the object's end, which only footer reads reach
+        ends[r.key] = max(ends.get(r.key, 0), r.range[1] if r.range else 0)
+    tails = [r for r in gets if r.range and r.range[1] == ends[r.key]]
+    print(f"requests of one s3 analyze ({files} Parquet objects): {len(log)} in all, "
+          + ", ".join(f"{op} {n}" for op, n in sorted(ops.items()))
+          + f"; get_object: {len(tails)} footer (tail) reads, {len(gets) - len(tails)} column-chunk reads, "
+          f"{sum(r.size or 0 for r in gets) / 1e6:.1f} MB, {sum(r.range is None for r in gets)} without a range")
 
 
 def make_plan(metrics: str, path: str, max_tokens: int) -> None:
@@ -117,7 +137,7 @@ def fetch_plan(ds, plan_path: str) -> int:
     from varlen_cli.loader import dataloader_for_plan
 
     n = 0
-    for _ in dataloader_for_plan(ds, plan_path, rank=0, world_size=1):
+    for _ in dataloader_for_plan(ds, plan_path, rank=0, world_size=1, lr_scale="ignore"):
         n += 1
     return n
 
@@ -234,7 +254,7 @@ def bench_train(work: str, steps: int) -> dict:
     torch.manual_seed(0)
     plan = Plan.open(os.path.join(work, "plan.parquet"))
     loader = dataloader_for_plan(SourceDataset(os.path.join(work, "m-local"), columns=["input_ids"]), plan,
-                                 rank=0, world_size=1)
+                                 rank=0, world_size=1, lr_scale="ignore")  # the timing's loop has no LR schedule
     model = TinyGPT(VOCAB, max(mb.seqlen for mb in plan.microbatches(0, 0, 0, plan.num_steps)) + 1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data_s, step_s, it = [], [], iter(loader)
@@ -281,6 +301,7 @@ def main(argv=None) -> None:
     if "analyze" in parts:
         print(f"analyze --length list:input_ids: local {a['local_s']:.2f} s, s3 {a['s3_s']:.2f} s "
               f"(s3/local {a['s3_s'] / a['local_s']:.2f}x)")
+        report_requests(a["requests"], args.files)
     make_plan(os.path.join(work, "m-local"), os.path.join(work, "plan.parquet"), args.max_tokens)
     if "dataset" in parts:
         report_dataset(bench_dataset(work, url, paths, args.repeats, args.naive_batches, args.small_cache_batches),

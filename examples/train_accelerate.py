@@ -79,7 +79,7 @@ def main(argv=None) -> None:
                                      "loss": float(loss_sum.detach()) / batch["step_loss_tokens"]})
                 if accelerator.sync_gradients:
                     step = scheduler.step_index
-                    log["steps"].append(step)
+                    log["steps"].append(scheduler.global_step)
                     log["lr"].append(optimizer.param_groups[0]["lr"])
                     log["unscaled_lr"].append(scheduler.get_unscaled_lr()[0])
                     log["lr_scale"].append(scheduler.scale())

@@ -52,7 +52,7 @@ class Recorder(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         sched = self.trainer.lr_scheduler
-        self.log["steps"].append(int(sched.step_index))
+        self.log["steps"].append(int(sched.global_step))  # the job's step (a replanned plan continues it)
         self.log["lr"].append(self.trainer.optimizer.param_groups[0]["lr"])
         self.log["unscaled_lr"].append(sched.get_unscaled_lr()[0])
         self.log["lr_scale"].append(sched.scale())
@@ -94,6 +94,9 @@ def parse_args(argv=None):
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--log-dir", default=None, help="write rank-R.json and (rank 0) grad0.pt here")
+    p.add_argument("--use-cpu", action=argparse.BooleanOptionalAction, default=True,
+                   help="TrainingArguments(use_cpu=...); --no-use-cpu shows the plain setup on CPU, where "
+                        "transformers runs no data parallelism under torchrun (PlanTrainer refuses it)")
     return p.parse_args(argv)
 
 
@@ -107,7 +110,7 @@ def main(argv=None) -> None:
     model = tiny_llama(dataset.vocab_size, max_len, hidden=args.hidden, attn=args.attn_implementation)
     targs = TrainingArguments(
         output_dir=args.out, learning_rate=args.lr, lr_scheduler_type=args.scheduler, warmup_steps=args.warmup_steps,
-        weight_decay=0.0, max_grad_norm=args.max_grad_norm, logging_steps=1, report_to=[], use_cpu=True,
+        weight_decay=0.0, max_grad_norm=args.max_grad_norm, logging_steps=1, report_to=[], use_cpu=args.use_cpu,
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, max_steps=args.max_steps,
         dataloader_num_workers=args.num_workers, ddp_backend="gloo" if torch.distributed.is_available() else None,
         seed=0, disable_tqdm=True, save_only_model=False,

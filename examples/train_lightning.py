@@ -4,10 +4,10 @@
     torchrun --nproc-per-node 2 examples/train_lightning.py --plan /tmp/plan.parquet --ckpt-dir /tmp/pl --save-every 3
     torchrun --nproc-per-node 2 examples/train_lightning.py --plan /tmp/plan.parquet --resume /tmp/pl/<file>.ckpt
 
-The recipe: ``PlanDataModule(dataset, plan)``, its ``callback()`` in the Trainer's callbacks,
-``use_distributed_sampler=False``, ``accumulate_grad_batches=plan.grad_accum``,
-``max_epochs=plan.epochs``; ``plan_lr_scheduler`` in ``configure_optimizers``; ``plan_loss`` in
-``training_step``. Resuming from Lightning's own mid-epoch checkpoint continues exactly.
+The recipe: ``PlanDataModule(dataset, plan)`` (it arms its own checks), ``use_distributed_sampler=False``,
+``accumulate_grad_batches=plan.grad_accum``, ``max_epochs=dm.max_epochs``; ``plan_lr_scheduler`` in
+``configure_optimizers``; ``plan_loss`` in ``training_step``. Resuming from Lightning's own mid-epoch
+checkpoint continues exactly, also on a plan `varlen replan` made for another number of processes.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from train_hf_trainer import tiny_llama  # noqa: E402
 
 from varlen_cli.integrations.lightning import PlanDataModule, plan_loss, plan_lr_scheduler  # noqa: E402
 from varlen_cli.loader import Plan, to_model_inputs  # noqa: E402
+from varlen_cli.loader.replan import first_step  # noqa: E402
 
 
 class TinyLlamaModule(L.LightningModule):
@@ -51,7 +52,7 @@ class TinyLlamaModule(L.LightningModule):
 
     def on_before_optimizer_step(self, optimizer):
         sched = self.lr_schedulers()
-        self.record["steps"].append(int(sched.step_index))
+        self.record["steps"].append(int(sched.global_step))  # the job's step (a replanned plan continues it)
         self.record["lr"].append(optimizer.param_groups[0]["lr"])
         self.record["unscaled_lr"].append(sched.get_unscaled_lr()[0])
         self.record["lr_scale"].append(sched.scale())
@@ -73,7 +74,11 @@ def parse_args(argv=None):
     p.add_argument("--warmup-steps", type=int, default=2)
     p.add_argument("--ckpt-dir", default=None, help="ModelCheckpoint folder")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N optimizer steps")
-    p.add_argument("--resume", default=None, help="a Lightning checkpoint to resume from")
+    p.add_argument("--resume", default=None,
+                   help="a Lightning checkpoint to resume from (this plan's, or its parent's: `varlen replan`)")
+    p.add_argument("--max-steps", type=int, default=-1, help="stop after this global step (default: the plan's end)")
+    p.add_argument("--total-steps", type=int, default=None,
+                   help="length of the base LR schedule (default: the job's last step, the plan's end)")
     p.add_argument("--distributed-sampler", action="store_true", help="the plain Trainer default (refused)")
     p.add_argument("--log-dir", default=None)
     return p.parse_args(argv)
@@ -86,9 +91,10 @@ def main(argv=None) -> None:
     plan = Plan.open(args.plan)
     dataset = TokenDataset(args.data)
     dm = PlanDataModule(dataset, plan)
+    total = args.total_steps or first_step(plan) + plan.num_steps  # a replanned plan continues the job's steps
     module = TinyLlamaModule(dataset.vocab_size, max(t for _, t in plan.shapes), args.lr, args.warmup_steps,
-                             plan.num_steps, args.log_dir)
-    callbacks = [dm.callback()]
+                             total, args.log_dir)
+    callbacks = []  # PlanDataModule adds its own checks (PlanCallback)
     if args.save_every:
         from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -96,7 +102,7 @@ def main(argv=None) -> None:
                                          filename="{step}"))
     world = int(os.environ.get("WORLD_SIZE", 1))
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto",
-                        max_epochs=plan.epochs, accumulate_grad_batches=plan.grad_accum,
+                        max_epochs=dm.max_epochs, max_steps=args.max_steps, accumulate_grad_batches=plan.grad_accum,
                         use_distributed_sampler=args.distributed_sampler, reload_dataloaders_every_n_epochs=1,
                         callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
                         enable_checkpointing=bool(args.save_every), num_sanity_val_steps=0)

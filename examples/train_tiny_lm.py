@@ -42,6 +42,7 @@ import torch  # noqa: E402
 from tiny_lm import TinyGPT, TokenDataset, loss_sum, warmup_cosine  # noqa: E402
 
 from varlen_cli.loader import PadCollate, Plan, VariableBatchSizeLR, dataloader_for_plan  # noqa: E402
+from varlen_cli.loader.replan import first_step  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -55,6 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3, help="base learning rate (before the plan's lr_scale)")
     p.add_argument("--warmup-steps", type=int, default=2, help="LR warm-up steps of the base schedule")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many global steps")
+    p.add_argument("--total-steps", type=int, default=None,
+                   help="length of the base LR schedule (default: the job's last step, the plan's end)")
     p.add_argument("--d-model", type=int, default=64, help="model width")
     p.add_argument("--layers", type=int, default=2, help="transformer blocks")
     p.add_argument("--heads", type=int, default=4, help="attention heads")
@@ -63,7 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-dir", default=None, help="write rank-R.json logs here")
     p.add_argument("--save-state", default=None, help="checkpoint file written after step --save-at")
     p.add_argument("--save-at", type=int, default=None, help="global step after which to write --save-state")
-    p.add_argument("--resume", default=None, help="checkpoint to resume from (the same plan)")
+    p.add_argument("--resume", default=None,
+                   help="checkpoint to resume from (this plan's, or its parent's: `varlen replan`)")
     p.add_argument("--packing", action="store_true",
                    help="expect a packed plan (packed plans are detected anyway): rows of concatenated samples, "
                         "position ids restarting per sample and a block-diagonal causal mask")
@@ -120,7 +124,8 @@ def _train(args, rank, world, device, dist) -> dict:
     max_len = max(t for _, t in plan.shapes)
     model = TinyGPT(dataset.vocab_size, max_len, args.d_model, args.layers, args.heads).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    base = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.warmup_steps, plan.num_steps))
+    total = args.total_steps or first_step(plan) + plan.num_steps  # a replanned plan continues the job's steps
+    base = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.warmup_steps, total))
     scheduler = VariableBatchSizeLR(base, plan)
     if args.resume:
         state = torch.load(args.resume, map_location="cpu", weights_only=False)
@@ -189,7 +194,7 @@ def _train(args, rank, world, device, dist) -> dict:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
-            log["steps"].append(info.step)
+            log["steps"].append(first_step(plan) + info.step)  # the job's global step
             log["samples"].append(step_ids)
             log["loss"].append(step_loss)
             step_ids, step_loss = [], 0.0

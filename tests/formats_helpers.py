@@ -11,6 +11,8 @@ import sys
 import types
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet  # noqa: F401 - pa.parquet
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 MDS_FIXTURES = os.path.join(DATA, "mds")  # written by mosaicml-streaming's MDSWriter (make_mds_fixtures)
@@ -138,3 +140,44 @@ def npy_bytes(a: np.ndarray) -> bytes:
 def write_json(path, obj) -> None:
     with open(path, "w") as fh:
         json.dump(obj, fh)
+
+
+TEXTS = ["hello world this is a test", "the quick brown fox jumps over the lazy dog", "ünïcödé 日本語 text",
+         "assistant user system"] * 30
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}<|assistant|>\n"
+                 "{% generation %}{{ m['content'] }}{{ eos_token }}{% endgeneration %}\n"
+                 "{% else %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endif %}{% endfor %}")
+
+
+def sentencepiece_dir(tmp_path, tokenizer_class: str, chat_template: str | None = None) -> str:
+    """A tokenizer directory with only a sentencepiece model (no tokenizer.json), trained here."""
+    import io
+
+    import pytest
+
+    spm = pytest.importorskip("sentencepiece")
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(TEXTS), model_writer=model, vocab_size=40,
+                                   model_type="unigram", character_coverage=1.0, bos_id=1, eos_id=2, unk_id=0,
+                                   pad_id=-1, minloglevel=2, hard_vocab_limit=False)
+    folder = tmp_path / f"tok-{tokenizer_class}"
+    folder.mkdir()
+    (folder / "tokenizer.model" if tokenizer_class == "LlamaTokenizer" else folder / "spiece.model").write_bytes(
+        model.getvalue())
+    config = {"tokenizer_class": tokenizer_class, "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    if chat_template:
+        config["chat_template"] = chat_template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def chat_source(tmp_path, as_json: bool = False):
+    """A Parquet file of 25 conversations (a list-of-structs column, or JSON strings), and them."""
+    convs = [[{"role": "system", "content": "be nice"}, {"role": "user", "content": "hello world " * i},
+              {"role": "assistant", "content": "the lazy dog " * (i % 5)},
+              {"role": "user", "content": "ünï"}, {"role": "assistant", "content": "fox " * (i % 3)}]
+             for i in range(25)]
+    column = [json.dumps(c) for c in convs] if as_json else convs
+    path = tmp_path / ("chat_json.parquet" if as_json else "chat.parquet")
+    pa.parquet.write_table(pa.table({"messages": column}), path, row_group_size=7)
+    return str(path), convs

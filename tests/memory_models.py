@@ -49,6 +49,12 @@ def tiny_lm() -> nn.Module:
     return TinyLM()
 
 
+def lm_4k() -> nn.Module:
+    """A tiny LM whose step is mostly its logits (4,096-token vocabulary), as language models' steps are:
+    their large tensors are mappings of their own, so the process peak follows the shape smoothly."""
+    return TinyLM(vocab=4096, dim=32, heads=2, layers=2)
+
+
 BALLAST_BYTES = 48 << 20
 
 
@@ -75,3 +81,21 @@ def ballast() -> nn.Module:
 
 def no_ballast() -> nn.Module:
     return Ballast(False)
+
+
+def raising() -> nn.Module:
+    """A model factory with a bug of the user's: calibrate must say so (exit 3), not fail as a worker."""
+    raise ValueError("hidden size 63 is not divisible by 4 heads")
+
+
+class _ForwardRaises(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 4)
+
+    def forward(self, input_ids):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (8x4 and 5x4)")
+
+
+def forward_raises() -> nn.Module:
+    return _ForwardRaises()

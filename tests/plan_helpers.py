@@ -13,17 +13,21 @@ import pyarrow.parquet as pq
 from varlen_cli.runtime import artifacts
 
 
-def write_metrics(path, lengths, difficulty=None, *, sorted_by=None, parts=1, split_points=None, descending=False):
+def write_metrics(path, lengths, difficulty=None, *, sorted_by=None, parts=1, split_points=None, descending=False,
+                  targets=None):
     """A metrics directory (sample_id order) or, with ``sorted_by`` ("length" or "difficulty"), a
-    sorted directory ordered by (key, sample_id), split into ``parts`` parts (or at ``split_points``)."""
+    sorted directory ordered by (key, sample_id), split into ``parts`` parts (or at ``split_points``);
+    ``targets``: a ``target_length`` column (per sample id), as ``analyze --target-length`` writes."""
     lengths = np.asarray(lengths, dtype=np.int64)
     n = len(lengths)
     difficulty = lengths.astype(np.float64) if difficulty is None else np.asarray(difficulty, dtype=np.float64)
     ids = np.arange(n, dtype=np.int64)
+    targets = np.asarray(targets, dtype=np.int64) if targets is not None else None
     if sorted_by is not None:
         key = lengths if sorted_by == "length" else difficulty
         order = np.lexsort((ids, -key if descending else key))
         ids, lengths, difficulty = ids[order], lengths[order], difficulty[order]
+        targets = targets[order] if targets is not None else None
     os.makedirs(path, exist_ok=True)
     if split_points is None:
         split_points = [n * k // parts for k in range(1, parts)]
@@ -31,7 +35,8 @@ def write_metrics(path, lengths, difficulty=None, *, sorted_by=None, parts=1, sp
     part_list = []
     for k in range(len(bounds) - 1):
         lo, hi = bounds[k], bounds[k + 1]
-        t = pa.table({"sample_id": ids[lo:hi], "length": lengths[lo:hi], "difficulty": difficulty[lo:hi]})
+        t = pa.table({"sample_id": ids[lo:hi], "length": lengths[lo:hi], "difficulty": difficulty[lo:hi],
+                      **({"target_length": targets[lo:hi]} if targets is not None else {})})
         pq.write_table(t, os.path.join(path, artifacts.part_name(k)))
         part_list.append({"file": artifacts.part_name(k), "rows": hi - lo})
     manifest = {
@@ -41,7 +46,8 @@ def write_metrics(path, lengths, difficulty=None, *, sorted_by=None, parts=1, sp
         "dataset": {"digest": "test", "root": "/", "num_files": 1, "num_rows": n, "files": []},
         "artifact_id": f"test-{sorted_by}-{n}",
         "order": {"by": [sorted_by or "sample_id"], "descending": descending, "ties": "id", "seed": 0},
-        "columns": {"sample_id": "int64", "length": "int64", "difficulty": "float64"},
+        "columns": {"sample_id": "int64", "length": "int64", "difficulty": "float64",
+                    **({"target_length": "int64"} if targets is not None else {})},
         "num_rows": n, "parts": part_list, "stats": {},
     }
     with open(os.path.join(path, artifacts.MANIFEST_NAME), "w") as fh:

@@ -185,6 +185,8 @@ def sort_many(configs: list) -> list:
 
     tdist.init_process_group("gloo")
     try:
-        return [run_in_session(run_in_group, c) for c in configs]
+        results = [run_in_session(run_in_group, c) for c in configs]
+        tdist.barrier()  # every rank is done with the group before any tears it down (a SIGABRT at exit)
+        return results
     finally:
-        tdist.destroy_process_group()
+        tdist.destroy_process_group()  # the elastic worker then ends with os._exit (multiprocessing)

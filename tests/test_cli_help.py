@@ -1,81 +1,80 @@
-"""`--help` lists the allowed values of every choice option, and every option's help says exactly what
-its config field's documentation (``doc(help=...)``) says."""
+"""Each CLI option is declared once, as a documented config field (varlen_cli/cli/options.py): `--help`
+says what the field's ``doc`` says and lists its choices, a new field becomes an option with nothing
+else to write, and docs/cli.md is the current `--help` of every command."""
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import re
 import typing
+from typing import Literal
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
-from varlen_cli.cli import analyze as analyze_cli
-from varlen_cli.cli import app
-from varlen_cli.cli import plan as plan_cli
-from varlen_cli.cli import sort as sort_cli
-from varlen_cli.runtime.choices import check_choices, field_help
+from varlen_cli.cli import COMMANDS, app, click_module, load_command
+from varlen_cli.cli.options import Cli, config_command
+from varlen_cli.runtime.choices import check_choices, doc
 
-# the CLI parameter name -> config field name, where they differ
-RENAMED = {"input_dir": "input"}
-# options of the command line only (how it prints the result), not of the library's config
-CLI_ONLY = {"json_output"}
+click = click_module()
 
-
-def _config(stage: str):
-    if stage == "analyze":
-        from varlen_cli.analyze import AnalyzeConfig
-
-        return AnalyzeConfig
-    if stage == "sort":
-        from varlen_cli.sort import SortConfig
-
-        return SortConfig
-    from varlen_cli.plan import PlanConfig
-
-    return PlanConfig
+# options of the command line alone (how the result is shown), declared in varlen_cli/cli/*.py
+CLI_ONLY = {"json_output", "width", "help"}
+# config fields each command does not offer (library tuning knobs), and fields `run` sets itself
+LIBRARY_ONLY = {"analyze": {"chunk_bytes"}, "sort": {"row_group_size", "engine"},
+                "run": {"analyze", "sort", "plan"}}
 
 
-STAGES = [("analyze", analyze_cli.analyze_command), ("sort", sort_cli.sort_command), ("plan", plan_cli.plan_command)]
+def _config_type(name: str):
+    return load_command(name).callback.config_parameters.config_type if name != "run" else _run_config()
 
 
-def _literal_fields(config_type) -> dict:
-    hints = typing.get_type_hints(config_type)
-    return {name: typing.get_args(hint) for name, hint in hints.items() if typing.get_origin(hint) is typing.Literal}
+def _run_config():
+    from varlen_cli.run import RunConfig
+
+    return RunConfig
 
 
-@pytest.mark.parametrize("stage,command", STAGES, ids=[s for s, _ in STAGES])
-def test_help_lists_every_choice(stage, command):
-    choices = _literal_fields(_config(stage))
-    assert choices, stage
-    res = CliRunner().invoke(app, [stage, "--help"], env={"COLUMNS": "400", "TERMINAL_WIDTH": "400"})
+def _params(name: str) -> dict:
+    return {p.name: p for p in load_command(name).params}
+
+
+def _help(name: str) -> str:
+    res = CliRunner().invoke(app, [name, "--help"], env={"COLUMNS": "400"})
     assert res.exit_code == 0, res.output
-    text = re.sub(r"\s+", " ", res.output)
-    params = inspect.signature(command).parameters
-    for name, allowed in choices.items():
-        if name not in params:  # library-only choices (sort's engine)
-            continue
-        assert f"--{name.replace('_', '-')}" in text
-        assert "<" + "|".join(allowed) + ">" in text, (name, allowed)
+    return re.sub(r"\s+", " ", res.output)
 
 
-@pytest.mark.parametrize("stage,command", STAGES, ids=[s for s, _ in STAGES])
-def test_cli_help_equals_config_docs(stage, command):
-    config_type = _config(stage)
-    names = {f.name for f in dataclasses.fields(config_type)}
-    hints = typing.get_type_hints(command)
-    config_hints = typing.get_type_hints(config_type)
-    for name, param in inspect.signature(command).parameters.items():
-        if name in CLI_ONLY:
-            continue
-        field = RENAMED.get(name, name)
-        assert field in names, f"{stage}: CLI option {name} has no config field"
-        assert param.default.help == field_help(config_type, field), (stage, name)
-        if typing.get_origin(config_hints[field]) is typing.Literal:
-            assert hints[name] == config_hints[field], (stage, name)  # typer gets the same choices
+@pytest.mark.parametrize("name", [c for c in COMMANDS if c != "run"])
+def test_every_config_field_is_an_option_with_its_doc(name):
+    """Help and choices of each option are the config field's; no other option is declared."""
+    config_type = _config_type(name)
+    params = _params(name)
+    hints = typing.get_type_hints(config_type)
+    text = _help(name)
     for f in dataclasses.fields(config_type):
-        assert f.metadata.get("help"), f"{stage}: config field {f.name} is undocumented"
+        if f.name in LIBRARY_ONLY.get(name, set()):
+            assert f.name not in params
+            continue
+        assert f.metadata.get("help"), f"{name}: config field {f.name} is undocumented"
+        assert params.pop(f.name).help == f.metadata["help"], (name, f.name)
+        if typing.get_origin(hints[f.name]) is Literal:  # --help lists the choices
+            assert "<" + "|".join(typing.get_args(hints[f.name])) + ">" in text, (name, f.name)
+    assert set(params) <= CLI_ONLY, f"{name}: options without a config field: {set(params) - CLI_ONLY}"
+
+
+def test_run_takes_every_stage_option_once():
+    run_params = _params("run")
+    text = _help("run")
+    for stage in ("analyze", "sort", "plan"):
+        hints = typing.get_type_hints(_config_type(stage))
+        for pname, p in _params(stage).items():
+            if pname in ("sources", "output", "metrics_dir", "input", "single_file"):
+                continue
+            assert p.help in run_params[pname].help, (stage, pname)  # shared --seed: "sort: ... plan: ..."
+            if pname in hints and typing.get_origin(hints[pname]) is Literal:
+                assert "<" + "|".join(typing.get_args(hints[pname])) + ">" in text, (stage, pname)
 
 
 def test_library_rejects_a_bad_choice_in_one_line():
@@ -85,3 +84,86 @@ def test_library_rejects_a_bad_choice_in_one_line():
     with pytest.raises(UsageError) as info:
         check_choices(SortConfig(metrics_dir="m", output="o", engine="gpu"))
     assert info.value.message == "--engine must be one of auto, numpy, torch (got 'gpu')"
+
+
+# -- the mechanism, on a config made up here: a new field needs nothing but the field -------------
+@dataclasses.dataclass(frozen=True)
+class _Demo:
+    path: str = doc(help="A path.")
+    output: str = doc(help="Where to write.")
+    count: int = doc(3, "How many.")
+    mode: Literal["fast", "slow"] = doc("fast", "Speed.")
+    cap: int | None = doc(None, "An optional cap.")
+    strict: bool = doc(False, "Refuse more.")
+    colour: bool = doc(True, "Colour the output.")
+    knob: int = doc(7, "A tuning knob of the library.")
+
+
+def _demo_app(seen: list):
+    @config_command(_Demo, fields={"path": Cli(argument=True), "output": Cli(flags=("-o", "--output"))},
+                    library_only=("knob",))
+    def demo(config: _Demo, loud: bool = typer.Option(False, "--loud", help="Shout.")) -> None:
+        """A demo command."""
+        seen.append((config, loud))
+
+    demo_app = typer.Typer()
+    demo_app.command()(demo)
+    return demo_app
+
+
+def test_generated_options_build_the_config():
+    seen: list = []
+    res = CliRunner().invoke(_demo_app(seen), ["in", "-o", "out", "--count", "5", "--mode", "slow", "--strict",
+                                               "--no-colour", "--loud"])
+    assert res.exit_code == 0, res.output
+    assert seen == [(_Demo(path="in", output="out", count=5, mode="slow", cap=None, strict=True, colour=False), True)]
+    seen.clear()
+    assert CliRunner().invoke(_demo_app(seen), ["in", "-o", "out"]).exit_code == 0
+    assert seen == [(_Demo(path="in", output="out"), False)]  # the config's defaults
+
+
+def test_generated_options_refuse_what_the_field_refuses():
+    seen: list = []
+    for args, fragment in ((["in", "-o", "out", "--mode", "warp"], "'warp' is not one of"),
+                           (["in"], "Missing option"),
+                           (["in", "-o", "out", "--knob", "1"], "No such option: --knob")):
+        res = CliRunner().invoke(_demo_app(seen), args)
+        assert res.exit_code == 2 and fragment in res.output, (args, res.output)
+    assert seen == []
+
+
+def test_generated_help_shows_the_field_docs():
+    res = CliRunner().invoke(_demo_app([]), ["--help"], env={"COLUMNS": "400"})
+    text = re.sub(r"\s+", " ", res.output)
+    for needle in ("A path.", "How many. [default: 3]", "<fast|slow>", "--colour --no-colour", "An optional cap.",
+                   "Shout."):
+        assert needle in text, needle
+    assert "An optional cap. [default" not in text and "knob" not in text
+
+
+def test_an_option_declared_twice_is_refused():
+    with pytest.raises(TypeError, match="count declared twice"):
+        @config_command(_Demo)
+        def twice(config: _Demo, count: int = typer.Option(1, "--count", help="How many.")) -> None:
+            pass
+
+
+def test_an_undocumented_field_is_refused():
+    @dataclasses.dataclass(frozen=True)
+    class Bare:
+        value: int = 1
+
+    with pytest.raises(TypeError, match="Bare.value has no help"):
+        config_command(Bare)
+
+
+# -- docs/cli.md ------------------------------------------------------------------------------------
+def test_cli_reference_is_current():
+    """docs/cli.md is the `--help` of every command; regenerate it with `python -m varlen_cli.cli.reference`."""
+    from varlen_cli.cli import reference
+
+    with open(reference.PATH, encoding="utf-8") as f:
+        current = f.read()
+    assert current == reference.render(), "docs/cli.md is stale: run `python -m varlen_cli.cli.reference`"
+    for name in COMMANDS:
+        assert f"## `varlen {name}`" in current

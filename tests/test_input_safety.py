@@ -189,7 +189,67 @@ def _loop_glob(t):
 
 def _fifo(t):
     os.mkfifo(t / "pipe.jsonl")
-    return ["analyze", t / "pipe.jsonl"], 3, f"source {t / 'pipe.jsonl'} is not a regular file"
+    return ["analyze", t / "pipe.jsonl"], 3, f"source {t / 'pipe.jsonl'} is a FIFO (named pipe), not a regular file"
+
+
+FIFO = "is a FIFO (named pipe), not a regular file"
+
+
+def _fifo_plan(command, *extra):
+    def case(t):
+        os.mkfifo(t / "pipe.parquet")
+        return [command, t / "pipe.parquet", *extra], 3, f"plan {t / 'pipe.parquet'} {FIFO}"
+    return case
+
+
+def _fifo_tokenizer(t):
+    os.mkfifo(t / "tokenizer.json")
+    return (["analyze", make_data(t), "--length", "tokens:text", "--tokenizer", t / "tokenizer.json"], 3,
+            f"tokenizer file {t / 'tokenizer.json'} {FIFO}")
+
+
+def _fifo_difficulty_module(t):
+    os.mkfifo(t / "rank.py")  # the test runs in t: --difficulty rank:f imports ./rank.py
+    return (["analyze", make_data(t), "--difficulty", "rank:f"], 3, f"--difficulty module rank.py {FIFO}")
+
+
+def _fifo_memory_profile(t):
+    m = analyzed(t)
+    os.mkfifo(t / "profile.json")
+    return (["plan", m, "-o", t / "p.parquet", "--memory-profile", t / "profile.json", "--max-memory", "1GiB"], 3,
+            f"memory profile {t / 'profile.json'} {FIFO}")
+
+
+def _fifo_sampler_state(t):
+    p = planned(t, analyzed(t))
+    os.mkfifo(t / "state.json")
+    return (["replan", p, "--state", t / "state.json", "--dp", "2", "-o", t / "q.parquet"], 3,
+            f"sampler state {t / 'state.json'} {FIFO}")
+
+
+def _fifo_manifest(t):
+    m = analyzed(t)
+    os.remove(m / "_manifest.json")
+    os.mkfifo(m / "_manifest.json")
+    return ["sort", m, "-o", t / "s"], 3, f"manifest {m / '_manifest.json'} {FIFO}"
+
+
+def _fifo_part(t):
+    m = analyzed(t)
+    os.remove(m / "part-00000.parquet")
+    os.mkfifo(m / "part-00000.parquet")
+    return ["plan", m, "-o", t / "p.parquet", "--max-tokens", "4096"], 3, f"part {m / 'part-00000.parquet'} {FIFO}"
+
+
+def _fifo_hf_config(t):
+    os.mkfifo(t / "config.json")
+    return (["calibrate", "--hf-config", t / "config.json", "-o", t / "profile.json"], 3,
+            f"--hf-config {t / 'config.json'} {FIFO}")
+
+
+def _device_as_source(t):
+    os.symlink("/dev/zero", t / "zero.jsonl")
+    return ["analyze", t / "zero.jsonl"], 3, f"source {t / 'zero.jsonl'} is a character device, not a regular file"
 
 
 def _self_link(t):
@@ -358,6 +418,18 @@ BAD_INPUTS = {
     "symlink loop under a ** glob": _loop_glob,
     # 20: paths that cannot be opened, whoever runs the test (root too)
     "FIFO as a source": _fifo,
+    # issue 23: a FIFO wherever a file is read (each hung before)
+    "FIFO as the plan (inspect)": _fifo_plan("inspect"),
+    "FIFO as the plan (validate)": _fifo_plan("validate"),
+    "FIFO as the plan (simulate)": _fifo_plan("simulate", "--stages", "2"),
+    "FIFO as the tokenizer": _fifo_tokenizer,
+    "FIFO as the difficulty module": _fifo_difficulty_module,
+    "FIFO as the memory profile": _fifo_memory_profile,
+    "FIFO as the sampler state (replan)": _fifo_sampler_state,
+    "FIFO as a manifest": _fifo_manifest,
+    "FIFO as a part": _fifo_part,
+    "FIFO as the --hf-config": _fifo_hf_config,
+    "/dev/zero as a source": _device_as_source,
     "symlink to itself": _self_link,
     "broken symlink in a directory": _broken_link_in_dir,
     # 7: stale inputs

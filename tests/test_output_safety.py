@@ -9,6 +9,7 @@ no temporary or lock is left beside the outputs. docs/commands.md "Output safety
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -195,6 +196,56 @@ def _run_overwrite_foreign_dir(ws):
             "replaces only varlen outputs", ["mine"])
 
 
+def _tokenizer_inside_output(ws):
+    shutil.copy(os.path.join(ROOT, "sample_data", "tokenizer.json"), "m/tokenizer.json")
+    return (["analyze", "src", "-o", "m", "--length", "tokens:text", "--tokenizer", "m/tokenizer.json",
+             "--overwrite"], 4, "output m contains the input m/tokenizer.json; write the output elsewhere", ["m"])
+
+
+def _difficulty_module_inside_output(ws):
+    (ws / "m" / "rank.py").write_text("def f(batch):\n    return [0.0] * batch.num_rows\n")
+    return (["analyze", "src", "-o", "m", "--difficulty", "m.rank:f", "--overwrite"], 4,
+            f"output m contains the input {os.path.join('m', 'rank.py')}; write the output elsewhere", ["m"])
+
+
+def _run_tokenizer_inside_output(ws):
+    shutil.copy(os.path.join(ROOT, "sample_data", "tokenizer.json"), "r/tok.json")
+    return (["run", "src", "-o", "r", "--length", "tokens:text", "--tokenizer", "r/tok.json", "--max-tokens", "256",
+             "--overwrite", "--no-progress"], 4, "output r contains the input r/tok.json; write the output elsewhere",
+            ["r"])
+
+
+def _run_profile_inside_output(ws):
+    (ws / "r" / "profile.json").write_text("{}")
+    return (["run", "src", "-o", "r", "--memory-profile", "r/profile.json", "--max-memory", "1GiB", "--overwrite"], 4,
+            "output r contains the input r/profile.json; write the output elsewhere", ["r"])
+
+
+def _overwrite_varlen_dir_with_user_files(ws):
+    (ws / "m" / "notes.txt").write_text("keep")
+    os.makedirs("m/mine")
+    return (["analyze", "src", "-o", "m", "--length", "words:text", "--overwrite"], 4,
+            "output m holds files varlen did not write (mine, notes.txt); --overwrite replaces only what varlen made: "
+            "move them out first", ["m"])
+
+
+def _sort_overwrite_with_user_file(ws):
+    assert runner.invoke(app, ["sort", "m", "-o", "s"]).exit_code == 0
+    (ws / "s" / "part-00009.parquet").write_text("not varlen's: the manifest does not list it")
+    return (["sort", "m", "-o", "s", "--overwrite"], 4,
+            "output s holds files varlen did not write (part-00009.parquet); --overwrite replaces only what varlen "
+            "made: move them out first", ["s"])
+
+
+def _run_overwrite_with_user_files(ws):
+    (ws / "r" / "metrics" / "notes.txt").write_text("keep")
+    (ws / "r" / "README").write_text("keep")
+    return (["run", "src", "-o", "r", "--length", "words:text", "--max-tokens", "256", "--overwrite",
+             "--no-progress"], 4,
+            f"output r holds files varlen did not write (README, {os.path.join('metrics', 'notes.txt')}); "
+            "--overwrite replaces only what varlen made: move them out first", ["r"])
+
+
 def _overwrite_foreign_file(ws):
     (ws / "notes.parquet").write_text("not a plan")
     return (["plan", "m", "-o", "notes.parquet", "--max-tokens", "256", "--overwrite"], 4,
@@ -321,6 +372,13 @@ CASES = [
     ("--overwrite of a directory varlen did not make", _overwrite_foreign_dir),
     ("run --overwrite of a directory varlen did not make", _run_overwrite_foreign_dir),
     ("--overwrite of a file varlen did not make", _overwrite_foreign_file),
+    ("analyze --overwrite, tokenizer inside the output", _tokenizer_inside_output),
+    ("analyze --overwrite, difficulty module inside the output", _difficulty_module_inside_output),
+    ("run --overwrite, tokenizer inside the output", _run_tokenizer_inside_output),
+    ("run --overwrite, memory profile inside the output", _run_profile_inside_output),
+    ("--overwrite of a varlen directory holding user files", _overwrite_varlen_dir_with_user_files),
+    ("sort --overwrite, a part the manifest does not list", _sort_overwrite_with_user_file),
+    ("run --overwrite, user files in the run and its metrics", _run_overwrite_with_user_files),
     ("directory output is a plan file", _dir_output_is_file),
     ("plan output is a directory", _plan_output_is_dir),
     ("output locked by a live process", _live_lock),
@@ -486,6 +544,85 @@ def test_signalled_run_under_nproc_2_keeps_the_old_output(ws, sig, code, line):
     assert cli("validate", "r/plan.parquet").returncode == 0
 
 
+@pytest.mark.parametrize("args,output", [
+    (["analyze", "src", "-o", "m", "--length", "chars:text", "--overwrite"], "m"),
+    (["plan", "m", "-o", "p.parquet", "--max-tokens", "300", "--overwrite"], "p.parquet"),
+    (["run", "src", "-o", "r", "--max-tokens", "300", "--overwrite", "--no-progress"], "r"),
+], ids=["directory", "plan file", "run directory"])
+def test_a_failing_rename_in_swap_in_keeps_the_old_output(ws, monkeypatch, args, output):
+    """The rename of the new output into place fails (EXDEV, as across filesystems): one line, exit 4,
+    the old output back byte for byte, nothing left beside it. (Catches a swap that deletes the old
+    output before the new one is in place.)"""
+    before = tree_hash(output)
+    real_rename = os.rename
+
+    def rename(src, dst):
+        if safety.TMP_TAG in os.path.basename(src) and os.path.basename(dst) == output:
+            raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), src)
+        return real_rename(src, dst)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "rename", rename)
+        result = runner.invoke(app, args)
+    assert_user_error(result, 4, f"cannot put output {output} in place: {os.strerror(errno.EXDEV)}")
+    assert tree_hash(output) == before and leftovers(str(ws)) == []
+
+
+def _signal_after_the_swap(ws, args, output, sig=signal.SIGTERM):
+    """Run ``args`` paused right after its output was swapped in (``VARLEN_PAUSE=commit.swapped``),
+    signal it there; returns (exit code, stderr)."""
+    before = safety.identity(output)
+    proc = subprocess.Popen([sys.executable, "-m", "varlen_cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(ENV, VARLEN_PAUSE="commit.swapped"), cwd=ws,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler))
+    t0 = time.time()
+    while safety.identity(output) == before:  # the new output is in place: the run is paused just after
+        assert time.time() - t0 < 120 and proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err
+
+
+@pytest.mark.parametrize("sig,what", [(signal.SIGTERM, "terminated"), (signal.SIGINT, "interrupted")])
+def test_signal_just_after_the_swap_reports_success(ws, sig, what):
+    """The new plan was committed when the signal came: exit 0 and a line saying the output is complete
+    (it reported failure before), the plan valid, nothing left beside it."""
+    code, err = _signal_after_the_swap(ws, ["plan", "m", "-o", "p.parquet", "--max-tokens", "300", "--overwrite"],
+                                       "p.parquet", sig)
+    assert code == 0 and err.splitlines() == [f"varlen: {what} after p.parquet was written; it is complete"], err
+    assert json.loads(pq.read_schema("p.parquet").metadata[b"varlen"])["config"]["max_tokens"] == 300
+    assert cli("validate", "p.parquet", "--metrics", "m").returncode == 0 and leftovers(str(ws)) == []
+
+
+@pytest.mark.slow
+def test_signal_to_the_launcher_after_a_worker_swapped(ws):
+    """`analyze --nproc 2`: rank 0 swapped the new metrics in, then the launcher is terminated: exit 0,
+    the new metrics in place, no set-aside old output or temporary left."""
+    def lengths():
+        return pq.read_table("m").column("length").to_numpy()  # every part, in name order
+
+    old = lengths()
+    code, err = _signal_after_the_swap(ws, ["analyze", "src", "-o", "m", "--nproc", "2", "--overwrite",
+                                            "--length", "chars:text"], "m")
+    assert code == 0 and err.splitlines()[-1] == "varlen: terminated after m was written; it is complete", err
+    new = lengths()  # chars, not words: the new metrics
+    assert (new >= old).all() and (new > old).any() and leftovers(str(ws)) == []
+
+
+def test_sigterm_while_printing_the_gantt_chart(ws):
+    """SIGTERM while `simulate --gantt-step` writes its chart (blocked on a full pipe): `varlen: terminated`,
+    exit 143, no traceback (it was an internal error)."""
+    proc = subprocess.Popen([sys.executable, "-m", "varlen_cli", "simulate", "p.parquet", "--stages", "16",
+                             "--schedule", "1f1b", "--gantt-step", "0", "--width", "4096"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV, cwd=ws)
+    assert proc.stdout.read(1)  # printing has begun; the chart (over 64 KiB) fills the pipe and blocks
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and err.decode().splitlines() == ["varlen: terminated"], err[-2000:]
+
+
 @pytest.mark.slow
 def test_killed_worker_leaves_old_output_and_next_run_cleans(ws):
     """SIGKILL (no cleanup possible): the old output stays; the next run removes the temporary."""
@@ -518,8 +655,9 @@ def test_concurrent_runs_to_one_output(ws):
 # -- torchrun ---------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_plan_validate_inspect_under_torchrun(ws):
-    """`torchrun --nproc-per-node 2 -m varlen_cli plan|validate|inspect`: rank 0 works and writes,
-    rank 1 waits and exits 0; the plan equals a one-process plan byte for byte (minus created_at)."""
+    """`torchrun --nproc-per-node 2 -m varlen_cli plan|validate|inspect|simulate|calibrate`: rank 0 works,
+    writes and prints, rank 1 waits and exits 0; the plan equals a one-process plan byte for byte
+    (minus created_at)."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
                 "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "varlen_cli"]
     plan_args = ["plan", "m", "-o", "t.parquet", "--max-tokens", "256", "--dp", "2", "--seed", "3"]
@@ -527,10 +665,16 @@ def test_plan_validate_inspect_under_torchrun(ws):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert cli("plan", "m", "-o", "one.parquet", "--max-tokens", "256", "--dp", "2", "--seed", "3").returncode == 0
     assert pq.read_table(ws / "t.parquet").equals(pq.read_table(ws / "one.parquet"))
-    for args in (["validate", "t.parquet", "--metrics", "m"], ["inspect", "t.parquet", "--json"]):
+    (ws / "hf.json").write_text(json.dumps({"vocab_size": 100, "hidden_size": 32, "intermediate_size": 64,
+                                            "num_hidden_layers": 2, "num_attention_heads": 4}))
+    # only rank 0 prints: each --json is one document (every rank printed one before)
+    for args in (["validate", "t.parquet", "--metrics", "m", "--json"], ["inspect", "t.parquet", "--json"],
+                 ["simulate", "t.parquet", "--stages", "2", "--json"],
+                 ["calibrate", "--hf-config", "hf.json", "-o", "prof.json", "--json"]):
         torchrun[-3] = str(free_port())
         proc = subprocess.run(torchrun + args, capture_output=True, text=True, env=ENV, cwd=ws, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
+        assert isinstance(json.loads(proc.stdout), (dict, list)), args  # raises on a second document
     torchrun[-3] = str(free_port())
     proc = subprocess.run(torchrun + plan_args, capture_output=True, text=True, env=ENV, cwd=ws, timeout=300)
     assert proc.returncode != 0  # the output exists now: every rank reports rank 0's error

@@ -100,3 +100,33 @@ def test_plan_of_a_run_finds_its_metrics_after_the_swap(tmp_path):
     assert proc.returncode == 0, proc.stderr
     replanned = json.loads(pq.read_schema(tmp_path / "r.parquet").metadata[b"varlen"])
     assert replanned["input"]["path"] == str(out / "metrics") and replanned["dp"] == 3
+
+
+def test_run_counts_assistant_tokens_with_target_length(tmp_path):
+    """`varlen run` offers analyze's chat options (--length chat:COLUMN, a tokenizer directory,
+    --target-length): its plan counts the assistant tokens, as analyze + plan do."""
+    from typer.testing import CliRunner
+
+    from tests.formats_helpers import CHAT_TEMPLATE, chat_source, sentencepiece_dir
+    from varlen_cli.cli import app
+
+    pytest.importorskip("transformers")
+    tok_dir = sentencepiece_dir(tmp_path, "LlamaTokenizer", CHAT_TEMPLATE)
+    src, _ = chat_source(tmp_path)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["run", src, "-o", str(out), "--length", "chat:messages", "--tokenizer", tok_dir,
+                                      "--target-length", "assistant", "--lr-scale-by", "tokens", "--dp", "2",
+                                      "--order", "random", "--tail", "drop", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    target = pq.read_table(out / "metrics", columns=["sample_id", "target_length"]).to_pydict()
+    per_id = dict(zip(target["sample_id"], target["target_length"]))
+    rows = pq.read_table(out / "plan.parquet").to_pylist()
+    per_step: dict = {}
+    for r in rows:
+        per_step[r["step"]] = per_step.get(r["step"], 0) + sum(per_id[i] for i in r["sample_ids"])
+    assert all(r["step_loss_tokens"] == per_step[r["step"]] for r in rows)
+    meta = json.loads(pq.read_schema(out / "plan.parquet").metadata[b"varlen"])
+    assert meta["loss_tokens"] == "target_length" and meta["config"]["lr_scale_by"] == "tokens"
+    report = validate(ValidateConfig(str(out / "plan.parquet"), metrics=str(out / "metrics")))
+    loss = next(c for c in report.checks if c.name == "loss tokens")
+    assert report.ok and not loss.skipped

@@ -15,6 +15,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .runtime.files import check_regular
+
 # -- metrics and sorted directories ------------------------------------------------------------------
 MANIFEST_NAME = "_manifest.json"  # "_" so pyarrow datasets skip it
 METRICS_FORMAT = "varlen-metrics"
@@ -23,6 +25,9 @@ METRICS_FORMAT_VERSION = 1
 RUN_MANIFEST_NAME = "_run.json"
 RUN_FORMAT = "varlen-run"
 RUN_FORMAT_VERSION = 1
+#: Metrics column of the tokens that carry loss (``varlen analyze --target-length``); a plan made from
+#: such metrics counts them as its loss tokens (metadata ``loss_tokens``: this name).
+TARGET_LENGTH_COLUMN = "target_length"
 #: Columns of every part of a metrics or sorted directory, in order.
 METRICS_COLUMNS = (("sample_id", pa.int64()), ("length", pa.int64()), ("difficulty", pa.float64()))
 
@@ -35,6 +40,10 @@ def part_name(index: int) -> str:
 def metrics_schema() -> pa.Schema:
     return pa.schema(list(METRICS_COLUMNS))
 
+
+#: A memory profile (``varlen calibrate -o profile.json``, docs/memory.md): a JSON object with this "format".
+MEMORY_PROFILE_FORMAT = "varlen-memory-profile"
+MEMORY_PROFILE_FORMAT_VERSION = 1
 
 # -- plan files --------------------------------------------------------------------------------------
 PLAN_FORMAT = "varlen-plan"
@@ -212,15 +221,39 @@ def plan_metadata_type_problem(meta: dict) -> str | None:
 
 
 def open_plan_file(path: str) -> tuple[pq.ParquetFile, dict]:
-    """A plan file opened for reading and its metadata; :class:`FormatError` for anything else."""
+    """A plan file opened for reading and its metadata; :class:`FormatError` for anything else. A
+    plan in object storage (``s3://...``) is read by range requests (footer, then row groups)."""
+    from . import storage
+
+    if storage.is_remote(path):
+        return _open_remote_plan_file(path)
     if not os.path.exists(path):
         raise FormatError(f"plan file not found: {path}")
     if os.path.isdir(path):
         raise FormatError(f"{path} is a directory, not a plan file (make one with `varlen plan`)")
+    check_regular(path, "plan", FormatError)
     try:
         parquet = pq.ParquetFile(path)
     except Exception as exc:  # pyarrow raises several types for a non-Parquet file
         raise FormatError(f"{path} is not a readable Parquet file: {exc}") from None
+    return parquet, decode_plan_metadata(parquet.schema_arrow, path)
+
+
+def _open_remote_plan_file(path: str) -> tuple[pq.ParquetFile, dict]:
+    from . import storage
+    from .errors import InputError
+
+    try:
+        info = storage.stat(path)
+    except InputError as exc:  # missing, unreachable, denied: one line
+        raise FormatError(exc.message) from None
+    if info.is_dir:
+        raise FormatError(f"{path} is a directory, not a plan file (make one with `varlen plan`)")
+    try:
+        parquet = storage.parquet_file(path, size=info.size)
+    except InputError as exc:  # the object is there (stat): it is no Parquet
+        detail = exc.message.removeprefix(f"cannot read {path}: ")
+        raise FormatError(f"{path} is not a readable Parquet file: {detail}") from None
     return parquet, decode_plan_metadata(parquet.schema_arrow, path)
 
 
@@ -298,10 +331,15 @@ def table_cost(table: pa.Table, budget) -> np.ndarray:
                                   sum_squares)
 
 
-def loss_targets(entry_length, final=None) -> np.ndarray:
+def loss_targets(entry_length, final=None, target=None) -> np.ndarray:
     """Next-token loss targets of each sample entry of a plan (``step_loss_tokens`` sums them per
     step): ``max(l - 1, 0)`` for a whole sample or the last chunk of a split one (``final``, None:
-    every entry), ``l`` for an earlier chunk (its last token's target is the next chunk's first)."""
+    every entry), ``l`` for an earlier chunk (its last token's target is the next chunk's first).
+    ``target``: per entry, the tokens that carry loss as the metrics counted them (their
+    ``target_length`` column, ``varlen analyze --target-length``; every entry is then a whole
+    sample): those, instead of the ones counted from the lengths."""
+    if target is not None:
+        return np.asarray(target, dtype=np.int64)
     length = np.asarray(entry_length, dtype=np.int64)
     whole = np.maximum(length - 1, 0)
     return whole if final is None else np.where(final, whole, length)

@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import format
+from . import format, storage
 from .errors import InputError, UsageError
 from .runtime import artifacts, rank0
+from .runtime.choices import STORAGE_OPTION_HELP, doc
 from .runtime.text import fmt, histogram_lines
 
 SERIES_BINS = 48
@@ -25,38 +26,48 @@ CHART_SCALE = (0.95, 1.05)  # cost / step mean at the lowest and the highest blo
 
 @dataclass(frozen=True)
 class InspectConfig:
-    path: str
-    step: int | None = None
+    """Options of ``varlen inspect``."""
+
+    path: str = doc(help="A metrics directory, a sorted directory or a plan file, local or in object storage "
+                         "(s3://...).")
+    step: int | None = doc(None, "Plans: also show the microbatches of step N.")
+    storage_options: tuple = doc((), STORAGE_OPTION_HELP)
 
 
 def inspect_artifact(config: InspectConfig) -> dict:
     if rank0.needs_group():  # under torchrun: rank 0 reads, the others get its result
         return rank0.on_rank0(inspect_artifact, config)
+    storage.configure(config.storage_options)
     path = config.path
-    if os.path.isdir(path):
+    if _is_directory(path):
         if config.step is not None:
             raise UsageError("--step applies to plans, not to metrics or sorted directories")
         manifest = artifacts.read_manifest(path, what="artifact",
                                            hint="expected a metrics or sorted directory, or a plan")
-        return {"kind": manifest.get("kind", "metrics"), "path": os.path.abspath(path), "manifest": manifest,
+        return {"kind": manifest.get("kind", "metrics"), "path": storage.absolute(path), "manifest": manifest,
                 "balance": _balance([p["rows"] for p in manifest.get("parts", [])])}
-    if not os.path.exists(path):
+    if not storage.is_remote(path) and not os.path.exists(path):
         raise InputError(f"{path} does not exist")
     try:
-        meta, _ = format.read_plan_metadata(path)
+        pf, meta = format.open_plan_file(path)
     except format.FormatError as exc:
         raise InputError(str(exc)) from None
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     try:
-        out = {"kind": "plan", "path": os.path.abspath(path), "metadata": meta,
-               "series": plan_series(pq.ParquetFile(path), meta)}
+        out = {"kind": "plan", "path": storage.absolute(path), "metadata": meta, "series": plan_series(pf, meta)}
         if config.step is not None:
-            out["step"] = _plan_step(path, config.step, int(meta.get("num_steps", 0)))
+            out["step"] = _plan_step(pf, config.step, int(meta.get("num_steps", 0)))
     except (OSError, pa.ArrowException) as exc:  # corrupted pages: the file, not varlen
         raise InputError(f"cannot read plan {path}: {str(exc).strip().splitlines()[0] if str(exc) else exc}") from None
     return out
+
+
+def _is_directory(path: str) -> bool:
+    """A local directory, or an object-storage prefix that is not one object (a plan is one)."""
+    if not storage.is_remote(path):
+        return os.path.isdir(path)
+    return not storage.isfile(path)
 
 
 def _balance(rows: list) -> float:
@@ -66,7 +77,7 @@ def _balance(rows: list) -> float:
 
 def plan_series(pf, meta: dict) -> dict:
     """Per-step tokens, samples, lr_scale and straggler; per-rank totals (no sample ids read) of the
-    plan ``pf`` (an open ``pyarrow.parquet.ParquetFile``).
+    plan ``pf`` (an open ``pyarrow.parquet.ParquetFile``, :func:`varlen_cli.format.open_plan_file`).
 
     The straggler is :func:`varlen_cli.format.straggler` over the cost the plan recorded
     (:func:`varlen_cli.format.plan_budget`), so it matches the plan's own statistics. The plan is read
@@ -167,13 +178,11 @@ def _binned(values: np.ndarray) -> dict:
     return out
 
 
-def _plan_step(path: str, step: int, num_steps: int) -> list:
+def _plan_step(pf, step: int, num_steps: int) -> list:
     import pyarrow.compute as pc
-    import pyarrow.parquet as pq
 
     if step < 0 or step >= num_steps:
         raise UsageError(f"--step {step} is outside the plan's steps 0..{num_steps - 1}")
-    pf = pq.ParquetFile(path)
     step_col = pf.schema_arrow.get_field_index("step")
     rows = []
     for rg in range(pf.num_row_groups):

@@ -37,8 +37,10 @@ class PlanArrays:
     seqlen, batch_size, tokens, lr_scale, shape_id, step_samples, step_tokens and, when present,
     step_loss_tokens), the list columns flattened (``ids``; packed plans ``lengths``, ``rows``,
     ``starts``; mixtures ``source``) with their CSR ``offsets``, and, when known (``--metrics``, the
-    planner), ``sample_length``: each entry's whole sample length. ``first_row``: the plan row of the
-    first row (a window of a larger plan; whole steps)."""
+    planner), ``sample_length``: each entry's whole sample length, and ``sample_target``: each
+    entry's loss tokens as the metrics counted them (their ``target_length``; plans whose metadata
+    says ``loss_tokens: target_length``). ``first_row``: the plan row of the first row (a window of a
+    larger plan; whole steps)."""
 
     cols: dict
     offsets: np.ndarray
@@ -48,6 +50,7 @@ class PlanArrays:
     starts: np.ndarray | None = None
     source: np.ndarray | None = None
     sample_length: np.ndarray | None = None
+    sample_target: np.ndarray | None = None
     first_row: int = 0
     _final: np.ndarray | None = field(default=None, repr=False)
 
@@ -823,7 +826,7 @@ class Lr:
         self.mode = meta.get("lr_scaling", cfg.get("lr_scaling", "none"))
         self.by = meta.get("lr_scale_by", cfg.get("lr_scale_by", "samples"))
         self.base = meta.get("base_batch_size")
-        self.trained_only = meta.get("loss_tokens") == "target_length"
+        self.trained_only = meta.get("loss_tokens") == format.TARGET_LENGTH_COLUMN
         self.unknowable = unknowable
         self.nonfinite = self.bad = 0
 
@@ -921,50 +924,53 @@ class Straggler:
 
 
 class LossTokens:
-    """``step_loss_tokens`` (when the plan has it) against the targets counted from the lengths
-    (:func:`varlen_cli.format.loss_targets`)."""
+    """``step_loss_tokens`` (when the plan has it) against the targets counted from the lengths, or
+    from the metrics' ``target_length`` for plans that count it (:func:`varlen_cli.format.loss_targets`)."""
 
     def __init__(self, unknowable: bool, target_length: bool = False):
         self.unknowable, self.target_length = unknowable, target_length
-        self.present = self.lengths = True
+        self.present = self.known = True  # known: every window came with what the targets are counted from
         self.bad, self.steps = 0, Examples()
 
     def update(self, a: PlanArrays, final: np.ndarray | None) -> None:
-        c = a.cols
-        if self.target_length:
-            return
-        if "step_loss_tokens" not in c:
+        if "step_loss_tokens" not in a.cols:
             self.present = False
             return
-        entry_len = a.lengths if a.lengths is not None else a.sample_length
-        if entry_len is None:
-            self.lengths = False
-            return
-        if self.unknowable:
-            return
-        if final is None and (not len(entry_len) or int(entry_len.min()) > 0):  # l - 1 per entry, in one pass
-            targets = segment_reduce(np.add, entry_len, a.offsets) - np.diff(a.offsets)
+        if self.target_length:  # analyze --target-length: not derived from the lengths
+            if a.sample_target is None:
+                self.known = False
+                return
+            targets = segment_reduce(np.add, format.loss_targets(None, target=a.sample_target), a.offsets)
         else:
-            targets = segment_reduce(np.add, format.loss_targets(entry_len, final), a.offsets)
-        step = c["step"].astype(np.int64)
-        bad = _step_sums(step, targets).astype(np.int64) != c["step_loss_tokens"]
+            entry_len = a.lengths if a.lengths is not None else a.sample_length
+            if entry_len is None:
+                self.known = False
+                return
+            if self.unknowable:
+                return
+            if final is None and (not len(entry_len) or int(entry_len.min()) > 0):  # l - 1 per entry, in one pass
+                targets = segment_reduce(np.add, entry_len, a.offsets) - np.diff(a.offsets)
+            else:
+                targets = segment_reduce(np.add, format.loss_targets(entry_len, final), a.offsets)
+        step = a.cols["step"].astype(np.int64)
+        bad = _step_sums(step, targets).astype(np.int64) != a.cols["step_loss_tokens"]
         self.bad += int(bad.sum())
         self.steps.add(bad, step)
 
     def result(self) -> Check:
-        if self.target_length:  # analyze --target-length: not derived from the lengths
-            return Check("loss tokens", True, "the plan counts the metrics' target_length (assistant tokens), not "
-                         "lengths", skipped=True)
         if not self.present:
             return Check("loss tokens", True, "plan has no step_loss_tokens column (older plan)", skipped=True)
-        if not self.lengths:
-            return Check("loss tokens", True, "needs --metrics for a padded plan", skipped=True)
-        if self.unknowable:
+        if not self.known:
+            return Check("loss tokens", True, "needs --metrics: the plan counts the metrics' target_length "
+                         "(assistant tokens)" if self.target_length else "needs --metrics for a padded plan",
+                         skipped=True)
+        if self.unknowable and not self.target_length:
             return Check("loss tokens", True, "needs --metrics for the first epoch of a replanned --split-long plan",
                          skipped=True)
         if self.bad:
             return Check("loss tokens", False, f"step_loss_tokens wrong in {self.bad} rows (e.g. steps {self.steps})")
-        return Check("loss tokens", True, "step_loss_tokens = targets counted from the samples' lengths")
+        what = "the metrics' target_length" if self.target_length else "the samples' lengths"
+        return Check("loss tokens", True, f"step_loss_tokens = targets counted from {what}")
 
 
 # -- the driver ------------------------------------------------------------------------------------------
@@ -993,7 +999,7 @@ class PlanChecks:
         self.coverage, self.budget_check = Coverage(meta, split), BudgetCheck(meta, self.budget)
         self.shapes, self.steps, self.lr = Shapes(meta), StepTotals(unknowable), Lr(meta, unknowable)
         self.straggler = Straggler(meta, self.budget)
-        self.loss = LossTokens(unknowable, meta.get("loss_tokens") == "target_length")
+        self.loss = LossTokens(unknowable, meta.get("loss_tokens") == format.TARGET_LENGTH_COLUMN)
         self.memory = [] if (max_memory is not None or profile_path is not None or meta.get("memory")) else None
         self.memory_args = (max_memory, profile_path)
         self.broken = False  # list columns that disagree, negative ids: only layout and counts are meaningful

@@ -24,7 +24,7 @@ from . import format, storage
 from .analyze import AnalyzeConfig
 from .errors import UsageError
 from .runtime import artifacts, safety
-from .runtime.choices import Device, check_choices
+from .runtime.choices import Device, check_choices, doc
 from .runtime.dist import run_distributed, session
 from .runtime.executor import run_in_session
 
@@ -43,8 +43,8 @@ class RunConfig:
     ``--packing``) to the larger of 16384 and the longest sample (rounded up to ``pad_multiple``).
     """
 
-    sources: tuple
-    output: str
+    sources: tuple = doc(help="Sources, as for `varlen analyze`: files, directories, globs.")
+    output: str = doc(help="Output directory: metrics/, sorted/ (when the order needs it), plan.parquet, _run.json.")
     analyze: dict = field(default_factory=dict)
     sort: dict = field(default_factory=dict)
     plan: dict = field(default_factory=dict)
@@ -118,7 +118,7 @@ def run(config: RunConfig) -> RunResult | None:
         raise UsageError(f"varlen run writes a local output directory, not {config.output}; run analyze and sort "
                          "with -o URL instead")
     out = os.path.abspath(config.output)
-    safety.check_no_overlap(config.output, config.sources)
+    safety.check_no_overlap(config.output, safety.stage_inputs(config))
     safety.check_replaceable(config.output, config.overwrite, "dir")
     if config.nproc == 1:  # in this process, or one rank of torchrun: rank 0 locks in _run_worker
         return run_distributed(_run_worker, config, 1)
@@ -134,7 +134,7 @@ def _run_worker(config: RunConfig) -> RunResult | None:
     """Every stage writes inside one temporary directory beside OUT, swapped in when all succeeded."""
     t0 = time.perf_counter()
     out = os.path.abspath(config.output)
-    with session(config.device) as d, artifacts.atomic_dir_for_group(d, out, config.overwrite) as tmp:
+    with session(config.device) as d, artifacts.atomic_dir_for_group(d, config.output, config.overwrite) as tmp:
         result = _run_stages(replace(config, output=tmp.tmp), d, t0, final=out)
         if d.is_main:
             tmp.commit()

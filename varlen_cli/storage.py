@@ -34,8 +34,8 @@ cached per scheme and options):
 ``is_remote(loc)``                      True for a URL that is not a local ``file://`` path
 ``local_path(loc)``                     a ``file://`` URL as a plain path (others unchanged)
 ``join(base, *names)``, ``parent(loc)``, URL-aware path arithmetic (``os.path`` for local paths);
-``name(loc)``, ``relpath(loc, base)``,  ``common_root`` is the deepest folder holding all locations
-``common_root(locs)``
+``name(loc)``, ``relpath(loc, base)``,  ``common_root`` is the deepest folder holding all locations,
+``common_root(locs)``, ``absolute(loc)`` ``absolute`` what artifacts record (an absolute path or the URL)
 ``stat(loc, options)``                  :class:`FileInfo` (size, etag, version, mtime_ns, is_dir);
                                         InputError when missing or unreachable
 ``exists(loc)``, ``isdir(loc)``,        cheap probes (errors other than "not found" still raise)
@@ -48,7 +48,9 @@ cached per scheme and options):
 ``arrow_filesystem(loc, options)``      ``(pyarrow.fs.FileSystem, path)``: for ``pq.ParquetFile(path,
                                         filesystem=fs)``, ``pyarrow.dataset``...
 ``parquet_file(loc, options, size)``    a ``pyarrow.parquet.ParquetFile`` (footer and row groups by range;
-                                        a known ``size`` saves the request that asks for it)
+                                        a known ``size`` saves the request that asks for it; a known
+                                        ``metadata`` the footer's)
+``parquet_footer(loc, size, options)``  ``(footer bytes, FileMetaData)`` from one tail read (64 KiB)
 ``filesystem(loc, options)``            ``(fsspec filesystem, path in it)``: anything not covered above
 ``write_bytes(loc, data)``,             outputs (used by :mod:`varlen_cli.runtime.remote_output`)
 ``remove(loc, recursive)``
@@ -71,6 +73,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import InputError, OutputError, UsageError, VarlenError
+from .runtime.files import check_regular, open_regular
 
 # URL scheme -> (module to import, extra that installs it).
 EXTRAS: dict[str, tuple[str, str]] = {
@@ -168,6 +171,11 @@ def common_root(locs: Sequence[str]) -> str:
             break
         common.append(parts[0])
     return head + "/".join(common)
+
+
+def absolute(loc: str) -> str:
+    """A location as artifacts record it: an absolute local path, or the URL without a trailing ``/``."""
+    return str(loc).rstrip("/") if is_remote(loc) else os.path.abspath(local_path(loc))
 
 
 def under(loc: str, root: str) -> str:
@@ -426,7 +434,7 @@ def open_input(loc: str, options: Options = None, block_size: int = 1 << 20):
     """A seekable binary file; remote reads are range requests of ``block_size`` (no download)."""
     if not is_remote(loc):
         try:
-            return open(local_path(loc), "rb")
+            return open_regular(local_path(loc), "rb")  # a FIFO or a device is refused, never read
         except OSError as exc:
             raise InputError(f"{loc} is not readable: {exc.strerror}") from None
     fs, path = filesystem(loc, options)
@@ -440,7 +448,7 @@ def read_range(loc: str, start: int, stop: int, options: Options = None) -> byte
         return b""
     if not is_remote(loc):
         try:
-            with open(local_path(loc), "rb") as fh:
+            with open_regular(local_path(loc), "rb") as fh:
                 fh.seek(start)
                 return fh.read(stop - start)
         except OSError as exc:
@@ -454,7 +462,7 @@ def read_bytes(loc: str, options: Options = None) -> bytes:
     """The whole object (manifests, ``state.json``: small files)."""
     if not is_remote(loc):
         try:
-            with open(local_path(loc), "rb") as fh:
+            with open_regular(local_path(loc), "rb") as fh:
                 return fh.read()
         except OSError as exc:
             raise InputError(f"{loc} is not readable: {exc.strerror}") from None
@@ -473,18 +481,41 @@ def arrow_filesystem(loc: str, options: Options = None) -> tuple[Any, str]:
     return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path
 
 
-def parquet_file(loc: str, options: Options = None, size: int | None = None):
-    """A ``pyarrow.parquet.ParquetFile``; remote: the footer and each row group by range requests."""
+def parquet_file(loc: str, options: Options = None, size: int | None = None, metadata=None):
+    """A ``pyarrow.parquet.ParquetFile``; remote: the footer and each row group by range requests.
+    ``metadata`` (from :func:`parquet_footer`): the footer is not read again."""
     import pyarrow.parquet as pq
 
     if not is_remote(loc):
-        return pq.ParquetFile(local_path(loc))
+        check_regular(local_path(loc))
+        return pq.ParquetFile(local_path(loc), metadata=metadata)
     fs, path = filesystem(loc, options)
     with translate_errors(loc):
         # No read-ahead cache: pyarrow asks for exactly the footer and the column chunks it needs,
         # each one range request (s3fs's default 50 MB read-ahead would fetch whole files).
         kwargs = {"size": size} if size is not None and scheme(loc) in ("s3", "s3a") else {}
-        return pq.ParquetFile(fs.open(path, "rb", cache_type="none", **kwargs))
+        return pq.ParquetFile(fs.open(path, "rb", cache_type="none", **kwargs), metadata=metadata)
+
+
+PARQUET_TAIL = 64 << 10  # bytes of a Parquet file's end read at once: the footer of almost every file
+
+
+def parquet_footer(loc: str, size: int, options: Options = None) -> tuple[bytes, Any]:
+    """``(footer bytes, pyarrow FileMetaData)`` of the Parquet file ``loc`` of ``size`` bytes from one
+    read of its last 64 KiB (a second one only for a longer footer); InputError when it is no Parquet."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tail = read_range(loc, max(0, size - PARQUET_TAIL), size, options)
+    n = int.from_bytes(tail[-8:-4], "little") if len(tail) >= 8 else -1
+    if len(tail) < 12 or tail[-4:] != b"PAR1" or not 0 < n <= size - 12:
+        raise InputError(f"cannot read Parquet file {loc}: not a Parquet file (no footer at its end)")
+    footer = tail[-8 - n:-8] if n + 8 <= len(tail) else read_range(loc, size - 8 - n, size - 8, options)
+    try:  # the footer alone, framed as a file: pyarrow parses the metadata without the data pages
+        metadata = pq.read_metadata(pa.BufferReader(b"PAR1" + footer + tail[-8:]))
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a damaged footer
+        raise InputError(f"cannot read Parquet file {loc}: {_first_line(exc)}") from None
+    return footer, metadata
 
 
 def fingerprint_fields(info: FileInfo) -> dict[str, Any]:

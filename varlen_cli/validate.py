@@ -14,10 +14,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import format
+from . import format, storage
 from .errors import InputError, UsageError
 from .plan_checks import Check, PlanArrays
 from .runtime import artifacts, freshness, rank0
+from .runtime.choices import ALLOW_STALE_HELP, STORAGE_OPTION_HELP, doc
+
+TARGET_COLUMN = format.TARGET_LENGTH_COLUMN
 
 __all__ = ["Check", "ValidateConfig", "ValidateResult", "validate"]
 
@@ -26,11 +29,15 @@ __all__ = ["Check", "ValidateConfig", "ValidateResult", "validate"]
 class ValidateConfig:
     """Options of ``varlen validate``."""
 
-    plan: str
-    metrics: str | None = None
-    allow_stale: bool = False
-    max_memory: str | None = None  # check predicted peaks (docs/memory.md)
-    memory_profile: str | None = None
+    plan: str = doc(help="Plan Parquet file written by `varlen plan` (local or an s3://... object).")
+    metrics: str | None = doc(None, "Metrics or sorted directory the plan was built from (local or an s3://... "
+                                    "prefix): also checks the fingerprint, seqlens, token counts and loss tokens.")
+    max_memory: str | None = doc(None, "Also check that no microbatch's predicted peak exceeds this (e.g. 70GiB; "
+                                       "default: the plan's own --max-memory).")
+    memory_profile: str | None = doc(None, "Memory profile for --max-memory (default: the one the plan was made "
+                                           "with).")
+    allow_stale: bool = doc(False, ALLOW_STALE_HELP)
+    storage_options: tuple = doc((), STORAGE_OPTION_HELP)
 
 
 @dataclass
@@ -47,13 +54,13 @@ class ValidateResult:
         return [c for c in self.checks if not c.ok]
 
 
-def _read_plan_metadata(path: str) -> tuple[dict, object]:
-    """The plan's metadata and Parquet schema (:func:`varlen_cli.format.read_plan_metadata`); an
-    :class:`InputError` for anything else."""
-    if not os.path.exists(path):
+def _open_plan(path: str):
+    """The plan's open Parquet file and metadata (:func:`varlen_cli.format.open_plan_file`; local or in
+    object storage); an :class:`InputError` for anything else."""
+    if not storage.is_remote(path) and not os.path.exists(path):
         raise InputError(f"plan {path} does not exist")
     try:
-        return format.read_plan_metadata(path)
+        return format.open_plan_file(path)
     except format.FormatError as exc:
         raise InputError(str(exc)) from None
 
@@ -62,14 +69,16 @@ def validate(config: ValidateConfig) -> ValidateResult:
     """Check a plan; returns every check's outcome (``result.ok`` when all hold)."""
     if rank0.needs_group():  # under torchrun: rank 0 checks, the others wait for its result
         return rank0.on_rank0(validate, config)
-    meta, schema = _read_plan_metadata(config.plan)
+    storage.configure(config.storage_options)
+    pf, meta = _open_plan(config.plan)
+    schema = pf.schema_arrow
     problems = format.plan_schema_problems(schema, meta)
     result = ValidateResult(config.plan)
     result.checks.append(Check("columns", not problems, "; ".join(problems) if problems else
                                f"{len(schema.names)} columns"))
     if problems:
         return result
-    lengths = None
+    per_id = None
     if config.metrics:
         if meta.get("mixture"):
             raise UsageError("--metrics does not apply to a mixture plan (varlen plan --mix): it has one input per "
@@ -83,25 +92,24 @@ def validate(config: ValidateConfig) -> ValidateResult:
                                        f"{LENGTHS_IN_MEMORY:,} samples; {config.metrics} has "
                                        f"{int(manifest['num_rows']):,}: checked without them", skipped=True))
         elif fp.ok:  # lengths of another dataset would only produce noise
-            lengths = _metrics_lengths(config.metrics, manifest)
-    result.checks += _scan(config, meta, lengths)
+            per_id = _metrics_per_id(meta, config.metrics, manifest)
+    result.checks += _scan(config, pf, meta, per_id)
     return result
 
 
 LENGTHS_IN_MEMORY = 1 << 28  # --metrics lengths held for the checks (int32: 1 GiB)
 
 
-def _scan(config: ValidateConfig, meta: dict, lengths: np.ndarray | None) -> list[Check]:
+def _scan(config: ValidateConfig, pf, meta: dict, per_id: dict | None) -> list[Check]:
     """Every check of :mod:`varlen_cli.plan_checks`, the plan read in windows of whole steps (bounded
-    memory: one window, a bitmap per epoch; issue 25)."""
+    memory: one window, a bitmap per epoch; issue 25). ``per_id``: the metrics' columns by sample id
+    (:func:`_metrics_per_id`), or None."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     from . import plan_scan
     from .plan_checks import PlanChecks, split_info
 
     try:
-        pf = pq.ParquetFile(config.plan)
         slots = int(meta["dp"]) * int(meta["grad_accum"])
         names = pf.schema_arrow.names
         scalars = [c for c in names if c not in format.PLAN_LIST_COLUMNS]
@@ -109,18 +117,18 @@ def _scan(config: ValidateConfig, meta: dict, lengths: np.ndarray | None) -> lis
 
         def arrays():
             for w in plan_scan.windows(pf, scalars, lists, slots):
-                yield window_arrays(w, lengths)
+                yield window_arrays(w, per_id)
 
         split = None
-        if "sample_starts" in names and lengths is None:  # which chunk ends a split sample, without lengths
+        if "sample_starts" in names and per_id is None:  # which chunk ends a split sample, without lengths
             split = split_info((window_arrays(w, None) for w in
                                 plan_scan.windows(pf, ["epoch"], [c for c in lists if c != "sample_rows"], slots)),
                                meta)
-        checks = PlanChecks(meta, split=split, lengths=lengths is not None, max_memory=config.max_memory,
+        checks = PlanChecks(meta, split=split, lengths=per_id is not None, max_memory=config.max_memory,
                             profile_path=config.memory_profile)
         over = (meta.get("dropped") or {}).get("too_long_over")
-        if lengths is not None and over is not None and checks.error is None:  # too-long samples counted, not listed
-            checks.coverage.long_samples(np.flatnonzero(lengths > int(over)))
+        if per_id is not None and over is not None and checks.error is None:  # too-long samples counted, not listed
+            checks.coverage.long_samples(np.flatnonzero(per_id["length"] > int(over)))
         for a in arrays():
             checks.update(a)
         return checks.results()
@@ -129,9 +137,9 @@ def _scan(config: ValidateConfig, meta: dict, lengths: np.ndarray | None) -> lis
             from None
 
 
-def window_arrays(w, lengths: np.ndarray | None) -> PlanArrays:
+def window_arrays(w, per_id: dict | None) -> PlanArrays:
     """A window of a plan file (:mod:`varlen_cli.plan_scan`) as :class:`~varlen_cli.plan_checks.PlanArrays`;
-    ``lengths``: per sample id (``--metrics``)."""
+    ``per_id``: the metrics' ``length`` (and ``target_length``) per sample id (``--metrics``)."""
     offsets, ids = w.lists["sample_ids"]
     ids = ids.astype(np.int64, copy=False)
 
@@ -146,8 +154,11 @@ def window_arrays(w, lengths: np.ndarray | None) -> PlanArrays:
 
     a = PlanArrays(w.cols, offsets, ids, flat("sample_lengths"), flat("sample_rows"), flat("sample_starts"),
                    flat("source"), first_row=w.first_row)
-    if lengths is not None and (not len(ids) or (int(ids.min()) >= 0 and int(ids.max()) < len(lengths))):
-        a.sample_length = lengths[ids].astype(np.int64)  # else ids outside the metrics: the coverage check says so
+    if per_id is not None and (not len(ids) or (int(ids.min()) >= 0 and int(ids.max()) < len(per_id["length"]))):
+        # else ids outside the metrics: the coverage check says so
+        a.sample_length = per_id["length"][ids].astype(np.int64)
+        if TARGET_COLUMN in per_id:
+            a.sample_target = per_id[TARGET_COLUMN][ids].astype(np.int64)
     return a
 
 
@@ -167,16 +178,33 @@ def _check_fingerprint(meta: dict, manifest: dict, metrics_path: str) -> Check:
     return Check("fingerprint", True, f"dataset {have_digest}")
 
 
-def _metrics_lengths(path: str, manifest: dict) -> np.ndarray:
-    """Length per sample id of a metrics or sorted directory; an InputError when its ids are not 0..N-1."""
+def _metrics_per_id(meta: dict, path: str, manifest: dict) -> dict[str, np.ndarray]:
+    """The metrics' ``length`` by sample id (and its ``target_length``, for plans that count it as their
+    loss tokens; a plan that says so without such a column is an input error)."""
+    columns = ["length"]
+    if meta.get("loss_tokens") == TARGET_COLUMN:
+        if TARGET_COLUMN not in (manifest.get("columns") or {}):
+            raise InputError(f"the plan counts the metrics' {TARGET_COLUMN} as its loss tokens, but {path} has no "
+                             f"{TARGET_COLUMN} column (analyze --target-length); pass the metrics the plan was made "
+                             "from")
+        columns.append(TARGET_COLUMN)
+    return _metrics_columns(path, manifest, columns)
+
+
+def _metrics_columns(path: str, manifest: dict, columns: list[str]) -> dict[str, np.ndarray]:
+    """``columns`` of a metrics or sorted directory indexed by sample id; an InputError when its ids are
+    not 0..N-1."""
     n = int(manifest["num_rows"])
-    table = artifacts.read_row_range(path, manifest, 0, n, ["sample_id", "length"])
+    table = artifacts.read_row_range(path, manifest, 0, n, ["sample_id", *columns])
     ids = table.column("sample_id").to_numpy()
     if len(ids) != n or (n and (int(ids.min()) < 0 or int(ids.max()) >= n)) or \
             (n and len(np.unique(ids)) != n):
         raise InputError(f"{path} does not hold each sample_id 0..{n - 1} once: it is not the metrics of a plan's "
                          "input (re-run `varlen analyze`)")
-    lengths = np.zeros(n, dtype=np.int32 if n and int(table.column("length").to_numpy().max()) < 1 << 31
-                       else np.int64)
-    lengths[ids] = table.column("length").to_numpy()
-    return lengths
+    out = {}
+    for name in columns:
+        values = table.column(name).to_numpy()
+        fits = not n or (int(values.min()) >= -(1 << 31) and int(values.max()) < 1 << 31)
+        out[name] = np.zeros(n, dtype=np.int32 if fits else np.int64)  # int32: 4 bytes a sample at 1B
+        out[name][ids] = values
+    return out

@@ -56,6 +56,17 @@ CASES = {
     "not utf-8 text": lambda t: (
         [str((t / "bad.txt").write_bytes(b"ok\n\xff\xfe\n") and t / "bad.txt")], f"{t / 'bad.txt'} is not valid UTF-8 "
                                                                                  "text", 3),
+    # the same bytes as "not utf-8 text", in a JSON string: accepted before (and an internal error with tokens)
+    "not utf-8 jsonl": lambda t: (
+        [str((t / "bad.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "\xff\xfe"}\n') and t / "bad.jsonl")],
+        f"invalid JSONL in {t / 'bad.jsonl'} (bytes 0-30): not valid UTF-8", 3),
+    "not utf-8 jsonl, tokens": lambda t: (
+        [str((t / "bad.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "\xff\xfe"}\n') and t / "bad.jsonl"),
+         "--length", "tokens:text", "--tokenizer", sample("tokenizer.json")],
+        f"invalid JSONL in {t / 'bad.jsonl'} (bytes 0-30): not valid UTF-8", 3),
+    "not utf-8 jsonl.gz": lambda t: (
+        [str((t / "bad.jsonl.gz").write_bytes(gzip.compress(b'{"text": "\xff"}\n')) and t / "bad.jsonl.gz")],
+        f"invalid JSONL in {t / 'bad.jsonl.gz'} (file): not valid UTF-8", 3),
     "DatasetDict directory": lambda t: (
         [str(_dataset_dict(t))],
         f"{t / 'dd'} is a Hugging Face DatasetDict; pass one split directory (test, train)", 3),

@@ -4,7 +4,6 @@ lengths, against files written by each format's own library and against ``AutoTo
 from __future__ import annotations
 
 import gzip
-import json
 import os
 import re
 import shutil
@@ -12,17 +11,23 @@ import shutil
 import numpy as np
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from tests.analyze_helpers import ipc_bytes, leftovers, run
 from tests.conftest import assert_user_error
 from tests.formats_helpers import (
+    CHAT_TEMPLATE,
     MDS_FIXTURES,
+    TEXTS,
+    chat_source,
     make_mds_fixtures,
     mds_samples,
     mds_writer,
     megatron_builder,
     random_docs,
+    sentencepiece_dir,
     wds_samples,
     write_megatron,
     write_webdataset,
@@ -145,6 +150,36 @@ def test_megatron_index_reader_inverse():
         assert megatron.documents(idx, 1, 3).tolist() == [0, 2]
 
 
+@settings(max_examples=60, deadline=None)
+@given(docs=st.lists(st.integers(0, 4), min_size=1, max_size=60), cut=st.data(), crowded=st.booleans())
+def test_megatron_documents_equal_a_search_of_the_boundaries(tmp_path_factory, docs, cut, crowded):
+    """The document of every sequence of any unit is the last boundary at or below it: documents of
+    0 to 4 sequences (empty ones included), one-sequence documents (the arange path), and boundaries
+    crowded at one end (the interpolated read misses: the binary search path)."""
+    sizes = ([1] * 50 + docs) if crowded else docs
+    n = sum(sizes)
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    path = str(tmp_path_factory.mktemp("idx") / "x.idx")
+    megatron.write_index(path, np.ones(n, np.int32), starts)
+    idx = megatron.read_index(path, os.path.getsize(path))
+    a = cut.draw(st.integers(0, n))
+    b = cut.draw(st.integers(a, n))
+    want = np.searchsorted(starts, np.arange(a, b), "right") - 1
+    assert megatron.documents(idx, a, b).tolist() == want.tolist()
+
+
+def test_megatron_documents_far_from_an_even_spread(tmp_path):
+    """20,000 one-sequence documents, then one of 20,000 sequences: the interpolated guess of a unit's
+    boundaries misses (binary search instead), the same documents either way."""
+    starts = np.concatenate([np.arange(20_001), [40_000]])
+    path = str(tmp_path / "x.idx")
+    megatron.write_index(path, np.ones(40_000, np.int32), starts)
+    idx = megatron.read_index(path, os.path.getsize(path))
+    for a, b in ((30_000, 30_010), (19_990, 20_010), (0, 40_000), (5, 9)):
+        want = np.searchsorted(starts, np.arange(a, b), "right") - 1
+        assert megatron.documents(idx, a, b).tolist() == want.tolist()
+
+
 # -- MDS -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["raw", "zstd", "gz"])
 def test_mds_columns_and_lengths(tmp_path, kind):
@@ -265,38 +300,11 @@ def test_webdataset_missing_member_is_one_line(tmp_path):
 
 
 # -- tokenizer directories and chat ----------------------------------------------------------------
-TEXTS = ["hello world this is a test", "the quick brown fox jumps over the lazy dog", "ünïcödé 日本語 text",
-         "assistant user system"] * 30
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}<|assistant|>\n"
-            "{% generation %}{{ m['content'] }}{{ eos_token }}{% endgeneration %}\n"
-            "{% else %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endif %}{% endfor %}")
-
-
-def _sentencepiece_dir(tmp_path, tokenizer_class: str, chat_template: str | None = None) -> str:
-    """A tokenizer directory with only a sentencepiece model (no tokenizer.json), trained here."""
-    import io
-
-    spm = pytest.importorskip("sentencepiece")
-    model = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(TEXTS), model_writer=model, vocab_size=40,
-                                   model_type="unigram", character_coverage=1.0, bos_id=1, eos_id=2, unk_id=0,
-                                   pad_id=-1, minloglevel=2, hard_vocab_limit=False)
-    folder = tmp_path / f"tok-{tokenizer_class}"
-    folder.mkdir()
-    (folder / "tokenizer.model" if tokenizer_class == "LlamaTokenizer" else folder / "spiece.model").write_bytes(
-        model.getvalue())
-    config = {"tokenizer_class": tokenizer_class, "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
-    if chat_template:
-        config["chat_template"] = chat_template
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return str(folder)
-
-
 @pytest.mark.parametrize("cls", ["LlamaTokenizer", "T5Tokenizer"])
 def test_sentencepiece_directory_gives_autotokenizer_lengths(tmp_path, cls):
     from transformers import AutoTokenizer
 
-    tok_dir = _sentencepiece_dir(tmp_path, cls)
+    tok_dir = sentencepiece_dir(tmp_path, cls)
     assert not os.path.exists(os.path.join(tok_dir, "tokenizer.json"))
     texts = [t * (i % 4) for i, t in enumerate(TEXTS)]
     src = tmp_path / "t.parquet"
@@ -309,23 +317,12 @@ def test_sentencepiece_directory_gives_autotokenizer_lengths(tmp_path, cls):
         assert got.column("length").to_pylist() == want
 
 
-def _chat_source(tmp_path, as_json: bool = False):
-    convs = [[{"role": "system", "content": "be nice"}, {"role": "user", "content": "hello world " * i},
-              {"role": "assistant", "content": "the lazy dog " * (i % 5)},
-              {"role": "user", "content": "ünï"}, {"role": "assistant", "content": "fox " * (i % 3)}]
-             for i in range(25)]
-    column = [json.dumps(c) for c in convs] if as_json else convs
-    path = tmp_path / ("chat_json.parquet" if as_json else "chat.parquet")
-    pa.parquet.write_table(pa.table({"messages": column}), path, row_group_size=7)
-    return str(path), convs
-
-
 @pytest.mark.parametrize("as_json", [False, True])
 def test_chat_lengths_and_assistant_targets_equal_apply_chat_template(tmp_path, as_json):
     from transformers import AutoTokenizer
 
-    tok_dir = _sentencepiece_dir(tmp_path, "LlamaTokenizer", TEMPLATE)
-    src, convs = _chat_source(tmp_path, as_json)
+    tok_dir = sentencepiece_dir(tmp_path, "LlamaTokenizer", CHAT_TEMPLATE)
+    src, convs = chat_source(tmp_path, as_json)
     res, got = run(tmp_path / "o", src, length="chat:messages", tokenizer=tok_dir, target_length="assistant")
     tok = AutoTokenizer.from_pretrained(tok_dir)
     one = [tok.apply_chat_template(c, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
@@ -358,13 +355,13 @@ CHAT_ERRORS = {
 @pytest.mark.parametrize("case", sorted(CHAT_ERRORS))
 def test_chat_errors(tmp_path, case):
     args, message, code = CHAT_ERRORS[case]
-    src, _ = _chat_source(tmp_path)
+    src, _ = chat_source(tmp_path)
     dirs = {}
     if "{plain}" in message:
-        dirs["plain"] = _sentencepiece_dir(tmp_path, "LlamaTokenizer", TEMPLATE.replace("{% generation %}", "")
+        dirs["plain"] = sentencepiece_dir(tmp_path, "LlamaTokenizer", CHAT_TEMPLATE.replace("{% generation %}", "")
                                            .replace("{% endgeneration %}", ""))
     if "{notemplate}" in message:
-        dirs["notemplate"] = _sentencepiece_dir(tmp_path, "LlamaTokenizer")
+        dirs["notemplate"] = sentencepiece_dir(tmp_path, "LlamaTokenizer")
     for name, folder in dirs.items():
         args = [a.replace("{" + name + "}", folder) for a in args]
         message = message.replace("{" + name + "}", folder)
@@ -381,8 +378,8 @@ def test_plan_counts_assistant_targets(tmp_path):
     from varlen_cli.plan import PlanConfig, plan
     from varlen_cli.validate import ValidateConfig, validate
 
-    tok_dir = _sentencepiece_dir(tmp_path, "LlamaTokenizer", TEMPLATE)
-    src, _ = _chat_source(tmp_path)
+    tok_dir = sentencepiece_dir(tmp_path, "LlamaTokenizer", CHAT_TEMPLATE)
+    src, _ = chat_source(tmp_path)
     _, metrics = run(tmp_path / "m", src, length="chat:messages", tokenizer=tok_dir, target_length="assistant")
     target = dict(zip(metrics.column("sample_id").to_pylist(), metrics.column("target_length").to_pylist()))
     out = str(tmp_path / "plan.parquet")
@@ -395,7 +392,8 @@ def test_plan_counts_assistant_targets(tmp_path):
     assert all(r["step_loss_tokens"] == per_step[r["step"]] for r in rows)
     report = validate(ValidateConfig(plan=out, metrics=str(tmp_path / "m")))
     assert report.ok, [c for c in report.checks if not c.ok]
-    assert any(c.name == "loss tokens" and c.skipped for c in report.checks)
+    loss = next(c for c in report.checks if c.name == "loss tokens")  # checked against the metrics' column
+    assert loss.ok and not loss.skipped and "target_length" in loss.detail
     with pytest.raises(Exception, match="--split-long cannot tell"):
         plan(PlanConfig(input=str(tmp_path / "m"), output=str(tmp_path / "p2.parquet"), packing=True, seq_len=64,
                         split_long=True, progress=False))

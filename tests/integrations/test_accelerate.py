@@ -112,6 +112,7 @@ def test_a_scheduler_stepped_twice_per_optimizer_step_is_refused(setup):
     for _ in range(plan.grad_accum):
         next(batches)
     scheduler.step()
-    with pytest.raises(PlanError, match=r"^desync: optimizer step 1 is applied but no microbatch was consumed from "
-                                        r"the plan's loader since the last step \(was the loader re-wrapped"):
+    with pytest.raises(PlanError, match=r"^desync: VariableBatchSizeLR\.step\(\) is called for optimizer step 1 but "
+                                        r"none of that step's microbatches was consumed: the scheduler is stepped more "
+                                        r"than once per optimizer step \(do not accelerator\.prepare\(\) it"):
         scheduler.step()

@@ -167,13 +167,21 @@ def test_trainer_refuses_other_grad_accum_steps_and_samplers(setup, tmp_path):
                                         r"leave it at 1 \(PlanTrainer takes it from the plan\) or re-plan$"):
         PlanTrainer(plan=padded, model=model, args=_args(tmp_path, gradient_accumulation_steps=3),
                     train_dataset=tokens(data))
-    with pytest.raises(PlanError, match=r"^max_steps=10000 but the plan has \d+ steps: re-plan with more --epochs$"):
+    with pytest.raises(PlanError, match=r"^max_steps=10000 but the plan ends at step \d+: re-plan with more --epochs$"):
         PlanTrainer(plan=padded, model=model, args=_args(tmp_path, max_steps=10000), train_dataset=tokens(data))
     with pytest.raises(PlanError, match=r"^train_sampling_strategy='group_by_length' with a plan: the plan already "
                                         r"makes and orders the batches; leave the Trainer's sampler at its default$"):
         PlanTrainer(plan=padded, model=model, args=_args(tmp_path, train_sampling_strategy="group_by_length"),
                     train_dataset=tokens(data))
-    trainer = PlanTrainer(plan=padded, model=model, args=_args(tmp_path), train_dataset=tokens(data))
+    with pytest.raises(PlanError, match=r"^the plan was made for 2 data-parallel rank\(s\) but the Trainer runs 1 "
+                                        r"process\(es\): re-plan with --dp 1, or launch 2 processes$"):
+        PlanTrainer(plan=padded, model=model, args=_args(tmp_path), train_dataset=tokens(data))
+    with pytest.raises(PlanError, match=r"^num_train_epochs=5 but the plan has 2 epoch\(s\): leave it out "
+                                        r"\(PlanTrainer trains the plan's epochs\), pass 2, or stop early with "
+                                        r"max_steps$"):
+        PlanTrainer(plan=padded, model=model, args=_args(tmp_path, num_train_epochs=5), train_dataset=tokens(data))
+    one = make_plan(tmp_path, data, "dp1", max_tokens=512, dp=1, grad_accum=2, epochs=2)
+    trainer = PlanTrainer(plan=one, model=model, args=_args(tmp_path, num_train_epochs=2), train_dataset=tokens(data))
     assert trainer.args.gradient_accumulation_steps == 2
 
 
@@ -190,10 +198,11 @@ def test_checkpoint_of_another_plan_is_refused(setup, tmp_path):
         load_plan_state(str(tmp_path), Plan.open(padded))
 
 
-def test_epoch_replay_and_grad_accum_mismatch_raise_at_the_step(setup):
+def test_epoch_replay_and_grad_accum_mismatch_raise_before_the_wrong_step(setup):
     """Trainer's old behaviour, reproduced on the plain loader: set_epoch that misses the batch
     sampler replays epoch 0 under epoch 1's LR scales; an accumulation of 1 instead of 2 pairs the
-    wrong micros. VariableBatchSizeLR.step() now stops both at the first wrong step."""
+    wrong micros. The ledger stops the replay at its first microbatch (nothing of it is trained),
+    the LR pace the accumulation mismatch at the second step's first microbatch."""
     _, data, padded, _ = setup
     plan = Plan.open(padded)
     data_tokens = tokens(data)
@@ -201,21 +210,19 @@ def test_epoch_replay_and_grad_accum_mismatch_raise_at_the_step(setup):
 
     loader = dataloader_for_plan(data_tokens, plan, rank=0, world_size=2)
     sched = VariableBatchSizeLR(opt, plan)
-    for _epoch in range(2):  # forgot set_epoch: the second pass is epoch 0 again
-        for batch in loader:
-            if batch["info"].micro == plan.grad_accum - 1:
-                if sched.step_index == plan.steps_per_epoch[0]:
-                    with pytest.raises(PlanError, match=rf"^desync: optimizer step {sched.step_index} \(epoch 1\) "
-                                                        r"needs micros 0\.\.1 of rank 0 but the trainer consumed 2 "
-                                                        r"microbatch\(es\): \(epoch 0, step 0, rank 0, micro 0\)"):
-                        sched.step()
-                    break
-                sched.step()
+    for batch in loader:  # epoch 0, stepped as the plan says
+        if batch["info"].micro == plan.grad_accum - 1:
+            sched.step()
     assert sched.step_index == plan.steps_per_epoch[0]
+    with pytest.raises(PlanError, match=r"^desync: rank 0 is given \(epoch 0, step 0, rank 0, micro 0\), which this "
+                                        r"job already trained: the plan is being replayed \(start the epoch loop at "
+                                        r"the loader's epoch"):
+        next(iter(loader))  # forgot set_epoch: the second pass is epoch 0 again
 
     loader = dataloader_for_plan(data_tokens, plan, rank=0, world_size=2)
     sched = VariableBatchSizeLR(opt, plan)
-    first = next(iter(loader))
+    batches = iter(loader)
+    first = next(batches)
     assert first["info"].micro == 0
     with pytest.raises(PlanError, match=r"^desync: optimizer step 0 \(epoch 0\) needs micros 0\.\.1 of rank 0 but the "
                                         r"trainer consumed 1 microbatch\(es\): \(epoch 0, step 0, rank 0, micro 0\)"):

@@ -115,27 +115,29 @@ def test_dataloader_workers_state_after_batch(tmp_path):
     path = str(tmp_path / "p.parquet")
     write_plan(path, LENGTHS, dp=2, grad_accum=2, epochs=1, max_tokens=256)
     data = SyntheticTokens(LENGTHS)
-    loader = dataloader_for_plan(data, path, rank=1, world_size=2, num_workers=2, prefetch_factor=4)
+    loader = dataloader_for_plan(data, path, rank=1, world_size=2, num_workers=2, prefetch_factor=4,
+                                 lr_scale="ignore")
     seen = []
     for i, batch in enumerate(loader):
         seen.append(batch["sample_ids"][: batch["num_samples"]].tolist())
         if i == 4:
             state = loader.batch_sampler.state_dict(after=batch)  # the sampler itself ran ahead
             assert loader.batch_sampler.state_dict() != state
-    again = dataloader_for_plan(data, path, rank=1, world_size=2)
+    again = dataloader_for_plan(data, path, rank=1, world_size=2, lr_scale="ignore")
     again.batch_sampler.load_state_dict(state)
-    assert len(again) == len(seen) - 5
+    assert len(again.batch_sampler) == len(seen) - 5 and len(again) == len(seen)  # the rest; the whole epoch
     rest = [b["sample_ids"][: b["num_samples"]].tolist() for b in again]
     assert rest == seen[5:]
-    assert len(again) == len(seen)  # the epoch is over: the next iteration starts from its beginning
+    assert len(again.batch_sampler) == len(seen)  # the epoch is over: the next iteration starts from its beginning
 
 
 def test_loader_imports_only_torch_numpy_pyarrow():
-    # varlen_cli.format (the plan format's one definition) imports only pyarrow, numpy and json
+    # varlen_cli.format (the plan format's one definition) imports only pyarrow, numpy, json and runtime.files
     code = ("import sys, varlen_cli.loader; bad = sorted(m for m in sys.modules if m.split('.')[0] in "
             "('typer', 'rich', 'click', 'transformers', 'accelerate', 'lightning', 'torchdata') or "
             "(m.startswith('varlen_cli.') and not m.startswith('varlen_cli.loader') "
-            "and m not in ('varlen_cli.format', 'varlen_cli.errors'))); print(bad)")
+            "and m not in ('varlen_cli.format', 'varlen_cli.errors', 'varlen_cli.runtime', "
+            "'varlen_cli.runtime.files'))); print(bad)")  # runtime.files: the stdlib-only regular-file check
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -299,7 +301,7 @@ def test_pad_collate_shapes_masks_and_counts(tmp_path):
     loss_tokens = {}
     padded_rows = 0
     for rank in range(2):
-        loader = dataloader_for_plan(data, plan, rank=rank, world_size=2, collate_fn=collate)
+        loader = dataloader_for_plan(data, plan, rank=rank, world_size=2, collate_fn=collate, lr_scale="ignore")
         for batch in loader:
             info = batch["info"]
             b, t = plan.shapes[info.shape_id]
@@ -356,7 +358,7 @@ def test_sampler_with_real_planner_plan(tmp_path):
     data = SyntheticTokens(lengths)
     ids, shapes_in_warmup = [], [set(), set()]
     for rank in range(2):
-        loader = dataloader_for_plan(data, plan, rank=rank, world_size=2)
+        loader = dataloader_for_plan(data, plan, rank=rank, world_size=2, lr_scale="ignore")
         assert len(loader) == plan.num_steps * 2
         for batch in loader:
             info = batch["info"]
@@ -383,7 +385,7 @@ def test_packed_plan_rows_reach_the_collate(tmp_path):
     data = SyntheticTokens(token_lengths())
     packed = next(iter(dataloader_for_plan(data, plan, rank=0, world_size=2)))  # picks the packed collate
     assert packed["input_ids"].shape == (2, 512) and "cu_seqlens" in packed
-    loader = dataloader_for_plan(data, plan, rank=0, world_size=2, collate_fn=PadCollate())
+    loader = dataloader_for_plan(data, plan, rank=0, world_size=2, collate_fn=PadCollate(), lr_scale="ignore")
     with pytest.raises(PlanError, match=r"^step 0 comes from a packed plan \(--packing\): collate it with "
                                         r"varlen_cli\.loader\.packed\.PackedCollate, not PadCollate$"):
         next(iter(loader))

@@ -206,7 +206,7 @@ def test_packed_plan_end_to_end(tmp_path):
     covered = [np.zeros(len(x), dtype=np.int64) for x in data]
     for rank in (0, 1):
         loader = dataloader_for_plan(data, Plan.open(str(tmp_path / "p.parquet")), rank=rank, world_size=2,
-                                     collate_fn=PackedCollate())
+                                     collate_fn=PackedCollate(), lr_scale="ignore")
         for b in loader:
             info = b["info"]
             assert b["input_ids"].shape == (4, 128) and int(b["attention_mask"].sum()) == info.tokens

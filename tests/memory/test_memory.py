@@ -8,11 +8,12 @@ from the fit's own report."""
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
@@ -60,6 +61,46 @@ def test_fit_recovers_exact_coefficients(c0, c1, c2):
     np.testing.assert_allclose(got[0] + got[1] * b * t + got[2] * b * t * t, peak, rtol=1e-6)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 512), st.integers(8, 4096), st.floats(0.0, 0.3)), min_size=4, max_size=16),
+       st.floats(1e6, 1e9), st.floats(1.0, 1e5), st.floats(0.0, 1e3))
+def test_envelope_is_above_every_point(points, c0, c1, c2):
+    """The measured profile's fit: non-negative, at or above every measured peak (noise included), and
+    exactly the generating coefficients when there is no noise."""
+    from varlen_cli.memory import fit_envelope
+
+    b = np.array([p[0] for p in points])
+    t = np.array([p[1] for p in points])
+    exact = c0 + c1 * b * t + c2 * b * t * t
+    noisy = exact * (1 + np.array([p[2] for p in points]))
+    got = fit_envelope(b, t, noisy)
+    assert min(got) >= 0
+    pred = got[0] + got[1] * b * t + got[2] * b * t * t
+    assert np.all(pred >= noisy * (1 - 1e-9))
+    if len({(x, y) for x, y in zip(b.tolist(), t.tolist())}) >= 3 and len(set(t.tolist())) >= 2:
+        exact_fit = fit_envelope(b, t, exact)
+        np.testing.assert_allclose(exact_fit[0] + exact_fit[1] * b * t + exact_fit[2] * b * t * t, exact, rtol=1e-6,
+                                   atol=1e-6 * exact.max())
+
+
+def test_envelope_fit_reports_heldout_error_of_the_other_points():
+    """fit_error of an envelope profile: the envelope of the fitting points against the held-out ones;
+    the coefficients are the envelope of all points (so every point is at or under its prediction)."""
+    from varlen_cli.memory import fit_points
+
+    b = [1, 4, 16, 1, 4, 16, 1, 2, 4]
+    t = [32, 32, 32, 128, 128, 128, 512, 512, 512]
+    peak = [5e8 + 5e5 * x * y + 40 * x * y * y for x, y in zip(b, t)]
+    peak[4] *= 1.04  # a held-out point 4% above the others' envelope
+    points = [{"batch_size": x, "seqlen": y, "peak_bytes": p} for x, y, p in zip(b, t, peak)]
+    fit, error = fit_points(points, "envelope")
+    assert fit["method"] == "envelope" and fit["heldout_points"] == 3
+    assert [p["heldout"] for p in points] == [False, True, False, False, True, False, False, True, False]
+    assert error["heldout_max_under"] == pytest.approx(1 - 1 / 1.04, rel=1e-3)
+    assert fit["allowance"] == pytest.approx(0.04 * peak[4] / 1.04, rel=1e-6)  # raised by what it missed
+    assert all(p["predicted_bytes"] >= p["peak_bytes"] * (1 - 1e-9) for p in points)
+
+
 def test_fit_is_non_negative_on_data_a_free_fit_makes_negative():
     b, t = np.array([1, 2, 4, 1, 2]), np.array([64, 64, 64, 256, 256])
     peak = 1e6 + 1e4 * b * t - 5.0 * b * t * t  # a free least-squares fit gives c2 < 0
@@ -88,7 +129,7 @@ def test_budget_from_profile_is_the_memory_limit(batch, seqlen, margin):
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("memfiles")
-    return {
+    out = {
         "good": _write(root / "good.json", _profile()),
         "notjson": _write(root / "notjson.json", "this is not json"),
         "other": _write(root / "other.json", {"format": "something-else"}),
@@ -99,8 +140,14 @@ def files(tmp_path_factory):
                                                   "num_hidden_layers": 2, "num_attention_heads": 4}),
         "metrics": write_metrics(root / "metrics", np.random.default_rng(0).integers(10, 200, 300)),
         "exists": _write(root / "exists.json", "{}"),
+        "tiny_c1": _write(root / "tiny_c1.json", _profile(c1=1e-300, c2=0.0)),
+        "tiny_c2": _write(root / "tiny_c2.json", _profile(c1=0.0, c2=1e-300)),
+        "huge": _write(root / "huge.json", _profile(c1=1e300, c2=1e300)),
         "root": str(root),
     }
+    os.mkfifo(root / "fifo.json")
+    out["fifo"] = str(root / "fifo.json")
+    return out
 
 
 CALIBRATE_ERRORS = [
@@ -142,6 +189,128 @@ def test_calibrate_bad_inputs(files, tmp_path, args, code, message):
     assert not (tmp_path / "p.json").exists()
 
 
+def test_calibrate_needs_an_output(files):
+    result = runner.invoke(app, ["calibrate", "--hf-config", files["hf_good"]])
+    assert_user_error(result, 2, "give -o/--output FILE: the memory profile to write (or --verify PLAN to check a "
+                                 "plan)")
+
+
+def test_calibrate_refuses_a_fifo_config(files, tmp_path):
+    result = runner.invoke(app, ["calibrate", "--hf-config", files["fifo"], "-o", str(tmp_path / "p.json")])
+    assert_user_error(result, 3, f"--hf-config {files['fifo']} is a FIFO (named pipe), not a regular file")
+
+
+def _safety_case(tmp_path, case: str):
+    """(args, output path, exit code, message, the output's content that must stay as it was)."""
+    hf = tmp_path / "config.json"
+    hf.write_text(json.dumps({"vocab_size": 100, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                              "num_attention_heads": 4}))
+    model_py = tmp_path / "mymodel.py"
+    model_py.write_text("def build():\n    raise SystemExit('never run')\n")
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"my": "notes"}')
+    target = tmp_path / "target.json"
+    target.write_text(json.dumps({"format": PROFILE_FORMAT}))
+    link = tmp_path / "link.json"
+    os.symlink(target, link)
+    (tmp_path / "sub").mkdir()
+    cases = {
+        "its own --hf-config": (["--hf-config", str(hf)], hf, 4, f"output {hf} is the input {hf}; write the output "
+                                "elsewhere"),
+        "its own --model .py": (["--model", f"{model_py}:build"], model_py, 4,
+                                f"output {model_py} is the input {model_py}; write the output elsewhere"),
+        "a foreign notes.json": (["--hf-config", str(hf)], notes, 4,
+                                 f"output {notes} is not a varlen memory profile; --overwrite replaces only varlen "
+                                 "outputs"),
+        "a symlink": (["--hf-config", str(hf)], link, 4,
+                      f"output {link} is a symbolic link; --overwrite does not replace links or their targets "
+                      "(remove the link or give the real path)"),
+        "a directory": (["--hf-config", str(hf)], tmp_path / "sub", 4,
+                        f"output {tmp_path / 'sub'} is a directory; give a file name such as profile.json"),
+    }
+    return cases[case]
+
+
+@pytest.mark.parametrize("case", ["its own --hf-config", "its own --model .py", "a foreign notes.json", "a symlink",
+                                  "a directory"])
+def test_calibrate_output_safety(tmp_path, case):
+    """`calibrate -o ... --overwrite` never replaces an input, a file varlen did not make, or a link."""
+    args, out, code, message = _safety_case(tmp_path, case)
+    before = {p: p.read_bytes() for p in tmp_path.iterdir() if p.is_file() and not p.is_symlink()}
+    result = runner.invoke(app, ["calibrate", "-o", str(out), "--overwrite"] + args)
+    assert_user_error(result, code, message)
+    assert {p: p.read_bytes() for p in tmp_path.iterdir() if p.is_file() and not p.is_symlink()} == before
+    assert os.path.islink(tmp_path / "link.json")
+
+
+def test_calibrate_overwrites_its_own_profile(files, tmp_path):
+    out = tmp_path / "p.json"
+    for _ in range(2):
+        result = runner.invoke(app, ["calibrate", "--hf-config", files["hf_good"], "-o", str(out), "--overwrite"])
+        assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["format"] == PROFILE_FORMAT
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]  # no temporaries or locks left
+
+
+VERIFY_ERRORS = [
+    (["--hf-config", "{hf_good}"], 2, "--verify runs the plan's microbatches with --model MODULE:FUNCTION (not "
+     "--hf-config)"),
+    (["--model", TINY, "-o", "{root}/x.json"], 2,
+     "--verify writes no profile: drop -o/--output (--json prints the measurements)"),
+    (["--model", TINY, "--shapes", "1x8,2x8,1x16"], 2,
+     "--shapes, --max-seqlen and --calibration-memory apply to calibrating, not to --verify"),
+    (["--model", TINY, "--verify-count", "0"], 2, "--verify-count must be >= 1 (got 0)"),
+]
+
+
+@pytest.mark.parametrize("args, code, message", VERIFY_ERRORS)
+def test_verify_bad_options(files, args, code, message):
+    args = [a.format(**files) for a in args]
+    result = runner.invoke(app, ["calibrate", "--verify", files["good"]] + args)
+    assert_user_error(result, code, message.format(**files))
+
+
+def test_verify_bad_plans(files, tmp_path):
+    """A missing plan, a FIFO, a file that is no plan, a plan made without --max-memory, a profile of
+    another step: one line each, before any model runs."""
+    plain = str(tmp_path / "plain.parquet")
+    assert runner.invoke(app, ["plan", files["metrics"], "-o", plain, "--max-tokens", "2048"]).exit_code == 0
+    memory = str(tmp_path / "memory.parquet")
+    assert runner.invoke(app, ["plan", files["metrics"], "-o", memory, "--memory-profile", files["good"],
+                               "--max-memory", "64MiB"]).exit_code == 0
+    cuda = _write(tmp_path / "cuda.json", _profile(device="cuda", dtype="bfloat16", optimizer="adamw"))
+    cases = [
+        ([str(tmp_path / "none.parquet")], 3, f"plan {tmp_path / 'none.parquet'} does not exist"),
+        ([files["fifo"]], 3, f"plan {files['fifo']} is a FIFO (named pipe), not a regular file"),
+        ([files["good"]], 3, re.compile(rf"{re.escape(files['good'])} is not a readable Parquet file: .*")),
+        ([plain], 2, f"--verify: {plain} records no memory limit (it was not planned with --max-memory); pass "
+                     "--max-memory"),
+        ([memory, "--memory-profile", cuda], 2,
+         f"--verify: the profile ({cuda}) was made with --device cuda --dtype bfloat16; pass the same to run the "
+         "same step"),
+    ]
+    for args, code, message in cases:
+        result = runner.invoke(app, ["calibrate", "--model", TINY, "--verify"] + args)
+        assert_user_error(result, code, message)
+
+
+def test_verify_picks_the_largest_microbatches():
+    """Per criterion the largest distinct shapes (ties in T: the larger B), each once, at its first row."""
+    from varlen_cli.memory.verify import pick_rows
+
+    b = np.array([4, 2, 8, 1, 8, 3, 2])
+    t = np.array([100, 300, 64, 700, 64, 250, 300])
+    cols = {"step": np.arange(7), "rank": np.zeros(7, int), "micro": np.zeros(7, int), "batch_size": b, "seqlen": t}
+    coef = (1e6, 100.0, 1.0)  # peak: 1e6 + 100 BT + BT^2 -> 1x700 largest (560,000 + 490,000)
+    rows = pick_rows(cols, coef, 1)
+    got = {(r["batch_size"], r["seqlen"]): (r["largest_by"], r["step"]) for r in rows}
+    assert got == {(1, 700): (["predicted peak", "T"], 3), (3, 250): (["B x T"], 5)}
+    rows = pick_rows(cols, None, 2)
+    got = {(r["batch_size"], r["seqlen"]): r["largest_by"] for r in rows}
+    assert got == {(3, 250): ["B x T"], (1, 700): ["B x T", "T"], (2, 300): ["T"]}
+    assert all(r["predicted_bytes"] is None for r in rows)
+
+
 def test_calibrate_refuses_existing_output(files):
     result = runner.invoke(app, ["calibrate", "--hf-config", files["hf_good"], "-o", files["exists"]])
     assert_user_error(result, 4, f"output {files['exists']} already exists; pass --overwrite to replace it")
@@ -175,6 +344,16 @@ PLAN_ERRORS = [
      "{flat}: the fit does not grow with B x T (c1 = c2 = 0); re-run `varlen calibrate`"),
     (["--memory-profile", "{root}", "--max-memory", "1GiB"], 3,
      "memory profile {root} is a directory, not a profile file"),
+    (["--memory-profile", "{tiny_c1}", "--max-memory", "1GiB"], 3,
+     "{tiny_c1}: fit coefficient c1 = 1e-300 bytes per token is below 1 (a training step holds more per token); "
+     "re-run `varlen calibrate`"),
+    (["--memory-profile", "{tiny_c2}", "--max-memory", "1GiB"], 3,
+     "{tiny_c2}: fit coefficient c2 = 1e-300 bytes per token is below 1 (a training step holds more per token); "
+     "re-run `varlen calibrate`"),
+    (["--memory-profile", "{fifo}", "--max-memory", "1GiB"], 3,
+     "memory profile {fifo} is a FIFO (named pipe), not a regular file"),
+    (["--memory-profile", "{huge}", "--max-memory", "1GiB"], 2,
+     "--max-memory 1GiB leaves 970.80 MiB above the fixed memory: less than one token (9.09e+287 TiB)"),
 ]
 
 
@@ -247,167 +426,6 @@ def test_packed_plan_with_max_memory(files, tmp_path):
     limit = 64 * MiB * 0.95
     # R rows of 256 tokens, attention over whole rows: the most rows that fit
     assert c0 + c1 * rows * 256 + c2 * rows * 256**2 <= limit < c0 + c1 * (rows + 1) * 256 + c2 * (rows + 1) * 256**2
-
-
-# -- measured on CPU (slow: one fresh process per shape) -------------------------------------------
-def _c_form(fit: dict, b, t) -> float:
-    return fit["c0"] + fit["c1"] * b * t + fit["c2"] * b * t * t
-
-
-@pytest.fixture(scope="module")
-def tiny_profile(tmp_path_factory):
-    from varlen_cli.memory import CalibrateConfig, calibrate
-
-    path = str(tmp_path_factory.mktemp("calib") / "tiny.json")
-    profile = calibrate(CalibrateConfig(output=path, model=TINY, shapes=CALIBRATION_SHAPES))
-    return path, profile
-
-
-@pytest.mark.slow
-def test_measured_profile_predicts_held_out_shapes(tiny_profile):
-    """Within 10% of the measured peak: on the calibration's held-out shapes and on shapes measured
-    afresh here, none of them on the calibration grid."""
-    from varlen_cli.memory.measure import MeasureSetup, measure_shape
-
-    path, profile = tiny_profile
-    on_disk = json.loads(open(path).read())
-    assert on_disk["format"] == PROFILE_FORMAT and on_disk["device"] == "cpu" and on_disk["torch_version"]
-    assert on_disk["model"] == TINY and on_disk["dtype"] == "float32" and on_disk["varlen_version"]
-    fit = on_disk["fit"]
-    assert min(fit["c0"], fit["c1"], fit["c2"]) >= 0 and fit["c2"] > 0  # materialised attention: c2 matters
-    held = [p for p in on_disk["points"] if p["heldout"]]
-    assert len(held) >= 3
-    for p in held:
-        assert abs(_c_form(fit, p["batch_size"], p["seqlen"]) / p["peak_bytes"] - 1) <= 0.10, p
-    setup = MeasureSetup(model=TINY)
-    for b, t in ((6, 96), (3, 192)):
-        measured = measure_shape(setup, b, t)["peak_bytes"]
-        assert abs(_c_form(fit, b, t) / measured - 1) <= 0.10, (b, t, measured)
-    # the attention term is real: at 8x256 it is a large part of the peak
-    assert fit["c2"] * 8 * 256**2 > 0.2 * _c_form(fit, 8, 256)
-
-
-@pytest.mark.slow
-def test_measurement_does_not_depend_on_the_callers_heap(tiny_profile):
-    """The CPU child is forked from the caller: after the caller ran training steps (its heap holds
-    tens of MB of free chunks, as in a long test session), a shape still measures what the profile
-    predicts (without plugging the inherited chunks it read 1.5-2.5x high at 4x256)."""
-    import ctypes
-
-    import torch
-
-    from tests.memory_models import TinyLM
-    from varlen_cli.memory.measure import MeasureSetup, _MallInfo2, measure_shape
-
-    model = TinyLM(dim=128)
-    opt = torch.optim.AdamW(model.parameters())
-    for b, t in ((4, 300), (2, 512), (8, 64)):
-        ids = torch.randint(0, 256, (b, t))
-        torch.nn.functional.cross_entropy(model(ids).reshape(-1, 256), ids.reshape(-1)).backward()
-        opt.step()
-    del model, opt, ids
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = _MallInfo2
-    assert libc.mallinfo2().fordblks > 16 * MiB  # the precondition: a heap with free chunks to inherit
-    _, profile = tiny_profile
-    measured = measure_shape(MeasureSetup(model=TINY), 4, 256)["peak_bytes"]
-    assert abs(_c_form(profile["fit"], 4, 256) / measured - 1) <= 0.10, measured
-
-
-@pytest.mark.slow
-def test_plan_with_max_memory_runs_under_the_limit(tiny_profile, tmp_path):
-    """A plan made with --max-memory X, run through the loader: every microbatch's measured peak
-    (each distinct B x T measured in a fresh process on the loader's own batch; the peak does not
-    depend on the ids' values) is <= X, and the largest uses >= 75% of X."""
-    from varlen_cli.loader import Plan, dataloader_for_plan
-    from varlen_cli.memory.measure import MeasureSetup, measure_shape
-
-    path, _ = tiny_profile
-    lengths = np.random.default_rng(1).integers(24, 250, 600)
-    metrics = write_metrics(tmp_path / "metrics", lengths)
-    out = str(tmp_path / "plan.parquet")
-    limit = 48 * MiB
-    result = runner.invoke(app, ["plan", metrics, "-o", out, "--memory-profile", path, "--max-memory", "48MiB",
-                                 "--num-shapes", "3", "--static-shapes"])
-    assert result.exit_code == 0, result.output
-    plan = Plan.open(out)
-    dataset = [{"input_ids": np.arange(n) % 256} for n in lengths]
-    loader = dataloader_for_plan(dataset, plan, rank=0, world_size=1)
-    first_of_shape = {}
-    for batch in loader:
-        ids = batch["input_ids"]
-        first_of_shape.setdefault(tuple(ids.shape), ids.clamp(min=0).numpy())
-    assert len(first_of_shape) == 3
-    setup = MeasureSetup(model=TINY)
-    peaks = {shape: measure_shape(setup, *shape, input_ids=ids)["peak_bytes"] for shape, ids in first_of_shape.items()}
-    assert max(peaks.values()) <= limit, peaks
-    assert max(peaks.values()) >= 0.75 * limit, peaks
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["small", "medium"])
-def test_analytic_profile_matches_measurement(name, tmp_path):
-    """The analytic profile of a config-built Llama (no weights, no torch) against the measured
-    peak of the same model built by transformers: within 15%."""
-    pytest.importorskip("transformers")
-    from tests import memory_llama
-    from varlen_cli.memory.measure import MeasureSetup, measure_shape
-
-    config = _write(tmp_path / "config.json", memory_llama.config_json(getattr(memory_llama, name.upper())))
-    out = tmp_path / "analytic.json"
-    result = runner.invoke(app, ["calibrate", "--hf-config", config, "--dtype", "fp32", "-o", str(out), "--json"])
-    assert result.exit_code == 0, result.output
-    profile = json.loads(out.read_text())
-    assert profile["mode"] == "analytic" and profile["fit_error"]["heldout_max_abs_rel"] is not None
-    setup = MeasureSetup(model=f"tests.memory_llama:{name}_llama")
-    for b, t in ((8, 256), (2, 512)):  # where attention matters, and the largest fit error on this grid
-        measured = measure_shape(setup, b, t)
-        assert measured["num_parameters"] == profile["num_parameters"]
-        assert abs(_c_form(profile["fit"], b, t) / measured["peak_bytes"] - 1) <= 0.15, (b, t, measured)
-
-
-@pytest.mark.slow
-def test_cpu_peak_sees_a_known_allocation():
-    """The CPU reading (static tensors + resident growth over the step, in a fresh process) sees a
-    48 MiB buffer that lives only inside forward, and next to nothing without it."""
-    from tests.memory_models import BALLAST_BYTES
-    from varlen_cli.memory.measure import MeasureSetup, measure_shape
-
-    with_buffer = measure_shape(MeasureSetup(model="tests.memory_models:ballast"), 4, 64)
-    without = measure_shape(MeasureSetup(model="tests.memory_models:no_ballast"), 4, 64)
-    assert with_buffer["hwm_reset"] and without["hwm_reset"]
-    assert without["peak_bytes"] - without["static_bytes"] < 2 * MiB
-    grown = with_buffer["peak_bytes"] - with_buffer["static_bytes"]
-    assert BALLAST_BYTES - MiB // 4 <= grown <= BALLAST_BYTES + 2 * MiB, grown  # page-level noise
-
-
-def test_auto_grid_grows_until_the_calibration_memory():
-    """Synthetic peaks: the grid doubles T, multiplies B by 4, never keeps a shape above the cap,
-    skips (does not measure) a B whose linear extrapolation passes it, and stops at the first T
-    where B = 1 does not fit."""
-    from varlen_cli.memory.calibrate import auto_grid
-
-    c0, c1, c2 = 10 * MiB, 20_000.0, 100.0
-    cap = 200 * MiB
-    measured = []
-
-    def measure(b, t):
-        measured.append((b, t))
-        return {"batch_size": b, "seqlen": t, "peak_bytes": c0 + c1 * b * t + c2 * b * t * t, "static_bytes": c0}
-
-    points = auto_grid(measure, cap, max_seqlen=4096)
-    assert all(p["peak_bytes"] <= cap for p in points)
-    over = [(b, t) for b, t in measured if c0 + c1 * b * t + c2 * b * t * t > cap]
-    assert len(over) <= len({t for _, t in measured})  # at most one miss per T: the rest are extrapolated
-    ts = sorted({p["seqlen"] for p in points})
-    assert ts == [32 * 2**k for k in range(len(ts))]
-    t_next = 2 * ts[-1]
-    assert c0 + c1 * t_next + c2 * t_next**2 > cap or ts[-1] == 4096  # B = 1 at the next T would not fit
-    for t in ts:
-        bs = [p["batch_size"] for p in points if p["seqlen"] == t]
-        assert bs == [4**k for k in range(len(bs))]
-        nxt = 4 * bs[-1]
-        assert c0 + c1 * nxt * t + c2 * nxt * t * t > cap  # the next B would not have fitted
 
 
 def test_packed_plan_per_segment_attention(files, tmp_path):
@@ -487,18 +505,6 @@ def test_analytic_attention_and_checkpointing(tmp_path):
         assert fields["fit"]["c0"] == pytest.approx(4 * 4 * fields["num_parameters"], rel=0.02)  # fp32 AdamW
 
 
-@pytest.mark.slow
-def test_calibrate_command_measures_and_prints(tmp_path):
-    out = tmp_path / "p.json"
-    result = runner.invoke(app, ["calibrate", "--model", "tests.memory_models:no_ballast", "-o", str(out),
-                                 "--shapes", "1x16,4x16,1x32,4x32", "--optimizer", "sgd"])
-    assert result.exit_code == 0, result.output
-    assert "held-out error" in result.output and "c0 (fixed)" in result.output
-    profile = json.loads(out.read_text())
-    assert profile["optimizer"] == "sgd" and len(profile["points"]) == 4 and profile["vocab_size"] == 16
-    assert [p["heldout"] for p in profile["points"]] == [False, True, False, False]
-
-
 def test_memory_package_and_cli_do_not_import_torch():
     import subprocess
     import sys
@@ -515,3 +521,57 @@ def test_plan_warns_when_the_margin_is_below_the_fit_error(files, tmp_path):
                                  profile, "--max-memory", "64MiB"])
     assert result.exit_code == 0, result.output
     assert "consider --memory-margin 0.09" in " ".join(result.output.split())
+
+
+def test_calibrate_options_say_what_the_config_says():
+    """Every `varlen calibrate` option's help is its CalibrateConfig field's documentation (one source)."""
+    import inspect
+
+    from varlen_cli.cli.calibrate import calibrate_command
+    from varlen_cli.memory.calibrate import CalibrateConfig
+    from varlen_cli.runtime.choices import field_help
+
+    params = {n: p for n, p in inspect.signature(calibrate_command).parameters.items() if n != "json_output"}
+    assert set(params) == {f for f in CalibrateConfig.__dataclass_fields__}
+    for name, p in params.items():
+        assert p.default.help == field_help(CalibrateConfig, name), name
+
+
+@pytest.mark.parametrize("c0, c1, c2, limit", [(380 * MiB, 25_000.0, 200.0, 640 * MiB),
+                                               (550 * MiB, 500_000.0, 60.0, 1536 * MiB),
+                                               (20 << 30, 2_000_000.0, 0.0, 78 << 30)])
+def test_walk_measures_along_the_limit(c0, c1, c2, limit):
+    """Synthetic peaks: T doubles from 16; at every T the largest B measured is the largest that fits (or
+    within 10% of the limit), nothing is measured more than 5% over it, and the last shape is B = 1 at the
+    longest T that fits, so no plannable T lies beyond the measured ones."""
+    from varlen_cli.memory.grid import walk
+
+    def peak(b, t):
+        return c0 + c1 * b * t + c2 * b * t * t
+
+    points = walk(lambda b, t: {"batch_size": b, "seqlen": t, "peak_bytes": peak(b, t)}, limit)
+    assert all(p["peak_bytes"] <= 1.05 * limit for p in points)
+    assert len(points) <= 24 and len({(p["batch_size"], p["seqlen"]) for p in points}) == len(points)
+    ts = sorted({p["seqlen"] for p in points})
+    assert ts[:-1] == [16 * 2**k for k in range(len(ts) - 1)]
+    for t in ts:
+        top = max((p for p in points if p["seqlen"] == t), key=lambda p: p["batch_size"])
+        assert top["peak_bytes"] >= 0.9 * limit or peak(top["batch_size"] + 1, t) > 0.97 * limit, (t, top)
+    longest = max(ts)
+    assert peak(1, longest) <= limit and peak(1, int(longest * 1.06)) > 0.97 * limit
+
+
+def test_walk_steps_down_after_out_of_memory():
+    """A device that runs out of memory below the limit: the walk comes back under it and goes on."""
+    from varlen_cli.memory.grid import walk
+
+    c0, c1, limit, device = 100 * MiB, 100_000.0, 1000 * MiB, 800 * MiB
+
+    def measure(b, t):
+        p = c0 + c1 * b * t
+        return {"batch_size": b, "seqlen": t, "oom": True} if p > device else {"batch_size": b, "seqlen": t,
+                                                                               "peak_bytes": p}
+
+    points = walk(measure, limit)
+    assert points and all(p["peak_bytes"] <= device for p in points)
+    assert len({p["seqlen"] for p in points}) >= 3

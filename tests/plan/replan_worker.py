@@ -9,6 +9,7 @@
 import argparse
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -62,7 +63,18 @@ def main() -> None:
             break
     with open(os.path.join(a.out, f"rank-{rank}.json"), "w") as f:
         json.dump(log, f)
+    finish()
+
+
+def finish() -> None:
+    """A deterministic end (a rank once died here with SIGABRT, "terminate called without an active
+    exception", under load): every rank is done with the group before any tears it down, and the
+    process then exits at once, without the interpreter's teardown of gloo's threads and torch."""
+    dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

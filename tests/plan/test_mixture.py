@@ -103,7 +103,8 @@ def test_loader_resolves_sources(dirs, tmp_path):
     datasets = {name: [(name, i) for i in range(n)] for name, n in SIZES.items()}
     seen = []
     for rank in range(2):
-        loader = mixture_dataloader(datasets, res.output, rank=rank, world_size=2, collate_fn=lambda items: items)
+        loader = mixture_dataloader(datasets, res.output, rank=rank, world_size=2, collate_fn=lambda items: items,
+                                    lr_scale="ignore")
         for items in loader:
             seen += items
     rows, _ = _entries(res.output)

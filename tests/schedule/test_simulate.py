@@ -350,6 +350,13 @@ BAD = [
     ("backward ratio", None, ["--backward-ratio", "0"], 2, "--backward-ratio must be > 0 (got 0.0)"),
     ("attention cost", None, ["--attention-cost", "-1"], 2, "--attention-cost must be >= 0 (got -1.0)"),
     ("gantt step", None, ["--gantt-step", "7"], 2, "--gantt-step 7 is not a step of the plan (0 .. 1)"),
+    # sizes are checked before any work (both ran for hours)
+    ("stages 100000", None, ["--stages", "100000"], 2,
+     "--schedule ddp with --stages 100000 and 8 microbatches per step has 1,600,000 jobs per step; simulate takes "
+     "at most 524,288 (fewer --stages, or a plan with fewer microbatches per step)"),
+    ("20 million workers", None, ["--schedule", "lpp", "--groups", "2", "--workers", "20000000"], 2,
+     "--schedule lpp with --stages 2 on 20,000,000 workers is too large to simulate (stages x workers at most "
+     "16,777,216)"),
     ("no module", None, ["--schedule", "no_such_module_xyz:f"], 2,
      "--schedule no_such_module_xyz:f: cannot import module 'no_such_module_xyz': ModuleNotFoundError: "
      "No module named 'no_such_module_xyz'"),
@@ -369,6 +376,16 @@ def test_bad_input_one_line_error(tmp_path, name, build, args, code, message):
     if "--stages" not in args:
         argv += ["--stages", "2"]
     assert_user_error(runner.invoke(app, argv), code, message)
+
+
+def test_gantt_width_is_bounded(tmp_path):
+    """--width 100000000 drew for minutes: refused by the option's range (exit 2, one line via main())."""
+    plan = write_plan(tmp_path / "ok.parquet", np.ones((2, 8)), 4, dp=2)
+    result = subprocess.run([sys.executable, "-m", "varlen_cli", "simulate", plan, "--stages", "2", "--gantt-step",
+                             "0", "--width", "100000000"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == ["varlen: error: Invalid value for '--width': Input should be less than or "
+                                          "equal to 4096 (see `python -m varlen_cli simulate --help`)"]
 
 
 # -- schedule-aware plans (varlen plan --schedule) -----------------------------------------------------

@@ -124,6 +124,35 @@ def test_balance_for_skewed_keys(kind):
     assert np.array_equal(concat(outs, "sample_id"), cols["sample_id"][order])
 
 
+def mixed_kind_keys(n: int, seed: int = 3) -> np.ndarray:
+    """Float keys whose kind differs by rank slice: the first third integral (and beyond 2**32), the
+    middle third fractional, the last third integral again, their ranges interleaved. A rank that
+    chose its key coding from its own rows (integral: int64 codes; else: float bits) would order
+    its rows differently from the others, so the merged order would be wrong."""
+    rng = np.random.default_rng(seed)
+    third = n // 3
+    integral = rng.integers(-40, 40, third).astype(np.float64)  # few values: a truncated 3.25 meets a 3.0
+    integral[::7] *= 1 << 34  # and some beyond 32 bits
+    fractional = rng.integers(-40, 40, third) + rng.choice([0.25, 0.5, 0.75], third)
+    tail = rng.integers(-40, 40, n - 2 * third).astype(np.float64)
+    return np.concatenate([integral, fractional, tail])
+
+
+@pytest.mark.parametrize("world", [3, 6])
+def test_mixed_integral_and_fractional_keys_across_ranks(world):
+    cols = metrics_columns(mixed_kind_keys(3001), lengths=np.ones(3001, dtype=np.int64))
+    kinds = []
+    for rank in range(world):
+        lo, hi = artifacts.row_bounds(3001, world, rank)
+        part = cols["difficulty"][lo:hi]
+        kinds.append(bool(np.all(part == np.round(part))))
+    assert True in kinds and False in kinds  # some ranks see only integral keys, others only fractional
+    for descending in (False, True):
+        outs, rows = simulate(cols, world, sk.KeySpec(by=("difficulty",), descending=descending))
+        want = reference_order(cols, ("difficulty",), descending)
+        assert concat(outs, "sample_id").tolist() == cols["sample_id"][want].tolist()
+
+
 def test_more_ranks_than_rows_simulated():
     cols = metrics_columns([3.0, 1.0, 2.0])
     outs, rows = simulate(cols, 7, sk.KeySpec(by=("difficulty",)))

@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 
+from tests.sort.test_sort import mixed_kind_keys
 from tests.sort_helpers import (
     distribution,
     manifest_of,
@@ -36,15 +37,19 @@ def data(tmp_path_factory):
                         ids=rng.permutation(N).astype(np.int64) * 3 + 11)
     c = metrics_columns(np.full(N, 5.0))  # all keys equal
     tiny = metrics_columns([2.0, 0.0, 1.0])
+    # D: integral keys in the first and last third, fractional ones in the middle: each of 3 ranks
+    # sees one kind only, so the key coding must be chosen over all ranks.
+    d = metrics_columns(mixed_kind_keys(N), lengths=np.ones(N, dtype=np.int64))
     empty = metrics_columns(np.zeros(0))
     paths = {
         "a": write_metrics(root / "a", a, parts=3, row_group_size=4000),
         "b": write_metrics(root / "b", b, parts=[5000, 0, N - 5000], row_group_size=3000),
         "c": write_metrics(root / "c", c, parts=1),
         "tiny": write_metrics(root / "tiny", tiny, parts=1),
+        "d": write_metrics(root / "d", d, parts=3),
         "empty": write_metrics(root / "empty", empty, parts=[0]),
     }
-    return root, paths, {"a": a, "b": b, "c": c, "tiny": tiny, "empty": empty}
+    return root, paths, {"a": a, "b": b, "c": c, "d": d, "tiny": tiny, "empty": empty}
 
 
 def _cfg(src, out, **kw) -> SortConfig:
@@ -99,9 +104,14 @@ def test_three_workers(data):
         _cfg(paths["a"], root / "a-p3-torch", engine="torch"),
         _cfg(paths["a"], root / "a-p3-single", single_file=True, row_group_size=3000),
         _cfg(paths["b"], root / "b-p3", **B_ORDER),
+        _cfg(paths["d"], root / "d-p3"),
     ]
     results = dist.launch(sort_many, configs, 3)
-    assert [r.world_size for r in results] == [3, 3, 3, 3]
+    assert [r.world_size for r in results] == [3, 3, 3, 3, 3]
+    d = cols["d"]
+    assert np.array_equal(read_sorted(root / "d-p3").column("sample_id").to_numpy(),
+                          d["sample_id"][reference_order(d, ("difficulty",))])
+    del results[4]
     _same_rows(root / "a-p3", _one_worker(root, paths["a"], "a"))
     _same_rows(root / "a-p3-torch", root / "a-p3")
     del results[1]
@@ -143,3 +153,33 @@ def test_four_workers(data, monkeypatch):
     assert results[3].num_parts == 1
     # Empty input: a valid empty output.
     assert results[5].num_rows == 0 and read_sorted(root / "empty-p4").num_rows == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("single_file", [True, False], ids=["single-file", "parts"])
+def test_full_disk_in_a_worker_is_an_output_error(data, tmp_path, single_file):
+    """A file-size limit (RLIMIT_FSIZE, what `ulimit -f` sets: writes fail with EFBIG as on a full
+    disk) under `sort --nproc 2`: the worker's OutputError keeps exit code 4 (it was 5 with
+    --single-file), one line, and nothing is left beside the output."""
+    import re
+    import resource
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    root, paths, _ = data
+    limit = 16 << 10  # the sorted part is larger; the lock, the manifest and the error records are not
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    args = [sys.executable, "-m", "varlen_cli", "sort", paths["a"], "-o", str(tmp_path / "s"), "--nproc", "2",
+            "--no-progress"] + (["--single-file"] if single_file else [])
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONDONTWRITEBYTECODE="1")
+    result = subprocess.run(args, capture_output=True, text=True, env=env, preexec_fn=small_files, timeout=300)
+    assert result.returncode == 4, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and re.fullmatch(r"varlen: error: cannot write .*/\.s\.varlen-tmp-[0-9a-f]+/"
+                                            r"part-0000[01]\.parquet: .*File too large", lines[0]), lines
+    assert os.listdir(tmp_path) == []

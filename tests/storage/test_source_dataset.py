@@ -123,7 +123,8 @@ def test_dataloader_for_plan_is_the_whole_data_path(tmp_path, request, num_worke
     lengths = metrics.column("length").to_numpy()
     write_plan(tmp_path / "plan.parquet", lengths, max_tokens=128, order="random", seed=3)
     ds = SourceDataset(tmp_path / "m", columns=["input_ids"])
-    loader = dataloader_for_plan(ds, str(tmp_path / "plan.parquet"), rank=0, world_size=1, num_workers=num_workers)
+    loader = dataloader_for_plan(ds, str(tmp_path / "plan.parquet"), rank=0, world_size=1, num_workers=num_workers,
+                                 lr_scale="ignore")  # data only, no optimizer
     rows = table.column("input_ids").to_pylist()
     seen = []
     for batch in loader:
@@ -150,7 +151,8 @@ def test_read_ahead_hook_reaches_the_dataset(tmp_path):
 
     ds = Recording(tmp_path / "m", columns=["input_ids"])
     ds.asked = []
-    loader = dataloader_for_plan(ds, str(tmp_path / "plan.parquet"), rank=0, world_size=1, read_ahead=2)
+    loader = dataloader_for_plan(ds, str(tmp_path / "plan.parquet"), rank=0, world_size=1, read_ahead=2,
+                                 lr_scale="ignore")
     batches = [b["sample_ids"][b["sample_ids"] >= 0].tolist() for b in loader]
     assert len(ds.asked) == len(batches) - 1  # the last microbatch has nothing after it
     for k, asked in enumerate(ds.asked):

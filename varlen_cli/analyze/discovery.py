@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 from .. import format
 from ..errors import InputError
+from ..runtime.files import open_regular
 
 NON_DATA_NAME = re.compile(
     r"(readme|licen[cs]e|copying|notice|authors|changelog|changes|citation|contributing)([-_. ].*)?"
@@ -59,9 +60,9 @@ def artifact_kind(directory: str) -> str | None:
         if not os.path.isfile(path):
             continue
         try:
-            with open(path) as fh:
+            with open_regular(path) as fh:
                 data = json.load(fh)
-        except (OSError, ValueError):
+        except (OSError, ValueError, InputError):
             continue
         if isinstance(data, dict) and data.get("format") == fmt:
             return fmt

@@ -26,6 +26,7 @@ from operator import attrgetter
 import numpy as np
 
 from ..errors import InputError, UsageError
+from ..runtime.files import check_regular
 
 LENGTH_KINDS = ("list", "tokens", "chars", "bytes", "words", "value", "chat")
 TEXT_KINDS = ("tokens", "chars", "bytes", "words")
@@ -101,6 +102,7 @@ def load_tokenizer(path: str):
         from tokenizers import Tokenizer
     except ImportError:
         raise UsageError("--tokenizer needs the 'tokenizers' package: pip install 'varlen-cli[tokenizers]'") from None
+    check_regular(path, "tokenizer file")
     if not os.path.isfile(path):
         raise InputError(f"tokenizer file or directory {path} does not exist")
     try:

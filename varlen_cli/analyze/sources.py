@@ -21,14 +21,15 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from .. import storage
+from .. import format, storage
 from ..errors import InputError
+from ..runtime.files import check_regular, open_regular
+from ..runtime.freshness import footer_hash
 from . import discovery, formats, remote
 
 PARQUET_EXT = (".parquet", ".pq")
@@ -38,7 +39,6 @@ TEXT_EXT = (".txt", ".text")
 TEXT_COLUMN = "text"
 DEFAULT_CHUNK_BYTES = 32 << 20
 MAX_UNIT_ROWS = 1 << 20
-FOOTER_PROBE = 64 << 10  # bytes read from a Parquet file's end to hash its footer (one range request)
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class SourceFile:
     compression: str | None = None
     rows: int = -1  # known from metadata for parquet and arrow, -1 for line formats
     mtime_ns: int = 0  # when discovered: with size, what staleness checks compare
-    footer: str | None = None  # Parquet: hash of the footer (see footer_digest)
+    footer: str | None = None  # Parquet: hash of the footer (runtime.freshness.footer_hash)
     etag: str | None = None  # object storage: what staleness checks compare instead of mtime_ns
     version: str | None = None
 
@@ -95,7 +95,7 @@ def _hf_dataset_files(directory: str) -> list[str] | None:
     if not os.path.isfile(state_path):
         return None
     try:
-        with open(state_path) as fh:
+        with open_regular(state_path, what="Hugging Face dataset state") as fh:
             state = json.load(fh)
         return [os.path.join(directory, f["filename"]) for f in state["_data_files"]]
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -144,6 +144,7 @@ def discover(sources: Sequence[str]) -> list[SourceFile]:
     """Resolve files, directories and globs into data files in sorted path order."""
     if not sources:
         raise InputError("no sources given")
+    _FOOTERS.clear()  # a new run: footers are read (once) again
     explicit: dict[str, bool] = {}
     for s in sources:
         for p, named in _expand(storage.local_path(str(s))):  # file:///x is the local path /x
@@ -165,13 +166,14 @@ def discover(sources: Sequence[str]) -> list[SourceFile]:
             size, mtime_ns, etag, version = st.st_size, st.st_mtime_ns, None, None
         rows, footer = -1, None
         if fmt == "parquet":
-            pf = parquet_file(path, size)
-            if _is_varlen_plan(pf):
+            metadata, footer = _footer(path, size, (path, size, mtime_ns, etag, version))
+            schema = metadata.schema.to_arrow_schema()
+            if format.is_plan_schema(schema):
                 if explicit[path]:
                     raise InputError(f"{path} is a varlen plan, not a dataset")
                 continue  # a plan written inside a source directory is not data
-            _check_unique_columns(pf, path)
-            rows, footer = pf.metadata.num_rows, footer_digest(path, size)
+            _check_unique_columns(schema, path)
+            rows = metadata.num_rows
         elif fmt == "arrow":
             rows = sum(n for n in _arrow_batch_rows(path))
         elif fmt in formats.NAMES:
@@ -189,59 +191,57 @@ def _stat_readable(path: str) -> os.stat_result:
         st = os.stat(path)
     except OSError as exc:
         raise InputError(f"source {path} is not readable: {exc.strerror}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise InputError(f"source {path} is not a regular file")
     try:
-        with open(path, "rb"):
+        with open_regular(path, "rb", what="source"):
             pass
     except OSError as exc:
         raise InputError(f"source {path} is not readable: {exc.strerror}") from None
     return st
 
 
-def _is_varlen_plan(pf) -> bool:
-    from .. import format
-
-    return format.is_plan_schema(pf.schema_arrow)
-
-
 def _is_plan_file(path: str) -> bool:
     try:
-        return _is_varlen_plan(parquet_file(path))
+        return format.is_plan_schema(parquet_file(path).schema_arrow)
     except InputError:
         return False
 
 
-def _check_unique_columns(pf, path: str) -> None:
-    names = [pf.schema_arrow.field(i).name for i in range(len(pf.schema_arrow))]
+def _check_unique_columns(schema, path: str) -> None:
+    names = [schema.field(i).name for i in range(len(schema))]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise InputError(f"{path} has duplicate column names ({', '.join(dup)}); rename them before analyze")
 
 
-def footer_digest(path: str, size: int) -> str | None:
-    """A hash of the Parquet footer (schema, row groups, statistics): changes when the content is
-    rewritten even where size and mtime do not. One small read at the end of the file."""
-    import hashlib
-
-    try:
-        tail = storage.read_range(path, max(0, size - FOOTER_PROBE), size)  # usually holds the whole footer
-        n = int.from_bytes(tail[-8:-4], "little")
-        if len(tail) < 8 or tail[-4:] != b"PAR1" or n + 8 > size:
-            return None
-        footer = tail[-8 - n:-8] if n + 8 <= len(tail) else storage.read_range(path, size - 8 - n, size - 8)
-        return hashlib.sha256(footer).hexdigest()[:16]
-    except (OSError, InputError):
-        return None
+# Parquet footers of the files being analysed, read once per run (discovery, unit planning and the
+# reader all need them): (path, size, mtime_ns, etag, version) -> (FileMetaData, footer hash).
+# Cleared when a run discovers its files; the key changes with any change freshness would see.
+_FOOTERS: dict[tuple, tuple] = {}
 
 
-def parquet_file(path: str, size: int | None = None):
+def _footer(path: str, size: int, key: tuple) -> tuple:
+    hit = _FOOTERS.get(key)
+    if hit is None:
+        footer, metadata = storage.parquet_footer(path, size)
+        hit = _FOOTERS[key] = (metadata, footer_hash(footer))
+    return hit
+
+
+def footer_key(f: SourceFile) -> tuple:
+    return (f.path, f.size, f.mtime_ns, f.etag, f.version)
+
+
+def parquet_file(path: str, size: int | None = None, key: tuple | None = None):
+    """A Parquet file opened for reading; with ``key`` (:func:`footer_key`) and ``size`` its footer
+    comes from this run's cache (read by one tail request the first time)."""
     import pyarrow.parquet as pq
 
+    metadata = _footer(path, size, key)[0] if key is not None and size is not None else None
     if storage.is_remote(path):
-        return storage.parquet_file(path, size=size)
+        return storage.parquet_file(path, size=size, metadata=metadata)
+    check_regular(path, "source")
     try:
-        return pq.ParquetFile(path)
+        return pq.ParquetFile(path, metadata=metadata)
     except Exception as exc:
         raise InputError(f"cannot read Parquet file {path}: {exc}") from None
 
@@ -251,6 +251,7 @@ def open_arrow(path: str):
     storage is read whole: the stream format, which ``save_to_disk`` writes, has no index)."""
     import pyarrow as pa
 
+    check_regular(path, "source")
     try:
         source = pa.BufferReader(storage.read_bytes(path)) if storage.is_remote(path) else pa.memory_map(path)
     except Exception as exc:
@@ -281,7 +282,7 @@ def make_units(files: Sequence[SourceFile], chunk_bytes: int = DEFAULT_CHUNK_BYT
     units: list[Unit] = []
     for i, f in enumerate(files):
         if f.format == "parquet":
-            md = parquet_file(f.path, f.size).metadata
+            md = _footer(f.path, f.size, footer_key(f))[0]
             units.extend(_row_units(i, [md.row_group(g).num_rows for g in range(md.num_row_groups)]))
         elif f.format == "arrow":
             # Record batches are often small (Hugging Face writes 1,000 rows each): one unit is a
@@ -381,7 +382,7 @@ class Reader:
         if self._path != f.path:
             self._path, self._handle, self._group_key, self._group = f.path, None, None, None
             if f.format == "parquet":
-                self._handle = parquet_file(f.path, f.size)
+                self._handle = parquet_file(f.path, f.size, footer_key(f))
             elif f.format == "arrow":
                 self._handle = _read_arrow_table(f.path)
         return self._handle
@@ -473,13 +474,18 @@ def _read_jsonl(f: SourceFile, unit: Unit):
     if not data.strip():
         return pa.table({})
     block = max(1 << 20, min(len(data), 16 << 20))
+    where = f"bytes {unit.start}-{unit.stop}" if not f.compression else "file"
     try:
-        return pj.read_json(pa.BufferReader(data), read_options=pj.ReadOptions(block_size=block))
+        table = pj.read_json(pa.BufferReader(data), read_options=pj.ReadOptions(block_size=block))
     except pa.ArrowInvalid as exc:
-        if "straddling" in str(exc).lower():
-            return pj.read_json(pa.BufferReader(data), read_options=pj.ReadOptions(block_size=len(data) + 1))
-        where = f"bytes {unit.start}-{unit.stop}" if not f.compression else "file"
-        raise InputError(f"invalid JSONL in {f.path} ({where}): {exc}") from None
+        if "straddling" not in str(exc).lower():
+            raise InputError(f"invalid JSONL in {f.path} ({where}): {exc}") from None
+        table = pj.read_json(pa.BufferReader(data), read_options=pj.ReadOptions(block_size=len(data) + 1))
+    try:  # pyarrow's JSON reader passes invalid UTF-8 in strings through; a .txt with the same bytes is refused
+        table.validate(full=True)
+    except pa.ArrowInvalid:
+        raise InputError(f"invalid JSONL in {f.path} ({where}): not valid UTF-8") from None
+    return table
 
 
 def _read_text(f: SourceFile, unit: Unit):

@@ -1,8 +1,9 @@
 """The ``varlen`` command line: one small typer adapter per stage, over the library functions.
 
-Each command lives in its own module (``varlen_cli/cli/<stage>.py``) and is registered here.
-Heavy imports (torch, pyarrow, the stage modules) happen inside the commands, so ``varlen --help``
-stays instant.
+Each command lives in its own module (``varlen_cli/cli/<stage>.py``), loaded only when it runs; its
+options are generated from its stage's config dataclass (``varlen_cli/cli/options.py``: adding an
+option is adding a documented config field). Heavy imports (torch, the stage's work) happen inside
+the commands.
 """
 
 from __future__ import annotations
@@ -14,8 +15,36 @@ from typing import Any
 
 import typer
 
+# The commands, in --help order; each is ``varlen_cli/cli/<name>.py`` with ``register(app)``.
+COMMANDS = ("analyze", "sort", "plan", "replan", "run", "inspect", "validate", "simulate", "calibrate")
+
+
+class _LazyCommands(typer.core.TyperGroup):
+    """The root group, loading a command's module (and so its stage config) only when that command
+    runs: the options are generated from the configs, whose modules import numpy and pyarrow."""
+
+    def list_commands(self, ctx) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx, cmd_name: str):
+        if cmd_name not in self.commands and cmd_name in COMMANDS:
+            self.commands[cmd_name] = load_command(cmd_name)
+        return self.commands.get(cmd_name)
+
+
+def load_command(name: str):
+    """The click command of ``varlen NAME`` (built from its typer adapter)."""
+    import importlib
+
+    module = importlib.import_module(f"varlen_cli.cli.{name}")
+    single = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    module.register(single)
+    return typer.main.get_command(single)
+
+
 app = typer.Typer(
     name="varlen",
+    cls=_LazyCommands,
     help="Prepare variable-length datasets for training: analyze lengths, sort, and plan token-budget batches.",
     no_args_is_help=True,
     add_completion=False,
@@ -43,13 +72,33 @@ def _root(
         os.environ["VARLEN_DEBUG"] = "1"
 
 
+# The output the running command writes and its identity before (see `_signalled`).
+_OUTPUT: dict = {"path": None, "before": None}
+
+
+def _signalled(what: str, code: int) -> int:
+    """The exit code for a signal (SIGINT ``interrupted`` 130, SIGTERM ``terminated`` 143), with its
+    line; when the command's output was already swapped in, the run succeeded: say so, exit 0."""
+    from varlen_cli.runtime.safety import identity
+
+    path = _OUTPUT["path"]
+    now = identity(path)
+    if path and now is not None and now != _OUTPUT["before"]:
+        sys.stderr.write(f"varlen: {what} after {path} was written; it is complete\n")
+        return 0
+    sys.stderr.write(f"varlen: {what}\n")
+    return code
+
+
 def run_command(fn: Callable[[Any], Any], config: Any) -> Any:
     """Call a stage; a user error becomes one line on stderr and its documented exit code."""
     from varlen_cli.errors import VarlenError
-    from varlen_cli.runtime.safety import Terminated, install_sigterm_handler
+    from varlen_cli.runtime.safety import Terminated, identity, install_sigterm_handler
 
     debug = bool(os.environ.get("VARLEN_DEBUG"))
     install_sigterm_handler()  # SIGTERM raises, so temporaries are removed on the way out
+    output = getattr(config, "output", None)
+    _OUTPUT.update(path=output, before=identity(output))
     try:
         return fn(config)
     except VarlenError as exc:
@@ -65,28 +114,14 @@ def run_command(fn: Callable[[Any], Any], config: Any) -> Any:
         sys.stderr.write(f"varlen: error: {rank}{exc.message}\n")
         raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt:
-        sys.stderr.write("varlen: interrupted\n")
-        raise typer.Exit(130) from None
+        raise typer.Exit(_signalled("interrupted", 130)) from None
     except Terminated:
-        sys.stderr.write("varlen: terminated\n")
-        raise typer.Exit(Terminated.exit_code) from None
+        raise typer.Exit(_signalled("terminated", Terminated.exit_code)) from None
     except Exception as exc:
         if debug:
             raise
         sys.stderr.write(f"varlen: internal error: {type(exc).__name__}: {exc} (run with --debug for the traceback)\n")
         raise typer.Exit(1) from None
-
-
-def _register() -> None:
-    from varlen_cli.cli import analyze as _analyze
-
-    _analyze.register(app)
-    for name in ("sort", "plan", "replan", "run", "inspect", "validate", "simulate", "calibrate"):
-        module = __import__(f"varlen_cli.cli.{name}", fromlist=["register"])
-        module.register(app)
-
-
-_register()
 
 
 def click_module():
@@ -100,6 +135,8 @@ def click_module():
 
 def main() -> None:
     """Entry point: typer's own usage errors also become one line on stderr with exit code 2."""
+    from varlen_cli.runtime.safety import Terminated
+
     exceptions = click_module().exceptions
     # A fresh command-line process holds no threads, CUDA context or tokenizer pool yet, so `--nproc`
     # workers can be forked (about twice as fast to start as spawned ones, which re-import torch).
@@ -109,9 +146,10 @@ def main() -> None:
         code = app(standalone_mode=False)
     except typer.Exit as exc:  # older typer/click raise it instead of returning the code
         code = getattr(exc, "exit_code", 0)
-    except (typer.Abort, KeyboardInterrupt):
-        sys.stderr.write("varlen: interrupted\n")
-        code = 130
+    except (typer.Abort, KeyboardInterrupt):  # also while printing the result
+        code = _signalled("interrupted", 130)
+    except Terminated:
+        code = _signalled("terminated", Terminated.exit_code)
     except exceptions.UsageError as exc:
         if type(exc).__name__ == "NoArgsIsHelpError":
             exc.show()

@@ -1,25 +1,25 @@
-"""Options shared by several commands, so they read the same everywhere."""
+"""What the command adapters share: the ``--json`` option of the stages and the error-reporting call.
+
+The stage options themselves are generated from the config dataclasses (``varlen_cli/cli/options.py``).
+"""
 
 from __future__ import annotations
 
+import os
+
 import typer
 
-from ..runtime.choices import NPROC_HELP
-
-NPROC = typer.Option(1, "--nproc", help=NPROC_HELP)
-DEVICE = typer.Option("cpu", "--device", help="cpu (--nproc: local group; torchrun: gloo) or cuda (nccl).")
-OVERWRITE = typer.Option(False, "--overwrite", help="Replace an existing output (written atomically either way).")
-ALLOW_STALE = typer.Option(
-    False, "--allow-stale",
-    help="Use metrics even if their source files changed (size, mtime) since `varlen analyze`: for data moved or "
-         "copied on purpose.",
-)
-PROGRESS = typer.Option(True, "--progress/--no-progress", help="Show a progress bar on rank 0 (only on a terminal).")
 JSON = typer.Option(
     False, "--json",
     help="Print the summary as one JSON object on stdout (the table's labels as keys, plus output) instead of the "
          "table; nothing else goes to stdout.",
 )
+
+
+def prints() -> bool:
+    """Whether this process reports: under torchrun every rank runs the command (and gets rank 0's
+    result), but only rank 0 prints, so ``--json`` gives one document."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1 or int(os.environ.get("RANK", "0") or 0) == 0
 
 
 def run(fn, config):

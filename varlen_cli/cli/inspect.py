@@ -1,25 +1,27 @@
-"""``varlen inspect``: adapter over :func:`varlen_cli.inspect.inspect_artifact`."""
+"""``varlen inspect``: adapter over :func:`varlen_cli.inspect.inspect_artifact` (options: ``InspectConfig``'s
+fields)."""
 
 from __future__ import annotations
 
 import typer
 
 from varlen_cli.cli import common
+from varlen_cli.cli.options import STORAGE_OPTION, Cli, config_command
+from varlen_cli.inspect import InspectConfig
 
 
+@config_command(InspectConfig, fields={"path": Cli(argument=True), "storage_options": STORAGE_OPTION})
 def inspect_command(
-    path: str = typer.Argument(..., help="A metrics directory, a sorted directory or a plan file.", show_default=False),
-    step: int | None = typer.Option(
-        None, "--step", show_default=False,
-        help="Plans: also show the microbatches of step N.",
-    ),
+    config: InspectConfig,
     json_output: bool = typer.Option(False, "--json", help="Print everything as JSON (for scripts)."),
 ) -> None:
     """Show an artifact's config, provenance and statistics, with terminal histograms."""
     from varlen_cli.cli.report import print_tables
-    from varlen_cli.inspect import InspectConfig, inspect_artifact, tables
+    from varlen_cli.inspect import inspect_artifact, tables
 
-    info = common.run(inspect_artifact, InspectConfig(path=path, step=step))
+    info = common.run(inspect_artifact, config)
+    if not common.prints():
+        return
     if json_output:
         import json
 

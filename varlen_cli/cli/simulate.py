@@ -2,43 +2,35 @@
 
 from __future__ import annotations
 
+import numpy as np
 import typer
 
 from varlen_cli.cli import common
+from varlen_cli.cli.options import Cli, config_command
+from varlen_cli.schedule.simulate import SimulateConfig
 
-WORKERS_HELP = ("Workers W (default: dp for ddp/fsdp; groups x S for gpipe/1f1b; lpp/fslpp: groups x R, "
-                "default R = S).")
-GROUPS_HELP = "Data-parallel groups G of the pipelines (default: the plan's dp); must divide dp x grad_accum."
-ATTENTION_HELP = "A: a stage's forward of a microbatch costs B*T + A*B*T^2 (default 0: padded tokens B*T)."
-GANTT_HELP = "Draw step N as a Gantt chart: worker rows, time columns, microbatch ids."
-SCHEDULE_HELP = ("ddp, fsdp, gpipe, 1f1b, lpp, fslpp, all (side by side), or MODULE:FUNCTION returning a "
-                 "varlen_cli.schedule.Scheme.")
+MAX_WIDTH = 4096  # a wider chart is no chart (and --width 100000000 would draw for minutes)
 
 
+# --stages is asked for on the command line (the library's default of 1 suits ddp/fsdp only)
+@config_command(SimulateConfig, fields={"plan": Cli(argument=True), "stages": Cli(required=True)})
 def simulate_command(
-    plan: str = typer.Argument(..., help="Plan Parquet file written by `varlen plan`.", show_default=False),
-    schedule: str = typer.Option("all", "--schedule", help=SCHEDULE_HELP),
-    stages: int = typer.Option(..., "--stages", help="Pipeline stages S the model is cut into (equal cost each).",
-                               show_default=False),
-    workers: int | None = typer.Option(None, "--workers", help=WORKERS_HELP, show_default=False),
-    groups: int | None = typer.Option(None, "--groups", help=GROUPS_HELP, show_default=False),
-    backward_ratio: float = typer.Option(2.0, "--backward-ratio", help="Backward time / forward time of a job."),
-    attention_cost: float = typer.Option(0.0, "--attention-cost", help=ATTENTION_HELP),
-    gantt_step: int | None = typer.Option(None, "--gantt-step", help=GANTT_HELP, show_default=False),
-    width: int = typer.Option(96, "--width", help="Columns of the Gantt chart."),
+    config: SimulateConfig,
+    width: int = typer.Option(96, "--width", min=8, max=MAX_WIDTH, help="Columns of the Gantt chart."),
     json_output: bool = typer.Option(False, "--json", help="Print JSON: one object, a list with --schedule all."),
 ) -> None:
     """Simulate the plan's steps under parallel schedules: makespan, bubble, peak activations, transfers."""
-    from varlen_cli.schedule import SimulateConfig, simulate
+    from varlen_cli.schedule import simulate
 
-    config = SimulateConfig(plan=plan, schedule=schedule, stages=stages, workers=workers, groups=groups,
-                            backward_ratio=backward_ratio, attention_cost=attention_cost, gantt_step=gantt_step)
     result = common.run(simulate, config)
+    if not common.prints():
+        return
+    gantt_step = config.gantt_step
     if json_output:
         import json
 
         objects = [r.to_json() for r in result.results]
-        typer.echo(json.dumps(objects if schedule == "all" else objects[0]))
+        typer.echo(json.dumps(objects if config.schedule == "all" else objects[0]))
         return
     from rich.console import Console
 
@@ -74,24 +66,38 @@ def gantt_chart(r, step: int, width: int):
     from rich.text import Text
 
     makespan = float(r.steps[step]) or 1.0
-    width = max(8, width)
     text = Text(f"{r.schedule}: step {step}, makespan {makespan:.4g} ({makespan / width:.3g} per column; "
                 "cyan forward, magenta backward, id = microbatch of the step)\n")
     by_worker = {}
     for worker, start, end, micro, direction, _stage in r.gantt or []:
         by_worker.setdefault(worker, []).append((start, end, micro, direction))
+    columns = (np.arange(width) + 0.5) * makespan / width  # the instant each column shows
     for w in range(r.workers):
-        jobs = sorted(by_worker.get(w, []))
         text.append(f"w{w:<3d} ")
-        for col in range(width):
-            t = (col + 0.5) * makespan / width
-            hit = next((j for j in jobs if j[0] <= t < j[1]), None)
-            if hit is None:
-                text.append(".", style="dim")
-            else:
-                text.append(_IDS[hit[2] % len(_IDS)], style="bold cyan" if hit[3] == "F" else "bold magenta")
+        for cell, style in _cells(sorted(by_worker.get(w, [])), columns):
+            text.append(cell, style=style)
         text.append("\n")
     return text
+
+
+def _cells(jobs: list, columns: np.ndarray) -> list[tuple[str, str]]:
+    """(text, style) runs of one worker's row: the job running at each column's instant (a worker runs
+    one job at a time, so the last job starting before it is the only candidate)."""
+    if not jobs:
+        return [("." * len(columns), "dim")]
+    start, end = np.array([j[0] for j in jobs]), np.array([j[1] for j in jobs])
+    at = np.searchsorted(start, columns, side="right") - 1
+    hit = (at >= 0) & (columns < end[np.maximum(at, 0)])
+    runs: list[tuple[str, str]] = []
+    for k in range(len(columns)):
+        job = jobs[at[k]] if hit[k] else None
+        cell = "." if job is None else _IDS[job[2] % len(_IDS)]
+        style = "dim" if job is None else ("bold cyan" if job[3] == "F" else "bold magenta")
+        if runs and runs[-1][1] == style and job is None:
+            runs[-1] = (runs[-1][0] + cell, style)
+        else:
+            runs.append((cell, style))
+    return runs
 
 
 def register(app: typer.Typer) -> None:

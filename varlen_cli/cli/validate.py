@@ -5,33 +5,24 @@ from __future__ import annotations
 import typer
 
 from varlen_cli.cli import common
+from varlen_cli.cli.options import STORAGE_OPTION, Cli, config_command
+from varlen_cli.validate import ValidateConfig
 
 
+@config_command(ValidateConfig, fields={"plan": Cli(argument=True), "storage_options": STORAGE_OPTION})
 def validate_command(
-    plan: str = typer.Argument(..., help="Plan Parquet file written by `varlen plan`.", show_default=False),
-    metrics: str | None = typer.Option(
-        None, "--metrics", show_default=False,
-        help="Metrics or sorted directory the plan was built from: also checks the fingerprint, seqlens and token "
-        "counts.",
-    ),
-    max_memory: str | None = typer.Option(
-        None, "--max-memory", show_default=False,
-        help="Also check that no microbatch's predicted peak exceeds this (e.g. 70GiB; default: the plan's own "
-             "--max-memory).",
-    ),
-    memory_profile: str | None = typer.Option(
-        None, "--memory-profile", show_default=False,
-        help="Memory profile for --max-memory (default: the one the plan was made with).",
-    ),
+    config: ValidateConfig,
     json_output: bool = typer.Option(False, "--json", help="Print the checks as JSON instead of a table."),
-    allow_stale: bool = common.ALLOW_STALE,
 ) -> None:
     """Re-check every invariant of a plan; exit 0 only when all hold (6 when any is violated)."""
     from varlen_cli.errors import VALIDATION_FAILED
-    from varlen_cli.validate import ValidateConfig, validate
+    from varlen_cli.validate import validate
 
-    result = common.run(validate, ValidateConfig(plan=plan, metrics=metrics, allow_stale=allow_stale,
-                                                 max_memory=max_memory, memory_profile=memory_profile))
+    result = common.run(validate, config)
+    if not common.prints():  # every rank exits with rank 0's answer; rank 0 says it
+        if not result.ok:
+            raise typer.Exit(VALIDATION_FAILED)
+        return
     if json_output:
         import json
 
@@ -41,7 +32,7 @@ def validate_command(
         from rich.console import Console
         from rich.table import Table
 
-        t = Table(title=f"varlen validate {plan}")
+        t = Table(title=f"varlen validate {config.plan}")
         t.add_column("check", style="bold")
         t.add_column("result")
         t.add_column("detail")

@@ -45,6 +45,9 @@ class PlanLoader:
     def set_epoch(self, epoch: int) -> None:
         self.loader.set_epoch(epoch)
 
+    def end_epoch(self) -> None:
+        self.loader.end_epoch()
+
     @property
     def epoch(self) -> int:
         return self.loader.epoch

@@ -31,9 +31,11 @@ from transformers import Trainer
 from ..loader import PadCollate, VariableBatchSizeLR, dataloader_for_plan, to_model_inputs
 from ..loader.packed import PackedCollate
 from ..loader.plan_file import Plan, PlanError
+from ..loader.replan import first_step, lineage
 from . import open_plan
 
 STATE_FILE = "varlen_plan_state.json"
+DEFAULT_EPOCHS = 3.0  # TrainingArguments' default num_train_epochs: taken as "not given"
 
 
 def _check_args(args, plan: Plan) -> None:
@@ -42,16 +44,41 @@ def _check_args(args, plan: Plan) -> None:
     if ga not in (1, plan.grad_accum):
         raise PlanError(f"gradient_accumulation_steps={ga} but the plan was made with --grad-accum "
                         f"{plan.grad_accum}: leave it at 1 (PlanTrainer takes it from the plan) or re-plan")
-    if getattr(args, "max_steps", -1) > plan.num_steps:
-        raise PlanError(f"max_steps={args.max_steps} but the plan has {plan.num_steps} steps: re-plan with more "
+    job_steps = first_step(plan) + plan.num_steps
+    if getattr(args, "max_steps", -1) > job_steps:
+        raise PlanError(f"max_steps={args.max_steps} but the plan ends at step {job_steps}: re-plan with more "
                         f"--epochs")
+    epochs = getattr(args, "num_train_epochs", DEFAULT_EPOCHS)
+    if epochs not in (DEFAULT_EPOCHS, plan.epochs) and getattr(args, "max_steps", -1) <= 0:
+        raise PlanError(f"num_train_epochs={epochs:g} but the plan has {plan.epochs} epoch(s): leave it out "
+                        f"(PlanTrainer trains the plan's epochs), pass {plan.epochs}, or stop early with max_steps")
     strategy = getattr(args, "train_sampling_strategy", "random")
     if getattr(args, "group_by_length", False) or strategy not in (None, "random"):
         raise PlanError(f"train_sampling_strategy={strategy!r} with a plan: the plan already makes and orders the "
                         f"batches; leave the Trainer's sampler at its default")
     args.gradient_accumulation_steps = plan.grad_accum
-    args.num_train_epochs = 1  # one Trainer epoch runs every epoch of the plan
+    args.num_train_epochs = 1  # one Trainer epoch runs every epoch of the plan (the loader's all_epochs)
     args.ignore_data_skip = True  # resume seeks to the plan position instead of fast-forwarding
+
+
+def _check_world(args, plan: Plan) -> None:
+    """The Trainer's world size and process index must be the process group's and the plan's."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    group = None
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        group = (torch.distributed.get_world_size(), torch.distributed.get_rank())
+    world, index = int(args.world_size), int(args.process_index)
+    mode = str(getattr(args.parallel_mode, "value", args.parallel_mode))
+    launched_many = launched > 1 or (group is not None and group[0] > 1)
+    if (group is not None and group != (world, index)) or (group is None and launched != world) or \
+            (launched_many and mode != "distributed"):
+        have = f"{group[0]} processes (this is rank {group[1]})" if group else f"WORLD_SIZE={launched}"
+        raise PlanError(f"TrainingArguments see world size {world} (process {index}, parallel mode {mode}) but the "
+                        f"launcher started {have}: transformers is not running data-parallel here, so each process "
+                        f"would train its own model (on CPU pass TrainingArguments(use_cpu=True))")
+    if world != plan.dp:
+        raise PlanError(f"the plan was made for {plan.dp} data-parallel rank(s) but the Trainer runs {world} "
+                        f"process(es): re-plan with --dp {world}, or launch {plan.dp} processes")
 
 
 class PlanTrainerMixin:
@@ -79,6 +106,7 @@ class PlanTrainerMixin:
         self._plan_real_local = 0
         self._plan_t0: float | None = None
         super().__init__(*args, **kwargs)
+        _check_world(self.args, self.plan)
 
     # -- data ----------------------------------------------------------------------------------
     def get_train_dataloader(self):
@@ -93,8 +121,13 @@ class PlanTrainerMixin:
                                      num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory,
                                      all_epochs=True, **extra)
         loader.consumed_by_trainer = True  # compute_loss reports each batch the model gets
+        loader.len_before = first_step(self.plan) * self.plan.grad_accum  # a replanned plan continues the job
         if self._plan_resume:
             loader.load_state_dict(load_plan_state(self._plan_resume, self.plan)["loader"])
+        elif first_step(self.plan):
+            raise PlanError(f"{self.plan.path} continues a job from its global step {first_step(self.plan)} (made by "
+                            f"`varlen replan`): resume from the checkpoint it was made from "
+                            f"(trainer.train(resume_from_checkpoint=...))")
         self.plan_loader = loader
         return loader
 
@@ -184,14 +217,15 @@ def save_plan_state(folder: str, plan: Plan, loader_state: dict, global_step: in
 
 
 def load_plan_state(folder: str, plan: Plan) -> dict:
-    """Read a checkpoint's plan position; refuse a checkpoint without one or from another plan."""
+    """Read a checkpoint's plan position; refuse a checkpoint without one or from another plan (a
+    checkpoint of the plan's parent, ``varlen replan`` / ``--extend``, is the plan's own start)."""
     path = os.path.join(folder, STATE_FILE)
     if not os.path.exists(path):
         raise PlanError(f"{folder} has no {STATE_FILE}: it was not saved by a PlanTrainer, so the plan position "
                         f"is unknown")
     with open(path) as fh:
         state = json.load(fh)
-    if state.get("plan") != plan.fingerprint:
+    if state.get("plan") not in (plan.fingerprint, lineage(plan).get("parent")):
         raise PlanError(f"{folder} was saved with another plan ({state.get('plan_path')}); resume with the same "
                         f"plan file")
     return state

@@ -1,8 +1,8 @@
-"""Lightning on a varlen plan: ``PlanDataModule(dataset, plan)`` + ``PlanCallback`` + ``plan_lr_scheduler``.
+"""Lightning on a varlen plan: ``PlanDataModule(dataset, plan)`` (which arms ``PlanCallback``) + ``plan_lr_scheduler``.
 
     dm = PlanDataModule(dataset, "plan.parquet")
     trainer = L.Trainer(max_epochs=dm.plan.epochs, accumulate_grad_batches=dm.plan.grad_accum,
-                        use_distributed_sampler=False, callbacks=[dm.callback()], ...)
+                        use_distributed_sampler=False, ...)
     trainer.fit(model, datamodule=dm)                       # ckpt_path=... resumes mid-epoch exactly
 
     # in the LightningModule:
@@ -14,9 +14,11 @@ What each piece fixes (docs/integrations.md): the batch ``info`` is a plain obje
 ``transfer_batch_to_device`` works; ``set_epoch`` reaches the plan's batch sampler through
 ``batch_sampler.sampler``; the loader's state (Lightning saves it in its checkpoint, the loader
 being stateful) is the position of the last batch *trained*, not the one Lightning prefetched,
-so a mid-epoch resume seeks to exactly the next microbatch; the callback refuses a Trainer whose
-``use_distributed_sampler``, ``accumulate_grad_batches`` or ``max_epochs`` disagree with the plan
-and an LR scheduler that is not the plan's (or not stepped per optimizer step).
+so a mid-epoch resume seeks to exactly the next microbatch; the callback (added to the Trainer by
+the data module itself) refuses a Trainer whose ``use_distributed_sampler``,
+``accumulate_grad_batches``, ``limit_train_batches``, ``max_epochs`` or ``max_steps`` disagree with the
+plan and an LR scheduler that is not the plan's (or not stepped per optimizer step). A plan made by
+``varlen replan`` resumes from the checkpoint it was made from, on the new number of processes.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from typing import Any
 import lightning.pytorch as L
 
 from ..loader import VariableBatchSizeLR, dataloader_for_plan
+from ..loader.guard import bind
 from ..loader.plan_file import Plan, PlanError
+from ..loader.replan import first_epoch, first_step, lineage
 from . import open_plan
 
 
@@ -40,30 +44,21 @@ def plan_lr_scheduler(optimizer, plan: Plan | str | os.PathLike, base: Any = Non
 
 
 class PlanCallback(L.Callback):
-    """Checks the Trainer against the plan and records each batch trained (for exact resume)."""
+    """Checks the Trainer against the plan and records each batch trained (for exact resume).
+
+    ``PlanDataModule`` adds it to the Trainer by itself (``setup``); passing ``dm.callback()`` in
+    ``callbacks=`` as well is harmless.
+    """
 
     def __init__(self, datamodule: PlanDataModule):
         self.datamodule = datamodule
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        if stage != "fit":
-            return
-        plan = self.datamodule.plan
-        if trainer._accelerator_connector.use_distributed_sampler:
-            raise PlanError("Trainer(use_distributed_sampler=True) would re-shard the plan's per-rank batches: pass "
-                            "use_distributed_sampler=False")
-        if trainer.accumulate_grad_batches != plan.grad_accum:
-            raise PlanError(f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) but the plan was made "
-                            f"with --grad-accum {plan.grad_accum}: pass accumulate_grad_batches={plan.grad_accum}")
-        max_epochs = trainer.fit_loop.max_epochs
-        if max_epochs is None or max_epochs < 0 or max_epochs > plan.epochs:
-            raise PlanError(f"Trainer(max_epochs={max_epochs}) but the plan has {plan.epochs} epoch(s): pass "
-                            f"max_epochs={plan.epochs} (or re-plan with more --epochs)")
-        if len(set(plan.steps_per_epoch)) > 1 and trainer.reload_dataloaders_every_n_epochs != 1:
-            raise PlanError(f"the plan's epochs have different step counts {list(plan.steps_per_epoch)}: pass "
-                            f"Trainer(reload_dataloaders_every_n_epochs=1) so Lightning re-reads each epoch's length")
+        if stage == "fit":
+            check_trainer(trainer, self.datamodule.plan)
 
     def on_train_start(self, trainer, pl_module) -> None:
+        plan = self.datamodule.plan
         configs = trainer.lr_scheduler_configs
         ok = [c for c in configs if isinstance(c.scheduler, VariableBatchSizeLR)]
         if not ok:
@@ -74,7 +69,11 @@ class PlanCallback(L.Callback):
                 raise PlanError("VariableBatchSizeLR must step once per optimizer step: interval='step', frequency=1")
             loader = self.datamodule.loader
             if loader is not None:
-                config.scheduler._guard = loader.guard
+                bind(config.scheduler, loader.guard)
+        if trainer.global_step < first_step(plan):
+            raise PlanError(f"{plan.path} continues a job from its global step {first_step(plan)} (made by `varlen "
+                            f"replan`) but the Trainer is at step {trainer.global_step}: resume from the checkpoint it "
+                            f"was made from (trainer.fit(..., ckpt_path=...))")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         loader = self.datamodule.loader
@@ -82,11 +81,37 @@ class PlanCallback(L.Callback):
             loader.mark_consumed(batch)  # Lightning fetched ahead: this is the batch being trained
 
 
+def check_trainer(trainer, plan: Plan) -> None:
+    """Refuse Trainer settings that would train other data, steps or epochs than the plan's."""
+    if trainer._accelerator_connector.use_distributed_sampler:
+        raise PlanError("Trainer(use_distributed_sampler=True) would re-shard the plan's per-rank batches: pass "
+                        "use_distributed_sampler=False")
+    if trainer.accumulate_grad_batches != plan.grad_accum:
+        raise PlanError(f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) but the plan was made "
+                        f"with --grad-accum {plan.grad_accum}: pass accumulate_grad_batches={plan.grad_accum}")
+    if trainer.limit_train_batches not in (1.0, None):
+        raise PlanError(f"Trainer(limit_train_batches={trainer.limit_train_batches}) would cut every epoch of the plan "
+                        f"short: stop early with max_steps instead")
+    job_epochs, job_steps = first_epoch(plan) + plan.epochs, first_step(plan) + plan.num_steps
+    max_epochs, max_steps = trainer.fit_loop.max_epochs, trainer.max_steps
+    if max_steps is not None and max_steps > job_steps:
+        raise PlanError(f"Trainer(max_steps={max_steps}) but the plan ends at step {job_steps}: re-plan with more "
+                        f"--epochs")
+    stops_in_time = max_steps is not None and max_steps > 0
+    if max_epochs is None or (max_epochs < 0 and not stops_in_time) or max_epochs > job_epochs:
+        raise PlanError(f"Trainer(max_epochs={max_epochs}) but the plan has {job_epochs} epoch(s): pass "
+                        f"max_epochs={job_epochs} (or re-plan with more --epochs)")
+    if len(set(plan.steps_per_epoch)) > 1 and trainer.reload_dataloaders_every_n_epochs != 1:
+        raise PlanError(f"the plan's epochs have different step counts {list(plan.steps_per_epoch)}: pass "
+                        f"Trainer(reload_dataloaders_every_n_epochs=1) so Lightning re-reads each epoch's length")
+
+
 class PlanDataModule(L.LightningDataModule):
     """The plan's per-rank loader as a ``LightningDataModule`` (rank from the process group Lightning made).
 
     ``collate_fn``, ``num_workers`` and other keyword arguments go to
-    :func:`~varlen_cli.loader.dataloader_for_plan`. Add :meth:`callback` to the Trainer's callbacks.
+    :func:`~varlen_cli.loader.dataloader_for_plan`. Its checks (:class:`PlanCallback`) are armed in
+    ``setup``: the Trainer needs no callback from the user.
     """
 
     def __init__(self, dataset, plan: Plan | str | os.PathLike, *, collate_fn: Any = None, num_workers: int = 0,
@@ -100,28 +125,49 @@ class PlanDataModule(L.LightningDataModule):
         self.loader = None
         self._callback: PlanCallback | None = None
 
+    @property
+    def max_epochs(self) -> int:
+        """``Trainer(max_epochs=...)``: the job's epochs (a plan made by ``varlen replan`` continues a job)."""
+        return first_epoch(self.plan) + self.plan.epochs
+
     def callback(self) -> PlanCallback:
         if self._callback is None:
             self._callback = PlanCallback(self)
         return self._callback
 
+    def _arm(self, trainer, run_setup: bool) -> None:
+        """Put this module's PlanCallback among the Trainer's callbacks (once)."""
+        if trainer is None or any(isinstance(c, PlanCallback) and c.datamodule is self for c in trainer.callbacks):
+            return
+        trainer.callbacks.append(self.callback())
+        if run_setup:  # the Trainer has already run the callbacks' setup hooks
+            self.callback().setup(trainer, trainer.lightning_module, "fit")
+
+    def setup(self, stage: str) -> None:
+        if stage == "fit":
+            self._arm(self.trainer, run_setup=False)  # Lightning runs the callbacks' setup right after this
+
     def train_dataloader(self):
+        trainer = self.trainer
+        self._arm(trainer, run_setup=True)  # a subclass whose setup() did not call ours
         if self.loader is None:
             self.loader = dataloader_for_plan(self.dataset, self.plan, collate_fn=self.collate_fn,
                                               num_workers=self.num_workers, **self.loader_kwargs)
-            self.loader.full_epoch_len = True  # Lightning counts batches per epoch, also after a resume
             self.loader.consumed_by_trainer = True  # Lightning fetches ahead: PlanCallback reports trained batches
-        trainer = self.trainer
-        epoch = trainer.current_epoch if trainer is not None else 0
-        if epoch < self.plan.epochs:
-            self.loader.set_epoch(epoch)  # keeps a resume position in that epoch
+        epoch = trainer.current_epoch if trainer is not None else first_epoch(self.plan)
+        if epoch < first_epoch(self.plan) + self.plan.epochs:
+            self.loader.batch_sampler.sampler.set_epoch(epoch)  # the job's epoch; keeps a resume position in it
+        self.loader.len_before = 0
+        if trainer is not None and trainer.fit_loop.restarting and first_step(self.plan) > 0:
+            # a replanned plan continues an epoch Lightning counted batches of: they are part of its length
+            self.loader.len_before = trainer.fit_loop.epoch_loop.batch_progress.current.ready
         return self.loader
 
     def state_dict(self) -> dict:
         return {"plan": self.plan.fingerprint}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("plan") not in (None, self.plan.fingerprint):
+        if state.get("plan") not in (None, self.plan.fingerprint, lineage(self.plan).get("parent")):
             raise PlanError("the checkpoint was saved with another plan; resume with the same plan file")
 
 

@@ -8,9 +8,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .plan_file import Microbatch, PlanError
-
-IGNORE_INDEX = -100  # label of positions without a target (PyTorch's cross_entropy default)
+from ..errors import PlanError
+from .batch import IGNORE_INDEX, finish_batch, labels_mode
+from .fetch import FetchOrder
+from .microbatch import Microbatch
 
 
 class Samples(list):
@@ -43,10 +44,8 @@ class PlanDataset(torch.utils.data.Dataset):
         return self.dataset[index]
 
     def __getitems__(self, indices: Sequence[int]) -> Samples:
-        if self.check_order:  # a wrapper that re-shards or reorders the batch sampler fails here (guard.py)
+        if self.check_order:  # a wrapper that re-shards or reorders the batch sampler fails here (fetch.py)
             if self._fetched is None:
-                from .guard import FetchOrder
-
                 self._fetched = FetchOrder()
             self._fetched.check(indices)
         prefetch, ahead = getattr(self.dataset, "prefetch", None), getattr(indices, "ahead", None)
@@ -112,8 +111,6 @@ class PadCollate:
                  labels: str | None = None, model_shifts_labels: bool | None = None):
         if pad_multiple < 1:
             raise ValueError("pad_multiple must be >= 1")
-        from .model_inputs import labels_mode
-
         self.pad_id = pad_id
         self.key = key
         self.labels = labels_mode(shift_labels, labels, model_shifts_labels)
@@ -141,6 +138,11 @@ class PadCollate:
                 raise PlanError(f"sample {int(info.sample_ids[i])} has {longest} tokens but its microbatch "
                                 f"(step {info.step}) is planned at seqlen {seqlen}: the plan was made for "
                                 f"different lengths (another dataset, column or tokenizer)")
+            if int(lengths.sum()) != info.tokens:  # shorter items would make step_loss_tokens wrong
+                ids = ", ".join(str(int(i)) for i in info.sample_ids[:4]) + (", ..." if n > 4 else "")
+                raise PlanError(f"step {info.step} micro {info.micro}: the dataset items of samples {ids} hold "
+                                f"{int(lengths.sum())} tokens but the plan counted {info.tokens}: the plan was made "
+                                f"for different lengths (another dataset, column or tokenizer)")
         else:
             seqlen = -(-longest // self.pad_multiple) * self.pad_multiple
             batch = n
@@ -191,8 +193,6 @@ class PadCollate:
             out["step_loss_tokens"] = info.step_targets
         if self.attention_mask_3d:
             out["attention_mask_3d"] = causal_padding_mask(lengths, seqlen, batch)
-        from .model_inputs import finish_batch
-
         return finish_batch(out, info, self.labels)
 
 

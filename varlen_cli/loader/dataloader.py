@@ -1,24 +1,34 @@
 """``PlanDataLoader``: a DataLoader that frameworks understand, with exact consumed-position state.
 
+* ``len(loader)`` is the epoch's microbatches, whatever the resume position (``len(loader.batch_sampler)``
+  those the next iteration yields);
 * ``set_epoch(epoch)`` reaches the plan's batch sampler (as do ``batch_sampler.set_epoch`` and
-  ``batch_sampler.sampler.set_epoch``, which Lightning and accelerate call);
+  ``batch_sampler.sampler.set_epoch``, which Lightning and accelerate call); ``epoch`` is right
+  after every ``load_state_dict``, so ``for epoch in range(loader.epoch, plan.epochs)`` resumes;
 * ``state_dict()`` / ``load_state_dict()`` hold the position right after the last batch the
-  loader *handed out* (not the sampler's read-ahead position, so it is exact with worker
-  processes and prefetching), plus the plan fingerprint;
+  loader *handed out* (or the trainer reported with ``mark_consumed``: not the sampler's read-ahead,
+  so it is exact with worker processes and prefetching), the plan fingerprint and the ledger of
+  consumed positions (:mod:`varlen_cli.loader.ledger`);
 * every batch handed out is checked by the loader's :class:`~varlen_cli.loader.guard.ConsumptionGuard`
-  (plan order for this rank), which ``VariableBatchSizeLR.step()`` consults;
+  (plan order for this rank, the ledger, the pace of ``VariableBatchSizeLR``);
 * ``all_epochs=True`` makes one iteration run every remaining epoch of the plan (for trainers,
   such as Hugging Face's, that assume equal epochs).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch.utils.data import DataLoader
 
+from .collate import PadCollate, PlanDataset
 from .guard import ConsumptionGuard, register
+from .packed import PackedCollate
+from .plan_file import Plan, PlanError
 from .sampler import PlanBatchSampler, _Position
+
+STATE_KEY = "varlen"  # the loader's own state inside torchdata's state dict
 
 
 class _PlanLoaderMixin:
@@ -27,15 +37,18 @@ class _PlanLoaderMixin:
     batch_sampler: PlanBatchSampler
     _defer_start = False  # torchdata restores its state inside __iter__: accept any start there
 
-    def _plan_setup(self, all_epochs: bool) -> None:
+    def _plan_setup(self, all_epochs: bool, lr_scale: str) -> None:
         sampler = self.batch_sampler
         self.plan = sampler.plan
         self.all_epochs = bool(all_epochs)
-        self.full_epoch_len = False  # len() = the whole epoch even after a mid-epoch resume (Lightning's count)
+        self.full_epoch_len = True  # len() = the whole epoch, also after a mid-epoch resume (what frameworks count)
         self.consumed_by_trainer = False  # True: the trainer calls mark_consumed (it fetches ahead of training)
-        self.guard = ConsumptionGuard(sampler.plan, sampler.rank)
+        self.len_before = 0  # microbatches a framework counted before this loader's first one (added to len())
+        self.guard = ConsumptionGuard(sampler.plan, sampler.rank, lr_scale=lr_scale)
+        sampler.ledger = self.guard.ledger
         register(self.guard)
-        self._last: tuple | None = None  # (epoch, step, rank, micro) of the last batch handed out
+        self._last: tuple | None = None  # (epoch, step, rank, micro) of the last batch handed out / reported
+        self._unreported = 0  # batches handed out since the trainer last reported one (consumed_by_trainer)
 
     # -- epochs --------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -47,14 +60,23 @@ class _PlanLoaderMixin:
     def epoch(self) -> int:
         return self.batch_sampler.epoch
 
+    def end_epoch(self) -> None:
+        """Stop the current epoch early on purpose: the next epoch may then start (the ledger otherwise
+        refuses an epoch started while the previous one is incomplete)."""
+        self.guard.ledger.end_epoch(self.batch_sampler.epoch)
+
     def __len__(self) -> int:
-        """Microbatches of the next iteration; with ``all_epochs``, of the whole plan (constant, as
-        Trainer-style loops that count steps per epoch expect, whatever the resume position)."""
+        """Microbatches of the current epoch, also after a mid-epoch resume (Lightning counts an epoch's
+        batches from its own restored progress: a shorter length would cut every later epoch short);
+        with ``all_epochs``, of the whole plan (as Trainer-style loops expect). ``len_before`` is added:
+        what a framework counted before this loader (the job's steps before a plan made by ``varlen
+        replan``). ``full_epoch_len = False``: the microbatches the next iteration yields, as
+        ``len(loader.batch_sampler)``."""
         if self.all_epochs:
-            return self.plan.num_steps * self.plan.grad_accum
+            return self.len_before + self.plan.num_steps * self.plan.grad_accum
         if self.full_epoch_len:
-            return self.plan.steps_per_epoch[self.batch_sampler.epoch] * self.plan.grad_accum
-        return len(self.batch_sampler)
+            return self.len_before + self.plan.steps_per_epoch[self.batch_sampler.epoch] * self.plan.grad_accum
+        return self.len_before + len(self.batch_sampler)
 
     def mark_consumed(self, batch: Any) -> None:
         """Report ``batch`` as trained, at the point where the model gets it (after any wrapper or
@@ -64,6 +86,7 @@ class _PlanLoaderMixin:
         if not self.consumed_by_trainer:
             raise RuntimeError("set loader.consumed_by_trainer = True before iterating to report consumed batches")
         self._last = self.guard.consume(batch)
+        self._unreported = 0
 
     def _start_position(self) -> tuple | None:
         sampler = self.batch_sampler
@@ -78,6 +101,7 @@ class _PlanLoaderMixin:
 
     def _iterate(self, epochs):
         base_iter = super().__iter__
+        limit = 2 * self.plan.grad_accum + 2  # what a trainer may fetch ahead of the batch it trains
         for i, epoch in enumerate(epochs):
             if epoch is not None and i > 0:
                 self.batch_sampler.set_epoch(epoch)
@@ -85,41 +109,94 @@ class _PlanLoaderMixin:
             for batch in base_iter():
                 if not self.consumed_by_trainer:
                     self._last = self.guard.consume(batch)
+                else:
+                    self._unreported += 1
+                    if self._unreported > limit:
+                        raise PlanError(f"the trainer took {self._unreported} batches from the plan's loader without "
+                                        f"reporting one as trained (loader.consumed_by_trainer is True: call "
+                                        f"loader.mark_consumed(batch) where the model gets each batch; with "
+                                        f"Lightning use PlanDataModule, which does)")
                 yield batch
 
     # -- state -----------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """The position after the last batch this loader handed out (exact with workers/prefetching)."""
+    def _position_state(self) -> dict:
+        """The position after the last batch handed out (or reported), with the ledger up to it."""
         sampler = self.batch_sampler
         if self._last is not None:
-            state = sampler.state_dict(after=_Position(*[self._last[i] for i in (0, 1, 2, 3)]))
+            epoch, step, micro = sampler._after(_Position(*self._last))
         else:
             step, micro, _ = sampler.bounds()
-            state = {"plan": self.plan.fingerprint, "epoch": sampler.epoch, "step": int(step), "micro": int(micro),
-                     "dp": self.plan.dp}
-        return state
+            epoch = sampler.epoch
+        k = self.guard.ledger.index(step, micro)
+        return {"plan": self.plan.fingerprint, "epoch": int(epoch), "step": int(step), "micro": int(micro),
+                "dp": self.plan.dp, "rank": sampler.rank, "ledger": self.guard.ledger.state(upto=k)}
+
+    def _restore_position(self, state: dict) -> None:
+        self.batch_sampler.load_state_dict(state)  # converts a state of the plan's parent; restores the ledger
+        self._last = None
+        self._unreported = 0
+        self.guard.resumed()
+
+    def state_dict(self) -> dict:
+        """The position after the last batch this loader handed out (exact with workers/prefetching)
+        and the ledger of the positions consumed up to there."""
+        return self._position_state()
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at ``state``'s position (seeks; refuses a state from another plan)."""
-        self.batch_sampler.load_state_dict(state)
-        self._last = None
-        self.guard.pending = []
-        self.guard.restart(None)
+        self._restore_position(state)
 
 
 class PlanDataLoader(_PlanLoaderMixin, DataLoader):
-    """A ``torch.utils.data.DataLoader`` over a plan (made by :func:`~varlen_cli.loader.dataloader_for_plan`)."""
+    """A ``torch.utils.data.DataLoader`` over a plan (made by :func:`dataloader_for_plan`)."""
 
-    def __init__(self, dataset, batch_sampler: PlanBatchSampler, *, all_epochs: bool = False, **kwargs: Any):
+    def __init__(self, dataset, batch_sampler: PlanBatchSampler, *, all_epochs: bool = False,
+                 lr_scale: str = "check", **kwargs: Any):
         super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
-        self._plan_setup(all_epochs)
+        self._plan_setup(all_epochs, lr_scale)
+
+
+def dataloader_for_plan(dataset, plan: Plan | str, rank: int | None = None,
+                        world_size: int | None = None, collate_fn: Callable[[Any], Any] | None = None,
+                        num_workers: int = 0, pin_memory: bool = False, epoch: int = 0, check_length: bool = True,
+                        stateful: bool = False, all_epochs: bool = False, read_ahead: int = 4,
+                        lr_scale: str = "check", **kwargs):
+    """A :class:`PlanDataLoader` over ``dataset`` that yields this rank's microbatches of ``plan``, collated.
+
+    The loader has ``set_epoch``, ``epoch``, ``end_epoch``, ``state_dict``/``load_state_dict`` (the
+    position after the last batch it handed out, exact with workers, and the ledger of consumed
+    positions) and checks that batches are consumed in plan order, once per job (``loader.guard``;
+    ``VariableBatchSizeLR.step()`` checks each step's micros against it). A plan whose ``lr_scale``
+    is not all 1 must be trained with a ``VariableBatchSizeLR``: ``lr_scale="ignore"`` opts out.
+    ``stateful=True`` builds it over torchdata's ``StatefulDataLoader`` instead (torchdata's own
+    state, with the loader's inside). ``all_epochs=True``: one iteration runs every remaining epoch.
+
+    The dataset is wrapped in :class:`PlanDataset` so that ``collate_fn`` (default
+    :class:`PadCollate`, or ``PackedCollate`` for a packed plan) sees each microbatch's plan row.
+    ``loader.batch_sampler`` is the :class:`PlanBatchSampler`. With ``check_length`` the plan is
+    validated against ``len(dataset)``. Extra keyword arguments go to ``DataLoader``
+    (``prefetch_factor``, ``persistent_workers``, ...). A dataset with a ``prefetch(sample_ids)``
+    method (:class:`~varlen_cli.loader.SourceDataset`) is told the sample ids of the next
+    ``read_ahead`` microbatches each DataLoader worker (or the main process) fetches.
+    """
+    plan = plan if isinstance(plan, Plan) else Plan.open(plan)
+    sampler = PlanBatchSampler(plan, rank, world_size, num_samples=len(dataset) if check_length else None,
+                               epoch=epoch)
+    if hasattr(dataset, "prefetch"):
+        sampler.read_ahead, sampler.read_ahead_stride = max(0, int(read_ahead)), max(1, int(num_workers))
+    if collate_fn is None:  # packed plans: rows of concatenated samples, cu_seqlens, position ids
+        collate_fn = PackedCollate() if plan.packing else PadCollate()
+    cls = stateful_loader_class() if stateful else PlanDataLoader
+    return cls(PlanDataset(dataset), sampler, collate_fn=collate_fn, num_workers=num_workers, pin_memory=pin_memory,
+               all_epochs=all_epochs, lr_scale=lr_scale, **kwargs)
 
 
 def stateful_loader_class():
     """``PlanStatefulDataLoader``: the same over torchdata's ``StatefulDataLoader`` (imported lazily).
 
-    Its ``state_dict``/``load_state_dict`` are torchdata's own (exact with workers); the rest as
-    :class:`PlanDataLoader`.
+    Its ``state_dict()`` is torchdata's own (exact with workers) plus, under ``"varlen"``, the
+    loader's position and ledger; ``load_state_dict`` applies that part at once (so ``loader.epoch``
+    is the state's epoch before the next iteration) and hands the rest to torchdata.
     """
     global _STATEFUL
     if _STATEFUL is None:
@@ -127,15 +204,42 @@ def stateful_loader_class():
 
         class PlanStatefulDataLoader(_PlanLoaderMixin, StatefulDataLoader):
             _defer_start = True
-            state_dict = StatefulDataLoader.state_dict
-            load_state_dict = StatefulDataLoader.load_state_dict
 
-            def __init__(self, dataset, batch_sampler: PlanBatchSampler, *, all_epochs: bool = False, **kwargs):
+            def __init__(self, dataset, batch_sampler: PlanBatchSampler, *, all_epochs: bool = False,
+                         lr_scale: str = "check", **kwargs):
                 super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
-                self._plan_setup(all_epochs)
+                self._plan_setup(all_epochs, lr_scale)
+                batch_sampler.ledger_in_state = False  # torchdata restores the sampler: the ledger is ours
+
+            def state_dict(self) -> dict:
+                state = dict(StatefulDataLoader.state_dict(self))
+                state[STATE_KEY] = self._position_state()
+                return state
+
+            def load_state_dict(self, state: dict) -> None:
+                state = dict(state)
+                ours = state.pop(STATE_KEY, None) or _legacy_position(state)
+                if ours is not None:
+                    self.batch_sampler.ledger_in_state = True
+                    try:
+                        self._restore_position(ours)
+                    finally:
+                        self.batch_sampler.ledger_in_state = False
+                    if ours.get("plan") != self.plan.fingerprint:
+                        state = {}  # a state of the plan's parent: torchdata's part indexes the parent
+                StatefulDataLoader.load_state_dict(self, state)
 
         _STATEFUL = PlanStatefulDataLoader
     return _STATEFUL
+
+
+def _legacy_position(state: dict) -> dict | None:
+    """The sampler position of a torchdata state saved without the loader's part (exact only without
+    worker processes, whose snapshot holds the sampler's read-ahead position)."""
+    if "_snapshot" in state:
+        return None
+    sampler_state = state.get("_index_sampler_state")
+    return sampler_state if isinstance(sampler_state, dict) and "step" in sampler_state else None
 
 
 _STATEFUL = None

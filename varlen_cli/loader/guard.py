@@ -1,198 +1,230 @@
-"""The desync guard: every batch carries its plan position, and what a trainer consumes is checked.
+"""The desync guard: what a trainer consumes from one rank's loader is checked against the plan.
 
-A collated batch holds ``plan_position`` (an int64 tensor ``[epoch, step, rank, micro]``, which
-survives ``.to(device)``, ``apply_to_collection`` and pickling to and from DataLoader workers) and
-``info`` (a :class:`PlanRow`: the plan row, a plain object that recursive batch movers leave alone).
+Four checks, each raising a one-line :class:`PlanError` before the wrong microbatch is trained:
 
-Three checks use it, each raising a one-line :class:`PlanError`:
-
-* fetch order (:func:`check_fetch_order`, run by :class:`~varlen_cli.loader.collate.PlanDataset`):
-  the microbatches a DataLoader fetches must be the sampler's, in its order, none left out. A
-  wrapper that re-shards the batch sampler (``accelerator.prepare(loader)``) fails on its first
-  out-of-place microbatch;
-* consumption order (:class:`ConsumptionGuard`, fed by :class:`~varlen_cli.loader.PlanDataLoader`):
-  the batches a trainer takes from the loader must follow the plan's ``(epoch, step, micro)``
-  order for this rank;
-* step membership (:meth:`ConsumptionGuard.check_step`, run by ``VariableBatchSizeLR.step()``, and
-  :func:`check_batch`, also ``Plan.check(batch, step)``): the microbatches consumed since the last
-  optimizer step must be exactly micros ``0..grad_accum-1`` of the step whose update is applied.
+* fetch order (:mod:`varlen_cli.loader.fetch`, run by :class:`~varlen_cli.loader.collate.PlanDataset`):
+  the microbatches a DataLoader fetches must be its sampler's, in order (a wrapper that re-shards
+  the batch sampler, ``accelerator.prepare(loader)``, fails on its first out-of-place microbatch);
+* consumption order and the ledger (:meth:`ConsumptionGuard.consume`, fed by the loader or by
+  ``loader.mark_consumed(batch)``): this rank's microbatches in plan order, none trained twice in a
+  job (resumes included), none skipped, no epoch started while an earlier one is incomplete
+  (:mod:`varlen_cli.loader.ledger`);
+* the LR pace: the data may run at most one step ahead of the plan's ``VariableBatchSizeLR``
+  (prefetching), never behind it, and a plan whose ``lr_scale`` is not all 1 needs one
+  (``lr_scale="ignore"`` opts out);
+* step membership (:meth:`ConsumptionGuard.check_step`, run by ``VariableBatchSizeLR.step()``): the
+  update being applied is that of the step whose micros ``0..grad_accum-1`` were consumed, and no
+  step lies past the plan's end.
 """
 
 from __future__ import annotations
 
-import itertools
-import os
+import sys
 import weakref
 from typing import Any
 
-import torch
+import numpy as np
 
-from .plan_file import Microbatch, Plan, PlanError
+from .ledger import LOOP_HINT, Ledger
+from .plan_file import Plan, PlanError
+from .position import batch_position, describe
 
-#: Batch keys that are bookkeeping, not model inputs (:func:`~varlen_cli.loader.to_model_inputs` drops them).
-POSITION_KEY = "plan_position"
-
-
-class PlanRow:
-    """The plan row of a batch (``batch["info"]``): every :class:`Microbatch` attribute, read-only.
-
-    Not a dataclass and without a ``to`` method, so Lightning's ``apply_to_collection``,
-    accelerate's ``send_to_device`` and Trainer's ``_prepare_input`` pass it through unchanged.
-    """
-
-    __slots__ = ("microbatch",)
-
-    def __init__(self, microbatch: Microbatch):
-        object.__setattr__(self, "microbatch", microbatch)
-
-    def __getattr__(self, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(object.__getattribute__(self, "microbatch"), name)
-
-    def __setattr__(self, name, value):
-        raise AttributeError("PlanRow is read-only")
-
-    def __getstate__(self):
-        return self.microbatch
-
-    def __setstate__(self, state):
-        object.__setattr__(self, "microbatch", state)
-
-    def __eq__(self, other):
-        other = other.microbatch if isinstance(other, PlanRow) else other
-        return self.microbatch == other
-
-    __hash__ = None
-
-    def __repr__(self) -> str:
-        mb = self.microbatch
-        return f"PlanRow(epoch={mb.epoch}, step={mb.step}, rank={mb.rank}, micro={mb.micro}, shape={mb.shape})"
+LR_SCALE_CHOICES = ("check", "ignore")
 
 
-def stamp(out: dict, info: Microbatch | None) -> dict:
-    """Put the plan position and row into a collated batch (no-op without a plan row)."""
-    if info is None:
-        out.setdefault(POSITION_KEY, None)
-        return out
-    mb = info.microbatch if isinstance(info, PlanRow) else info
-    out[POSITION_KEY] = torch.tensor([mb.epoch, mb.step, mb.rank, mb.micro], dtype=torch.int64)
-    out["info"] = PlanRow(mb)
-    return out
-
-
-def batch_position(batch: Any) -> tuple[int, int, int, int]:
-    """``(epoch, step, rank, micro)`` of a collated batch (or a Microbatch / PlanRow / indices)."""
-    for obj in (batch, getattr(batch, "info", None)):
-        if isinstance(obj, (Microbatch, PlanRow)):
-            return (int(obj.epoch), int(obj.step), int(obj.rank), int(obj.micro))
-    if isinstance(batch, dict):
-        info = batch.get("info")
-        if isinstance(info, (Microbatch, PlanRow)):
-            return (int(info.epoch), int(info.step), int(info.rank), int(info.micro))
-        pos = batch.get(POSITION_KEY)
-        if pos is not None:
-            values = pos.tolist() if isinstance(pos, torch.Tensor) else list(pos)
-            if len(values) == 4:
-                return tuple(int(v) for v in values)
-    raise PlanError("this batch carries no plan position: collate it with varlen's PadCollate or PackedCollate "
-                    "over PlanDataset (dataloader_for_plan does)")
-
-
-def describe(pos) -> str:
-    epoch, step, rank, micro = pos
-    return f"(epoch {epoch}, step {step}, rank {rank}, micro {micro})"
-
-
-def position_after(plan: Plan, pos) -> tuple[int, int, int, int]:
-    """The position of the microbatch that follows ``pos`` in the same rank's stream."""
+def position_after(plan: Plan, pos) -> tuple[int, int, int, int] | None:
+    """The position of the microbatch that follows ``pos`` in the same rank's stream (None at the end)."""
     epoch, step, rank, micro = pos
     if micro + 1 < plan.grad_accum:
         return (epoch, step, rank, micro + 1)
+    if step + 1 >= plan.num_steps:
+        return None
     end = plan.epoch_start(epoch) + plan.steps_per_epoch[epoch]
-    if step + 1 < end:
-        return (epoch, step + 1, rank, 0)
-    return (epoch + 1, step + 1, rank, 0)
+    return (epoch if step + 1 < end else epoch + 1, step + 1, rank, 0)
 
 
-def check_batch(plan: Plan, batch: Any, step: int, rank: int | None = None) -> tuple[int, int, int, int]:
-    """Raise :class:`PlanError` unless ``batch`` is a microbatch of global ``step`` (and of ``rank``)."""
-    pos = batch_position(batch)
-    epoch, got_step, got_rank, micro = pos
-    if got_step != step:
-        want_epoch = plan.epoch_of(step) if 0 <= step < plan.num_steps else "?"
-        raise PlanError(f"desync: the trainer is applying optimizer step {step} (epoch {want_epoch}) but consumed "
-                        f"the microbatch at {describe(pos)}: the data stream and the step count disagree (was "
-                        f"set_epoch missed, a batch skipped, or the gradient accumulation changed?)")
-    if rank is not None and got_rank != rank:
-        raise PlanError(f"desync: rank {rank} consumed the microbatch of rank {got_rank} at {describe(pos)}: the "
-                        f"loader was re-sharded (pass the plan's loader through prepare_plan_dataloader)")
-    if not 0 <= micro < plan.grad_accum or (0 <= step < plan.num_steps and plan.epoch_of(step) != epoch):
-        raise PlanError(f"desync: {describe(pos)} is not a position of this plan")
-    return pos
+def _under_transformers_trainer() -> bool:
+    """True when a ``transformers.Trainer`` method is on the call stack (the plain-Trainer setup)."""
+    trainer_module = sys.modules.get("transformers.trainer")
+    if trainer_module is None:
+        return False
+    frame = sys._getframe(1)
+    while frame is not None:
+        if isinstance(frame.f_locals.get("self"), trainer_module.Trainer):
+            return True
+        frame = frame.f_back
+    return False
 
 
 class ConsumptionGuard:
     """Checks the microbatches a trainer consumes from one rank's loader against the plan.
 
-    :meth:`consume` is called for every batch the loader hands out (in order); :meth:`check_step`
-    when an optimizer step's LR is advanced. A new iteration of the loader calls :meth:`restart`
-    with the position it starts at.
+    :meth:`consume` is called for every batch the loader hands out (or the trainer reports) in
+    order; :meth:`check_step` when an optimizer step's LR is advanced. A new iteration of the loader
+    calls :meth:`restart` with the position it starts at; a restored state calls :meth:`resumed`.
+    ``lr_scale="ignore"`` trains a plan whose ``lr_scale`` is not all 1 without ``VariableBatchSizeLR``.
     """
 
-    def __init__(self, plan: Plan, rank: int):
+    def __init__(self, plan: Plan, rank: int, ledger: Ledger | None = None, *, lr_scale: str = "check"):
+        if lr_scale not in LR_SCALE_CHOICES:
+            raise ValueError(f"lr_scale must be one of {', '.join(LR_SCALE_CHOICES)}, not {lr_scale!r}")
         self.plan = plan
         self.rank = int(rank)
+        self.ledger = ledger if ledger is not None else Ledger(plan, rank)
+        self.lr_scale = lr_scale
         self.expected: tuple[int, int, int, int] | None = None
-        self.last: tuple[int, int, int, int] | None = None
-        self.pending: list[tuple[int, int, int, int]] = []
+        self.last: tuple[int, int, int, int] | None = None  # the last position consumed in this job
+        self.pending: list[tuple[int, int, int, int]] = []  # consumed, update not applied yet
+        self.applied: int | None = None  # the last step VariableBatchSizeLR.step() checked
+        self.first_step: int | None = None  # the first step this job consumed (LR coverage)
         self.enabled = True
+        self._lr: weakref.ReferenceType | None = None
+        self._needs_lr: bool | None = None
 
+    # -- iterations and resumes -----------------------------------------------------------------
     def restart(self, position: tuple[int, int, int, int] | None) -> None:
         self.expected = position
 
+    def resumed(self) -> None:
+        """A state was loaded: what this process consumed before belongs to no step of the new position."""
+        self.last, self.expected, self.pending, self.first_step = None, None, [], None
+
+    # -- consuming ------------------------------------------------------------------------------
     def consume(self, batch: Any) -> tuple[int, int, int, int]:
         pos = batch_position(batch)
         if self.enabled:
-            if pos[2] != self.rank:
-                raise PlanError(f"desync: rank {self.rank} consumed the microbatch of rank {pos[2]} at "
-                                f"{describe(pos)}: the loader was re-sharded or built for another rank")
-            if self.expected is not None and pos != self.expected:
-                raise PlanError(f"desync: the trainer consumed the microbatch at {describe(pos)} where the plan's "
-                                f"next one is {describe(self.expected)}: a wrapper dropped or reordered microbatches")
+            self._check_order(pos)
+            self.ledger.record(pos[0], pos[1], pos[3])
+            self._check_pace(pos)
         self.last = pos
         self.expected = position_after(self.plan, pos)
         self.pending.append(pos)
         return pos
 
-    def check_step(self, step: int) -> None:
-        """The update of global ``step`` is being applied: its micros must be exactly what was consumed."""
-        got, self.pending = self.pending, []
-        if not self.enabled or not 0 <= step < self.plan.num_steps:
+    def _check_order(self, pos) -> None:
+        if pos[2] != self.rank:
+            raise PlanError(f"desync: rank {self.rank} consumed the microbatch of rank {pos[2]} at {describe(pos)}: "
+                            f"the loader was re-sharded or built for another rank")
+        if self.expected is not None and pos != self.expected:
+            raise PlanError(f"desync: the trainer consumed the microbatch at {describe(pos)} where the plan's next one "
+                            f"is {describe(self.expected)}: a wrapper dropped or reordered microbatches")
+
+    def _check_pace(self, pos) -> None:
+        """The data may lead the plan's VariableBatchSizeLR by one step (read-ahead), never lag it."""
+        epoch, step, _, micro = pos
+        lr = self.lr()
+        if lr is None:
+            self._check_lr_coverage(step)
             return
-        epoch = self.plan.epoch_of(step)
+        if not lr.check:
+            return
+        s = lr.step_index
+        if step < s:
+            raise PlanError(f"desync: the microbatch at {describe(pos)} is consumed but VariableBatchSizeLR is already "
+                            f"at optimizer step {s}: the scheduler was stepped more often than the optimizer, or the "
+                            f"loader's and the scheduler's states come from different checkpoints")
+        ahead_ok = step == s + 1 and micro == 0 and self.last is not None and self.last[1] == s \
+            and self.last[3] == self.plan.grad_accum - 1
+        if step > s and not ahead_ok:
+            if self.last is None:
+                raise PlanError(f"desync: the loader resumes at {describe(pos)} but VariableBatchSizeLR at optimizer "
+                                f"step {s}: the loader's and the scheduler's states were saved at different points "
+                                f"(save both after scheduler.step())")
+            raise PlanError(f"desync: the microbatch at {describe(pos)} is consumed but optimizer step(s) "
+                            f"{s}..{step - 1} were consumed without VariableBatchSizeLR.step() (call it once per "
+                            f"optimizer step)")
+        if micro > 0 and self.last != (epoch, step, self.rank, micro - 1):
+            raise PlanError(f"desync: the microbatch at {describe(pos)} is the first of optimizer step {step} this "
+                            f"job trains, but micros 0..{micro - 1} of that step were consumed before its checkpoint "
+                            f"and their gradient is lost: the loader's state was saved in the middle of a step (a "
+                            f"framework that reads ahead, such as Lightning, saves it early: use PlanDataModule, or "
+                            f"report trained batches with loader.mark_consumed(batch))")
+
+    def _check_lr_coverage(self, step: int) -> None:
+        if self.lr_scale == "ignore" or not self.needs_lr:
+            return
+        if self.first_step is None:
+            self.first_step = step
+        if step < self.first_step + 2:
+            return
+        scales = self.plan.lr_scales()
+        where = (" Under transformers.Trainer use varlen_cli.integrations.hf.PlanTrainer (it also fixes the label "
+                 "shift and the loss normalisation)." if _under_transformers_trainer() else "")
+        raise PlanError(f"the plan's lr_scale ({float(scales.min()):.3g} to {float(scales.max()):.3g}) is not "
+                        f"applied: rank {self.rank} consumed optimizer steps {self.first_step} and "
+                        f"{self.first_step + 1} with no VariableBatchSizeLR of this plan stepped (wrap the LR "
+                        f"scheduler in VariableBatchSizeLR(scheduler, plan) and call its step() once per optimizer "
+                        f"step, or pass lr_scale='ignore' to dataloader_for_plan to train without it).{where}")
+
+    @property
+    def needs_lr(self) -> bool:
+        if self._needs_lr is None:
+            self._needs_lr = bool(np.any(self.plan.lr_scales() != 1.0))
+        return self._needs_lr
+
+    # -- the optimizer step ---------------------------------------------------------------------
+    def check_step(self, step: int, strict: bool = True) -> None:
+        """The update of global ``step`` is being applied: its micros must be exactly what was consumed
+        (a read-ahead of the next step stays pending)."""
+        got = [p for p in self.pending if p[1] <= step]
+        self.pending = [p for p in self.pending if p[1] > step]
+        previous, self.applied = self.applied, step
+        if not self.enabled or not strict:
+            return
+        if step >= self.plan.num_steps:
+            raise PlanError(f"desync: optimizer step {step} is past the plan's end ({self.plan.num_steps} steps, "
+                            f"{self.plan.epochs} epoch(s)): the trainer runs longer than the plan (re-plan with more "
+                            f"--epochs, or `varlen plan --extend PLAN --epochs N`)")
+        epoch = self.plan.epoch_of(step) if step >= 0 else 0
         want = [(epoch, step, self.rank, m) for m in range(self.plan.grad_accum)]
         if got == want:
             return
+        if not got and previous == step - 1:
+            raise PlanError(f"desync: VariableBatchSizeLR.step() is called for optimizer step {step} but none of that "
+                            f"step's microbatches was consumed: the scheduler is stepped more than once per optimizer "
+                            f"step (do not accelerator.prepare() it, and step it in one place only)")
         if not got:
-            raise PlanError(f"desync: optimizer step {step} is applied but no microbatch was consumed from the "
-                            f"plan's loader since the last step (was the loader re-wrapped, e.g. by "
-                            f"accelerator.prepare()? use varlen_cli.integrations.accelerate.prepare_plan_dataloader)")
+            raise PlanError(f"desync: optimizer step {step} is applied but no microbatch was consumed from the plan's "
+                            f"loader since the last step: the batches come from another loader (with accelerate use "
+                            f"varlen_cli.integrations.accelerate.prepare_plan_dataloader, not prepare(loader))")
         have = ", ".join(describe(p) for p in got[:3]) + (", ..." if len(got) > 3 else "")
         raise PlanError(f"desync: optimizer step {step} (epoch {epoch}) needs micros 0..{self.plan.grad_accum - 1} of "
                         f"rank {self.rank} but the trainer consumed {len(got)} microbatch(es): {have} (gradient "
-                        f"accumulation must be the plan's {self.plan.grad_accum}, and set_epoch must reach the loader)")
+                        f"accumulation must be the plan's {self.plan.grad_accum}; {LOOP_HINT})")
+
+    # -- the plan's LR scheduler ----------------------------------------------------------------
+    def lr(self):
+        """The ``VariableBatchSizeLR`` bound to this guard (None when none is)."""
+        lr = self._lr() if self._lr is not None else None
+        if lr is None:
+            lr = _unclaimed_lr(self.plan, self.ledger.continued)
+            if lr is not None:
+                bind(lr, self)
+        return lr
 
     def state_dict(self) -> dict:
         return {"last": list(self.last) if self.last is not None else None}
 
 
 # -- linking loaders and LR schedulers of one plan in one process -------------------------------------
+# A VariableBatchSizeLR checks the guard it is bound to: explicitly (guard=loader, the integrations),
+# else the first loader of its plan to consume a batch while the scheduler is unbound and has not
+# stepped (made before or after the loader, both orders), else at its first step() the plan's latest
+# loader that consumed; a loader that continues the previous loader's ledger (one loader per epoch)
+# takes over its scheduler. Loaders and schedulers left over from earlier runs in the process (kept
+# alive by a traceback) are never bound: they consumed nothing, or stepped.
 _GUARDS: dict[str, weakref.ReferenceType[ConsumptionGuard]] = {}
+_LRS: dict[str, weakref.ReferenceType] = {}
+
+
+def bind(lr, guard: ConsumptionGuard) -> None:
+    """Make ``lr`` check ``guard`` (and ``guard`` pace its consumption against ``lr``)."""
+    lr._guard = guard
+    guard._lr = weakref.ref(lr)
 
 
 def register(guard: ConsumptionGuard) -> None:
-    """Make ``guard`` the one ``VariableBatchSizeLR`` objects of the same plan check (latest loader wins)."""
+    """Make ``guard`` the plan's latest loader in this process."""
     _GUARDS[guard.plan.fingerprint] = weakref.ref(guard)
 
 
@@ -201,37 +233,23 @@ def lookup(plan: Plan) -> ConsumptionGuard | None:
     return ref() if ref is not None else None
 
 
-# -- fetch order -------------------------------------------------------------------------------------
-_ITERATIONS = itertools.count()
-_NONCE = os.urandom(4).hex()
+def register_lr(lr, guard: ConsumptionGuard | None = None) -> None:
+    """A new VariableBatchSizeLR of ``lr.plan``: bound to ``guard`` when given, else to the plan's
+    loader that next consumes a batch (or that it checks first)."""
+    if guard is not None:
+        bind(lr, guard)
+    _LRS[lr.plan.fingerprint] = weakref.ref(lr)
 
 
-def new_iteration_id() -> str:
-    """A process-unique id for one iteration of a batch sampler."""
-    return f"{_NONCE}-{os.getpid()}-{next(_ITERATIONS)}"
-
-
-class FetchOrder:
-    """Per-process record of the microbatches a DataLoader fetched, for :func:`check_fetch_order`."""
-
-    def __init__(self):
-        self.last: dict[str, int] = {}
-
-    def check(self, indices: Any) -> None:
-        order = getattr(indices, "order", None)
-        info = getattr(indices, "info", None)
-        if order is None or info is None:
-            return
-        iteration, k = order
-        worker = torch.utils.data.get_worker_info()
-        stride = 1 if worker is None else worker.num_workers
-        last = self.last.get(iteration)
-        ok = (k == 0) if (last is None and worker is None) else (last is None or k == last + stride)
-        if not ok:
-            raise PlanError(f"desync: the DataLoader fetched the microbatch at "
-                            f"{describe((info.epoch, info.step, info.rank, info.micro))} out of the plan's order "
-                            f"(its batch sampler was re-sharded or wrapped, e.g. by accelerator.prepare(): use "
-                            f"varlen_cli.integrations.accelerate.prepare_plan_dataloader)")
-        if len(self.last) > 64:
-            self.last.clear()
-        self.last[iteration] = k
+def _unclaimed_lr(plan: Plan, continued: Ledger | None):
+    """The plan's latest VariableBatchSizeLR if no guard has it and it never stepped, or if it checks
+    the loader whose ledger this guard's continues (a framework that makes a loader per epoch)."""
+    ref = _LRS.get(plan.fingerprint)
+    lr = ref() if ref is not None else None
+    if lr is None:
+        return None
+    if lr._guard is None and not lr.steps_taken:
+        return lr
+    if continued is not None and lr._guard is not None and lr._guard.ledger is continued:
+        return lr
+    return None

@@ -8,7 +8,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .plan_file import Plan
+from .guard import bind, lookup, register_lr
+from .plan_file import Plan, PlanError
+from .replan import first_step, lineage, lr_state_from_parent
 
 
 class VariableBatchSizeLR(torch.optim.lr_scheduler.LRScheduler):
@@ -42,12 +44,15 @@ class VariableBatchSizeLR(torch.optim.lr_scheduler.LRScheduler):
         self.scales = np.asarray(scales, dtype=np.float64)
         self.plan = plan if isinstance(plan, Plan) else None
         self.check = bool(check)
-        self._guard = getattr(guard, "guard", guard)  # a loader or its guard
+        self._guard = None  # the loader's ConsumptionGuard this scheduler checks (guard.bind)
+        self.steps_taken = 0  # step() calls since this scheduler was made
         self.step_index = int(start_step)
         self._unscaled = [float(g["lr"]) for g in self.optimizer.param_groups]
         self.base_lrs = list(self._unscaled)
         self._step_count = 1
         self._apply()
+        if self.plan is not None:
+            register_lr(self, getattr(guard, "guard", guard))  # a loader or its guard
 
     @property
     def last_epoch(self) -> int:  # LRScheduler's step counter: the global step
@@ -57,21 +62,24 @@ class VariableBatchSizeLR(torch.optim.lr_scheduler.LRScheduler):
     def last_epoch(self, value: int) -> None:
         self.step_index = int(value)
 
+    @property
+    def global_step(self) -> int:
+        """The job's global step: :attr:`step_index` plus the steps before a plan made by ``varlen replan``."""
+        return self.step_index + (first_step(self.plan) if self.plan is not None else 0)
+
     def get_lr(self) -> list[float]:
         return list(self._last_lr)
 
     def _check_step(self) -> None:
-        if not self.check or self.plan is None:
+        if self.plan is None:
             return
         guard = self._guard
         if guard is None:
-            from .guard import lookup
-
             guard = lookup(self.plan)
-            if guard is None or guard.last is None:  # no loader of this plan has handed out a batch
-                return
-            self._guard = guard
-        guard.check_step(self.step_index)
+            if guard is None or guard.last is None or guard.lr() not in (None, self):
+                return  # no loader of this plan has handed out a batch (or it has its own scheduler)
+            bind(self, guard)
+        guard.check_step(self.step_index, strict=self.check)
 
     def scale(self, step: int | None = None) -> float:
         """The plan's ``lr_scale`` at ``step`` (default: the current step); 1.0 past the plan's end."""
@@ -91,6 +99,7 @@ class VariableBatchSizeLR(torch.optim.lr_scheduler.LRScheduler):
         Raises :class:`PlanError` when the consumed microbatches are not the step's (see the class).
         """
         self._check_step()
+        self.steps_taken += 1
         for group, lr in zip(self.optimizer.param_groups, self._unscaled):
             group["lr"] = lr
         if self.scheduler is not None:
@@ -108,10 +117,19 @@ class VariableBatchSizeLR(torch.optim.lr_scheduler.LRScheduler):
         return list(self._unscaled)
 
     def state_dict(self) -> dict:
-        return {"step": self.step_index, "unscaled": list(self._unscaled),
-                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
+        state = {"step": self.step_index, "unscaled": list(self._unscaled),
+                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
+        if self.plan is not None:
+            state["plan"] = self.plan.fingerprint
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        saved_with = state.get("plan")
+        if self.plan is not None and saved_with not in (None, self.plan.fingerprint):
+            if saved_with != lineage(self.plan).get("parent"):
+                raise PlanError("the VariableBatchSizeLR state was saved with another plan; resume with the same plan "
+                                "(or one made from it by `varlen replan` / `varlen plan --extend`)")
+            state = lr_state_from_parent(self.plan, state)  # the step index counts from this plan's step 0
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.step_index = int(state["step"])

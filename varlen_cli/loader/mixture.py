@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .dataloader import dataloader_for_plan
 from .plan_file import Plan, PlanError
 
 
@@ -55,7 +56,5 @@ class MixtureDataset(torch.utils.data.Dataset):
 
 def mixture_dataloader(datasets: Mapping[str, Any], plan: Plan | str, **kwargs):
     """``dataloader_for_plan(MixtureDataset(datasets, plan), plan, **kwargs)``."""
-    from . import dataloader_for_plan
-
     plan = plan if isinstance(plan, Plan) else Plan.open(plan)
     return dataloader_for_plan(MixtureDataset(datasets, plan), plan, **kwargs)

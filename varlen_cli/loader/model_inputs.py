@@ -15,14 +15,16 @@ micros: divide the summed token losses by it (times the world size under DDP's a
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
-from .guard import POSITION_KEY, stamp
+from .batch import IGNORE_INDEX, LabelMode, finish_batch, labels_mode
+from .packed import block_causal_mask
+from .position import POSITION_KEY
 
-IGNORE_INDEX = -100
-LabelMode = Literal["shifted", "unshifted"]
+__all__ = ["BOOKKEEPING_KEYS", "IGNORE_INDEX", "LabelMode", "Style", "finish_batch", "labels_mode", "to_model_inputs"]
+
 Style = Literal["hf", "flash", "sdpa"]
 
 #: Keys of a collated batch that are bookkeeping, never model inputs.
@@ -31,25 +33,6 @@ BOOKKEEPING_KEYS = frozenset({
     "step_tokens", "step_loss_tokens", "num_items_in_batch", "loss_mask", "label_convention", "segment_ids",
     "cu_seqlens", "max_seqlen", "attention_mask_3d",
 })
-
-
-def labels_mode(shift_labels: bool = True, labels: str | None = None,
-                model_shifts_labels: bool | None = None) -> str:
-    """Resolve the label convention from the collate options (``labels`` wins, then ``model_shifts_labels``)."""
-    if labels is not None:
-        if labels not in ("shifted", "unshifted"):
-            raise ValueError(f"labels must be 'shifted' or 'unshifted', not {labels!r}")
-        return labels
-    if model_shifts_labels is not None:
-        return "unshifted" if model_shifts_labels else "shifted"
-    return "shifted" if shift_labels else "unshifted"
-
-
-def finish_batch(out: dict, info: Any, mode: str) -> dict:
-    """Add the plan position, the label convention and ``num_items_in_batch`` to a collated batch."""
-    out["label_convention"] = mode
-    out["num_items_in_batch"] = out.get("step_loss_tokens")
-    return stamp(out, info)
 
 
 def is_packed(batch: dict) -> bool:
@@ -108,8 +91,6 @@ def to_model_inputs(batch: dict, style: Style = "hf", *, labels: bool = True, ma
             out.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=int(batch["max_seqlen"]),
                        max_length_k=int(batch["max_seqlen"]))
         elif style == "sdpa":
-            from .packed import block_causal_mask
-
             out["attention_mask"] = block_causal_mask(batch["segment_ids"], dtype=mask_dtype)[:, None]
     for key in keep:
         out[key] = batch[key]

@@ -31,7 +31,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .collate import IGNORE_INDEX, sample_array
+from ..errors import PlanError
+from .batch import IGNORE_INDEX, finish_batch, labels_mode
+from .collate import sample_array
 
 
 class PackedLayoutError(ValueError):
@@ -229,8 +231,6 @@ class PackedCollate:
     def __init__(self, pad_id: int = 0, key: str = "input_ids", shift_labels: bool = True,
                  attention_mask_3d: bool = False, dtype: torch.dtype = torch.long, labels: str | None = None,
                  model_shifts_labels: bool | None = None):
-        from .model_inputs import labels_mode
-
         self.pad_id = pad_id
         self.key = key
         self.labels = labels_mode(shift_labels, labels, model_shifts_labels)
@@ -245,8 +245,6 @@ class PackedCollate:
                                     "PlanDataset (dataloader_for_plan does)")
         lengths, rows, starts = _info_fields(info, len(samples))
         if not self.shift_labels and np.any(starts > 0):
-            from .plan_file import PlanError
-
             raise PlanError(f"step {info.step}: labels='unshifted' cannot keep the target across a --split-long "
                             f"chunk boundary (the model shifts within a row); collate with labels='shifted' (Hugging "
                             f"Face models take them as shift_labels: to_model_inputs does it)")
@@ -258,6 +256,4 @@ class PackedCollate:
         out["step_tokens"] = info.step_tokens
         # targets in the whole step, in either label convention (exact: counted from the lengths)
         out["step_loss_tokens"] = info.step_targets
-        from .model_inputs import finish_batch
-
         return finish_batch(out, info, self.labels)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -19,6 +18,8 @@ import pyarrow.parquet as pq
 
 from .. import format
 from ..errors import PlanError  # a ValueError; exit code 6 on the command line
+from .microbatch import Microbatch
+from .position import check_batch
 
 PLAN_FORMAT = format.PLAN_FORMAT
 FORMAT_VERSION = format.PLAN_FORMAT_VERSION
@@ -27,48 +28,6 @@ FORMAT_VERSION = format.PLAN_FORMAT_VERSION
 REQUIRED_COLUMNS = tuple(name for name, _ in format.PLAN_COLUMNS)
 #: Extra columns of packed plans, passed through to :class:`Microbatch`.
 PACKED_COLUMNS = format.PACKED_COLUMN_NAMES
-
-
-@dataclass(frozen=True)
-class Microbatch:
-    """One row of a plan: the samples one data-parallel rank runs in one forward/backward."""
-
-    epoch: int
-    step: int
-    rank: int
-    micro: int
-    sample_ids: np.ndarray  # int64, in the order the loader yields them
-    num_samples: int
-    seqlen: int  # padded sequence length T (packed: the row length)
-    batch_size: int  # padded batch size B >= num_samples (packed: rows per microbatch)
-    tokens: int  # real tokens in this microbatch
-    lr_scale: float
-    shape_id: int
-    step_samples: int  # real samples in the whole step (all ranks, all micros)
-    step_tokens: int  # real tokens in the whole step
-    sample_lengths: np.ndarray | None = None  # packed plans
-    sample_rows: np.ndarray | None = None
-    sample_starts: np.ndarray | None = None
-    source: np.ndarray | None = None  # mixture plans: index of each sample's source (plan.meta["mixture"])
-    step_loss_tokens: int | None = None  # loss targets of the whole step (plans written since the column exists)
-
-    @property
-    def step_targets(self) -> int:
-        """Loss targets of the whole step: the plan's exact ``step_loss_tokens`` (empty samples count 0,
-        a non-final split chunk all its tokens), or ``step_tokens - step_samples`` for older plans."""
-        if self.step_loss_tokens is not None:
-            return self.step_loss_tokens
-        return self.step_tokens - self.step_samples
-
-    @property
-    def position(self) -> tuple[int, int, int]:
-        """``(epoch, step, micro)``: where this microbatch sits in the plan."""
-        return (self.epoch, self.step, self.micro)
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """The padded ``(B, T)`` of this microbatch."""
-        return (self.batch_size, self.seqlen)
 
 
 class _Group:
@@ -85,6 +44,10 @@ class _Group:
         for name in ("sample_ids", "source") + PACKED_COLUMNS:
             if name in table.column_names:
                 self.lists[name] = _offsets_values(table.column(name))
+        ids = self.lists["sample_ids"][1]
+        if len(ids) and int(ids.min()) < 0:  # plans whose footer has no statistics
+            raise PlanError(f"the plan holds sample id {int(ids.min())}: sample ids index the dataset from 0 (the file "
+                            f"was edited or damaged; make it again with `varlen plan`)")
 
     def microbatch(self, row: int) -> Microbatch:
         i = row - self.first_row
@@ -122,6 +85,7 @@ class Plan:
         self.row_groups_read = 0  # how many row groups this reader decoded (seeks read one)
         self._group: _Group | None = None
         self._lr_scales: np.ndarray | None = None
+        self._fingerprint: str | None = None
         self.dp = int(meta.get("dp", 0))
         self.grad_accum = int(meta.get("grad_accum", 0))
         self.num_steps = int(meta.get("num_steps", 0))
@@ -129,6 +93,7 @@ class Plan:
         self._epoch_starts = np.concatenate([[0], np.cumsum(self.steps_per_epoch, dtype=np.int64)])
         self._check_layout()
         self._index_row_groups()
+        self._check_values()
 
     # -- opening ---------------------------------------------------------------------------
     @classmethod
@@ -157,6 +122,22 @@ class Plan:
         if rows != self.num_steps * self.dp * self.grad_accum:
             raise PlanError(f"{self.path} is inconsistent: {rows} rows, expected num_steps x dp x grad_accum = "
                             f"{self.num_steps} x {self.dp} x {self.grad_accum}")
+
+    def _check_values(self) -> None:
+        """Sample ids >= 0 (from the statistics; decoded row groups check again) and every ``lr_scale``
+        finite and >= 0 (the one float column, read once and kept for :meth:`lr_scales`)."""
+        ids = self._sample_id_range()
+        if ids is not None and ids[0] < 0:
+            raise PlanError(f"{self.path} holds sample id {ids[0]}: sample ids index the dataset from 0 (the file was "
+                            f"edited or damaged; make it again with `varlen plan`)")
+        column = self._pf.read(columns=["lr_scale"]).column("lr_scale").to_numpy()
+        bad = np.flatnonzero(~np.isfinite(column) | (column < 0))
+        if len(bad):
+            row = int(bad[0])
+            raise PlanError(f"{self.path} holds lr_scale {float(column[row])} at step "
+                            f"{row // (self.dp * self.grad_accum)}: an LR scale must be a finite number >= 0 (the file "
+                            f"was edited or damaged; make it again with `varlen plan`)")
+        self._lr_scales = np.ascontiguousarray(column[:: self.dp * self.grad_accum], dtype=np.float64)
 
     def _index_row_groups(self) -> None:
         """First row and step range of every row group, from the footer's statistics."""
@@ -236,8 +217,11 @@ class Plan:
 
     @property
     def fingerprint(self) -> str:
-        """A short hash of the plan's metadata: identifies the plan in sampler states."""
-        return format.plan_fingerprint(self._pf.schema_arrow)
+        """A short hash of the plan's metadata: identifies the plan in sampler states (computed once:
+        the guard looks it up for every batch)."""
+        if self._fingerprint is None:
+            self._fingerprint = format.plan_fingerprint(self._pf.schema_arrow)
+        return self._fingerprint
 
     def epoch_start(self, epoch: int) -> int:
         """The global step where ``epoch`` starts."""
@@ -260,9 +244,7 @@ class Plan:
 
     def check(self, batch, step: int, rank: int | None = None) -> tuple[int, int, int, int]:
         """Raise :class:`PlanError` unless ``batch`` (a collated batch) is a microbatch of global
-        ``step`` (and of ``rank``); returns its ``(epoch, step, rank, micro)``. See loader/guard.py."""
-        from .guard import check_batch
-
+        ``step`` (and of ``rank``); returns its ``(epoch, step, rank, micro)``. See loader/position.py."""
         return check_batch(self, batch, step, rank)
 
     def __repr__(self) -> str:
@@ -273,6 +255,13 @@ class Plan:
     def validate(self, num_samples: int | None = None, world_size: int | None = None) -> None:
         """Check the plan against the dataset's length and the data-parallel world size."""
         if world_size is not None and world_size != self.dp:
+            launched = os.environ.get("WORLD_SIZE", "")
+            if launched.isdigit() and int(launched) == self.dp:  # the launcher is right, the framework is not
+                raise PlanError(f"the plan was made for {self.dp} data-parallel rank(s) and the launcher started "
+                                f"WORLD_SIZE={launched} processes, but this process sees world size {world_size}: the "
+                                f"training framework did not join them into one process group (on CPU: "
+                                f"Accelerator(cpu=True), TrainingArguments(use_cpu=True), Lightning accelerator='cpu' "
+                                f"with devices={launched})")
             raise PlanError(f"the plan was made for {self.dp} data-parallel rank(s) but the world size is "
                             f"{world_size}: re-plan with --dp {world_size} (with model parallelism, pass the "
                             f"data-parallel rank and world size explicitly)")
@@ -288,6 +277,11 @@ class Plan:
 
     def _max_sample_id(self) -> int | None:
         """The largest sample id, from the row groups' statistics (no data read)."""
+        ids = self._sample_id_range()
+        return ids[1] if ids is not None else None
+
+    def _sample_id_range(self) -> tuple[int, int] | None:
+        """``(smallest, largest)`` sample id from the row groups' statistics (None where they lack them)."""
         md = self._pf.metadata
         path = None
         for i in range(md.num_columns):
@@ -296,13 +290,14 @@ class Plan:
                 break
         if path is None or md.num_row_groups == 0:
             return None
-        largest = -1
+        smallest, largest = None, -1
         for g in range(md.num_row_groups):
             st = md.row_group(g).column(path).statistics
             if st is None or not st.has_min_max:
                 return None
+            smallest = int(st.min) if smallest is None else min(smallest, int(st.min))
             largest = max(largest, int(st.max))
-        return largest
+        return (smallest if smallest is not None else 0), largest
 
     # -- reading ---------------------------------------------------------------------------
     def _row_group_of(self, row: int) -> int:
@@ -354,8 +349,5 @@ class Plan:
         return [self.microbatch(step, r, m) for r in range(self.dp) for m in range(self.grad_accum)]
 
     def lr_scales(self) -> np.ndarray:
-        """The ``lr_scale`` of every global step (reads the one float column, once)."""
-        if self._lr_scales is None:
-            column = self._pf.read(columns=["lr_scale"]).column("lr_scale").to_numpy()
-            self._lr_scales = np.ascontiguousarray(column[:: self.dp * self.grad_accum], dtype=np.float64)
-        return self._lr_scales
+        """The ``lr_scale`` of every global step (the one float column, read when the plan was opened)."""
+        return self._lr_scales  # read and checked when the plan was opened

@@ -45,8 +45,9 @@ def state_from_parent(plan: Plan, state: dict) -> dict | None:
 
 def lr_state_from_parent(plan: Plan, lr_state: dict) -> dict:
     """A ``VariableBatchSizeLR.state_dict()`` saved on the parent, for ``plan``: its step index counts
-    from the plan's step 0 (the base scheduler's own state is kept, so the schedule continues)."""
+    from the plan's step 0 (the base scheduler's own state is kept, so the schedule continues).
+    ``VariableBatchSizeLR.load_state_dict`` does this by itself for a state that names the parent."""
     info = lineage(plan)
-    if info.get("kind") != "replan" or "from_step" not in info:
-        return lr_state
-    return {**lr_state, "step": int(lr_state["step"]) - int(info["from_step"])}
+    if info.get("kind") != "replan" or "from_step" not in info or lr_state.get("plan") == plan.fingerprint:
+        return lr_state  # (a state already converted says so: converting twice would shift it again)
+    return {**lr_state, "step": int(lr_state["step"]) - int(info["from_step"]), "plan": plan.fingerprint}

@@ -9,7 +9,11 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from .fetch import new_iteration_id
+from .ledger import Ledger
 from .plan_file import Microbatch, Plan, PlanError
+from .position import PlanRow, batch_position
+from .replan import first_epoch, state_from_parent
 
 
 def resolve_rank(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
@@ -71,8 +75,6 @@ def _ahead_of(window: deque, stride: int) -> tuple[Any, list]:
 
 
 def _as_info(obj: Any) -> Microbatch:
-    from .guard import PlanRow, batch_position
-
     obj = obj.get("info", obj) if isinstance(obj, dict) and obj.get("info") is not None else obj
     obj = getattr(obj, "info", obj) if not isinstance(obj, (Microbatch, PlanRow)) else obj
     if isinstance(obj, PlanRow):
@@ -94,13 +96,20 @@ class _Position:
 
 class _EpochSetter:
     """``batch_sampler.sampler``: what frameworks that call ``batch_sampler.sampler.set_epoch(e)``
-    (Lightning, accelerate) reach; it forwards to the plan's batch sampler."""
+    (Lightning, accelerate) reach; it forwards to the plan's batch sampler. Frameworks count the
+    job's epochs: on a plan made by ``varlen replan`` from the middle of a job, the plan's epoch 0
+    is the job's epoch ``first_epoch(plan)``."""
 
     def __init__(self, batch_sampler: PlanBatchSampler):
         self._batch_sampler = weakref.ref(batch_sampler)
 
     def set_epoch(self, epoch: int) -> None:
-        self._batch_sampler().set_epoch(epoch)
+        sampler = self._batch_sampler()
+        offset = first_epoch(sampler.plan)
+        if epoch < offset:
+            raise PlanError(f"the framework starts epoch {epoch} but this plan continues a job at its epoch {offset} "
+                            f"(made by `varlen replan`): resume from the checkpoint the plan was made from")
+        sampler.set_epoch(epoch - offset)
 
     def __len__(self) -> int:
         return len(self._batch_sampler())
@@ -130,6 +139,8 @@ class PlanBatchSampler:
         self.epoch = 0
         self._resume: tuple[int, int] | None = None  # (step, micro) to start the epoch at
         self._next: tuple[int, int, int] | None = None  # position after the last yielded microbatch
+        self.ledger: Ledger | None = None  # the consumption ledger of the loader this sampler feeds
+        self.ledger_in_state = True  # False: the loader keeps the ledger in its own state (torchdata)
         self.sampler = _EpochSetter(self)
         self.set_epoch(epoch)
 
@@ -155,8 +166,6 @@ class PlanBatchSampler:
         return max(0, (stop - step) * self.plan.grad_accum - micro)
 
     def __iter__(self) -> Iterator[MicrobatchIndices]:
-        from .guard import new_iteration_id
-
         step, micro, stop = self.bounds()
         iteration = new_iteration_id()
         microbatches = self.plan.microbatches(self.rank, step, micro, stop)
@@ -183,6 +192,7 @@ class PlanBatchSampler:
         ``num_workers=0``). A DataLoader with worker processes runs the sampler ahead of training
         (prefetching), so there pass the last batch the model consumed: ``state_dict(after=batch)``
         (a collated batch with an ``info`` entry, a :class:`Microbatch` or :class:`MicrobatchIndices`).
+        The sampler of a loader also saves the loader's ledger of consumed positions up to there.
         """
         if after is not None:
             info = _as_info(after)
@@ -192,25 +202,31 @@ class PlanBatchSampler:
         else:
             step, micro, _ = self.bounds()
             epoch = self.epoch
-        return {"plan": self.plan.fingerprint, "epoch": int(epoch), "step": int(step), "micro": int(micro),
-                "dp": self.plan.dp}
+        state = {"plan": self.plan.fingerprint, "epoch": int(epoch), "step": int(step), "micro": int(micro),
+                 "dp": self.plan.dp}
+        if self.ledger is not None and self.ledger_in_state:
+            state["ledger"] = self.ledger.state(upto=self.ledger.index(step, micro))
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume at ``state``'s position: the next iteration starts there (no fast-forwarding)."""
+        """Resume at ``state``'s position: the next iteration starts there (no fast-forwarding).
+        The ledger of the loader this sampler feeds is restored too (a state without one: every
+        position before it was trained)."""
         if state.get("plan") != self.plan.fingerprint:  # a state of the plan's parent (varlen replan/--extend)?
-            from .replan import state_from_parent
-
             state = state_from_parent(self.plan, state) or state
         if state.get("plan") != self.plan.fingerprint:
             raise PlanError("the sampler state was saved with a different plan file; resume with the same plan")
         epoch, step, micro = int(state["epoch"]), int(state["step"]), int(state["micro"])
         if epoch == self.plan.epochs and micro == 0 and step == self.plan.num_steps:
             self.epoch, self._resume, self._next = epoch - 1, (step, 0), None  # the plan is finished
-            return
-        self.plan.check_epoch(epoch)
-        start = self.plan.epoch_start(epoch)
-        if not (start <= step < start + self.plan.steps_per_epoch[epoch]) or not 0 <= micro < self.plan.grad_accum:
-            raise PlanError(f"invalid sampler state: (epoch {epoch}, step {step}, micro {micro}) is not in the plan")
-        self.epoch = epoch
-        self._resume = (step, micro)
-        self._next = None
+        else:
+            self.plan.check_epoch(epoch)
+            start = self.plan.epoch_start(epoch)
+            if not (start <= step < start + self.plan.steps_per_epoch[epoch]) or not 0 <= micro < self.plan.grad_accum:
+                raise PlanError(f"invalid sampler state: (epoch {epoch}, step {step}, micro {micro}) is not in the "
+                                f"plan")
+            self.epoch = epoch
+            self._resume = (step, micro)
+            self._next = None
+        if self.ledger is not None and self.ledger_in_state:
+            self.ledger.restore(state.get("ledger"), self.ledger.index(step, micro))

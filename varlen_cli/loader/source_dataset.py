@@ -32,7 +32,6 @@ Imports only numpy and pyarrow at module level (and torch through ``varlen_cli.l
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from collections import OrderedDict
@@ -161,22 +160,9 @@ for _fmt, _blocks in (("megatron", _any_blocks), ("mds", _any_blocks), ("webdata
 # -- the manifest ------------------------------------------------------------------------------------
 def read_metrics_manifest(metrics_dir: str) -> dict:
     """The manifest of a local or object-storage metrics (or sorted) directory."""
-    from .. import storage
+    from ..runtime import artifacts
 
-    if not storage.is_remote(metrics_dir):
-        from ..runtime import artifacts
-
-        return artifacts.read_manifest(metrics_dir)
-    from .. import format
-
-    loc = storage.join(metrics_dir, format.MANIFEST_NAME)
-    try:
-        manifest = json.loads(storage.read_bytes(loc))
-    except ValueError as exc:
-        raise InputError(f"cannot read {loc}: {exc}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != format.METRICS_FORMAT:
-        raise InputError(f"{metrics_dir} is not a varlen metrics directory; create one with `varlen analyze`")
-    return manifest
+    return artifacts.read_manifest(metrics_dir)
 
 
 def _source_files(manifest: dict, where: str) -> tuple[list, list[dict]]:

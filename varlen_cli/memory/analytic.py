@@ -13,7 +13,9 @@ import os
 from dataclasses import dataclass
 
 from ..errors import InputError, UsageError
+from ..runtime.files import open_regular
 from . import fit as fitting
+from .profile import require_regular_file
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
@@ -60,11 +62,12 @@ def read_hf_config(path: str) -> tuple[dict, Architecture]:
     """The config's dict and the architecture varlen counts; an error naming a missing field."""
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
+    require_regular_file(path, "--hf-config")
     try:
-        with open(path) as fh:
+        with open_regular(path, what="--hf-config") as fh:
             cfg = json.load(fh)
-    except FileNotFoundError:
-        raise InputError(f"--hf-config {path} does not exist") from None
+    except OSError as exc:
+        raise InputError(f"--hf-config {path} is not readable: {exc.strerror}") from None
     except (ValueError, UnicodeDecodeError):
         raise InputError(f"--hf-config {path} is not JSON") from None
     if not isinstance(cfg, dict):

@@ -1,34 +1,27 @@
-"""Measuring the peak memory of one training step per (B, T), in a fresh process per shape.
+"""One training step of the user's model, measured in THIS process (the measuring child calls it; see
+:mod:`varlen_cli.memory.procs` for the processes and docs/memory.md for what is counted).
 
-Every shape runs in its own child process (forked on CPU from a parent that has imported torch and
-the model's module but run no torch op; spawned for CUDA). The child builds the model and the
-optimizer, runs one warm-up step at a tiny shape (so libraries, kernels and optimizer states are
-in place), zeroes the gradients (keeping them allocated, as between accumulation microbatches),
-and measures one full training step (forward, loss, backward, optimizer step) at (B, T) on
-random ids. Only reading the peak differs by device:
+The step is what a training loop does: build the model (``.to(device, dtype)``, ``train()``) and the
+optimizer, one warm-up step at ``1 x 8``, ``zero_grad(set_to_none=False)`` (gradients stay allocated,
+as between accumulation microbatches), then one step at ``B x T`` on random ids: forward, loss,
+backward, optimizer step, the model's output held until the step ends (as ``outputs =
+model(**batch); outputs.loss.backward()`` holds it). Only how the peak is read depends on the device:
 
-- CUDA: ``torch.cuda.max_memory_allocated()`` after ``reset_peak_memory_stats()`` (the reserved
-  peak is recorded too). It already counts parameters and optimizer states.
-- CPU: the process's resident peak. Free heap memory is returned to the OS (``malloc_trim``), the
-  kernel's high-water mark is reset to the current resident size (``/proc/self/clear_refs``, 5),
-  and after the step ``VmHWM - VmRSS(before)`` is what the step added; the tensors alive before it
-  (parameters, buffers, optimizer states) are counted exactly from their storages and added.
+- CPU: the process's peak resident memory (``VmHWM``), the allocator left as it is;
+- CUDA: the peak of torch's reserved memory plus what the process holds on the device outside torch's
+  allocator at the end of the step (CUDA context, loaded kernels, library handles).
 
-This module imports torch; the command line imports it only when measuring.
+This module imports torch; only the measuring child imports it.
 """
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import inspect
-import os
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
-from ..errors import InputError, UsageError, WorkerError
+from ..errors import InputError, UsageError
 from ..runtime import user_code
 
 WARMUP_SHAPE = (1, 8)
@@ -36,7 +29,7 @@ WARMUP_SHAPE = (1, 8)
 
 @dataclass(frozen=True)
 class MeasureSetup:
-    """What every child needs (picklable, for spawned children)."""
+    """What every measuring process needs (JSON-able: it is sent to the child)."""
 
     model: str  # MODULE:FUNCTION
     device: str = "cpu"
@@ -44,6 +37,9 @@ class MeasureSetup:
     optimizer: str = "adamw"
     vocab_size: int | None = None
     seed: int = 0
+
+    def to_json(self) -> dict:
+        return asdict(self)
 
 
 def load_factory(spec: str) -> Callable:
@@ -57,14 +53,36 @@ def _dtype(name: str):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+def _user_call(what: str, setup: MeasureSetup, fn, *args):
+    """``fn(*args)``; an exception of the user's model is an input error (exit 3), out-of-memory excepted."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        if is_out_of_memory(exc):
+            raise
+        raise InputError(f"--model {setup.model}: {what} raised {user_code.describe(exc)}") from None
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """torch's CUDA out-of-memory, or its CPU allocator failing (``DefaultCPUAllocator: can't allocate``)."""
+    import torch
+
+    return isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
+
+
 def build(setup: MeasureSetup):
     """``(model, optimizer, vocab_size)`` on the setup's device and dtype."""
     import torch
 
-    model = load_factory(setup.model)()
+    if setup.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available to this torch")
+    factory = load_factory(setup.model)
+    model = _user_call(f"{setup.model.rpartition(':')[2]}()", setup, factory)
     if not isinstance(model, torch.nn.Module):
         raise InputError(f"--model {setup.model} returned {type(model).__name__}, not a torch.nn.Module")
-    model = model.to(device=setup.device, dtype=_dtype(setup.dtype))
+    model = _user_call(f"moving the model to {setup.device} {setup.dtype}", setup,
+                       lambda: model.to(device=setup.device, dtype=_dtype(setup.dtype)))
     model.train()
     vocab = setup.vocab_size or _vocab_of(model)
     if vocab is None:
@@ -127,10 +145,14 @@ def loss_of(out, ids):
 
 
 def training_step(model, opt, ids) -> None:
-    loss = loss_of(_forward(model, ids), ids)
+    """Forward, loss, backward, optimizer step; the output lives until the end, as in a training loop
+    that keeps ``outputs`` (the conservative case: its logits stay allocated through backward)."""
+    out = _forward(model, ids)
+    loss = loss_of(out, ids)
     loss.backward()
     if opt is not None:
         opt.step()
+    del out, loss
 
 
 def tensor_bytes(model, opt) -> int:
@@ -149,127 +171,75 @@ def tensor_bytes(model, opt) -> int:
 
 
 # -- reading the peak: the only device-specific part -----------------------------------------------
-def _status_kb(field: str) -> int:
+def status_bytes(field: str) -> int:
+    """A ``kB`` field of ``/proc/self/status`` (``VmHWM``, ``VmRSS``, ``RssFile``...), in bytes."""
     with open("/proc/self/status") as fh:
         for line in fh:
             if line.startswith(field + ":"):
-                return int(line.split()[1])
+                return int(line.split()[1]) * 1024
     raise OSError(f"no {field} in /proc/self/status")
 
 
-MMAP_THRESHOLD = 1 << 16  # glibc: allocations above 64 KiB are their own mappings, unmapped when freed
-
-
-def fix_malloc_policy() -> bool:
-    """Make glibc return freed tensor memory to the OS at once (fixed mmap threshold, which also
-    turns off its dynamic raising), so resident memory follows live memory as CUDA's allocated
-    counter does; without it, freed heap blocks stay resident and inflate small shapes."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(-3, MMAP_THRESHOLD)) and bool(libc.mallopt(-1, MMAP_THRESHOLD))  # M_MMAP/TRIM
-    except (OSError, AttributeError):
-        return False
-
-
-_PLUGGED: list[int] = []  # heap chunks taken out of use in this (forked) child; never freed
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]
-
-
-def plug_inherited_heap() -> int:
-    """Take the free heap chunks of at least ``MMAP_THRESHOLD`` bytes that this forked child inherited
-    out of use, so every tensor of the step gets its own fresh mapping, as in a clean process, instead
-    of landing in free heap memory left by the parent's history, where what the step frees stays
-    resident and inflates the peak. Call after ``fix_malloc_policy`` and ``malloc_trim``: no page is
-    touched beyond the chunk headers. Returns the bytes plugged."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-        libc.free.argtypes = [ctypes.c_void_p]
-        libc.mallinfo2.restype = _MallInfo2
-        free_bytes = libc.mallinfo2().fordblks
-    except (OSError, AttributeError):
-        return 0
-    size, plugged, word = 1 << max(free_bytes, 1).bit_length(), 0, ctypes.sizeof(ctypes.c_size_t)
-    while size >= MMAP_THRESHOLD:
-        ptr = libc.malloc(size)
-        if ptr and not ctypes.c_size_t.from_address(ptr - word).value & 2:  # glibc's IS_MMAPPED bit
-            _PLUGGED.append(ptr)  # served from a free heap chunk: keep it, try the same size again
-            plugged += size
-            continue
-        libc.free(ptr)
-        size //= 2
-    return plugged
-
-
 class CpuPeak:
-    """Peak resident memory of this process over the step (plus the tensors alive before it)."""
+    """The process's peak resident memory over its whole life (``VmHWM``: interpreter, libraries, model,
+    optimizer states, warm-up and the step), with the allocator as a training process has it."""
 
-    method = "cpu-rss: static tensor bytes + (VmHWM after - VmRSS before), HWM reset via clear_refs"
+    method = "cpu: VmHWM (peak resident memory) of the measuring process, default allocator"
 
     def start(self, model, opt) -> None:
-        gc.collect()
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):
-            pass
         self.static = tensor_bytes(model, opt)
-        self.rss0 = _status_kb("VmRSS")
-        try:
-            with open("/proc/self/clear_refs", "w") as fh:
-                fh.write("5")
-            self.reset = True
-        except OSError:
-            self.reset = False
+        self.base = status_bytes("VmRSS")
 
     def stop(self) -> dict:
-        grown = max(0, _status_kb("VmHWM") - self.rss0) * 1024
-        return {"peak_bytes": self.static + grown, "static_bytes": self.static, "step_rss_bytes": grown,
-                "hwm_reset": self.reset}
+        return {"peak_bytes": status_bytes("VmHWM"), "base_bytes": self.base, "static_bytes": self.static}
 
 
 class CudaPeak:
-    method = "cuda: torch.cuda.max_memory_allocated (and max_memory_reserved) after reset_peak_memory_stats"
+    """Peak reserved memory plus the process's device memory outside torch's allocator."""
+
+    method = ("cuda: max_memory_reserved + (device memory in use - memory_reserved) at the end of the step "
+              "(CUDA context, kernels, libraries)")
 
     def start(self, model, opt) -> None:
         import torch
 
-        gc.collect()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         self.static = tensor_bytes(model, opt)
+        self.base = int(torch.cuda.memory_reserved())
 
     def stop(self) -> dict:
         import torch
 
         torch.cuda.synchronize()
-        return {"peak_bytes": int(torch.cuda.max_memory_allocated()), "static_bytes": self.static,
-                "reserved_bytes": int(torch.cuda.max_memory_reserved())}
+        free, total = torch.cuda.mem_get_info()
+        outside = max(0, int(total - free) - int(torch.cuda.memory_reserved()))
+        reserved = int(torch.cuda.max_memory_reserved())
+        return {"peak_bytes": reserved + outside, "reserved_bytes": reserved, "context_bytes": outside,
+                "allocated_bytes": int(torch.cuda.max_memory_allocated()), "base_bytes": self.base + outside,
+                "static_bytes": self.static, "device_total_bytes": int(total)}
+
+
+def _device_name(device: str) -> str:
+    import platform
+
+    import torch
+
+    return torch.cuda.get_device_name() if device.startswith("cuda") else (platform.processor() or platform.machine())
 
 
 def measure_in_process(setup: MeasureSetup, batch: int, seqlen: int, input_ids=None) -> dict:
-    """Build, warm up, and measure one step at (batch, seqlen) in THIS process (call it in a fresh one)."""
+    """Build, warm up, and measure one step at (batch, seqlen) in THIS process (a fresh one, or a child
+    forked from a process that only imported torch and the model's module)."""
     import torch
 
     torch.manual_seed(setup.seed)
-    if setup.device == "cpu":
-        torch.set_num_threads(1)
-        fix_malloc_policy()
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):
-            pass
-        plug_inherited_heap()
     reader = CudaPeak() if setup.device.startswith("cuda") else CpuPeak()
     t0 = time.perf_counter()
     model, opt, vocab = build(setup)
     gen = torch.Generator().manual_seed(setup.seed)
     warm = torch.randint(0, vocab, WARMUP_SHAPE, generator=gen).to(setup.device)
-    training_step(model, opt, warm)
+    _user_call(f"the warm-up step at {WARMUP_SHAPE[0]}x{WARMUP_SHAPE[1]}", setup, training_step, model, opt, warm)
     model.zero_grad(set_to_none=False)  # gradients stay allocated, as between accumulation microbatches
     del warm
     if input_ids is None:
@@ -278,80 +248,13 @@ def measure_in_process(setup: MeasureSetup, batch: int, seqlen: int, input_ids=N
         ids = torch.as_tensor(input_ids, dtype=torch.long).to(setup.device)
     reader.start(model, opt)
     try:
-        training_step(model, opt, ids)
+        _user_call(f"the training step at {batch}x{seqlen}", setup, training_step, model, opt, ids)
         result = reader.stop()
-    except torch.OutOfMemoryError:
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
         return {"batch_size": batch, "seqlen": seqlen, "oom": True}
     result.update(batch_size=batch, seqlen=seqlen, oom=False, seconds=time.perf_counter() - t0,
-                  num_parameters=sum(p.numel() for p in model.parameters()), vocab_size=vocab)
+                  threads=torch.get_num_threads(), num_parameters=sum(p.numel() for p in model.parameters()),
+                  vocab_size=vocab, torch_version=torch.__version__, device_name=_device_name(setup.device))
     return result
-
-
-def _child(conn, setup, batch, seqlen, input_ids) -> None:
-    from ..errors import VarlenError
-
-    try:
-        conn.send(("ok", measure_in_process(setup, batch, seqlen, input_ids)))
-    except VarlenError as exc:
-        conn.send(("user", (type(exc).__name__, exc.message)))
-    except BaseException as exc:  # reported to the parent, which raises it as a worker error
-        import traceback
-
-        conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-    finally:
-        conn.close()
-
-
-def preload(setup: MeasureSetup) -> None:
-    """Import (not run) what every child needs, so forked children start in milliseconds: torch,
-    the optimizers' lazy import of ``torch._dynamo``, and the model's module."""
-    import torch  # noqa: F401
-
-    try:
-        import torch._dynamo  # noqa: F401  (torch.optim imports it on first use: ~2 s)
-    except ImportError:  # pragma: no cover - older torch
-        pass
-    load_factory(setup.model)
-
-
-def start_method(device: str) -> str:
-    """fork for CPU on Linux (the parent ran no torch op); spawn for CUDA and elsewhere."""
-    method = os.environ.get("VARLEN_CALIBRATE_START")
-    if method:
-        return method
-    return "fork" if sys.platform.startswith("linux") and device == "cpu" else "spawn"
-
-
-def measure_shape(setup: MeasureSetup, batch: int, seqlen: int, input_ids=None, timeout: float = 600.0) -> dict:
-    """Measure one shape in a fresh child process; ``{"oom": True}`` when it ran out of memory or
-    was killed by the kernel's OOM killer."""
-    import multiprocessing as mp
-
-    from ..errors import ERROR_CLASSES
-
-    method = start_method(setup.device)
-    if method == "fork":
-        preload(setup)
-    ctx = mp.get_context(method)
-    recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(send, setup, batch, seqlen, input_ids), daemon=True)
-    proc.start()
-    send.close()
-    try:
-        if not recv.poll(timeout):
-            proc.kill()
-            raise WorkerError(f"measuring {batch}x{seqlen} took longer than {timeout:.0f} s")
-        kind, payload = recv.recv()
-    except EOFError:
-        proc.join()
-        if proc.exitcode == -9:  # the kernel's OOM killer
-            return {"batch_size": batch, "seqlen": seqlen, "oom": True, "killed": True}
-        raise WorkerError(f"measuring {batch}x{seqlen}: the process died (exit code {proc.exitcode})") from None
-    finally:
-        recv.close()
-        proc.join()
-    if kind == "user":
-        raise ERROR_CLASSES.get(payload[0], InputError)(payload[1])
-    if kind == "error":
-        raise WorkerError(f"measuring {batch}x{seqlen} failed: {payload.splitlines()[0]}")
-    return payload

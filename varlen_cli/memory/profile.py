@@ -10,12 +10,15 @@ import json
 import math
 import os
 import time
+from collections.abc import Sequence
 
-from .. import __version__
-from ..errors import InputError, OutputError
+from .. import __version__, format
+from ..errors import InputError
+from ..runtime.files import check_regular, open_regular
 
-PROFILE_FORMAT = "varlen-memory-profile"
-PROFILE_FORMAT_VERSION = 1
+PROFILE_FORMAT = format.MEMORY_PROFILE_FORMAT
+PROFILE_FORMAT_VERSION = format.MEMORY_PROFILE_FORMAT_VERSION
+MIN_TOKEN_BYTES = 1.0  # a step grows by at least a byte per token (its id alone is 8): less is not a profile
 
 
 def new_profile(mode: str, model: str, **fields) -> dict:
@@ -48,7 +51,18 @@ def check_profile(profile, where: str) -> dict:
         raise InputError(f"{where}: fit coefficients must be finite and >= 0 (got {values})")
     if values[1] == 0 and values[2] == 0:
         raise InputError(f"{where}: the fit does not grow with B x T (c1 = c2 = 0); re-run `varlen calibrate`")
+    name, per_token = ("c1", values[1]) if values[1] > 0 else ("c2", values[2])
+    if per_token < MIN_TOKEN_BYTES:
+        raise InputError(f"{where}: fit coefficient {name} = {per_token:g} bytes per token is below "
+                         f"{MIN_TOKEN_BYTES:g} (a training step holds more per token); re-run `varlen calibrate`")
     return profile
+
+
+def require_regular_file(path: str, what: str) -> None:
+    """An :class:`InputError` unless ``path`` is an existing regular file (a FIFO would block the reader forever)."""
+    if not os.path.lexists(path):
+        raise InputError(f"{what} {path} does not exist")
+    check_regular(path, what)
 
 
 def load_profile(path: str) -> dict:
@@ -57,7 +71,7 @@ def load_profile(path: str) -> dict:
     if os.path.isdir(path):
         raise InputError(f"memory profile {path} is a directory, not a profile file")
     try:
-        with open(path) as fh:
+        with open_regular(path, what="memory profile") as fh:
             profile = json.load(fh)
     except (ValueError, UnicodeDecodeError):
         raise InputError(f"{path} is not a varlen memory profile (not JSON); "
@@ -67,22 +81,20 @@ def load_profile(path: str) -> dict:
     return check_profile(profile, path)
 
 
-def check_output(path: str, overwrite: bool) -> None:
-    if os.path.isdir(path):
-        raise OutputError(f"output {path} is a directory; give a file name such as profile.json")
-    if os.path.lexists(path) and not overwrite:
-        raise OutputError(f"output {path} already exists; pass --overwrite to replace it")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise OutputError(f"cannot write {path}: directory {parent} does not exist")
+def check_output(path: str, overwrite: bool, inputs: Sequence[str] = ()) -> None:
+    """Refuse, before measuring, an output that is an input or that ``--overwrite`` may not replace
+    (the checks of every varlen output: :mod:`varlen_cli.runtime.safety`)."""
+    from ..runtime import artifacts, safety
+
+    safety.check_no_overlap(path, inputs)
+    out = artifacts.AtomicFile(path, overwrite)
+    out.json_format = PROFILE_FORMAT
+    out.check()
 
 
-def write_profile(path: str, profile: dict, overwrite: bool) -> None:
-    """Write atomically (temporary file beside it, then rename)."""
-    from ..runtime.artifacts import atomic_write_json
+def write_profile(path: str, profile: dict, overwrite: bool, inputs: Sequence[str] = ()) -> None:
+    """Write atomically: a temporary file beside it, swapped in under the output lock."""
+    from ..runtime import artifacts
 
-    check_output(path, overwrite)
-    try:
-        atomic_write_json(os.path.abspath(path), profile)
-    except OSError as exc:
-        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
+    with artifacts.atomic_file(path, overwrite, inputs, json_format=PROFILE_FORMAT) as out:
+        artifacts.atomic_write_json(out.tmp, profile)

@@ -40,4 +40,4 @@ def format_size(num_bytes: float) -> str:
         if abs(value) < 1024:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
         value /= 1024
-    return f"{value:.2f} TiB"
+    return f"{value:.2f} TiB" if abs(value) < 1e6 else f"{value:.3g} TiB"

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import __version__, format
+from .. import __version__, format, storage
 from ..budget import Budget
 from ..errors import InternalConsistencyError, UsageError
 from ..plan_checks import PlanArrays, run_checks
@@ -33,11 +33,12 @@ def _concat(parts: list) -> np.ndarray:
 def assemble_columns(c: PlanConfig, rows: Rows, epochs: list[PlannedEpoch], slots: int) -> tuple[dict, dict]:
     """Per-microbatch columns (all epochs, plan order) and per-sample-entry items of the plan
     (``sample_ids``; packed: ``sample_lengths``/``sample_rows``/``sample_starts``; mixtures ``source``;
-    ``sample_length``: each entry's whole sample length, for the plan's own check)."""
+    ``sample_length``, and ``sample_target`` with target_length: each entry's whole sample length and
+    loss tokens, for the plan's own check)."""
     cols = {k: [] for k in ("epoch", "step", "rank", "micro", "num_samples", "seqlen", "batch_size", "tokens", "cost",
                             "completed", "targets")}
     items = {k: [] for k in ("sample_ids", "sample_lengths", "sample_rows", "sample_starts", "source",
-                             "sample_length")}
+                             "sample_length", "sample_target")}
     step0 = 0
     identity = batching.is_identity(rows.sample_id)  # ids 0..N-1 in row order (metrics directories): no gather
     full = rows.full_length if rows.full_length is not None else rows.length
@@ -72,6 +73,8 @@ def assemble_columns(c: PlanConfig, rows: Rows, epochs: list[PlannedEpoch], slot
             items["sample_starts"].append(starts)
         if rows.source is not None:
             items["source"].append(rows.source[mb.samples])
+        if rows.target is not None:  # for the plan's own check of step_loss_tokens
+            items["sample_target"].append(rows.target[mb.samples])
         step0 += mb.count // slots
     return ({k: _concat(v) for k, v in cols.items()}, {k: _concat(v) for k, v in items.items() if v})
 
@@ -84,7 +87,7 @@ def entry_totals(mb: Microbatches, sample_length: np.ndarray, starts: np.ndarray
     loss as the input counted them, ``target_length``: every entry is then a whole sample)."""
     counts = np.diff(mb.offsets)
     if target is not None:
-        return counts, batching.segment_sum(target[mb.samples], mb.offsets)
+        return counts, batching.segment_sum(format.loss_targets(None, target=target[mb.samples]), mb.offsets)
     if starts is None and not any_empty:  # every entry a whole non-empty sample: one completed, l - 1 targets
         return counts, mb.tokens.astype(np.int64) - counts
     final = None
@@ -163,11 +166,19 @@ class Dropped:
         return out
 
 
+def location_record(path: str, output: str) -> dict:
+    """An input of the plan ``output`` as its metadata records it: ``path``, absolute (a URL as given),
+    and ``relative_path``, the input as seen from the plan's folder: still right after a move of both
+    (varlen run's swap); null when the input or the plan is in object storage."""
+    where = storage.absolute(path)
+    if storage.is_remote(path) or storage.is_remote(output):
+        return {"path": where, "relative_path": None}
+    return {"path": where, "relative_path": os.path.relpath(where, os.path.dirname(os.path.abspath(output)))}
+
+
 def input_info(c: PlanConfig, manifest: dict, num_rows: int) -> dict:
     """The metadata's ``input``: the metrics or sorted directory the plan was made from."""
-    return {"path": os.path.abspath(c.input),
-            # the input as seen from the plan's folder: still right after a move of both (varlen run's swap)
-            "relative_path": os.path.relpath(os.path.abspath(c.input), os.path.dirname(os.path.abspath(c.output))),
+    return {**location_record(c.input, c.output),
             "kind": manifest.get("kind"),
             "artifact_id": manifest.get("artifact_id"), "num_rows": int(num_rows),
             "dataset_digest": (manifest.get("dataset") or {}).get("digest")}
@@ -293,19 +304,20 @@ def finish(c: PlanConfig, rows: Rows, epochs: list[PlannedEpoch], col: dict, it:
         lists.update({k: it[k].astype(np.int32) for k in ("sample_lengths", "sample_rows", "sample_starts")})
     if "source" in it:
         lists["source"] = it["source"].astype(np.int32)
-    self_check(row_cols, offsets, lists, it["sample_length"], metadata)
+    self_check(row_cols, offsets, lists, it["sample_length"], metadata, it.get("sample_target"))
     writer.write_plan(c.output, c.overwrite, row_cols, offsets, lists, metadata, inputs.slots)
     summary["seconds"] = time.perf_counter() - t0
-    return PlanResult(output=os.path.abspath(c.output), order=c.order, num_steps=num_steps,
+    return PlanResult(output=storage.absolute(c.output), order=c.order, num_steps=num_steps,
                       num_microbatches=len(counts), stats=summary, packing=packing, dropped_ids=dropped_all,
                       seconds=summary["seconds"], metadata=metadata)
 
 
-def self_check(row_cols: dict, offsets: np.ndarray, lists: dict, sample_length: np.ndarray, metadata: dict) -> None:
+def self_check(row_cols: dict, offsets: np.ndarray, lists: dict, sample_length: np.ndarray, metadata: dict,
+               sample_target: np.ndarray | None = None) -> None:
     """The checks of ``varlen validate`` (:mod:`varlen_cli.plan_checks`) on the plan about to be written:
     a violation is a varlen bug (InternalConsistencyError), and no such plan is written."""
     arrays = PlanArrays(row_cols, offsets, lists["sample_ids"], lists.get("sample_lengths"), lists.get("sample_rows"),
-                        lists.get("sample_starts"), lists.get("source"), sample_length)
+                        lists.get("sample_starts"), lists.get("source"), sample_length, sample_target=sample_target)
     bad = [check for check in run_checks(arrays, metadata) if not check.ok]
     if bad:
         raise InternalConsistencyError("the plan fails its own check: " + "; ".join(f"{x.name}: {x.detail}"

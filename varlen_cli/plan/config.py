@@ -7,11 +7,21 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import format
+from .. import format, storage
 from ..budget import attention_number, is_auto
 from ..errors import UsageError
 from ..memory.sizes import parse_size
-from ..runtime.choices import NPROC_HELP, LrScaleBy, LrScaling, Order, Tail, check_choices, doc, values
+from ..runtime.choices import (
+    NPROC_HELP,
+    STORAGE_OPTION_HELP,
+    LrScaleBy,
+    LrScaling,
+    Order,
+    Tail,
+    check_choices,
+    doc,
+    values,
+)
 
 MAX_TOKENS_LIMIT = 2**53  # budgets are compared as float64: exact up to here
 CHUNK_SAMPLES = 1 << 23  # samples per chunk (varlen_cli/plan/chunked)
@@ -24,8 +34,8 @@ class PlanConfig:
     """Options of ``varlen plan`` (see ``varlen plan --help`` and docs/plan.md)."""
 
     input: str = doc(help="Metrics directory (varlen analyze) or sorted directory (varlen sort; needed for --order "
-                          "curriculum/reverse).")
-    output: str = doc(help="Plan file to write (Parquet, one row per microbatch).")
+                          "curriculum/reverse); local or an s3://... prefix.")
+    output: str = doc(help="Plan file to write (Parquet, one row per microbatch); local or an s3://... object.")
     max_tokens: int | None = doc(None, "Hard budget: padded B x T of every microbatch (plus A x B x T^2 with "
                                        "--attention-cost). Required unless --packing or --max-memory.")
     dp: int = doc(1, "Data-parallel ranks: every step has dp x grad-accum microbatches.")
@@ -67,6 +77,11 @@ class PlanConfig:
     max_per_row: int | None = doc(None, "Cap on the samples in one packed row.")
     split_long: bool = doc(False, "With --packing: cut samples longer than --seq-len into chunks (recorded as "
                                   "start/length segments).")
+    memory_profile: str | None = doc(None, "Memory profile from `varlen calibrate`: with --max-memory, the budget "
+                                           "comes from it (instead of --max-tokens/--attention-cost).")
+    max_memory: str | None = doc(None, "Peak memory per microbatch not to exceed, e.g. 70GiB, 512MB or bytes (needs "
+                                       "--memory-profile).")
+    memory_margin: float = doc(0.05, "Plan to a predicted peak of max-memory x (1 - margin).")
     overwrite: bool = doc(False, "Replace an existing output (written atomically either way).")
     allow_stale: bool = doc(False, "Use metrics even if their source files changed (size, mtime) since "
                                    "`varlen analyze`: for data moved or copied on purpose.")
@@ -74,11 +89,6 @@ class PlanConfig:
                                      "1f1b, lpp, fslpp): the best simulated of a few orders per step "
                                      "(docs/schedules.md).")
     stages: int | None = doc(None, "Pipeline stages of --schedule.")
-    memory_profile: str | None = doc(None, "Memory profile from `varlen calibrate`: with --max-memory, the budget "
-                                           "comes from it (instead of --max-tokens/--attention-cost).")
-    max_memory: str | None = doc(None, "Peak memory per microbatch not to exceed, e.g. 70GiB, 512MB or bytes (needs "
-                                       "--memory-profile).")
-    memory_margin: float = doc(0.05, "Plan to a predicted peak of max-memory x (1 - margin).")
     mix: str | None = doc(None, "Plan a mixture of sources: name=DIR:weight,... (weight 2: every sample twice per "
                                 "epoch, 0.5: a seeded half); the plan records each sample's source.")
     extend: str | None = doc(None, "Lengthen this plan to --epochs E: its steps unchanged, new epochs appended (its "
@@ -88,6 +98,7 @@ class PlanConfig:
     chunk_samples: int = doc(CHUNK_SAMPLES, "Samples planned together (a chunk): a worker holds one chunk at a time, "
                                             "so memory per worker is bounded by it; chunks, not workers, define the "
                                             "plan (docs/plan.md, \"Plans at scale\").")
+    storage_options: tuple = doc((), STORAGE_OPTION_HELP)
 
 
 @dataclass
@@ -116,6 +127,7 @@ def _positive(name: str, value, allow_none: bool = True) -> None:
 
 def check(c: PlanConfig) -> None:
     check_choices(c)
+    storage.parse_options(c.storage_options)
     if not c.input:
         raise UsageError("missing INPUT_DIR: the metrics or sorted directory to plan (or --extend PLAN)")
     _check_memory(c)

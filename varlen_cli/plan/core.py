@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+from .. import storage
 from ..errors import UsageError
 from ..runtime import rank0
 from ..runtime.dist import check_nproc
@@ -18,6 +19,7 @@ __all__ = ["ORDERS", "TAILS", "PlanConfig", "PlanResult", "check", "plan"]
 
 def plan(config: PlanConfig) -> PlanResult:
     """Run ``varlen plan``: plan every epoch and write the plan; returns the summary (on every rank)."""
+    storage.configure(config.storage_options)  # inputs and the output may be in object storage
     if config.extend is not None or config.mix is not None:
         if config.nproc != 1:
             raise UsageError("--nproc applies to plans of one metrics or sorted directory, not to --extend or --mix")

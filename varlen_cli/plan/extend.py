@@ -12,16 +12,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from .. import format
+from .. import format, storage
 from ..budget import segment_sum_squares
 from ..errors import UsageError
 from ..runtime import safety
-from ..runtime.choices import doc
+from ..runtime.choices import STORAGE_OPTION_HELP, doc
 from . import stats, writer
 from .assemble import self_check
 from .config import PlanConfig, PlanResult
@@ -39,11 +40,13 @@ class ExtendConfig:
     input: str | None = doc(None, "The plan's metrics/sorted directory, if it moved (default: the recorded path).")
     overwrite: bool = doc(False, "Replace an existing output (written atomically either way).")
     allow_stale: bool = doc(False, "Use metrics even if their source files changed since `varlen analyze`.")
+    storage_options: tuple = doc((), STORAGE_OPTION_HELP)
 
 
 def extend(config: ExtendConfig) -> PlanResult:
     """Run ``varlen plan --extend``: the plan's rows unchanged, then epochs up to ``config.epochs``."""
     t0 = time.perf_counter()
+    storage.configure(config.storage_options)  # the plan's input and the output may be in object storage
     parent = open_parent(config.plan)
     if config.epochs <= parent.epochs:
         raise UsageError(f"--epochs {config.epochs} must be more than the {parent.epochs} epoch(s) of "
@@ -54,10 +57,12 @@ def extend(config: ExtendConfig) -> PlanResult:
         [config.input or recorded_input(parent)]
     safety.check_no_overlap(config.output, [config.plan] + [p for p in inputs if p])
     writer.check_output(config.output, config.overwrite)
-    out_dir = os.path.dirname(os.path.abspath(config.output))
-    tmp = os.path.join(out_dir, f".{os.path.basename(config.output)}.extend-{os.getpid()}-{time.time_ns()}")
+    # the new epochs' plan, a local temporary (beside the output, or in the temporary folder for an object)
+    out_dir = (tempfile.gettempdir() if storage.is_remote(config.output)
+               else os.path.dirname(os.path.abspath(config.output)))
+    tmp = os.path.join(out_dir, f".{storage.name(config.output)}.extend-{os.getpid()}-{time.time_ns()}")
     c = parent_config(parent, input=config.input, output=tmp, epochs=config.epochs - parent.epochs,
-                      overwrite=False, allow_stale=config.allow_stale)
+                      overwrite=False, allow_stale=config.allow_stale, storage_options=config.storage_options)
     budget = parent.budget
     rows, manifest, mixture_info = parent_rows(parent, c)
     check_plan_size(rows.base, config.epochs, c.packing, f"{rows.base:,} samples")
@@ -78,7 +83,8 @@ def extend(config: ExtendConfig) -> PlanResult:
             os.remove(tmp)
 
 
-EXTEND_KEEPS = ("input", "output", "epochs", "overwrite", "allow_stale", "extend", "progress")  # others: refused
+EXTEND_KEEPS = ("input", "output", "epochs", "overwrite", "allow_stale", "extend", "progress",
+                "storage_options")  # others: refused
 
 
 def run_extend(given: PlanConfig) -> PlanResult:
@@ -90,7 +96,8 @@ def run_extend(given: PlanConfig) -> PlanResult:
             raise UsageError(f"{option} cannot be combined with --extend: the extended plan keeps the plan's options "
                              "(use `varlen replan` to change the layout)")
     return extend(ExtendConfig(plan=given.extend, output=given.output, epochs=given.epochs, input=given.input or None,
-                               overwrite=given.overwrite, allow_stale=given.allow_stale))
+                               overwrite=given.overwrite, allow_stale=given.allow_stale,
+                               storage_options=given.storage_options))
 
 
 # -- merging -----------------------------------------------------------------------------------------

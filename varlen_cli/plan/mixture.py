@@ -22,15 +22,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import format
 from ..errors import InputError, UsageError
 from ..plan_checks import mixture_extra
 from ..runtime import artifacts, safety
 from . import writer
-from .assemble import assemble_columns, finish
+from .assemble import assemble_columns, finish, location_record
 from .config import PlanConfig, PlanResult, check
 from .cost_model import resolve_budget
 from .pipeline import Rows, check_plan_size, epoch_inputs, plan_epochs
-from .reader import read_input
+from .reader import read_input, read_targets
 
 _ENTRY = re.compile(r"(?P<name>[A-Za-z0-9_.-]+)=(?P<dir>.+):(?P<weight>[^:]+)")
 
@@ -84,9 +85,7 @@ def _check_size(c: PlanConfig, sources: list[Source]) -> None:
 
 
 def _difficulty(path: str, manifest: dict) -> np.ndarray:
-    import pyarrow.parquet as pq
-
-    parts = [pq.read_table(os.path.join(path, p["file"]), columns=["difficulty"]).column("difficulty").to_numpy()
+    parts = [artifacts.open_part(artifacts.part_location(path, p)).read(columns=["difficulty"]).column(0).to_numpy()
              for p in manifest.get("parts", [])]
     return np.concatenate(parts).astype(np.float64) if parts else np.zeros(0)
 
@@ -110,7 +109,7 @@ def virtual_rows(c: PlanConfig, sources: list[Source],
     """The union of the sources' samples, each repeated by its weight; in curriculum order if asked.
     Returns the rows, the metadata entry of each source and each source's manifest. ``recorded``:
     the entries a replan's parent recorded (each source must still be the one planned)."""
-    src, ids, lens, diff, info, manifests = [], [], [], [], [], []
+    src, ids, lens, targets, diff, info, manifests = [], [], [], [], [], [], []
     for k, s in enumerate(sources):
         manifest, sample_id, length = read_input(s.path, c.allow_stale)
         if recorded is not None:
@@ -119,20 +118,31 @@ def virtual_rows(c: PlanConfig, sources: list[Source],
         src.append(np.full(len(pos), k, np.int32))
         ids.append(sample_id[pos])
         lens.append(length[pos])
+        target = read_targets(c, s.path, manifest)
+        targets.append(target[pos] if target is not None else None)
         if c.order in ("curriculum", "reverse"):
             diff.append(_difficulty(s.path, manifest)[pos])
-        out_dir = os.path.dirname(os.path.abspath(c.output))
-        info.append({"name": s.name, "path": os.path.abspath(s.path),
-                     "relative_path": os.path.relpath(os.path.abspath(s.path), out_dir), "weight": s.weight,
+        info.append({"name": s.name, **location_record(s.path, c.output), "weight": s.weight,
                      "num_rows": int(len(sample_id)), "artifact_id": manifest.get("artifact_id"),
                      "dataset_digest": (manifest.get("dataset") or {}).get("digest"),
                      "samples_per_epoch": int(len(pos))})
         manifests.append(manifest)
-    rows = Rows(np.concatenate(ids), np.concatenate(lens), np.concatenate(src))
+    rows = Rows(np.concatenate(ids), np.concatenate(lens), np.concatenate(src), target=_mixture_targets(targets, lens))
     if diff:  # curriculum over the union: difficulty, then source, then sample id
         order = np.lexsort((rows.sample_id, rows.source, np.concatenate(diff)))
-        rows = Rows(rows.sample_id[order], rows.length[order], rows.source[order])
+        rows = Rows(rows.sample_id[order], rows.length[order], rows.source[order],
+                    target=rows.target[order] if rows.target is not None else None)
     return rows, info, manifests
+
+
+def _mixture_targets(targets: list, lens: list) -> np.ndarray | None:
+    """Each virtual row's loss tokens when some source counts them (its ``target_length``); a source
+    without that column counts its samples' from their lengths (:func:`varlen_cli.format.loss_targets`).
+    None when no source has ``target_length`` (the planner then counts every row from its length)."""
+    if all(t is None for t in targets):
+        return None
+    return np.concatenate([t.astype(np.int64) if t is not None else format.loss_targets(n)
+                           for t, n in zip(targets, lens)])
 
 
 def _same_source(s: Source, recorded: dict, manifest: dict, num_rows: int) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import format
+from .. import format, storage
 from ..budget import Budget
 from ..errors import InputError
 from ..runtime import artifacts
@@ -83,6 +83,9 @@ class Parent:
 
 def open_parent(path: str) -> Parent:
     """The parent plan; an unreadable one is an input error."""
+    if storage.is_remote(path):  # its rows are read with pyarrow's local readers (filters by epoch)
+        raise InputError(f"plan {path} is in object storage: replan and --extend read a local plan file; copy it "
+                         "to a local file first (its metrics may stay in object storage)")
     if not os.path.isfile(path):
         raise InputError(f"plan {path} does not exist" if not os.path.exists(path) else
                          f"plan {path} is not a file")
@@ -116,7 +119,7 @@ def parent_config(parent: Parent, **overrides) -> PlanConfig:
     """The parent's PlanConfig with ``overrides`` (None values keep the parent's), checked."""
     recorded = parent.config
     names = {f.name for f in dataclasses.fields(PlanConfig)}
-    values = {k: v for k, v in recorded.items() if k in names}
+    values = {k: v for k, v in recorded.items() if k in names and k != "storage_options"}  # recorded redacted
     if parent.mixture:
         values["input"] = values.get("input") or ""
     else:

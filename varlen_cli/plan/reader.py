@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from .. import format
@@ -13,9 +11,8 @@ from .config import PlanConfig
 
 
 def read_input(path: str, allow_stale: bool = False) -> tuple[dict, np.ndarray, np.ndarray]:
-    """The manifest, sample ids and lengths of a metrics or sorted directory, in its row order."""
-    import pyarrow.parquet as pq
-
+    """The manifest, sample ids and lengths of a metrics or sorted directory (a local folder or an
+    object-storage prefix: :func:`~varlen_cli.runtime.artifacts.open_part`), in its row order."""
     manifest = artifacts.read_manifest(path, what="metrics or sorted directory",
                                        hint="create one with `varlen analyze` (and `varlen sort` for curriculum order)")
     freshness.check_inputs(path, manifest, allow_stale, rerun="varlen sort")
@@ -26,10 +23,10 @@ def read_input(path: str, allow_stale: bool = False) -> tuple[dict, np.ndarray, 
     sample_id, length = np.empty(total, np.int64), np.empty(total, np.int64)
     filled = 0
     for part in parts:
-        p = os.path.join(path, part["file"])
+        p = artifacts.part_location(path, part)
         rows = int(part["rows"])
         try:  # ParquetFile, not read_table: that imports pyarrow.dataset and pandas (~0.5 s of start-up)
-            pf = pq.ParquetFile(p, memory_map=True)  # no copy of the file into read buffers
+            pf = artifacts.open_part(p, memory_map=True)  # local: no copy of the file into read buffers
             missing = [c for c in ("sample_id", "length") if c not in pf.schema_arrow.names]
             if missing:
                 raise InputError(f"{p} has no column {missing[0]!r}")
@@ -58,20 +55,18 @@ def read_input(path: str, allow_stale: bool = False) -> tuple[dict, np.ndarray, 
     return manifest, sample_id, length
 
 
-TARGET_COLUMN = "target_length"  # metrics column of the tokens that carry loss (analyze --target-length)
+TARGET_COLUMN = format.TARGET_LENGTH_COLUMN  # the tokens that carry loss (analyze --target-length)
 
 
 def read_targets(c: PlanConfig, path: str, manifest: dict) -> np.ndarray | None:
     """The input's ``target_length`` column (row order, as :func:`read_input`), or None without one
     (``c``: the plan's config; ``--split-long`` cannot place a sample's loss tokens in its chunks)."""
-    import pyarrow.parquet as pq
-
     if TARGET_COLUMN not in (manifest.get("columns") or {}):
         return None
     if c.packing and c.split_long:
         raise UsageError(f"--split-long cannot tell which chunk of a split sample holds its {TARGET_COLUMN} loss "
                          f"tokens (analyze --target-length); pack without --split-long")
-    parts = [pq.read_table(os.path.join(path, part["file"]), columns=[TARGET_COLUMN]).column(0)
+    parts = [artifacts.open_part(artifacts.part_location(path, part)).read(columns=[TARGET_COLUMN]).column(0)
              for part in manifest.get("parts", [])]
     return np.concatenate([p.to_numpy() for p in parts]).astype(np.int64) if parts else np.zeros(0, np.int64)
 

@@ -19,9 +19,11 @@ import os
 import time
 from dataclasses import dataclass
 
+from .. import storage
 from ..errors import InputError, UsageError
 from ..runtime import rank0, safety
-from ..runtime.choices import doc
+from ..runtime.choices import ALLOW_STALE_HELP, OVERWRITE_HELP, STORAGE_OPTION_HELP, doc
+from ..runtime.files import open_regular
 from . import writer
 from .config import PlanResult
 from .cost_model import rebudget
@@ -38,8 +40,8 @@ class ReplanConfig:
     plan: str = doc(help="The plan being trained (the parent).")
     output: str = doc(help="The new plan file to write.")
     dp: int = doc(help="Data-parallel ranks of the restarted job.")
-    from_step: int | None = doc(None, "Global step of the parent to resume at: steps < N are done.")
-    state: str | None = doc(None, "A sampler state JSON (PlanBatchSampler.state_dict()) of the parent: resume at "
+    from_step: int | None = doc(None, "Global step of the parent to resume at: steps < N are done (or pass --state).")
+    state: str | None = doc(None, "A sampler state JSON of the parent (PlanBatchSampler.state_dict()): resume at "
                                   "its step.")
     grad_accum: int | None = doc(None, "Microbatches per rank per step (default: the parent's).")
     max_tokens: int | None = doc(None, "Budget of the new plan (default: the parent's; a parent's --max-memory limit "
@@ -47,8 +49,9 @@ class ReplanConfig:
     max_memory: str | None = doc(None, "New peak memory limit, e.g. 70GiB (default: the parent's); the budget comes "
                                        "from --memory-profile or the profile the parent recorded.")
     memory_profile: str | None = doc(None, "Memory profile for --max-memory (default: the one the parent recorded).")
-    overwrite: bool = doc(False, "Replace an existing output (written atomically either way).")
-    allow_stale: bool = doc(False, "Use metrics even if their source files changed since `varlen analyze`.")
+    overwrite: bool = doc(False, OVERWRITE_HELP)
+    allow_stale: bool = doc(False, ALLOW_STALE_HELP)
+    storage_options: tuple = doc((), STORAGE_OPTION_HELP)
 
 
 def resume_step(config: ReplanConfig, parent: Parent) -> int:
@@ -77,7 +80,7 @@ def _read_state(path: str) -> dict:
     if os.path.isdir(path):
         raise InputError(f"sampler state {path} is a directory, not a JSON file")
     try:
-        with open(path) as f:
+        with open_regular(path, what="sampler state") as f:
             state = json.load(f)
     except FileNotFoundError:
         raise InputError(f"sampler state {path} does not exist") from None
@@ -93,11 +96,13 @@ def replan(config: ReplanConfig) -> PlanResult:
     if rank0.needs_group():  # under torchrun: rank 0 replans and writes, the others wait
         return rank0.on_rank0(replan, config)
     t0 = time.perf_counter()
-    safety.check_no_overlap(config.output, [config.plan])
+    storage.configure(config.storage_options)  # the plan's input and the output may be in object storage
+    safety.check_no_overlap(config.output, safety.stage_inputs(config))
     parent = open_parent(config.plan)
     step = resume_step(config, parent)
     c = parent_config(parent, output=config.output, dp=config.dp, grad_accum=config.grad_accum,
-                      overwrite=config.overwrite, allow_stale=config.allow_stale)
+                      overwrite=config.overwrite, allow_stale=config.allow_stale,
+                      storage_options=config.storage_options)
     budget = rebudget(parent.budget, max_tokens=config.max_tokens, max_memory=config.max_memory,
                       memory_profile=config.memory_profile)
     inputs = [c.input] if not parent.mixture else [s["path"] for s in parent.mixture["sources"] if s.get("path")]

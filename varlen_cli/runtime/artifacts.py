@@ -21,6 +21,8 @@ from typing import Any
 from .. import __version__, format
 from ..errors import InputError, OutputError
 from . import safety
+from .faults import fault_point
+from .files import check_regular, open_regular
 
 # The directory format is defined in varlen_cli.format; these are the names the stages use.
 MANIFEST_NAME = format.MANIFEST_NAME
@@ -35,9 +37,20 @@ RUNTIME_FIELDS = frozenset({"nproc", "overwrite", "device", "progress", "output"
 
 
 def config_dict(config: Any) -> dict:
-    """A JSON-ready dict of a config dataclass (tuples become lists)."""
+    """A JSON-ready dict of a config dataclass (tuples become lists), as artifacts record it:
+    ``--storage-option`` values (at any depth: ``varlen run`` nests the stages' options) are
+    recorded as ``key=***`` (they may be secrets)."""
     data = asdict(config) if is_dataclass(config) else dict(config)
-    return json.loads(json.dumps(data, default=str))
+    return _redacted(json.loads(json.dumps(data, default=str)))
+
+
+def _redacted(data: Any) -> Any:
+    from .. import storage
+
+    if isinstance(data, dict):
+        return {k: storage.redacted(v) if k == "storage_options" and isinstance(v, list) else _redacted(v)
+                for k, v in data.items()}
+    return data
 
 
 def digest(obj: Any) -> str:
@@ -85,7 +98,11 @@ class _AtomicOutput:
     def commit(self) -> None:
         """Rank 0, after every rank finished writing: swap the result into place."""
         self.check()  # still ours to replace (we hold the lock; a user may have changed it meanwhile)
-        safety.swap_in(self.tmp, self.path)
+        try:
+            safety.swap_in(self.tmp, self.path)
+        except OSError as exc:  # the user's filesystem (permissions, a read-only mount): the old output is back
+            raise OutputError(f"cannot put output {self.given} in place: {exc.strerror or exc}") from None
+        fault_point("commit.swapped")  # tests: a signal right after the swap
 
 
 class AtomicDir(_AtomicOutput):
@@ -116,7 +133,11 @@ class AtomicDir(_AtomicOutput):
 
 
 class AtomicFile(_AtomicOutput):
-    """A file (a plan) written to ``.NAME.varlen-tmp-<random>`` and swapped in by :meth:`commit`."""
+    """A file written to ``.NAME.varlen-tmp-<random>`` and swapped in by :meth:`commit`: a plan, or
+    with ``json_format`` a JSON file of that ``format`` (a memory profile: ``--overwrite`` replaces
+    only a file of the same format)."""
+
+    json_format: str | None = None
 
     def check(self) -> None:
         from .. import storage
@@ -127,8 +148,12 @@ class AtomicFile(_AtomicOutput):
             return check_file(self.given, self.overwrite)
         parent = os.path.dirname(self.path)
         if os.path.isdir(self.path) and not os.path.islink(self.path):
-            raise OutputError(f"output {self.given} is a directory; give a file name such as plan.parquet")
-        safety.check_replaceable(self.given, self.overwrite, "file")
+            name = "plan.parquet" if self.json_format is None else "profile.json"
+            raise OutputError(f"output {self.given} is a directory; give a file name such as {name}")
+        if self.json_format is None:
+            safety.check_replaceable(self.given, self.overwrite, "file")
+        else:
+            safety.check_replaceable(self.given, self.overwrite, "json", self.json_format)
         if not os.path.isdir(parent):
             raise OutputError(f"cannot write {self.given}: directory {parent} does not exist")
 
@@ -140,10 +165,15 @@ class AtomicFile(_AtomicOutput):
 
 
 @contextmanager
-def atomic_file(path: str, overwrite: bool, inputs: Sequence[str] = ()) -> Iterator[AtomicFile]:
+def atomic_file(path: str, overwrite: bool, inputs: Sequence[str] = (),
+                json_format: str | None = None) -> Iterator[AtomicFile]:
     """Lock ``path``, check it, yield an :class:`AtomicFile` to write ``.tmp`` of, then swap it in;
     on any failure (or SIGTERM) the temporary is removed and an old file stays as it was. An
-    object-storage ``path`` is written locally and uploaded at the end (:mod:`.remote_output`)."""
+    object-storage ``path`` is written locally and uploaded at the end (:mod:`.remote_output`).
+
+    ``inputs``: every input of the command (``safety.stage_inputs(config)``), none of which the output
+    may be, contain or lie inside. ``json_format``: the output is a JSON file of that format (a memory
+    profile) instead of a plan."""
     from .. import storage
 
     if storage.is_remote(path):
@@ -154,6 +184,7 @@ def atomic_file(path: str, overwrite: bool, inputs: Sequence[str] = ()) -> Itera
         return
     safety.check_no_overlap(path, inputs)
     out = AtomicFile(path, overwrite)
+    out.json_format = json_format
     out.check()
     with safety.output_lock(out.path, path):
         try:
@@ -217,24 +248,12 @@ def atomic_write_json(path: str, data: Any) -> None:
 
 # -- manifests and reading -------------------------------------------------------------------------
 def read_manifest(path: str, what: str = "metrics directory", hint: str = "create one with `varlen analyze`") -> dict:
-    """The manifest of a metrics or sorted directory; a clear error for anything else."""
+    """The manifest of a metrics or sorted directory, local or in object storage (``s3://...``: the
+    manifest is the commit marker of a remote output, see :mod:`.remote_output`); a clear error for
+    anything else."""
     from .. import storage
 
-    if storage.is_remote(path):
-        raise InputError(f"{path}: reading a {what} from object storage is not supported here; copy it to a local "
-                         "folder first (varlen_cli.loader.SourceDataset reads it in place)")
-    if not os.path.exists(path):
-        raise InputError(f"{path} does not exist")
-    if not os.path.isdir(path):
-        raise InputError(f"{path} is not a varlen {what}; {hint}")
-    manifest_path = os.path.join(path, MANIFEST_NAME)
-    if not os.path.isfile(manifest_path):
-        raise InputError(f"{path} is not a varlen {what} (no {MANIFEST_NAME}); {hint}")
-    try:
-        with open(manifest_path) as fh:
-            manifest = json.load(fh)
-    except (OSError, ValueError) as exc:
-        raise InputError(f"cannot read {manifest_path}: {exc}") from None
+    manifest, present = (_remote_manifest if storage.is_remote(path) else _local_manifest)(path, what, hint)
     if not isinstance(manifest, dict) or manifest.get("format") != METRICS_FORMAT:
         raise InputError(f"{path} is not a varlen {what} ({MANIFEST_NAME} has no format '{METRICS_FORMAT}'); {hint}")
     try:
@@ -244,9 +263,68 @@ def read_manifest(path: str, what: str = "metrics directory", hint: str = "creat
     if manifest.get("format_version", 0) > FORMAT_VERSION:
         raise InputError(f"{path} was written by a newer varlen (format {manifest['format_version']}); upgrade varlen")
     for part in manifest.get("parts", []):
-        if not os.path.isfile(os.path.join(path, part["file"])):
+        if not present(part["file"]):
             raise InputError(f"{path} is incomplete: {part['file']} listed in {MANIFEST_NAME} is missing")
     return manifest
+
+
+def _local_manifest(path: str, what: str, hint: str):
+    """``(manifest, is a file of the directory)`` of a local directory."""
+    if not os.path.exists(path):
+        raise InputError(f"{path} does not exist")
+    if not os.path.isdir(path):
+        raise InputError(f"{path} is not a varlen {what}; {hint}")
+    manifest_path = os.path.join(path, MANIFEST_NAME)
+    check_regular(manifest_path, "manifest")
+    if not os.path.isfile(manifest_path):
+        raise InputError(f"{path} is not a varlen {what} (no {MANIFEST_NAME}); {hint}")
+    try:
+        with open_regular(manifest_path, what="manifest") as fh:
+            manifest = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise InputError(f"cannot read {manifest_path}: {exc}") from None
+
+    def present(name: str) -> bool:
+        check_regular(os.path.join(path, name), "part")  # a FIFO or a device is refused, never read
+        return os.path.isfile(os.path.join(path, name))
+
+    return manifest, present
+
+
+def _remote_manifest(path: str, what: str, hint: str):
+    """``(manifest, is an object of the prefix)`` of an object-storage prefix: one listing, one read."""
+    from .. import storage
+
+    root = path.rstrip("/")
+    names = {storage.relpath(o, root) for o in storage.find(root + "/") if o.startswith(root + "/")}
+    if not names:  # (an object named ``root`` itself, a plan, is listed as itself)
+        if storage.isfile(root):
+            raise InputError(f"{path} is not a varlen {what}; {hint}")
+        raise InputError(f"{path} does not exist")
+    if MANIFEST_NAME not in names:
+        raise InputError(f"{path} is not a varlen {what} (no {MANIFEST_NAME}; or an output still being "
+                         f"published); {hint}")
+    loc = storage.join(root, MANIFEST_NAME)
+    try:
+        manifest = json.loads(storage.read_bytes(loc))
+    except ValueError as exc:
+        raise InputError(f"cannot read {loc}: {exc}") from None
+    return manifest, names.__contains__
+
+
+def _artifact_id_at(path: str) -> str | None:
+    """The ``artifact_id`` of the metrics or sorted directory at ``path`` (local or object storage);
+    None when it is gone or unreadable (a moved input cannot be checked)."""
+    from .. import storage
+
+    loc = storage.join(path, MANIFEST_NAME)
+    try:
+        if not storage.isfile(loc):
+            return None
+        manifest = json.loads(storage.read_bytes(loc))
+    except (InputError, ValueError):
+        return None
+    return manifest.get("artifact_id") if isinstance(manifest, dict) else None
 
 
 def check_fresh(path: str, manifest: dict, rerun: str) -> None:
@@ -258,15 +336,35 @@ def check_fresh(path: str, manifest: dict, rerun: str) -> None:
     """
     inp = manifest.get("input") or {}
     src, want = inp.get("path"), inp.get("artifact_id")
-    if not src or not want or not os.path.isfile(os.path.join(src, MANIFEST_NAME)):
+    if not src or not want:
         return
-    try:
-        with open(os.path.join(src, MANIFEST_NAME)) as fh:
-            have = json.load(fh).get("artifact_id")
-    except (OSError, ValueError):
-        return
-    if have != want:
+    have = _artifact_id_at(src)
+    if have is not None and have != want:
         raise InputError(f"{path} is stale: {src} was rebuilt after it (artifact {want}, now {have}); re-run `{rerun}`")
+
+
+def part_location(path: str, part: dict) -> str:
+    """Where a part (an entry of the manifest's ``parts``) of the directory ``path`` lies."""
+    from .. import storage
+
+    return storage.join(path, part["file"])
+
+
+def open_part(loc: str, memory_map: bool = False):
+    """A part of a metrics or sorted directory as a ``pyarrow.parquet.ParquetFile``: a local file
+    (memory-mapped if asked), or an object read by range requests (footer, then column chunks)."""
+    import pyarrow.parquet as pq
+
+    from .. import storage
+
+    try:
+        if storage.is_remote(loc):
+            return storage.parquet_file(loc)
+        return pq.ParquetFile(loc, memory_map=memory_map)
+    except InputError:
+        raise
+    except Exception as exc:  # pyarrow raises several types for a bad file
+        raise InputError(f"cannot read {loc}: {exc}") from None
 
 
 def row_bounds(total: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -277,10 +375,9 @@ def row_bounds(total: int, world_size: int, rank: int) -> tuple[int, int]:
 
 
 def read_row_range(path: str, manifest: dict, start: int, stop: int, columns: Sequence[str] | None = None):
-    """Rows [start, stop) of a metrics or sorted directory as one Arrow table, reading only the
-    row groups that overlap the range."""
+    """Rows [start, stop) of a metrics or sorted directory (local or in object storage) as one
+    Arrow table, reading only the row groups that overlap the range."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     pieces = []
     offset = 0
@@ -288,12 +385,8 @@ def read_row_range(path: str, manifest: dict, start: int, stop: int, columns: Se
     for part in manifest["parts"]:
         n = int(part["rows"])
         lo, hi = max(start, offset), min(stop, offset + n)
-        part_path = os.path.join(path, part["file"])
         if hi > lo or schema is None:
-            try:
-                pf = pq.ParquetFile(part_path)
-            except Exception as exc:
-                raise InputError(f"cannot read {part_path}: {exc}") from None
+            pf = open_part(part_location(path, part))
             schema = pf.schema_arrow if columns is None else pa.schema([pf.schema_arrow.field(c) for c in columns])
         if hi > lo:
             rg_offset = 0

@@ -5,8 +5,8 @@ The configs annotate their choice fields with these types; typer turns the same 
 ``--help``'s ``<a|b|c>`` lists and rejects other values before a stage runs. A library caller who
 passes a bad string gets one :class:`UsageError` line from :func:`check_choices`.
 
-Config fields are documented once, as ``field(metadata={"help": ...})`` (see :func:`doc`);
-:func:`field_help` reads it back, and ``tests/test_cli_help.py`` asserts the CLI help says the same.
+Config fields are documented once, as ``field(metadata={"help": ...})`` (see :func:`doc`); the
+command line's options are generated from those fields (``varlen_cli/cli/options.py``).
 """
 
 from __future__ import annotations
@@ -67,5 +67,16 @@ def check_choices(config: Any) -> None:
         raise UsageError(f"{flag} must be one of {', '.join(allowed)} (got {value!r})")
 
 
+# Help of options several commands share (each config declares its own field with these texts).
+OVERWRITE_HELP = "Replace an existing output (written atomically either way)."
+ALLOW_STALE_HELP = ("Use metrics even if their source files changed (size, mtime) since `varlen analyze`: for data "
+                    "moved or copied on purpose.")
+PROGRESS_HELP = "Show a progress bar on rank 0 (only on a terminal)."
+DEVICE_HELP = "cpu (--nproc: local group; torchrun: gloo) or cuda (nccl)."
 NPROC_HELP = ("Local worker processes to launch (on the CPU a torch-free local group; with --device cuda torch's "
               "elastic launcher); under torchrun leave at 1.")
+#: ``--storage-option``: one help text for every command that reads or writes object storage (a
+#: ``storage_options: tuple = doc((), STORAGE_OPTION_HELP)`` field of its config).
+STORAGE_OPTION_HELP = ("KEY=VALUE passed to the object-storage filesystem of s3://, gs://, hf://... inputs and "
+                       "outputs (repeatable; JSON values parsed); credentials and endpoints otherwise come from the "
+                       "standard environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...).")

@@ -16,6 +16,7 @@ Collectives also carry a timeout (``VARLEN_TIMEOUT`` seconds, default 1800) as a
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ import numpy as np
 
 from ..errors import ERROR_CLASSES, UsageError, VarlenError, WorkerError
 from . import local_group
+from .faults import fault_point  # noqa: F401 - the stages import it from here
 
 DEFAULT_TIMEOUT_S = 1800.0
 _PROGRESS_KEY = "varlen/progress"
@@ -333,7 +335,8 @@ def launch(entry: Callable[[Any], Any], config: Any, nproc: int, cleanup: Sequen
     try:
         if use_torch:
             return _launch_elastic(entry, config, nproc, start_method, worker_env, error_dir)
-        return local_group.launch_local(entry, config, nproc, start_method, worker_env, error_dir)
+        return local_group.launch_local(functools.partial(worker_entry, entry), config, nproc, start_method,
+                                        worker_env, error_dir, collective_timeout())
     except local_group.WorkersFailed as exc:
         _remove_all(cleanup)
         raise failure_error(exc.exitcodes, error_dir) from None
@@ -493,20 +496,3 @@ def run_distributed(entry: Callable[[Any], Any], config: Any, nproc: int, cleanu
     if nproc == 1:
         return entry(config)
     return launch(entry, config, nproc, cleanup=cleanup)
-
-
-def fault_point(name: str) -> None:
-    """Test hooks: ``VARLEN_FAULT=NAME:RANK`` kills this worker (SIGKILL) when it reaches NAME;
-    ``VARLEN_PAUSE=NAME`` makes every worker wait there (60 s, or until a signal ends it).
-
-    Used by the fault-injection tests: a dead worker fails the whole job; a signal that arrives
-    while a stage is surely still running (paused) leaves the previous output as it was.
-    """
-    if os.environ.get("VARLEN_PAUSE") == name:
-        time.sleep(60.0)
-    spec = os.environ.get("VARLEN_FAULT")
-    if not spec:
-        return
-    point, _, rank = spec.rpartition(":")
-    if point == name and int(os.environ.get("RANK", 0)) == int(rank):
-        os.kill(os.getpid(), signal.SIGKILL)

@@ -84,8 +84,23 @@ def _difference(source: str, entry: dict) -> str | None:
     if st.st_mtime_ns != entry.get("mtime_ns"):
         return "was modified"
     if entry.get("footer") is not None:
-        from ..analyze.sources import footer_digest
-
         if footer_digest(source, st.st_size) != entry["footer"]:
             return "was rewritten (its Parquet footer differs)"
     return None
+
+
+def footer_digest(path: str, size: int) -> str | None:
+    """A hash of the Parquet footer (schema, row groups, statistics): changes when the content is
+    rewritten even where size and mtime do not. One small read at the end of the file (one range
+    request for an object in storage: :func:`varlen_cli.storage.parquet_footer`)."""
+    try:
+        return footer_hash(storage.parquet_footer(path, size)[0])
+    except (OSError, InputError):
+        return None
+
+
+def footer_hash(footer: bytes) -> str:
+    """What the manifest records as a Parquet file's ``footer``: 16 hex digits of its SHA-256."""
+    import hashlib
+
+    return hashlib.sha256(footer).hexdigest()[:16]

@@ -178,8 +178,9 @@ def fits_fd_limit(nproc: int) -> bool:
 
 
 def launch_local(entry: Callable[[Any], Any], config: Any, nproc: int, start_method: str, worker_env: dict,
-                 error_dir: str) -> Any:
-    """Run ``entry(config)`` in ``nproc`` local workers joined by a :class:`LocalGroup`.
+                 error_dir: str, timeout: float) -> Any:
+    """Run ``entry(config)`` in ``nproc`` local workers joined by a :class:`LocalGroup` whose
+    collectives wait ``timeout`` seconds for a peer.
 
     Returns rank 0's return value. When a worker fails, the others are killed and the failing
     workers' exit codes are raised as :class:`WorkersFailed` (the caller turns the records the
@@ -187,14 +188,12 @@ def launch_local(entry: Callable[[Any], Any], config: Any, nproc: int, start_met
     """
     import multiprocessing as mp
 
-    from .dist import collective_timeout
-
     ctx = mp.get_context(start_method)
     pipes = {(s, t): ctx.Pipe(duplex=False) for s in range(nproc) for t in range(nproc) if s != t}
     counter = ctx.Value("q", 0)
     result_r, result_w = ctx.Pipe(duplex=False)
     launcher_pid = None if start_method == "forkserver" else os.getpid()  # forkserver: not the parent
-    common = (nproc, pipes, counter, result_w, worker_env, error_dir, collective_timeout(), launcher_pid, entry,
+    common = (nproc, pipes, counter, result_w, worker_env, error_dir, timeout, launcher_pid, entry,
               config)
     procs = [ctx.Process(target=_worker_main, args=(rank, *common), name=f"varlen-worker-{rank}")
              for rank in range(nproc)]
@@ -290,9 +289,7 @@ def _worker_main(rank: int, nproc: int, pipes: dict, counter, result_w, worker_e
             w.close()
     _CURRENT = LocalGroup(rank, nproc, {t: c.fileno() for t, c in send.items()},
                           {s: c.fileno() for s, c in recv.items()}, counter, timeout)
-    from .dist import worker_entry
-
-    result = worker_entry(entry, config)  # exits with the error's code on failure
+    result = entry(config)  # dist.worker_entry around the stage: exits with the error's code on failure
     if rank == 0:
         result_w.send(result)
     result_w.close()

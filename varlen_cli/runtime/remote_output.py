@@ -34,6 +34,7 @@ from contextlib import contextmanager
 
 from .. import format, storage
 from ..errors import OutputError
+from . import safety
 
 COMMIT_MARKER = "_varlen_commit.json"
 TMP_TAG = ".varlen-tmp"
@@ -71,13 +72,7 @@ def check(path: str, overwrite: bool, inputs: Iterable[str] = ()) -> None:
     """Refuse an output that overlaps an input, exists without ``--overwrite``, or (with it) was not
     made by varlen (OutputError, exit 4); an unreachable store is an OutputError too."""
     path = path.rstrip("/")
-    for given in inputs:
-        src = str(given).rstrip("/")
-        if not storage.is_remote(src):
-            continue
-        root = src.split("*", 1)[0].rstrip("/")
-        if path == root or path.startswith(root + "/") or root.startswith(path + "/"):
-            raise OutputError(f"output {path} overlaps the input {given}; write the output elsewhere")
+    safety.check_no_overlap(path, inputs)
     with storage.translate_errors(path, write=True):
         if storage.isfile(path):
             raise OutputError(f"output {path} exists and is not a directory")

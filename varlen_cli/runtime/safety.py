@@ -13,13 +13,15 @@ import os
 import platform
 import shutil
 import signal
+import stat
 import tempfile
 import time
 import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
-from ..errors import OutputError
+from ..errors import InputError, OutputError
+from .files import open_regular
 
 TMP_TAG = ".varlen-tmp"
 OLD_TAG = ".varlen-old"
@@ -49,11 +51,16 @@ def _inside(child: str, parent: str) -> bool:
 
 
 def check_no_overlap(output: str, inputs: Iterable[str]) -> None:
-    """Refuse an output that is, contains, or lies inside one of ``inputs`` (OutputError, exit 4)."""
+    """Refuse an output that is, contains, or lies inside one of ``inputs`` (OutputError, exit 4).
+    An object-storage output is compared with the inputs in the same store by key prefix."""
+    from .. import storage
+
+    if storage.is_remote(output):
+        return _check_no_remote_overlap(output, [str(g) for g in inputs if g and storage.is_remote(str(g))])
     out = os.path.realpath(output)
     for given in inputs:
-        if not given:
-            continue
+        if not given or storage.is_remote(str(given)):
+            continue  # an object-storage input cannot overlap a local output
         inp = os.path.realpath(_source_root(str(given)))
         if out == inp:
             how = "is"
@@ -66,26 +73,70 @@ def check_no_overlap(output: str, inputs: Iterable[str]) -> None:
         raise OutputError(f"output {output} {how} the input {given}; write the output elsewhere")
 
 
+def _check_no_remote_overlap(output: str, inputs: list[str]) -> None:
+    path = output.rstrip("/")
+    for given in inputs:
+        root = given.split("*", 1)[0].rstrip("/")
+        if path == root or path.startswith(root + "/") or root.startswith(path + "/"):
+            raise OutputError(f"output {path} overlaps the input {given}; write the output elsewhere")
+
+
+# Config fields that name input paths, and fields that name user code as MODULE:FUNCTION (its file
+# is an input too). A new input option of a stage belongs here, so no output can swallow it.
+INPUT_FIELDS = ("sources", "metrics_dir", "input", "metrics", "plan", "extend", "state", "tokenizer", "hf_config",
+                "memory_profile")
+CODE_FIELDS = ("difficulty", "model", "schedule")
+# `varlen run`: the stages' options, by stage
+NESTED_FIELDS = ("analyze", "sort", "plan")
+
+
 def stage_inputs(config) -> list[str]:
-    """The inputs a stage config names (sources, metrics/sorted directories, plan files)."""
+    """Every input a stage config names: sources, metrics/sorted directories, plans, sampler states,
+    tokenizers, configs, memory profiles, the directories of ``--mix`` and the files of user code
+    (``--difficulty``/``--model``/``--schedule`` MODULE:FUNCTION). ``config`` is a config dataclass or
+    a dict of its fields (``varlen run`` keeps the stages' options as dicts)."""
+    from .user_code import module_path
+
+    def get(name):
+        return config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+
     found: list[str] = []
-    for name in ("sources", "metrics_dir", "input", "metrics", "plan"):
-        value = getattr(config, name, None)
+    for name in INPUT_FIELDS:
+        value = get(name)
         if isinstance(value, str):
             found.append(value)
         elif isinstance(value, (list, tuple)):
             found += [str(v) for v in value]
-    return found
+    for name in CODE_FIELDS:
+        value = get(name)
+        path = module_path(value) if isinstance(value, str) else None
+        if path is not None:
+            found.append(path)
+    mix = get("mix")
+    if isinstance(mix, str):  # name=DIR:weight,...
+        for item in mix.split(","):
+            where, sep, _weight = item.partition("=")[2].strip().rpartition(":")
+            found.append(where if sep else item.partition("=")[2].strip())
+    for name in NESTED_FIELDS:
+        value = get(name)
+        if isinstance(value, dict):
+            found += stage_inputs(value)
+    return [f for f in found if f]
 
 
 # -- what --overwrite may replace ---------------------------------------------------------------------
-def _json_format(path: str) -> str | None:
+def _json(path: str) -> dict | None:
     try:
-        with open(path) as fh:
+        with open_regular(path) as fh:
             data = json.load(fh)
-    except (OSError, ValueError):
+    except (OSError, ValueError, InputError):
         return None
-    return data.get("format") if isinstance(data, dict) else None
+    return data if isinstance(data, dict) else None
+
+
+def _json_format(path: str) -> str | None:
+    data = _json(path)
+    return data.get("format") if data is not None else None
 
 
 def made_by_varlen_dir(path: str) -> bool:
@@ -99,10 +150,42 @@ def made_by_varlen_dir(path: str) -> bool:
             or _json_format(os.path.join(path, format.RUN_MANIFEST_NAME)) == format.RUN_FORMAT)
 
 
-def made_by_varlen_file(path: str) -> bool:
-    """A Parquet file whose schema metadata says it is a varlen plan."""
+def foreign_entries(path: str) -> list[str]:
+    """What a varlen directory holds that varlen did not write there, as paths relative to ``path``:
+    anything but the manifest and the parts it lists (metrics/sorted), or, in a ``varlen run``
+    output, anything but ``_run.json``, ``plan.parquet`` and the ``metrics``/``sorted`` directories
+    (checked the same way)."""
     from .. import format
 
+    names = set(os.listdir(path))
+    run = _json(os.path.join(path, format.RUN_MANIFEST_NAME))
+    if run is not None and run.get("format") == format.RUN_FORMAT:
+        ours = {format.RUN_MANIFEST_NAME, "plan.parquet"}
+        foreign = sorted(names - ours - {"metrics", "sorted"})
+        for sub in sorted(names & {"metrics", "sorted"}):
+            inner = os.path.join(path, sub)
+            if os.path.isdir(inner) and not os.path.islink(inner) and made_by_varlen_dir(inner):
+                foreign += [os.path.join(sub, name) for name in foreign_entries(inner)]
+            else:
+                foreign.append(sub)
+        return foreign
+    manifest = _json(os.path.join(path, format.MANIFEST_NAME)) or {}
+    parts = manifest.get("parts") if isinstance(manifest.get("parts"), list) else []
+    ours = {format.MANIFEST_NAME} | {str(p.get("file")) for p in parts if isinstance(p, dict)}
+    return sorted(names - ours)
+
+
+def _listed(names: list[str], limit: int = 5) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def made_by_varlen_file(path: str) -> bool:
+    """A Parquet file whose schema metadata says it is a varlen plan (never a FIFO or other non-regular file)."""
+    from .. import format
+
+    if not _regular_file(path):
+        return False
     try:
         format.read_plan_metadata(path)
     except format.FormatError as exc:
@@ -112,9 +195,18 @@ def made_by_varlen_file(path: str) -> bool:
     return True
 
 
-def check_replaceable(path: str, overwrite: bool, kind: str) -> None:
-    """Refuse to replace an existing ``path`` unless ``--overwrite`` and varlen made it (``kind``:
-    ``dir`` or ``file``). Symbolic links are never replaced (nor their targets)."""
+def _regular_file(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def check_replaceable(path: str, overwrite: bool, kind: str, json_format: str | None = None) -> None:
+    """Refuse to replace an existing ``path`` unless ``--overwrite`` and varlen made it and holds
+    nothing else: ``kind`` ``dir`` (a metrics, sorted or run directory, without files varlen did not
+    write there), ``file`` (a plan) or ``json`` (a JSON file whose ``format`` is ``json_format``, such
+    as a memory profile). Symbolic links are never replaced (nor their targets)."""
     if not os.path.lexists(path):
         return
     if not overwrite:
@@ -128,6 +220,16 @@ def check_replaceable(path: str, overwrite: bool, kind: str) -> None:
         if not made_by_varlen_dir(path):
             raise OutputError(f"output {path} is a directory varlen did not make (no varlen _manifest.json or "
                               "_run.json); --overwrite replaces only varlen outputs")
+        foreign = foreign_entries(path)
+        if foreign:
+            raise OutputError(f"output {path} holds files varlen did not write ({_listed(foreign)}); --overwrite "
+                              "replaces only what varlen made: move them out first")
+    elif kind == "json":
+        if os.path.isdir(path):
+            raise OutputError(f"output {path} is a directory; give a file name")
+        if not _regular_file(path) or _json_format(path) != json_format:
+            raise OutputError(f"output {path} is not a {json_format.replace('-', ' ')}; --overwrite replaces only "
+                              "varlen outputs")
     else:
         if os.path.isdir(path):
             raise OutputError(f"output {path} is a directory; give a file name such as plan.parquet")
@@ -153,10 +255,10 @@ def _pid_alive(pid: int) -> bool:
 def _stale(lock: str) -> bool:
     """A lock left by a dead process on this host (or unreadable and old)."""
     try:
-        with open(lock) as fh:
+        with open_regular(lock) as fh:
             owner = json.load(fh)
         pid, host = int(owner["pid"]), str(owner["host"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, InputError):
         try:
             return time.time() - os.path.getmtime(lock) > STALE_UNREADABLE_LOCK_S
         except OSError:
@@ -166,10 +268,10 @@ def _stale(lock: str) -> bool:
 
 def _owner(lock: str) -> str:
     try:
-        with open(lock) as fh:
+        with open_regular(lock) as fh:
             owner = json.load(fh)
         return f"pid {owner['pid']} on {owner['host']}"
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, InputError):
         return "another process"
 
 
@@ -281,6 +383,17 @@ def swap_in(tmp: str, path: str) -> None:
         _remove(old)
     else:
         os.rename(tmp, path)
+
+
+def identity(path: str | None) -> tuple[int, int] | None:
+    """``(device, inode)`` of ``path`` (not following a link), or None when it does not exist. A
+    swap puts a new inode at the path (the temporary was made while the old output existed), so a
+    changed identity under the output lock means this run's output was committed."""
+    try:
+        st = os.lstat(path) if path else None
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if st is not None else None
 
 
 # -- SIGTERM -----------------------------------------------------------------------------------------

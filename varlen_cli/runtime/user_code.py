@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable
 
 from ..errors import InputError, UsageError, VarlenError
+from .files import check_regular
 
 
 def split_spec(spec: str, option: str) -> tuple[str, str]:
@@ -26,9 +27,27 @@ def split_spec(spec: str, option: str) -> tuple[str, str]:
     return module_name, function
 
 
+def module_path(spec: str) -> str | None:
+    """The file (or package directory) of ``MODULE:FUNCTION`` in this directory or at a ``.py`` path,
+    found without importing anything; None for anything else (an installed module, or no spec)."""
+    module_name, sep, function = spec.rpartition(":")
+    if not sep or not module_name or not function:
+        return None
+    if module_name.endswith(".py"):
+        return module_name
+    base = os.path.join(*module_name.split("."))  # relative to the current directory, as imported
+    for candidate in (base + ".py", base):
+        if os.path.lexists(candidate):
+            return candidate
+    return None
+
+
 def load_function(spec: str, option: str, error: type[VarlenError] = UsageError) -> Callable:
     """The function ``spec`` names; ``error`` (a varlen error class) when it cannot be had."""
     module_name, function = split_spec(spec, option)
+    local = module_path(spec)
+    if local is not None and not os.path.isdir(local):
+        check_regular(local, f"{option} module")  # importing a FIFO would block forever
     try:
         module = _load_file(module_name, option, spec) if module_name.endswith(".py") else _import(module_name)
     except VarlenError:

@@ -11,25 +11,36 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import InputError, UsageError
+from ..runtime import rank0
+from ..runtime.choices import doc
 from .closed import chain_starts, gpipe_starts
 from .engine import Jobs, build_jobs, greedy
 from .schemes import SCHEDULES, Scheme, make_scheme
 
 _COLUMNS = ("step", "rank", "micro", "batch_size", "seqlen")
+# Sizes checked before any work: the greedy scheduler takes about a millisecond per job of a step
+# (every step at once; 65,536 jobs: about a minute on one core, the limit: about 7 minutes), and each
+# scheme's stored-weights table has stages x workers cells.
+MAX_JOBS_PER_STEP = 1 << 19
+MAX_STAGE_WORKER_CELLS = 1 << 24
 
 
 @dataclass(frozen=True)
 class SimulateConfig:
     """Options of ``varlen simulate``."""
 
-    plan: str
-    schedule: str = "all"  # one of SCHEDULES, "all", or MODULE:FUNCTION
-    stages: int = 1
-    workers: int | None = None
-    groups: int | None = None
-    backward_ratio: float = 2.0
-    attention_cost: float = 0.0
-    gantt_step: int | None = None
+    plan: str = doc(help="Plan Parquet file written by `varlen plan`.")
+    schedule: str = doc("all", "ddp, fsdp, gpipe, 1f1b, lpp, fslpp, all (side by side), or MODULE:FUNCTION "
+                               "returning a varlen_cli.schedule.Scheme.")
+    stages: int = doc(1, "Pipeline stages S the model is cut into (equal cost each).")
+    workers: int | None = doc(None, "Workers W (default: dp for ddp/fsdp; groups x S for gpipe/1f1b; lpp/fslpp: "
+                                    "groups x R, default R = S).")
+    groups: int | None = doc(None, "Data-parallel groups G of the pipelines (default: the plan's dp); must divide "
+                                   "dp x grad_accum.")
+    backward_ratio: float = doc(2.0, "Backward time / forward time of a job.")
+    attention_cost: float = doc(0.0, "A: a stage's forward of a microbatch costs B*T + A*B*T^2 (default 0: padded "
+                                     "tokens B*T).")
+    gantt_step: int | None = doc(None, "Draw step N as a Gantt chart: worker rows, time columns, microbatch ids.")
 
 
 @dataclass(frozen=True)
@@ -307,8 +318,22 @@ def check_config(config: SimulateConfig) -> None:
                          "MODULE:FUNCTION")
 
 
+def check_size(scheme: Scheme) -> None:
+    """Refuse, in one line and before any work, a simulation too large to finish (``--stages 100000``)."""
+    jobs = 2 * scheme.stages * scheme.microbatches
+    if jobs > MAX_JOBS_PER_STEP:
+        raise UsageError(f"--schedule {scheme.name} with --stages {scheme.stages} and {scheme.microbatches:,} "
+                         f"microbatches per step has {jobs:,} jobs per step; simulate takes at most "
+                         f"{MAX_JOBS_PER_STEP:,} (fewer --stages, or a plan with fewer microbatches per step)")
+    if scheme.stages * scheme.workers > MAX_STAGE_WORKER_CELLS:
+        raise UsageError(f"--schedule {scheme.name} with --stages {scheme.stages} on {scheme.workers:,} workers is "
+                         f"too large to simulate (stages x workers at most {MAX_STAGE_WORKER_CELLS:,})")
+
+
 def simulate(config: SimulateConfig) -> SimulateResult:
     """Simulate the plan under one schedule, or under every built-in one (``schedule="all"``)."""
+    if rank0.needs_group():  # under torchrun: rank 0 simulates, the others get its result
+        return rank0.on_rank0(simulate, config)
     check_config(config)
     costs = read_plan_costs(config.plan, config.attention_cost)
     if config.gantt_step is not None and not 0 <= config.gantt_step < costs.num_steps:
@@ -323,5 +348,6 @@ def simulate(config: SimulateConfig) -> SimulateResult:
             groups = None if name in ("ddp", "fsdp") else groups
         scheme = make_scheme(name, stages=config.stages, microbatches=costs.per_step, dp=costs.dp,
                              workers=workers, groups=groups)
+        check_size(scheme)
         result.results.append(simulate_scheme(scheme, costs, config.backward_ratio, config.gantt_step))
     return result

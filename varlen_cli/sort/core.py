@@ -23,9 +23,24 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from .. import storage
 from ..errors import InputError, OutputError, UsageError
 from ..runtime import artifacts, freshness, safety
-from ..runtime.choices import NPROC_HELP, Device, Engine, NanPolicy, Ties, check_choices, doc, values
+from ..runtime.choices import (
+    ALLOW_STALE_HELP,
+    DEVICE_HELP,
+    NPROC_HELP,
+    OVERWRITE_HELP,
+    PROGRESS_HELP,
+    STORAGE_OPTION_HELP,
+    Device,
+    Engine,
+    NanPolicy,
+    Ties,
+    check_choices,
+    doc,
+    values,
+)
 from ..runtime.dist import Dist, check_nproc, fault_point
 from ..runtime.executor import execute
 from ..runtime.progress import JobProgress
@@ -46,7 +61,8 @@ class SortConfig:
     ``--device cuda``, numpy otherwise); the result is the same.
     """
 
-    metrics_dir: str = doc(help="Metrics directory from `varlen analyze` (or a sorted directory) to sort.")
+    metrics_dir: str = doc(help="Metrics directory from `varlen analyze` (or a sorted directory) to sort; local or an "
+                                "s3://... prefix.")
     output: str = doc(help="Sorted directory to write (part-*.parquet + _manifest.json); or an s3://... prefix "
                            "(published manifest last).")
     by: tuple = doc(("difficulty",), "Key column(s), comma-separated, most significant first.")
@@ -54,17 +70,17 @@ class SortConfig:
     ties: Ties = doc("id", "Order of equal keys: id (ascending sample_id) or shuffle (seeded hash of sample_id).")
     seed: int = doc(0, "Seed of --ties shuffle.")
     nan: NanPolicy = doc("error", "NaN keys: error (refuse) or last (after all other keys).")
-    nproc: int = doc(1, NPROC_HELP)
-    device: Device = doc("cpu", "cpu (--nproc: local group; torchrun: gloo) or cuda (nccl).")
     single_file: bool = doc(False, "Write one part-00000.parquet, streamed in rank order, instead of one part per "
                                    "worker.")
-    overwrite: bool = doc(False, "Replace an existing output (written atomically either way).")
-    progress: bool = doc(True, "Show a progress bar on rank 0 (only on a terminal).")
+    nproc: int = doc(1, NPROC_HELP)
+    device: Device = doc("cpu", DEVICE_HELP)
+    overwrite: bool = doc(False, OVERWRITE_HELP)
+    progress: bool = doc(True, PROGRESS_HELP)
     row_group_size: int = doc(1 << 20, "Rows per Parquet row group of the sorted parts.")
     engine: Engine = doc("auto", "numpy sorts on the CPU with numpy, torch with torch on device (auto: torch with "
                                  "--device cuda, numpy otherwise); the result is the same.")
-    allow_stale: bool = doc(False, "Use metrics even if their source files changed (size, mtime) since "
-                                   "`varlen analyze`: for data moved or copied on purpose.")
+    allow_stale: bool = doc(False, ALLOW_STALE_HELP)
+    storage_options: tuple = doc((), STORAGE_OPTION_HELP)
 
 
 @dataclass
@@ -86,6 +102,7 @@ def sort(config: SortConfig) -> SortResult | None:
     """Run ``varlen sort``; returns the result on rank 0 (None on other ranks)."""
     config = replace(config, by=parse_by(config.by))
     check(config)
+    storage.configure(config.storage_options)  # the input may be in object storage (workers: the executor)
     check_input(config)
     return execute(run_in_group, config)
 
@@ -116,6 +133,7 @@ def check(config: SortConfig) -> None:
     if config.row_group_size < 1:
         raise UsageError("row_group_size must be positive")
     check_nproc(config.nproc)
+    storage.parse_options(config.storage_options)
     if config.engine == "numpy" and config.device == "cuda":
         raise UsageError("engine 'numpy' sorts on the CPU; use engine 'torch' (or 'auto') with --device cuda")
 
@@ -130,16 +148,10 @@ def _read_input(path: str) -> dict:
 
 
 def _input_schema(path: str, manifest: dict):
-    import pyarrow.parquet as pq
-
     parts = manifest.get("parts", [])
     if not parts:
         return artifacts.metrics_schema()
-    part_path = os.path.join(path, parts[0]["file"])
-    try:
-        return pq.read_schema(part_path).remove_metadata()
-    except Exception as exc:
-        raise InputError(f"cannot read {part_path}: {exc}") from None
+    return artifacts.open_part(artifacts.part_location(path, parts[0])).schema_arrow.remove_metadata()
 
 
 def _is_fixed_width(t) -> bool:
@@ -251,7 +263,6 @@ def _read_columns(path: str, manifest: dict, lo: int, hi: int, schema) -> dict:
     arrays, so the peak is the rows plus one row group (not twice the rows).
     """
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     n = hi - lo
     names = schema.names
@@ -264,9 +275,9 @@ def _read_columns(path: str, manifest: dict, lo: int, hi: int, schema) -> dict:
         offset += rows
         if b <= a:
             continue
-        part_path = os.path.join(path, part["file"])
+        part_path = artifacts.part_location(path, part)
         try:
-            pf = pq.ParquetFile(part_path)
+            pf = artifacts.open_part(part_path)
             rg_offset = 0
             for rg in range(pf.num_row_groups):
                 rg_rows = pf.metadata.row_group(rg).num_rows
@@ -575,18 +586,17 @@ def _write_single(d: Dist, out: artifacts.AtomicDir, schema, cols: dict, rows: l
             for f in schema:
                 d.send_rows(cols[f.name][a:a + G], dst=0)
         return
-    try:
-        writer = pq.ParquetWriter(target, schema, compression="zstd", compression_level=1)
+    try:  # a full disk (ENOSPC, EFBIG) while streaming is the user's disk: OutputError, exit 4
+        with pq.ParquetWriter(target, schema, compression="zstd", compression_level=1) as writer:
+            if rows[0]:
+                writer.write_table(_to_table(cols, schema), row_group_size=G)
+            for src in range(1, d.world_size):
+                for a in range(0, rows[src], G):
+                    c = min(G, rows[src] - a)
+                    chunk = {f.name: d.recv_rows(np.empty(c, dtype=dtypes[f.name]), src=src) for f in schema}
+                    writer.write_table(_to_table(chunk, schema), row_group_size=G)
     except OSError as exc:
         raise OutputError(f"cannot write {target}: {exc}") from None
-    with writer:
-        if rows[0]:
-            writer.write_table(_to_table(cols, schema), row_group_size=G)
-        for src in range(1, d.world_size):
-            for a in range(0, rows[src], G):
-                c = min(G, rows[src] - a)
-                chunk = {f.name: d.recv_rows(np.empty(c, dtype=dtypes[f.name]), src=src) for f in schema}
-                writer.write_table(_to_table(chunk, schema), row_group_size=G)
 
 
 def _finish(config: SortConfig, d: Dist, out: artifacts.AtomicDir, manifest: dict, everyone: list, stats: dict,
@@ -620,7 +630,7 @@ def _finish(config: SortConfig, d: Dist, out: artifacts.AtomicDir, manifest: dic
         "world_size": d.world_size,
         "dataset": manifest.get("dataset"),
         "artifact_id": artifacts.artifact_id("sort", ident, input_id, [total]),
-        "input": {"path": os.path.abspath(config.metrics_dir), "artifact_id": manifest.get("artifact_id")},
+        "input": {"path": storage.absolute(config.metrics_dir), "artifact_id": manifest.get("artifact_id")},
         "order": order,
         "columns": manifest.get("columns") or {},
         "num_rows": total,

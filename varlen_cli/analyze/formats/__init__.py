@@ -87,11 +87,14 @@ class Reader:
     def __init__(self):
         self._mds = mds.ShardReader()
         self._wds = webdataset.ShardReader()
+        self._index: megatron.Index | None = None  # the last Megatron index read (its header, checked)
 
     def read(self, path: str, fmt: str, size: int, unit, columns):
         """The unit's rows (``unit``: part, start, stop) as an Arrow table of ``columns`` (None: all)."""
         if fmt == "megatron":
-            return megatron.table(megatron.read_index(path, size), unit.start, unit.stop, columns)
+            if self._index is None or self._index.path != path or self._index.size != size:
+                self._index = megatron.read_index(path, size)
+            return megatron.table(self._index, unit.start, unit.stop, columns)
         if fmt == "mds":
             return self._mds.read(path, unit.part, unit.start, unit.stop, columns)
         return self._wds.read(path, unit.start, unit.stop, columns)

@@ -48,6 +48,7 @@ class Index:
     doc_entries: int
     dtype: type
     multimodal: bool
+    size: int = 0  # of the file, in bytes
 
     @property
     def pointers_at(self) -> int:
@@ -90,7 +91,7 @@ def read_index(path: str, size: int) -> Index:
     if size not in (plain, plain + n):
         raise InputError(f"corrupt Megatron index {path}: {size} bytes, but {n} sequences and {d} document "
                          f"entries need {plain} (or {plain + n} with modes)")
-    index = Index(path, n, d, DTYPES[code], size == plain + n and n > 0)
+    index = Index(path, n, d, DTYPES[code], size == plain + n and n > 0, size)
     # megatron-core's IndexedDataset asserts the same: boundaries run from 0 to the sequence count
     if d < 1 or _boundary(index, 0) != 0 or _boundary(index, d - 1) != n:
         raise InputError(f"corrupt Megatron index {path}: document boundaries must run from 0 to {n} (the "
@@ -149,29 +150,44 @@ def _last_boundary_at_or_below(index: Index, seq: int, fh) -> int:
     return lo
 
 
-def documents(index: Index, start: int, stop: int) -> np.ndarray:
-    """The document (in this file) of each sequence in [start, stop), as int64.
-
-    Reads only the boundaries that cover the range: document k holds the sequences
-    [documents[k], documents[k+1]); empty documents keep their number."""
-    if stop <= start:
-        return np.zeros(0, np.int64)
+def _boundaries(index: Index, start: int, stop: int) -> tuple[int, np.ndarray]:
+    """``(k0, documents[k0:k1 + 1])`` with ``k0``/``k1`` the last boundaries at or below ``start`` and
+    ``stop - 1``: the documents of sequences [start, stop). Usually one read: the boundaries are
+    guessed by interpolation (documents spread evenly over the sequences), with slack; a guess that
+    misses falls back to two binary searches."""
+    d, n = index.doc_entries, index.sequences
+    guess_lo, guess_hi = (d - 1) * start // n, -(-(d - 1) * stop // n)
+    slack = 4096 + (guess_hi - guess_lo) // 32
+    a, b = max(0, guess_lo - slack), min(d, guess_hi + slack + 1)
+    window = _array(index.path, index.documents_at + 8 * a, b - a, np.int64)
+    if window[0] <= start and window[-1] > stop - 1:  # documents[d - 1] == n > stop - 1 closes the last one
+        k0 = int(np.searchsorted(window, start, "right")) - 1
+        k1 = int(np.searchsorted(window, stop - 1, "right")) - 1
+        return a + k0, window[k0:k1 + 1]
     with storage.open_input(index.path, block_size=1 << 16) as fh:
         k0 = _last_boundary_at_or_below(index, start, fh)
         k1 = _last_boundary_at_or_below(index, stop - 1, fh)
-    bounds = _array(index.path, index.documents_at + 8 * k0, k1 - k0 + 1, np.int64)
-    steps = np.diff(bounds)
-    if len(steps) and steps.min() < 0:
+    return k0, _array(index.path, index.documents_at + 8 * k0, k1 - k0 + 1, np.int64)
+
+
+def documents(index: Index, start: int, stop: int) -> np.ndarray:
+    """The document (in this file) of each sequence in [start, stop), as int64 (vectorised; speed in
+    benchmarks/README.md).
+
+    Document k holds the sequences [documents[k], documents[k+1]); empty documents keep their
+    number. Reads only the boundaries that cover the range."""
+    if stop <= start:
+        return np.zeros(0, np.int64)
+    k0, bounds = _boundaries(index, start, stop)
+    if np.any(bounds[1:] < bounds[:-1]):
         raise InputError(f"corrupt Megatron index {index.path}: document boundaries decrease")
-    # boundaries after k0 all lie in (start, stop): document = k0 + the boundaries at or below the
-    # sequence, a running sum of boundary marks (faster than np.repeat over many short documents)
-    pos = bounds[1:] - start
     m = stop - start
-    if len(steps) and steps.min() == 0:  # empty documents: several boundaries at one sequence
-        marks = np.bincount(pos, minlength=m).astype(np.int64)
-    else:
-        marks = np.zeros(m, np.int64)
-        marks[pos] = 1
+    if len(bounds) == m and (m == 1 or (bounds[1] == start + 1 and not np.any(bounds[2:] == bounds[1:-1]))):
+        # a document starts at every sequence (one sequence a document, Megatron's usual layout)
+        return np.arange(k0, k0 + m, dtype=np.int64)
+    # boundaries after k0 all lie in (start, stop): document = k0 + the boundaries at or below the
+    # sequence, a running sum of the boundaries per sequence (several at one sequence: empty documents)
+    marks = np.bincount(bounds[1:] - start, minlength=m)
     marks[0] += k0
     return np.cumsum(marks, out=marks)
 

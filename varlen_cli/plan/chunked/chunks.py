@@ -11,11 +11,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ... import format
 from ...errors import InputError
 from ...runtime import artifacts
 
 DEFAULT_CHUNK_SAMPLES = 1 << 23
-TARGET_COLUMN = "target_length"  # metrics column of the tokens that carry loss (analyze --target-length)
+TARGET_COLUMN = format.TARGET_LENGTH_COLUMN  # metrics column of the tokens that carry loss (analyze --target-length)
 GLOBAL_STREAM = (0, 1)  # appended to (seed, epoch): the stream of the cross-chunk order
 
 
@@ -68,12 +69,13 @@ class ChunkData:
 
 
 class InputRows:
-    """Row ranges of a metrics or sorted directory (the concatenation of its parts in name order)."""
+    """Row ranges of a metrics or sorted directory (the concatenation of its parts in name order),
+    local or in object storage (:func:`varlen_cli.runtime.artifacts.open_part`)."""
 
     def __init__(self, path: str, manifest: dict):
         self.path = path
         self.manifest = manifest
-        self.parts = [(os.path.join(path, p["file"]), int(p["rows"])) for p in manifest.get("parts", [])]
+        self.parts = [(artifacts.part_location(path, p), int(p["rows"])) for p in manifest.get("parts", [])]
         self.num_rows = sum(rows for _, rows in self.parts)
         # the columns a chunk reads: target_length too when the metrics have it (analyze --target-length)
         self.columns = ("sample_id", "length") + ((TARGET_COLUMN,) if TARGET_COLUMN in (manifest.get("columns") or {})
@@ -85,8 +87,6 @@ class InputRows:
 
     def read(self, lo: int, hi: int, columns=None) -> dict[str, np.ndarray]:
         """Rows ``[lo, hi)`` as int64 numpy arrays, checked (no nulls, lengths >= 0)."""
-        import pyarrow.parquet as pq
-
         from ..arrow_io import to_numpy
 
         columns = self.columns if columns is None else columns
@@ -96,7 +96,7 @@ class InputRows:
             a, b = max(lo, offset), min(hi, offset + rows)
             if b > a:
                 try:
-                    pf = pq.ParquetFile(path, memory_map=True)
+                    pf = artifacts.open_part(path, memory_map=True)
                     missing = [c for c in columns if c not in pf.schema_arrow.names]
                     if missing:
                         raise InputError(f"{path} has no column {missing[0]!r}")

@@ -101,6 +101,8 @@ def write(path: str, overwrite: bool, epochs: list[EpochRows], fin: Finished, re
     slots = dp * grad_accum
     group = writer.rows_per_group(slots)
     names = ("ids", "sample_length", "item_length", "item_start") if packed else ("ids", "sample_length")
+    if fin.metadata.get("loss_tokens") == format.TARGET_LENGTH_COLUMN:  # the check counts the metrics' targets
+        names += ("sample_target",)
     starts = np.concatenate([[0], np.cumsum([ep.count for ep in epochs])])
     total = int(starts[-1])
     from concurrent.futures import ThreadPoolExecutor
@@ -122,7 +124,8 @@ def write(path: str, overwrite: bool, epochs: list[EpochRows], fin: Finished, re
                     pending = pool.submit(prepare, bounds[i + 1])
                 checks.update(PlanArrays(cols, offsets, items["sample_ids"], items.get("sample_lengths"),
                                          items.get("sample_rows"), items.get("sample_starts"), None,
-                                         items.pop("sample_length"), first_row=bounds[i]))
+                                         items.pop("sample_length"), sample_target=items.pop("sample_target", None),
+                                         first_row=bounds[i]))
                 local = offsets.astype(np.int32)
                 arrays = []
                 for name in schema.names:
@@ -160,6 +163,8 @@ def _group(epochs, fin: Finished, readers, names, starts, lo: int, hi: int, dp: 
         got, _ = GroupItems(readers[e], names + (("item_row",) if packed and ep.item_rows else ())).read(
             ep.column("chunk", lo_e, hi_e), ep.column("item_lo", lo_e, hi_e), count)
         items = {"sample_ids": got["ids"], "sample_length": got["sample_length"].astype(np.int64)}
+        if "sample_target" in got:
+            items["sample_target"] = got["sample_target"].astype(np.int64)
         if packed:
             items["sample_lengths"] = got["item_length"]
             items["sample_starts"] = got["item_start"]

@@ -207,7 +207,7 @@ def finish(c, ctx: PlanContext, manifest: dict, num_rows: int, epochs: list[Epoc
                               num_microbatches=count, shapes=shapes, base_batch_size=base, inputs=inputs,
                               fixed_batch=fixed_batch, packing=packing, dropped=dropped_meta, summary=summary)
     if trained_only:
-        metadata["loss_tokens"] = "target_length"
+        metadata["loss_tokens"] = format.TARGET_LENGTH_COLUMN
     metadata["chunks"] = {"samples": int(c.chunk_samples), "count": None}
     if c.schedule is not None:
         from ...schedule.order import combined_report

@@ -233,11 +233,13 @@ def _padded(chunk: ChunkData, ctx: PlanContext, mode: str, seq: np.ndarray, rng)
 
 def _ids(chunk: ChunkData, positions: np.ndarray) -> tuple[dict, int | None]:
     """The items' sample ids (the positions themselves, and the chunk's first id, when the chunk's ids
-    are a range: no gather) and whole sample lengths (for the plan's own check)."""
-    length = chunk.length[positions].astype(np.int32)
+    are a range: no gather), whole sample lengths and target lengths (for the plan's own check)."""
+    items = {"sample_length": chunk.length[positions].astype(np.int32)}
+    if chunk.target is not None:  # analyze --target-length: the loss tokens, for the plan's own check
+        items["sample_target"] = chunk.target[positions].astype(np.int32)
     if chunk.first_id is not None:
-        return {"ids": positions, "sample_length": length}, chunk.first_id
-    return {"ids": chunk.ids[positions], "sample_length": length}, None
+        return {"ids": positions, **items}, chunk.first_id
+    return {"ids": chunk.ids[positions], **items}, None
 
 
 def _random(seq: np.ndarray, length: np.ndarray, ctx: PlanContext, rng) -> Microbatches:

@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 
+from ... import storage
 from ...errors import InputError, UsageError, VarlenError, WorkerError
 from ...runtime import artifacts, freshness, rank0, safety
 from ...runtime.dist import Dist, fault_point, run_distributed, session
@@ -60,6 +61,7 @@ def plan_chunked(c, t0: float | None = None):
 
 
 def _in_session(c, t0: float):
+    storage.configure(c.storage_options)  # --storage-option, in every worker process
     with session("cpu") as d:
         return _shared(d, lambda: run_in_group(c, d, t0))
 

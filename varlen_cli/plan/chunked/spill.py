@@ -22,7 +22,8 @@ import numpy as np
 from ...errors import OutputError
 from .form import ChunkUnits
 
-ITEM_DTYPES = {"item_length": np.int32, "item_start": np.int32, "item_row": np.int32, "sample_length": np.int32}
+ITEM_DTYPES = {"item_length": np.int32, "item_start": np.int32, "item_row": np.int32, "sample_length": np.int32,
+               "sample_target": np.int32}
 
 
 def job_name(epoch: int, chunk: int) -> str:

@@ -1,0 +1,275 @@
+"""The consumption ledger (issue 21): every resume path trains each (epoch, step, micro) of a rank
+once, or stops with a one-line PlanError before a wrong optimizer step.
+
+The property test drives the documented loop (and the usual ways to get it wrong) over random plans,
+stop points, checkpoints and resumes, with the plain and the torchdata loader, and checks the
+history of optimizer steps against the plan.
+"""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.loader_helpers import SyntheticTokens, write_plan
+from varlen_cli.loader import Plan, PlanError, VariableBatchSizeLR, dataloader_for_plan
+
+LENGTHS = np.random.default_rng(11).integers(1, 90, size=160)
+
+
+def _plan(tmp_path, name="p", **options) -> Plan:
+    path = str(tmp_path / f"{name}.parquet")
+    opts = dict(dp=1, grad_accum=2, epochs=2, max_tokens=384, row_group_steps=2)
+    opts.update(options)
+    write_plan(path, LENGTHS, **opts)
+    return Plan.open(path)
+
+
+def _optimizer():
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+
+
+def _pos(batch):
+    return tuple(batch["plan_position"].tolist())
+
+
+# -- the numbered cases of issue 21 that need no framework ---------------------------------------------
+@pytest.mark.parametrize("workers", [0, 2])
+def test_case1_torchdata_resumed_mid_epoch_1_trains_exactly_the_rest(tmp_path, workers):
+    """loader.epoch read 0 after torchdata's load_state_dict, so the documented loop replayed the plan
+    (126 microbatches consumed of 84 planned)."""
+    plan = _plan(tmp_path, dp=2)
+    data = SyntheticTokens(LENGTHS)
+    extra = {"num_workers": workers, **({"prefetch_factor": 2} if workers else {})}
+    cut = plan.epoch_start(1) + 2  # stop after optimizer step `cut`, mid-epoch 1
+    loader = dataloader_for_plan(data, plan, rank=1, world_size=2, stateful=True, **extra)
+    sched = VariableBatchSizeLR(_optimizer(), plan)
+    seen = []
+    for epoch in range(loader.epoch, plan.epochs):
+        loader.set_epoch(epoch)
+        for batch in loader:
+            seen.append(_pos(batch))
+            if batch["info"].micro == plan.grad_accum - 1:
+                sched.step()
+                if sched.step_index == cut:
+                    state, lr_state = copy.deepcopy(loader.state_dict()), sched.state_dict()
+    want = [(plan.epoch_of(s), s, 1, m) for s in range(plan.num_steps) for m in range(plan.grad_accum)]
+    assert seen == want
+    resumed = dataloader_for_plan(data, plan, rank=1, world_size=2, stateful=True, **extra)
+    sched = VariableBatchSizeLR(_optimizer(), plan)
+    resumed.load_state_dict(state)
+    sched.load_state_dict(lr_state)
+    assert resumed.epoch == 1
+    rest = []
+    for epoch in range(resumed.epoch, plan.epochs):  # the documented loop, as written
+        resumed.set_epoch(epoch)
+        for batch in resumed:
+            rest.append(_pos(batch))
+            if batch["info"].micro == plan.grad_accum - 1:
+                sched.step()
+    assert rest == want[cut * plan.grad_accum:]
+
+
+def test_case4_a_pass_past_the_plans_end_is_refused(tmp_path):
+    """One more pass after the last epoch was consumed silently (check_step returned early past the end)."""
+    plan = _plan(tmp_path)
+    loader = dataloader_for_plan(SyntheticTokens(LENGTHS), plan, rank=0, world_size=1)
+    sched = VariableBatchSizeLR(_optimizer(), plan)
+    for epoch in range(loader.epoch, plan.epochs):
+        loader.set_epoch(epoch)
+        for batch in loader:
+            if batch["info"].micro == plan.grad_accum - 1:
+                sched.step()
+    assert sched.step_index == plan.num_steps
+    with pytest.raises(PlanError, match=rf"^desync: the plan is finished \(all {plan.num_steps} steps of 2 "
+                                        r"epoch\(s\) trained\) but rank 0 is given \(epoch 1, step \d+, rank 0, "
+                                        r"micro 0\) again: a pass past the plan's end \(re-plan with more --epochs"):
+        next(iter(loader))
+    with pytest.raises(PlanError, match=rf"^desync: optimizer step {plan.num_steps} is past the plan's end "
+                                        rf"\({plan.num_steps} steps, 2 epoch\(s\)\): the trainer runs longer"):
+        sched.step()
+    # a state saved at the end resumes to nothing, and one more pass is refused the same way
+    state = loader.state_dict()
+    again = dataloader_for_plan(SyntheticTokens(LENGTHS), plan, rank=0, world_size=1)
+    again.load_state_dict(state)
+    assert again.epoch == plan.epochs - 1 and list(again) == []
+    with pytest.raises(PlanError, match=r"^desync: the plan is finished"):
+        next(iter(again))
+
+
+def test_ledger_travels_in_every_state_and_refuses_a_replay(tmp_path):
+    plan = _plan(tmp_path)
+    data = SyntheticTokens(LENGTHS)
+    loader = dataloader_for_plan(data, plan, rank=0, world_size=1, lr_scale="ignore")
+    it = iter(loader)
+    for _ in range(5):
+        batch = next(it)
+    for state in (loader.state_dict(), loader.batch_sampler.state_dict(after=batch)):
+        assert state["ledger"] == {"consumed": [[0, 5]], "ended": []}
+        again = dataloader_for_plan(data, plan, rank=0, world_size=1, lr_scale="ignore")
+        again.load_state_dict(state)
+        assert _pos(next(iter(again))) == (0, 2, 0, 1)
+        again.set_epoch(0)  # the documented loop keeps the position; a sampler set back to the epoch start...
+        again.batch_sampler._resume = None
+        with pytest.raises(PlanError, match=r"^desync: rank 0 is given \(epoch 0, step 0, rank 0, micro 0\), "
+                                            r"which this job already trained \(it resumed at \(epoch 0, step 2, rank "
+                                            r"0, micro 1\)\): the plan is being replayed"):
+            next(iter(again))
+
+
+def test_half_an_epoch_then_the_next_needs_end_epoch(tmp_path):
+    plan = _plan(tmp_path)
+    data = SyntheticTokens(LENGTHS)
+    half = plan.steps_per_epoch[0] // 2
+
+    def run(end_early: bool):
+        loader = dataloader_for_plan(data, plan, rank=0, world_size=1, lr_scale="ignore")
+        for epoch in range(loader.epoch, plan.epochs):
+            loader.set_epoch(epoch)
+            for batch in loader:
+                if epoch == 0 and batch["info"].step == half:
+                    if end_early:
+                        loader.end_epoch()
+                    break
+        return loader
+
+    last = plan.steps_per_epoch[0] - 1
+    with pytest.raises(PlanError, match=rf"^desync: epoch 1 started on rank 0 but epoch 0 is incomplete: {half} of "
+                                        rf"{plan.steps_per_epoch[0]} steps trained, \(epoch 0, step {half}, rank 0, "
+                                        rf"micro 1\) to \(epoch 0, step {last}, rank 0, micro 1\) never \(an epoch "
+                                        r"loop that stopped early or skipped set_epoch; to stop an epoch early on "
+                                        r"purpose call loader.end_epoch\(\) first\)$"):
+        run(end_early=False)
+    loader = run(end_early=True)  # said on purpose: the next epoch runs whole, and the state remembers it
+    assert loader.state_dict()["ledger"]["ended"] == [0]
+
+
+def test_lr_coverage_refuses_two_steps_without_the_plans_scheduler(tmp_path):
+    plan = _plan(tmp_path)
+    scales = plan.lr_scales()
+    assert len(set(scales.round(6))) > 1
+    loader = dataloader_for_plan(SyntheticTokens(LENGTHS), plan, rank=0, world_size=1)
+    batches = iter(loader)
+    for _ in range(2 * plan.grad_accum):  # two optimizer steps' worth
+        next(batches)
+    with pytest.raises(PlanError, match=rf"^the plan's lr_scale \({scales.min():.3g} to {scales.max():.3g}\) is not "
+                                        r"applied: rank 0 consumed optimizer steps 0 and 1 with no VariableBatchSizeLR "
+                                        r"of this plan stepped .* or pass lr_scale='ignore' to dataloader_for_plan to "
+                                        r"train without it\)\.$"):
+        next(batches)
+    ones = _plan(tmp_path, "ones", lr_scaling="none")  # lr_scale all 1: nothing to apply
+    assert list(dataloader_for_plan(SyntheticTokens(LENGTHS), ones, rank=0, world_size=1))
+    ignored = dataloader_for_plan(SyntheticTokens(LENGTHS), plan, rank=0, world_size=1, lr_scale="ignore")
+    assert len(list(ignored)) == plan.steps_per_epoch[0] * plan.grad_accum
+
+
+def test_the_launcher_hint_replaces_replan_with_dp_1(tmp_path, monkeypatch):
+    plan = _plan(tmp_path, dp=2)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(PlanError, match=r"^the plan was made for 2 data-parallel rank\(s\) and the launcher started "
+                                        r"WORLD_SIZE=2 processes, but this process sees world size 1: the training "
+                                        r"framework did not join them into one process group \(on CPU: "
+                                        r"Accelerator\(cpu=True\)"):
+        plan.validate(world_size=1)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(PlanError, match=r"re-plan with --dp 1 "):
+        plan.validate(world_size=1)
+
+
+# -- the property ------------------------------------------------------------------------------------
+LOOPS = ["documented", "from_epoch_0", "no_set_epoch", "half_epoch", "stale_lr", "past_end"]
+
+
+class History:
+    """What the model saw: the optimizer steps applied, checked against the plan as they happen."""
+
+    def __init__(self, plan: Plan, rank: int):
+        self.plan, self.rank = plan, rank
+        self.done = 0  # steps in the model (the checkpoint this job resumed from, then this job's)
+        self.wrong = 0  # optimizer steps applied with other microbatches than the next plan step's
+        self.micros: list = []
+        self.trained: list = []  # per applied step, the positions trained
+
+    def consume(self, pos):
+        self.micros.append(pos)
+
+    def optimizer_step(self):
+        s = self.done
+        want = [(self.plan.epoch_of(s), s, self.rank, m) for m in range(self.plan.grad_accum)] \
+            if s < self.plan.num_steps else None
+        if self.micros != want:
+            self.wrong += 1
+        self.trained.append(list(self.micros))
+        self.micros = []
+        self.done += 1
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ga=st.integers(1, 3), epochs=st.integers(1, 3), dp=st.integers(1, 2), stateful=st.booleans(),
+       seed=st.integers(0, 10**6), jobs=st.lists(st.tuples(st.floats(0, 1), st.floats(0, 1)), min_size=1, max_size=3),
+       loop=st.sampled_from(LOOPS), with_lr=st.booleans())
+def test_every_resume_trains_each_position_once_or_refuses_before_a_wrong_step(tmp_path, ga, epochs, dp, stateful,
+                                                                               seed, jobs, loop, with_lr):
+    """``with_lr=False``: no VariableBatchSizeLR (``lr_scale="ignore"``), so the ledger alone keeps the
+    data right; with it, the LR pace checks too."""
+    if loop == "stale_lr" and not with_lr:
+        loop = "documented"
+    plan = _plan(tmp_path, f"h{seed}", dp=dp, grad_accum=ga, epochs=epochs, seed=seed, order="random")
+    rank = seed % dp
+    data = SyntheticTokens(LENGTHS)
+    total = plan.num_steps
+    checkpoint, stale = None, None  # (model steps, loader state, LR state)
+    history = History(plan, rank)
+    refused = None
+    try:
+        for stop_frac, save_frac in jobs + [(2.0, 0.0)]:  # the last job runs to the end
+            history.done = checkpoint[0] if checkpoint else 0
+            history.micros = []
+            loader = dataloader_for_plan(data, plan, rank=rank, world_size=dp, stateful=stateful,
+                                         lr_scale="check" if with_lr else "ignore")
+            sched = VariableBatchSizeLR(_optimizer(), plan) if with_lr else None
+            if checkpoint:
+                loader.load_state_dict(copy.deepcopy(checkpoint[1]))
+                lr_state = stale[2] if (loop == "stale_lr" and stale and stale[0] != checkpoint[0]) else checkpoint[2]
+                if sched is not None:
+                    sched.load_state_dict(copy.deepcopy(lr_state))
+            stop = int(stop_frac * total * ga) if stop_frac <= 1 else None  # microbatches this job trains
+            save_at = int(save_frac * total)  # checkpoint after this optimizer step
+            consumed = 0
+            first = 0 if loop == "from_epoch_0" else loader.epoch
+            for epoch in range(first, plan.epochs):
+                if loop != "no_set_epoch":
+                    loader.set_epoch(epoch)
+                for batch in loader:
+                    history.consume(_pos(batch))
+                    consumed += 1
+                    if batch["info"].micro == ga - 1:
+                        history.optimizer_step()  # optimizer.step() comes before scheduler.step()
+                        if sched is not None:
+                            sched.step()
+                        if history.done == save_at or (history.done % 3 == 0):
+                            stale, checkpoint = checkpoint, (history.done, copy.deepcopy(loader.state_dict()),
+                                                             sched.state_dict() if sched is not None else None)
+                    if stop is not None and consumed >= stop:
+                        break
+                    if loop == "half_epoch" and epoch + 1 < plan.epochs and \
+                            batch["info"].step == plan.epoch_start(epoch) + 1:
+                        break  # on to the next epoch without finishing this one
+                if stop is not None and consumed >= stop:
+                    break
+            if stop is None and loop == "past_end":
+                for batch in loader:
+                    history.consume(_pos(batch))
+    except PlanError as exc:
+        refused = str(exc)
+    assert history.wrong == 0, (loop, history.trained)  # never a wrong optimizer step, refused or not
+    if refused is None:
+        assert history.done == total  # the surviving history trained every step once, in order
+        assert not history.micros
+    else:
+        assert "\n" not in refused
+    if loop == "documented":
+        assert refused is None, refused
