@@ -18,8 +18,10 @@ process, ~0.6 s on an idle core of the development VM). Steps:
 * ``--reference``: the same plans as one chunk (``--chunk-samples`` > N, the single-process planner),
   for the quality comparison (10M: the issue's reference).
 
-Plans made by different --nproc are compared (rows and metadata but ``created_at``/``seconds``/``nproc``/
-``output``). Medians of --repeats runs. Prints one JSON line per run and a markdown table at the end.
+Plans made by different --nproc are compared byte for byte (``--compare``). Medians of --repeats
+runs; the plans of one configuration take turns (--nproc 1, 2, 1, 2, ...) and the speed-up is the
+median of each turn's ratio, so that the shared machine's changing load falls on both alike.
+Prints one JSON line per run and a markdown table at the end.
 """
 
 from __future__ import annotations
@@ -55,21 +57,32 @@ def varlen(*args: str) -> list[str]:
 
 
 def timed(name: str, cmd: list[str], repeats: int) -> dict:
+    return timed_together([(name, cmd)], repeats)[0]
+
+
+def timed_together(steps: list[tuple[str, list[str]]], repeats: int) -> list[dict]:
+    """Each ``(name, cmd)`` run ``repeats`` times, the steps taking turns (1, 2, 1, 2, ...), so that a
+    change of the shared machine's load falls on all of them alike; medians per step."""
     env = dict(os.environ, VARLEN_NO_PROGRESS="1")
-    runs = []
+    runs: dict = {name: [] for name, _ in steps}
     for _ in range(repeats):
-        ref = reference()
-        r = treepeak(cmd, env=env)
-        r["ref_s"] = round(ref, 3)
-        if r["rc"] != 0:
-            raise SystemExit(f"{name} failed ({r['rc']}): {' '.join(cmd)}")
-        print(json.dumps({"step": name, **r}), flush=True)
-        runs.append(r)
-    return {"step": name, "cmd": " ".join(cmd[2:]), "runs": runs,
-            "seconds": statistics.median(r["seconds"] for r in runs),
-            "peak_gib": statistics.median(r["peak_rss_gib"] for r in runs),
-            "ref_s": statistics.median(r["ref_s"] for r in runs),
-            "load": [runs[0]["load_avg"][0], runs[-1]["load_avg"][1]]}
+        for name, cmd in steps:
+            ref = reference()
+            r = treepeak(cmd, env=env)
+            r["ref_s"] = round(ref, 3)
+            if r["rc"] != 0:
+                raise SystemExit(f"{name} failed ({r['rc']}): {' '.join(cmd)}")
+            print(json.dumps({"step": name, **r}), flush=True)
+            runs[name].append(r)
+    out = []
+    for name, cmd in steps:
+        rs = runs[name]
+        out.append({"step": name, "cmd": " ".join(cmd[2:]), "runs": rs,
+                    "seconds": statistics.median(r["seconds"] for r in rs),
+                    "peak_gib": statistics.median(r["peak_rss_gib"] for r in rs),
+                    "ref_s": statistics.median(r["ref_s"] for r in rs),
+                    "load": [rs[0]["load_avg"][0], rs[-1]["load_avg"][1]]})
+    return out
 
 
 def plan_stats(path: str) -> dict:
@@ -86,22 +99,10 @@ def plan_stats(path: str) -> dict:
 
 
 def same_plan(a: str, b: str) -> bool:
-    import pyarrow.parquet as pq
+    """Whether two plan files are the same bytes (a plan records no time, host or worker count)."""
+    import filecmp
 
-    def meta(p):
-        m = json.loads(pq.read_schema(p).metadata[b"varlen"])
-        m.pop("created_at", None)
-        m["stats"].pop("seconds", None)
-        for k in ("output", "nproc"):
-            m["config"].pop(k, None)
-        return m
-
-    if meta(a) != meta(b):
-        return False
-    fa, fb = pq.ParquetFile(a), pq.ParquetFile(b)
-    if fa.metadata.num_row_groups != fb.metadata.num_row_groups:
-        return False
-    return all(fa.read_row_group(g).equals(fb.read_row_group(g)) for g in range(fa.metadata.num_row_groups))
+    return filecmp.cmp(a, b, shallow=False)
 
 
 def main() -> None:
@@ -132,13 +133,22 @@ def main() -> None:
         if "plan" in steps:
             variants = [(p, []) for p in nprocs] + ([("ref", ["--chunk-samples", str(args.samples + 1)])]
                                                     if args.reference else [])
+            steps_ = []
             for p, extra in variants:
                 out = os.path.join(args.work, f"plan-{cfg}-{p}.parquet")
                 nproc = ["--nproc", str(p)] if p != "ref" else []
-                r = timed(f"plan {cfg} nproc {p}", varlen("plan", metrics, "-o", out, *CONFIGS[cfg], *nproc, *extra,
-                                                          "--overwrite", "--no-progress"), args.repeats)
-                r.update(plan_stats(out))
+                steps_.append((f"plan {cfg} nproc {p}", varlen("plan", metrics, "-o", out, *CONFIGS[cfg], *nproc,
+                                                              *extra, "--overwrite", "--no-progress")))
+            for (p, _), r in zip(variants, timed_together(steps_, args.repeats)):
+                r.update(plan_stats(os.path.join(args.work, f"plan-{cfg}-{p}.parquet")))
                 results.append(r)
+            if len(nprocs) > 1:  # the speed-up of each turn (same load), and its median
+                one, many = (next(r for r in results[-len(variants):] if r["step"] == f"plan {cfg} nproc {p}")
+                             for p in (nprocs[0], nprocs[-1]))
+                ratios = [a["seconds"] / b["seconds"] for a, b in zip(one["runs"], many["runs"])]
+                print(json.dumps({"speedup": cfg, "nproc": [nprocs[0], nprocs[-1]],
+                                  "per_turn": [round(x, 3) for x in ratios],
+                                  "median": round(statistics.median(ratios), 3)}), flush=True)
             if args.compare and len(nprocs) > 1:
                 base = os.path.join(args.work, f"plan-{cfg}-{nprocs[0]}.parquet")
                 for p in nprocs[1:]:
