@@ -80,45 +80,84 @@ def plan_series(pf, meta: dict) -> dict:
     plan ``pf`` (an open ``pyarrow.parquet.ParquetFile``, :func:`varlen_cli.format.open_plan_file`).
 
     The straggler is :func:`varlen_cli.format.straggler` over the cost the plan recorded
-    (:func:`varlen_cli.format.plan_budget`), so it matches the plan's own statistics."""
+    (:func:`varlen_cli.format.plan_budget`), so it matches the plan's own statistics. The plan is read
+    in windows of whole steps (:mod:`varlen_cli.plan_scan`): memory grows with the steps, not the rows."""
+    from . import plan_scan
+
     budget = format.plan_budget(meta)
-    cost_spec = budget.straggler_spec()
-    cols = ["step", "rank", "num_samples", "lr_scale"] + format.plan_cost_columns(budget)
-    t = pf.read(columns=cols)
-    step = t.column("step").to_numpy()
-    rank = t.column("rank").to_numpy()
-    if len(step) == 0:
+    lists = ["sample_lengths"] if budget.needs_segment_lengths else []
+    cols = ["step", "rank", "num_samples", "lr_scale", "tokens", "batch_size", "seqlen"]
+    series = _SeriesSums(max(int(meta.get("dp", 1)), 1))
+    slots = max(series.ranks * int(meta.get("grad_accum", 1)), 1)
+    for w in plan_scan.windows(pf, cols, lists, slots):
+        if w.n:
+            series.add(w, budget)
+    if not series.tokens:
         return {"steps": 0}
-    n_steps, n_ranks = int(step.max()) + 1, max(int(rank.max()) + 1, int(meta.get("dp", 1)))
-    tokens = t.column("tokens").to_numpy().astype(np.float64)
-    batch_size, seqlen = t.column("batch_size").to_numpy(), t.column("seqlen").to_numpy()
-    padded = batch_size.astype(np.float64) * seqlen
-    cost = format.table_cost(t, budget)
-    samples = t.column("num_samples").to_numpy().astype(np.float64)
-    lr = t.column("lr_scale").to_numpy()
-    step_tokens = np.bincount(step, weights=tokens, minlength=n_steps)
-    step_samples = np.bincount(step, weights=samples, minlength=n_steps)
-    step_lr = np.zeros(n_steps)
-    step_lr[step] = lr
-    rank_padded = np.zeros((n_steps, n_ranks))
-    np.add.at(rank_padded, (step, rank), padded)
-    loads = format.step_loads(step.astype(np.int64), rank.astype(np.int64), cost, n_ranks)
-    straggler = format.straggler(step.astype(np.int64), rank.astype(np.int64), cost, n_ranks)
-    return {
-        "steps": n_steps,
-        "ranks": n_ranks,
-        "tokens_per_step": _binned(step_tokens),
-        "samples_per_step": _binned(step_samples),
-        "lr_scale": _binned(step_lr),
-        "straggler": _binned(straggler),
-        "straggler_mean": float(straggler.mean()),
-        "straggler_max": float(straggler.max()),
-        "straggler_cost": cost_spec,
-        "straggler_overhead": format.straggler_overhead(step.astype(np.int64), rank.astype(np.int64), cost, n_ranks),
-        "rank_cost_first_steps": loads[:CHART_STEPS].tolist(),
-        "padded_tokens_per_rank": rank_padded.sum(axis=0).tolist(),
-        "real_tokens_per_rank": np.bincount(rank, weights=tokens, minlength=n_ranks).tolist(),
-    }
+    return series.result(budget)
+
+
+class _SeriesSums:
+    """Per-step series and per-rank totals of a plan, summed window by window."""
+
+    def __init__(self, ranks: int):
+        self.ranks = ranks
+        self.tokens, self.samples, self.lr, self.straggler, self.first_loads = [], [], [], [], []
+        self.top = self.mean = 0.0
+        self.real = np.zeros(ranks)
+        self.padded = np.zeros(ranks)
+
+    def add(self, w, budget) -> None:
+        from .budget import segment_sum_squares
+
+        c = w.cols
+        step, rank = c["step"].astype(np.int64), c["rank"].astype(np.int64)
+        if int(rank.max()) >= self.ranks:  # a damaged plan (validate says so): more ranks than dp
+            self._widen(int(rank.max()) + 1)
+        local = step - int(step.min())
+        steps = int(local.max()) + 1
+        sums = (segment_sum_squares(w.values("sample_lengths"), w.offsets("sample_lengths"))
+                if budget.needs_segment_lengths else None)
+        cost = budget.microbatch_cost(c["tokens"], c["batch_size"], c["seqlen"], sums)
+        tokens = c["tokens"].astype(np.float64)
+        self.tokens.append(np.bincount(local, weights=tokens, minlength=steps))
+        self.samples.append(np.bincount(local, weights=c["num_samples"].astype(np.float64), minlength=steps))
+        lr = np.zeros(steps)
+        lr[local] = c["lr_scale"]
+        self.lr.append(lr)
+        loads = format.step_loads(local, rank, cost, self.ranks)
+        m = loads.mean(axis=1)
+        self.straggler.append(np.where(m > 0, loads.max(axis=1) / np.where(m > 0, m, 1), 1.0))
+        self.top, self.mean = self.top + float(loads.max(axis=1).sum()), self.mean + float(m.sum())
+        if sum(len(x) for x in self.first_loads) < CHART_STEPS:
+            self.first_loads.append(loads[:CHART_STEPS])
+        self.real += np.bincount(rank, weights=tokens, minlength=self.ranks)
+        self.padded += np.bincount(rank, weights=c["batch_size"].astype(np.float64) * c["seqlen"],
+                                   minlength=self.ranks)
+
+    def _widen(self, ranks: int) -> None:
+        grow = ranks - self.ranks
+        self.real, self.padded = np.pad(self.real, (0, grow)), np.pad(self.padded, (0, grow))
+        self.first_loads = [np.pad(x, ((0, 0), (0, grow))) for x in self.first_loads]
+        self.ranks = ranks
+
+    def result(self, budget) -> dict:
+        straggler = np.concatenate(self.straggler)
+        return {
+            "steps": len(straggler),
+            "ranks": self.ranks,
+            "tokens_per_step": _binned(np.concatenate(self.tokens)),
+            "samples_per_step": _binned(np.concatenate(self.samples)),
+            "lr_scale": _binned(np.concatenate(self.lr)),
+            "straggler": _binned(straggler),
+            "straggler_mean": float(straggler.mean()),
+            "straggler_max": float(straggler.max()),
+            "straggler_cost": budget.straggler_spec(),
+            "straggler_overhead": self.top / self.mean - 1.0 if self.mean > 0 else 0.0,
+            "rank_cost_first_steps": np.concatenate(self.first_loads)[:CHART_STEPS].tolist(),
+            "padded_tokens_per_rank": self.padded.tolist(),
+            "real_tokens_per_rank": self.real.tolist(),
+        }
 
 
 def _binned(values: np.ndarray) -> dict:
@@ -222,7 +261,7 @@ def _plan_tables(info: dict) -> list[TextTable]:
 
     meta = info["metadata"]
     t = _key_value(f"plan {info['path']}")
-    for key in ("varlen_version", "created_at", "dp", "grad_accum", "epochs", "num_steps", "num_microbatches",
+    for key in ("varlen_version", "dp", "grad_accum", "epochs", "num_steps", "num_microbatches",
                 "warmup_steps", "base_batch_size", "lr_scaling"):
         t.rows.append((key, fmt(meta.get(key))))
     inp = meta.get("input", {})

@@ -2,8 +2,12 @@
 which reads a plan file) and the planner's own last step before writing (so the planner cannot
 write a plan that ``varlen validate`` rejects) run these same checks.
 
-Everything is recomputed from the columns and the metadata, vectorised over segments (CSR offsets
-of the list columns, no per-entry parent array): a 10M-sample plan checks in a fraction of a second.
+The checks run on *windows*: consecutive plan rows that hold whole steps (:class:`PlanArrays`, with
+``first_row``), fed one after another to :class:`PlanChecks`; a whole plan in memory is one window
+(:func:`run_checks`). A plan of a billion samples is checked window by window in bounded memory
+(issue 25): whatever a check needs across windows is kept small (per-step values, the distinct
+seqlens), and exactly-once is a bitmap of one bit per sample and epoch. Everything is recomputed from
+the columns and the metadata, vectorised over segments (CSR offsets of the list columns).
 Imports numpy and the plan format only (no planner, no pyarrow).
 """
 
@@ -29,13 +33,14 @@ class Check:
 
 @dataclass
 class PlanArrays:
-    """A plan as arrays: per-microbatch columns (``cols``: epoch, step, rank, micro, num_samples, seqlen,
-    batch_size, tokens, lr_scale, shape_id, step_samples, step_tokens and, when present,
+    """Plan rows as arrays: per-microbatch columns (``cols``: epoch, step, rank, micro, num_samples,
+    seqlen, batch_size, tokens, lr_scale, shape_id, step_samples, step_tokens and, when present,
     step_loss_tokens), the list columns flattened (``ids``; packed plans ``lengths``, ``rows``,
     ``starts``; mixtures ``source``) with their CSR ``offsets``, and, when known (``--metrics``, the
     planner), ``sample_length``: each entry's whole sample length, and ``sample_target``: each
     entry's loss tokens as the metrics counted them (their ``target_length``; plans whose metadata
-    says ``loss_tokens: target_length``)."""
+    says ``loss_tokens: target_length``). ``first_row``: the plan row of the first row (a window of a
+    larger plan; whole steps)."""
 
     cols: dict
     offsets: np.ndarray
@@ -46,8 +51,8 @@ class PlanArrays:
     source: np.ndarray | None = None
     sample_length: np.ndarray | None = None
     sample_target: np.ndarray | None = None
+    first_row: int = 0
     _final: np.ndarray | None = field(default=None, repr=False)
-    _split: bool | None = field(default=None, repr=False)
 
     @property
     def count(self) -> int:
@@ -55,10 +60,8 @@ class PlanArrays:
 
     @property
     def split(self) -> bool:
-        """Whether some entry is a chunk past a sample's start (``--split-long``)."""
-        if self._split is None:
-            self._split = self.starts is not None and len(self.starts) > 0 and bool(self.starts.any())
-        return self._split
+        """Whether some entry of these rows is a chunk past a sample's start (``--split-long``)."""
+        return self.starts is not None and len(self.starts) > 0 and bool(self.starts.any())
 
     def entry_epoch(self) -> np.ndarray:
         return np.repeat(self.cols["epoch"].astype(np.int64), np.diff(self.offsets))
@@ -75,87 +78,170 @@ def segment_reduce(ufunc, values: np.ndarray, offsets: np.ndarray, empty=0, dtyp
     return out
 
 
+def _join(values) -> str:
+    return ", ".join(str(int(v)) for v in list(values)[:MAX_EXAMPLES])
+
+
 def _examples(mask: np.ndarray, values: np.ndarray) -> str:
-    where = np.flatnonzero(mask)[:MAX_EXAMPLES]
-    return ", ".join(str(int(v)) for v in values[where])
+    return _join(values[np.flatnonzero(mask)[:MAX_EXAMPLES]])
 
 
-def _epoch_bounds(epoch: np.ndarray, epochs: int) -> np.ndarray | None:
-    """Row bounds of each epoch (rows sorted by epoch), or None when the column is out of order."""
-    if len(epoch) and bool((np.diff(epoch) < 0).any()):
-        return None
-    return np.searchsorted(epoch, np.arange(epochs + 1), side="left")
+class Examples:
+    """Up to MAX_EXAMPLES values, the first ones met."""
+
+    def __init__(self):
+        self.values: list = []
+
+    def add(self, mask: np.ndarray, values: np.ndarray) -> None:
+        if len(self.values) < MAX_EXAMPLES and mask.any():
+            self.values += values[np.flatnonzero(mask)[:MAX_EXAMPLES]].tolist()
+
+    def __str__(self) -> str:
+        return _join(self.values)
 
 
-# -- the checks -------------------------------------------------------------------------------------
-def check_layout(a: PlanArrays, meta: dict) -> Check:
-    c = a.cols
-    dp, accum = int(meta["dp"]), int(meta["grad_accum"])
-    n = len(c["step"])
-    if n % (dp * accum):
-        return Check("layout", False, f"{n} microbatches is not a multiple of dp x grad_accum = {dp * accum}")
-    slots = dp * accum
-    steps = n // slots
-    position = np.arange(n)
-    problems = []
-    for name, want in (("step", position // slots), ("rank", position % slots // accum), ("micro", position % accum)):
-        bad = c[name] != want
-        if bad.any():
-            problems.append(f"{name} out of (step, rank, micro) order at rows {_examples(bad, position)}")
-    if int(meta.get("num_steps", steps)) != steps:
-        problems.append(f"metadata says {meta.get('num_steps')} steps, the plan has {steps}")
-    if "num_microbatches" in meta and int(meta["num_microbatches"]) != n:
-        problems.append(f"metadata says {meta['num_microbatches']} microbatches, the plan has {n}")
-    epoch = c["epoch"].astype(np.int64)
-    spe = [int(s) for s in meta.get("steps_per_epoch", [])]
-    epochs = int(meta.get("epochs", len(spe)))
-    if n and (np.diff(epoch) < 0).any():
-        problems.append("epochs decrease")
-    elif n and (int(epoch.min()) < 0 or int(epoch.max()) >= epochs):
-        problems.append(f"epochs outside 0..{epochs - 1}")
-    elif len(spe) != epochs:
-        problems.append(f"metadata lists steps for {len(spe)} epochs, the plan has {epochs}")
-    else:
-        have = np.bincount(epoch, minlength=epochs) // slots if n else np.zeros(epochs, np.int64)
-        if have.tolist() != spe:
-            bad = np.flatnonzero(have != np.asarray(spe))
-            problems.append(f"steps_per_epoch says {spe[bad[0]]} steps in epoch {bad[0]}, the epoch column "
-                            f"{int(have[bad[0]])}")
-        elif steps and (epoch[::slots] != epoch[slots - 1::slots]).any():
-            problems.append("a step spans two epochs")
-    if problems:
-        return Check("layout", False, "; ".join(problems))
-    return Check("layout", True, f"{steps} steps x {dp} ranks x {accum} microbatches, {epochs} epoch(s)")
+# -- layout and counts ---------------------------------------------------------------------------------
+class Layout:
+    def __init__(self, meta: dict):
+        self.meta = meta
+        self.dp, self.accum = int(meta["dp"]), int(meta["grad_accum"])
+        self.slots = self.dp * self.accum
+        self.spe = [int(s) for s in meta.get("steps_per_epoch", [])]
+        self.epochs = int(meta.get("epochs", len(self.spe)))
+        self.n = 0
+        self.bad = {name: Examples() for name in ("step", "rank", "micro")}
+        self.last = None
+        self.decrease = self.outside = self.spans = False
+        self.rows_per_epoch = np.zeros(max(self.epochs, 0), np.int64)
+
+    def update(self, a: PlanArrays) -> None:
+        c, n = a.cols, a.count
+        position = a.first_row + np.arange(n)
+        for name, want in (("step", position // self.slots), ("rank", position % self.slots // self.accum),
+                           ("micro", position % self.accum)):
+            self.bad[name].add(c[name] != want, position)
+        epoch = c["epoch"].astype(np.int64)
+        if n:
+            if (np.diff(epoch) < 0).any() or (self.last is not None and int(epoch[0]) < self.last):
+                self.decrease = True
+            self.last = int(epoch[-1])
+            if int(epoch.min()) < 0 or int(epoch.max()) >= self.epochs:
+                self.outside = True
+            else:
+                self.rows_per_epoch += np.bincount(epoch, minlength=self.epochs)
+            whole = n - n % self.slots
+            if whole and (epoch[:whole:self.slots] != epoch[self.slots - 1:whole:self.slots]).any():
+                self.spans = True
+        self.n += n
+
+    def result(self) -> Check:
+        n, slots = self.n, self.slots
+        if n % slots:
+            return Check("layout", False, f"{n} microbatches is not a multiple of dp x grad_accum = {slots}")
+        steps = n // slots
+        problems = [f"{name} out of (step, rank, micro) order at rows {ex}" for name, ex in self.bad.items()
+                    if ex.values]
+        if int(self.meta.get("num_steps", steps)) != steps:
+            problems.append(f"metadata says {self.meta.get('num_steps')} steps, the plan has {steps}")
+        if "num_microbatches" in self.meta and int(self.meta["num_microbatches"]) != n:
+            problems.append(f"metadata says {self.meta['num_microbatches']} microbatches, the plan has {n}")
+        if n and self.decrease:
+            problems.append("epochs decrease")
+        elif n and self.outside:
+            problems.append(f"epochs outside 0..{self.epochs - 1}")
+        elif len(self.spe) != self.epochs:
+            problems.append(f"metadata lists steps for {len(self.spe)} epochs, the plan has {self.epochs}")
+        else:
+            have = self.rows_per_epoch // slots
+            if have.tolist() != self.spe:
+                bad = np.flatnonzero(have != np.asarray(self.spe))
+                problems.append(f"steps_per_epoch says {self.spe[bad[0]]} steps in epoch {bad[0]}, the epoch column "
+                                f"{int(have[bad[0]])}")
+            elif steps and self.spans:
+                problems.append("a step spans two epochs")
+        if problems:
+            return Check("layout", False, "; ".join(problems))
+        return Check("layout", True, f"{steps} steps x {self.dp} ranks x {self.accum} microbatches, "
+                     f"{self.epochs} epoch(s)")
 
 
-def check_counts(a: PlanArrays, packed: bool) -> Check:
-    c = a.cols
-    bad = c["num_samples"] != np.diff(a.offsets)
-    problems = []
-    if bad.any():
-        problems.append(f"num_samples != len(sample_ids) in {int(bad.sum())} rows")
-    for name, values in (("sample_lengths", a.lengths), ("sample_rows", a.rows), ("sample_starts", a.starts),
-                         ("source", a.source)):
-        if values is not None and len(values) != len(a.ids):
-            problems.append(f"{name} has {len(values)} entries, sample_ids {len(a.ids)}")
-    if not packed:  # packed plans: batch_size is the number of rows R, each holding several samples
-        under = c["batch_size"] < c["num_samples"]
-        if under.any():
-            problems.append(f"batch_size < num_samples in {int(under.sum())} rows")
-    if len(a.ids) and int(a.ids.min()) < 0:
-        problems.append(f"{int((a.ids < 0).sum())} negative sample ids")
-    if problems:
-        return Check("counts", False, "; ".join(problems))
-    return Check("counts", True, "num_samples and batch_size consistent")
+class Counts:
+    def __init__(self, packed: bool):
+        self.packed = packed
+        self.bad = self.under = self.negative = 0
+        self.entries = {"sample_ids": 0}
+
+    def update(self, a: PlanArrays) -> bool:
+        """False when the list columns disagree or ids are negative (the other checks skip such rows)."""
+        c = a.cols
+        self.bad += int(np.count_nonzero(c["num_samples"] != np.diff(a.offsets)))
+        self.entries["sample_ids"] += len(a.ids)
+        ok = True
+        for name, values in (("sample_lengths", a.lengths), ("sample_rows", a.rows), ("sample_starts", a.starts),
+                             ("source", a.source)):
+            if values is not None:
+                self.entries[name] = self.entries.get(name, 0) + len(values)
+                ok &= len(values) == len(a.ids)
+        if not self.packed:
+            self.under += int(np.count_nonzero(c["batch_size"] < c["num_samples"]))
+        if len(a.ids) and int(a.ids.min()) < 0:
+            self.negative += int((a.ids < 0).sum())
+            ok = False
+        return ok
+
+    def result(self) -> Check:
+        problems = []
+        if self.bad:
+            problems.append(f"num_samples != len(sample_ids) in {self.bad} rows")
+        for name, count in self.entries.items():
+            if name != "sample_ids" and count != self.entries["sample_ids"]:
+                problems.append(f"{name} has {count} entries, sample_ids {self.entries['sample_ids']}")
+        if self.under:
+            problems.append(f"batch_size < num_samples in {self.under} rows")
+        if self.negative:
+            problems.append(f"{self.negative} negative sample ids")
+        if problems:
+            return Check("counts", False, "; ".join(problems))
+        return Check("counts", True, "num_samples and batch_size consistent")
 
 
 # -- coverage -----------------------------------------------------------------------------------------
+class Bitmap:
+    """One bit per key in ``[0, n)``."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.bits = np.zeros((n + 7) // 8, np.uint8)
+
+    def test(self, keys: np.ndarray) -> np.ndarray:
+        return (self.bits[keys >> 3] >> (keys & 7).astype(np.uint8)) & 1 == 1
+
+    def set(self, keys: np.ndarray) -> None:
+        """Set the bits of ``keys`` (repeats allowed): a scatter, repeated for the bits a collision lost."""
+        while len(keys):
+            byte, mask = keys >> 3, np.left_shift(1, keys & 7).astype(np.uint8)
+            self.bits[byte] |= mask
+            keys = keys[(self.bits[byte] & mask) == 0]
+
+    def count(self) -> int:
+        return int(np.bitwise_count(self.bits).sum())
+
+    def clear_keys(self, other: Bitmap, k: int) -> np.ndarray:
+        """Up to ``k`` keys set in neither this bitmap nor ``other``."""
+        full = self.bits | other.bits
+        if self.n % 8:
+            full[-1] |= np.uint8((0xFF << (self.n % 8)) & 0xFF)  # bits past n
+        bytes_ = np.flatnonzero(full != 0xFF)[:k]
+        keys = (bytes_[:, None] * 8 + np.arange(8)[None, :]).reshape(-1)
+        keys = keys[keys < self.n]
+        return keys[((full[keys >> 3] >> (keys & 7).astype(np.uint8)) & 1) == 0][:k]
+
+
 @dataclass
 class _Keys:
     """Entries as keys into one space over every source: ``offset[source] + id``; ``expected``: the
     copies of each key an epoch holds (None: one each; a mixture: floor/ceil of its weight)."""
 
-    key: np.ndarray
     size: int
     expected: np.ndarray | None
     offset: np.ndarray
@@ -164,27 +250,36 @@ class _Keys:
     def want(self, keys: np.ndarray) -> np.ndarray:
         return np.ones(len(keys), np.int64) if self.expected is None else self.expected[keys]
 
+    def of(self, a: PlanArrays, meta: dict) -> tuple[np.ndarray | None, str | None]:
+        """The keys of a window's entries, or a problem (ids or sources out of range)."""
+        mix = meta.get("mixture")
+        if not mix:
+            if len(a.ids) and (int(a.ids.min()) < 0 or int(a.ids.max()) >= max(self.size, 1)):
+                return None, f"sample ids outside 0..{self.size - 1}"
+            return a.ids.astype(np.int64, copy=False), None
+        sources = mix["sources"]
+        sizes = np.diff(self.offset)
+        src = a.source if a.source is not None else np.zeros(len(a.ids), np.int64)
+        if len(src) and (int(src.min()) < 0 or int(src.max()) >= len(sources)):
+            return None, f"source outside 0..{len(sources) - 1}"
+        bad = (a.ids < 0) | (a.ids >= sizes[src]) if len(src) else np.zeros(0, bool)
+        if bad.any():
+            k = int(src[np.flatnonzero(bad)[0]])
+            return None, f"source {sources[k]['name']!r} has sample ids outside 0..{int(sizes[k]) - 1}"
+        return self.offset[src] + a.ids, None
 
-def _keys(a: PlanArrays, meta: dict) -> tuple[_Keys | None, str | None]:
+
+def keys_of(meta: dict) -> _Keys:
     mix = meta.get("mixture")
     if not mix:
         n = int((meta.get("input") or {}).get("num_rows") or 0)
-        if len(a.ids) and (int(a.ids.min()) < 0 or int(a.ids.max()) >= max(n, 1)):
-            return None, f"sample ids outside 0..{n - 1}"
-        return _Keys(a.ids, n, None, np.zeros(2, np.int64), ["input"]), None
+        return _Keys(n, None, np.array([0, n], np.int64), ["input"])
     sources = mix["sources"]
     sizes = np.array([int(s["num_rows"]) for s in sources], np.int64)
     offset = np.concatenate([[0], np.cumsum(sizes)])
-    src = a.source if a.source is not None else np.zeros(len(a.ids), np.int64)
-    if len(src) and (int(src.min()) < 0 or int(src.max()) >= len(sources)):
-        return None, f"source outside 0..{len(sources) - 1}"
-    bad = (a.ids < 0) | (a.ids >= sizes[src]) if len(src) else np.zeros(0, bool)
-    if bad.any():
-        k = int(src[np.flatnonzero(bad)[0]])
-        return None, f"source {sources[k]['name']!r} has sample ids outside 0..{int(sizes[k]) - 1}"
     expected = np.concatenate([mixture_copies(int(s["num_rows"]), float(s["weight"]), int(mix.get("seed", 0)), k)
                                for k, s in enumerate(sources)]) if len(sources) else np.zeros(0, np.int64)
-    return _Keys(offset[src] + a.ids, int(offset[-1]), expected, offset, [s["name"] for s in sources]), None
+    return _Keys(int(offset[-1]), expected, offset, [s["name"] for s in sources])
 
 
 MIX_SEED = 0x6D6978  # seed stream of a mixture's fractional subsets ("mix")
@@ -230,57 +325,224 @@ def _dropped_keys(meta: dict, keys: _Keys, epochs: int) -> tuple[np.ndarray, lis
     return long_keys, tail
 
 
-def check_coverage(a: PlanArrays, meta: dict) -> Check:
+class SplitInfo:
+    """The split samples of a plan (``--split-long``): per (epoch, key) the largest chunk start, from
+    the entries with start > 0 (what tells which chunk completes a sample without its length)."""
+
+    def __init__(self, size: int):
+        self.size = max(size, 1)
+        self._keys: list = []
+        self._starts: list = []
+        self.key = np.zeros(0, np.int64)
+        self.max_start = np.zeros(0, np.int64)
+
+    def collect(self, epoch: np.ndarray, keys: np.ndarray, starts: np.ndarray) -> None:
+        later = starts > 0
+        if later.any():
+            self._keys.append(epoch[later] * self.size + keys[later])
+            self._starts.append(starts[later].astype(np.int64))
+
+    def freeze(self) -> SplitInfo:
+        k = np.concatenate(self._keys) if self._keys else np.zeros(0, np.int64)
+        s = np.concatenate(self._starts) if self._starts else np.zeros(0, np.int64)
+        order = np.lexsort((s, k))
+        k, s = k[order], s[order]
+        last = np.r_[k[1:] != k[:-1], True] if len(k) else np.zeros(0, bool)
+        self.key, self.max_start = k[last], s[last]
+        self._keys, self._starts = [], []
+        return self
+
+    def lookup(self, epoch_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(whether each key is a split sample's, its largest start)."""
+        if not len(self.key):
+            return np.zeros(len(epoch_keys), bool), np.zeros(len(epoch_keys), np.int64)
+        at = np.minimum(np.searchsorted(self.key, epoch_keys), len(self.key) - 1)
+        return self.key[at] == epoch_keys, self.max_start[at]
+
+
+def split_info(windows, meta: dict) -> SplitInfo:
+    """:class:`SplitInfo` from windows (``PlanArrays`` with ``starts``) of a plan."""
+    keys = keys_of(meta)
+    info = SplitInfo(keys.size)
+    for a in windows:
+        if a.starts is None:
+            continue
+        k, problem = keys.of(a, meta)
+        if problem is None:
+            info.collect(a.entry_epoch(), k, a.starts)
+    return info.freeze()
+
+
+class Coverage:
     """Every sample (every copy of a mixture's) once per epoch, or listed as dropped; a replan's first
     epoch lacks exactly the samples its lineage says were consumed. An occurrence is an entry that
     starts its sample (``--split-long`` chunks: the first one); the chunks of a split sample tile it.
-    One count per key and epoch; only the keys that differ from one copy, or are dropped, are looked at."""
-    keys, problem = _keys(a, meta)
-    if problem:
-        return Check("coverage", False, problem)
-    epochs = int(meta.get("epochs", 1))
-    bounds = _epoch_bounds(a.cols["epoch"].astype(np.int64), epochs)
-    if bounds is None or len(bounds) != epochs + 1:
-        return Check("coverage", False, "rows are not in epoch order")
-    long_keys, tail_keys = _dropped_keys(meta, keys, epochs)
-    lineage = meta.get("lineage") or {}
-    consumed = int(lineage.get("consumed_samples") or 0)
-    partial_first = "consumed_samples" in lineage  # a replan's first epoch (also once extended)
-    problems = []
-    for e in range(epochs):
-        lo, hi = int(a.offsets[bounds[e]]), int(a.offsets[bounds[e + 1]])
-        k = keys.key[lo:hi]
-        start = a.starts[lo:hi] if a.starts is not None else None
-        occurrences = k[start == 0] if start is not None and a.split else k
-        dropped = np.concatenate([long_keys, tail_keys[e]])
-        partial = e == 0 and partial_first
-        if not (keys.expected is None and not partial and _each_once(occurrences, dropped, keys.size)):
-            problems += _count_problems(keys, occurrences, dropped, e, consumed if partial else None)
-        if start is not None and a.split:
-            problems += _tiling_problems(a, k, start, lo, hi, e, partial=partial)
-    if problems:
-        return Check("coverage", False, "; ".join(problems[:4]) + (f" (+{len(problems) - 4} more)"
-                                                                  if len(problems) > 4 else ""))
-    dropped = len(np.unique(long_keys)) if len(long_keys) else 0
-    return Check("coverage", True, f"every sample{' (copy)' if meta.get('mixture') else ''} exactly once in each of "
-                 f"{epochs} epochs" + (f", {dropped} listed as dropped" if dropped else ""))
+    Plain plans keep one bit per sample for the epoch at hand; mixtures a count per copy."""
+
+    def __init__(self, meta: dict, split: SplitInfo | None):
+        self.meta, self.split = meta, split
+        self.keys = keys_of(meta)
+        self.epochs = int(meta.get("epochs", 1))
+        self.long_keys, self.tail_keys = _dropped_keys(meta, self.keys, self.epochs)
+        info = meta.get("dropped") or {}
+        self.listed = info.get("too_long_listed", True)  # more than the list holds: only counted
+        self.long_count = int(info.get("too_long_count", len(np.unique(self.long_keys))))
+        self.long_bitmap: Bitmap | None = None  # the unlisted too-long samples, from --metrics
+        lineage = meta.get("lineage") or {}
+        self.consumed = int(lineage.get("consumed_samples") or 0)
+        self.partial_first = "consumed_samples" in lineage
+        self.problem: str | None = None
+        self.out_of_order = False
+        self.last_epoch: int | None = None
+        self.current: int | None = None
+        self.seen = None  # Bitmap (plain) or counts (mixture) of the current epoch
+        self.entries = 0
+        self.hits = Examples()
+        self.problems: list = []
+        self.needs_diagnosis: set = set()
+        self.chunks: dict = {name: [] for name in ("epoch", "key", "start", "length", "full")}
+
+    def long_samples(self, ids: np.ndarray) -> None:
+        """The samples too long for any microbatch (from the lengths), for a plan that counted them
+        instead of listing them (``dropped.too_long_listed``: false)."""
+        self.long_bitmap = Bitmap(self.keys.size)
+        self.long_bitmap.set(np.asarray(ids, np.int64))
+
+    def update(self, a: PlanArrays) -> None:
+        if self.problem is not None:
+            return
+        k, self.problem = self.keys.of(a, self.meta)
+        if self.problem is not None:
+            return
+        row_epoch = a.cols["epoch"].astype(np.int64)
+        if a.count:
+            if (np.diff(row_epoch) < 0).any() or (self.last_epoch is not None and row_epoch[0] < self.last_epoch):
+                self.out_of_order = True
+            self.last_epoch = int(row_epoch[-1])
+        if self.out_of_order:
+            return
+        epoch = a.entry_epoch()
+        if a.starts is not None:
+            self._collect_chunks(a, epoch, k)
+            first = a.starts == 0
+            k, epoch = k[first], epoch[first]
+        if not len(k):
+            return
+        bounds = np.flatnonzero(np.diff(epoch)) + 1
+        for lo, hi in zip(np.r_[0, bounds], np.r_[bounds, len(k)]):
+            self._epoch(int(epoch[lo]))
+            self._add(k[lo:hi])
+
+    def _collect_chunks(self, a: PlanArrays, epoch: np.ndarray, k: np.ndarray) -> None:
+        """Entries of split samples, for the tiling check at the end."""
+        sel = a.starts > 0
+        if a.sample_length is not None and a.lengths is not None:
+            sel |= a.lengths < a.sample_length
+        elif self.split is not None:
+            sel |= self.split.lookup(epoch * self.split.size + k)[0]
+        if not sel.any():
+            return
+        parts = {"epoch": epoch[sel], "key": k[sel], "start": a.starts[sel].astype(np.int64),
+                 "length": a.lengths[sel].astype(np.int64) if a.lengths is not None else np.zeros(int(sel.sum()),
+                                                                                                     np.int64),
+                 "full": a.sample_length[sel].astype(np.int64) if a.sample_length is not None else None}
+        for name, values in parts.items():
+            if values is not None:
+                self.chunks[name].append(values)
+
+    def _epoch(self, e: int) -> None:
+        if self.current == e:
+            return
+        self._close()
+        self.current, self.entries = e, 0
+        self.seen = Bitmap(self.keys.size) if self.keys.expected is None else np.zeros(self.keys.size, np.int64)
+
+    def _add(self, k: np.ndarray) -> None:
+        if self.keys.expected is None:
+            self.hits.add(self.seen.test(k), k)
+            self.seen.set(k)
+        else:
+            self.seen += np.bincount(k, minlength=self.keys.size)
+        self.entries += len(k)
+
+    def _close(self) -> None:
+        e = self.current
+        if e is None:
+            return
+        self.current = None
+        if not 0 <= e < self.epochs:
+            return  # the layout check reports epochs outside the plan's
+        dropped = np.concatenate([self.long_keys, self.tail_keys[e]])
+        partial = e == 0 and self.partial_first
+        consumed = self.consumed if partial else None
+        if self.keys.expected is not None:
+            self.problems += _count_problems(self.keys, self.seen, dropped, e, consumed)
+        else:
+            self.problems += self._plain_problems(e, dropped, consumed)
+        self.seen = None
+
+    def _plain_problems(self, e: int, dropped: np.ndarray, consumed) -> list[str]:
+        present, n = self.seen, self.keys.size
+        uniq, times = np.unique(dropped, return_counts=True)
+        if (times > 1).any():
+            return [f"epoch {e}: more copies listed as dropped than it has"]
+        gone = Bitmap(n)
+        gone.set(uniq)
+        if not self.listed:  # the too-long samples are counted, not listed (too many)
+            if self.long_bitmap is not None:
+                gone.bits |= self.long_bitmap.bits
+        both = int(np.bitwise_count(present.bits & gone.bits).sum())
+        distinct = present.count()
+        repeats = self.entries - distinct  # occurrences past a sample's first
+        covered = int(np.bitwise_count(present.bits | gone.bits).sum())
+        missing = n - covered
+        if not self.listed and self.long_bitmap is None:  # only their number is known
+            missing -= self.long_count
+        problems = []
+        if repeats or both:
+            if repeats:
+                self.needs_diagnosis.add(e)
+            shown = f" (e.g. ids {self.hits})" if self.hits.values else ""
+            problems.append(f"epoch {e}: {both + repeats} samples appear more than once in an epoch or more often than "
+                            f"their weight{shown}")
+        if missing > 0 and missing != consumed:
+            shown = ""
+            if self.listed or self.long_bitmap is not None:
+                shown = f" (e.g. ids {_join(present.clear_keys(gone, MAX_EXAMPLES))})"
+            problems.append(f"epoch {e}: {missing} samples are missing from an epoch and not listed as dropped{shown}"
+                            + (f"; {missing} missing, the lineage says {consumed} were consumed"
+                               if consumed is not None else ""))
+        return problems
+
+    def result(self) -> Check:
+        if self.problem is not None:
+            return Check("coverage", False, self.problem)
+        if self.out_of_order:
+            return Check("coverage", False, "rows are not in epoch order")
+        self._close()
+        problems = self.problems + self._tiling()
+        if problems:
+            return Check("coverage", False, "; ".join(problems[:4]) + (f" (+{len(problems) - 4} more)"
+                                                                      if len(problems) > 4 else ""))
+        dropped = len(np.unique(self.long_keys)) if self.listed else self.long_count
+        return Check("coverage", True, f"every sample{' (copy)' if self.meta.get('mixture') else ''} exactly once in "
+                     f"each of {self.epochs} epochs" + (f", {dropped} listed as dropped" if dropped else ""))
+
+    def _tiling(self) -> list[str]:
+        if not self.chunks["epoch"]:
+            return []
+        c = {name: np.concatenate(v) for name, v in self.chunks.items() if v}
+        problems = []
+        for e in np.unique(c["epoch"]).tolist():
+            sel = c["epoch"] == e
+            problems += _tiling_problems({name: v[sel] for name, v in c.items()}, int(e),
+                                         partial=e == 0 and self.partial_first)
+        return problems
 
 
-def _each_once(occurrences: np.ndarray, dropped: np.ndarray, size: int) -> bool:
-    """Whether every key but the dropped ones occurs exactly once: a flag per key, then counts (the
-    distinct keys equal the occurrences: no repeat; and the keys left: none missing)."""
-    seen = np.zeros(size, bool)
-    seen[occurrences] = True
-    distinct = int(np.count_nonzero(seen))
-    gone = np.unique(dropped)
-    return distinct == len(occurrences) == size - len(gone) and not seen[gone].any()
-
-
-def _count_problems(keys: _Keys, occurrences: np.ndarray, dropped: np.ndarray, e: int,
-                    consumed: int | None) -> list[str]:
-    """Each key's occurrences in epoch ``e`` against its copies less its dropped ones; ``consumed``: a
-    replan's first epoch, which lacks exactly that many."""
-    occ = np.bincount(occurrences, minlength=keys.size)
+def _count_problems(keys: _Keys, occ: np.ndarray, dropped: np.ndarray, e: int, consumed: int | None) -> list[str]:
+    """Each key's occurrences in epoch ``e`` (``occ``: per key) against its copies less its dropped ones;
+    ``consumed``: a replan's first epoch, which lacks exactly that many."""
     odd = np.flatnonzero(occ != 1) if keys.expected is None else np.flatnonzero(occ != keys.expected)
     cand, where = np.unique(np.concatenate([odd, dropped]), return_inverse=True)
     want = keys.want(cand) - np.bincount(where[len(odd):], minlength=len(cand))
@@ -309,20 +571,18 @@ def _key_names(keys: _Keys, where: np.ndarray) -> str:
     return ", ".join(f"{keys.names[s]}:{int(w - keys.offset[s])}" for s, w in zip(src, where))
 
 
-def _tiling_problems(a: PlanArrays, key: np.ndarray, start: np.ndarray, lo: int, hi: int, e: int,
-                     partial: bool) -> list[str]:
-    """The chunks of every split sample of one epoch: each distinct chunk (start, length) as often as
-    the sample's first one (its copies), distinct chunks back to back from 0 (a replan's first epoch:
-    no overlap only), and, with the samples' lengths, ending at the sample's length."""
-    length = a.lengths[lo:hi]
-    split = np.zeros(int(key.max()) + 1 if len(key) else 0, bool)
-    split[key[start > 0]] = True
-    sel = np.flatnonzero(split[key]) if len(key) else np.zeros(0, np.int64)
-    if not len(sel):
+def _tiling_problems(c: dict, e: int, partial: bool) -> list[str]:
+    """The chunks of every split sample of one epoch (``c``: their key, start, length and, when known,
+    whole length): each distinct chunk (start, length) as often as the sample's first one (its copies),
+    distinct chunks back to back from 0 (a replan's first epoch: no overlap only), and, with the
+    samples' lengths, ending at the sample's length."""
+    k, s, ln = c["key"], c["start"], c["length"]
+    split = np.unique(k[s > 0])
+    keep = np.isin(k, split)
+    if not keep.any():
         return []
-    k, s, ln = key[sel], start[sel], length[sel]
-    order = np.lexsort((ln, s, k))
-    k, s, ln = k[order], s[order], ln[order]
+    order = np.lexsort((ln[keep], s[keep], k[keep]))
+    k, s, ln = k[keep][order], s[keep][order], ln[keep][order]
     new_key = np.r_[True, k[1:] != k[:-1]]
     same_chunk = ~new_key & np.r_[False, s[1:] == s[:-1]]
     problems = []
@@ -343,8 +603,8 @@ def _tiling_problems(a: PlanArrays, key: np.ndarray, start: np.ndarray, lo: int,
         if gaps.any() or (copies != head_copies).any():
             problems.append(f"epoch {e}: split chunks overlap or leave gaps (e.g. sample keys "
                             f"{_examples(gaps | (copies != head_copies), ck)})")
-    if a.sample_length is not None:
-        full = a.sample_length[lo:hi][sel][order][chunk_start]
+    if "full" in c and len(c["full"]) == len(c["key"]):
+        full = c["full"][keep][order][chunk_start]
         last = np.r_[ck[1:] != ck[:-1], True]
         over = cs + cl > full
         short = last & (cs + cl != full) & (not partial)
@@ -355,67 +615,85 @@ def _tiling_problems(a: PlanArrays, key: np.ndarray, start: np.ndarray, lo: int,
 
 
 # -- budget and shapes ----------------------------------------------------------------------------------
-def check_budget(a: PlanArrays, meta: dict, budget: Budget) -> Check:
-    c = a.cols
-    packing = meta.get("packing")
-    problems = []
-    b, t = c["batch_size"].astype(np.int64), c["seqlen"].astype(np.int64)
-    if budget.max_tokens is not None or budget.max_samples is not None:
-        over = ~budget.fits(b, t)
-        if not packing and budget.max_samples is not None:
-            over |= c["num_samples"] > budget.max_samples
-        if over.any():
-            problems.append(f"{int(over.sum())} microbatches over the budget {budget.describe()} (e.g. rows "
-                            f"{_examples(over, np.arange(len(over)))})")
-    if packing:
-        seq = int(packing["seq_len"])
-        if (t != seq).any():
-            problems.append(f"{int((t != seq).sum())} microbatches whose seqlen is not seq_len {seq}")
-        if a.rows is not None and a.lengths is not None:
-            problems += _packed_row_problems(a, b, seq, packing.get("max_per_row"))
-        detail = f"every packed row <= {seq} tokens"
-    else:
-        detail = f"B x T{' + A x B x T^2' if budget.attention_cost else ''} <= {budget.max_tokens} in every microbatch"
-    if a.sample_length is not None:
-        problems += _length_problems(a, packing)
-    if problems:
-        return Check("budget", False, "; ".join(problems))
-    return Check("budget", True, detail)
+class BudgetCheck:
+    def __init__(self, meta: dict, budget: Budget):
+        self.packing, self.budget = meta.get("packing"), budget
+        self.over, self.over_rows = 0, Examples()
+        self.problems: dict = {}  # message -> count (summed over windows), in the order met
+
+    def _count(self, message: str, n: int = 1) -> None:
+        self.problems[message] = self.problems.get(message, 0) + n
+
+    def update(self, a: PlanArrays) -> None:
+        c, budget = a.cols, self.budget
+        b, t = c["batch_size"].astype(np.int64), c["seqlen"].astype(np.int64)
+        if budget.max_tokens is not None or budget.max_samples is not None:
+            over = ~budget.fits(b, t)
+            if not self.packing and budget.max_samples is not None:
+                over |= c["num_samples"] > budget.max_samples
+            self.over += int(over.sum())
+            self.over_rows.add(over, a.first_row + np.arange(len(over)))
+        if self.packing:
+            seq = int(self.packing["seq_len"])
+            if (t != seq).any():
+                self._count(f"microbatches whose seqlen is not seq_len {seq}", int((t != seq).sum()))
+            if a.rows is not None and a.lengths is not None:
+                for message, n in _packed_row_problems(a, b, seq, self.packing.get("max_per_row")):
+                    self._count(message, n)
+        if a.sample_length is not None:
+            for message, n in _length_problems(a, self.packing):
+                self._count(message, n)
+
+    def result(self) -> Check:
+        problems = []
+        if self.over:
+            problems.append(f"{self.over} microbatches over the budget {self.budget.describe()} (e.g. rows "
+                            f"{self.over_rows})")
+        for message, n in self.problems.items():
+            problems.append(message if n is None or message.startswith(("entries not", "tokens column", "negative"))
+                            else f"{n} {message}")
+        if problems:
+            return Check("budget", False, "; ".join(problems))
+        if self.packing:
+            return Check("budget", True, f"every packed row <= {int(self.packing['seq_len'])} tokens")
+        return Check("budget", True, f"B x T{' + A x B x T^2' if self.budget.attention_cost else ''} <= "
+                     f"{self.budget.max_tokens} in every microbatch")
 
 
-def _packed_row_problems(a: PlanArrays, b: np.ndarray, seq: int, cap) -> list[str]:
+def _packed_row_problems(a: PlanArrays, b: np.ndarray, seq: int, cap) -> list[tuple[str, int]]:
     """Packed rows: every entry in a row ``< batch_size``, in row order, no row over ``seq`` tokens or
     ``cap`` samples, ``tokens`` the sum of the entries. One pass over the entries: rows are segments."""
     counts = np.diff(a.offsets)
     rows, lengths = a.rows, a.lengths
     limit = int(b[0]) if len(b) and int(b.min()) == int(b.max()) else np.repeat(b, counts)
-    if len(rows) and ((rows < 0) | (rows >= limit)).any():
-        return [f"{int(((rows < 0) | (rows >= limit)).sum())} entries in a row outside 0..batch_size-1"]
+    outside = (rows < 0) | (rows >= limit) if len(rows) else np.zeros(0, bool)
+    if outside.any():
+        return [("entries in a row outside 0..batch_size-1", int(outside.sum()))]
     problems = []
     if len(lengths) and int(lengths.min()) < 0:
-        problems.append("negative sample_lengths")
+        problems.append(("negative sample_lengths", 1))
     first = np.zeros(len(rows), bool)  # first entry of each microbatch
     first[a.offsets[:-1][counts > 0]] = True
     step = np.diff(rows.astype(np.int32, copy=False))  # rows < batch_size: int32
     if len(step) and (step[~first[1:]] < 0).any():
-        return problems + ["entries not in row order"]
+        return problems + [("entries not in row order", 1)]
     new_row = first.copy()
     new_row[1:] |= step != 0
     row_start = np.flatnonzero(new_row)
     if len(row_start):
         fill = np.add.reduceat(lengths.astype(np.int64), row_start)
         if (fill > seq).any():
-            problems.append(f"{int((fill > seq).sum())} packed rows hold more than seq_len {seq} tokens")
+            problems.append((f"packed rows hold more than seq_len {seq} tokens", int((fill > seq).sum())))
         per_row = np.diff(np.append(row_start, len(rows)))
         if cap and (per_row > int(cap)).any():
-            problems.append(f"{int((per_row > int(cap)).sum())} rows hold more than {cap} samples")
+            problems.append((f"rows hold more than {cap} samples", int((per_row > int(cap)).sum())))
     tokens = segment_reduce(np.add, lengths.astype(np.int64), a.offsets)
     if (tokens != a.cols["tokens"]).any():
-        problems.append("tokens column differs from the sum of sample_lengths")
+        problems.append(("tokens column differs from the sum of sample_lengths", 1))
     return problems
 
 
-def _length_problems(a: PlanArrays, packing) -> list[str]:
+def _length_problems(a: PlanArrays, packing) -> list[tuple[str, int]]:
     """With each entry's sample length (``--metrics``, the planner): padded microbatches hold their
     longest sample and count its tokens; packed entries lie within their sample."""
     c = a.cols
@@ -423,231 +701,352 @@ def _length_problems(a: PlanArrays, packing) -> list[str]:
     if packing:
         start = a.starts if a.starts is not None else np.zeros(len(full), np.int64)
         bad = (start < 0) | (start + a.lengths > full) if a.lengths is not None else np.zeros(0, bool)
-        return [f"{int(bad.sum())} packed entries reach past their sample's length"] if bad.any() else []
+        return [("packed entries reach past their sample's length", int(bad.sum()))] if bad.any() else []
     problems = []
     longest = segment_reduce(np.maximum, full, a.offsets)
     short = longest > c["seqlen"]
     if short.any():
-        problems.append(f"{int(short.sum())} microbatches have a sample longer than their seqlen")
+        problems.append(("microbatches have a sample longer than their seqlen", int(short.sum())))
     if (segment_reduce(np.add, full, a.offsets) != c["tokens"]).any():
-        problems.append("tokens column differs from the sum of the samples' lengths")
+        problems.append(("tokens column differs from the sum of the samples' lengths", 1))
     return problems
 
 
-def check_shapes(a: PlanArrays, meta: dict) -> Check:
-    c = a.cols
-    pcfg = meta.get("config") or {}
-    problems = []
-    t = c["seqlen"].astype(np.int64)
-    k = pcfg.get("num_shapes")
-    distinct_t = len(np.unique(t))
-    if k and distinct_t > int(k):
-        problems.append(f"{distinct_t} distinct seqlens, more than --num-shapes {k}")
-    shapes = meta.get("shapes") or []
-    sid = c["shape_id"].astype(np.int64)
-    if len(sid) and (not shapes or sid.min() < 0 or sid.max() >= len(shapes)):
-        problems.append("shape_id outside the metadata's shapes")
-    elif len(sid):
-        shape_arr = np.asarray(shapes, dtype=np.int64).reshape(-1, 2)
-        want_b, want_t = shape_arr[sid, 0], shape_arr[sid, 1]
-        if (want_t != t).any():
-            problems.append(f"{int((want_t != t).sum())} rows whose seqlen differs from their shape")
-        if ((want_b > 0) & (want_b != c["batch_size"])).any():
-            problems.append("rows whose batch_size differs from their static shape")
-    key = c["batch_size"].astype(np.int64) * (1 << 32) + t
-    if pcfg.get("static_shapes"):
-        pairs = len(np.unique(key))
-        if k and pairs != int(k) and distinct_t == int(k):
-            problems.append(f"static shapes: {pairs} (B, T) pairs for {k} buckets")
-    if pcfg.get("same_shape_per_step") or meta.get("packing"):
-        step = c["step"].astype(np.int64)
-        order = np.lexsort((key, step))
-        s, kk = step[order], key[order]
-        if ((s[1:] == s[:-1]) & (kk[1:] != kk[:-1])).any():
-            problems.append("a step mixes shapes" + (" (--same-shape-per-step)" if not meta.get("packing") else ""))
-    if problems:
-        return Check("shapes", False, "; ".join(problems))
-    return Check("shapes", True, f"{distinct_t} distinct seqlens, {len(shapes)} shapes")
+class Shapes:
+    def __init__(self, meta: dict):
+        self.meta = meta
+        self.pcfg = meta.get("config") or {}
+        self.shapes = meta.get("shapes") or []
+        self.arr = np.asarray(self.shapes, dtype=np.int64).reshape(-1, 2)
+        self.seqlens: set = set()
+        self.pairs: set = set()
+        self.outside = self.bad_b = self.mixed = False
+        self.bad_t = 0
+
+    def update(self, a: PlanArrays) -> None:
+        c = a.cols
+        t = c["seqlen"].astype(np.int64)
+        self.seqlens.update(np.unique(t).tolist())
+        sid = c["shape_id"].astype(np.int64)
+        if len(sid) and (not self.shapes or sid.min() < 0 or sid.max() >= len(self.shapes)):
+            self.outside = True
+        elif len(sid) and not self.outside:
+            want_b, want_t = self.arr[sid, 0], self.arr[sid, 1]
+            self.bad_t += int((want_t != t).sum())
+            self.bad_b |= bool(((want_b > 0) & (want_b != c["batch_size"])).any())
+        key = c["batch_size"].astype(np.int64) * (1 << 32) + t
+        if self.pcfg.get("static_shapes"):
+            self.pairs.update(np.unique(key).tolist())
+        if self.pcfg.get("same_shape_per_step") or self.meta.get("packing"):
+            step = c["step"].astype(np.int64)
+            order = np.lexsort((key, step))
+            s, kk = step[order], key[order]
+            self.mixed |= bool(((s[1:] == s[:-1]) & (kk[1:] != kk[:-1])).any())
+
+    def result(self) -> Check:
+        problems = []
+        k = self.pcfg.get("num_shapes")
+        distinct_t = len(self.seqlens)
+        if k and distinct_t > int(k):
+            problems.append(f"{distinct_t} distinct seqlens, more than --num-shapes {k}")
+        if self.outside:
+            problems.append("shape_id outside the metadata's shapes")
+        else:
+            if self.bad_t:
+                problems.append(f"{self.bad_t} rows whose seqlen differs from their shape")
+            if self.bad_b:
+                problems.append("rows whose batch_size differs from their static shape")
+        if self.pcfg.get("static_shapes") and k and len(self.pairs) != int(k) and distinct_t == int(k):
+            problems.append(f"static shapes: {len(self.pairs)} (B, T) pairs for {k} buckets")
+        if self.mixed:
+            which = "" if self.meta.get("packing") else " (--same-shape-per-step)"
+            problems.append("a step mixes shapes" + which)
+        if problems:
+            return Check("shapes", False, "; ".join(problems))
+        return Check("shapes", True, f"{distinct_t} distinct seqlens, {len(self.shapes)} shapes")
 
 
 # -- per-step totals -----------------------------------------------------------------------------------
-def final_entries(a: PlanArrays) -> np.ndarray | None:
+def final_entries(a: PlanArrays, split: SplitInfo | None, keys: _Keys, meta: dict) -> np.ndarray | None:
     """Per entry: whether it ends its sample (a whole sample, or a split sample's last chunk); None
-    when every entry does. Exact with the samples' lengths; without them, the chunk with the
-    largest start of its sample in its epoch (its copies alike)."""
-    if a._final is not None or not a.split:
+    when every entry does. Exact with the samples' lengths; without them, the chunk with the largest
+    start of its sample in its epoch (``split``: those starts over the whole plan)."""
+    if a._final is not None or a.starts is None:
         return a._final
     if a.sample_length is not None:
-        a._final = a.starts + a.lengths == a.sample_length
+        final = a.starts + a.lengths == a.sample_length
+        a._final = None if final.all() else final
         return a._final
-    epoch = a.entry_epoch()
-    key = epoch * (int(a.ids.max()) + 1) + a.ids
-    if a.source is not None:
-        key = key * (int(a.source.max()) + 1) + a.source
-    order = np.lexsort((a.starts, key))
-    ks, ss = key[order], a.starts[order]
-    last = np.r_[ks[1:] != ks[:-1], True]
-    top = np.repeat(ss[last], np.diff(np.r_[0, np.flatnonzero(last) + 1]))  # each group's largest start
-    final = np.empty(len(key), bool)
-    final[order] = ss == top
-    a._final = final
-    return final
+    if split is None or not len(split.key):
+        return None
+    k, problem = keys.of(a, meta)
+    if problem is not None:
+        return None
+    is_split, top = split.lookup(a.entry_epoch() * split.size + k)
+    a._final = ~is_split | (a.starts == top)
+    return a._final
 
 
-def completed(a: PlanArrays) -> np.ndarray:
+def completed(a: PlanArrays, final: np.ndarray | None) -> np.ndarray:
     """Samples each microbatch completes: its entries, except non-final chunks of split samples."""
-    final = final_entries(a)
     if final is None:
         return a.cols["num_samples"].astype(np.int64)
     return segment_reduce(np.add, final.astype(np.int64), a.offsets)
 
 
-def _first_epoch_unknowable(a: PlanArrays, meta: dict) -> bool:
-    """A replan's first epoch of a split plan, without the samples' lengths: which chunk ends a sample
-    whose last chunk was consumed before the replan is unknown."""
-    return a.split and a.sample_length is None and "consumed_samples" in (meta.get("lineage") or {})
-
-
 def _step_sums(step: np.ndarray, values: np.ndarray) -> np.ndarray:
-    return np.bincount(step, weights=values)[step] if len(step) else np.zeros(0)
+    if not len(step):
+        return np.zeros(0)
+    local = step - step.min()
+    return np.bincount(local, weights=values)[local]
 
 
-def check_step_totals(a: PlanArrays, meta: dict) -> Check:
-    c = a.cols
-    step = c["step"].astype(np.int64)
-    tokens = _step_sums(step, c["tokens"])
-    bad_tokens = tokens != c["step_tokens"]
-    if _first_epoch_unknowable(a, meta):
-        bad = bad_tokens
-        note = " (step_samples of the first epoch need --metrics)"
-    else:
-        bad = bad_tokens | (_step_sums(step, completed(a)) != c["step_samples"])
-        note = ""
-    if bad.any():
-        return Check("step totals", False, f"step_samples/step_tokens wrong in {int(bad.sum())} rows")
-    return Check("step totals", True, "step_samples and step_tokens match their steps" + note)
+class StepTotals:
+    def __init__(self, unknowable: bool):
+        self.unknowable, self.bad = unknowable, 0
+
+    def update(self, a: PlanArrays, done: np.ndarray) -> None:
+        c = a.cols
+        step = c["step"].astype(np.int64)
+        bad = _step_sums(step, c["tokens"]) != c["step_tokens"]
+        if not self.unknowable:
+            bad |= _step_sums(step, done) != c["step_samples"]
+        self.bad += int(bad.sum())
+
+    def result(self) -> Check:
+        if self.bad:
+            return Check("step totals", False, f"step_samples/step_tokens wrong in {self.bad} rows")
+        note = " (step_samples of the first epoch need --metrics)" if self.unknowable else ""
+        return Check("step totals", True, "step_samples and step_tokens match their steps" + note)
 
 
-def check_lr(a: PlanArrays, meta: dict) -> Check:
-    c = a.cols
-    mode = meta.get("lr_scaling", (meta.get("config") or {}).get("lr_scaling", "none"))
-    by = meta.get("lr_scale_by", (meta.get("config") or {}).get("lr_scale_by", "samples"))
-    base = meta.get("base_batch_size")
-    lr = c["lr_scale"].astype(np.float64)
-    if not np.all(np.isfinite(lr)):
-        return Check("lr_scale", False, f"{int((~np.isfinite(lr)).sum())} rows whose lr_scale is not finite")
-    step = c["step"].astype(np.int64)
-    if mode == "none" or base == 0:  # base 0: only empty samples, nothing to scale by (plan/lr.py)
-        want = np.ones(len(step))
-    elif by == "samples" and _first_epoch_unknowable(a, meta):
-        return Check("lr_scale", True, "needs --metrics for the first epoch of a replanned --split-long plan",
-                     skipped=True)
-    else:
-        if not isinstance(base, (int, float)) or isinstance(base, bool) or not base > 0:
-            return Check("lr_scale", False, f"metadata has no base_batch_size > 0 (got {base!r})")
-        if by == "tokens" and meta.get("loss_tokens") == format.TARGET_LENGTH_COLUMN:  # tokens that carry loss
-            per_step = c["step_loss_tokens"].astype(np.float64)
+class Lr:
+    def __init__(self, meta: dict, unknowable: bool):
+        cfg = meta.get("config") or {}
+        self.mode = meta.get("lr_scaling", cfg.get("lr_scaling", "none"))
+        self.by = meta.get("lr_scale_by", cfg.get("lr_scale_by", "samples"))
+        self.base = meta.get("base_batch_size")
+        self.trained_only = meta.get("loss_tokens") == format.TARGET_LENGTH_COLUMN
+        self.unknowable = unknowable
+        self.nonfinite = self.bad = 0
+
+    @property
+    def _plain(self) -> bool:
+        return self.mode == "none" or self.base == 0
+
+    def update(self, a: PlanArrays, done: np.ndarray) -> None:
+        c = a.cols
+        lr = c["lr_scale"].astype(np.float64)
+        self.nonfinite += int((~np.isfinite(lr)).sum())
+        step = c["step"].astype(np.int64)
+        if self._plain:  # base 0: only empty samples, nothing to scale by (plan/lr.py)
+            want = np.ones(len(step))
+        elif (self.by == "samples" and self.unknowable) or not self._base_ok():
+            return
         else:
-            per_step = _step_sums(step, c["tokens"] if by == "tokens" else completed(a))
-        ratio = per_step / float(base)
-        want = ratio if mode == "linear" else np.sqrt(ratio)
-    bad = ~np.isclose(lr, want, rtol=1e-9, atol=1e-12)
-    if bad.any():
-        return Check("lr_scale", False, f"{int(bad.sum())} rows whose lr_scale is not {mode}({by} / {base})")
-    return Check("lr_scale", True, f"{mode} in step {by}" + (f" / {base:g}" if base and mode != "none" else ""))
+            if self.by == "tokens" and self.trained_only:  # tokens that carry loss (target_length)
+                per_step = c["step_loss_tokens"].astype(np.float64)
+            else:
+                per_step = _step_sums(step, c["tokens"] if self.by == "tokens" else done)
+            ratio = per_step / float(self.base)
+            want = ratio if self.mode == "linear" else np.sqrt(ratio)
+        self.bad += int((~np.isclose(lr, want, rtol=1e-9, atol=1e-12)).sum())
+
+    def _base_ok(self) -> bool:
+        b = self.base
+        return isinstance(b, (int, float)) and not isinstance(b, bool) and b > 0
+
+    def result(self) -> Check:
+        if self.nonfinite:
+            return Check("lr_scale", False, f"{self.nonfinite} rows whose lr_scale is not finite")
+        if not self._plain:
+            if self.by == "samples" and self.unknowable:
+                return Check("lr_scale", True, "needs --metrics for the first epoch of a replanned --split-long plan",
+                             skipped=True)
+            if not self._base_ok():
+                return Check("lr_scale", False, f"metadata has no base_batch_size > 0 (got {self.base!r})")
+        if self.bad:
+            return Check("lr_scale", False, f"{self.bad} rows whose lr_scale is not {self.mode}({self.by} / "
+                         f"{self.base})")
+        shown = f" / {self.base:g}" if self.base and self.mode != "none" else ""
+        return Check("lr_scale", True, f"{self.mode} in step {self.by}{shown}")
 
 
-def check_straggler(a: PlanArrays, meta: dict, budget: Budget) -> Check:
+class Straggler:
     """The straggler in the plan's own cost model (:meth:`varlen_cli.budget.Budget.microbatch_cost`),
     recomputed from the columns; fails when the plan's recorded statistics say otherwise."""
-    c = a.cols
-    if not len(c["step"]):
-        return Check("straggler", True, "no steps")
-    sum_squares = None
-    if budget.needs_segment_lengths:
-        if a.lengths is None:
+
+    def __init__(self, meta: dict, budget: Budget):
+        self.meta, self.budget = meta, budget
+        self.dp = int(meta["dp"])
+        self.per_step: list = []
+        self.top = self.mean = 0.0
+        self.missing_lengths = False
+
+    def update(self, a: PlanArrays) -> None:
+        c = a.cols
+        if not a.count:
+            return
+        sum_squares = None
+        if self.budget.needs_segment_lengths:
+            if a.lengths is None:
+                self.missing_lengths = True
+                return
+            from .budget import segment_sum_squares
+
+            sum_squares = segment_sum_squares(a.lengths, a.offsets)
+        cost = self.budget.microbatch_cost(c["tokens"], c["batch_size"], c["seqlen"], sum_squares)
+        step = c["step"].astype(np.int64)
+        step = step - step.min()
+        rank = c["rank"].astype(np.int64)
+        self.per_step.append(format.straggler(step, rank, cost, self.dp))
+        load = format.step_loads(step, rank, cost, self.dp)
+        self.top += float(load.max(axis=1).sum())
+        self.mean += float(load.mean(axis=1).sum())
+
+    def result(self) -> Check:
+        if self.missing_lengths:
             return Check("straggler", False, "a packed attention cost needs sample_lengths")
-        from .budget import segment_sum_squares
-
-        sum_squares = segment_sum_squares(a.lengths, a.offsets)
-    cost = budget.microbatch_cost(c["tokens"], c["batch_size"], c["seqlen"], sum_squares)
-    step, rank, dp = c["step"].astype(np.int64), c["rank"].astype(np.int64), int(meta["dp"])
-    per_step = format.straggler(step, rank, cost, dp)
-    overhead = format.straggler_overhead(step, rank, cost, dp)
-    what = ", ".join(f"{k}={v}" for k, v in budget.straggler_spec().items())
-    stats = meta.get("stats") or {}
-    for key, value in (("straggler_mean", per_step.mean()), ("straggler_max", per_step.max())):
-        recorded = stats.get(key)
-        if isinstance(recorded, (int, float)) and not np.isclose(float(recorded), float(value), rtol=1e-9, atol=1e-12):
-            return Check("straggler", False, f"metadata says {key} {recorded:.6g}, the plan has {value:.6g} "
-                         f"(cost {what})")
-    return Check("straggler", True, f"mean {per_step.mean():.3f}, max {per_step.max():.3f}, overhead "
-                 f"{100 * overhead:.2f}% in cost {what}")
+        if not self.per_step:
+            return Check("straggler", True, "no steps")
+        per_step = np.concatenate(self.per_step)
+        overhead = self.top / self.mean - 1.0 if self.mean > 0 else 0.0
+        what = ", ".join(f"{k}={v}" for k, v in self.budget.straggler_spec().items())
+        stats = self.meta.get("stats") or {}
+        for key, value in (("straggler_mean", per_step.mean()), ("straggler_max", per_step.max())):
+            recorded = stats.get(key)
+            if isinstance(recorded, (int, float)) and not np.isclose(float(recorded), float(value), rtol=1e-9,
+                                                                     atol=1e-12):
+                return Check("straggler", False, f"metadata says {key} {recorded:.6g}, the plan has {value:.6g} "
+                             f"(cost {what})")
+        return Check("straggler", True, f"mean {per_step.mean():.3f}, max {per_step.max():.3f}, overhead "
+                     f"{100 * overhead:.2f}% in cost {what}")
 
 
-def check_loss_tokens(a: PlanArrays, meta: dict) -> Check:
+class LossTokens:
     """``step_loss_tokens`` (when the plan has it) against the targets counted from the lengths, or
     from the metrics' ``target_length`` for plans that count it (:func:`varlen_cli.format.loss_targets`)."""
-    c = a.cols
-    if "step_loss_tokens" not in c:
-        return Check("loss tokens", True, "plan has no step_loss_tokens column (older plan)", skipped=True)
-    if meta.get("loss_tokens") == format.TARGET_LENGTH_COLUMN:  # analyze --target-length: not derived from the lengths
-        if a.sample_target is None:
+
+    def __init__(self, unknowable: bool, target_length: bool = False):
+        self.unknowable, self.target_length = unknowable, target_length
+        self.present = self.known = True  # known: every window came with what the targets are counted from
+        self.bad, self.steps = 0, Examples()
+
+    def update(self, a: PlanArrays, final: np.ndarray | None) -> None:
+        if "step_loss_tokens" not in a.cols:
+            self.present = False
+            return
+        if self.target_length:  # analyze --target-length: not derived from the lengths
+            if a.sample_target is None:
+                self.known = False
+                return
+            targets = segment_reduce(np.add, format.loss_targets(None, target=a.sample_target), a.offsets)
+        else:
+            entry_len = a.lengths if a.lengths is not None else a.sample_length
+            if entry_len is None:
+                self.known = False
+                return
+            if self.unknowable:
+                return
+            if final is None and (not len(entry_len) or int(entry_len.min()) > 0):  # l - 1 per entry, in one pass
+                targets = segment_reduce(np.add, entry_len, a.offsets) - np.diff(a.offsets)
+            else:
+                targets = segment_reduce(np.add, format.loss_targets(entry_len, final), a.offsets)
+        step = a.cols["step"].astype(np.int64)
+        bad = _step_sums(step, targets).astype(np.int64) != a.cols["step_loss_tokens"]
+        self.bad += int(bad.sum())
+        self.steps.add(bad, step)
+
+    def result(self) -> Check:
+        if not self.present:
+            return Check("loss tokens", True, "plan has no step_loss_tokens column (older plan)", skipped=True)
+        if not self.known:
             return Check("loss tokens", True, "needs --metrics: the plan counts the metrics' target_length "
-                         "(assistant tokens)", skipped=True)
-        return _loss_token_sums(a, format.loss_targets(None, target=a.sample_target), "the metrics' target_length")
-    if a.lengths is not None:
-        entry_len = a.lengths
-    elif a.sample_length is not None:
-        entry_len = a.sample_length
-    else:
-        return Check("loss tokens", True, "needs --metrics for a padded plan", skipped=True)
-    if _first_epoch_unknowable(a, meta):
-        return Check("loss tokens", True, "needs --metrics for the first epoch of a replanned --split-long plan",
-                     skipped=True)
-    final = final_entries(a)
-    if final is None and (not len(entry_len) or int(entry_len.min()) > 0):  # l - 1 per entry, in one pass
-        targets = segment_reduce(np.add, entry_len, a.offsets) - np.diff(a.offsets)
-        return _loss_token_sums(a, None, "the samples' lengths", targets)
-    return _loss_token_sums(a, format.loss_targets(entry_len, final), "the samples' lengths")
+                         "(assistant tokens)" if self.target_length else "needs --metrics for a padded plan",
+                         skipped=True)
+        if self.unknowable and not self.target_length:
+            return Check("loss tokens", True, "needs --metrics for the first epoch of a replanned --split-long plan",
+                         skipped=True)
+        if self.bad:
+            return Check("loss tokens", False, f"step_loss_tokens wrong in {self.bad} rows (e.g. steps {self.steps})")
+        what = "the metrics' target_length" if self.target_length else "the samples' lengths"
+        return Check("loss tokens", True, f"step_loss_tokens = targets counted from {what}")
 
 
-def _loss_token_sums(a: PlanArrays, entry_targets: np.ndarray | None, what: str,
-                     targets: np.ndarray | None = None) -> Check:
-    """``step_loss_tokens`` against the step sums of the entries' targets (or of ``targets`` per row)."""
-    c = a.cols
-    if targets is None:
-        targets = segment_reduce(np.add, entry_targets, a.offsets)
-    step = c["step"].astype(np.int64)
-    bad = _step_sums(step, targets).astype(np.int64) != c["step_loss_tokens"]
-    if bad.any():
-        return Check("loss tokens", False, f"step_loss_tokens wrong in {int(bad.sum())} rows (e.g. steps "
-                     f"{_examples(bad, step)})")
-    return Check("loss tokens", True, f"step_loss_tokens = targets counted from {what}")
+# -- the driver ------------------------------------------------------------------------------------------
+class PlanChecks:
+    """Every check of a plan, fed windows of whole steps in plan order (:meth:`update`), then
+    :meth:`results` (the file's columns and fingerprint are :mod:`varlen_cli.validate`'s).
+    ``split``: the plan's split samples (:func:`split_info`), needed for ``--split-long`` plans checked
+    without the samples' lengths; ``lengths``: whether windows come with ``sample_length``."""
 
+    def __init__(self, meta: dict, *, split: SplitInfo | None = None, lengths: bool = False, max_memory=None,
+                 profile_path: str | None = None):
+        self.meta = meta
+        self.error: str | None = None
+        try:
+            self.budget = Budget.from_metadata(meta)
+        except ValueError as exc:
+            self.error = f"malformed metadata: {exc}"
+            return
+        self.split = split
+        self.keys = keys_of(meta)
+        # a replan's first epoch of a split plan, without the samples' lengths: which chunk ends a sample
+        # whose last chunk was consumed before the replan is unknown
+        unknowable = (split is not None and len(split.key) > 0 and not lengths
+                      and "consumed_samples" in (meta.get("lineage") or {}))
+        self.layout, self.counts = Layout(meta), Counts(bool(meta.get("packing")))
+        self.coverage, self.budget_check = Coverage(meta, split), BudgetCheck(meta, self.budget)
+        self.shapes, self.steps, self.lr = Shapes(meta), StepTotals(unknowable), Lr(meta, unknowable)
+        self.straggler = Straggler(meta, self.budget)
+        self.loss = LossTokens(unknowable, meta.get("loss_tokens") == format.TARGET_LENGTH_COLUMN)
+        self.memory = [] if (max_memory is not None or profile_path is not None or self.budget.memory) else None
+        self.memory_args = (max_memory, profile_path)
+        self.broken = False  # list columns that disagree, negative ids: only layout and counts are meaningful
 
-def check_memory(a: PlanArrays, budget: Budget, max_memory=None, profile_path: str | None = None) -> Check:
-    """Predicted peaks against the limit given, or else the one the plan recorded (``--max-memory``)."""
-    from .memory.budget import memory_check
+    def update(self, a: PlanArrays) -> None:
+        if self.error is not None:
+            return
+        self.layout.update(a)
+        if not self.counts.update(a):
+            self.broken = True
+        if self.broken:
+            return
+        final = final_entries(a, self.split, self.keys, self.meta)
+        done = completed(a, final)
+        self.coverage.update(a)
+        self.budget_check.update(a)
+        self.shapes.update(a)
+        self.steps.update(a, done)
+        self.lr.update(a, done)
+        if self.memory is not None:
+            self.memory.append((a.cols["batch_size"].astype(np.int32), a.cols["seqlen"].astype(np.int32)))
+        self.straggler.update(a)
+        self.loss.update(a, final)
 
-    ok, detail = memory_check(a.cols["batch_size"], a.cols["seqlen"], budget, max_memory, profile_path)
-    return Check("memory", ok, detail)
+    def results(self) -> list[Check]:
+        if self.error is not None:
+            return [Check("budget", False, self.error)]
+        checks = [self.layout.result(), self.counts.result()]
+        if self.broken:
+            return checks
+        checks += [self.coverage.result(), self.budget_check.result(), self.shapes.result(), self.steps.result(),
+                   self.lr.result()]
+        if self.memory is not None:
+            from .memory.budget import memory_check
+
+            b = np.concatenate([m[0] for m in self.memory]) if self.memory else np.zeros(0, np.int32)
+            t = np.concatenate([m[1] for m in self.memory]) if self.memory else np.zeros(0, np.int32)
+            ok, detail = memory_check(b, t, self.budget, *self.memory_args)
+            checks.append(Check("memory", ok, detail))
+        checks += [self.straggler.result(), self.loss.result()]
+        return checks
 
 
 def run_checks(a: PlanArrays, meta: dict, *, max_memory=None, profile_path: str | None = None) -> list[Check]:
-    """Every check of a plan's arrays (the file's columns and fingerprint are :mod:`varlen_cli.validate`'s)."""
-    try:
-        budget = Budget.from_metadata(meta)
-    except ValueError as exc:
-        return [Check("budget", False, f"malformed metadata: {exc}")]
-    packed = bool(meta.get("packing"))
-    checks = [check_layout(a, meta), check_counts(a, packed)]
-    if any(v is not None and len(v) != len(a.ids) for v in (a.lengths, a.rows, a.starts, a.source)) or \
-            (len(a.ids) and int(a.ids.min()) < 0):
-        return checks  # list columns of different lengths, negative ids: the checks below would index out of them
-    checks += [check_coverage(a, meta), check_budget(a, meta, budget), check_shapes(a, meta),
-               check_step_totals(a, meta), check_lr(a, meta)]
-    if max_memory is not None or profile_path is not None or budget.memory:
-        checks.append(check_memory(a, budget, max_memory, profile_path))
-    checks += [check_straggler(a, meta, budget), check_loss_tokens(a, meta)]
-    return checks
+    """Every check of a plan held whole in arrays (one window)."""
+    split = split_info([a], meta) if a.starts is not None and a.sample_length is None else None
+    checks = PlanChecks(meta, split=split, lengths=a.sample_length is not None, max_memory=max_memory,
+                        profile_path=profile_path)
+    checks.update(a)
+    return checks.results()

@@ -152,22 +152,24 @@ def _moved(stage_result, tmp: str, out: str):
 
 
 def _run_stages(config: RunConfig, d, t0: float, final: str) -> RunResult | None:
-    """analyze, sort and plan into ``config.output`` (the temporary directory); rank 0 plans."""
+    """analyze, sort and plan into ``config.output`` (the temporary directory); every rank plans its
+    chunks, rank 0 writes the plan."""
     from . import sort as sort_stage
-    from .plan import plan as make_plan
+    from .plan.core import plan_in_group
 
     a, s, p = stage_configs(config)
     analyzed = run_in_session(analyze_stage.run_in_group, a)
     sorted_ = run_in_session(sort_stage.run_in_group, s) if s is not None else None
-    if not d.is_main:
-        return None
     auto = None
     if needs_auto_budget(p):
-        longest = int(analyzed.stats["max"])
+        longest = int(analyzed.stats["max"]) if d.is_main else 0
+        longest = int(d.all_gather_object(longest)[0]) if d.distributed else longest
         m = max(1, int(p.pad_multiple))
         auto = max(AUTO_MIN_BUDGET, -(-longest // m) * m)
         p = replace(p, max_tokens=auto)
-    planned = make_plan(p)
+    planned = plan_in_group(p, d)  # every rank forms its share of the chunks; rank 0 writes
+    if not d.is_main:
+        return None
     manifest = {
         "format": format.RUN_FORMAT, "format_version": format.RUN_FORMAT_VERSION, **artifacts.provenance(),
         "config": artifacts.config_dict(replace(config, output=final)), "auto_max_tokens": auto,

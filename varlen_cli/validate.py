@@ -1,9 +1,10 @@
 """``varlen validate``: re-check every invariant of a plan file.
 
-This module reads the plan (and optionally the metrics directory it was built from) into arrays;
-the checks themselves are :mod:`varlen_cli.plan_checks`, which the planner also runs on every plan
-before writing it. Everything is recomputed from scratch, vectorised: a plan of millions of
-microbatches validates in seconds.
+This module reads the plan (and optionally the metrics directory it was built from) in windows of
+whole steps (:mod:`varlen_cli.plan_scan`); the checks themselves are :mod:`varlen_cli.plan_checks`,
+which the planner also runs on every plan before writing it. Everything is recomputed from
+scratch, vectorised, in bounded memory: one window at a time and one bit per sample for
+exactly-once (a 1B-sample plan: 125 MB a epoch).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 
 from . import format, storage
 from .errors import InputError, UsageError
-from .plan_checks import Check, PlanArrays, run_checks
+from .plan_checks import Check, PlanArrays
 from .runtime import artifacts, freshness, rank0
 from .runtime.choices import ALLOW_STALE_HELP, STORAGE_OPTION_HELP, doc
 
@@ -77,7 +78,7 @@ def validate(config: ValidateConfig) -> ValidateResult:
                                f"{len(schema.names)} columns"))
     if problems:
         return result
-    arrays = plan_arrays(_read_table(pf, config.plan))
+    per_id = None
     if config.metrics:
         if meta.get("mixture"):
             raise UsageError("--metrics does not apply to a mixture plan (varlen plan --mix): it has one input per "
@@ -86,44 +87,79 @@ def validate(config: ValidateConfig) -> ValidateResult:
         freshness.check_inputs(config.metrics, manifest, config.allow_stale, rerun="varlen sort")
         fp = _check_fingerprint(meta, manifest, config.metrics)
         result.checks.append(fp)
-        if fp.ok:  # lengths of another dataset would only produce noise
-            _add_metrics_columns(arrays, meta, config.metrics, manifest)
-    result.checks += run_checks(arrays, meta, max_memory=config.max_memory, profile_path=config.memory_profile)
+        if fp.ok and int(manifest["num_rows"]) > LENGTHS_IN_MEMORY:
+            result.checks.append(Check("lengths", True, f"the samples' lengths are read for up to "
+                                       f"{LENGTHS_IN_MEMORY:,} samples; {config.metrics} has "
+                                       f"{int(manifest['num_rows']):,}: checked without them", skipped=True))
+        elif fp.ok:  # lengths of another dataset would only produce noise
+            per_id = _metrics_per_id(meta, config.metrics, manifest)
+    result.checks += _scan(config, pf, meta, per_id)
     return result
 
 
-def _read_table(pf, path: str):
+LENGTHS_IN_MEMORY = 1 << 28  # --metrics lengths held for the checks (int32: 1 GiB)
+
+
+def _scan(config: ValidateConfig, pf, meta: dict, per_id: dict | None) -> list[Check]:
+    """Every check of :mod:`varlen_cli.plan_checks`, the plan read in windows of whole steps (bounded
+    memory: one window, a bitmap per epoch; issue 25). ``per_id``: the metrics' columns by sample id
+    (:func:`_metrics_per_id`), or None."""
     import pyarrow as pa
 
+    from . import plan_scan
+    from .plan_checks import PlanChecks, split_info
+
     try:
-        return pf.read()
+        slots = int(meta["dp"]) * int(meta["grad_accum"])
+        names = pf.schema_arrow.names
+        scalars = [c for c in names if c not in format.PLAN_LIST_COLUMNS]
+        lists = [c for c in names if c in format.PLAN_LIST_COLUMNS]
+
+        def arrays():
+            for w in plan_scan.windows(pf, scalars, lists, slots):
+                yield window_arrays(w, per_id)
+
+        split = None
+        if "sample_starts" in names and per_id is None:  # which chunk ends a split sample, without lengths
+            split = split_info((window_arrays(w, None) for w in
+                                plan_scan.windows(pf, ["epoch"], [c for c in lists if c != "sample_rows"], slots)),
+                               meta)
+        checks = PlanChecks(meta, split=split, lengths=per_id is not None, max_memory=config.max_memory,
+                            profile_path=config.memory_profile)
+        over = (meta.get("dropped") or {}).get("too_long_over")
+        if per_id is not None and over is not None and checks.error is None:  # too-long samples counted, not listed
+            checks.coverage.long_samples(np.flatnonzero(per_id["length"] > int(over)))
+        for a in arrays():
+            checks.update(a)
+        return checks.results()
     except (OSError, pa.ArrowException) as exc:  # corrupted pages: the file, not varlen
-        raise InputError(f"cannot read plan {path}: {str(exc).strip().splitlines()[0] if str(exc) else exc}") \
+        raise InputError(f"cannot read plan {config.plan}: {str(exc).strip().splitlines()[0] if str(exc) else exc}") \
             from None
 
 
-def plan_arrays(table) -> PlanArrays:
-    """A plan table's columns as :class:`~varlen_cli.plan_checks.PlanArrays`."""
-    import pyarrow.compute as pc
-
-    cols = {name: table.column(name).to_numpy() for name in table.column_names
-            if name not in format.PLAN_LIST_COLUMNS}
-    ids = table.column("sample_ids").combine_chunks()
-    offsets = np.zeros(len(ids) + 1, np.int64)
-    np.cumsum(pc.list_value_length(ids).to_numpy(zero_copy_only=False), out=offsets[1:])
+def window_arrays(w, per_id: dict | None) -> PlanArrays:
+    """A window of a plan file (:mod:`varlen_cli.plan_scan`) as :class:`~varlen_cli.plan_checks.PlanArrays`;
+    ``per_id``: the metrics' ``length`` (and ``target_length``) per sample id (``--metrics``)."""
+    offsets, ids = w.lists["sample_ids"]
+    ids = ids.astype(np.int64, copy=False)
 
     def flat(name: str) -> np.ndarray | None:
-        if name not in table.column_names:
+        if name not in w.lists:
             return None
-        col = table.column(name).combine_chunks()
-        values = pc.list_flatten(col).to_numpy(zero_copy_only=False).astype(np.int64)
-        if len(col) != len(ids) or not np.array_equal(pc.list_value_length(col).to_numpy(zero_copy_only=False),
-                                                     np.diff(offsets)):
+        off, values = w.lists[name]
+        values = values.astype(np.int64, copy=False)
+        if not np.array_equal(off, offsets):
             return np.full(len(values) + 1, -1, np.int64)  # a list column that disagrees with sample_ids
         return values
 
-    return PlanArrays(cols, offsets, flat("sample_ids"), flat("sample_lengths"), flat("sample_rows"),
-                      flat("sample_starts"), flat("source"))
+    a = PlanArrays(w.cols, offsets, ids, flat("sample_lengths"), flat("sample_rows"), flat("sample_starts"),
+                   flat("source"), first_row=w.first_row)
+    if per_id is not None and (not len(ids) or (int(ids.min()) >= 0 and int(ids.max()) < len(per_id["length"]))):
+        # else ids outside the metrics: the coverage check says so
+        a.sample_length = per_id["length"][ids].astype(np.int64)
+        if TARGET_COLUMN in per_id:
+            a.sample_target = per_id[TARGET_COLUMN][ids].astype(np.int64)
+    return a
 
 
 def _check_fingerprint(meta: dict, manifest: dict, metrics_path: str) -> Check:
@@ -142,9 +178,9 @@ def _check_fingerprint(meta: dict, manifest: dict, metrics_path: str) -> Check:
     return Check("fingerprint", True, f"dataset {have_digest}")
 
 
-def _add_metrics_columns(arrays: PlanArrays, meta: dict, path: str, manifest: dict) -> None:
-    """Each plan entry's sample length from the metrics (and its ``target_length``, for plans that
-    count it as their loss tokens; a plan that says so without such a column fails its check)."""
+def _metrics_per_id(meta: dict, path: str, manifest: dict) -> dict[str, np.ndarray]:
+    """The metrics' ``length`` by sample id (and its ``target_length``, for plans that count it as their
+    loss tokens; a plan that says so without such a column is an input error)."""
     columns = ["length"]
     if meta.get("loss_tokens") == TARGET_COLUMN:
         if TARGET_COLUMN not in (manifest.get("columns") or {}):
@@ -152,13 +188,7 @@ def _add_metrics_columns(arrays: PlanArrays, meta: dict, path: str, manifest: di
                              f"{TARGET_COLUMN} column (analyze --target-length); pass the metrics the plan was made "
                              "from")
         columns.append(TARGET_COLUMN)
-    per_id = _metrics_columns(path, manifest, columns)
-    ids = arrays.ids
-    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= len(per_id["length"])):
-        return  # ids outside the metrics: the coverage check says so
-    arrays.sample_length = per_id["length"][ids]
-    if TARGET_COLUMN in per_id:
-        arrays.sample_target = per_id[TARGET_COLUMN][ids]
+    return _metrics_columns(path, manifest, columns)
 
 
 def _metrics_columns(path: str, manifest: dict, columns: list[str]) -> dict[str, np.ndarray]:
@@ -173,7 +203,8 @@ def _metrics_columns(path: str, manifest: dict, columns: list[str]) -> dict[str,
                          "input (re-run `varlen analyze`)")
     out = {}
     for name in columns:
-        values = np.zeros(n, dtype=np.int64)
-        values[ids] = table.column(name).to_numpy()
-        out[name] = values
+        values = table.column(name).to_numpy()
+        fits = not n or (int(values.min()) >= -(1 << 31) and int(values.max()) < 1 << 31)
+        out[name] = np.zeros(n, dtype=np.int32 if fits else np.int64)  # int32: 4 bytes a sample at 1B
+        out[name][ids] = values
     return out

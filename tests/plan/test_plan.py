@@ -61,7 +61,7 @@ def test_cli_end_to_end_from_analyze(tmp_path):
     assert epoch_ids(d, 0) != epoch_ids(d, 1)  # a different shuffle per epoch
     assert all(t % 8 == 0 for t in d["seqlen"])
     # metadata per docs/formats.md
-    for key in ("varlen_version", "created_at", "config", "input", "dp", "grad_accum", "epochs", "num_steps",
+    for key in ("varlen_version", "config", "input", "dp", "grad_accum", "epochs", "num_steps",
                 "steps_per_epoch", "num_microbatches", "shapes", "warmup_steps", "base_batch_size", "lr_scaling",
                 "lr_scale_by", "packing", "dropped", "stats"):
         assert key in md, key

@@ -45,7 +45,7 @@ from .lengths import (
     token_lengths,
 )
 from .sources import DEFAULT_CHUNK_BYTES, Reader, SourceFile, Unit, assign, discover, fingerprint, make_units
-from .stats import distribution, float_summary
+from .stats import FloatSummary, LengthStats, distribution, float_summary
 
 LENGTH_HELP = ("KIND:COLUMN with KIND list, tokens, chars, bytes, words, value or chat; 'auto' picks a list column "
                "input_ids/tokens/token_ids, then text (tokens with --tokenizer, else chars), then "
@@ -277,6 +277,8 @@ def run_in_group(config: AnalyzeConfig, d: Dist, out: artifacts.AtomicDir, t0: f
     mine = units[lo:hi]
     work = _Work(config, files)
     rarity_mode = work.difficulty.kind == "vocab-rarity"
+    if not rarity_mode and all(u.rows >= 0 for u in units):  # rows known up front: stream the part
+        return _run_streaming(config, d, out, t0, files, units, lo, hi, work)
     total_weight = sum(u.weight for u in units) * (2 if rarity_mode else 1)
 
     lengths_parts, diff_parts, unit_rows, extra_parts = [], [], [], []
@@ -357,6 +359,106 @@ def run_in_group(config: AnalyzeConfig, d: Dist, out: artifacts.AtomicDir, t0: f
     )
 
 
+def _run_streaming(config: AnalyzeConfig, d: Dist, out: artifacts.AtomicDir, t0: float, files, units, lo: int,
+                   hi: int, work: _Work) -> AnalyzeResult | None:
+    """``run_in_group`` for sources whose row counts are known before reading (Parquet, Arrow): each
+    rank knows its first sample_id up front and writes its part row group by row group, so a worker
+    holds one unit and one row group of output, whatever the number of rows (1B rows on 2 workers)."""
+    rows_all = np.fromiter((u.rows for u in units), dtype=np.int64, count=len(units))
+    total_rows = int(rows_all.sum())
+    if total_rows == 0:
+        raise InputError("the sources hold no samples (empty dataset)")
+    first_id = int(rows_all[:lo].sum())
+    length_stats, diff_stats = LengthStats(), FloatSummary(total_rows)
+    extra_stats = {name: LengthStats() for name in work.extra_names() if name == "target_length"}
+    writer = _PartWriter(out.file(artifacts.part_name(d.rank)), first_id)
+    with JobProgress(d, int(sum(u.weight for u in units)), "analyze", show=config.progress) as bar, writer:
+        for unit in units[lo:hi]:
+            lengths, _, table, extras = work.lengths_and_ids(unit, want_ids=False)
+            if len(lengths) != unit.rows:
+                raise InputError(f"{work.where(unit)} changed while it was read: {len(lengths):,} rows where its "
+                                 f"metadata says {unit.rows:,}")
+            difficulty = work.difficulty_values(unit, lengths, table)
+            del table
+            length_stats.add(lengths)
+            diff_stats.add(difficulty)
+            for name, acc in extra_stats.items():
+                acc.add(extras[name])
+            writer.add(lengths, difficulty, extras)
+            bar.advance(unit.weight)
+            fault_point("analyze.unit")
+        bar.wait_for_peers(sum(u.weight for u in units))
+    rows = d.all_gather_int(writer.rows)
+    per_file = np.bincount(np.array([u.file for u in units], dtype=np.int64), weights=rows_all,
+                           minlength=len(files)).astype(np.int64)
+    stats = {"length": length_stats.finish(d), "difficulty": diff_stats.finish(d)}
+    for name, acc in extra_stats.items():  # collectives: every rank
+        stats[name] = acc.finish(d)
+    d.barrier()  # every part is written
+    if not d.is_main:
+        return None
+    fp = _with_chunks(fingerprint(files, per_file.tolist()), files, units, rows_all)
+    manifest = _manifest(config, str(work.length), d.world_size, fp, rows, stats, list(work.extra_names()))
+    artifacts.atomic_write_json(out.file(artifacts.MANIFEST_NAME), manifest)
+    out.commit()
+    return AnalyzeResult(
+        output=out.path, num_samples=total_rows, num_files=len(files), num_parts=len(manifest["parts"]),
+        length=str(work.length), difficulty=str(work.difficulty), stats=stats["length"],
+        difficulty_stats=stats["difficulty"], seconds=time.perf_counter() - t0, manifest=manifest,
+    )
+
+
+class _PartWriter:
+    """A part file written row group by row group (:data:`PART_ROW_GROUP` rows each), as
+    :func:`_write_part` writes it whole."""
+
+    def __init__(self, path: str, first_id: int):
+        self.path, self.next_id, self.rows = path, first_id, 0
+        self.lengths: list = []
+        self.difficulty: list = []
+        self.extras: dict = {}
+        self.buffered = 0
+        self._writer = None
+
+    def __enter__(self) -> _PartWriter:
+        return self
+
+    def add(self, lengths: np.ndarray, difficulty: np.ndarray, extras: dict) -> None:
+        self.lengths.append(np.asarray(lengths, np.int64))
+        self.difficulty.append(np.asarray(difficulty, np.float64))
+        for name, values in extras.items():
+            self.extras.setdefault(name, []).append(np.asarray(values, np.int64))
+        self.buffered += len(lengths)
+        while self.buffered >= PART_ROW_GROUP:
+            self._flush(PART_ROW_GROUP)
+
+    def _flush(self, n: int) -> None:
+        import pyarrow.parquet as pq
+
+        lengths, difficulty = np.concatenate(self.lengths), np.concatenate(self.difficulty)
+        extras = {name: np.concatenate(v) for name, v in self.extras.items()}
+        table = _part_table(self.next_id, lengths[:n], difficulty[:n], {name: v[:n] for name, v in extras.items()})
+        self.lengths, self.difficulty = [lengths[n:]], [difficulty[n:]]
+        self.extras = {name: [v[n:]] for name, v in extras.items()}
+        self.buffered -= n
+        self.next_id += n
+        self.rows += n
+        try:
+            if self._writer is None:
+                self._writer = pq.ParquetWriter(self.path, table.schema, **part_options(table.column_names))
+            self._writer.write_table(table, row_group_size=PART_ROW_GROUP)
+        except OSError as exc:
+            raise OutputError(f"cannot write {self.path}: {exc}") from None
+
+    def __exit__(self, exc_type, *rest) -> None:
+        try:
+            if exc_type is None and (self.buffered or self._writer is None):
+                self._flush(self.buffered)
+        finally:
+            if self._writer is not None:
+                self._writer.close()
+
+
 def _with_chunks(fp: dict, files: list[SourceFile], units: list[Unit], unit_rows: np.ndarray) -> dict:
     """Record the byte-range units whose rows were not known up front (uncompressed JSONL and text,
     any format cut into byte ranges) with their rows (``chunks``: ``[[start, stop, rows], ...]`` per
@@ -394,30 +496,42 @@ def _manifest(config: AnalyzeConfig, length: str, world_size: int, fp: dict, row
     }
 
 
+PART_ROW_GROUP = 1 << 20
 DELTA_COLUMNS = {"sample_id": "DELTA_BINARY_PACKED", "document": "DELTA_BINARY_PACKED"}
 
 
-def _write_part(path: str, first_id: int, lengths: np.ndarray, difficulty: np.ndarray, extras: dict) -> None:
-    """One part file. ``sample_id`` is a run of consecutive integers and ``document`` a
-    non-decreasing one: delta encoding stores them in almost nothing and writes fast (3x faster than
-    plain + zstd for ``document``), with nothing left for zstd to compress; dictionaries only where
-    values repeat (lengths, difficulty). ``extras``: further int64 columns (``target_length``,
-    ``document``). Speed: benchmarks/README.md (Megatron ``.idx``)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+def part_options(column_names) -> dict:
+    """Parquet writer options of a part. ``sample_id`` is a run of consecutive integers and
+    ``document`` a non-decreasing one: delta encoding stores them in almost nothing and writes fast
+    (3x faster than plain + zstd for ``document``), with nothing left for zstd to compress;
+    dictionaries only where values repeat (lengths, difficulty). Speed: benchmarks/README.md
+    (Megatron ``.idx``)."""
+    zstd = [name for name in column_names if name not in DELTA_COLUMNS]
+    return {"use_dictionary": ["length", "difficulty"],
+            "column_encoding": {k: v for k, v in DELTA_COLUMNS.items() if k in column_names},
+            "compression": {name: "zstd" if name in zstd else "none" for name in column_names},
+            "compression_level": dict.fromkeys(zstd, 1)}
 
-    table = pa.table({
+
+def _part_table(first_id: int, lengths: np.ndarray, difficulty: np.ndarray, extras: dict):
+    """Rows of a part: ``extras``: further int64 columns (``target_length``, ``document``)."""
+    import pyarrow as pa
+
+    return pa.table({
         "sample_id": pa.array(np.arange(first_id, first_id + len(lengths), dtype=np.int64)),
         "length": pa.array(lengths.astype(np.int64, copy=False)),
         "difficulty": pa.array(difficulty.astype(np.float64, copy=False)),
         **{name: pa.array(values.astype(np.int64, copy=False)) for name, values in extras.items()},
     })
-    zstd = [name for name in table.column_names if name not in DELTA_COLUMNS]
+
+
+def _write_part(path: str, first_id: int, lengths: np.ndarray, difficulty: np.ndarray, extras: dict) -> None:
+    """One part file, written whole (sources whose row counts are known only once read)."""
+    import pyarrow.parquet as pq
+
+    table = _part_table(first_id, lengths, difficulty, extras)
     try:
-        pq.write_table(table, path, row_group_size=1 << 20, use_dictionary=["length", "difficulty"],
-                       column_encoding={k: v for k, v in DELTA_COLUMNS.items() if k in table.column_names},
-                       compression={name: "zstd" if name in zstd else "none" for name in table.column_names},
-                       compression_level=dict.fromkeys(zstd, 1))
+        pq.write_table(table, path, row_group_size=PART_ROW_GROUP, **part_options(table.column_names))
     except OSError as exc:
         raise OutputError(f"cannot write {path}: {exc}") from None
 

@@ -189,7 +189,7 @@ def plan_rows(result) -> list:
 
 
 def plan_json(result) -> dict:
-    return as_json(plan_rows(result), result.output)
+    return as_json(plan_rows(result), result.output, **{"seconds per phase": dict(result.phases)})
 
 
 def print_plan(result) -> None:

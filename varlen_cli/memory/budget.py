@@ -151,7 +151,7 @@ def segment_peaks(coef, batch, seqlen, segment_lengths, offsets) -> np.ndarray:
 
 
 def plan_memory_metadata(memory: dict, batch, seqlen, shape_id, num_shapes: int, packed: bool,
-                         segment_lengths=None, offsets=None) -> dict:
+                         segment_lengths=None, offsets=None, sum_squares=None) -> dict:
     """The plan metadata's ``memory`` entry of a :func:`memory_limit`: the profile used, the limit,
     and the predicted peak of every shape (the largest over its microbatches when B varies) and of
     the whole plan; packed plans also get the per-segment-attention maximum."""
@@ -168,7 +168,11 @@ def plan_memory_metadata(memory: dict, batch, seqlen, shape_id, num_shapes: int,
         "predicted_peak_per_shape": [float(v) for v in per_shape],
         "predicted_peak_max": float(peak.max()) if len(peak) else float(coef[0]),
     }
-    if packed and segment_lengths is not None and len(peak):
+    if packed and sum_squares is not None and len(peak):  # per microbatch sum(s_i^2) given (chunked plans)
+        c0, c1, c2 = coef
+        seg = c0 + c1 * np.asarray(batch, np.float64) * np.asarray(seqlen, np.float64) + c2 * np.asarray(sum_squares)
+        out["predicted_peak_max_per_segment"] = float(seg.max())
+    elif packed and segment_lengths is not None and len(peak):
         out["predicted_peak_max_per_segment"] = float(segment_peaks(coef, batch, seqlen, segment_lengths,
                                                                     offsets).max())
     return out

@@ -191,8 +191,8 @@ def build_metadata(c: PlanConfig, epochs: list[PlannedEpoch], *, source: dict, n
     as recorded, if not ``c``'s)."""
     return {
         "format": format.PLAN_FORMAT, "format_version": format.PLAN_FORMAT_VERSION,
-        "varlen_version": __version__, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "config": source.get("config") or artifacts.config_dict(c), "input": source["input"],
+        "varlen_version": __version__,
+        "config": source.get("config") or recorded_config(c), "input": source["input"],
         "dp": c.dp, "grad_accum": c.grad_accum, "epochs": c.epochs, "num_steps": num_steps,
         "steps_per_epoch": [ep.mb.count // inputs.slots for ep in epochs], "num_microbatches": num_microbatches,
         "orders": [ep.mode for ep in epochs],
@@ -202,12 +202,19 @@ def build_metadata(c: PlanConfig, epochs: list[PlannedEpoch], *, source: dict, n
         "shape_map": inputs.shape.to_dict(), "fixed_batch_size": fixed_batch,
         "packing": packing,
         "dropped": dropped,
-        "stats": summary,
+        "stats": {key: value for key, value in summary.items() if key != "seconds"},
     }
 
 
-def _memory_entry(c: PlanConfig, budget: Budget, b: np.ndarray, t: np.ndarray, shape_id: np.ndarray, num_shapes: int,
-                  items: dict, offsets: np.ndarray) -> dict:
+def recorded_config(c: PlanConfig) -> dict:
+    """The options a plan records: what it is made of, not how the command ran (no output, overwrite,
+    progress, nproc, allow_stale: ``artifacts.RUNTIME_FIELDS``), so the same input and options give
+    the same file, whatever the number of workers and wherever it is written."""
+    return {k: v for k, v in artifacts.config_dict(c).items() if k not in artifacts.RUNTIME_FIELDS}
+
+
+def memory_entry(c: PlanConfig, budget: Budget, b: np.ndarray, t: np.ndarray, shape_id: np.ndarray, num_shapes: int,
+                 items: dict | None = None, offsets: np.ndarray | None = None, sum_squares=None) -> dict:
     """The ``memory`` entry of a plan kept under a memory limit; refused (one line) when a microbatch's
     predicted peak exceeds it (a replan given another --max-tokens than the limit allows)."""
     from ..memory.budget import over_limit, plan_memory_metadata
@@ -219,7 +226,7 @@ def _memory_entry(c: PlanConfig, budget: Budget, b: np.ndarray, t: np.ndarray, s
                          f"{format_size(budget.memory['max_memory'])} (up to {format_size(worst)}) with "
                          f"{budget.describe()}; give a smaller --max-tokens, or --max-memory for a new limit")
     return plan_memory_metadata(budget.memory, b, t, shape_id, num_shapes, bool(c.packing),
-                                items.get("sample_lengths"), offsets)
+                                (items or {}).get("sample_lengths"), offsets, sum_squares)
 
 
 def finish(c: PlanConfig, rows: Rows, epochs: list[PlannedEpoch], col: dict, it: dict, long_pos: np.ndarray,
@@ -281,7 +288,7 @@ def finish(c: PlanConfig, rows: Rows, epochs: list[PlannedEpoch], col: dict, it:
 
         metadata["schedule"] = combined_report(c.schedule, c.stages, [ep.schedule_order for ep in epochs])
     if budget.memory is not None:
-        metadata["memory"] = _memory_entry(c, budget, b, t, shape_id, len(shapes), it, offsets)
+        metadata["memory"] = memory_entry(c, budget, b, t, shape_id, len(shapes), it, offsets)
         summary["predicted_peak_max"] = metadata["memory"]["predicted_peak_max"]
     del epochs[:]
     row_cols = {

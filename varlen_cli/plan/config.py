@@ -13,6 +13,7 @@ from ..errors import UsageError
 from ..memory.sizes import parse_size
 from ..runtime.choices import (
     ALLOW_MEMORY_EXTRAPOLATION_HELP,
+    NPROC_HELP,
     STORAGE_OPTION_HELP,
     LrScaleBy,
     LrScaling,
@@ -24,6 +25,7 @@ from ..runtime.choices import (
 )
 
 MAX_TOKENS_LIMIT = 2**53  # budgets are compared as float64: exact up to here
+CHUNK_SAMPLES = 1 << 23  # samples per chunk (varlen_cli/plan/chunked)
 ORDERS = values(Order)
 TAILS = values(Tail)
 
@@ -94,6 +96,10 @@ class PlanConfig:
     extend: str | None = doc(None, "Lengthen this plan to --epochs E: its steps unchanged, new epochs appended (its "
                                    "other options kept; INPUT_DIR only if its input moved).")
     progress: bool = doc(True, "Show a progress bar on rank 0 (only on a terminal).")
+    nproc: int = doc(1, NPROC_HELP)
+    chunk_samples: int = doc(CHUNK_SAMPLES, "Samples planned together (a chunk): a worker holds one chunk at a time, "
+                                            "so memory per worker is bounded by it; chunks, not workers, define the "
+                                            "plan (docs/plan.md, \"Plans at scale\").")
     storage_options: tuple = doc((), STORAGE_OPTION_HELP)
 
 
@@ -136,6 +142,7 @@ def check(c: PlanConfig) -> None:
     _positive("--pad-multiple", c.pad_multiple, False)
     _positive("--num-shapes", c.num_shapes)
     _positive("--max-samples", c.max_samples)
+    _positive("--chunk-samples", c.chunk_samples, False)
     _check_ranges(c)
     if c.base_batch_size is not None and not c.base_batch_size > 0:
         raise UsageError(f"--base-batch-size must be > 0 (got {c.base_batch_size})")

@@ -1,6 +1,8 @@
-"""``varlen plan``: dispatch to the plain planner, ``--mix`` (:mod:`.mixture`) or ``--extend``
-(:mod:`.extend`). The plain planner reads the input (:mod:`.reader`), forms and lays out every epoch
-(:mod:`.pipeline`), then assembles the columns and writes the plan (:mod:`.assemble`)."""
+"""``varlen plan``: dispatch to the chunked planner (:mod:`.chunked`: a metrics or sorted directory,
+on one process, ``--nproc`` workers or the ranks of a torchrun job), ``--mix`` (:mod:`.mixture`) or
+``--extend`` (:mod:`.extend`). Every path forms epochs with the formers (:mod:`.orders`), lays them
+out (:mod:`.layout`) and writes the plan (:mod:`.writer`); the plain planner reads the input by
+chunks, so its memory is bounded by a chunk (docs/plan.md, "Plans at scale")."""
 
 from __future__ import annotations
 
@@ -8,54 +10,40 @@ import time
 
 from .. import storage
 from ..errors import UsageError
-from ..runtime import rank0, safety
-from . import writer
-from .assemble import assemble_columns, finish, input_info
+from ..runtime import rank0
+from ..runtime.dist import check_nproc
 from .config import ORDERS, TAILS, PlanConfig, PlanResult, check
-from .cost_model import resolve_budget
-from .orders import CURRICULAR
-from .pipeline import Rows, check_plan_size, epoch_inputs, plan_epochs
-from .progress import PlanProgress
-from .reader import read_input, read_targets
 
 __all__ = ["ORDERS", "TAILS", "PlanConfig", "PlanResult", "check", "plan"]
 
 
 def plan(config: PlanConfig) -> PlanResult:
-    """Run ``varlen plan``: read the input, plan every epoch, write the plan; returns the summary."""
-    if rank0.needs_group():  # under torchrun: rank 0 plans and writes, the others wait
-        return rank0.on_rank0(plan, config)
+    """Run ``varlen plan``: plan every epoch and write the plan; returns the summary (on every rank)."""
     storage.configure(config.storage_options)  # inputs and the output may be in object storage
-    if config.extend is not None:  # varlen plan --extend PLAN --epochs E (plan/replan.py)
-        from .extend import run_extend
+    if config.extend is not None or config.mix is not None:
+        if config.nproc != 1:
+            raise UsageError("--nproc applies to plans of one metrics or sorted directory, not to --extend or --mix")
+        if rank0.needs_group():  # under torchrun: rank 0 plans and writes, the others wait
+            return rank0.on_rank0(plan, config)
+        if config.extend is not None:  # varlen plan --extend PLAN --epochs E (plan/extend.py)
+            from .extend import run_extend
 
-        return run_extend(config)
-    if config.mix is not None:  # varlen plan --mix a=DIR:w,... (plan/mixture.py)
-        from .mixture import plan_mixture
+            return run_extend(config)
+        from .mixture import plan_mixture  # varlen plan --mix a=DIR:w,... (plan/mixture.py)
 
         return plan_mixture(config)
     t0 = time.perf_counter()
-    c = config
-    check(c)
-    safety.check_no_overlap(c.output, safety.stage_inputs(c))
-    writer.check_output(c.output, c.overwrite)
-    budget = resolve_budget(c)
-    with PlanProgress(c.progress, c.epochs) as bar:
-        bar.phase("read")
-        manifest, sample_id, length = read_input(c.input, c.allow_stale)
-        target = read_targets(c, c.input, manifest)
-        kind = manifest.get("kind", "metrics")
-        if c.order in CURRICULAR and kind != "sorted":
-            raise UsageError(f"--order {c.order} needs a sorted input, but {c.input} is a {kind} directory "
-                             f"(sample_id order); sort it first: `varlen sort {c.input} -o SORTED_DIR`")
-        check_plan_size(len(sample_id), c.epochs, c.packing, f"{len(sample_id):,} samples")
-        rows = Rows(sample_id, length, target=target)
-        inputs, long_pos = epoch_inputs(c, rows, budget)
-        epochs, fixed_batch = plan_epochs(c, inputs, bar=bar)
-        bar.phase("columns")
-        cols, items = assemble_columns(c, rows, epochs, inputs.slots)
-        bar.phase("write")
-        result = finish(c, rows, epochs, cols, items, long_pos, inputs, fixed_batch, t0,
-                        source={"input": input_info(c, manifest, len(sample_id))})
-    result.phases = dict(bar.seconds)
-    return result
+    check(config)
+    check_nproc(config.nproc)
+    from .chunked.run import plan_chunked
+
+    return plan_chunked(config, t0)
+
+
+def plan_in_group(config: PlanConfig, d) -> PlanResult | None:
+    """``plan`` by every rank of an existing process group ``d`` (``varlen run``); rank 0's result."""
+    t0 = time.perf_counter()
+    check(config)
+    from .chunked.run import plan_in_group as chunked
+
+    return chunked(config, d, t0)

@@ -214,8 +214,9 @@ def merge(parent: Parent, more: PlanResult, c: PlanConfig, record: dict, lineage
             "steps_per_epoch": list(old_meta["steps_per_epoch"]) + list(new_meta["steps_per_epoch"]),
             "num_microbatches": summary["microbatches"], "orders": old_meta.get("orders", []) +
             new_meta.get("orders", []), "shapes": shapes, "dropped": dropped, "packing": packing,
-            "budget": new_meta["budget"], "stats": summary, "lineage": lineage,
-            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "budget": new_meta["budget"], "stats": {k: v for k, v in summary.items() if k != "seconds"},
+            "lineage": lineage}
+    meta.pop("created_at", None)  # plans made before their files were a function of input and options
     for key in ("straggler_cost", "cost_model"):  # older plans' copies of the budget: it is in "budget" now
         meta.pop(key, None)
     if old_meta.get("mixture"):

@@ -54,3 +54,10 @@ def reuse_freed_memory() -> Iterator[None]:
         libc.mallopt(M_MMAP_MAX, DEFAULT_MMAP_MAX)
         libc.mallopt(M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD)
         libc.malloc_trim(0)
+
+
+def trim() -> None:
+    """Give the heap's free memory back to the system (a worker that has finished its share)."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)

@@ -61,14 +61,19 @@ class Rows:
         return len(self.length)
 
 
-def check_plan_size(entries_per_epoch: int, epochs: int, packed: bool, what: str) -> None:
+def check_plan_size(entries_per_epoch: int, epochs: int, packed: bool, what: str,
+                    bytes_per_entry: float | None = None, fixed: int = 0) -> None:
     """Refuse, before any work, a plan that would not fit in this machine's memory (an estimate) or
-    would take thousands of epochs of fixed work: one line instead of a stall or an out-of-memory kill."""
+    would take thousands of epochs of fixed work: one line instead of a stall or an out-of-memory kill.
+    ``bytes_per_entry``/``fixed``: another planner's estimate (the chunked planner's, whose memory
+    grows with the microbatches, not the samples)."""
     if epochs > MAX_EPOCHS_PER_RUN:
         raise UsageError(f"--epochs {epochs:,} is more than {MAX_EPOCHS_PER_RUN:,} epochs in one run; plan fewer and "
                          "lengthen the plan with `varlen plan --extend PLAN --epochs E`")
     entries = int(entries_per_epoch) * int(epochs)
-    need = entries * (PACKED_BYTES_PER_ENTRY if packed else BYTES_PER_ENTRY)
+    per_entry = bytes_per_entry if bytes_per_entry is not None else \
+        (PACKED_BYTES_PER_ENTRY if packed else BYTES_PER_ENTRY)
+    need = int(entries * per_entry) + int(fixed)
     have = _available_memory()
     if have is not None and need > have:
         raise UsageError(f"the plan would hold {entries:,} sample entries ({epochs:,} epoch(s) of {what}), about "
@@ -121,22 +126,30 @@ def _too_long(c: PlanConfig, length: np.ndarray, budget: Budget, shape: ShapeMap
         too_long = (length > c.seq_len) if not c.split_long else np.zeros(len(length), bool)
     else:
         too_long = length > _longest_fitting(length, budget, shape)
-    n_long = int(np.count_nonzero(too_long))
-    budget_name = budget.describe()
-    if n_long == len(length):
-        if c.packing:
-            raise InputError(f"--seq-len {c.seq_len:,} is below every sample: the shortest has "
-                             f"{int(length.min()):,} tokens")
-        raise InputError(f"the budget is below every sample: {budget_name} fits none of the "
-                         f"{len(length):,} samples (the shortest has {int(length.min()):,} tokens)")
-    if n_long and not c.drop_long:
-        longest = int(length.max())
-        if c.packing:
-            raise InputError(f"{n_long:,} samples are longer than --seq-len {c.seq_len:,} (the longest has "
-                             f"{longest:,} tokens); {remedies.too_long_packed}")
-        raise InputError(f"{n_long:,} samples do not fit the budget {budget_name} (the longest has "
-                         f"{longest:,} tokens); raise {budget_name.split()[0]}{remedies.or_drop_long}")
+    error = too_long_error(c, budget, remedies, int(np.count_nonzero(too_long)), len(length),
+                           int(length.max()) if len(length) else 0, int(length.min()) if len(length) else 0)
+    if error is not None:
+        raise error
     return too_long
+
+
+def too_long_error(c: PlanConfig, budget: Budget, remedies: Remedies, n_long: int, n: int, longest: int,
+                   shortest: int) -> InputError | None:
+    """The error for ``n_long`` of ``n`` samples too long for any microbatch (None when that is fine:
+    none, or --drop-long and some fit); the chunked planner counts them chunk by chunk."""
+    budget_name = budget.describe()
+    if n_long and n_long == n:
+        if c.packing:
+            return InputError(f"--seq-len {c.seq_len:,} is below every sample: the shortest has {shortest:,} tokens")
+        return InputError(f"the budget is below every sample: {budget_name} fits none of the {n:,} samples (the "
+                          f"shortest has {shortest:,} tokens)")
+    if n_long and not c.drop_long:
+        if c.packing:
+            return InputError(f"{n_long:,} samples are longer than --seq-len {c.seq_len:,} (the longest has "
+                              f"{longest:,} tokens); {remedies.too_long_packed}")
+        return InputError(f"{n_long:,} samples do not fit the budget {budget_name} (the longest has {longest:,} "
+                          f"tokens); raise {budget_name.split()[0]}{remedies.or_drop_long}")
+    return None
 
 
 def _longest_fitting(length: np.ndarray, budget: Budget, shape: ShapeMap) -> int:

@@ -139,20 +139,24 @@ def read_plan_costs(path: str, attention_cost: float | None = None) -> PlanCosts
     dp, accum, steps = (int(meta.get(k) or 0) for k in ("dp", "grad_accum", "num_steps"))
     if dp < 1 or accum < 1 or steps < 1:
         raise InputError(f"{path} has dp={dp}, grad_accum={accum}, num_steps={steps}: nothing to simulate")
-    table = pf.read(columns=columns)
-    col = {c: table.column(c).to_numpy().astype(np.int64) for c in _COLUMNS}
     per_step = dp * accum
-    if table.num_rows != steps * per_step:
-        raise InputError(f"{path} is inconsistent: {table.num_rows} rows, expected num_steps x dp x grad_accum = "
+    rows = pf.metadata.num_rows
+    if rows != steps * per_step:
+        raise InputError(f"{path} is inconsistent: {rows} rows, expected num_steps x dp x grad_accum = "
                          f"{steps} x {dp} x {accum}")
-    position = np.arange(table.num_rows)
-    if (np.any(col["step"] != position // per_step)
-            or np.any(col["rank"] * accum + col["micro"] != position % per_step)):
-        raise InputError(f"{path} rows are not in (step, rank, micro) order")
-    b, t = col["batch_size"].astype(np.float64), col["seqlen"].astype(np.float64)
+    # read row group by row group (a plan of 100M+ microbatches: 24 bytes each are kept, not the table)
+    b, t, cost = np.empty(rows, np.float64), np.empty(rows, np.float64), np.empty(rows, np.float64)
+    for g, at in _row_groups(pf):
+        table = pf.read_row_group(g, columns=columns)
+        col = {c: table.column(c).to_numpy().astype(np.int64) for c in _COLUMNS}
+        position = np.arange(at, at + table.num_rows)
+        if (np.any(col["step"] != position // per_step)
+                or np.any(col["rank"] * accum + col["micro"] != position % per_step)):
+            raise InputError(f"{path} rows are not in (step, rank, micro) order")
+        b[position], t[position] = col["batch_size"], col["seqlen"]
+        cost[position] = format.table_cost(table, budget)  # the one cost formula
     if np.any(b * t <= 0):
         raise InputError(f"{path} has a microbatch with batch_size x seqlen <= 0")
-    cost = np.asarray(format.table_cost(table, budget), dtype=np.float64)  # the one cost formula
     model = {**budget.straggler_spec(), "attention_cost": budget.attention_cost,
              "source": "plan" if attention_cost is None else "option", "plan_attention_cost": recorded}
     _check_cost_range(cost, b, t, model)
@@ -171,6 +175,14 @@ def _check_cost_range(cost: np.ndarray, b: np.ndarray, t: np.ndarray, model: dic
     raise UsageError(f"{given} {model['attention_cost']:g} is too large: microbatch {int(b[big])} x {int(t[big])} "
                      f"would cost {worst:.3g}, beyond what float64 sums over a plan hold (A is per squared "
                      "token; realistic values are below 1e-3)")
+
+
+def _row_groups(pf):
+    """(row group, its first row) of a Parquet file."""
+    at = 0
+    for g in range(pf.metadata.num_row_groups):
+        yield g, at
+        at += pf.metadata.row_group(g).num_rows
 
 
 def unit_starts(scheme: Scheme, jobs: Jobs, costs: np.ndarray, r: float) -> tuple[np.ndarray, np.ndarray]:

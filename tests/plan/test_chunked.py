@@ -1,0 +1,351 @@
+"""Chunked plans (issue 25): chunks of the input, not workers, define the plan.
+
+Small corpora with a tiny ``chunk_samples`` so that every plan spans several chunks: every order and
+layout option keeps the plan invariants and passes ``varlen validate``; a one-chunk plan is exactly
+the single-process planner's; 1, 2 and 4 workers write the same plan; a killed worker fails the job
+and leaves the old plan as it was; the tail rule on the unit table is the single-process rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import ROOT
+from tests.plan_helpers import check_plan, epoch_ids, plan_whole, write_metrics
+from varlen_cli.plan.core import PlanConfig, plan
+from varlen_cli.validate import ValidateConfig, validate
+
+N = 3000
+CHUNK = 700  # 5 chunks of 600 samples
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chunked")
+    rng = np.random.default_rng(5)
+    lengths = np.clip(rng.lognormal(5.0, 1.0, N), 1, 2000).astype(np.int64)
+    lengths[::97] = 0  # empty samples
+    return {"lengths": lengths, "metrics": write_metrics(root / "m", lengths),
+            "sorted": write_metrics(root / "s", lengths, sorted_by="length", parts=3), "root": root}
+
+
+CASES = {
+    "bucket-shuffle": dict(max_tokens=4096, dp=4, grad_accum=2, epochs=2),
+    "curriculum": dict(order="curriculum", max_tokens=4096, dp=3),
+    "reverse": dict(order="reverse", max_tokens=4096, dp=2, grad_accum=3),
+    "random": dict(order="random", max_tokens=8192, dp=2),
+    "sorted input, bucket-shuffle": dict(max_tokens=4096, dp=2, input="sorted"),
+    "curriculum epochs": dict(order="curriculum", curriculum_epochs=1, epochs=2, max_tokens=4096, dp=2),
+    "static shapes, warm-up": dict(max_tokens=4096, dp=4, num_shapes=4, static_shapes=True, compile_warmup=True),
+    "same shape per step": dict(max_tokens=4096, dp=2, same_shape_per_step=True),
+    "random, same shape": dict(order="random", max_tokens=8192, dp=2, same_shape_per_step=True),
+    "drop long, pad multiple": dict(max_tokens=1024, dp=2, drop_long=True, pad_multiple=8, max_samples=16),
+    "attention cost": dict(max_tokens=4096, dp=2, attention_cost=0.0002),
+    "packed": dict(packing=True, seq_len=2048, dp=4),
+    "packed curriculum": dict(order="curriculum", packing=True, seq_len=2048, dp=2),
+    "packed, rows per microbatch": dict(packing=True, seq_len=1024, max_tokens=4096, dp=2, split_long=True),
+    "packed, cap": dict(packing=True, seq_len=2048, dp=2, max_per_row=4, epochs=2),
+    "packed, attention cost": dict(packing=True, seq_len=2048, dp=2, grad_accum=2, attention_cost=0.0001,
+                                   split_long=True),
+}
+
+
+def _config(dirs, out, options, **more) -> PlanConfig:
+    options = dict(options)
+    src = options.pop("input", "sorted" if options.get("order") in ("curriculum", "reverse") else "metrics")
+    return PlanConfig(input=dirs[src], output=str(out), overwrite=True, progress=False, **options, **more)
+
+
+def _same_plan(a, b) -> bool:
+    """The same file, byte for byte (a plan records no time, host, worker count or output path)."""
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        return fa.read() == fb.read()
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_chunked_plans_keep_the_invariants(dirs, tmp_path, name):
+    """Several chunks per epoch: validate passes, every sample once per epoch, budget and layout kept."""
+    options = CASES[name]
+    c = _config(dirs, tmp_path / "p.parquet", options, chunk_samples=CHUNK)
+    result = plan(c)
+    assert result.metadata["chunks"] == {"samples": CHUNK, "count": 5}
+    src = dirs[options.get("input", "sorted" if options.get("order") in ("curriculum", "reverse") else "metrics")]
+    v = validate(ValidateConfig(str(tmp_path / "p.parquet"), metrics=src))
+    assert v.ok, [(x.name, x.detail) for x in v.violations]
+    packed = bool(options.get("packing"))
+    d, md = check_plan(tmp_path / "p.parquet", dirs["lengths"], max_tokens=options.get("max_tokens"),
+                       dp=options.get("dp", 1), grad_accum=options.get("grad_accum", 1),
+                       attention_cost=0.0 if packed else options.get("attention_cost", 0.0),
+                       max_samples=options.get("max_samples"), packed=packed)
+    dropped = set(md["dropped"]["sample_ids"])
+    for e in range(md["epochs"]):
+        seen = epoch_ids(d, e)
+        if not options.get("split_long"):
+            assert len(seen) == len(set(seen))
+        assert set(seen) | dropped == set(range(N))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_one_chunk_is_the_single_process_plan(dirs, tmp_path, name):
+    """A plan of one chunk is exactly what the planner wrote before chunks existed."""
+    options = CASES[name]
+    plan(_config(dirs, tmp_path / "a.parquet", options))
+    plan_whole(_config(dirs, tmp_path / "b.parquet", options))
+    assert pq.read_table(tmp_path / "a.parquet").equals(pq.read_table(tmp_path / "b.parquet"))
+
+
+def test_chunked_quality_close_to_one_chunk(tmp_path):
+    """Chunk edges cost at most two microbatches each (the greedy sequence's last, partly filled),
+    so budget fill falls by at most 2 x chunks microbatches' worth (200k samples in 8 chunks: < 0.6
+    points; 1B samples in chunks of 2^23: < 0.001). Padding grows as chunks shrink (fewer samples of
+    each long length to group): here 0.06% -> 0.4%; chunks of 2^23 samples pad < 0.001%
+    (benchmarks/README.md, issue 25)."""
+    rng = np.random.default_rng(3)
+    lengths = np.clip(rng.lognormal(5.5, 1.0, 200_000), 1, 16000).astype(np.int64)
+    m = write_metrics(tmp_path / "m", lengths)
+    stats = []
+    for chunk in (1 << 23, 25_000):
+        r = plan(PlanConfig(input=m, output=str(tmp_path / f"{chunk}.parquet"), max_tokens=16384, dp=8,
+                            chunk_samples=chunk, progress=False))
+        stats.append(r.stats)
+    one, many = stats
+    assert one["microbatches"] <= many["microbatches"] <= one["microbatches"] + 2 * 8 + 8
+    assert one["padding_pct"] < 0.1 and many["padding_pct"] < 0.6
+    assert many["straggler_mean"] < 1.02
+
+
+def test_too_many_dropped_ids_are_counted_not_listed(dirs, tmp_path, monkeypatch):
+    """More too-long samples than the list holds: counted, the rule recorded, and validate checks the
+    count (and with --metrics the very samples) with its bitmap."""
+    from varlen_cli.plan.chunked import finish
+
+    monkeypatch.setattr(finish, "LIST_LIMIT", 3)
+    out = tmp_path / "p.parquet"
+    r = plan(_config(dirs, out, dict(max_tokens=512, drop_long=True, dp=2), chunk_samples=CHUNK))
+    dropped = r.metadata["dropped"]
+    n_long = int((dirs["lengths"] > 512).sum())
+    assert dropped["too_long_listed"] is False and dropped["too_long_count"] == n_long > 3
+    assert dropped["too_long_over"] == 512 and dropped["too_long_ids"] == []
+    for metrics in (None, dirs["metrics"]):
+        v = validate(ValidateConfig(str(out), metrics=metrics))
+        assert v.ok, [(x.name, x.detail) for x in v.violations]
+    # a sample that fits, taken out of the plan: caught by the count
+    t = pq.read_table(out)
+    ids = t.column("sample_ids").to_pylist()
+    ids[0] = ids[0][1:] if len(ids[0]) > 1 else ids[0]
+    bad = t.set_column(t.schema.get_field_index("sample_ids"), "sample_ids",
+                       __import__("pyarrow").array(ids, type=t.schema.field("sample_ids").type))
+    if len(pq.read_table(out).column("sample_ids")[0]) > 1:
+        pq.write_table(bad.replace_schema_metadata(t.schema.metadata), tmp_path / "bad.parquet")
+        v = validate(ValidateConfig(str(tmp_path / "bad.parquet")))
+        assert any(x.name == "coverage" and "missing" in x.detail for x in v.violations)
+
+
+def test_validate_and_readers_in_windows(dirs, tmp_path, monkeypatch):
+    """A plan read back in many small windows (bounded memory): validate, Plan.open, the sampler."""
+    from varlen_cli import plan_scan
+    from varlen_cli.loader import Plan
+    from varlen_cli.plan import writer
+
+    monkeypatch.setattr(writer, "ROW_GROUP_TARGET", 8)
+    monkeypatch.setattr(plan_scan, "TARGET_VALUES", 64)
+    out = tmp_path / "p.parquet"
+    plan(_config(dirs, out, CASES["packed, cap"], chunk_samples=CHUNK))
+    windows = list(plan_scan.windows(pq.ParquetFile(out), ["step", "epoch"], ["sample_ids"], 2))
+    assert len(windows) > 10 and all(w.n % 2 == 0 for w in windows)
+    assert sum(w.n for w in windows) == pq.ParquetFile(out).metadata.num_rows
+    v = validate(ValidateConfig(str(out), metrics=dirs["metrics"]))
+    assert v.ok, [(x.name, x.detail) for x in v.violations]
+    p = Plan.open(out, num_samples=N, world_size=2)
+    got = [i for mb in p.microbatches(rank=0) for i in mb.sample_ids.tolist()]
+    got += [i for mb in p.microbatches(rank=1) for i in mb.sample_ids.tolist()]
+    assert sorted(set(got)) == list(range(N))
+
+
+def test_inspect_and_simulate_in_windows(dirs, tmp_path, monkeypatch):
+    """inspect's series summed window by window and simulate's row-group reads give what the whole
+    table gives (a packed attention-cost plan: the straggler needs the segments' lengths)."""
+    from varlen_cli import format, inspect, plan_scan
+    from varlen_cli.plan import writer
+    from varlen_cli.schedule.simulate import read_plan_costs
+
+    monkeypatch.setattr(writer, "ROW_GROUP_TARGET", 8)
+    out = tmp_path / "p.parquet"
+    plan(_config(dirs, out, CASES["packed, attention cost"], chunk_samples=CHUNK))
+    pf, meta = format.open_plan_file(str(out))
+    assert pf.metadata.num_row_groups > 10
+    whole = inspect.plan_series(pf, meta)  # one window: TARGET_VALUES exceeds the plan's ids
+    monkeypatch.setattr(plan_scan, "TARGET_VALUES", 64)
+    windowed = inspect.plan_series(pf, meta)
+    assert _leaves(windowed).keys() == _leaves(whole).keys()
+    for key, value in _leaves(whole).items():
+        want = value if isinstance(value, str) else pytest.approx(value, rel=1e-12, nan_ok=True)
+        assert _leaves(windowed)[key] == want, key
+    t = pq.read_table(out)
+    step, rank = t.column("step").to_numpy(), t.column("rank").to_numpy()
+    cost = format.table_cost(t, format.plan_budget(meta))
+    assert whole["steps"] == int(step.max()) + 1
+    assert whole["straggler_mean"] == pytest.approx(float(format.straggler(step, rank, cost, meta["dp"]).mean()))
+    costs = read_plan_costs(str(out))
+    padded = (t.column("batch_size").to_numpy() * t.column("seqlen").to_numpy()).astype(np.float64)
+    assert np.array_equal(costs.tokens.ravel(), padded)
+
+
+def _leaves(value, key: str = "") -> dict:
+    """A nested dict/list of numbers as {path: number or string}."""
+    if isinstance(value, dict):
+        return {k: v for name, x in value.items() for k, v in _leaves(x, f"{key}.{name}").items()}
+    if isinstance(value, list):
+        return {k: v for i, x in enumerate(value) for k, v in _leaves(x, f"{key}[{i}]").items()}
+    return {key: value}
+
+
+@pytest.mark.parametrize("order", ["bucket-shuffle", "random"])
+def test_chunked_target_length_loss_tokens(tmp_path, monkeypatch, order):
+    """Metrics with target_length over several chunks: step_loss_tokens sums the targets (counted
+    here from the data), the planner's own check and validate --metrics both count them."""
+    from varlen_cli import format
+    from varlen_cli.errors import InternalConsistencyError
+
+    rng = np.random.default_rng(8)
+    lengths = rng.integers(1, 400, N)
+    targets = (rng.random(N) * lengths).astype(np.int64)
+    m = write_metrics(tmp_path / "m", lengths, targets=targets)
+    out = tmp_path / "p.parquet"
+    plan(PlanConfig(input=m, output=str(out), max_tokens=2048, dp=2, order=order, chunk_samples=CHUNK,
+                    progress=False))
+    t = pq.read_table(out, columns=["step", "sample_ids", "step_loss_tokens"])
+    want: dict = {}
+    for step, ids in zip(t.column("step").to_pylist(), t.column("sample_ids").to_pylist()):
+        want[step] = want.get(step, 0) + int(targets[ids].sum())
+    got = dict(zip(t.column("step").to_pylist(), t.column("step_loss_tokens").to_pylist()))
+    assert got == want
+    check = next(c for c in validate(ValidateConfig(str(out), metrics=m)).checks if c.name == "loss tokens")
+    assert check.ok and not check.skipped and "target_length" in check.detail
+    real = format.loss_targets  # the check counting one target more per entry: the planner refuses its plan
+    monkeypatch.setattr(format, "loss_targets", lambda length, final=None, target=None:
+                        real(length, final, target) + (target is not None))
+    with pytest.raises(InternalConsistencyError, match="loss tokens"):
+        plan(PlanConfig(input=m, output=str(tmp_path / "q.parquet"), max_tokens=2048, dp=2, order=order,
+                        chunk_samples=CHUNK, progress=False))
+    assert not (tmp_path / "q.parquet").exists()
+
+
+# -- the tail on the unit table is the single-process rule ---------------------------------------------
+@settings(max_examples=60, deadline=None)
+@given(counts=st.lists(st.integers(1, 6), min_size=1, max_size=40), chunks=st.integers(1, 4),
+       slots=st.integers(1, 9))
+def test_table_tail_is_the_single_process_tail(counts, chunks, slots):
+    """Splitting the fullest units of a chunked table (their candidates, or every splittable one with
+    its lengths) gives the microbatches ``layout.fix_tail_padded`` gives on the whole epoch."""
+    from varlen_cli.plan import batching, layout
+    from varlen_cli.plan.chunked import tail
+    from varlen_cli.plan.chunked.form import top_candidates
+    from varlen_cli.plan.shapes import Budget, ShapeMap
+
+    counts = np.array(counts, np.int64)
+    n = int(counts.sum())
+    m = len(counts)
+    if n < slots * -(-m // slots):
+        return  # fewer samples than slots: the drop path
+    lengths = np.arange(1, n + 1, dtype=np.int64) % 7 + 1
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    budget, shape = Budget(10**9), ShapeMap(1)
+
+    def refinalize(samples, off):
+        return batching.finalize_padded(samples, off, lengths, shape, budget, False)
+
+    whole = batching.finalize_padded(np.arange(n), offsets, lengths, shape, budget, False)
+    want, _ = layout.fix_tail_padded(whole, slots, slots, 1, "split", refinalize)
+    # the same units cut into chunks (consecutive units), each reporting its candidates
+    cut = np.linspace(0, m, chunks + 1).astype(int)
+    tables = []
+    for a, b in zip(cut[:-1], cut[1:]):
+        sub = dataclasses.replace(whole, samples=whole.samples[offsets[a]:offsets[b]],
+                                  offsets=offsets[a:b + 1] - offsets[a], seqlen=whole.seqlen[a:b],
+                                  batch_size=whole.batch_size[a:b], tokens=whole.tokens[a:b])
+        pick, complete = top_candidates(np.diff(sub.offsets), slots)
+        cand = {"index": pick, "complete": complete}
+        if len(pick):
+            s2 = sub.take(pick)
+            c2 = np.diff(s2.offsets)
+            hoff = np.sort(np.concatenate([s2.offsets, s2.offsets[:-1] + c2 // 2]))
+            halves = batching.finalize_padded(s2.samples, hoff, lengths, shape, budget, False)
+            cand.update(half_count=np.diff(hoff), half_seqlen=halves.seqlen, half_batch=halves.batch_size,
+                        half_tokens=halves.tokens, half_lost=np.diff(hoff))
+            if complete:
+                cand.update(lengths=lengths[s2.samples], offsets=s2.offsets)
+        units = {"count": np.diff(sub.offsets), "seqlen": sub.seqlen, "batch": sub.batch_size,
+                 "tokens": sub.tokens, "lost": np.diff(sub.offsets)}
+        tables.append(dataclasses.make_dataclass("T", ["units", "offsets", "candidates", "count"])(
+            units, sub.offsets, cand, b - a))
+    from varlen_cli.plan.chunked.epoch import _concat
+
+    units, start = _concat(tables, ("count", "seqlen", "batch", "tokens", "lost"))
+
+    def pieces(lengths_, off, extras):
+        mb = batching.finalize_padded(np.arange(len(lengths_)), off, lengths_, shape, budget, False)
+        return {"count": np.diff(off), "seqlen": mb.seqlen, "batch": mb.batch_size, "tokens": mb.tokens,
+                "lost": np.diff(off)}
+
+    fix = tail.fix(units.cols["count"], tables, start, slots, slots, 1, "split", pieces)
+    assert not len(fix.dropped)
+    units.apply(fix)
+    seq = units.ids(np.arange(len(units)))
+    chunk_first = np.concatenate([[0], np.cumsum([len(t.offsets) - 1 for t in tables])])
+    first_item = offsets[chunk_first[units.take("chunk", seq).astype(np.int64)]] + units.take("item_lo", seq)
+    assert np.array_equal(first_item, want.offsets[:-1])
+    assert np.array_equal(units.take("count", seq), np.diff(want.offsets))
+    assert np.array_equal(units.take("tokens", seq), want.tokens)
+    assert np.array_equal(units.take("seqlen", seq), want.seqlen)
+
+
+# -- workers ------------------------------------------------------------------------------------------
+ENV = dict(os.environ, VARLEN_NO_PROGRESS="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+
+
+def _cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "varlen_cli", *args], capture_output=True, text=True,
+                          env=env or ENV, timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["bucket-shuffle", "curriculum", "packed, attention cost"])  # padded, runs, packed
+def test_same_plan_for_1_2_and_4_workers(dirs, tmp_path, name):
+    """The plan is a function of the chunks: --nproc 1, 2 and 4 write the same rows and metadata."""
+    options = CASES[name]
+    outs = []
+    for nproc in (1, 2, 4):
+        out = tmp_path / f"p{nproc}.parquet"
+        plan(_config(dirs, out, options, chunk_samples=CHUNK, nproc=nproc))
+        outs.append(out)
+    assert _same_plan(outs[0], outs[1]) and _same_plan(outs[0], outs[2])
+
+
+@pytest.mark.slow
+def test_killed_worker_fails_the_job_and_keeps_the_old_plan(dirs, tmp_path):
+    """A worker killed while forming its chunks: the job fails (exit 5), the previous plan is intact and
+    nothing is left beside it; the same with the writer killed."""
+    from varlen_cli.runtime import safety
+
+    out = tmp_path / "p.parquet"
+    args = ["plan", dirs["metrics"], "-o", str(out), "--max-tokens", "4096", "--dp", "2",
+            "--chunk-samples", str(CHUNK), "--overwrite"]
+    assert _cli(*args).returncode == 0
+    before = out.read_bytes()
+    for fault in ("plan.chunk:1", "plan.write:0"):
+        proc = _cli(*args, "--nproc", "2", "--seed", "9", env=dict(ENV, VARLEN_FAULT=fault))
+        assert proc.returncode == 5, proc.stderr
+        assert "killed by signal 9" in proc.stderr
+        assert out.read_bytes() == before
+        tags = (safety.TMP_TAG, safety.OLD_TAG, safety.LOCK_TAG)
+        assert [n for n in os.listdir(tmp_path) if any(t in n for t in tags)] == []

@@ -1,0 +1,96 @@
+"""Chunked planning: plans beyond one machine's memory, the same bytes for any worker count (issue 25).
+
+Design
+======
+
+The planner's unit of work is a **chunk**: a fixed set of input samples that does not depend on
+the number of workers. A plan is a function of its chunks, so 1, 2 or 4 workers (``--nproc`` or
+torchrun ranks) that share the chunks out write the same file; world size 1 is the same algorithm
+run by one worker.
+
+Chunks
+------
+``K = ceil(N / C)`` chunks of balanced size (``C = --chunk-samples``, default 2^23), each between
+``C / 2`` and ``C`` samples (:mod:`.chunks`):
+
+* ``random`` and ``bucket-shuffle`` (and the epochs after ``--curriculum-epochs``): sample-id
+  ranges: chunk ``k`` holds the ids ``[N k / K, N (k+1) / K)`` (the canonical order, so the plan
+  does not depend on whether the input is a metrics or a sorted directory);
+* ``curriculum`` / ``reverse``: ranges of the sorted input's rows (sorted runs of ``varlen sort``),
+  read in (reversed) order.
+
+Chunk ``k`` of epoch ``e`` draws from its own seeded stream ``(seed, e, k)`` (``(seed, e)`` for
+``k = 0``, so a one-chunk plan draws exactly what the single-process planner drew); the steps
+formed across chunks draw from ``(seed, e, 0, 1)``.
+
+Phase 1: forming (parallel, memory bounded by the chunk)
+--------------------------------------------------------
+Each worker forms its chunks (job ``j`` = (epoch, chunk) goes to worker ``j mod W``) with the
+planner's own formers (``orders.Formers``: greedy sequence, bucket-shuffle, random, packing), on
+the chunk's samples alone, and writes per chunk into the output's temporary directory
+(:mod:`.spill`):
+
+* the chunk's **unit table**: one row per microbatch (padded) or packed row (packed) with what
+  the layout and the statistics need (samples, seqlen, batch size, tokens, loss targets, ...);
+* its **items** (sample ids, and the packed per-sample columns) in unit order, as raw arrays
+  (sample ids as uint32 offsets from the chunk's first id where they fit);
+* its **tail candidates**: the ``dp x grad_accum`` fullest units with the statistics of their
+  two halves (see "Tail").
+
+Bucket-shuffle shuffles a chunk's microbatches inside the chunk before they are written (so the
+cross-chunk order below can take them in sequence). Nothing of a chunk stays in memory after it
+is written: a worker's peak is one chunk's formation, whatever N.
+
+Phase 2: steps and ranks (rank 0, the unit table only)
+------------------------------------------------------
+The unit tables (about N / mean samples per microbatch rows, ~30 bytes each) are concatenated in
+chunk order and the epoch is laid out exactly as one process would lay out one big chunk:
+
+* **Tail**: the epoch's microbatch count must be a multiple of ``dp x grad_accum``: the fullest
+  units are split in two, chosen globally by (most samples, chunk, position) among the chunks'
+  candidates, which is what the single-process rule picks; the halves take the unit's place. (If
+  fewer units than needed have two samples, the chunks report all such units with their lengths
+  and the single-process loop runs on them.) Packed plans spread each chunk's rows over its
+  microbatches; the extra microbatches go to the last chunks that have rows to spare, else rows
+  are split the same way.
+* **Order**: curriculum/reverse keep the chunks' sequences one after the other; every other order
+  takes a uniformly random interleaving of the chunks' sequences (a random permutation of the
+  multiset of chunk labels), which, each chunk's sequence being shuffled, is a uniformly random
+  order of all microbatches.
+* **Bucket-shuffle balance**: as before, microbatches are sorted by cost inside windows of 64
+  steps and cut into steps; the steps are then shuffled *inside their window* (the windows are
+  already random), so the step order stays random while every window reads a contiguous run of
+  each chunk's sequence.
+* **Ranks**: ``layout.layout_epoch`` (LPT per step, compile warm-up, ``--schedule``) on the table,
+  unchanged; LR scales, statistics and metadata from the table (``core.finish``'s formulas).
+
+Phase 3: writing (rank 0, bounded buffers)
+------------------------------------------
+The plan is written row group by row group (``writer``'s Parquet settings, ~4096 microbatches a
+group). For each group the writer knows, per chunk, which units it needs; they lie in a short
+run of the chunk's items file (the interleaving takes each chunk's units in order; warm-up and
+schedule reorders are within a step or a handful of units), read with ``pread`` of that run only.
+Memory: one row group's samples plus the read runs.
+
+Quality
+-------
+Chunks change the plan only at their edges: per chunk, at most one partly filled microbatch (the
+greedy sequence's last) or a few packed rows above the chunk's lower bound; the tail splits and
+the step layout are global. With chunks of >= 4M samples (~130k microbatches at 30 samples each)
+that is < 0.001 points of budget fill per chunk edge, far inside the 0.05-point target between a
+1B plan and a 10M single-process plan; straggler is the same computation on the same table.
+Packed curriculum plans pack each sorted run separately: when difficulty is the length, a run
+of similar lengths packs worse than the whole data set would (documented in docs/plan.md).
+
+Exactly once
+------------
+Every sample of a chunk is in exactly one unit of that chunk (the formers' own guarantee, checked
+per chunk); chunks partition the input; phase 2 only reorders units or splits one into two
+contiguous halves; the writer emits each unit's item range once. ``varlen validate`` checks it
+again on the written file with a bitmap of one bit per sample (``varlen_cli.validate``).
+
+Failure
+-------
+Everything is written inside the output's temporary directory; any worker's failure fails the
+job (``runtime.dist``), the temporary is removed and an existing plan stays as it was.
+"""

@@ -1,0 +1,376 @@
+"""Phase 2: one epoch's steps and ranks, from its chunks' unit tables (rank 0; no sample is read).
+
+:func:`lay_out` puts the chunks' units in one sequence (:class:`Units`, chunk after chunk), fixes
+the tail (:mod:`.tail`), groups packed rows into microbatches, orders the units across chunks
+(:func:`cross_chunk_order`) and hands the microbatches, a block of whole steps at a time, to the
+single-process layout (``layout.layout_epoch``: ranks by LPT; compile warm-up and ``--schedule`` on
+the whole epoch). The result, :class:`EpochRows`, is the unit of every plan row in (step, rank,
+micro) order: 4-8 bytes a row besides the units' own columns (about 30 bytes a unit), so 100M+
+microbatches fit in a few GB.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ...budget import segment_sum_squares
+from .. import batching, layout
+from ..batching import Microbatches
+from ..orders import CURRICULAR
+from . import tail
+from .form import PlanContext
+
+WINDOW_STEPS = 64  # bucket-shuffle: microbatches sorted by cost inside windows of this many steps
+BLOCK_ROWS = 1 << 22  # plan rows laid out together (whole steps)
+
+
+def _index_dtype(n: int):
+    return np.int32 if n < 1 << 31 else np.int64
+
+
+class Units:
+    """An epoch's units: the chunks' columns one after another, pieces of split units appended, and
+    the sequence of unit ids (chunk after chunk, a split unit's pieces in its place)."""
+
+    def __init__(self, cols: dict, per_chunk: np.ndarray, const: dict | None = None):
+        self.cols = cols
+        self.m = len(cols["count"])
+        self.per_chunk = per_chunk.astype(np.int64)  # units of each chunk in the sequence
+        self.extra: dict | None = None
+        self.seq: np.ndarray | None = None  # None: unit i is the i-th of the sequence
+        self.const = const or {}  # columns with one value (packed rows: seqlen, batch)
+        self.alias: dict = {}  # a column that is another one (padded: completed is count)
+
+    def __len__(self) -> int:
+        return self.m if self.seq is None else len(self.seq)
+
+    def ids(self, positions: np.ndarray) -> np.ndarray:
+        return positions if self.seq is None else self.seq[positions]
+
+    def take(self, name: str, idx: np.ndarray) -> np.ndarray:
+        """Column ``name`` of unit ids ``idx``."""
+        name = self.alias.get(name, name)
+        if name in self.const:
+            return np.full(len(idx), self.const[name], np.int64)
+        base = self.cols[name]
+        if self.extra is None:
+            return base[idx]
+        out = np.empty(len(idx), base.dtype)
+        main = idx < self.m
+        out[main] = base[idx[main]]
+        out[~main] = self.extra[name][idx[~main] - self.m]
+        return out
+
+    def apply(self, t: tail.Tail) -> None:
+        """Replace units by their pieces (appended; the sequence takes them in place) or drop units."""
+        seq = self.seq if self.seq is not None else np.arange(self.m, dtype=_index_dtype(self.m + (1 << 20)))
+        chunk_of_pos = self.take("chunk", seq[t.positions]) if len(t.positions) else None
+        if len(t.dropped):
+            chunks = self.take("chunk", seq[t.dropped])
+            keep = np.ones(len(seq), bool)
+            keep[t.dropped] = False
+            self.seq = seq[keep]
+            self.per_chunk -= np.bincount(chunks, minlength=len(self.per_chunk))
+            return
+        if not len(t.positions):
+            return
+        units = seq[t.positions]
+        pieces = dict(t.pieces)
+        owner = np.repeat(np.arange(len(units)), t.piece_counts)
+        pieces["chunk"] = self.take("chunk", units)[owner]
+        pieces["item_lo"] = self.take("item_lo", units)[owner] + pieces.pop("item_offset")
+        first_new = self.m + (len(self.extra["count"]) if self.extra is not None else 0)
+        new_ids = first_new + np.arange(len(owner))
+        add = {name: np.asarray(pieces[name]).astype(self.cols[name].dtype) for name in self.cols}
+        self.extra = add if self.extra is None else {n: np.concatenate([self.extra[n], add[n]]) for n in self.cols}
+        reps = np.ones(len(seq), np.int64)
+        reps[t.positions] = t.piece_counts
+        out = np.repeat(seq, reps).astype(_index_dtype(first_new + len(owner)))
+        start = (np.cumsum(reps) - reps)[t.positions]
+        out[np.repeat(start, t.piece_counts) + (np.arange(len(owner)) - np.repeat(np.cumsum(t.piece_counts)
+                                                                                   - t.piece_counts,
+                                                                                   t.piece_counts))] = new_ids
+        self.seq = out
+        self.per_chunk += np.bincount(chunk_of_pos, weights=t.piece_counts - 1,
+                                      minlength=len(self.per_chunk)).astype(np.int64)
+
+
+@dataclass
+class EpochRows:
+    """An epoch's plan rows in (step, rank, micro) order: ``order[i]`` is the unit of row ``i``
+    (columns through ``units.take``); packed microbatches formed here from chunk rows keep those rows
+    (``rows``) to give each item its row inside the microbatch."""
+
+    mode: str
+    units: Units
+    order: np.ndarray
+    warmup_steps: int = 0
+    warmup_missing: int = 0
+    schedule_order: dict | None = None
+    tail_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    dropped_units: dict | None = None  # --tail drop in phase 2: chunk, item_lo, count of each dropped unit
+    item_rows: bool = False  # the chunk files hold each item's row inside its microbatch
+    rows: Units | None = None  # packed microbatches of R > 1 chunk rows: the rows (row_lo/rows index them)
+    row_seq_start: np.ndarray | None = None  # first sequence position of each chunk's rows
+    budget: object = None
+
+    @property
+    def count(self) -> int:
+        return len(self.order)
+
+    def column(self, name: str, lo: int = 0, hi: int | None = None) -> np.ndarray:
+        """Column ``name`` of plan rows ``[lo, hi)`` (``cost``: the microbatch's cost)."""
+        idx = self.order[lo:hi]
+        if name == "cost":
+            return _cost_of(self.units, idx, self.budget)
+        return self.units.take(name, idx)
+
+
+def _cost_of(units: Units, idx: np.ndarray, budget) -> np.ndarray:
+    """The cost ranks are balanced on (``Budget.microbatch_cost``), of the units ``idx``."""
+    if not budget.packed:
+        return np.asarray(budget.cost(units.take("batch", idx), units.take("seqlen", idx)), dtype=np.float64)
+    sumsq = units.take("sumsq", idx) if budget.needs_segment_lengths else None
+    return budget.microbatch_cost(units.take("tokens", idx), None, None, sumsq)
+
+
+def _concat(tables: list, columns, const: dict | None = None) -> tuple[Units, np.ndarray]:
+    """Units of all chunks in chunk order (compact dtypes), and each chunk's first unit."""
+    counts = np.array([t.count for t in tables], np.int64)
+    unit_start = np.concatenate([[0], np.cumsum(counts)])
+    cols = {name: np.concatenate([np.asarray(t.units[name]) for t in tables]) for name in columns}
+    items = np.concatenate([np.asarray(t.offsets[:-1], np.int64) for t in tables])
+    cols["item_lo"] = items.astype(_index_dtype(int(items.max()) + 1 if len(items) else 1))
+    cols["chunk"] = np.repeat(np.arange(len(tables), dtype=np.int32 if len(tables) >= 1 << 15 else np.int16),
+                              counts)
+    for name in ("count", "completed", "lost", "seqlen", "batch", "rows"):
+        if name in cols:
+            cols[name] = cols[name].astype(np.int32)
+    if "tokens" in cols and (not len(cols["tokens"]) or int(cols["tokens"].max()) < 1 << 31):
+        cols["tokens"] = cols["tokens"].astype(np.int32)
+    for t in tables:  # the chunks' own copies are freed; the tail reads its candidates' counts only
+        t.candidates["count"] = np.asarray(t.units["count"])[np.asarray(t.candidates.get("index", []), np.int64)]
+        t.units = None
+    return Units(cols, counts, const), unit_start
+
+
+# -- the order across chunks -----------------------------------------------------------------------
+def interleave(per_chunk: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """A uniformly random interleaving of the chunks' sequences: a shuffled multiset of chunk labels;
+    returns (label, rank of the unit inside its chunk) per position, in blocks (no N-sized sort)."""
+    k = len(per_chunk)
+    total = int(per_chunk.sum())
+    labels = np.repeat(np.arange(k, dtype=np.int16 if k < 1 << 15 else np.int32), per_chunk)
+    if k > 1:
+        rng.shuffle(labels)
+    rank = np.empty(total, _index_dtype(total))
+    seen = np.zeros(k, np.int64)
+    for lo in range(0, total, BLOCK_ROWS):
+        block = labels[lo:lo + BLOCK_ROWS].astype(np.int64)
+        order = np.argsort(block, kind="stable")
+        sb = block[order]
+        first = np.searchsorted(sb, np.arange(k), side="left")
+        within = np.arange(len(sb)) - first[sb]
+        rank[lo + order] = seen[sb] + within
+        seen += np.bincount(block, minlength=k)
+    return labels, rank
+
+
+def windowed_steps(seq: np.ndarray, cost: np.ndarray, slots: int, rng: np.random.Generator) -> np.ndarray:
+    """Bucket-shuffle balance of a block of whole windows: sorted by cost inside windows of WINDOW_STEPS
+    steps, cut into steps, the steps shuffled inside their window (the ranks of a step finish together)."""
+    m = len(seq)
+    window = np.arange(m) // (WINDOW_STEPS * slots)
+    key = np.lexsort((cost, window))
+    seq = seq[key]
+    steps = m // slots
+    step_order = np.lexsort((rng.random(steps), np.arange(steps) // WINDOW_STEPS))
+    return seq.reshape(steps, slots)[step_order].reshape(-1)
+
+
+def cross_chunk_order(mode: str, units: Units, slots: int, rng, whole_steps: bool, cost_of) -> np.ndarray:
+    """Unit ids of the epoch in step order: curriculum keeps the chunks one after another; other orders
+    take a random interleaving (of whole steps for step-level chunks); bucket-shuffle then its windows."""
+    n = len(units)
+    positions = np.arange(n, dtype=_index_dtype(n))
+    if mode in CURRICULAR:
+        return units.ids(positions)
+    seq_start = np.concatenate([[0], np.cumsum(units.per_chunk)])
+    if whole_steps:
+        labels, rank = interleave(units.per_chunk // slots, rng)
+        step_first = seq_start[labels] + rank.astype(np.int64) * slots
+        return units.ids((step_first[:, None] + np.arange(slots)[None, :]).reshape(-1))
+    labels, rank = interleave(units.per_chunk, rng)
+    seq = np.empty(n, _index_dtype(units.m + (len(units.extra["count"]) if units.extra else 0) + 1))
+    for lo in range(0, n, BLOCK_ROWS):
+        hi = min(n, lo + BLOCK_ROWS)
+        seq[lo:hi] = units.ids(seq_start[labels[lo:hi]] + rank[lo:hi])
+    del labels, rank
+    if mode == "bucket-shuffle":
+        block = WINDOW_STEPS * slots * max(1, BLOCK_ROWS // (WINDOW_STEPS * slots))
+        for lo in range(0, n, block):
+            part = seq[lo:lo + block]
+            seq[lo:lo + block] = windowed_steps(part, cost_of(part), slots, rng)
+    return seq
+
+
+# -- building the microbatch table -------------------------------------------------------------------
+def _padded_refinalize(ctx: PlanContext):
+    def refinalize(lengths, offsets, extras):
+        mb = batching.finalize_padded(np.arange(len(lengths)), offsets, lengths, ctx.shape, ctx.budget, ctx.static,
+                                      ctx.fixed_batch)
+        if "target" in extras:  # target_length: the tokens that carry loss
+            lost = mb.tokens - batching.segment_sum(extras["target"], offsets)
+        else:
+            lost = batching.segment_sum((lengths > 0).astype(np.int32), offsets)
+        return {"count": np.diff(offsets).astype(np.int32), "seqlen": mb.seqlen.astype(np.int32),
+                "batch": mb.batch_size.astype(np.int32), "tokens": mb.tokens, "lost": lost.astype(np.int32)}
+    return refinalize
+
+
+def _row_refinalize(lengths, offsets, extras):
+    final = extras["final"]
+    tokens = batching.segment_sum(lengths, offsets).astype(np.int64)
+    lost = (tokens - batching.segment_sum(extras["target"], offsets) if "target" in extras
+            else batching.segment_sum(((lengths > 0) & final).astype(np.int32), offsets))
+    return {"count": np.diff(offsets).astype(np.int32), "tokens": tokens,
+            "completed": batching.segment_sum(final.astype(np.int32), offsets).astype(np.int32),
+            "lost": lost.astype(np.int32),
+            "sumsq": segment_sum_squares(lengths, offsets)}
+
+
+def _padded_units(tables: list, ctx: PlanContext, unit_level: bool) -> tuple[Units, dict | None]:
+    """The padded units of all chunks (their tail fixed) and the units ``--tail drop`` dropped."""
+    units, start = _concat(tables, ("count", "seqlen", "batch", "tokens", "lost"))  # lost: tokens without a target
+    dropped = None
+    if unit_level:
+        counts = units.cols["count"]
+        fix = tail.fix(counts, tables, start, ctx.slots, ctx.dp, ctx.grad_accum, ctx.tail, _padded_refinalize(ctx),
+                       remedies=ctx.remedies)
+        if len(fix.dropped):
+            dropped = {name: units.take(name, fix.dropped) for name in ("chunk", "item_lo", "count")}
+        units.apply(fix)
+    units.alias["completed"] = "count"  # padded samples are whole: each entry completes one
+    return units, dropped
+
+
+def _packed_rows_to_microbatches(tables: list, ctx: PlanContext) -> tuple[Units, Units | None, np.ndarray | None]:
+    """Chunk-level packed rows grouped into microbatches of at most R consecutive rows of one chunk:
+    each chunk spreads its rows evenly over ceil(rows / R) microbatches, plus the epoch's extra
+    microbatches (to a multiple of dp x grad_accum) given to the last chunks with rows to spare, then
+    by splitting the fullest rows (:mod:`.tail`). With R = 1 the rows are the microbatches."""
+    rows, start = _concat(tables, ("count", "tokens", "completed", "lost", "sumsq"))
+    r = int(ctx.rows_per_mb)
+    n_rows = rows.per_chunk.copy()
+    mbs = -(-n_rows // r)
+    total = int(mbs.sum())
+    extra = ctx.slots * -(-total // ctx.slots) - total
+    give = np.zeros(len(n_rows), np.int64)
+    left = extra
+    for k in range(len(n_rows) - 1, -1, -1):  # one step per chunk
+        give[k] = min(int(n_rows[k] - mbs[k]), left)
+        left -= int(give[k])
+    mbs += give
+    if left:  # fewer rows than microbatches: split the fullest rows
+        before = rows.per_chunk.copy()
+        rows.apply(tail.fix(rows.cols["count"], tables, start, ctx.slots, ctx.dp, ctx.grad_accum, ctx.tail,
+                            _row_refinalize, "packed samples", extra=left, remedies=ctx.remedies))
+        mbs += rows.per_chunk - before
+    rows.const.update(seqlen=int(ctx.seq_len), batch=r)
+    if r == 1:  # a microbatch is a row
+        rows.const["rows"] = 1
+        return rows, None, None
+    return _group_rows(rows, mbs, r, ctx), rows, np.concatenate([[0], np.cumsum(rows.per_chunk)])
+
+
+def _group_rows(rows: Units, mbs: np.ndarray, r: int, ctx: PlanContext) -> Units:
+    """Microbatches of consecutive rows of each chunk: row i of a chunk's n goes to (i x m) // n."""
+    parts: dict = {name: [] for name in ("chunk", "item_lo", "row_lo", "rows", "count", "tokens", "completed",
+                                         "lost", "sumsq")}
+    seq_start = np.concatenate([[0], np.cumsum(rows.per_chunk)])
+    for k in range(len(mbs)):  # one step per chunk
+        n, m = int(rows.per_chunk[k]), int(mbs[k])
+        ids = rows.ids(np.arange(seq_start[k], seq_start[k + 1]))
+        first = np.searchsorted((np.arange(n) * m) // max(n, 1), np.arange(m), side="left")
+        parts["chunk"].append(np.full(m, k, rows.cols["chunk"].dtype))
+        parts["item_lo"].append(rows.take("item_lo", ids[first]))
+        parts["row_lo"].append(first.astype(np.int32))
+        parts["rows"].append(np.diff(np.append(first, n)).astype(np.int32))
+        for name in ("count", "tokens", "completed", "lost", "sumsq"):
+            v = rows.take(name, ids)
+            v = v if name == "sumsq" else v.astype(np.int64)
+            parts[name].append(np.add.reduceat(v, first) if m and n else np.zeros(m, v.dtype))
+    cols = {name: np.concatenate(v) for name, v in parts.items()}
+    for name in ("count", "completed", "lost"):
+        cols[name] = cols[name].astype(np.int32)
+    return Units(cols, mbs, {"seqlen": int(ctx.seq_len), "batch": r})
+
+
+def _same_shape_steps(units: Units, seq: np.ndarray, slots: int) -> None:
+    """All microbatches of a step get the step's largest T and B (``layout.same_shape_steps``): the
+    units are rewritten in place (each appears once in ``seq``)."""
+    for name in ("seqlen", "batch"):
+        v = units.take(name, seq).reshape(-1, slots).max(axis=1)
+        main = seq < units.m
+        units.cols[name][seq[main]] = np.repeat(v, slots)[main]
+        if units.extra is not None:
+            units.extra[name][seq[~main] - units.m] = np.repeat(v, slots)[~main]
+
+
+# -- the layout --------------------------------------------------------------------------------------
+def lay_out(tables: list, ctx: PlanContext, mode: str, rng: np.random.Generator, *, warmup: bool,
+            schedule: str | None = None, stages: int | None = None) -> EpochRows:
+    """The epoch's plan rows from its chunks' tables (chunk order), see the module docstring."""
+    level = tables[0].header["level"]
+    rows = row_seq_start = dropped = None
+    if ctx.packing and level == "unit":
+        units, rows, row_seq_start = _packed_rows_to_microbatches(tables, ctx)
+    elif ctx.packing:
+        units, _ = _concat(tables, ("count", "seqlen", "batch", "tokens", "completed", "lost", "rows", "sumsq"))
+    else:
+        units, dropped = _padded_units(tables, ctx, level == "unit")
+    def cost_of(idx):
+        return _cost_of(units, idx, ctx.budget)
+
+    if level == "epoch":
+        seq = units.ids(np.arange(len(units), dtype=_index_dtype(len(units))))
+    else:
+        seq = cross_chunk_order(mode, units, ctx.slots, rng, level == "step", cost_of)
+        if ctx.same_shape and not ctx.packing and level == "unit":  # random + --same-shape-per-step
+            _same_shape_steps(units, seq, ctx.slots)
+    ranked = bool(tables[0].header.get("ranked"))
+    order, lay_info = _ranks(units, seq, cost_of, ctx, ranked, warmup, schedule, stages)
+    tail_ids = np.concatenate([np.asarray(t.tail_ids, np.int64) for t in tables])
+    return EpochRows(mode, units, order, *lay_info, tail_ids=tail_ids, dropped_units=dropped,
+                     item_rows=ctx.packing and level != "unit", rows=rows, row_seq_start=row_seq_start,
+                     budget=ctx.budget)
+
+
+def _ranks(units: Units, seq: np.ndarray, cost_of, ctx: PlanContext, ranked: bool, warmup: bool, schedule,
+           stages) -> tuple[np.ndarray, tuple]:
+    """``layout.layout_epoch`` (and ``--schedule``) on the sequence, a block of whole steps at a time
+    (the whole epoch with a compile warm-up or a schedule, which look across steps)."""
+    n = len(seq)
+    block = n if (warmup or schedule is not None) else ctx.slots * max(1, BLOCK_ROWS // ctx.slots)
+    order = np.empty(n, seq.dtype)
+    info = (0, 0, None)
+    for lo in range(0, n, max(block, 1)):
+        part = seq[lo:lo + block]
+        cost = cost_of(part)
+        mb = Microbatches(None, None, units.take("seqlen", part).astype(np.int64),
+                          units.take("batch", part).astype(np.int64), units.take("tokens", part).astype(np.int64))
+        lay = layout.layout_epoch(mb, cost, ctx.dp, ctx.grad_accum, warmup=warmup and lo == 0,
+                                  same_shape=ctx.same_shape or ctx.packing, static=ctx.static, ranked=ranked)
+        ordered = None
+        if schedule is not None:
+            from ...schedule.order import reorder_layout
+
+            padded = units.take("batch", part).astype(np.float64) * units.take("seqlen", part)
+            lay, ordered = reorder_layout(lay, cost, padded, dp=ctx.dp, grad_accum=ctx.grad_accum, schedule=schedule,
+                                          stages=stages)
+        order[lo:lo + len(part)] = part[lay.order]
+        if lo == 0:
+            info = (lay.warmup_steps, lay.warmup_missing, ordered)
+    return order, info

@@ -1,0 +1,226 @@
+"""After phase 2: step totals, LR scales, shape ids, statistics and metadata of a chunked plan.
+
+The same formulas as the single-process planner (``core.finish``), computed epoch by epoch on the
+microbatch tables (rows in (step, rank, micro) order, so step, rank and micro follow from the row
+position and are never stored).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import numpy as np
+
+from ... import format
+from ...errors import InternalConsistencyError, UsageError
+from .. import lr, stats
+from .epoch import BLOCK_ROWS, EpochRows
+from .form import LIST_LIMIT, PlanContext
+
+
+def row_positions(m: int, dp: int, grad_accum: int, lo: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(epoch-local step, rank, micro) of rows ``[lo, lo + m)`` of an epoch in (step, rank, micro) order."""
+    i = np.arange(lo, lo + m, dtype=np.int64)
+    slots = dp * grad_accum
+    return i // slots, (i % slots) // grad_accum, i % grad_accum
+
+
+@dataclass
+class Finished:
+    """What the writer needs besides the epochs' rows: per-step columns and the shapes."""
+
+    step_start: list  # global step of each epoch's first step
+    scales: np.ndarray  # per global step
+    step_samples: np.ndarray
+    step_tokens: np.ndarray
+    step_loss_tokens: np.ndarray
+    shape_keys: np.ndarray  # sorted (B << 32 | T) of the shapes: a row's shape_id is its key's index
+    fixed_b: bool  # B is part of a shape (static shapes, packing)
+    metadata: dict
+    summary: dict
+    dropped_ids: np.ndarray
+
+    def shape_id(self, batch: np.ndarray, seqlen: np.ndarray) -> np.ndarray:
+        key = (batch.astype(np.int64) if self.fixed_b else np.zeros(len(seqlen), np.int64)) << 32 | seqlen
+        return np.searchsorted(self.shape_keys, key).astype(np.int32)
+
+
+def blocks(ep: EpochRows, slots: int):
+    """``(lo, hi)`` blocks of whole steps of an epoch's rows (bounded temporaries)."""
+    size = slots * max(1, BLOCK_ROWS // slots)
+    for lo in range(0, ep.count, size):
+        yield lo, min(ep.count, lo + size)
+
+
+def _step_sums(ep: EpochRows, slots: int, name: str) -> np.ndarray:
+    parts = [ep.column(name, lo, hi).astype(np.int64).reshape(-1, slots).sum(axis=1) for lo, hi in blocks(ep, slots)]
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def _total(ep: EpochRows, slots: int, name: str) -> int:
+    return sum(int(ep.column(name, lo, hi).astype(np.int64).sum()) for lo, hi in blocks(ep, slots))
+
+
+def _straggler(epochs: list[EpochRows], dp: int, grad_accum: int) -> tuple[np.ndarray, float]:
+    per_step, top, mean = [], 0.0, 0.0
+    slots = dp * grad_accum
+    for ep in epochs:
+        for lo, hi in blocks(ep, slots):
+            step, rank, _ = row_positions(hi - lo, dp, grad_accum)
+            load = format.step_loads(step, rank, ep.column("cost", lo, hi), dp)
+            m = load.mean(axis=1)
+            per_step.append(np.where(m > 0, load.max(axis=1) / np.where(m > 0, m, 1), 1.0))
+            top += float(load.max(axis=1).sum())
+            mean += float(m.sum())
+    strag = np.concatenate(per_step) if per_step else np.zeros(0)
+    return strag, (top / mean - 1.0 if mean > 0 else 0.0)
+
+
+def _check_budget(c, ctx: PlanContext, epochs: list[EpochRows]) -> float:
+    """The per-microbatch token budget; no microbatch over it, every T within int32 (``core._budget_tokens``)."""
+    over, t_max = 0, 0
+    for ep in epochs:
+        for lo, hi in blocks(ep, ctx.slots):
+            b, t = ep.column("batch", lo, hi).astype(np.int64), ep.column("seqlen", lo, hi).astype(np.int64)
+            if ctx.packing:
+                over += int(np.count_nonzero(ep.column("tokens", lo, hi) > b * t))
+                if ctx.budget.max_tokens is not None:
+                    over += int(np.count_nonzero(~ctx.budget.fits(b, t)))
+            else:
+                over += int(np.count_nonzero(~ctx.budget.fits(b, t)))
+            t_max = max(t_max, int(t.max()) if len(t) else 0)
+    if over:
+        raise InternalConsistencyError(f"{over} microbatches over budget")
+    if t_max > format.INT32_MAX:
+        raise UsageError(f"a microbatch would have seqlen {t_max:,}, more than plans store ({format.INT32_MAX:,}, "
+                         "int32); lower --pad-multiple or --max-tokens")
+    budget = ctx.budget.max_tokens  # given, or from a memory profile (--max-memory)
+    if ctx.packing:
+        return float(budget) if budget is not None else float(ctx.rows_per_mb * c.seq_len)
+    return float(budget)
+
+
+def _shapes(c, ctx: PlanContext, epochs: list[EpochRows]) -> tuple[list, np.ndarray, bool]:
+    """The plan's (B, T) shapes sorted by (B, T) (B = 0 where it varies), as ``shapes.pair_ids`` sorts them."""
+    fixed_b = bool(c.static_shapes or c.packing)
+    keys = set()
+    for ep in epochs:
+        for lo, hi in blocks(ep, ctx.slots):
+            b = ep.column("batch", lo, hi).astype(np.int64) if fixed_b else np.zeros(hi - lo, np.int64)
+            keys.update(np.unique(b << 32 | ep.column("seqlen", lo, hi).astype(np.int64)).tolist())
+    shape_keys = np.array(sorted(keys), np.int64)
+    shapes = [[int(k >> 32), int(k & 0xFFFFFFFF)] for k in shape_keys.tolist()]
+    return shapes, shape_keys, fixed_b
+
+
+def _packing_info(c, ctx: PlanContext, epochs: list[EpochRows], packing_stats: list[dict]) -> dict:
+    tokens = sum(_total(ep, ctx.slots, "tokens") for ep in epochs)
+    rows_used = sum(_total(ep, ctx.slots, "rows") for ep in epochs)
+    return {"seq_len": int(c.seq_len), "rows_per_microbatch": int(ctx.rows_per_mb), "max_per_row": c.max_per_row,
+            "efficiency": tokens / (rows_used * c.seq_len) if rows_used else 1.0, "split_long": bool(c.split_long),
+            "split_samples": int(sum(p["split_samples"] for p in packing_stats)),
+            "samples_per_row_mean": float(np.mean([p["samples_per_row_mean"] for p in packing_stats])),
+            "samples_per_row_max": int(max(p["samples_per_row_max"] for p in packing_stats))}
+
+
+@dataclass
+class _Dropped:
+    """Samples the plan leaves out (``assemble.Dropped``'s entries, from sample ids): too long (every
+    epoch) or dropped by ``--tail drop`` (per epoch)."""
+
+    long_ids: np.ndarray
+    tail_ids: list
+    epochs: int
+
+    @property
+    def tail_count(self) -> int:
+        return int(sum(len(x) for x in self.tail_ids))
+
+    def all_ids(self) -> np.ndarray:
+        return np.unique(np.concatenate([self.long_ids] + self.tail_ids)) if len(self.long_ids) or self.tail_count \
+            else np.zeros(0, np.int64)
+
+    def to_dict(self, all_ids: np.ndarray) -> dict:
+        return {"count": len(self.long_ids) * self.epochs + self.tail_count,
+                "reason": {"too_long": len(self.long_ids) * self.epochs, "tail": self.tail_count},
+                "sample_ids": all_ids.tolist(), "too_long_ids": self.long_ids.tolist(),
+                "tail": [{"epoch": e, "sample_ids": ids.tolist()} for e, ids in enumerate(self.tail_ids) if len(ids)]}
+
+
+def finish(c, ctx: PlanContext, manifest: dict, num_rows: int, epochs: list[EpochRows], *, long_ids: np.ndarray,
+           num_long: int, packing_stats: list[dict], fixed_batch: int | None, t0: float,
+           trained_only: bool = False) -> Finished:
+    """Step columns, LR, shapes, statistics and metadata (``assemble.finish``'s, epoch by epoch)."""
+    from ..assemble import build_metadata, input_info, memory_entry
+
+    slots = ctx.slots
+    step_start = list(np.concatenate([[0], np.cumsum([ep.count // slots for ep in epochs])]).astype(int))
+    num_steps = int(step_start[-1])
+    step_samples = np.concatenate([_step_sums(ep, slots, "completed") for ep in epochs])
+    step_tokens = np.concatenate([_step_sums(ep, slots, "tokens") for ep in epochs])
+    step_targets = step_tokens - np.concatenate([_step_sums(ep, slots, "lost") for ep in epochs])
+    # target_length (analyze --target-length): "tokens" are those that carry loss
+    scales, base = lr.lr_scales(step_samples, step_targets if trained_only else step_tokens, c.lr_scaling,
+                                c.lr_scale_by, c.base_batch_size)
+    if not np.all(np.isfinite(scales)):
+        raise UsageError(f"--base-batch-size {c.base_batch_size} gives a non-finite lr_scale; give a larger base "
+                         "batch size")
+    shapes, shape_keys, fixed_b = _shapes(c, ctx, epochs)
+    budget_tokens = _check_budget(c, ctx, epochs)
+    strag, overhead = _straggler(epochs, c.dp, c.grad_accum)
+    tail_ids = [np.asarray(ep.tail_ids, np.int64) for ep in epochs]
+    listed = num_long <= LIST_LIMIT  # more are counted, not listed: the rule that drops them is recorded
+    dropped = _Dropped(np.asarray(long_ids if listed else [], np.int64), tail_ids, c.epochs)
+    dropped_all = dropped.all_ids()
+    count = sum(ep.count for ep in epochs)
+    tokens = int(step_tokens.sum())
+    padded = 0
+    for ep in epochs:
+        for lo, hi in blocks(ep, slots):
+            padded += int((ep.column("batch", lo, hi).astype(np.int64) * ep.column("seqlen", lo, hi)).sum())
+    per_epoch = [_total(ep, slots, "count") for ep in epochs]
+    summary = stats.summary(
+        num_steps=num_steps, num_microbatches=count, samples=sum(per_epoch), tokens=tokens, padded_tokens=padded,
+        budget_tokens=budget_tokens, strag=strag, shapes=len(shapes), lr=scales,
+        dropped=num_long * c.epochs + dropped.tail_count, over_budget=0, warmup_steps=epochs[0].warmup_steps,
+        epochs=c.epochs, samples_per_epoch=per_epoch, seconds=time.perf_counter() - t0)
+    summary["straggler_overhead"] = overhead
+    if epochs[0].warmup_missing:
+        summary["warmup_missing"] = int(epochs[0].warmup_missing)
+    if c.lr_scaling != "none" and c.lr_scale_by == "samples":
+        idle = int(np.count_nonzero((step_samples == 0) & (step_tokens > 0)))
+        if idle:
+            summary["zero_lr_scale_steps"] = idle
+    packing = _packing_info(c, ctx, epochs, packing_stats) if c.packing else None
+    adapters = [SimpleNamespace(mb=SimpleNamespace(count=ep.count), mode=ep.mode,
+                                layout=SimpleNamespace(warmup_steps=ep.warmup_steps)) for ep in epochs]
+    inputs = SimpleNamespace(budget=ctx.budget, slots=slots, shape=ctx.shape)
+    dropped_meta = dropped.to_dict(dropped_all)
+    if not listed:
+        dropped_meta.update(count=dropped.tail_count + num_long * c.epochs,
+                            reason={"too_long": num_long * c.epochs, "tail": dropped.tail_count},
+                            too_long_listed=False, too_long_count=int(num_long),
+                            too_long_over=int(ctx.longest_fitting))
+    metadata = build_metadata(c, adapters, source={"input": input_info(c, manifest, num_rows)}, num_steps=num_steps,
+                              num_microbatches=count, shapes=shapes, base_batch_size=base, inputs=inputs,
+                              fixed_batch=fixed_batch, packing=packing, dropped=dropped_meta, summary=summary)
+    if trained_only:
+        metadata["loss_tokens"] = format.TARGET_LENGTH_COLUMN
+    metadata["chunks"] = {"samples": int(c.chunk_samples), "count": None}
+    if c.schedule is not None:
+        from ...schedule.order import combined_report
+
+        metadata["schedule"] = combined_report(c.schedule, c.stages, [ep.schedule_order for ep in epochs])
+    if ctx.budget.memory is not None:
+        b = np.concatenate([ep.column("batch").astype(np.int64) for ep in epochs])
+        t = np.concatenate([ep.column("seqlen").astype(np.int64) for ep in epochs])
+        sid = np.searchsorted(shape_keys, (b if fixed_b else np.zeros(len(t), np.int64)) << 32 | t)
+        sumsq = np.concatenate([ep.column("sumsq") for ep in epochs]) if c.packing else None
+        metadata["memory"] = memory_entry(c, ctx.budget, b, t, sid, len(shapes), sum_squares=sumsq)
+        summary["predicted_peak_max"] = metadata["memory"]["predicted_peak_max"]
+    if len(dropped_all) > LIST_LIMIT:
+        dropped_all = dropped_all[:LIST_LIMIT]
+    return Finished(step_start, scales, step_samples, step_tokens, step_targets, shape_keys, fixed_b, metadata,
+                    summary, dropped_all)

@@ -1,0 +1,309 @@
+"""The chunked planner across workers: phase 1 on every rank, phases 2 and 3 on rank 0.
+
+:func:`plan_chunked` runs ``varlen plan`` (a metrics or sorted directory input) as world size 1 in
+this process, in ``--nproc N`` local workers, or on the ranks of a torchrun job: every rank forms
+the (epoch, chunk) jobs ``j`` with ``j mod world_size == rank`` and writes them into a temporary
+directory beside the output; rank 0 then lays the epochs out and streams the plan. Every rank
+returns rank 0's result (or raises its error). See the package docstring for the design.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+
+import numpy as np
+
+from ... import storage
+from ...errors import InputError, UsageError, VarlenError, WorkerError
+from ...runtime import artifacts, freshness, rank0, safety
+from ...runtime.dist import Dist, fault_point, run_distributed, session
+from ..cost_model import resolve_budget
+from ..orders import CURRICULAR
+from ..pipeline import check_plan_size
+from ..progress import PlanProgress
+from ..shapes import ShapeMap, choose_edges
+from . import emit, spill
+from .chunks import ChunkSource, ChunkSpec, InputRows, Scatter, chunk_rng, global_rng
+from .epoch import EpochRows, lay_out
+from .finish import finish
+from .form import PlanContext, form_chunk
+from .output import PlanOutput
+
+TABLE_BYTES_PER_ENTRY = 4  # phase 2, padded: ~40 bytes a microbatch of ~16 samples, and the plan order
+CHUNK_BYTES_PER_SAMPLE = 200  # phase 1: one chunk's formation (packing, measured ~190 at 2^23 samples)
+
+
+def epoch_mode(c, e: int) -> str:
+    if c.curriculum_epochs is not None and e >= c.curriculum_epochs:
+        return "bucket-shuffle"
+    return c.order
+
+
+def plan_chunked(c, t0: float | None = None):
+    """``varlen plan`` on ``c.nproc`` workers (or the torchrun ranks); the result on every rank."""
+    t0 = time.perf_counter() if t0 is None else t0
+    out = PlanOutput(c.output, c.overwrite)
+    out.check([c.input])
+    entry = functools.partial(_in_session, t0=t0)
+    if c.nproc == 1:
+        if rank0.needs_group():  # a torchrun rank: every rank forms its share of the chunks
+            return entry(c)
+        return run_in_group(c, Dist(), t0)  # alone (a process group the caller made stays the caller's)
+    with out.locked():  # the launcher holds it; its workers inherit it
+        try:
+            return run_distributed(entry, c, c.nproc)
+        except BaseException:
+            if not out.remote:
+                safety.clean_leftovers(out.local.path)
+            raise
+
+
+def _in_session(c, t0: float):
+    storage.configure(c.storage_options)  # --storage-option, in every worker process
+    with session("cpu") as d:
+        return _shared(d, lambda: run_in_group(c, d, t0))
+
+
+def plan_in_group(c, d: Dist, t0: float):
+    """The chunked plan by every rank of the caller's process group ``d`` (``varlen run``); the
+    result on rank 0, None elsewhere."""
+    return run_in_group(c, d, t0)
+
+
+def _shared(d: Dist, fn):
+    """``fn()`` on every rank; rank 0's result (or user error) is every rank's."""
+    if not d.distributed:
+        return fn()
+    outcome: tuple = ("ok", None)
+    try:
+        value = fn()
+        outcome = ("ok", value)
+    except VarlenError as exc:
+        outcome = ("error", type(exc).__name__, exc.message)
+    from ...errors import ERROR_CLASSES
+
+    outcome = d.all_gather_object(outcome)[0]
+    if outcome[0] == "ok":
+        return outcome[1]
+    raise ERROR_CLASSES.get(outcome[1], WorkerError)(outcome[2])
+
+
+def context(c, manifest: dict, rows: InputRows, spec: ChunkSpec, d: Dist) -> PlanContext:
+    """The budget, shape map and limits every chunk is formed with."""
+    from ..pipeline import _check_cost_range, _longest_fitting, _rows_per_microbatch
+
+    budget = resolve_budget(c)
+    shape = ShapeMap(1 if c.packing else c.pad_multiple)
+    rows_per_mb = _rows_per_microbatch(c, budget) if c.packing else None
+    _check_cost_range(c, budget, rows_per_mb)
+    if c.packing:
+        fit = (1 << 62) if c.split_long else int(c.seq_len)
+    else:
+        fit = _longest_fitting(np.array([np.iinfo(np.int32).max], np.int64), budget, shape)
+    ctx = PlanContext(order=c.order, shape=shape, budget=budget, dp=c.dp, grad_accum=c.grad_accum,
+                      static=c.static_shapes, same_shape=c.same_shape_per_step, packing=c.packing, seq_len=c.seq_len,
+                      max_per_row=c.max_per_row, split_long=c.split_long, rows_per_mb=rows_per_mb, tail=c.tail,
+                      longest_fitting=int(fit))
+    if (c.num_shapes is not None and not c.packing) or (spec.count > 1 and c.order == "random"):
+        _census(c, ctx, rows, spec, d)
+    return ctx
+
+
+def _census(c, ctx: PlanContext, rows: InputRows, spec: ChunkSpec, d: Dist) -> None:
+    """One pass over the lengths (shared out by rank): the bucket edges of ``--num-shapes`` and the
+    random order's fixed batch size, from the whole input (the samples that fit)."""
+    counts: dict = {}
+    longest = -1
+    for k in range(d.rank, spec.count, d.world_size):
+        lo, hi = spec.bounds(k)
+        length = rows.read(lo, hi, columns=("length",))["length"]
+        length = length[length <= ctx.longest_fitting]
+        if len(length):
+            longest = max(longest, int(length.max()))
+            u, n = np.unique(ctx.shape.pad(length), return_counts=True)
+            for a, b in zip(u.tolist(), n.tolist()):
+                counts[a] = counts.get(a, 0) + b
+    merged: dict = {}
+    for part in d.all_gather_object((counts, longest)):
+        for a, b in part[0].items():
+            merged[a] = merged.get(a, 0) + b
+        longest = max(longest, part[1])
+    if c.num_shapes is not None and not c.packing and merged:
+        u = np.array(sorted(merged), np.int64)
+        ctx.shape = ShapeMap(c.pad_multiple, choose_edges(np.repeat(u, [merged[x] for x in u.tolist()]), c.num_shapes))
+    if c.order == "random" and longest >= 0:
+        t_max = int(ctx.shape(np.array([longest]))[0])
+        ctx.fixed_batch = max(int(ctx.budget.cap(np.array([t_max]))[0]), 1)
+
+
+def _spill_dir(d: Dist, out: PlanOutput) -> str:
+    path = out.make_spill_dir(d.world_size) if d.is_main else None
+    return d.all_gather_object(path)[0] if d.distributed else path
+
+
+def run_in_group(c, d: Dist, t0: float):
+    """One rank's part (see the module docstring); the result on rank 0, None elsewhere."""
+    manifest = artifacts.read_manifest(c.input, what="metrics or sorted directory",
+                                       hint="create one with `varlen analyze` (and `varlen sort` for curriculum "
+                                            "order)")
+    freshness.check_inputs(c.input, manifest, c.allow_stale, rerun="varlen sort")
+    kind = manifest.get("kind", "metrics")
+    if c.order in CURRICULAR and kind != "sorted":
+        raise UsageError(f"--order {c.order} needs a sorted input, but {c.input} is a {kind} directory "
+                         f"(sample_id order); sort it first: `varlen sort {c.input} -o SORTED_DIR`")
+    rows = InputRows(c.input, manifest)
+    if rows.num_rows == 0:
+        raise InputError(f"{c.input} holds no samples")
+    if rows.has_target and c.packing and c.split_long:
+        raise UsageError("--split-long cannot tell which chunk of a split sample holds its target_length loss tokens "
+                         "(analyze --target-length); pack without --split-long")
+    spec = ChunkSpec(rows.num_rows, int(c.chunk_samples))
+    # rank 0 holds the microbatch tables of every epoch (~3-6 bytes a sample entry), each worker one chunk
+    check_plan_size(rows.num_rows, c.epochs, c.packing, f"{rows.num_rows:,} samples",
+                    bytes_per_entry=TABLE_BYTES_PER_ENTRY * (2 if c.packing else 1),
+                    fixed=CHUNK_BYTES_PER_SAMPLE * min(spec.size, rows.num_rows) * d.world_size)
+    out = PlanOutput(c.output, c.overwrite)
+    with (out.locked() if d.is_main else contextlib.nullcontext()), \
+            PlanProgress(c.progress and d.is_main, c.epochs) as bar:
+        directory = _spill_dir(d, out)
+        try:
+            bar.phase("read")
+            ctx = context(c, manifest, rows, spec, d)
+            _phase1(c, ctx, rows, spec, d, directory, kind, bar)
+            d.barrier()
+            if not d.is_main:
+                return None
+            _trim()
+            result = _phase23(c, ctx, manifest, rows, spec, directory, out, t0, bar)
+        finally:
+            if d.is_main:
+                out.remove_spill_dir(directory)
+    result.phases = dict(bar.seconds)
+    return result
+
+
+def _phase1(c, ctx: PlanContext, rows: InputRows, spec: ChunkSpec, d: Dist, directory: str, kind: str,
+            bar: PlanProgress) -> None:
+    jobs = [(e, k) for e in range(c.epochs) for k in range(spec.count)]
+    scatter = None
+    if spec.count > 1 and kind != "metrics" and any(epoch_mode(c, e) not in CURRICULAR for e in range(c.epochs)):
+        scatter = Scatter(rows, spec, directory)  # canonical chunks of a sorted directory
+        scatter.write(d.rank, d.world_size)
+        d.barrier()
+    cached: tuple | None = None
+    shown = None
+    for j, (e, k) in enumerate(jobs):
+        if j % d.world_size != d.rank:
+            continue
+        if e != shown:
+            bar.phase(f"form epoch {e + 1}/{c.epochs}")
+            shown = e
+        mode = epoch_mode(c, e)
+        key = (k, mode in CURRICULAR)
+        if cached is None or cached[0] != key:
+            source = ChunkSource(rows, spec, curricular=mode in CURRICULAR, reverse=mode == "reverse", scatter=scatter)
+            cached = (key, source.read(k))
+        cu = form_chunk(cached[1], ctx, mode, e, chunk_rng(c.seed, e, k), whole=spec.count == 1, config=c)
+        spill.write(directory, cu)
+        del cu
+        fault_point("plan.chunk")
+    cached = None
+    _trim()
+
+
+def _trim() -> None:
+    from ..heap import trim
+
+    trim()
+
+
+def _check_long(c, ctx: PlanContext, tables: list, n: int) -> tuple[int, np.ndarray, int]:
+    """Too-long samples of the input (counted in the first epoch's chunks): ``pipeline._too_long``'s errors."""
+    num_long = sum(int(t.header["num_long"]) for t in tables)
+    longest = max(int(t.header["longest"]) for t in tables)
+    long_ids = np.concatenate([np.asarray(t.long_ids, np.int64) for t in tables])
+    if num_long:
+        from ..pipeline import too_long_error
+
+        error = too_long_error(c, ctx.budget, ctx.remedies, num_long, n, longest, _shortest(tables))
+        if error is not None:
+            raise error
+    return num_long, long_ids, longest
+
+
+def _shortest(tables) -> int:
+    return min((int(t.header.get("shortest", 0)) for t in tables), default=0)
+
+
+def _phase23(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSpec, directory: str,
+             out: PlanOutput, t0: float, bar: PlanProgress):
+    from ..config import PlanResult
+
+    epochs: list[EpochRows] = []
+    readers = []
+    packing_stats, num_long, long_ids, fixed_batch = [], 0, np.zeros(0, np.int64), None
+    for e in range(c.epochs):
+        tables = [spill.read_table(directory, e, k) for k in range(spec.count)]
+        if e == 0:
+            num_long, long_ids, _ = _check_long(c, ctx, tables, rows.num_rows)
+            fixed_batch = tables[0].header.get("fixed_batch") or ctx.fixed_batch
+            if ctx.fixed_batch is None and fixed_batch is not None:
+                ctx.fixed_batch = int(fixed_batch)
+        if c.packing:
+            packing_stats.append(_packing_stats(tables))
+        mode = epoch_mode(c, e)
+        bar.phase(f"layout epoch {e + 1}/{c.epochs}")
+        ep = lay_out(tables, ctx, mode, global_rng(c.seed, e), warmup=c.compile_warmup and e == 0,
+                     schedule=c.schedule, stages=c.stages)
+        dropped = _tail_ids(directory, tables, ep)
+        if len(dropped):
+            ep.tail_ids = np.concatenate([ep.tail_ids, dropped])
+        epochs.append(ep)
+        readers.append([spill.ItemReader(directory, t) for t in tables])
+        del tables
+    bar.phase("columns")
+    fin = finish(c, ctx, manifest, rows.num_rows, epochs, long_ids=long_ids, num_long=num_long,
+                 packing_stats=packing_stats, fixed_batch=fixed_batch, t0=t0, trained_only=rows.has_target)
+    fin.metadata["chunks"]["count"] = spec.count
+    bar.phase("write")
+    try:
+        out.write(lambda tmp: emit.write(c.output, c.overwrite, epochs, fin, readers, c.dp, c.grad_accum,
+                                         bool(c.packing), tmp),
+                  before_commit=lambda: fault_point("plan.write"))
+    finally:
+        for rs in readers:
+            for r in rs:
+                r.close()
+    fin.summary["seconds"] = time.perf_counter() - t0
+    return PlanResult(output=out.final, order=c.order, num_steps=int(fin.step_start[-1]),
+                      num_microbatches=sum(ep.count for ep in epochs), stats=fin.summary,
+                      packing=fin.metadata.get("packing"), dropped_ids=fin.dropped_ids,
+                      seconds=fin.summary["seconds"], metadata=fin.metadata)
+
+
+def _tail_ids(directory: str, tables: list, ep: EpochRows) -> np.ndarray:
+    """Sample ids of the units ``--tail drop`` dropped in phase 2 (read from their chunk files)."""
+    units = ep.dropped_units
+    if units is None or not len(units["chunk"]):
+        return np.zeros(0, np.int64)
+    parts = []
+    for k, lo, n in zip(units["chunk"].tolist(), units["item_lo"].tolist(), units["count"].tolist()):
+        r = spill.ItemReader(directory, tables[k])
+        parts.append(r.read("ids", lo, lo + n))
+        r.close()
+    return np.concatenate(parts)
+
+
+def _packing_stats(tables: list) -> dict:
+    """An epoch's packing statistics from its chunks' (rows, items, ...; ``Packing.stats``' formulas)."""
+    infos = [t.header["packing"] for t in tables]
+    if len(infos) == 1 and "samples_per_row_mean" in infos[0]:
+        return infos[0]
+    rows = sum(int(p["rows"]) for p in infos)
+    items = sum(int(p["items"]) for p in infos)
+    return {"split_samples": sum(int(p["split_samples"]) for p in infos),
+            "samples_per_row_mean": items / rows if rows else 0.0,
+            "samples_per_row_max": max(int(p["samples_per_row_max"]) for p in infos)}
+

@@ -1,0 +1,129 @@
+"""Chunk results on disk, in the output's temporary directory (``.NAME.varlen-tmp-spill-*``).
+
+Per (epoch, chunk) job:
+
+* ``e{E}-c{K}.npz``: the unit table, the tail candidates and a small JSON header (what phase 2
+  reads: about 30 bytes a unit);
+* ``e{E}-c{K}.{item}.bin``: each item array raw, in unit order (what phase 3 reads by ranges with
+  ``pread``). Sample ids are stored as uint32 offsets from the chunk's smallest id when they fit.
+
+A killed run leaves the directory behind; it matches the output's temporary pattern, so the next
+run on that output removes it (``runtime.safety.clean_leftovers``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...errors import OutputError
+from .form import ChunkUnits
+
+ITEM_DTYPES = {"item_length": np.int32, "item_start": np.int32, "item_row": np.int32, "sample_length": np.int32,
+               "sample_target": np.int32}
+
+
+def job_name(epoch: int, chunk: int) -> str:
+    return f"e{epoch:05d}-c{chunk:06d}"
+
+
+def _write_raw(path: str, values: np.ndarray) -> None:
+    with open(path, "wb") as fh:
+        np.ascontiguousarray(values).tofile(fh)
+
+
+def write(directory: str, cu: ChunkUnits) -> None:
+    """Write one chunk's units and items (raises OutputError on a full disk)."""
+    name = os.path.join(directory, job_name(cu.epoch, cu.chunk))
+    ids = np.asarray(cu.items["ids"])
+    if cu.id_base is not None:  # positions of a chunk whose ids are a range: the ids are base + position
+        base, small = int(cu.id_base), not len(ids) or int(ids.max()) < 1 << 32
+        ids_out = ids.astype(np.uint32) if small else ids.astype(np.int64) + base
+    else:
+        ids = ids.astype(np.int64, copy=False)
+        base = int(ids.min()) if len(ids) else 0
+        small = not len(ids) or int(ids.max()) - base < 1 << 32
+        ids_out = (ids - base).astype(np.uint32) if small else ids
+    header = {"epoch": cu.epoch, "chunk": cu.chunk, "level": cu.level, "count": cu.count, "items": int(len(ids)),
+              "ids_base": base if small else 0, "ids_dtype": "uint32" if small else "int64", "num_long": cu.num_long,
+              "longest": cu.longest, "shortest": cu.shortest, "packing": cu.packing, "item_arrays": sorted(cu.items),
+              "complete": bool(cu.candidates.get("complete", True)),
+              "ranked": cu.ranked, "fixed_batch": cu.fixed_batch}
+    arrays = {f"unit_{k}": v for k, v in cu.units.items()}
+    arrays.update({f"cand_{k}": np.asarray(v) for k, v in cu.candidates.items() if k != "complete"})
+    arrays.update(offsets=cu.offsets, long_ids=cu.long_ids, tail_ids=cu.tail_ids,
+                  header=np.frombuffer(json.dumps(header).encode(), np.uint8))
+    try:
+        for item, values in cu.items.items():
+            if item == "ids":
+                values = ids_out
+            else:
+                values = np.asarray(values, ITEM_DTYPES[item])
+            _write_raw(f"{name}.{item}.bin", values)
+        with open(name + ".npz.tmp", "wb") as fh:
+            np.savez(fh, **arrays)
+        os.replace(name + ".npz.tmp", name + ".npz")  # the table last: a job is done when it exists
+    except OSError as exc:
+        raise OutputError(f"cannot write the plan's temporary files in {directory}: {exc.strerror or exc}") from None
+
+
+@dataclass
+class ChunkTable:
+    """What phase 2 reads of a chunk: its header, unit columns, offsets and candidates."""
+
+    header: dict
+    units: dict
+    offsets: np.ndarray
+    candidates: dict
+    long_ids: np.ndarray
+    tail_ids: np.ndarray
+
+    @property
+    def count(self) -> int:
+        return len(self.offsets) - 1
+
+
+def read_table(directory: str, epoch: int, chunk: int) -> ChunkTable:
+    with np.load(os.path.join(directory, job_name(epoch, chunk) + ".npz")) as z:
+        header = json.loads(bytes(z["header"]).decode())
+        units = {k[5:]: z[k] for k in z.files if k.startswith("unit_")}
+        cands = {k[5:]: z[k] for k in z.files if k.startswith("cand_")}
+        cands["complete"] = header["complete"]
+        return ChunkTable(header, units, z["offsets"], cands, z["long_ids"], z["tail_ids"])
+
+
+class ItemReader:
+    """Item ranges of one chunk's files, read with ``pread`` (no file held in memory)."""
+
+    def __init__(self, directory: str, table: ChunkTable):
+        self.name = os.path.join(directory, job_name(table.header["epoch"], table.header["chunk"]))
+        self.base = int(table.header["ids_base"])
+        self.dtypes = {item: (np.dtype(table.header["ids_dtype"]) if item == "ids" else np.dtype(ITEM_DTYPES[item]))
+                       for item in table.header["item_arrays"]}
+        self._fds: dict = {}
+
+    def read(self, item: str, lo: int, hi: int) -> np.ndarray:
+        """Items ``[lo, hi)`` of ``item`` (sample ids as int64)."""
+        dtype = self.dtypes[item]
+        fd = self._fds.get(item)
+        if fd is None:
+            fd = self._fds[item] = os.open(f"{self.name}.{item}.bin", os.O_RDONLY)
+        out = np.empty(hi - lo, dtype)
+        view, at, want = memoryview(out.view(np.uint8)), 0, (hi - lo) * dtype.itemsize
+        while at < want:
+            got = os.preadv(fd, [view[at:]], lo * dtype.itemsize + at)
+            if got <= 0:
+                raise OutputError(f"{self.name}.{item}.bin is shorter than its table says (a temporary file was "
+                                  "changed while the plan was written)")
+            at += got
+        if item == "ids":
+            return out.astype(np.int64) + self.base if dtype != np.int64 else out
+        return out
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
