@@ -41,3 +41,9 @@ def assert_user_error(result, code: int, message) -> None:
     else:
         assert got == message
     assert "Traceback" not in result.output
+
+
+def pytest_collection_modifyitems(config, items):
+    """Slow (multi-process) tests first, so with ``-n 2`` (and ``--dist worksteal``, pyproject.toml) the
+    last tests to run are short ones and neither worker idles while the other finishes a long test."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -1,9 +1,9 @@
 """Shared checks of the framework integrations (tests/integrations/test_*.py).
 
 Each framework test trains a tiny Llama built from a config on a 300-sample slice of
-sample_data/tokenized.parquet, with 2 processes (torchrun, gloo, a free port picked by
-``--standalone``), and compares what ran with the plan and with single-process references
-computed here from the data and the model alone.
+sample_data/tokenized.parquet, with 2 processes (gloo, a free port each launch; the full run under the real
+torchrun, the resume under tests/launcher.py, which starts ranks as torchrun does), and compares what
+ran with the plan and with single-process references computed here from the data and the model alone.
 """
 
 from __future__ import annotations
@@ -60,16 +60,56 @@ def tokens(data: str) -> list:
     return [np.asarray(x, dtype=np.int64) for x in pq.read_table(data).column("input_ids").to_pylist()]
 
 
-def torchrun(script: str, *args, nproc: int = 2, timeout: int = 420, expect_ok: bool = True):
-    """Run an example under ``python -m torch.distributed.run --standalone`` (a free port each time)."""
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           os.path.join(EXAMPLES, script), *map(str, args)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+# what each example imports, loaded once in the launcher's zygote (tests/launcher.py) instead of in every rank
+_HF = ("transformers.trainer", "transformers.models.llama.modeling_llama", "varlen_cli.integrations.hf")
+IMPORTS = {
+    "train_hf_trainer.py": _HF,
+    "train_trl.py": _HF + ("datasets", "trl.trainer.sft_trainer"),
+    "train_accelerate.py": _HF + ("accelerate", "varlen_cli.integrations.accelerate"),
+    "train_lightning.py": _HF + ("lightning.pytorch", "varlen_cli.integrations.lightning"),
+    "train_fsdp2.py": _HF + ("torch.distributed.fsdp", "torch.distributed.checkpoint"),
+    "train_tiny_lm.py": ("torch.nn.parallel",),
+}
+
+
+def torchrun(script: str, *args, nproc: int = 2, timeout: int = 420, expect_ok: bool = True, real: bool = False):
+    """Run ``examples/SCRIPT`` with ``nproc`` ranks as ``torchrun --standalone --nproc-per-node NPROC``
+    would: ``real=True`` (or VARLEN_TEST_REAL_TORCHRUN=1 for every launch) under the real command
+    (``python -m torch.distributed.run``), else under tests/launcher.py (real processes with torchrun's
+    environment, gloo, a free port each time; forked from a process that imported the frameworks once)."""
+    if real or os.environ.get("VARLEN_TEST_REAL_TORCHRUN") == "1":
+        proc = real_torchrun(os.path.join(EXAMPLES, script), *args, nproc=nproc, timeout=timeout, cwd=ROOT)
+    else:
+        from tests.launcher import launch
+
+        proc = launch(os.path.join(EXAMPLES, script), *args, nproc=nproc, timeout=timeout, cwd=ROOT,
+                      imports=IMPORTS.get(script, ()))
     if expect_ok:
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     return proc
+
+
+def real_torchrun(script: str, *args, nproc: int = 2, timeout: int = 420, cwd=ROOT) -> subprocess.CompletedProcess:
+    """``python -m torch.distributed.run --standalone --nproc-per-node NPROC SCRIPT ARGS`` (a free port)."""
+    from tests.launcher import STATIC_ENV
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(script), *map(str, args)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(cwd),
+                            env=dict(os.environ, **STATIC_ENV))
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # past the timeout: SIGTERM, which torchrun's agent passes on to its workers (each in a session of
+        # its own, so killing the agent alone would leave them running), then SIGKILL
+        proc.terminate()
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate(timeout=60)
+        raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def logs(log_dir, world: int = 2) -> list:

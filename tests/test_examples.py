@@ -7,7 +7,9 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
+from tests.launcher import launch
 from tests.loader_helpers import ROOT, real_plan, token_lengths, write_plan
 from varlen_cli.loader import Plan
 
@@ -41,6 +43,7 @@ def _logs(log_dir, world):
     return [json.load(open(os.path.join(log_dir, f"rank-{r}.json"))) for r in range(world)]
 
 
+@pytest.mark.slow
 def test_ddp_two_ranks_exactly_once_lr_and_resume(tmp_path):
     plan_path = _plan(tmp_path, max_tokens=2048, dp=2, grad_accum=2)
     plan = Plan.open(plan_path)
@@ -67,8 +70,11 @@ def test_ddp_two_ranks_exactly_once_lr_and_resume(tmp_path):
         assert np.allclose(log["lr"], np.array(log["unscaled_lr"]) * scales, rtol=1e-12)
     assert len(set(scales.round(6))) > 1  # the plan's batch sizes vary, so the scale does
     # resume from the mid-epoch checkpoint: the rest of the stream, LRs and losses, exactly
-    _run("--plan", plan_path, "--nproc", "2", "--lr", "0.01", "--log-dir", str(tmp_path / "resumed"),
-         "--resume", ckpt, *small)
+    # (the full run above used the script's own --nproc launcher; the resume runs its 2 ranks under
+    # tests/launcher.py, as torchrun starts them)
+    proc = launch(SCRIPT, "--plan", plan_path, "--lr", "0.01", "--log-dir", str(tmp_path / "resumed"), "--resume", ckpt,
+                  *small, imports=("torch.nn.parallel",), timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     resumed = _logs(tmp_path / "resumed", 2)
     for a, b in zip(full, resumed):
         k = save_at + 1
@@ -78,6 +84,7 @@ def test_ddp_two_ranks_exactly_once_lr_and_resume(tmp_path):
         assert b["loss"] == a["loss"][k:]  # same model, optimizer and data: bit-identical on CPU
 
 
+@pytest.mark.slow
 def test_compile_static_shapes_no_recompiles_after_warmup(tmp_path):
     """torch.compile(dynamic=False) on a --static-shapes --compile-warmup plan with 3 shapes.
 

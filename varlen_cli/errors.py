@@ -18,6 +18,8 @@ code  meaning
 
 from __future__ import annotations
 
+import time
+
 
 class VarlenError(Exception):
     """Base class of errors caused by the user's input or environment, not by a bug."""
@@ -27,6 +29,9 @@ class VarlenError(Exception):
     def __init__(self, message: str):
         super().__init__(message)
         self.message = message
+        # When the failure happened, before any clean-up ran: of several failed workers, the first
+        # to fail is the cause (a peer whose files that clean-up removed fails later, as a consequence).
+        self.created_at = time.time()
 
     def __str__(self) -> str:  # pragma: no cover - trivial
         return self.message

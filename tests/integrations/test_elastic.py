@@ -6,15 +6,14 @@ a gap or repeat, and the LR at every global step is the base schedule there time
 """
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from typer.testing import CliRunner
 
-from tests.integration_helpers import EXAMPLES, load_example, logs, make_plan, small_dataset, torchrun
-from tests.loader_helpers import ROOT
+from tests.integration_helpers import load_example, logs, make_plan, small_dataset, torchrun
+from varlen_cli.cli import app
 from varlen_cli.loader import Plan
 from varlen_cli.loader.replan import first_epoch, first_step
 
@@ -31,10 +30,9 @@ def setup(tmp_path_factory):
 
 
 def _replan(parent: Plan, step: int, out) -> Plan:
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "-m", "varlen_cli", "replan", parent.path, "--from-step", str(step),
-                           "--dp", "3", "-o", str(out)], capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr
+    """``varlen replan PARENT --from-step STEP --dp 3 -o OUT`` (the CLI, in this process)."""
+    res = CliRunner().invoke(app, ["replan", parent.path, "--from-step", str(step), "--dp", "3", "-o", str(out)])
+    assert res.exit_code == 0, res.output
     new = Plan.open(str(out))
     assert (first_step(new), new.dp, new.grad_accum) == (step, 3, parent.grad_accum)
     return new
@@ -84,19 +82,12 @@ def test_plain_ddp_restart_on_three_ranks(setup):
     state = folder / "ddp-state.pt"
     common = ["--data", data, "--lr", "0.01", "--warmup-steps", "2", "--total-steps", str(parent.num_steps),
               "--d-model", "32", "--layers", "1"]
-    _tiny_lm(2, "--plan", parent.path, "--max-steps", n, "--save-state", state, "--save-at", n - 1,
+    torchrun("train_tiny_lm.py", "--plan", parent.path, "--max-steps", n, "--save-state", state, "--save-at", n - 1,
              "--log-dir", folder / "ddp1", *common)
     new = _replan(parent, n, folder / "ddp-new.parquet")
-    _tiny_lm(3, "--plan", new.path, "--resume", state, "--log-dir", folder / "ddp2", *common)
+    torchrun("train_tiny_lm.py", "--plan", new.path, "--resume", state, "--log-dir", folder / "ddp2", *common, nproc=3)
     factor = load_example("tiny_lm").warmup_cosine(2, parent.num_steps)
     _check_job(parent, new, logs(folder / "ddp1", 2), logs(folder / "ddp2", 3), 0.01, factor)
-
-
-def _tiny_lm(nproc: int, *args) -> None:
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, os.path.join(EXAMPLES, "train_tiny_lm.py"), "--nproc", str(nproc), *map(str, args)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 @pytest.mark.slow

@@ -1,16 +1,20 @@
 """The recipes of docs/loader.md and docs/integrations.md run as written: each ```python block that
-starts with ``# recipe: NAME (FILE)`` is saved as FILE and started with 2 CPU processes by the
-command the docs give under it (torchrun, gloo), on a plan of a slice of sample_data/tokenized.parquet."""
+starts with ``# recipe: NAME (FILE)`` is saved as FILE and started with 2 CPU processes (gloo) as the
+command the docs give under it starts them, on a plan of a slice of sample_data/tokenized.parquet.
+The plain DDP and torchdata recipes run under the real ``torchrun`` command (the ddp recipe's second run,
+its resume, under tests/launcher.py); the other framework recipes under tests/launcher.py, which starts
+each rank as torchrun does from a process that imported the frameworks once (their frameworks' 2-rank
+tests run under the real torchrun)."""
 
 import os
 import re
 import subprocess
-import sys
 
 import pyarrow.parquet as pq
 import pytest
 
-from tests.integration_helpers import make_plan, small_dataset
+from tests.integration_helpers import IMPORTS, make_plan, real_torchrun, small_dataset
+from tests.launcher import launch
 from tests.loader_helpers import ROOT
 from varlen_cli.loader import Plan
 
@@ -29,6 +33,12 @@ def _recipes() -> dict:
 RECIPES = _recipes()
 NEEDS = {"hf": ["transformers"], "trl": ["trl", "datasets"], "accelerate": ["accelerate", "transformers"],
          "lightning": ["lightning", "transformers"], "torchdata": ["torchdata"], "ddp": []}
+# the recipes whose framework has no other launch under the real torchrun (the others' 2-rank tests run
+# their full run under it: tests/integrations/test_{hf,trl,accelerate,lightning,fsdp2}.py)
+REAL = ("ddp", "torchdata")
+PRELOAD = {"hf": IMPORTS["train_hf_trainer.py"], "trl": IMPORTS["train_trl.py"],
+           "accelerate": IMPORTS["train_accelerate.py"], "lightning": IMPORTS["train_lightning.py"],
+           "torchdata": ("torchdata.stateful_dataloader",), "ddp": ("torch.nn.parallel",)}
 
 
 def test_the_docs_hold_every_recipe():
@@ -43,11 +53,13 @@ def plan(tmp_path_factory):
     return make_plan(folder, data, "plan", max_tokens=512, dp=2, grad_accum=2, epochs=2), data
 
 
-def _run(folder, file: str, *args) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore", PYTHONPATH=ROOT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", file, *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env, cwd=folder)
+def _run(folder, name: str, file: str, *args, real: bool = False) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node 2 FILE ARGS`` in ``folder``: the real command (``real``), else
+    tests/launcher.py with the recipe's framework imported once."""
+    if real:
+        proc = real_torchrun(file, *args, cwd=folder)
+    else:
+        proc = launch(os.path.join(str(folder), file), *args, cwd=folder, imports=PRELOAD.get(name, ()))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
@@ -62,11 +74,11 @@ def test_recipe_runs_as_written_on_two_processes(plan, tmp_path, name):
     (tmp_path / file).write_text(code)
     args = [plan_path, data] + ([TOKENIZER] if name == "trl" else [])
     steps = Plan.open(plan_path).num_steps
-    out = _run(tmp_path, file, *args).stdout
+    out = _run(tmp_path, name, file, *args, real=name in REAL).stdout
     if name in ("ddp", "torchdata", "accelerate"):
         assert f"trained to step {steps}" in out, out[-2000:]
     if name == "ddp":  # run again: it resumes from its last checkpoint and trains the rest
         assert os.path.exists(tmp_path / "ckpt.pt")
-        assert f"rank 1: trained to step {steps}" in _run(tmp_path, file, *args).stdout
+        assert f"rank 1: trained to step {steps}" in _run(tmp_path, name, file, *args).stdout
     if name in ("hf", "trl"):
         assert os.listdir(tmp_path / f"out-{name}")  # its checkpoints

@@ -3,16 +3,14 @@ curriculum continuation, LR base kept, determinism, a real 2 -> 3 rank gloo rest
 
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from tests.conftest import ROOT, assert_user_error
+from tests.conftest import assert_user_error
+from tests.launcher import launch
 from tests.plan_helpers import write_metrics
 from varlen_cli.cli import app
 from varlen_cli.loader import Plan, PlanBatchSampler, PlanError
@@ -131,31 +129,11 @@ def test_state_file_and_sampler_resume(dirs, tmp_path):
         resumed.load_state_dict({**state, "plan": "0123456789abcdef"})
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(world, args, attempts=3):
-    """``world`` gloo ranks of the worker script on a free port. The port is free when chosen but
-    another process (a parallel test) may take it before rank 0 binds it: then, and only then, the
-    job is started again on a new port."""
-    for attempt in range(attempts):
-        port = _free_port()
-        procs = []
-        for rank in range(world):
-            env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            procs.append(subprocess.Popen([sys.executable, WORKER, *args], env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True))
-        results = [(p.communicate(timeout=180)[0], p.returncode) for p in procs]
-        port_taken = any(code != 0 and "address already in use" in out.lower() for out, code in results)
-        if port_taken and attempt + 1 < attempts:
-            continue
-        for out, code in results:
-            assert code == 0, out[-3000:]
-        return
+def _launch(world, args):
+    """``world`` gloo ranks of the worker script, started as torchrun starts them (tests/launcher.py: the
+    rendezvous store on a free port held by this process, so no port race)."""
+    proc = launch(WORKER, *args, nproc=world, timeout=180, imports=("varlen_cli.loader.replan",))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 @pytest.mark.slow

@@ -96,6 +96,7 @@ def test_worker_death_fails_the_job_then_rerun_succeeds(data, monkeypatch):
     assert m["parts"][0]["last_key"] <= m["parts"][1]["first_key"]
 
 
+@pytest.mark.slow
 def test_three_workers(data):
     """The torch-free local group (what ``--nproc 3`` on the CPU uses)."""
     root, paths, cols = data
@@ -128,6 +129,7 @@ def test_three_workers(data):
         assert max(r.rows_per_worker) - min(r.rows_per_worker) <= 1 and r.balance <= 1.02
 
 
+@pytest.mark.slow
 def test_four_workers(data, monkeypatch):
     """torch's elastic launcher and a gloo group (what torchrun and ``--device cuda`` use)."""
     monkeypatch.setenv("VARLEN_LAUNCHER", "torch")

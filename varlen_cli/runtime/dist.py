@@ -429,7 +429,7 @@ def worker_entry(entry: Callable[[Any], Any], config: Any) -> Any:
             "message": exc.message if isinstance(exc, VarlenError) else f"{type(exc).__name__}: {exc}",
             "exit_code": code,
             "traceback": traceback.format_exc(),
-            "time": time.time(),
+            "time": getattr(exc, "created_at", time.time()),
         }
         error_dir = os.environ.get("VARLEN_ERROR_DIR")
         if error_dir:
