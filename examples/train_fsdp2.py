@@ -14,6 +14,8 @@ in the same folder.
 from __future__ import annotations
 
 import argparse
+import datetime
+import gc
 import json
 import os
 import sys
@@ -33,6 +35,7 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 from train_hf_trainer import tiny_llama  # noqa: E402
 
 from varlen_cli.loader import Plan, VariableBatchSizeLR, dataloader_for_plan, to_model_inputs  # noqa: E402
+from varlen_cli.runtime.dist import collective_timeout  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -50,7 +53,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    dist.init_process_group("gloo")
+    # a collective waits at most VARLEN_TIMEOUT seconds (default 1800) for a peer, then this rank fails
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=collective_timeout()))
     rank, world = dist.get_rank(), dist.get_world_size()
     plan = Plan.open(args.plan)
     dataset = TokenDataset(args.data)
@@ -112,7 +116,17 @@ def main(argv=None) -> None:
             json.dump(log, fh)
     if rank == 0:
         print(f"rank 0: {len(log['steps'])} steps", flush=True)
-    dist.barrier()  # every rank meets before the group goes (none tears down connections a peer still uses)
+    del model, optimizer, scheduler  # the sharded model and its parameters hold the process group
+    end_group()
+
+
+def end_group() -> None:
+    """End the process group here, the same way on every rank: ``destroy_process_group()`` alone only
+    unregisters a gloo group while a model holding it lives on, and the garbage collector then tears it
+    down at any later point, while a peer may already have exited (a hang at exit under load). So: once
+    the caller dropped model and optimizer, collect, meet, end the group."""
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -18,6 +18,7 @@ and, on rank 0, the gradient of the first step (the tests compare them with refe
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -32,6 +33,7 @@ from tiny_lm import TokenDataset  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments  # noqa: E402
 
 from varlen_cli.integrations.hf import PlanTrainer  # noqa: E402
+from varlen_cli.runtime.dist import collective_timeout  # noqa: E402
 
 
 def tiny_llama(vocab_size: int, max_len: int, seed: int = 0, hidden: int = 32, layers: int = 2,
@@ -114,6 +116,7 @@ def main(argv=None) -> None:
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, max_steps=args.max_steps,
         dataloader_num_workers=args.num_workers, ddp_backend="gloo" if torch.distributed.is_available() else None,
         seed=0, disable_tqdm=True, save_only_model=False,
+        ddp_timeout=int(collective_timeout()),  # a collective waits at most VARLEN_TIMEOUT s for a peer
     )
     trainer = LoggingPlanTrainer(plan=plan, model=model, args=targs, train_dataset=dataset, attention=args.attention)
     log = {"steps": [], "lr": [], "unscaled_lr": [], "lr_scale": [], "micro": []}
@@ -133,12 +136,22 @@ def main(argv=None) -> None:
     if rank == 0:
         print(f"rank 0: {result.global_step} steps, train loss {result.training_loss:.4f}, "
               f"{speed[-1] if speed else 0:.0f} tokens/s", flush=True)
-    # Trainer leaves its gloo group up. Every rank meets first, then the group's owner (accelerate)
-    # destroys it: no rank tears down its connections while a peer still uses them (an occasional
-    # "terminate called without an active exception", SIGABRT, at interpreter exit under load).
-    trainer.accelerator.wait_for_everyone()
-    trainer.accelerator.end_training()
+    accelerator = trainer.accelerator
+    del trainer, model  # the trainer holds the wrapped (DDP) model, which holds the process group
+    end_group(accelerator)
 
+
+def end_group(accelerator) -> None:
+    """End the process group here, the same way on every rank. The wrapped (DDP) model holds the
+    group: ``destroy_process_group()`` alone only unregisters a gloo group while the model lives on (in
+    the trainer's and accelerator's reference cycles), and the garbage collector then tears it down at
+    any later point, while a peer may already have exited (a rank hung at exit, about 1 run in 40 under
+    load). So: release what holds the group (the caller dropped its trainer and model), collect, meet,
+    then end the group."""
+    accelerator.free_memory()  # the accelerator's own references to the prepared model and optimizer
+    gc.collect()
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # destroy_process_group
 
 if __name__ == "__main__":
     main()

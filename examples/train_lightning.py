@@ -13,6 +13,8 @@ checkpoint continues exactly, also on a plan `varlen replan` made for another nu
 from __future__ import annotations
 
 import argparse
+import datetime
+import gc
 import json
 import os
 import sys
@@ -25,12 +27,14 @@ if ROOT not in sys.path:
 import lightning.pytorch as L  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from tiny_lm import TokenDataset, warmup_cosine  # noqa: E402
 from train_hf_trainer import tiny_llama  # noqa: E402
 
 from varlen_cli.integrations.lightning import PlanDataModule, plan_loss, plan_lr_scheduler  # noqa: E402
 from varlen_cli.loader import Plan, to_model_inputs  # noqa: E402
 from varlen_cli.loader.replan import first_step  # noqa: E402
+from varlen_cli.runtime.dist import collective_timeout  # noqa: E402
 
 
 class TinyLlamaModule(L.LightningModule):
@@ -101,7 +105,9 @@ def main(argv=None) -> None:
         callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=args.save_every, save_top_k=-1,
                                          filename="{step}"))
     world = int(os.environ.get("WORLD_SIZE", 1))
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto",
+    # a collective waits at most VARLEN_TIMEOUT seconds (default 1800) for a peer, then this rank fails
+    strategy = DDPStrategy(timeout=datetime.timedelta(seconds=collective_timeout())) if world > 1 else "auto"
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy,
                         max_epochs=dm.max_epochs, max_steps=args.max_steps, accumulate_grad_batches=plan.grad_accum,
                         use_distributed_sampler=args.distributed_sampler, reload_dataloaders_every_n_epochs=1,
                         callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
@@ -112,10 +118,19 @@ def main(argv=None) -> None:
             json.dump(module.record, fh)
     if trainer.global_rank == 0:
         print(f"rank 0: {trainer.global_step} steps", flush=True)
-    # Lightning leaves a gloo group up (it destroys only nccl ones, at exit): every rank meets, then it goes,
-    # so no rank tears down its connections while a peer still uses them (a SIGABRT at exit under load).
-    trainer.strategy.barrier("end")
+    del trainer, strategy, module, dm  # the strategy holds the DDP model; the data module holds the trainer
+    end_group()
+
+
+def end_group() -> None:
+    """End the process group here, the same way on every rank. Lightning leaves a gloo group up (it
+    destroys only nccl ones), and the DDP model holds it: ``destroy_process_group()`` alone only
+    unregisters the group while the model lives on (in the trainer's reference cycles), and the garbage
+    collector then tears it down at any later point, while a peer may already have exited (a hang at
+    exit under load). So: once the caller dropped trainer and module, collect, meet, end the group."""
+    gc.collect()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 

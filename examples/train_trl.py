@@ -26,12 +26,13 @@ if ROOT not in sys.path:
     sys.path.insert(1, ROOT)
 
 import datasets  # noqa: E402
-from train_hf_trainer import Recorder, tiny_llama  # noqa: E402
+from train_hf_trainer import Recorder, end_group, tiny_llama  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 from trl import SFTConfig, SFTTrainer  # noqa: E402
 
 from varlen_cli.integrations.hf import PlanTrainerMixin  # noqa: E402
 from varlen_cli.loader import Plan  # noqa: E402
+from varlen_cli.runtime.dist import collective_timeout  # noqa: E402
 
 
 class PlanSFTTrainer(PlanTrainerMixin, SFTTrainer):
@@ -81,6 +82,7 @@ def main(argv=None) -> None:
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, max_steps=args.max_steps,
         save_only_model=False, ddp_backend="gloo" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
         max_length=None, dataset_kwargs={"skip_prepare_dataset": True},
+        ddp_timeout=int(collective_timeout()),  # a collective waits at most VARLEN_TIMEOUT s for a peer
     )
     trainer = PlanSFTTrainer(plan=plan, model=model, args=config, train_dataset=dataset, processing_class=tokenizer)
     log = {"steps": [], "lr": [], "unscaled_lr": [], "lr_scale": [], "micro": []}
@@ -96,8 +98,9 @@ def main(argv=None) -> None:
             json.dump(log, fh)
     if rank == 0:
         print(f"rank 0: {result.global_step} steps, train loss {result.training_loss:.4f}", flush=True)
-    trainer.accelerator.wait_for_everyone()  # every rank done before the group goes (train_hf_trainer.py)
-    trainer.accelerator.end_training()
+    accelerator = trainer.accelerator
+    del trainer, model  # the trainer holds the wrapped (DDP) model, which holds the process group
+    end_group(accelerator)  # release, meet, end the group: the same on every rank (train_hf_trainer.py)
 
 
 if __name__ == "__main__":
