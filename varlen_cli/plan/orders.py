@@ -153,26 +153,35 @@ class SameShapeFormer:
     """--same-shape-per-step: whole steps of one (B, T) shape; steps keep curriculum order or shuffle."""
 
     def form(self, inputs: EpochInputs, mode: str, rng: np.random.Generator) -> Formed:
-        c, length, slots = inputs.config, inputs.length, inputs.slots
+        c = inputs.config
         seq = inputs.ordered if mode in CURRICULAR else inputs.canon[rng.permutation(len(inputs.canon))]
-        mb, dropped = batching.form_same_shape(seq, length, inputs.shape, inputs.budget, c.static_shapes, slots)
-        if len(dropped) and c.tail != "drop":
-            raise InputError(layout.tail_message(len(seq), mb.count + slots, c.dp, c.grad_accum,
-                                                 remedies=inputs.remedies))
-        if mb.count == 0:
-            raise InputError(f"{len(seq):,} samples are fewer than the {slots:,} microbatches of one step "
-                             "(dp x grad-accum); lower --dp/--grad-accum")
-        nsteps = mb.count // slots
-        if mode in CURRICULAR:
-            where = np.empty(len(length), np.int64)
-            where[seq] = np.arange(len(seq))
-            step_off = mb.offsets[::slots]
-            key = batching.segment_sum(where[mb.samples], step_off) / np.diff(step_off)
-            step_order = np.argsort(key, kind="stable")
-        else:
-            step_order = rng.permutation(nsteps)
-        mb = mb.take((step_order[:, None] * slots + np.arange(slots)[None, :]).reshape(-1))
-        return Formed(mb, dropped)
+        return Formed(*same_shape_steps(seq, inputs.length, inputs.shape, inputs.budget, c.static_shapes,
+                                        inputs.slots, (c.dp, c.grad_accum, c.tail), inputs.remedies, mode, rng))
+
+
+def same_shape_steps(seq: np.ndarray, length: np.ndarray, shape: ShapeMap, budget: Budget, static: bool,
+                     slots: int, layout_of: tuple[int, int, str], remedies, mode: str,
+                     rng: np.random.Generator) -> tuple[Microbatches, np.ndarray]:
+    """Whole steps of one (B, T) shape from the samples ``seq`` (in order), the steps kept in curriculum
+    order (by their samples' mean position) or shuffled; and the ids left over (``tail``: drop, or refused).
+    The one definition for the single-process planner and the chunked one."""
+    dp, grad_accum, tail = layout_of
+    mb, dropped = batching.form_same_shape(seq, length, shape, budget, static, slots)
+    if len(dropped) and tail != "drop":
+        raise InputError(layout.tail_message(len(seq), mb.count + slots, dp, grad_accum, remedies=remedies))
+    if mb.count == 0:
+        raise InputError(f"{len(seq):,} samples are fewer than the {slots:,} microbatches of one step "
+                         "(dp x grad-accum); lower --dp/--grad-accum")
+    nsteps = mb.count // slots
+    if mode in CURRICULAR:
+        where = np.empty(len(length), np.int64)
+        where[seq] = np.arange(len(seq))
+        step_off = mb.offsets[::slots]
+        key = batching.segment_sum(where[mb.samples], step_off) / np.diff(step_off)
+        step_order = np.argsort(key, kind="stable")
+    else:
+        step_order = rng.permutation(nsteps)
+    return mb.take((step_order[:, None] * slots + np.arange(slots)[None, :]).reshape(-1)), dropped
 
 
 class PackingFormer:

@@ -26,11 +26,11 @@ import numpy as np
 
 from ... import format
 from ...budget import Budget, segment_sum_squares
-from ...errors import InputError, UsageError
+from ...errors import UsageError
 from .. import balance, batching, layout
 from ..batching import Microbatches
 from ..layout import PLAN_REMEDIES, Remedies
-from ..orders import CURRICULAR, padded_lengths
+from ..orders import CURRICULAR, padded_lengths, same_shape_steps
 from ..shapes import ShapeMap
 from .chunks import ChunkData
 
@@ -309,25 +309,10 @@ def _padded_candidates(mb: Microbatches, length: np.ndarray, ctx: PlanContext,
 
 # -- same shape per step -----------------------------------------------------------------------------
 def _same_shape(chunk: ChunkData, ctx: PlanContext, mode: str, seq: np.ndarray, rng) -> ChunkUnits:
-    length, slots = chunk.length, ctx.slots
+    length = chunk.length
     start = seq if mode in CURRICULAR else seq[rng.permutation(len(seq))]
-    mb, dropped = batching.form_same_shape(start, length, ctx.shape, ctx.budget, ctx.static, slots)
-    if len(dropped) and ctx.tail != "drop":
-        raise InputError(layout.tail_message(len(start), mb.count + slots, ctx.dp, ctx.grad_accum,
-                                             remedies=ctx.remedies))
-    if mb.count == 0:
-        raise InputError(f"{len(start):,} samples are fewer than the {slots:,} microbatches of one step "
-                         "(dp x grad-accum); lower --dp/--grad-accum")
-    nsteps = mb.count // slots
-    if mode in CURRICULAR:
-        where = np.empty(len(length), np.int64)
-        where[start] = np.arange(len(start))
-        step_off = mb.offsets[::slots]
-        key = batching.segment_sum(where[mb.samples], step_off) / np.diff(step_off)
-        step_order = np.argsort(key, kind="stable")
-    else:
-        step_order = rng.permutation(nsteps)
-    mb = mb.take((step_order[:, None] * slots + np.arange(slots)[None, :]).reshape(-1))
+    mb, dropped = same_shape_steps(start, length, ctx.shape, ctx.budget, ctx.static, ctx.slots,
+                                   (ctx.dp, ctx.grad_accum, ctx.tail), ctx.remedies, mode, rng)
     out = ChunkUnits(0, 0, "step", _padded_units(mb, length, target=chunk.target), mb.offsets,
                      *_ids(chunk, mb.samples))
     out.tail_ids = chunk.ids[dropped]
