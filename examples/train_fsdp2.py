@@ -55,6 +55,16 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     # a collective waits at most VARLEN_TIMEOUT seconds (default 1800) for a peer, then this rank fails
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=collective_timeout()))
+    train(args)  # returns holding nothing of FSDP: its locals (model, optimizer, the loop's values) die with it
+    end_group()
+
+
+def train(args) -> None:
+    """Train on the plan. Its own function so that everything holding the sharded model is gone when it
+    returns: besides ``model`` and ``optimizer``, the last ``layer`` that ``fully_shard`` wrapped (its FSDP
+    state shares one context with the root's) and the last microbatch's ``logits`` and ``loss_sum`` (their
+    autograd graph carries FSDP's pre-backward hooks, bound to its state) each keep all FSDP modules, and
+    with them the process group, alive."""
     rank, world = dist.get_rank(), dist.get_world_size()
     plan = Plan.open(args.plan)
     dataset = TokenDataset(args.data)
@@ -116,15 +126,13 @@ def main(argv=None) -> None:
             json.dump(log, fh)
     if rank == 0:
         print(f"rank 0: {len(log['steps'])} steps", flush=True)
-    del model, optimizer, scheduler  # the sharded model and its parameters hold the process group
-    end_group()
 
 
 def end_group() -> None:
     """End the process group here, the same way on every rank: ``destroy_process_group()`` alone only
     unregisters a gloo group while a model holding it lives on, and the garbage collector then tears it
     down at any later point, while a peer may already have exited (a hang at exit under load). So: once
-    the caller dropped model and optimizer, collect, meet, end the group."""
+    nothing holds the model (``train`` returned), collect, meet, end the group."""
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
