@@ -63,10 +63,11 @@ class Recorder(TrainerCallback):
             torch.save(grads, self.grad_path)
 
 
-class LoggingPlanTrainer(PlanTrainer):
-    """PlanTrainer that also records what each microbatch was (for the tests and the curious)."""
+class MicrobatchRecorder:
+    """A Trainer mixin (before the Trainer class in the bases) that records what each microbatch was
+    when ``record`` is a dict: its plan position, sample ids and loss (for the tests and the curious)."""
 
-    record: dict = None
+    record: dict | None = None
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
@@ -76,6 +77,10 @@ class LoggingPlanTrainer(PlanTrainer):
                                          "samples": inputs["sample_ids"][: inputs["num_samples"]].tolist(),
                                          "loss": float(value.detach())})
         return loss
+
+
+class LoggingPlanTrainer(MicrobatchRecorder, PlanTrainer):
+    """PlanTrainer that also records what each microbatch was (for the tests and the curious)."""
 
 
 def parse_args(argv=None):

@@ -26,7 +26,7 @@ if ROOT not in sys.path:
     sys.path.insert(1, ROOT)
 
 import datasets  # noqa: E402
-from train_hf_trainer import Recorder, end_group, tiny_llama  # noqa: E402
+from train_hf_trainer import MicrobatchRecorder, Recorder, end_group, tiny_llama  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 from trl import SFTConfig, SFTTrainer  # noqa: E402
 
@@ -35,18 +35,8 @@ from varlen_cli.loader import Plan  # noqa: E402
 from varlen_cli.runtime.dist import collective_timeout  # noqa: E402
 
 
-class PlanSFTTrainer(PlanTrainerMixin, SFTTrainer):
+class PlanSFTTrainer(MicrobatchRecorder, PlanTrainerMixin, SFTTrainer):
     """TRL's SFTTrainer on a varlen plan (recording each microbatch when ``record`` is a dict)."""
-
-    record: dict | None = None
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        if self.record is not None and inputs.get("plan_position") is not None:
-            self.record["micro"].append({"position": inputs["plan_position"].tolist(),
-                                         "samples": inputs["sample_ids"][: inputs["num_samples"]].tolist(),
-                                         "loss": float((loss[0] if isinstance(loss, tuple) else loss).detach())})
-        return loss
 
 
 def parse_args(argv=None):
