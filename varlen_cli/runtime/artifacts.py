@@ -78,11 +78,6 @@ def provenance() -> dict:
 
 
 # -- atomic outputs --------------------------------------------------------------------------------
-def check_output_free(path: str, overwrite: bool, what: str = "output") -> None:
-    if os.path.lexists(path) and not overwrite:
-        raise OutputError(f"{what} {path} already exists; pass --overwrite to replace it")
-
-
 class _AtomicOutput:
     """An output built in ``.NAME.varlen-tmp-<random>`` beside ``path`` and swapped in by :meth:`commit`."""
 

@@ -44,16 +44,6 @@ def _tmp_prefix(path: str) -> str:
     return storage.join(storage.parent(path), f".{storage.name(path)}{TMP_TAG}-{uuid.uuid4().hex[:12]}")
 
 
-def _existing(path: str) -> list[str]:
-    """The objects below the output prefix (empty when there is no output)."""
-    try:
-        return storage.find(path + "/")
-    except OutputError:
-        raise
-    except Exception:  # noqa: BLE001 - an unreachable store is reported by the check that follows
-        return []
-
-
 def _varlen_made(path: str, objects: list[str]) -> bool:
     names = {storage.relpath(o, path) for o in objects}
     if COMMIT_MARKER in names:
