@@ -46,12 +46,6 @@ def megatron_prefix(source: str) -> str | None:
     return source + ".idx"
 
 
-def mds_index(folder: str) -> str | None:
-    """The ``index.json`` of an MDS dataset folder, or None."""
-    loc = storage.join(folder, mds.INDEX_NAME)
-    return loc if storage.isfile(loc) else None
-
-
 def describe(path: str, fmt: str, size: int) -> int:
     """The file's samples when known without reading the data (-1 otherwise); checks the header."""
     if fmt == "megatron":

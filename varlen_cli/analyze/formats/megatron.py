@@ -100,10 +100,6 @@ def read_index(path: str, size: int) -> Index:
     return index
 
 
-def index_of(path: str) -> Index:
-    return read_index(path, storage.stat(path).size)
-
-
 def _array(path: str, offset: int, count: int, dtype) -> np.ndarray:
     """``count`` values of ``dtype`` at byte ``offset``: ``np.fromfile`` on a local file (no
     intermediate bytes object), one range read on object storage."""
