@@ -24,10 +24,10 @@ from ..orders import CURRICULAR
 from ..pipeline import check_plan_size
 from ..progress import PlanProgress
 from ..shapes import ShapeMap, choose_edges
-from . import emit, spill
+from . import emit, segments, spill
 from .chunks import ChunkSource, ChunkSpec, InputRows, Scatter, chunk_rng, global_rng
 from .epoch import EpochRows, lay_out
-from .finish import finish
+from .finish import Finished, finish
 from .form import PlanContext, form_chunk
 from .output import PlanOutput
 
@@ -173,10 +173,13 @@ def run_in_group(c, d: Dist, t0: float):
             ctx = context(c, manifest, rows, spec, d)
             _phase1(c, ctx, rows, spec, d, directory, kind, bar)
             d.barrier()
-            if not d.is_main:
-                return None
-            _trim()
-            result = _phase23(c, ctx, manifest, rows, spec, directory, out, t0, bar)
+            if d.world_size > 1:  # phase 3 shared out (segments.py)
+                result = _phase23_workers(c, ctx, manifest, rows, spec, directory, out, t0, bar, d)
+                if not d.is_main:
+                    return None
+            else:
+                _trim()
+                result = _phase23(c, ctx, manifest, rows, spec, directory, out, t0, bar)
         finally:
             if d.is_main:
                 out.remove_spill_dir(directory)
@@ -239,8 +242,66 @@ def _shortest(tables) -> int:
 
 def _phase23(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSpec, directory: str,
              out: PlanOutput, t0: float, bar: PlanProgress):
-    from ..config import PlanResult
+    """One worker: phase 2, then the plan streamed by this process."""
+    epochs, readers, fin = _phase2(c, ctx, manifest, rows, spec, directory, bar, t0)
+    bar.phase("write")
+    try:
+        out.write(lambda tmp: emit.write(c.output, c.overwrite, epochs, fin, readers, c.dp, c.grad_accum,
+                                         bool(c.packing), tmp),
+                  before_commit=lambda: fault_point("plan.write"))
+    finally:
+        for rs in readers:
+            for r in rs:
+                r.close()
+    return _result(c, out, sum(ep.count for ep in epochs), fin, t0)
 
+
+def _phase23_workers(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSpec, directory: str,
+                     out: PlanOutput, t0: float, bar: PlanProgress, d: Dist):
+    """W > 1 workers: rank 0 lays the epochs out and writes the segments' specs; every rank writes
+    segments; rank 0 joins them into the output (:mod:`.segments`). Rank 0's result, None elsewhere;
+    any rank's error on every rank."""
+    held: dict = {}
+
+    def lay_out_and_specs() -> None:
+        if not d.is_main:
+            return
+        _trim()
+        epochs, readers, fin = _phase2(c, ctx, manifest, rows, spec, directory, bar, t0)
+        bar.phase("write")
+        lay = emit.layout_of(epochs, fin, c.dp, c.grad_accum, bool(c.packing))
+        try:
+            held.update(fin=fin, count=lay.total, segments=segments.write_specs(directory, epochs, lay, readers))
+        finally:
+            for rs in readers:
+                for r in rs:
+                    r.close()
+        # the epochs' tables go here: rank 0 writes its segments holding one segment's specs
+
+    segments.share_outcome(d, lay_out_and_specs)  # rank 0's phase-2 error is every rank's
+
+    def share() -> None:
+        segments.share_outcome(d, lambda: segments.write_share(directory, d.rank, c.output))
+
+    if not d.is_main:
+        share()
+        return None
+    _trim()
+
+    def fill(tmp: str) -> None:
+        share()
+        segments.join(directory, d.world_size, tmp)
+
+    out.write(fill, before_commit=lambda: fault_point("plan.write"))
+    result = _result(c, out, held["count"], held["fin"], t0)
+    result.write_segments = held["segments"]
+    return result
+
+
+def _phase2(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSpec, directory: str,
+            bar: PlanProgress, t0: float) -> tuple[list, list, Finished]:
+    """Rank 0: the epochs laid out (their rows), the chunk files' readers, and the plan's columns and
+    metadata."""
     epochs: list[EpochRows] = []
     readers = []
     packing_stats, num_long, long_ids, fixed_batch = [], 0, np.zeros(0, np.int64), None
@@ -267,18 +328,15 @@ def _phase23(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSp
     fin = finish(c, ctx, manifest, rows.num_rows, epochs, long_ids=long_ids, num_long=num_long,
                  packing_stats=packing_stats, fixed_batch=fixed_batch, t0=t0, trained_only=rows.has_target)
     fin.metadata["chunks"]["count"] = spec.count
-    bar.phase("write")
-    try:
-        out.write(lambda tmp: emit.write(c.output, c.overwrite, epochs, fin, readers, c.dp, c.grad_accum,
-                                         bool(c.packing), tmp),
-                  before_commit=lambda: fault_point("plan.write"))
-    finally:
-        for rs in readers:
-            for r in rs:
-                r.close()
+    return epochs, readers, fin
+
+
+def _result(c, out: PlanOutput, num_microbatches: int, fin: Finished, t0: float):
+    from ..config import PlanResult
+
     fin.summary["seconds"] = time.perf_counter() - t0
     return PlanResult(output=out.final, order=c.order, num_steps=int(fin.step_start[-1]),
-                      num_microbatches=sum(ep.count for ep in epochs), stats=fin.summary,
+                      num_microbatches=num_microbatches, stats=fin.summary,
                       packing=fin.metadata.get("packing"), dropped_ids=fin.dropped_ids,
                       seconds=fin.summary["seconds"], metadata=fin.metadata)
 
