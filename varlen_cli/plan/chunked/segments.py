@@ -110,6 +110,7 @@ def write_share(directory: str, rank: int, output: str) -> int:
     """Every worker: claim segments until none is left, write and check each; pickle the checks. The
     number of segments this worker wrote."""
     job: WriteJob = _load(_path(directory, JOB))
+    fault_point("plan.segment")  # tests: a worker killed in phase 3
     checks = PlanChecks(job.layout.fin.metadata, lengths=True, mergeable=True)
     written, s = 0, 0
     try:
@@ -119,7 +120,6 @@ def write_share(directory: str, rank: int, output: str) -> int:
             emit.write_groups(output, out + ".tmp", job.layout, job.readers, checks,
                               ((first, lambda specs=specs: specs) for first, specs in groups))
             os.replace(out + ".tmp", out)
-            fault_point("plan.segment")
             written += 1
             s += 1
     except OSError as exc:
