@@ -39,7 +39,8 @@ from . import emit
 from .epoch import EpochRows
 from .spill import ItemReader
 
-SEGMENT_GROUPS = 64  # row groups a segment (100M samples, padded: ~23 segments; 1B: ~230)
+SEGMENT_GROUPS = 32  # row groups a segment (100M samples, padded: ~46 segments; 1B: ~460): a worker that
+# finishes last waits at most one segment for the other
 JOB = "write-job.pkl"
 
 
