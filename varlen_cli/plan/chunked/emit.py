@@ -133,7 +133,7 @@ def _local_rows(spec: RowSpec) -> np.ndarray:
 
 
 @dataclass
-class Layout:
+class RowGroups:
     """What every row group of a plan needs besides its rows' specs and the chunk files: the step
     columns and shapes (``fin``), the item arrays to read and whether each epoch's chunk files hold
     the items' rows. Picklable: the workers that write segments get it from rank 0."""
@@ -158,22 +158,22 @@ class Layout:
         return format.plan_schema(self.packed, writer.plan_metadata(self.fin.metadata))
 
 
-def layout_of(epochs: list[EpochRows], fin: Finished, dp: int, grad_accum: int, packed: bool) -> Layout:
+def row_groups_of(epochs: list[EpochRows], fin: Finished, dp: int, grad_accum: int, packed: bool) -> RowGroups:
     names = ("ids", "sample_length", "item_length", "item_start") if packed else ("ids", "sample_length")
     if fin.metadata.get("loss_tokens") == format.TARGET_LENGTH_COLUMN:  # the check counts the metrics' targets
         names += ("sample_target",)
-    return Layout(fin, names, packed, [bool(ep.item_rows) for ep in epochs], dp, grad_accum,
+    return RowGroups(fin, names, packed, [bool(ep.item_rows) for ep in epochs], dp, grad_accum,
                   sum(ep.count for ep in epochs))
 
 
 def write(path: str, overwrite: bool, epochs: list[EpochRows], fin: Finished, readers: list[list[ItemReader]],
           dp: int, grad_accum: int, packed: bool, tmp_path: str) -> None:
     """Stream the plan into ``tmp_path`` (the caller swaps it in), checking it on the way."""
-    lay = layout_of(epochs, fin, dp, grad_accum, packed)
+    rg = row_groups_of(epochs, fin, dp, grad_accum, packed)
     starts = np.concatenate([[0], np.cumsum([ep.count for ep in epochs])])
     checks = PlanChecks(fin.metadata, lengths=True)  # the plan's own check, row group by row group
-    groups = [(lo, min(lay.total, lo + lay.group)) for lo in lay.bounds()]
-    write_groups(path, tmp_path, lay, readers, checks, ((lo, lambda lo=lo, hi=hi: row_specs(epochs, starts, lo, hi))
+    groups = [(lo, min(rg.total, lo + rg.group)) for lo in rg.bounds()]
+    write_groups(path, tmp_path, rg, readers, checks, ((lo, lambda lo=lo, hi=hi: row_specs(epochs, starts, lo, hi))
                                                         for lo, hi in groups))
     raise_failed(checks)
 
@@ -186,7 +186,7 @@ def raise_failed(checks: PlanChecks) -> None:
                                                                                   for x in bad))
 
 
-def write_groups(path: str, tmp_path: str, lay: Layout, readers: list[list[ItemReader]], checks: PlanChecks,
+def write_groups(path: str, tmp_path: str, rg: RowGroups, readers: list[list[ItemReader]], checks: PlanChecks,
                  groups) -> None:
     """Write row groups into a Parquet file ``tmp_path`` (``path``: the output, for messages), each
     checked by ``checks``; ``groups``: (first plan row, a function returning its row specs) per row group."""
@@ -197,12 +197,12 @@ def write_groups(path: str, tmp_path: str, lay: Layout, readers: list[list[ItemR
 
     from ..arrow_io import list_array, to_arrow
 
-    schema = lay.schema()
+    schema = rg.schema()
     types = {f.name: f.type for f in schema}
 
     def prepare(item):
         first_row, specs = item
-        return (first_row,) + _group(lay, readers, specs())
+        return (first_row,) + _group(rg, readers, specs())
 
     groups = iter(groups)
     # one thread reads and gathers the next row group while this one is encoded (pyarrow and the
@@ -232,9 +232,9 @@ def write_groups(path: str, tmp_path: str, lay: Layout, readers: list[list[ItemR
         raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
-def _group(lay: Layout, readers, specs: list[RowSpec]):
+def _group(rg: RowGroups, readers, specs: list[RowSpec]):
     """Columns and list items of the plan rows of ``specs`` (one row group; it may span epochs)."""
-    fin, dp, grad_accum = lay.fin, lay.dp, lay.grad_accum
+    fin, dp, grad_accum = rg.fin, rg.dp, rg.grad_accum
     parts_cols, parts_items, parts_counts = [], [], []
     for spec in specs:
         e, n = spec.epoch, len(spec.count)
@@ -247,13 +247,13 @@ def _group(lay: Layout, readers, specs: list[RowSpec]):
                 "tokens": spec.tokens.astype(np.int64), "lr_scale": fin.scales[gstep],
                 "shape_id": fin.shape_id(batch, seqlen.astype(np.int64)), "step_samples": fin.step_samples[gstep],
                 "step_tokens": fin.step_tokens[gstep], "step_loss_tokens": fin.step_loss_tokens[gstep]}
-        item_rows = lay.packed and lay.item_rows[e]
-        got, _ = GroupItems(readers[e], lay.names + (("item_row",) if item_rows else ())).read(
+        item_rows = rg.packed and rg.item_rows[e]
+        got, _ = GroupItems(readers[e], rg.names + (("item_row",) if item_rows else ())).read(
             spec.chunk, spec.item_lo, count)
         items = {"sample_ids": got["ids"], "sample_length": got["sample_length"].astype(np.int64)}
         if "sample_target" in got:
             items["sample_target"] = got["sample_target"].astype(np.int64)
-        if lay.packed:
+        if rg.packed:
             items["sample_lengths"] = got["item_length"]
             items["sample_starts"] = got["item_start"]
             items["sample_rows"] = got["item_row"] if item_rows else _local_rows(spec)

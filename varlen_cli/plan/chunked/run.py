@@ -270,9 +270,9 @@ def _phase23_workers(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec:
         _trim()
         epochs, readers, fin = _phase2(c, ctx, manifest, rows, spec, directory, bar, t0)
         bar.phase("write")
-        lay = emit.layout_of(epochs, fin, c.dp, c.grad_accum, bool(c.packing))
+        rg = emit.row_groups_of(epochs, fin, c.dp, c.grad_accum, bool(c.packing))
         try:
-            held.update(fin=fin, count=lay.total, segments=segments.write_specs(directory, epochs, lay, readers))
+            held.update(fin=fin, count=rg.total, segments=segments.write_specs(directory, epochs, rg, readers))
         finally:
             for rs in readers:
                 for r in rs:

@@ -6,7 +6,7 @@ them) are cut into **segments** of :data:`SEGMENT_GROUPS` row groups, a constant
 on ``W``):
 
 1. rank 0, after phase 2 and ``finish``, writes into the spill directory what a worker needs to
-   write a segment without rank 0's memory: the :class:`~.emit.Layout` (step columns, shapes,
+   write a segment without rank 0's memory: the :class:`~.emit.RowGroups` (step columns, shapes,
    metadata) and the chunk files' readers once (``write-job.pkl``), then each segment's row specs
    (:class:`~.emit.RowSpec`: about 30 bytes a row), one segment at a time (``seg-S.spec``);
 2. every worker, rank 0 included, claims segments (an atomic create of ``seg-S.claim``: whoever
@@ -48,14 +48,14 @@ JOB = "write-job.pkl"
 class WriteJob:
     """What every worker needs to write any segment (besides the segment's specs)."""
 
-    layout: emit.Layout
+    row_groups: emit.RowGroups
     readers: list  # per epoch, per chunk: ItemReader (pickled without open files)
     segments: int
     segment_groups: int
 
     @property
     def segment_rows(self) -> int:
-        return self.layout.group * self.segment_groups
+        return self.row_groups.group * self.segment_groups
 
 
 def _path(directory: str, name: str) -> str:
@@ -81,16 +81,16 @@ def segment_name(s: int, ext: str) -> str:
     return f"seg-{s:06d}.{ext}"
 
 
-def write_specs(directory: str, epochs: list[EpochRows], lay: emit.Layout, readers: list[list[ItemReader]]) -> int:
+def write_specs(directory: str, epochs: list[EpochRows], rg: emit.RowGroups, readers: list[list[ItemReader]]) -> int:
     """Rank 0: the job and each segment's row specs (one segment in memory at a time); the segment count."""
-    job = WriteJob(lay, readers, 0, SEGMENT_GROUPS)
-    job.segments = max(1, -(-lay.total // job.segment_rows))
+    job = WriteJob(rg, readers, 0, SEGMENT_GROUPS)
+    job.segments = max(1, -(-rg.total // job.segment_rows))
     starts = np.concatenate([[0], np.cumsum([ep.count for ep in epochs])])
     for s in range(job.segments):
         lo = s * job.segment_rows
-        hi = min(lay.total, lo + job.segment_rows)
-        groups = [(g, emit.row_specs(epochs, starts, g, min(hi, g + lay.group))) for g in range(lo, max(hi, lo + 1),
-                                                                                                 lay.group)]
+        hi = min(rg.total, lo + job.segment_rows)
+        firsts = range(lo, max(hi, lo + 1), rg.group)  # (an empty plan: one empty group, as one writer writes)
+        groups = [(g, emit.row_specs(epochs, starts, g, min(hi, g + rg.group))) for g in firsts]
         _dump(groups, _path(directory, segment_name(s, "spec")))
     _dump(job, _path(directory, JOB))
     return job.segments
@@ -112,13 +112,13 @@ def write_share(directory: str, rank: int, output: str) -> int:
     number of segments this worker wrote."""
     job: WriteJob = _load(_path(directory, JOB))
     fault_point("plan.segment")  # tests: a worker killed in phase 3
-    checks = PlanChecks(job.layout.fin.metadata, lengths=True, mergeable=True)
+    checks = PlanChecks(job.row_groups.fin.metadata, lengths=True, mergeable=True)
     written, s = 0, 0
     try:
         while (s := _claim(directory, s, job.segments)) is not None:
             groups = _load(_path(directory, segment_name(s, "spec")))
             out = _path(directory, segment_name(s, "parquet"))
-            emit.write_groups(output, out + ".tmp", job.layout, job.readers, checks,
+            emit.write_groups(output, out + ".tmp", job.row_groups, job.readers, checks,
                               ((first, lambda specs=specs: specs) for first, specs in groups))
             os.replace(out + ".tmp", out)
             written += 1
