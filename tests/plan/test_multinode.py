@@ -21,9 +21,11 @@ from tests.plan_helpers import write_metrics
 from tests.test_output_safety import free_port
 
 
+PLAN = ["--max-tokens", "4096", "--dp", "2", "--grad-accum", "2", "--chunk-samples", "700", "--seed", "4"]
+
+
 def _env() -> dict:
     return dict(os.environ, VARLEN_NO_PROGRESS="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-PLAN = ["--max-tokens", "4096", "--dp", "2", "--grad-accum", "2", "--chunk-samples", "700", "--seed", "4"]
 
 
 def two_nodes(*args: str, cwd) -> list[subprocess.CompletedProcess]:
