@@ -20,7 +20,6 @@ from tests.conftest import ROOT
 from tests.plan_helpers import write_metrics
 from tests.test_output_safety import free_port
 
-
 PLAN = ["--max-tokens", "4096", "--dp", "2", "--grad-accum", "2", "--chunk-samples", "700", "--seed", "4"]
 
 
