@@ -281,8 +281,6 @@ def _phase23_workers(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec:
     held: dict = {}
 
     def lay_out_and_specs() -> None:
-        if not d.is_main:
-            return
         _trim()
         epochs, readers, fin = _phase2(c, ctx, manifest, rows, spec, directory, bar, t0)
         bar.phase("write")
@@ -295,7 +293,7 @@ def _phase23_workers(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec:
                     r.close()
         # the epochs' tables go here: rank 0 writes its segments holding one segment's specs
 
-    segments.share_outcome(d, lay_out_and_specs)  # rank 0's phase-2 error is every rank's
+    on_main(d, lay_out_and_specs)  # rank 0's phase-2 error is every rank's
 
     def share() -> None:
         segments.share_outcome(d, lambda: segments.write_share(directory, d.rank, c.output))

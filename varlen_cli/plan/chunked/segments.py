@@ -151,7 +151,8 @@ def join(directory: str, world_size: int, tmp_path: str) -> None:
 
 def share_outcome(d: Dist, fn):
     """``fn()`` on every rank, then every rank's outcome on every rank: the first failing rank's error
-    raised everywhere, else the values by rank."""
+    raised everywhere (marked ``shared``, as ``run.on_main`` marks it: no rank gathers it again), else
+    the values by rank."""
     try:
         outcome = ("ok", fn())
     except VarlenError as exc:
@@ -159,5 +160,7 @@ def share_outcome(d: Dist, fn):
     outcomes = d.all_gather_object(outcome)
     for o in outcomes:
         if o[0] == "error":
-            raise ERROR_CLASSES.get(o[1], WorkerError)(o[2])
+            error = ERROR_CLASSES.get(o[1], WorkerError)(o[2])
+            error.shared = True
+            raise error
     return [o[1] for o in outcomes]
