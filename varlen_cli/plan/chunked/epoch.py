@@ -23,7 +23,7 @@ from . import tail
 from .form import PlanContext
 
 WINDOW_STEPS = 64  # bucket-shuffle: microbatches sorted by cost inside windows of this many steps
-BLOCK_ROWS = 1 << 22  # plan rows laid out together (whole steps)
+BLOCK_ROWS = 1 << 20  # plan rows laid out together (whole steps)
 
 
 def _index_dtype(n: int):
