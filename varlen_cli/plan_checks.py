@@ -587,7 +587,7 @@ def _compact(values: np.ndarray) -> np.ndarray:
 INT32_LIMIT = 1 << 31
 
 
-TILING_PART = 1 << 21  # split chunks whose tiling is checked together (a range of keys): bounded temporaries
+TILING_PART = 1 << 20  # split chunks whose tiling is checked together (a range of keys): bounded temporaries
 
 
 def _tiling_problems(c: dict, e: int, partial: bool) -> list[str]:

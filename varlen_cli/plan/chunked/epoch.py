@@ -5,8 +5,8 @@ the tail (:mod:`.tail`), groups packed rows into microbatches, orders the units 
 (:func:`cross_chunk_order`) and hands the microbatches, a block of whole steps at a time, to the
 single-process layout (``layout.layout_epoch``: ranks by LPT; compile warm-up and ``--schedule`` on
 the whole epoch). The result, :class:`EpochRows`, is the unit of every plan row in (step, rank,
-micro) order: 4-8 bytes a row besides the units' own columns (about 30 bytes a unit), so 100M+
-microbatches fit in a few GB.
+micro) order: 4-8 bytes a row besides the units' own columns (12-16 bytes a unit in the dtypes
+their values need, :class:`Units`), so 100M+ microbatches fit in a few GB.
 """
 
 from __future__ import annotations
@@ -128,14 +128,7 @@ class Units:
         new_ids = first_new + np.arange(len(owner))
         add = {name: np.asarray(pieces[name]).astype(self._logical_of(name)) for name in self._stored()}
         self.extra = add if self.extra is None else {n: np.concatenate([self.extra[n], add[n]]) for n in add}
-        reps = np.ones(len(seq), np.int64)
-        reps[t.positions] = t.piece_counts
-        out = np.repeat(seq, reps).astype(_index_dtype(first_new + len(owner)))
-        start = (np.cumsum(reps) - reps)[t.positions]
-        out[np.repeat(start, t.piece_counts) + (np.arange(len(owner)) - np.repeat(np.cumsum(t.piece_counts)
-                                                                                   - t.piece_counts,
-                                                                                   t.piece_counts))] = new_ids
-        self.seq = out
+        self.seq = _spliced(seq, t.positions, t.piece_counts, new_ids)
         self.per_chunk += np.bincount(chunk_of_pos, weights=t.piece_counts - 1,
                                       minlength=len(self.per_chunk)).astype(np.int64)
 
@@ -146,6 +139,20 @@ class Units:
             return self.logical[name]
         col = self.cols[name]
         return col.dtype if col.dtype.kind != "u" else np.dtype(np.int32)
+
+
+def _spliced(seq: np.ndarray, positions: np.ndarray, counts: np.ndarray, new_ids: np.ndarray) -> np.ndarray:
+    """``seq`` with the unit at each of ``positions`` (ascending) replaced by its ``counts`` pieces, whose ids
+    are ``new_ids`` in order: copied a run at a time (few positions; no N-sized temporary)."""
+    out = np.empty(len(seq) + int(np.sum(counts - 1)), _index_dtype(max(len(seq), int(new_ids.max()) + 1)))
+    src = dst = used = 0
+    for p, c in zip(positions.tolist(), counts.tolist()):
+        out[dst:dst + p - src] = seq[src:p]
+        dst += p - src
+        out[dst:dst + c] = new_ids[used:used + c]
+        dst, used, src = dst + c, used + c, p + 1
+    out[dst:] = seq[src:]
+    return out
 
 
 @dataclass
