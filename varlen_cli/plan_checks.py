@@ -443,7 +443,7 @@ class Coverage:
         if not sel.any():
             return
         # held until the end (a billion-sample plan has tens of millions): int32 where the values fit
-        parts = {"epoch": _compact(epoch[sel]), "key": k[sel], "start": _compact(a.starts[sel]),
+        parts = {"epoch": _compact(epoch[sel]), "key": _compact(k[sel]), "start": _compact(a.starts[sel]),
                  "length": _compact(a.lengths[sel]) if a.lengths is not None else np.zeros(int(sel.sum()), np.int32),
                  "full": _compact(a.sample_length[sel]) if a.sample_length is not None else None}
         for name, values in parts.items():
@@ -577,7 +577,7 @@ def _key_names(keys: _Keys, where: np.ndarray) -> str:
 
 
 def _compact(values: np.ndarray) -> np.ndarray:
-    """``values`` as int32 when they fit (split chunks' epochs, starts and lengths), else int64."""
+    """``values`` as int32 when they fit (split chunks' epochs, keys, starts and lengths), else int64."""
     values = np.asarray(values)
     if not len(values) or (int(values.min()) >= -INT32_LIMIT and int(values.max()) < INT32_LIMIT):
         return values.astype(np.int32)

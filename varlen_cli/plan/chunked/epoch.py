@@ -423,6 +423,7 @@ def lay_out(tables: list, ctx: PlanContext, mode: str, rng: np.random.Generator,
             _same_shape_steps(units, seq, ctx.slots)
     ranked = bool(tables[0].header.get("ranked"))
     order, lay_info = _ranks(units, seq, cost_of, ctx, ranked, warmup, schedule, stages)
+    units.seq = None  # the order holds unit ids: the sequence (the tail's pieces in place) is not needed again
     tail_ids = np.concatenate([np.asarray(t.tail_ids, np.int64) for t in tables])
     return EpochRows(mode, units, order, *lay_info, tail_ids=tail_ids, dropped_units=dropped,
                      item_rows=ctx.packing and level != "unit", rows=rows, row_seq_start=row_seq_start,
