@@ -270,9 +270,8 @@ def cross_chunk_order(mode: str, units: Units, slots: int, rng, whole_steps: boo
     """Unit ids of the epoch in step order: curriculum keeps the chunks one after another; other orders
     take a random interleaving (of whole steps for step-level chunks); bucket-shuffle then its windows."""
     n = len(units)
-    positions = np.arange(n, dtype=_index_dtype(n))
     if mode in CURRICULAR:
-        return units.ids(positions)
+        return units.ids(np.arange(n, dtype=_index_dtype(n)))
     seq_start = np.concatenate([[0], np.cumsum(units.per_chunk)])
     seq = np.empty(n, _index_dtype(units.m + (len(units.extra["count"]) if units.extra else 0) + 1))
     if whole_steps:
