@@ -224,3 +224,24 @@ def test_every_planner_option_replans_exactly_once(dirs, tmp_path, options):
     assert sorted(epoch_ids(p, 1, 0, step) + epoch_ids(t, 0)) == list(range(N))
     assert m["epochs"] == options["epochs"] - 1 and m["lineage"]["first_epoch"] == 1
     assert m["orders"] == pm["orders"][1:]  # the same order policy per epoch (curriculum switch included)
+
+
+@pytest.mark.parametrize("command", ["replan", "extend"])
+def test_replan_and_extend_refuse_a_parent_too_big_for_memory(dirs, tmp_path, monkeypatch, command):
+    """replan and --extend hold every sample in one process: a parent whose samples would not fit in the
+    memory available is refused in one line, before any sample is read (here: 1,000 bytes available)."""
+    from varlen_cli.plan import pipeline
+
+    monkeypatch.setattr(pipeline, "_available_memory", lambda: 1000)
+    out = str(tmp_path / "new.parquet")
+    args = (["replan", dirs["parent"], "-o", out, "--dp", "3", "--from-step", "2"] if command == "replan"
+            else ["plan", "--extend", dirs["parent"], "-o", out, "--epochs", "3"])
+    which = "varlen replan" if command == "replan" else "varlen plan --extend"
+    epochs = 2 if command == "replan" else 3
+    need = N * epochs * pipeline.BYTES_PER_ENTRY / 2**30
+    assert_user_error(runner.invoke(app, args), 2,
+                      f"the plan would hold {N * epochs:,} sample entries ({epochs} epoch(s) of {N} samples), about "
+                      f"{need:,.1f} GiB while planning, more than the 0.0 GiB of memory available; `{which}` plans in "
+                      "one process (unlike `varlen plan --nproc`): run it on a machine with more memory, or plan the "
+                      "rest afresh with `varlen plan`")
+    assert not os.path.exists(out)

@@ -171,3 +171,22 @@ def test_bad_artifacts_in_object_storage_are_one_line(tmp_path, s3, built, case)
     result = CliRunner().invoke(app, args)
     assert_user_error(result, code, re.compile(re.escape(message) + ".*"))
     assert not any(p.name.endswith(".parquet") for p in tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_two_node_plan_to_s3_is_refused(tmp_path, s3):
+    """A torchrun job of two nodes writing its plan to object storage has no shared place for the
+    workers' chunk files: refused in one line on every node, nothing uploaded."""
+    import numpy as np
+
+    from tests.plan.test_multinode import PLAN, two_nodes
+    from tests.plan_helpers import write_metrics
+
+    write_metrics(tmp_path / "m", np.arange(1, 3001) % 500 + 1)
+    bucket = s3.bucket()
+    for node in two_nodes("plan", "m", "-o", f"s3://{bucket}/plan.parquet", *PLAN, cwd=tmp_path):
+        assert node.returncode != 0
+        assert re.search(r"varlen: error: \[rank [01]\] a plan written to object storage \(s3://\S+\) by a torchrun "
+                         r"job on several nodes has no shared place for the workers' chunk files", node.stderr), \
+            node.stderr[-2000:]
+    assert s3.keys(bucket) == []

@@ -26,7 +26,16 @@ from ..runtime.choices import ALLOW_MEMORY_EXTRAPOLATION_HELP, STORAGE_OPTION_HE
 from . import stats, writer
 from .assemble import self_check
 from .config import PlanConfig, PlanResult
-from .parent import Parent, config_record, open_parent, parent_config, parent_rows, plan_epochs_from, recorded_input
+from .parent import (
+    Parent,
+    check_parent_size,
+    config_record,
+    open_parent,
+    parent_config,
+    parent_rows,
+    plan_epochs_from,
+    recorded_input,
+)
 from .pipeline import Rows, check_plan_size
 
 
@@ -71,6 +80,7 @@ def extend(config: ExtendConfig) -> PlanResult:
         from ..memory.budget import check_calibrated_range
 
         check_calibrated_range(budget.memory, c.allow_memory_extrapolation)
+    check_parent_size(parent, config.epochs, "varlen plan --extend")
     rows, manifest, mixture_info = parent_rows(parent, c)
     check_plan_size(rows.base, config.epochs, c.packing, f"{rows.base:,} samples")
     before = parent.lineage

@@ -19,7 +19,7 @@ from .assemble import assemble_columns, finish, input_info
 from .config import PlanConfig, PlanResult, check
 from .layout import Remedies
 from .orders import EpochInputs
-from .pipeline import PlannedEpoch, Rows, epoch_inputs, plan_epochs
+from .pipeline import PlannedEpoch, Rows, check_plan_size, epoch_inputs, plan_epochs
 from .reader import read_input, read_targets
 
 REPLAN_REMEDIES = Remedies(tail=False, drop_long=False)  # replan keeps the parent's --tail and --drop-long
@@ -132,6 +132,18 @@ def parent_config(parent: Parent, **overrides) -> PlanConfig:
         raise InputError(f"{parent.path} has an unreadable config: {exc}") from None
     check(dataclasses.replace(c, input=c.input or "mixture", mix=None, extend=None))
     return c
+
+
+def check_parent_size(parent: Parent, epochs: int, command: str) -> None:
+    """Refuse, before reading any sample, a replan/extension that would not fit in memory: they plan
+    in one process holding every sample of the parent's input (not the chunked planner's bounded
+    memory), so a plan of a billion samples is refused in one line instead of an out-of-memory kill."""
+    n = parent.input.get("num_rows")
+    if parent.mixture or n is None:
+        return  # a mixture's rows are counted (and checked) once its sources are read
+    check_plan_size(int(n), epochs, bool(parent.meta.get("packing")), f"{int(n):,} samples",
+                    remedy=f"`{command}` plans in one process (unlike `varlen plan --nproc`): run it on a machine "
+                           "with more memory, or plan the rest afresh with `varlen plan`")
 
 
 def parent_rows(parent: Parent, c: PlanConfig) -> tuple[Rows, dict, list | None]:

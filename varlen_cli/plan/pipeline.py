@@ -61,12 +61,15 @@ class Rows:
         return len(self.length)
 
 
+FEWER_EPOCHS = "plan fewer epochs (lengthen the plan later with `varlen plan --extend`)"
+
+
 def check_plan_size(entries_per_epoch: int, epochs: int, packed: bool, what: str,
-                    bytes_per_entry: float | None = None, fixed: int = 0) -> None:
+                    bytes_per_entry: float | None = None, fixed: int = 0, remedy: str = FEWER_EPOCHS) -> None:
     """Refuse, before any work, a plan that would not fit in this machine's memory (an estimate) or
     would take thousands of epochs of fixed work: one line instead of a stall or an out-of-memory kill.
     ``bytes_per_entry``/``fixed``: another planner's estimate (the chunked planner's, whose memory
-    grows with the microbatches, not the samples)."""
+    grows with the microbatches, not the samples); ``remedy``: what the user can do instead."""
     if epochs > MAX_EPOCHS_PER_RUN:
         raise UsageError(f"--epochs {epochs:,} is more than {MAX_EPOCHS_PER_RUN:,} epochs in one run; plan fewer and "
                          "lengthen the plan with `varlen plan --extend PLAN --epochs E`")
@@ -78,7 +81,7 @@ def check_plan_size(entries_per_epoch: int, epochs: int, packed: bool, what: str
     if have is not None and need > have:
         raise UsageError(f"the plan would hold {entries:,} sample entries ({epochs:,} epoch(s) of {what}), about "
                          f"{need / 2**30:,.1f} GiB while planning, more than the {have / 2**30:,.1f} GiB of memory "
-                         "available; plan fewer epochs (lengthen the plan later with `varlen plan --extend`)")
+                         f"available; {remedy}")
 
 
 def _available_memory() -> int | None:

@@ -34,7 +34,16 @@ from . import writer
 from .config import PlanResult
 from .cost_model import rebudget
 from .extend import ExtendConfig, extend
-from .parent import Parent, config_record, open_parent, parent_config, parent_rows, plan_epochs_from, remaining_rows
+from .parent import (
+    Parent,
+    check_parent_size,
+    config_record,
+    open_parent,
+    parent_config,
+    parent_rows,
+    plan_epochs_from,
+    remaining_rows,
+)
 
 __all__ = ["ExtendConfig", "ReplanConfig", "extend", "replan"]
 
@@ -118,6 +127,7 @@ def replan(config: ReplanConfig) -> PlanResult:
     inputs = [c.input] if not parent.mixture else [s["path"] for s in parent.mixture["sources"] if s.get("path")]
     safety.check_no_overlap(c.output, inputs)
     writer.check_output(c.output, c.overwrite)
+    check_parent_size(parent, parent.epochs, "varlen replan")
     rows, manifest, mixture_info = parent_rows(parent, c)
     left = remaining_rows(parent, step, rows)
     before = parent.lineage

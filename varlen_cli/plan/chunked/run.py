@@ -80,18 +80,35 @@ def _shared(d: Dist, fn):
     """``fn()`` on every rank; rank 0's result (or user error) is every rank's."""
     if not d.distributed:
         return fn()
-    outcome: tuple = ("ok", None)
+    return _rank0_outcome(d, _outcome(fn))
+
+
+def on_main(d: Dist, fn):
+    """``fn()`` on rank 0 only; its result (or user error) is every rank's. The other ranks meet rank 0
+    at this one collective whatever happens, so an error on rank 0 can never be taken for its result."""
+    if not d.distributed:
+        return fn()
+    return _rank0_outcome(d, _outcome(fn) if d.is_main else ("ok", None))
+
+
+def _outcome(fn) -> tuple:
     try:
-        value = fn()
-        outcome = ("ok", value)
+        return ("ok", fn())
     except VarlenError as exc:
-        outcome = ("error", type(exc).__name__, exc.message)
+        if getattr(exc, "shared", False):  # every rank has it already (``on_main``): no second collective
+            raise
+        return ("error", type(exc).__name__, exc.message)
+
+
+def _rank0_outcome(d: Dist, outcome: tuple):
     from ...errors import ERROR_CLASSES
 
     outcome = d.all_gather_object(outcome)[0]
     if outcome[0] == "ok":
         return outcome[1]
-    raise ERROR_CLASSES.get(outcome[1], WorkerError)(outcome[2])
+    error = ERROR_CLASSES.get(outcome[1], WorkerError)(outcome[2])
+    error.shared = True
+    raise error
 
 
 def context(c, manifest: dict, rows: InputRows, spec: ChunkSpec, d: Dist) -> PlanContext:
@@ -143,8 +160,7 @@ def _census(c, ctx: PlanContext, rows: InputRows, spec: ChunkSpec, d: Dist) -> N
 
 
 def _spill_dir(d: Dist, out: PlanOutput) -> str:
-    path = out.make_spill_dir(d.world_size) if d.is_main else None
-    return d.all_gather_object(path)[0] if d.distributed else path
+    return on_main(d, lambda: out.make_spill_dir(d.world_size))
 
 
 def run_in_group(c, d: Dist, t0: float):
