@@ -283,6 +283,7 @@ def _phase23(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSp
         epochs.append(ep)
         readers.append([spill.ItemReader(directory, t) for t in tables])
         del tables
+    _trim()  # the layout's block temporaries: their freed pages back to the system before the write's buffers
     bar.phase("columns")
     fin = finish(c, ctx, manifest, rows.num_rows, epochs, long_ids=long_ids, num_long=num_long,
                  packing_stats=packing_stats, fixed_batch=fixed_batch, t0=t0, trained_only=rows.has_target)
