@@ -246,6 +246,23 @@ def test_simulate_with_a_huge_attention_cost_is_refused(plans):
     assert ok.exit_code == 0 and json.loads(ok.stdout)["utilization"] > 0
 
 
+@pytest.mark.parametrize("tamper", [None, lambda v: [[s + 1 if s else s for s in v[0]]] + v[1:],
+                                    lambda v: [[s + 1 for s in row] for row in v]], ids=["good", "one", "all"])
+def test_split_chunks_checked_by_key_ranges_say_what_one_pass_says(plans, tmp_path, monkeypatch, tamper):
+    """The tiling of split samples checked a few keys at a time (as a billion-sample plan is) gives the
+    same result and message, examples included, as one pass over every chunk."""
+    from varlen_cli import plan_checks
+
+    src = plans["packed"]
+    if tamper is not None:
+        src = _rewrite(src, str(tmp_path / "bad.parquet"), _set("sample_starts", tamper))
+    whole = {c.name: (c.ok, c.detail) for c in validate(ValidateConfig(src, metrics=plans["metrics"])).checks}
+    monkeypatch.setattr(plan_checks, "TILING_PART", 3)
+    parts = {c.name: (c.ok, c.detail) for c in validate(ValidateConfig(src, metrics=plans["metrics"])).checks}
+    assert parts["coverage"] == whole["coverage"]
+    assert whole["coverage"][0] == (tamper is None)
+
+
 # -- the checks shared out: windows split among several PlanChecks and merged ---------------------------
 def _plan_arrays(path: str, metrics: str):
     """A plan file as one PlanArrays (with the metrics' lengths) and its metadata."""

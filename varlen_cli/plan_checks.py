@@ -528,10 +528,10 @@ class Coverage:
             sel |= self.split.lookup(epoch * self.split.size + k)[0]
         if not sel.any():
             return
-        parts = {"epoch": epoch[sel], "key": k[sel], "start": a.starts[sel].astype(np.int64),
-                 "length": a.lengths[sel].astype(np.int64) if a.lengths is not None else np.zeros(int(sel.sum()),
-                                                                                                     np.int64),
-                 "full": a.sample_length[sel].astype(np.int64) if a.sample_length is not None else None}
+        # held until the end (a billion-sample plan has tens of millions): int32 where the values fit
+        parts = {"epoch": _compact(epoch[sel]), "key": _compact(k[sel]), "start": _compact(a.starts[sel]),
+                 "length": _compact(a.lengths[sel]) if a.lengths is not None else np.zeros(int(sel.sum()), np.int32),
+                 "full": _compact(a.sample_length[sel]) if a.sample_length is not None else None}
         for name, values in parts.items():
             if values is not None:
                 self.chunks[name].append(values)
@@ -639,10 +639,15 @@ class Coverage:
     def _tiling(self) -> list[str]:
         if not self.chunks["epoch"]:
             return []
-        c = {name: np.concatenate(v) for name, v in self.chunks.items() if v}
+        c = {}
+        for name, parts in self.chunks.items():  # each column's parts freed as it is joined
+            if parts:
+                c[name] = np.concatenate(parts) if len(parts) > 1 else parts[0]
+                self.chunks[name] = [c[name]]
         problems = []
-        for e in np.unique(c["epoch"]).tolist():
-            sel = c["epoch"] == e
+        epochs = np.unique(c["epoch"]).tolist()
+        for e in epochs:
+            sel = c["epoch"] == e if len(epochs) > 1 else slice(None)
             problems += _tiling_problems({name: v[sel] for name, v in c.items()}, int(e),
                                          partial=e == 0 and self.partial_first)
         return problems
@@ -679,47 +684,89 @@ def _key_names(keys: _Keys, where: np.ndarray) -> str:
     return ", ".join(f"{keys.names[s]}:{int(w - keys.offset[s])}" for s, w in zip(src, where))
 
 
+def _compact(values: np.ndarray) -> np.ndarray:
+    """``values`` as int32 when they fit (split chunks' epochs, keys, starts and lengths), else int64."""
+    values = np.asarray(values)
+    if not len(values) or (int(values.min()) >= -INT32_LIMIT and int(values.max()) < INT32_LIMIT):
+        return values.astype(np.int32)
+    return values.astype(np.int64)
+
+
+INT32_LIMIT = 1 << 31
+
+
+TILING_PART = 1 << 20  # split chunks whose tiling is checked together (a range of keys): bounded temporaries
+
+
 def _tiling_problems(c: dict, e: int, partial: bool) -> list[str]:
     """The chunks of every split sample of one epoch (``c``: their key, start, length and, when known,
     whole length): each distinct chunk (start, length) as often as the sample's first one (its copies),
     distinct chunks back to back from 0 (a replan's first epoch: no overlap only), and, with the
-    samples' lengths, ending at the sample's length."""
+    samples' lengths, ending at the sample's length. Checked a range of keys at a time (a sample's
+    chunks share its key), in key order."""
+    k = c["key"]
+    with_full = "full" in c and len(c["full"]) == len(k)
+    names = ("key", "start", "length") + (("full",) if with_full else ())
+    parts = -(-len(k) // TILING_PART)
+    found = []
+    if parts <= 1:
+        found.append(_tiling_part({name: c[name] for name in names}, partial))
+    else:
+        edges = np.linspace(int(k.min()), int(k.max()) + 1, parts + 1).astype(np.int64)
+        for lo, hi in zip(edges[:-1], edges[1:]):
+            idx = np.flatnonzero((k >= lo) & (k < hi))
+            found.append(_tiling_part({name: c[name][idx] for name in names}, partial))
+    problems = []
+    if any(f["differ"] for f in found):
+        problems.append(f"epoch {e}: copies of a chunk differ in length")
+    if partial:
+        if any(f["overlap"] for f in found):
+            problems.append(f"epoch {e}: split chunks overlap")
+    elif any(f["gaps"] for f in found):
+        problems.append(f"epoch {e}: split chunks overlap or leave gaps (e.g. sample keys "
+                        f"{_join(sum((f['gaps'] for f in found), []))})")
+    bad_ends = sum(f["bad_ends"] for f in found)
+    if bad_ends:
+        problems.append(f"epoch {e}: {bad_ends} split chunks do not end within, or at the end of, their sample")
+    return problems
+
+
+def _tiling_part(c: dict, partial: bool) -> dict:
+    """What :func:`_tiling_problems` reports, for the split samples whose keys are in ``c``."""
+    found = {"differ": False, "overlap": False, "gaps": [], "bad_ends": 0}
     k, s, ln = c["key"], c["start"], c["length"]
     split = np.unique(k[s > 0])
-    keep = np.isin(k, split)
-    if not keep.any():
-        return []
-    order = np.lexsort((ln[keep], s[keep], k[keep]))
-    k, s, ln = k[keep][order], s[keep][order], ln[keep][order]
+    if not len(split):
+        return found
+    keep = split[np.minimum(np.searchsorted(split, k), len(split) - 1)] == k  # np.isin, without its N-sized sort
+    if not keep.all():
+        k, s, ln = k[keep], s[keep], ln[keep]
+    order = np.lexsort((ln, s, k))
+    k, s, ln = k[order], s[order], ln[order]
     new_key = np.r_[True, k[1:] != k[:-1]]
     same_chunk = ~new_key & np.r_[False, s[1:] == s[:-1]]
-    problems = []
-    if (same_chunk & np.r_[False, ln[1:] != ln[:-1]]).any():
-        problems.append(f"epoch {e}: copies of a chunk differ in length")
+    found["differ"] = bool((same_chunk & np.r_[False, ln[1:] != ln[:-1]]).any())
     chunk_start = np.flatnonzero(~same_chunk)  # first entry of each distinct (key, start)
-    ck, cs, cl = k[chunk_start], s[chunk_start], ln[chunk_start]
+    ck, cs, cl = k[chunk_start], s[chunk_start].astype(np.int64), ln[chunk_start].astype(np.int64)
     copies = np.diff(np.append(chunk_start, len(k)))
     first = np.r_[True, ck[1:] != ck[:-1]]
     prev_end = np.r_[0, (cs + cl)[:-1]]
     if partial:
-        if (~first & (cs < prev_end)).any():
-            problems.append(f"epoch {e}: split chunks overlap")
+        found["overlap"] = bool((~first & (cs < prev_end)).any())
     else:
         gaps = (first & (cs != 0)) | (~first & (cs != prev_end))
         group = np.cumsum(first) - 1
         head_copies = copies[first][group]
-        if gaps.any() or (copies != head_copies).any():
-            problems.append(f"epoch {e}: split chunks overlap or leave gaps (e.g. sample keys "
-                            f"{_examples(gaps | (copies != head_copies), ck)})")
-    if "full" in c and len(c["full"]) == len(c["key"]):
-        full = c["full"][keep][order][chunk_start]
+        bad = gaps | (copies != head_copies)
+        found["gaps"] = ck[np.flatnonzero(bad)[:MAX_EXAMPLES]].tolist()
+    if "full" in c:
+        full = c["full"][keep] if not keep.all() else c["full"]
+        full = full[order][chunk_start].astype(np.int64)
         last = np.r_[ck[1:] != ck[:-1], True]
         over = cs + cl > full
         short = last & (cs + cl != full) & (not partial)
-        if over.any() or short.any():
-            problems.append(f"epoch {e}: {int(over.sum() + short.sum())} split chunks do not end within, or at the "
-                            "end of, their sample")
-    return problems
+        found["bad_ends"] = int(over.sum() + short.sum())
+    return found
 
 
 # -- budget and shapes ----------------------------------------------------------------------------------

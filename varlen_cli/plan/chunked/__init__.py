@@ -43,8 +43,12 @@ is written: a worker's peak is one chunk's formation, whatever N.
 
 Phase 2: steps and ranks (rank 0, the unit table only)
 ------------------------------------------------------
-The unit tables (about N / mean samples per microbatch rows, ~30 bytes each) are concatenated in
-chunk order and the epoch is laid out exactly as one process would lay out one big chunk:
+The unit tables (about N / mean samples per microbatch rows) are concatenated in chunk order, one
+chunk's column at a time into columns allocated once in the smallest dtype their values need (the
+chunks' headers give each column's largest value; a packed row of ``--seq-len`` < 65536 takes 2
+bytes a column, ~12 bytes a row with its first item; a unit's chunk follows from the chunk starts),
+and the epoch is laid out exactly as one process would lay out one big chunk (rank 0's memory:
+benchmarks/scale.md, "Rank 0 memory"):
 
 * **Tail**: the epoch's microbatch count must be a multiple of ``dp x grad_accum``: the fullest
   units are split in two, chosen globally by (most samples, chunk, position) among the chunks'

@@ -5,8 +5,8 @@ the tail (:mod:`.tail`), groups packed rows into microbatches, orders the units 
 (:func:`cross_chunk_order`) and hands the microbatches, a block of whole steps at a time, to the
 single-process layout (``layout.layout_epoch``: ranks by LPT; compile warm-up and ``--schedule`` on
 the whole epoch). The result, :class:`EpochRows`, is the unit of every plan row in (step, rank,
-micro) order: 4-8 bytes a row besides the units' own columns (about 30 bytes a unit), so 100M+
-microbatches fit in a few GB.
+micro) order: 4-8 bytes a row besides the units' own columns (12-16 bytes a unit in the dtypes
+their values need, :class:`Units`), so 100M+ microbatches fit in a few GB.
 """
 
 from __future__ import annotations
@@ -23,21 +23,46 @@ from . import tail
 from .form import PlanContext
 
 WINDOW_STEPS = 64  # bucket-shuffle: microbatches sorted by cost inside windows of this many steps
-BLOCK_ROWS = 1 << 22  # plan rows laid out together (whole steps)
+BLOCK_ROWS = 1 << 20  # plan rows laid out together (whole steps)
 
 
 def _index_dtype(n: int):
     return np.int32 if n < 1 << 31 else np.int64
 
 
+def _storage_dtype(top) -> np.dtype:
+    """The smallest dtype that holds a non-negative column whose largest value is ``top``."""
+    if isinstance(top, float):
+        return np.dtype(np.float64)
+    for dtype in (np.uint8, np.uint16, np.uint32):
+        if top <= np.iinfo(dtype).max:
+            return np.dtype(dtype)
+    return np.dtype(np.int64)
+
+
+def _logical_dtype(name: str, top) -> np.dtype:
+    """The dtype a column is handed out in (what the layout and the writer compute with): int32, tokens
+    int64 past int32, sumsq float64."""
+    if name == "sumsq" or isinstance(top, float):
+        return np.dtype(np.float64)
+    return np.dtype(np.int64 if top >= 1 << 31 else np.int32)
+
+
 class Units:
     """An epoch's units: the chunks' columns one after another, pieces of split units appended, and
-    the sequence of unit ids (chunk after chunk, a split unit's pieces in its place)."""
+    the sequence of unit ids (chunk after chunk, a split unit's pieces in its place).
 
-    def __init__(self, cols: dict, per_chunk: np.ndarray, const: dict | None = None):
+    Columns are stored in the smallest dtype that holds them and handed out (``take``) in their
+    logical dtype (``logical``; int32 where absent); a unit's chunk is found from ``unit_start``
+    unless ``chunk`` is a column. Pieces (``extra``) are few and kept in the logical dtypes."""
+
+    def __init__(self, cols: dict, per_chunk: np.ndarray, const: dict | None = None,
+                 unit_start: np.ndarray | None = None, logical: dict | None = None):
         self.cols = cols
         self.m = len(cols["count"])
         self.per_chunk = per_chunk.astype(np.int64)  # units of each chunk in the sequence
+        self.unit_start = unit_start  # first unit id of each chunk (when "chunk" is not a column)
+        self.logical = logical or {}
         self.extra: dict | None = None
         self.seq: np.ndarray | None = None  # None: unit i is the i-th of the sequence
         self.const = const or {}  # columns with one value (packed rows: seqlen, batch)
@@ -49,19 +74,37 @@ class Units:
     def ids(self, positions: np.ndarray) -> np.ndarray:
         return positions if self.seq is None else self.seq[positions]
 
+    def _stored(self) -> list:
+        return list(self.cols) + (["chunk"] if "chunk" not in self.cols else [])
+
+    def _main(self, name: str, idx: np.ndarray) -> np.ndarray:
+        """Column ``name`` of unit ids ``idx`` (all < m), in its logical dtype."""
+        if name == "chunk" and "chunk" not in self.cols:
+            return np.searchsorted(self.unit_start, idx, side="right") - 1
+        values = self.cols[name][idx]
+        return values.astype(self._logical_of(name)) if values.dtype.kind == "u" else values
+
     def take(self, name: str, idx: np.ndarray) -> np.ndarray:
         """Column ``name`` of unit ids ``idx``."""
         name = self.alias.get(name, name)
         if name in self.const:
             return np.full(len(idx), self.const[name], np.int64)
-        base = self.cols[name]
         if self.extra is None:
-            return base[idx]
-        out = np.empty(len(idx), base.dtype)
+            return self._main(name, idx)
         main = idx < self.m
-        out[main] = base[idx[main]]
-        out[~main] = self.extra[name][idx[~main] - self.m]
+        first = self._main(name, idx[main])
+        rest = self.extra[name][idx[~main] - self.m]
+        out = np.empty(len(idx), np.result_type(first.dtype, rest.dtype))
+        out[main] = first
+        out[~main] = rest
         return out
+
+    def put(self, name: str, ids: np.ndarray, values: np.ndarray) -> None:
+        """Set column ``name`` of unit ids ``ids`` (< m) to ``values`` (the column widened if they need it)."""
+        col = self.cols[name]
+        if len(values) and col.dtype.kind == "u" and int(values.max()) > np.iinfo(col.dtype).max:
+            col = self.cols[name] = col.astype(self.logical.get(name, np.dtype(np.int32)))
+        col[ids] = values
 
     def apply(self, t: tail.Tail) -> None:
         """Replace units by their pieces (appended; the sequence takes them in place) or drop units."""
@@ -83,18 +126,33 @@ class Units:
         pieces["item_lo"] = self.take("item_lo", units)[owner] + pieces.pop("item_offset")
         first_new = self.m + (len(self.extra["count"]) if self.extra is not None else 0)
         new_ids = first_new + np.arange(len(owner))
-        add = {name: np.asarray(pieces[name]).astype(self.cols[name].dtype) for name in self.cols}
-        self.extra = add if self.extra is None else {n: np.concatenate([self.extra[n], add[n]]) for n in self.cols}
-        reps = np.ones(len(seq), np.int64)
-        reps[t.positions] = t.piece_counts
-        out = np.repeat(seq, reps).astype(_index_dtype(first_new + len(owner)))
-        start = (np.cumsum(reps) - reps)[t.positions]
-        out[np.repeat(start, t.piece_counts) + (np.arange(len(owner)) - np.repeat(np.cumsum(t.piece_counts)
-                                                                                   - t.piece_counts,
-                                                                                   t.piece_counts))] = new_ids
-        self.seq = out
+        add = {name: np.asarray(pieces[name]).astype(self._logical_of(name)) for name in self._stored()}
+        self.extra = add if self.extra is None else {n: np.concatenate([self.extra[n], add[n]]) for n in add}
+        self.seq = _spliced(seq, t.positions, t.piece_counts, new_ids)
         self.per_chunk += np.bincount(chunk_of_pos, weights=t.piece_counts - 1,
                                       minlength=len(self.per_chunk)).astype(np.int64)
+
+    def _logical_of(self, name: str) -> np.dtype:
+        if name == "chunk":
+            return np.dtype(np.int64)
+        if name in self.logical:
+            return self.logical[name]
+        col = self.cols[name]
+        return col.dtype if col.dtype.kind != "u" else np.dtype(np.int32)
+
+
+def _spliced(seq: np.ndarray, positions: np.ndarray, counts: np.ndarray, new_ids: np.ndarray) -> np.ndarray:
+    """``seq`` with the unit at each of ``positions`` (ascending) replaced by its ``counts`` pieces, whose ids
+    are ``new_ids`` in order: copied a run at a time (few positions; no N-sized temporary)."""
+    out = np.empty(len(seq) + int(np.sum(counts - 1)), _index_dtype(max(len(seq), int(new_ids.max()) + 1)))
+    src = dst = used = 0
+    for p, c in zip(positions.tolist(), counts.tolist()):
+        out[dst:dst + p - src] = seq[src:p]
+        dst += p - src
+        out[dst:dst + c] = new_ids[used:used + c]
+        dst, used, src = dst + c, used + c, p + 1
+    out[dst:] = seq[src:]
+    return out
 
 
 @dataclass
@@ -136,46 +194,64 @@ def _cost_of(units: Units, idx: np.ndarray, budget) -> np.ndarray:
     return budget.microbatch_cost(units.take("tokens", idx), None, None, sumsq)
 
 
+def _column_max(t, name: str):
+    """The largest value of a chunk's unit column (its header's, else read)."""
+    header = getattr(t, "header", None) or {}
+    if name in header.get("max", {}):
+        return header["max"][name]
+    values = np.asarray(t.units[name])
+    if not len(values):
+        return 0
+    return float(values.max()) if values.dtype.kind == "f" else int(values.max())
+
+
 def _concat(tables: list, columns, const: dict | None = None) -> tuple[Units, np.ndarray]:
-    """Units of all chunks in chunk order (compact dtypes), and each chunk's first unit."""
+    """Units of all chunks in chunk order, and each chunk's first unit. The columns are allocated once,
+    in the smallest dtype their values need, and filled a chunk's column at a time (a chunk table
+    reads its columns from its file when asked)."""
     counts = np.array([t.count for t in tables], np.int64)
     unit_start = np.concatenate([[0], np.cumsum(counts)])
-    cols = {name: np.concatenate([np.asarray(t.units[name]) for t in tables]) for name in columns}
-    items = np.concatenate([np.asarray(t.offsets[:-1], np.int64) for t in tables])
-    cols["item_lo"] = items.astype(_index_dtype(int(items.max()) + 1 if len(items) else 1))
-    cols["chunk"] = np.repeat(np.arange(len(tables), dtype=np.int32 if len(tables) >= 1 << 15 else np.int16),
-                              counts)
-    for name in ("count", "completed", "lost", "seqlen", "batch", "rows"):
-        if name in cols:
-            cols[name] = cols[name].astype(np.int32)
-    if "tokens" in cols and (not len(cols["tokens"]) or int(cols["tokens"].max()) < 1 << 31):
-        cols["tokens"] = cols["tokens"].astype(np.int32)
-    for t in tables:  # the chunks' own copies are freed; the tail reads its candidates' counts only
-        t.candidates["count"] = np.asarray(t.units["count"])[np.asarray(t.candidates.get("index", []), np.int64)]
-        t.units = None
-    return Units(cols, counts, const), unit_start
+    m = int(unit_start[-1])
+    cols, logical = {}, {}
+    for name in columns:
+        top = max((_column_max(t, name) for t in tables if t.count), default=0)
+        logical[name] = _logical_dtype(name, top)
+        cols[name] = np.empty(m, _storage_dtype(top) if logical[name].kind != "f" else logical[name])
+    last_lo = max((int(t.header["items"]) if hasattr(t, "header") else int(t.offsets[-1]) for t in tables), default=0)
+    cols["item_lo"] = np.empty(m, _index_dtype(last_lo + 1))
+    for k, t in enumerate(tables):
+        a, b = int(unit_start[k]), int(unit_start[k + 1])
+        if a == b:
+            continue
+        units = t.units
+        for name in columns:
+            cols[name][a:b] = units[name]
+        cols["item_lo"][a:b] = t.offsets[:-1]
+        # the tail reads its candidates' counts only
+        t.candidates["count"] = cols["count"][a + np.asarray(t.candidates.get("index", []), np.int64)]
+    return Units(cols, counts, const, unit_start=unit_start, logical=logical), unit_start
 
 
 # -- the order across chunks -----------------------------------------------------------------------
-def interleave(per_chunk: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def interleave(per_chunk: np.ndarray, rng: np.random.Generator):
     """A uniformly random interleaving of the chunks' sequences: a shuffled multiset of chunk labels;
-    returns (label, rank of the unit inside its chunk) per position, in blocks (no N-sized sort)."""
+    yields, a block of positions at a time, ``(lo, label, rank of the unit inside its chunk)`` (no
+    N-sized sort, nothing N-sized besides the labels)."""
     k = len(per_chunk)
     total = int(per_chunk.sum())
     labels = np.repeat(np.arange(k, dtype=np.int16 if k < 1 << 15 else np.int32), per_chunk)
     if k > 1:
         rng.shuffle(labels)
-    rank = np.empty(total, _index_dtype(total))
     seen = np.zeros(k, np.int64)
     for lo in range(0, total, BLOCK_ROWS):
         block = labels[lo:lo + BLOCK_ROWS].astype(np.int64)
         order = np.argsort(block, kind="stable")
         sb = block[order]
         first = np.searchsorted(sb, np.arange(k), side="left")
-        within = np.arange(len(sb)) - first[sb]
-        rank[lo + order] = seen[sb] + within
+        rank = np.empty(len(block), np.int64)
+        rank[order] = seen[sb] + (np.arange(len(sb)) - first[sb])
         seen += np.bincount(block, minlength=k)
-    return labels, rank
+        yield lo, block, rank
 
 
 def windowed_steps(seq: np.ndarray, cost: np.ndarray, slots: int, rng: np.random.Generator) -> np.ndarray:
@@ -194,20 +270,18 @@ def cross_chunk_order(mode: str, units: Units, slots: int, rng, whole_steps: boo
     """Unit ids of the epoch in step order: curriculum keeps the chunks one after another; other orders
     take a random interleaving (of whole steps for step-level chunks); bucket-shuffle then its windows."""
     n = len(units)
-    positions = np.arange(n, dtype=_index_dtype(n))
     if mode in CURRICULAR:
-        return units.ids(positions)
+        return units.ids(np.arange(n, dtype=_index_dtype(n)))
     seq_start = np.concatenate([[0], np.cumsum(units.per_chunk)])
-    if whole_steps:
-        labels, rank = interleave(units.per_chunk // slots, rng)
-        step_first = seq_start[labels] + rank.astype(np.int64) * slots
-        return units.ids((step_first[:, None] + np.arange(slots)[None, :]).reshape(-1))
-    labels, rank = interleave(units.per_chunk, rng)
     seq = np.empty(n, _index_dtype(units.m + (len(units.extra["count"]) if units.extra else 0) + 1))
-    for lo in range(0, n, BLOCK_ROWS):
-        hi = min(n, lo + BLOCK_ROWS)
-        seq[lo:hi] = units.ids(seq_start[labels[lo:hi]] + rank[lo:hi])
-    del labels, rank
+    if whole_steps:
+        for lo, label, rank in interleave(units.per_chunk // slots, rng):
+            step_first = seq_start[label] + rank * slots
+            seq[lo * slots:(lo + len(label)) * slots] = units.ids(
+                (step_first[:, None] + np.arange(slots)[None, :]).reshape(-1))
+        return seq
+    for lo, label, rank in interleave(units.per_chunk, rng):
+        seq[lo:lo + len(label)] = units.ids(seq_start[label] + rank)
     if mode == "bucket-shuffle":
         block = WINDOW_STEPS * slots * max(1, BLOCK_ROWS // (WINDOW_STEPS * slots))
         for lo in range(0, n, block):
@@ -241,6 +315,12 @@ def _row_refinalize(lengths, offsets, extras):
             "sumsq": segment_sum_squares(lengths, offsets)}
 
 
+def _sumsq(ctx: PlanContext) -> tuple:
+    """("sumsq",) when the plan needs packed units' sums of squared segment lengths (an attention cost, or
+    a memory budget's prediction), else nothing: the column is not kept."""
+    return ("sumsq",) if ctx.budget.needs_segment_lengths or ctx.budget.memory is not None else ()
+
+
 def _padded_units(tables: list, ctx: PlanContext, unit_level: bool) -> tuple[Units, dict | None]:
     """The padded units of all chunks (their tail fixed) and the units ``--tail drop`` dropped."""
     units, start = _concat(tables, ("count", "seqlen", "batch", "tokens", "lost"))  # lost: tokens without a target
@@ -261,7 +341,7 @@ def _packed_rows_to_microbatches(tables: list, ctx: PlanContext) -> tuple[Units,
     each chunk spreads its rows evenly over ceil(rows / R) microbatches, plus the epoch's extra
     microbatches (to a multiple of dp x grad_accum) given to the last chunks with rows to spare, then
     by splitting the fullest rows (:mod:`.tail`). With R = 1 the rows are the microbatches."""
-    rows, start = _concat(tables, ("count", "tokens", "completed", "lost", "sumsq"))
+    rows, start = _concat(tables, ("count", "tokens", "completed", "lost") + _sumsq(ctx))
     r = int(ctx.rows_per_mb)
     n_rows = rows.per_chunk.copy()
     mbs = -(-n_rows // r)
@@ -287,18 +367,18 @@ def _packed_rows_to_microbatches(tables: list, ctx: PlanContext) -> tuple[Units,
 
 def _group_rows(rows: Units, mbs: np.ndarray, r: int, ctx: PlanContext) -> Units:
     """Microbatches of consecutive rows of each chunk: row i of a chunk's n goes to (i x m) // n."""
-    parts: dict = {name: [] for name in ("chunk", "item_lo", "row_lo", "rows", "count", "tokens", "completed",
-                                         "lost", "sumsq")}
+    summed = ("count", "tokens", "completed", "lost") + (("sumsq",) if "sumsq" in rows.cols else ())
+    parts: dict = {name: [] for name in ("chunk", "item_lo", "row_lo", "rows") + summed}
     seq_start = np.concatenate([[0], np.cumsum(rows.per_chunk)])
     for k in range(len(mbs)):  # one step per chunk
         n, m = int(rows.per_chunk[k]), int(mbs[k])
         ids = rows.ids(np.arange(seq_start[k], seq_start[k + 1]))
         first = np.searchsorted((np.arange(n) * m) // max(n, 1), np.arange(m), side="left")
-        parts["chunk"].append(np.full(m, k, rows.cols["chunk"].dtype))
+        parts["chunk"].append(np.full(m, k, np.int32))
         parts["item_lo"].append(rows.take("item_lo", ids[first]))
         parts["row_lo"].append(first.astype(np.int32))
         parts["rows"].append(np.diff(np.append(first, n)).astype(np.int32))
-        for name in ("count", "tokens", "completed", "lost", "sumsq"):
+        for name in summed:
             v = rows.take(name, ids)
             v = v if name == "sumsq" else v.astype(np.int64)
             parts[name].append(np.add.reduceat(v, first) if m and n else np.zeros(m, v.dtype))
@@ -314,7 +394,7 @@ def _same_shape_steps(units: Units, seq: np.ndarray, slots: int) -> None:
     for name in ("seqlen", "batch"):
         v = units.take(name, seq).reshape(-1, slots).max(axis=1)
         main = seq < units.m
-        units.cols[name][seq[main]] = np.repeat(v, slots)[main]
+        units.put(name, seq[main], np.repeat(v, slots)[main])
         if units.extra is not None:
             units.extra[name][seq[~main] - units.m] = np.repeat(v, slots)[~main]
 
@@ -328,7 +408,7 @@ def lay_out(tables: list, ctx: PlanContext, mode: str, rng: np.random.Generator,
     if ctx.packing and level == "unit":
         units, rows, row_seq_start = _packed_rows_to_microbatches(tables, ctx)
     elif ctx.packing:
-        units, _ = _concat(tables, ("count", "seqlen", "batch", "tokens", "completed", "lost", "rows", "sumsq"))
+        units, _ = _concat(tables, ("count", "seqlen", "batch", "tokens", "completed", "lost", "rows") + _sumsq(ctx))
     else:
         units, dropped = _padded_units(tables, ctx, level == "unit")
     def cost_of(idx):
@@ -342,6 +422,7 @@ def lay_out(tables: list, ctx: PlanContext, mode: str, rng: np.random.Generator,
             _same_shape_steps(units, seq, ctx.slots)
     ranked = bool(tables[0].header.get("ranked"))
     order, lay_info = _ranks(units, seq, cost_of, ctx, ranked, warmup, schedule, stages)
+    units.seq = None  # the order holds unit ids: the sequence (the tail's pieces in place) is not needed again
     tail_ids = np.concatenate([np.asarray(t.tail_ids, np.int64) for t in tables])
     return EpochRows(mode, units, order, *lay_info, tail_ids=tail_ids, dropped_units=dropped,
                      item_rows=ctx.packing and level != "unit", rows=rows, row_seq_start=row_seq_start,
@@ -351,10 +432,11 @@ def lay_out(tables: list, ctx: PlanContext, mode: str, rng: np.random.Generator,
 def _ranks(units: Units, seq: np.ndarray, cost_of, ctx: PlanContext, ranked: bool, warmup: bool, schedule,
            stages) -> tuple[np.ndarray, tuple]:
     """``layout.layout_epoch`` (and ``--schedule``) on the sequence, a block of whole steps at a time
-    (the whole epoch with a compile warm-up or a schedule, which look across steps)."""
+    (the whole epoch with a compile warm-up or a schedule, which look across steps). The sequence
+    (the caller's, not needed after) becomes the order in place."""
     n = len(seq)
     block = n if (warmup or schedule is not None) else ctx.slots * max(1, BLOCK_ROWS // ctx.slots)
-    order = np.empty(n, seq.dtype)
+    order = seq
     info = (0, 0, None)
     for lo in range(0, n, max(block, 1)):
         part = seq[lo:lo + block]

@@ -32,7 +32,11 @@ from .finish import Finished, finish
 from .form import PlanContext, form_chunk
 from .output import PlanOutput
 
-TABLE_BYTES_PER_ENTRY = 4  # phase 2, padded: ~40 bytes a microbatch of ~16 samples, and the plan order
+# rank 0 in phases 2 and 3, per sample entry of an epoch (benchmarks/scale.md, "Rank 0 memory"; heavy-tailed
+# lengths of mean 1,089): padded ~18 bytes a microbatch of ~16 samples (its columns in compact dtypes and the
+# plan order); packed ~24 bytes a packed row of ~7.5 samples (the same, and the writer's check of split samples)
+TABLE_BYTES_PER_ENTRY = 2
+PACKED_TABLE_BYTES_PER_ENTRY = 4
 CHUNK_BYTES_PER_SAMPLE = 200  # phase 1: one chunk's formation (packing, measured ~190 at 2^23 samples)
 
 
@@ -177,9 +181,9 @@ def run_in_group(c, d: Dist, t0: float):
         raise UsageError("--split-long cannot tell which chunk of a split sample holds its target_length loss tokens "
                          "(analyze --target-length); pack without --split-long")
     spec = ChunkSpec(rows.num_rows, int(c.chunk_samples))
-    # rank 0 holds the microbatch tables of every epoch (~3-6 bytes a sample entry), each worker one chunk
+    # rank 0 holds the microbatch tables of every epoch (~2-4 bytes a sample entry), each worker one chunk
     check_plan_size(rows.num_rows, c.epochs, c.packing, f"{rows.num_rows:,} samples",
-                    bytes_per_entry=TABLE_BYTES_PER_ENTRY * (2 if c.packing else 1),
+                    bytes_per_entry=PACKED_TABLE_BYTES_PER_ENTRY if c.packing else TABLE_BYTES_PER_ENTRY,
                     fixed=CHUNK_BYTES_PER_SAMPLE * min(spec.size, rows.num_rows) * d.world_size)
     out = PlanOutput(c.output, c.overwrite)
     with (out.locked() if d.is_main else contextlib.nullcontext()), \
@@ -339,6 +343,7 @@ def _phase2(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSpe
         epochs.append(ep)
         readers.append([spill.ItemReader(directory, t) for t in tables])
         del tables
+    _trim()  # the layout's block temporaries: their freed pages back to the system before the write's buffers
     bar.phase("columns")
     fin = finish(c, ctx, manifest, rows.num_rows, epochs, long_ids=long_ids, num_long=num_long,
                  packing_stats=packing_stats, fixed_batch=fixed_batch, t0=t0, trained_only=rows.has_target)

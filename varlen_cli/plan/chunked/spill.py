@@ -2,8 +2,9 @@
 
 Per (epoch, chunk) job:
 
-* ``e{E}-c{K}.npz``: the unit table, the tail candidates and a small JSON header (what phase 2
-  reads: about 30 bytes a unit);
+* ``e{E}-c{K}.npz``: the unit table, the tail candidates and a small JSON header with each unit
+  column's largest value (what phase 2 reads: about 30 bytes a unit; the header and candidates
+  when the table is opened, the unit columns one at a time when they are copied into the epoch's);
 * ``e{E}-c{K}.{item}.bin``: each item array raw, in unit order (what phase 3 reads by ranges with
   ``pread``). Sample ids are stored as uint32 offsets from the chunk's smallest id when they fit.
 
@@ -35,6 +36,16 @@ def _write_raw(path: str, values: np.ndarray) -> None:
         np.ascontiguousarray(values).tofile(fh)
 
 
+def _largest(values) -> float | int:
+    """A unit column's largest value (0 when empty): phase 2 stores the column in the smallest dtype
+    that holds it."""
+    values = np.asarray(values)
+    if not len(values):
+        return 0
+    top = values.max()
+    return float(top) if values.dtype.kind == "f" else int(top)
+
+
 def write(directory: str, cu: ChunkUnits) -> None:
     """Write one chunk's units and items (raises OutputError on a full disk)."""
     name = os.path.join(directory, job_name(cu.epoch, cu.chunk))
@@ -51,7 +62,8 @@ def write(directory: str, cu: ChunkUnits) -> None:
               "ids_base": base if small else 0, "ids_dtype": "uint32" if small else "int64", "num_long": cu.num_long,
               "longest": cu.longest, "shortest": cu.shortest, "packing": cu.packing, "item_arrays": sorted(cu.items),
               "complete": bool(cu.candidates.get("complete", True)),
-              "ranked": cu.ranked, "fixed_batch": cu.fixed_batch}
+              "ranked": cu.ranked, "fixed_batch": cu.fixed_batch,
+              "max": {k: _largest(v) for k, v in cu.units.items()}}
     arrays = {f"unit_{k}": v for k, v in cu.units.items()}
     arrays.update({f"cand_{k}": np.asarray(v) for k, v in cu.candidates.items() if k != "complete"})
     arrays.update(offsets=cu.offsets, long_ids=cu.long_ids, tail_ids=cu.tail_ids,
@@ -72,27 +84,47 @@ def write(directory: str, cu: ChunkUnits) -> None:
 
 @dataclass
 class ChunkTable:
-    """What phase 2 reads of a chunk: its header, unit columns, offsets and candidates."""
+    """What phase 2 reads of a chunk: its header, candidates and dropped ids, held; its unit columns
+    and offsets, read from the file on each access (``units[name]``, ``offsets``), so a caller holds
+    one chunk's column at a time."""
 
+    path: str
     header: dict
-    units: dict
-    offsets: np.ndarray
     candidates: dict
     long_ids: np.ndarray
     tail_ids: np.ndarray
 
     @property
     def count(self) -> int:
-        return len(self.offsets) - 1
+        return int(self.header["count"])
+
+    @property
+    def units(self) -> _Columns:
+        return _Columns(self.path, "unit_")
+
+    @property
+    def offsets(self) -> np.ndarray:
+        return _Columns(self.path, "")["offsets"]
+
+
+class _Columns:
+    """The arrays ``PREFIX + name`` of a chunk's table, each read when asked for."""
+
+    def __init__(self, path: str, prefix: str):
+        self.path, self.prefix = path, prefix
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        with np.load(self.path) as z:
+            return z[self.prefix + name]
 
 
 def read_table(directory: str, epoch: int, chunk: int) -> ChunkTable:
-    with np.load(os.path.join(directory, job_name(epoch, chunk) + ".npz")) as z:
+    path = os.path.join(directory, job_name(epoch, chunk) + ".npz")
+    with np.load(path) as z:
         header = json.loads(bytes(z["header"]).decode())
-        units = {k[5:]: z[k] for k in z.files if k.startswith("unit_")}
         cands = {k[5:]: z[k] for k in z.files if k.startswith("cand_")}
         cands["complete"] = header["complete"]
-        return ChunkTable(header, units, z["offsets"], cands, z["long_ids"], z["tail_ids"])
+        return ChunkTable(path, header, cands, z["long_ids"], z["tail_ids"])
 
 
 class ItemReader:
