@@ -261,3 +261,96 @@ def test_split_chunks_checked_by_key_ranges_say_what_one_pass_says(plans, tmp_pa
     parts = {c.name: (c.ok, c.detail) for c in validate(ValidateConfig(src, metrics=plans["metrics"])).checks}
     assert parts["coverage"] == whole["coverage"]
     assert whole["coverage"][0] == (tamper is None)
+
+
+# -- the checks shared out: windows split among several PlanChecks and merged ---------------------------
+def _plan_arrays(path: str, metrics: str):
+    """A plan file as one PlanArrays (with the metrics' lengths) and its metadata."""
+    from varlen_cli import format, plan_scan
+    from varlen_cli.runtime import artifacts
+    from varlen_cli.validate import _metrics_per_id, window_arrays
+
+    pf, meta = format.open_plan_file(path)
+    per_id = _metrics_per_id(meta, metrics, artifacts.read_manifest(metrics))
+    names = pf.schema_arrow.names
+    lists = [c for c in names if c in format.PLAN_LIST_COLUMNS]
+    scalars = [c for c in names if c not in lists]
+    (w,) = plan_scan.windows(pf, scalars, lists, pf.metadata.num_rows or 1)
+    return window_arrays(w, per_id), meta
+
+
+def _rows(a, lo: int, hi: int):
+    """Rows ``[lo, hi)`` of a PlanArrays, as a window of the plan."""
+    from varlen_cli.plan_checks import PlanArrays
+
+    s, e = int(a.offsets[lo]), int(a.offsets[hi])
+
+    def cut(x):
+        return None if x is None else x[s:e]
+
+    return PlanArrays({k: v[lo:hi] for k, v in a.cols.items()}, a.offsets[lo:hi + 1] - s, a.ids[s:e], cut(a.lengths),
+                      cut(a.rows), cut(a.starts), cut(a.source), cut(a.sample_length), cut(a.sample_target),
+                      first_row=lo)
+
+
+def _as_tuples(checks) -> list:
+    return [(c.name, c.ok, c.detail, c.skipped) for c in checks]
+
+
+def _far_repeats(v):
+    """Ids of the first rows repeated in rows a quarter of the plan later (the same epoch, other windows)."""
+    v = [list(x) for x in v]
+    for i in range(3):
+        v[len(v) // 4 + i].append(v[i][0])
+    return v
+
+
+MERGE_CASES = [("padded", None, None, "good-padded"), ("packed", None, None, "good-packed"),
+               ("memory", None, None, "good-memory"),
+               ("padded", _set("sample_ids", _far_repeats), None, "coverage-repeats-far-apart")] + \
+    [(t[0], t[1], t[2], f"{t[4]}-{t[5][:24]}") for t in TAMPERED if t[3] is None]
+
+
+@pytest.mark.parametrize("which,columns,metadata", [m[:3] for m in MERGE_CASES], ids=[m[3] for m in MERGE_CASES])
+def test_checks_split_among_workers_and_merged_are_one_check(plans, tmp_path, which, columns, metadata):
+    """A plan's windows shared out among 1-3 PlanChecks (each fed its own in plan order, as the workers
+    writing a plan's segments are), pickled and merged in any order: the very results of one PlanChecks
+    fed every window, for good plans and for each tampering."""
+    import pickle
+
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from varlen_cli.plan_checks import PlanChecks
+
+    src = plans[which]
+    if columns is not None or metadata is not None:
+        src = _rewrite(src, str(tmp_path / "bad.parquet"), columns, metadata)
+    a, meta = _plan_arrays(src, plans["metrics"])
+    slots = int(meta["dp"]) * int(meta["grad_accum"])
+    steps = a.count // slots
+
+    def one(cuts: list) -> list:
+        checks = PlanChecks(meta, lengths=True)
+        for lo, hi in zip(cuts, cuts[1:]):
+            checks.update(_rows(a, lo, hi))
+        return _as_tuples(checks.results())
+
+    @settings(max_examples=12, deadline=None)
+    @given(data=st.data())
+    def split(data):
+        cut_steps = data.draw(st.lists(st.integers(1, max(steps - 1, 1)), max_size=6, unique=True))
+        cuts = [0] + sorted(s * slots for s in cut_steps if s < steps) + [a.count]
+        workers = data.draw(st.integers(1, 3))
+        owner = data.draw(st.lists(st.integers(0, workers - 1), min_size=len(cuts) - 1, max_size=len(cuts) - 1))
+        shards = [PlanChecks(meta, lengths=True, mergeable=True) for _ in range(workers)]
+        for (lo, hi), w in zip(zip(cuts, cuts[1:]), owner):
+            shards[w].update(_rows(a, lo, hi))
+        shards = [pickle.loads(pickle.dumps(s)) for s in shards]
+        order = data.draw(st.permutations(range(workers)))
+        merged = shards[order[0]]
+        for w in order[1:]:
+            merged.merge(shards[w])
+        assert _as_tuples(merged.results()) == one(cuts)
+
+    split()

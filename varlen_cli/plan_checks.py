@@ -87,17 +87,45 @@ def _examples(mask: np.ndarray, values: np.ndarray) -> str:
 
 
 class Examples:
-    """Up to MAX_EXAMPLES values, the first ones met."""
+    """Up to MAX_EXAMPLES values, the first ones met in plan order (``first_row``: the plan row of the
+    window's first value; windows fed out of order, or merged, keep the first by plan row)."""
 
     def __init__(self):
         self.values: list = []
+        self.rows: list = []
 
-    def add(self, mask: np.ndarray, values: np.ndarray) -> None:
+    def add(self, mask: np.ndarray, values: np.ndarray, first_row: int = 0) -> None:
         if len(self.values) < MAX_EXAMPLES and mask.any():
-            self.values += values[np.flatnonzero(mask)[:MAX_EXAMPLES]].tolist()
+            at = np.flatnonzero(mask)[:MAX_EXAMPLES]
+            self.values += values[at].tolist()
+            self.rows += (first_row + at).tolist()
+
+    def merge(self, other: Examples) -> None:
+        """The first MAX_EXAMPLES of both, by plan row."""
+        pairs = sorted(zip(self.rows + other.rows, self.values + other.values), key=lambda p: p[0])[:MAX_EXAMPLES]
+        self.rows, self.values = [p[0] for p in pairs], [p[1] for p in pairs]
 
     def __str__(self) -> str:
         return _join(self.values)
+
+
+def _smallest(*parts) -> np.ndarray:
+    """The MAX_EXAMPLES smallest distinct values of arrays."""
+    return np.unique(np.concatenate([np.asarray(p, np.int64) for p in parts]))[:MAX_EXAMPLES]
+
+
+def _edges_decrease(edges: list) -> bool:
+    """Whether the epoch falls from one window to the next; ``edges``: (first row, first epoch, last
+    epoch) of each window, in any order."""
+    edges = sorted(edges)
+    return any(b[1] < a[2] for a, b in zip(edges, edges[1:]))
+
+
+def _first_met(a: tuple | None, b: tuple | None) -> tuple | None:
+    """Of two (first row, ...) findings, the one met first in plan order."""
+    if a is None or b is None:
+        return a if b is None else b
+    return min(a, b, key=lambda x: x[0])
 
 
 # -- layout and counts ---------------------------------------------------------------------------------
@@ -110,7 +138,7 @@ class Layout:
         self.epochs = int(meta.get("epochs", len(self.spe)))
         self.n = 0
         self.bad = {name: Examples() for name in ("step", "rank", "micro")}
-        self.last = None
+        self.edges: list = []  # (first row, first epoch, last epoch) of each window
         self.decrease = self.outside = self.spans = False
         self.rows_per_epoch = np.zeros(max(self.epochs, 0), np.int64)
 
@@ -119,12 +147,12 @@ class Layout:
         position = a.first_row + np.arange(n)
         for name, want in (("step", position // self.slots), ("rank", position % self.slots // self.accum),
                            ("micro", position % self.accum)):
-            self.bad[name].add(c[name] != want, position)
+            self.bad[name].add(c[name] != want, position, a.first_row)
         epoch = c["epoch"].astype(np.int64)
         if n:
-            if (np.diff(epoch) < 0).any() or (self.last is not None and int(epoch[0]) < self.last):
+            if (np.diff(epoch) < 0).any():
                 self.decrease = True
-            self.last = int(epoch[-1])
+            self.edges.append((a.first_row, int(epoch[0]), int(epoch[-1])))
             if int(epoch.min()) < 0 or int(epoch.max()) >= self.epochs:
                 self.outside = True
             else:
@@ -134,8 +162,19 @@ class Layout:
                 self.spans = True
         self.n += n
 
+    def merge(self, other: Layout) -> None:
+        for name, ex in self.bad.items():
+            ex.merge(other.bad[name])
+        self.edges += other.edges
+        self.decrease |= other.decrease
+        self.outside |= other.outside
+        self.spans |= other.spans
+        self.rows_per_epoch += other.rows_per_epoch
+        self.n += other.n
+
     def result(self) -> Check:
         n, slots = self.n, self.slots
+        self.decrease |= _edges_decrease(self.edges)
         if n % slots:
             return Check("layout", False, f"{n} microbatches is not a multiple of dp x grad_accum = {slots}")
         steps = n // slots
@@ -188,6 +227,13 @@ class Counts:
             self.negative += int((a.ids < 0).sum())
             ok = False
         return ok
+
+    def merge(self, other: Counts) -> None:
+        self.bad += other.bad
+        self.under += other.under
+        self.negative += other.negative
+        for name, count in other.entries.items():
+            self.entries[name] = self.entries.get(name, 0) + count
 
     def result(self) -> Check:
         problems = []
@@ -373,6 +419,43 @@ def split_info(windows, meta: dict) -> SplitInfo:
     return info.freeze()
 
 
+class _Seen:
+    """One epoch's occurrences: a bitmap (plain plans) or a count per key (mixtures), the entries
+    added, and the smallest keys met again in a later window (the examples of repeats)."""
+
+    def __init__(self, seen, entries: int = 0, hits: np.ndarray | None = None):
+        self.seen, self.entries = seen, entries
+        self.hits = np.zeros(0, np.int64) if hits is None else hits
+
+    @classmethod
+    def empty(cls, keys: _Keys) -> _Seen:
+        return cls(Bitmap(keys.size) if keys.expected is None else np.zeros(keys.size, np.int64))
+
+    def add(self, k: np.ndarray) -> None:
+        if isinstance(self.seen, Bitmap):
+            hit = self.seen.test(k)
+            if hit.any():
+                self.hits = _smallest(self.hits, k[hit])
+            self.seen.set(k)
+        else:
+            self.seen += np.bincount(k, minlength=len(self.seen))
+        self.entries += len(k)
+
+    def merge(self, other: _Seen) -> _Seen:
+        """Both windows' occurrences: keys in both bitmaps are repeats (and examples)."""
+        if isinstance(self.seen, Bitmap):
+            both = self.seen.bits & other.seen.bits
+            at = np.flatnonzero(both)[:MAX_EXAMPLES]
+            keys = (at[:, None] * 8 + np.arange(8)[None, :]).reshape(-1)
+            keys = keys[((both[keys >> 3] >> (keys & 7).astype(np.uint8)) & 1) == 1]
+            self.hits = _smallest(self.hits, other.hits, keys)
+            self.seen.bits |= other.seen.bits  # repeats = entries - distinct counts the overlap
+        else:
+            self.seen += other.seen
+        self.entries += other.entries
+        return self
+
+
 class Coverage:
     """Every sample (every copy of a mixture's) once per epoch, or listed as dropped; a replan's first
     epoch lacks exactly the samples its lineage says were consumed. An occurrence is an entry that
@@ -391,13 +474,14 @@ class Coverage:
         lineage = meta.get("lineage") or {}
         self.consumed = int(lineage.get("consumed_samples") or 0)
         self.partial_first = "consumed_samples" in lineage
-        self.problem: str | None = None
+        self.problem: tuple | None = None  # (first row, message) of the window with ids out of range
         self.out_of_order = False
         self.last_epoch: int | None = None
+        self.edges: list = []  # (first row, first epoch, last epoch) of each window
+        self.keep = False  # mergeable: every epoch's state kept until results() (see PlanChecks.merge)
+        self.held: dict = {}  # epoch -> _Seen of the epochs not current (keep only)
         self.current: int | None = None
-        self.seen = None  # Bitmap (plain) or counts (mixture) of the current epoch
-        self.entries = 0
-        self.hits = Examples()
+        self.seen: _Seen | None = None  # the current epoch's
         self.problems: list = []
         self.needs_diagnosis: set = set()
         self.chunks: dict = {name: [] for name in ("epoch", "key", "start", "length", "full")}
@@ -411,14 +495,16 @@ class Coverage:
     def update(self, a: PlanArrays) -> None:
         if self.problem is not None:
             return
-        k, self.problem = self.keys.of(a, self.meta)
-        if self.problem is not None:
+        k, problem = self.keys.of(a, self.meta)
+        if problem is not None:
+            self.problem = (a.first_row, problem)
             return
         row_epoch = a.cols["epoch"].astype(np.int64)
         if a.count:
             if (np.diff(row_epoch) < 0).any() or (self.last_epoch is not None and row_epoch[0] < self.last_epoch):
                 self.out_of_order = True
             self.last_epoch = int(row_epoch[-1])
+            self.edges.append((a.first_row, int(row_epoch[0]), int(row_epoch[-1])))
         if self.out_of_order:
             return
         epoch = a.entry_epoch()
@@ -453,36 +539,56 @@ class Coverage:
     def _epoch(self, e: int) -> None:
         if self.current == e:
             return
+        if self.keep:  # the epoch's state stays until results()
+            if self.current is not None:
+                self.held[self.current] = self.seen
+            self.seen = self.held.pop(e, None) or _Seen.empty(self.keys)
+            self.current = e
+            return
         self._close()
-        self.current, self.entries = e, 0
-        self.seen = Bitmap(self.keys.size) if self.keys.expected is None else np.zeros(self.keys.size, np.int64)
+        self.current, self.seen = e, _Seen.empty(self.keys)
 
     def _add(self, k: np.ndarray) -> None:
-        if self.keys.expected is None:
-            self.hits.add(self.seen.test(k), k)
-            self.seen.set(k)
-        else:
-            self.seen += np.bincount(k, minlength=self.keys.size)
-        self.entries += len(k)
+        self.seen.add(k)
 
     def _close(self) -> None:
-        e = self.current
-        if e is None:
-            return
-        self.current = None
+        e, seen = self.current, self.seen
+        self.current = self.seen = None
+        if e is not None:
+            self._close_epoch(e, seen)
+
+    def _close_epoch(self, e: int, seen: _Seen) -> None:
         if not 0 <= e < self.epochs:
             return  # the layout check reports epochs outside the plan's
         dropped = np.concatenate([self.long_keys, self.tail_keys[e]])
         partial = e == 0 and self.partial_first
         consumed = self.consumed if partial else None
         if self.keys.expected is not None:
-            self.problems += _count_problems(self.keys, self.seen, dropped, e, consumed)
+            self.problems += _count_problems(self.keys, seen.seen, dropped, e, consumed)
         else:
-            self.problems += self._plain_problems(e, dropped, consumed)
-        self.seen = None
+            self.problems += self._plain_problems(e, seen, dropped, consumed)
 
-    def _plain_problems(self, e: int, dropped: np.ndarray, consumed) -> list[str]:
-        present, n = self.seen, self.keys.size
+    def merge(self, other: Coverage) -> None:
+        """Add the windows another Coverage (``keep``) was fed: bitmaps OR-ed, their overlap counted as
+        repeats, split chunks and window edges joined, the first problem by plan row kept."""
+        self.problem = _first_met(self.problem, other.problem)
+        self.out_of_order |= other.out_of_order
+        self.edges += other.edges
+        for name, parts in other.chunks.items():
+            self.chunks[name] += parts
+        mine, theirs = self._states(), other._states()
+        for e, seen in theirs.items():
+            mine[e] = mine[e].merge(seen) if e in mine else seen
+        self.held, self.current, self.seen = mine, None, None
+
+    def _states(self) -> dict:
+        states = dict(self.held)
+        if self.current is not None:
+            states[self.current] = self.seen
+        return states
+
+    def _plain_problems(self, e: int, seen: _Seen, dropped: np.ndarray, consumed) -> list[str]:
+        present, n = seen.seen, self.keys.size
         uniq, times = np.unique(dropped, return_counts=True)
         if (times > 1).any():
             return [f"epoch {e}: more copies listed as dropped than it has"]
@@ -493,7 +599,7 @@ class Coverage:
                 gone.bits |= self.long_bitmap.bits
         both = int(np.bitwise_count(present.bits & gone.bits).sum())
         distinct = present.count()
-        repeats = self.entries - distinct  # occurrences past a sample's first
+        repeats = seen.entries - distinct  # occurrences past a sample's first
         covered = int(np.bitwise_count(present.bits | gone.bits).sum())
         missing = n - covered
         if not self.listed and self.long_bitmap is None:  # only their number is known
@@ -502,7 +608,7 @@ class Coverage:
         if repeats or both:
             if repeats:
                 self.needs_diagnosis.add(e)
-            shown = f" (e.g. ids {self.hits})" if self.hits.values else ""
+            shown = f" (e.g. ids {_join(seen.hits)})" if len(seen.hits) else ""
             problems.append(f"epoch {e}: {both + repeats} samples appear more than once in an epoch or more often than "
                             f"their weight{shown}")
         if missing > 0 and missing != consumed:
@@ -516,10 +622,12 @@ class Coverage:
 
     def result(self) -> Check:
         if self.problem is not None:
-            return Check("coverage", False, self.problem)
-        if self.out_of_order:
+            return Check("coverage", False, self.problem[1])
+        if self.out_of_order or _edges_decrease(self.edges):
             return Check("coverage", False, "rows are not in epoch order")
-        self._close()
+        states, self.held, self.current, self.seen = self._states(), {}, None, None
+        for e in sorted(states):
+            self._close_epoch(e, states[e])
         problems = self.problems + self._tiling()
         if problems:
             return Check("coverage", False, "; ".join(problems[:4]) + (f" (+{len(problems) - 4} more)"
@@ -666,10 +774,18 @@ class BudgetCheck:
     def __init__(self, meta: dict, budget: Budget):
         self.packing, self.budget = meta.get("packing"), budget
         self.over, self.over_rows = 0, Examples()
-        self.problems: dict = {}  # message -> count (summed over windows), in the order met
+        self.problems: dict = {}  # message -> count (summed over windows)
+        self.met: dict = {}  # message -> (first row, order in its window): the order met
 
-    def _count(self, message: str, n: int = 1) -> None:
+    def _count(self, message: str, n: int = 1, where: tuple = (0, 0)) -> None:
         self.problems[message] = self.problems.get(message, 0) + n
+        self.met[message] = min(self.met.get(message, where), where)
+
+    def merge(self, other: BudgetCheck) -> None:
+        self.over += other.over
+        self.over_rows.merge(other.over_rows)
+        for message, n in other.problems.items():
+            self._count(message, n, other.met[message])
 
     def update(self, a: PlanArrays) -> None:
         c, budget = a.cols, self.budget
@@ -679,24 +795,26 @@ class BudgetCheck:
             if not self.packing and budget.max_samples is not None:
                 over |= c["num_samples"] > budget.max_samples
             self.over += int(over.sum())
-            self.over_rows.add(over, a.first_row + np.arange(len(over)))
+            self.over_rows.add(over, a.first_row + np.arange(len(over)), a.first_row)
+        found = []
         if self.packing:
             seq = int(self.packing["seq_len"])
             if (t != seq).any():
-                self._count(f"microbatches whose seqlen is not seq_len {seq}", int((t != seq).sum()))
+                found.append((f"microbatches whose seqlen is not seq_len {seq}", int((t != seq).sum())))
             if a.rows is not None and a.lengths is not None:
-                for message, n in _packed_row_problems(a, b, seq, self.packing.get("max_per_row")):
-                    self._count(message, n)
+                found += _packed_row_problems(a, b, seq, self.packing.get("max_per_row"))
         if a.sample_length is not None:
-            for message, n in _length_problems(a, self.packing):
-                self._count(message, n)
+            found += _length_problems(a, self.packing)
+        for i, (message, n) in enumerate(found):
+            self._count(message, n, (a.first_row, i))
 
     def result(self) -> Check:
         problems = []
         if self.over:
             problems.append(f"{self.over} microbatches over the budget {self.budget.describe()} (e.g. rows "
                             f"{self.over_rows})")
-        for message, n in self.problems.items():
+        for message in sorted(self.problems, key=self.met.__getitem__):
+            n = self.problems[message]
             problems.append(message if n is None or message.startswith(("entries not", "tokens column", "negative"))
                             else f"{n} {message}")
         if problems:
@@ -790,6 +908,14 @@ class Shapes:
             s, kk = step[order], key[order]
             self.mixed |= bool(((s[1:] == s[:-1]) & (kk[1:] != kk[:-1])).any())
 
+    def merge(self, other: Shapes) -> None:
+        self.seqlens |= other.seqlens
+        self.pairs |= other.pairs
+        self.outside |= other.outside
+        self.bad_b |= other.bad_b
+        self.mixed |= other.mixed
+        self.bad_t += other.bad_t
+
     def result(self) -> Check:
         problems = []
         k = self.pcfg.get("num_shapes")
@@ -860,6 +986,9 @@ class StepTotals:
             bad |= _step_sums(step, done) != c["step_samples"]
         self.bad += int(bad.sum())
 
+    def merge(self, other: StepTotals) -> None:
+        self.bad += other.bad
+
     def result(self) -> Check:
         if self.bad:
             return Check("step totals", False, f"step_samples/step_tokens wrong in {self.bad} rows")
@@ -899,6 +1028,10 @@ class Lr:
             want = ratio if self.mode == "linear" else np.sqrt(ratio)
         self.bad += int((~np.isclose(lr, want, rtol=1e-9, atol=1e-12)).sum())
 
+    def merge(self, other: Lr) -> None:
+        self.nonfinite += other.nonfinite
+        self.bad += other.bad
+
     def _base_ok(self) -> bool:
         b = self.base
         return isinstance(b, (int, float)) and not isinstance(b, bool) and b > 0
@@ -926,8 +1059,7 @@ class Straggler:
     def __init__(self, meta: dict, budget: Budget):
         self.meta, self.budget = meta, budget
         self.dp = int(meta["dp"])
-        self.per_step: list = []
-        self.top = self.mean = 0.0
+        self.parts: list = []  # (first row, per-step straggler, sum of the steps' top loads, of their means)
         self.missing_lengths = False
 
     def update(self, a: PlanArrays) -> None:
@@ -946,18 +1078,26 @@ class Straggler:
         step = c["step"].astype(np.int64)
         step = step - step.min()
         rank = c["rank"].astype(np.int64)
-        self.per_step.append(format.straggler(step, rank, cost, self.dp))
         load = format.step_loads(step, rank, cost, self.dp)
-        self.top += float(load.max(axis=1).sum())
-        self.mean += float(load.mean(axis=1).sum())
+        self.parts.append((a.first_row, format.straggler(step, rank, cost, self.dp), float(load.max(axis=1).sum()),
+                           float(load.mean(axis=1).sum())))
+
+    def merge(self, other: Straggler) -> None:
+        self.parts += other.parts
+        self.missing_lengths |= other.missing_lengths
 
     def result(self) -> Check:
         if self.missing_lengths:
             return Check("straggler", False, "a packed attention cost needs sample_lengths")
-        if not self.per_step:
+        if not self.parts:
             return Check("straggler", True, "no steps")
-        per_step = np.concatenate(self.per_step)
-        overhead = self.top / self.mean - 1.0 if self.mean > 0 else 0.0
+        parts = sorted(self.parts, key=lambda p: p[0])  # plan order: the sums as one pass adds them
+        per_step = np.concatenate([p[1] for p in parts])
+        top = mean = 0.0
+        for p in parts:
+            top += p[2]
+            mean += p[3]
+        overhead = top / mean - 1.0 if mean > 0 else 0.0
         what = ", ".join(f"{k}={v}" for k, v in self.budget.straggler_spec().items())
         stats = self.meta.get("stats") or {}
         for key, value in (("straggler_mean", per_step.mean()), ("straggler_max", per_step.max())):
@@ -1002,7 +1142,13 @@ class LossTokens:
         step = a.cols["step"].astype(np.int64)
         bad = _step_sums(step, targets).astype(np.int64) != a.cols["step_loss_tokens"]
         self.bad += int(bad.sum())
-        self.steps.add(bad, step)
+        self.steps.add(bad, step, a.first_row)
+
+    def merge(self, other: LossTokens) -> None:
+        self.present &= other.present
+        self.known &= other.known
+        self.bad += other.bad
+        self.steps.merge(other.steps)
 
     def result(self) -> Check:
         if not self.present:
@@ -1025,10 +1171,16 @@ class PlanChecks:
     """Every check of a plan, fed windows of whole steps in plan order (:meth:`update`), then
     :meth:`results` (the file's columns and fingerprint are :mod:`varlen_cli.validate`'s).
     ``split``: the plan's split samples (:func:`split_info`), needed for ``--split-long`` plans checked
-    without the samples' lengths; ``lengths``: whether windows come with ``sample_length``."""
+    without the samples' lengths; ``lengths``: whether windows come with ``sample_length``.
+
+    ``mergeable``: the windows of a plan may be shared out among several PlanChecks (each fed its
+    windows in plan order, e.g. the workers writing a plan's segments), which are then joined with
+    :meth:`merge` (in any order; picklable between processes): the merged :meth:`results` are those
+    of one PlanChecks fed every window. Such a PlanChecks keeps one bitmap per epoch it met until
+    the end (a streaming one only the current epoch's)."""
 
     def __init__(self, meta: dict, *, split: SplitInfo | None = None, lengths: bool = False, max_memory=None,
-                 profile_path: str | None = None):
+                 profile_path: str | None = None, mergeable: bool = False):
         self.meta = meta
         self.error: str | None = None
         try:
@@ -1044,6 +1196,7 @@ class PlanChecks:
                       and "consumed_samples" in (meta.get("lineage") or {}))
         self.layout, self.counts = Layout(meta), Counts(bool(meta.get("packing")))
         self.coverage, self.budget_check = Coverage(meta, split), BudgetCheck(meta, self.budget)
+        self.coverage.keep = mergeable
         self.shapes, self.steps, self.lr = Shapes(meta), StepTotals(unknowable), Lr(meta, unknowable)
         self.straggler = Straggler(meta, self.budget)
         self.loss = LossTokens(unknowable, meta.get("loss_tokens") == format.TARGET_LENGTH_COLUMN)
@@ -1067,9 +1220,19 @@ class PlanChecks:
         self.steps.update(a, done)
         self.lr.update(a, done)
         if self.memory is not None:
-            self.memory.append((a.cols["batch_size"].astype(np.int32), a.cols["seqlen"].astype(np.int32)))
+            self.memory.append((a.first_row, a.cols["batch_size"].astype(np.int32), a.cols["seqlen"].astype(np.int32)))
         self.straggler.update(a)
         self.loss.update(a, final)
+
+    def merge(self, other: PlanChecks) -> None:
+        """Add the windows ``other`` (made with the same metadata, ``mergeable``) was fed."""
+        if self.error is not None:
+            return
+        self.broken |= other.broken
+        for part in ("layout", "counts", "coverage", "budget_check", "shapes", "steps", "lr", "straggler", "loss"):
+            getattr(self, part).merge(getattr(other, part))
+        if self.memory is not None:
+            self.memory += other.memory
 
     def results(self) -> list[Check]:
         if self.error is not None:
@@ -1082,8 +1245,9 @@ class PlanChecks:
         if self.memory is not None:
             from .memory.budget import memory_check
 
-            b = np.concatenate([m[0] for m in self.memory]) if self.memory else np.zeros(0, np.int32)
-            t = np.concatenate([m[1] for m in self.memory]) if self.memory else np.zeros(0, np.int32)
+            windows = sorted(self.memory, key=lambda m: m[0])
+            b = np.concatenate([m[1] for m in windows]) if windows else np.zeros(0, np.int32)
+            t = np.concatenate([m[2] for m in windows]) if windows else np.zeros(0, np.int32)
             ok, detail = memory_check(b, t, self.budget, *self.memory_args)
             checks.append(Check("memory", ok, detail))
         checks += [self.straggler.result(), self.loss.result()]

@@ -318,23 +318,86 @@ def _cli(*args, env=None):
                           env=env or ENV, timeout=300)
 
 
+@pytest.fixture
+def small_segments(monkeypatch):
+    """Row groups of 8 rows and segments of 3 row groups in this process and its --nproc workers (forked:
+    they inherit the module constants), so that a small plan is written in several segments."""
+    from varlen_cli.plan import writer
+    from varlen_cli.plan.chunked import segments
+
+    monkeypatch.setenv("VARLEN_START_METHOD", "fork")
+    monkeypatch.setattr(writer, "ROW_GROUP_TARGET", 8)
+    monkeypatch.setattr(segments, "SEGMENT_GROUPS", 3)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["bucket-shuffle", "curriculum", "packed, attention cost"])  # padded, runs, packed
-def test_same_plan_for_1_2_and_4_workers(dirs, tmp_path, name):
-    """The plan is a function of the chunks: --nproc 1, 2 and 4 write the same rows and metadata."""
+@pytest.mark.parametrize("name", ["bucket-shuffle", "curriculum", "packed, attention cost",
+                                  "packed, rows per microbatch"])  # padded, runs, packed, R > 1 rows
+def test_same_plan_for_1_2_and_4_workers(dirs, tmp_path, name, small_segments):
+    """The plan is a function of the chunks: --nproc 1, 2 and 4 write the same rows and metadata, the
+    workers each writing some of the plan's segments (rank 0 joining them) and checking them."""
     options = CASES[name]
     outs = []
     for nproc in (1, 2, 4):
         out = tmp_path / f"p{nproc}.parquet"
-        plan(_config(dirs, out, options, chunk_samples=CHUNK, nproc=nproc))
+        r = plan(_config(dirs, out, options, chunk_samples=CHUNK, nproc=nproc))
+        rows = pq.ParquetFile(out).metadata.num_row_groups
+        assert r.write_segments == (0 if nproc == 1 else -(-rows // 3)) and rows > 6
         outs.append(out)
     assert _same_plan(outs[0], outs[1]) and _same_plan(outs[0], outs[2])
 
 
 @pytest.mark.slow
+def test_workers_refuse_a_plan_failing_its_merged_check(dirs, tmp_path, small_segments, monkeypatch):
+    """The workers' checks of their segments, merged on rank 0, refuse a plan as one check would: the
+    check counting one loss token more per entry fails the plan, and the old plan stays."""
+    from varlen_cli import format
+    from varlen_cli.errors import WorkerError
+
+    out = tmp_path / "p.parquet"
+    options = dict(CASES["bucket-shuffle"], epochs=1)
+    plan(_config(dirs, out, options, chunk_samples=CHUNK))
+    before = out.read_bytes()
+    real = format.loss_targets
+    monkeypatch.setattr(format, "loss_targets", lambda length, final=None, target=None:
+                        real(length, final, target) + 1)
+    with pytest.raises(WorkerError, match="InternalConsistencyError: the plan fails its own check: loss tokens"):
+        plan(_config(dirs, out, options, chunk_samples=CHUNK, nproc=2))
+    assert out.read_bytes() == before
+
+
+@pytest.mark.slow
+def test_a_workers_segment_error_fails_the_job(dirs, tmp_path, small_segments, monkeypatch):
+    """Rank 1 failing to write a segment (a full disk, here injected): every rank raises its error, the
+    old plan stays and nothing is left beside it."""
+    from varlen_cli.errors import OutputError
+    from varlen_cli.plan.chunked import emit
+    from varlen_cli.runtime import safety
+
+    out = tmp_path / "p.parquet"
+    options = dict(CASES["bucket-shuffle"], epochs=1)
+    plan(_config(dirs, out, options, chunk_samples=CHUNK))
+    before = out.read_bytes()
+    real = emit.write_groups
+
+    def failing(path, tmp_path_, *args):
+        if os.environ.get("RANK") == "1":
+            raise OutputError(f"cannot write {path}: No space left on device")
+        return real(path, tmp_path_, *args)
+
+    monkeypatch.setattr(emit, "write_groups", failing)
+    with pytest.raises(OutputError, match="No space left on device"):
+        plan(_config(dirs, out, options, chunk_samples=CHUNK, nproc=2))
+    assert out.read_bytes() == before
+    tags = (safety.TMP_TAG, safety.OLD_TAG, safety.LOCK_TAG)
+    assert [n for n in os.listdir(tmp_path) if any(t in n for t in tags)] == []
+
+
+@pytest.mark.slow
 def test_killed_worker_fails_the_job_and_keeps_the_old_plan(dirs, tmp_path):
     """A worker killed while forming its chunks: the job fails (exit 5), the previous plan is intact and
-    nothing is left beside it; the same with the writer killed."""
+    nothing is left beside it; the same with a worker killed as it writes its segments, and with rank 0
+    killed before it commits."""
     from varlen_cli.runtime import safety
 
     out = tmp_path / "p.parquet"
@@ -342,7 +405,7 @@ def test_killed_worker_fails_the_job_and_keeps_the_old_plan(dirs, tmp_path):
             "--chunk-samples", str(CHUNK), "--overwrite"]
     assert _cli(*args).returncode == 0
     before = out.read_bytes()
-    for fault in ("plan.chunk:1", "plan.write:0"):
+    for fault in ("plan.chunk:1", "plan.segment:1", "plan.write:0"):
         proc = _cli(*args, "--nproc", "2", "--seed", "9", env=dict(ENV, VARLEN_FAULT=fault))
         assert proc.returncode == 5, proc.stderr
         assert "killed by signal 9" in proc.stderr

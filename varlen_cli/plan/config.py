@@ -115,6 +115,7 @@ class PlanResult:
     seconds: float
     metadata: dict = field(repr=False, default_factory=dict)
     phases: dict = field(default_factory=dict)  # seconds per phase: read, form, layout, columns, write
+    write_segments: int = 0  # segments the workers wrote in parallel and rank 0 joined (0: one writer streamed it)
 
 
 # -- checks ----------------------------------------------------------------------------------------

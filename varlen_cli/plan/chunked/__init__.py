@@ -68,13 +68,22 @@ benchmarks/scale.md, "Rank 0 memory"):
 * **Ranks**: ``layout.layout_epoch`` (LPT per step, compile warm-up, ``--schedule``) on the table,
   unchanged; LR scales, statistics and metadata from the table (``core.finish``'s formulas).
 
-Phase 3: writing (rank 0, bounded buffers)
-------------------------------------------
+Phase 3: writing (every worker, bounded buffers)
+------------------------------------------------
 The plan is written row group by row group (``writer``'s Parquet settings, ~4096 microbatches a
-group). For each group the writer knows, per chunk, which units it needs; they lie in a short
-run of the chunk's items file (the interleaving takes each chunk's units in order; warm-up and
-schedule reorders are within a step or a handful of units), read with ``pread`` of that run only.
-Memory: one row group's samples plus the read runs.
+group), each checked on the way by the planner's own check (``plan_checks``, what ``varlen
+validate`` runs). For each group the writer knows, per chunk, which units it needs; they lie in a
+short run of the chunk's items file (the interleaving takes each chunk's units in order; warm-up and
+schedule reorders are within a step or a handful of units), read with ``pread`` of that run only
+(:mod:`.emit`). Memory: one row group's samples plus the read runs.
+
+One worker streams the plan into the output's temporary file. ``W > 1`` workers share it out
+(:mod:`.segments`): the row groups are cut into segments of a fixed number of groups; rank 0 writes
+each segment's row specs (the rows' unit columns and item addresses, ~30 bytes a row) into the spill
+directory, every worker claims segments, writes them as Parquet files and checks them with its own
+check; rank 0 merges the checks (the results of one check fed every group) and joins the segments'
+row groups into one file by copying their bytes (``runtime.parquet_concat``): the bytes one writer
+writes, whoever wrote which segment.
 
 Quality
 -------
@@ -96,5 +105,6 @@ again on the written file with a bitmap of one bit per sample (``varlen_cli.vali
 Failure
 -------
 Everything is written inside the output's temporary directory; any worker's failure fails the
-job (``runtime.dist``), the temporary is removed and an existing plan stays as it was.
+job (``runtime.dist``; an error in phase 2 or 3 is every worker's), the temporary is removed and an
+existing plan stays as it was.
 """

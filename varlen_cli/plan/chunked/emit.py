@@ -11,6 +11,8 @@ Memory: a group's items and the runs read for it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ... import format
@@ -70,62 +72,154 @@ class GroupItems:
         return out, offsets
 
 
-def _local_rows(ep: EpochRows, lo: int, hi: int, counts: np.ndarray) -> np.ndarray:
-    """Row of each item inside its microbatch, for microbatches of R > 1 chunk rows (from the rows' item
-    counts; with R = 1 every item is in row 0)."""
-    if ep.rows is None:
-        return np.zeros(int(counts.sum()), np.int32)
+@dataclass
+class RowSpec:
+    """What plan rows ``[lo, lo + len(count))`` of epoch ``epoch`` (epoch-local rows) are made of
+    besides their items: each row's unit columns and item address (``chunk``, ``item_lo``, ``count``),
+    and for packed microbatches of R > 1 chunk rows each row's chunk rows and their item counts
+    (``nrows``, ``per_row``). Small (about 30 bytes a row): rank 0 hands them to the other workers."""
+
+    epoch: int
+    lo: int
+    count: np.ndarray
+    batch: np.ndarray
+    seqlen: np.ndarray
+    tokens: np.ndarray
+    chunk: np.ndarray
+    item_lo: np.ndarray
+    nrows: np.ndarray | None = None
+    per_row: np.ndarray | None = None
+
+
+def row_specs(epochs: list[EpochRows], starts: np.ndarray, lo: int, hi: int) -> list[RowSpec]:
+    """The :class:`RowSpec` of plan rows ``[lo, hi)`` (one per epoch they span)."""
+    out = []
+    for e, ep in enumerate(epochs):
+        a, b = max(lo, int(starts[e])), min(hi, int(starts[e + 1]))
+        if b <= a:
+            continue
+        lo_e, hi_e = a - int(starts[e]), b - int(starts[e])
+        spec = RowSpec(e, lo_e, ep.column("count", lo_e, hi_e), ep.column("batch", lo_e, hi_e),
+                       ep.column("seqlen", lo_e, hi_e), ep.column("tokens", lo_e, hi_e),
+                       ep.column("chunk", lo_e, hi_e), ep.column("item_lo", lo_e, hi_e))
+        if ep.rows is not None and not ep.item_rows:
+            spec.nrows, spec.per_row = _chunk_rows(ep, lo_e, hi_e)
+        out.append(spec)
+    return out
+
+
+def _chunk_rows(ep: EpochRows, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+    """Chunk rows of each of plan rows ``[lo, hi)`` (packed microbatches of R > 1 chunk rows), and the
+    items of each chunk row."""
     k = ep.column("chunk", lo, hi).astype(np.int64)
     first = ep.row_seq_start[k] + ep.column("row_lo", lo, hi).astype(np.int64)
     nrows = ep.column("rows", lo, hi).astype(np.int64)
     row_off = np.concatenate([[0], np.cumsum(nrows)])
     positions = batching.segment_gather(first, nrows, row_off)
-    per_row = ep.rows.take("count", ep.rows.ids(positions)).astype(np.int64)
-    local = np.arange(len(positions), dtype=np.int64) - np.repeat(row_off[:-1], nrows)
-    out = np.repeat(local, per_row)
-    if len(out) != int(counts.sum()):  # pragma: no cover - the tables disagree with the items
+    return nrows, ep.rows.take("count", ep.rows.ids(positions)).astype(np.int64)
+
+
+def _local_rows(spec: RowSpec) -> np.ndarray:
+    """Row of each item inside its microbatch (from the chunk rows' item counts; with R = 1 every item
+    is in row 0)."""
+    if spec.nrows is None:
+        return np.zeros(int(spec.count.astype(np.int64).sum()), np.int32)
+    row_off = np.concatenate([[0], np.cumsum(spec.nrows)])
+    local = np.arange(len(spec.per_row), dtype=np.int64) - np.repeat(row_off[:-1], spec.nrows)
+    out = np.repeat(local, spec.per_row)
+    if len(out) != int(spec.count.astype(np.int64).sum()):  # pragma: no cover - the tables disagree with the items
         raise OutputError("a packed microbatch's rows do not hold its items")
     return out.astype(np.int32)
 
 
+@dataclass
+class RowGroups:
+    """What every row group of a plan needs besides its rows' specs and the chunk files: the step
+    columns and shapes (``fin``), the item arrays to read and whether each epoch's chunk files hold
+    the items' rows. Picklable: the workers that write segments get it from rank 0."""
+
+    fin: Finished
+    names: tuple
+    packed: bool
+    item_rows: list
+    dp: int
+    grad_accum: int
+    total: int  # plan rows
+
+    @property
+    def group(self) -> int:
+        return writer.rows_per_group(self.dp * self.grad_accum)
+
+    def bounds(self) -> list[int]:
+        """First row of each row group."""
+        return list(range(0, max(self.total, 1), self.group))
+
+    def schema(self):
+        return format.plan_schema(self.packed, writer.plan_metadata(self.fin.metadata))
+
+
+def row_groups_of(epochs: list[EpochRows], fin: Finished, dp: int, grad_accum: int, packed: bool) -> RowGroups:
+    names = ("ids", "sample_length", "item_length", "item_start") if packed else ("ids", "sample_length")
+    if fin.metadata.get("loss_tokens") == format.TARGET_LENGTH_COLUMN:  # the check counts the metrics' targets
+        names += ("sample_target",)
+    return RowGroups(fin, names, packed, [bool(ep.item_rows) for ep in epochs], dp, grad_accum,
+                  sum(ep.count for ep in epochs))
+
+
 def write(path: str, overwrite: bool, epochs: list[EpochRows], fin: Finished, readers: list[list[ItemReader]],
           dp: int, grad_accum: int, packed: bool, tmp_path: str) -> None:
-    """Stream the plan into ``tmp_path`` (the caller swaps it in)."""
+    """Stream the plan into ``tmp_path`` (the caller swaps it in), checking it on the way."""
+    rg = row_groups_of(epochs, fin, dp, grad_accum, packed)
+    starts = np.concatenate([[0], np.cumsum([ep.count for ep in epochs])])
+    checks = PlanChecks(fin.metadata, lengths=True)  # the plan's own check, row group by row group
+    groups = [(lo, min(rg.total, lo + rg.group)) for lo in rg.bounds()]
+    write_groups(path, tmp_path, rg, readers, checks, ((lo, lambda lo=lo, hi=hi: row_specs(epochs, starts, lo, hi))
+                                                        for lo, hi in groups))
+    raise_failed(checks)
+
+
+def raise_failed(checks: PlanChecks) -> None:
+    """The planner's refusal of a plan that fails its own check (a bug)."""
+    bad = [check for check in checks.results() if not check.ok]
+    if bad:
+        raise InternalConsistencyError("the plan fails its own check: " + "; ".join(f"{x.name}: {x.detail}"
+                                                                                  for x in bad))
+
+
+def write_groups(path: str, tmp_path: str, rg: RowGroups, readers: list[list[ItemReader]], checks: PlanChecks,
+                 groups) -> None:
+    """Write row groups into a Parquet file ``tmp_path`` (``path``: the output, for messages), each
+    checked by ``checks``; ``groups``: (first plan row, a function returning its row specs) per row group."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from ..arrow_io import list_array, to_arrow
 
-    schema = format.plan_schema(packed, writer.plan_metadata(fin.metadata))
+    schema = rg.schema()
     types = {f.name: f.type for f in schema}
-    slots = dp * grad_accum
-    group = writer.rows_per_group(slots)
-    names = ("ids", "sample_length", "item_length", "item_start") if packed else ("ids", "sample_length")
-    if fin.metadata.get("loss_tokens") == format.TARGET_LENGTH_COLUMN:  # the check counts the metrics' targets
-        names += ("sample_target",)
-    starts = np.concatenate([[0], np.cumsum([ep.count for ep in epochs])])
-    total = int(starts[-1])
-    from concurrent.futures import ThreadPoolExecutor
 
-    def prepare(lo: int):
-        return _group(epochs, fin, readers, names, starts, lo, min(total, lo + group), dp, grad_accum, packed)
+    def prepare(item):
+        first_row, specs = item
+        return (first_row,) + _group(rg, readers, specs())
 
-    bounds = list(range(0, max(total, 1), group))
+    groups = iter(groups)
     # one thread reads and gathers the next row group while this one is encoded (pyarrow and the
     # reads release the GIL: the two overlap on two cores)
-    checks = PlanChecks(fin.metadata, lengths=True)  # the plan's own check, row group by row group
     try:
         with pq.ParquetWriter(tmp_path, schema, **writer.parquet_options(schema)) as w, \
                 ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(prepare, bounds[0])
-            for i in range(len(bounds)):
-                cols, items, offsets = pending.result()
-                if i + 1 < len(bounds):
-                    pending = pool.submit(prepare, bounds[i + 1])
+            nxt = next(groups, None)
+            pending = pool.submit(prepare, nxt) if nxt is not None else None
+            while pending is not None:
+                first_row, cols, items, offsets = pending.result()
+                nxt = next(groups, None)
+                pending = pool.submit(prepare, nxt) if nxt is not None else None
                 checks.update(PlanArrays(cols, offsets, items["sample_ids"], items.get("sample_lengths"),
                                          items.get("sample_rows"), items.get("sample_starts"), None,
                                          items.pop("sample_length"), sample_target=items.pop("sample_target", None),
-                                         first_row=bounds[i]))
+                                         first_row=first_row))
                 local = offsets.astype(np.int32)
                 arrays = []
                 for name in schema.names:
@@ -136,39 +230,33 @@ def write(path: str, overwrite: bool, epochs: list[EpochRows], fin: Finished, re
                 w.write_table(pa.Table.from_arrays(arrays, schema=schema))
     except OSError as exc:
         raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
-    bad = [check for check in checks.results() if not check.ok]
-    if bad:
-        raise InternalConsistencyError("the plan fails its own check: " + "; ".join(f"{x.name}: {x.detail}"
-                                                                                  for x in bad))
 
 
-def _group(epochs, fin: Finished, readers, names, starts, lo: int, hi: int, dp: int, grad_accum: int, packed: bool):
-    """Columns and list items of plan rows ``[lo, hi)`` (they may span epochs)."""
+def _group(rg: RowGroups, readers, specs: list[RowSpec]):
+    """Columns and list items of the plan rows of ``specs`` (one row group; it may span epochs)."""
+    fin, dp, grad_accum = rg.fin, rg.dp, rg.grad_accum
     parts_cols, parts_items, parts_counts = [], [], []
-    for e, ep in enumerate(epochs):
-        a, b = max(lo, int(starts[e])), min(hi, int(starts[e + 1]))
-        if b <= a:
-            continue
-        lo_e, hi_e = a - int(starts[e]), b - int(starts[e])
-        step, rank, micro = row_positions(b - a, dp, grad_accum, lo_e)
+    for spec in specs:
+        e, n = spec.epoch, len(spec.count)
+        step, rank, micro = row_positions(n, dp, grad_accum, spec.lo)
         gstep = step + fin.step_start[e]
-        count = ep.column("count", lo_e, hi_e)
-        batch, seqlen = ep.column("batch", lo_e, hi_e), ep.column("seqlen", lo_e, hi_e)
-        cols = {"epoch": np.full(b - a, e, np.int32), "step": gstep, "rank": rank.astype(np.int32),
+        count, batch, seqlen = spec.count, spec.batch, spec.seqlen
+        cols = {"epoch": np.full(n, e, np.int32), "step": gstep, "rank": rank.astype(np.int32),
                 "micro": micro.astype(np.int32), "num_samples": count.astype(np.int32),
                 "seqlen": seqlen.astype(np.int32), "batch_size": batch.astype(np.int32),
-                "tokens": ep.column("tokens", lo_e, hi_e).astype(np.int64), "lr_scale": fin.scales[gstep],
+                "tokens": spec.tokens.astype(np.int64), "lr_scale": fin.scales[gstep],
                 "shape_id": fin.shape_id(batch, seqlen.astype(np.int64)), "step_samples": fin.step_samples[gstep],
                 "step_tokens": fin.step_tokens[gstep], "step_loss_tokens": fin.step_loss_tokens[gstep]}
-        got, _ = GroupItems(readers[e], names + (("item_row",) if packed and ep.item_rows else ())).read(
-            ep.column("chunk", lo_e, hi_e), ep.column("item_lo", lo_e, hi_e), count)
+        item_rows = rg.packed and rg.item_rows[e]
+        got, _ = GroupItems(readers[e], rg.names + (("item_row",) if item_rows else ())).read(
+            spec.chunk, spec.item_lo, count)
         items = {"sample_ids": got["ids"], "sample_length": got["sample_length"].astype(np.int64)}
         if "sample_target" in got:
             items["sample_target"] = got["sample_target"].astype(np.int64)
-        if packed:
+        if rg.packed:
             items["sample_lengths"] = got["item_length"]
             items["sample_starts"] = got["item_start"]
-            items["sample_rows"] = got["item_row"] if ep.item_rows else _local_rows(ep, lo_e, hi_e, count)
+            items["sample_rows"] = got["item_row"] if item_rows else _local_rows(spec)
         parts_cols.append(cols)
         parts_items.append(items)
         parts_counts.append(count.astype(np.int64))

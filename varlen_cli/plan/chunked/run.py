@@ -1,10 +1,11 @@
-"""The chunked planner across workers: phase 1 on every rank, phases 2 and 3 on rank 0.
+"""The chunked planner across workers: phase 1 on every rank, phase 2 on rank 0, phase 3 on every rank.
 
 :func:`plan_chunked` runs ``varlen plan`` (a metrics or sorted directory input) as world size 1 in
 this process, in ``--nproc N`` local workers, or on the ranks of a torchrun job: every rank forms
 the (epoch, chunk) jobs ``j`` with ``j mod world_size == rank`` and writes them into a temporary
-directory beside the output; rank 0 then lays the epochs out and streams the plan. Every rank
-returns rank 0's result (or raises its error). See the package docstring for the design.
+directory beside the output; rank 0 then lays the epochs out and streams the plan (one worker), or
+every rank writes segments of it that rank 0 joins (:mod:`.segments`). Every rank returns rank 0's
+result (or raises its error). See the package docstring for the design.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from ..orders import CURRICULAR
 from ..pipeline import check_plan_size
 from ..progress import PlanProgress
 from ..shapes import ShapeMap, choose_edges
-from . import emit, spill
+from . import emit, segments, spill
 from .chunks import ChunkSource, ChunkSpec, InputRows, Scatter, chunk_rng, global_rng
 from .epoch import EpochRows, lay_out
-from .finish import finish
+from .finish import Finished, finish
 from .form import PlanContext, form_chunk
 from .output import PlanOutput
 
@@ -193,10 +194,13 @@ def run_in_group(c, d: Dist, t0: float):
             ctx = context(c, manifest, rows, spec, d)
             _phase1(c, ctx, rows, spec, d, directory, kind, bar)
             d.barrier()
-            if not d.is_main:
-                return None
-            _trim()
-            result = _phase23(c, ctx, manifest, rows, spec, directory, out, t0, bar)
+            if d.world_size > 1:  # phase 3 shared out (segments.py)
+                result = _phase23_workers(c, ctx, manifest, rows, spec, directory, out, t0, bar, d)
+                if not d.is_main:
+                    return None
+            else:
+                _trim()
+                result = _phase23(c, ctx, manifest, rows, spec, directory, out, t0, bar)
         finally:
             if d.is_main:
                 out.remove_spill_dir(directory)
@@ -259,8 +263,64 @@ def _shortest(tables) -> int:
 
 def _phase23(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSpec, directory: str,
              out: PlanOutput, t0: float, bar: PlanProgress):
-    from ..config import PlanResult
+    """One worker: phase 2, then the plan streamed by this process."""
+    epochs, readers, fin = _phase2(c, ctx, manifest, rows, spec, directory, bar, t0)
+    bar.phase("write")
+    try:
+        out.write(lambda tmp: emit.write(c.output, c.overwrite, epochs, fin, readers, c.dp, c.grad_accum,
+                                         bool(c.packing), tmp),
+                  before_commit=lambda: fault_point("plan.write"))
+    finally:
+        for rs in readers:
+            for r in rs:
+                r.close()
+    return _result(c, out, sum(ep.count for ep in epochs), fin, t0)
 
+
+def _phase23_workers(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSpec, directory: str,
+                     out: PlanOutput, t0: float, bar: PlanProgress, d: Dist):
+    """W > 1 workers: rank 0 lays the epochs out and writes the segments' specs; every rank writes
+    segments; rank 0 joins them into the output (:mod:`.segments`). Rank 0's result, None elsewhere;
+    any rank's error on every rank."""
+    held: dict = {}
+
+    def lay_out_and_specs() -> None:
+        _trim()
+        epochs, readers, fin = _phase2(c, ctx, manifest, rows, spec, directory, bar, t0)
+        bar.phase("write")
+        rg = emit.row_groups_of(epochs, fin, c.dp, c.grad_accum, bool(c.packing))
+        try:
+            held.update(fin=fin, count=rg.total, segments=segments.write_specs(directory, epochs, rg, readers))
+        finally:
+            for rs in readers:
+                for r in rs:
+                    r.close()
+        # the epochs' tables go here: rank 0 writes its segments holding one segment's specs
+
+    on_main(d, lay_out_and_specs)  # rank 0's phase-2 error is every rank's
+
+    def share() -> None:
+        segments.share_outcome(d, lambda: segments.write_share(directory, d.rank, c.output))
+
+    if not d.is_main:
+        share()
+        return None
+    _trim()
+
+    def fill(tmp: str) -> None:
+        share()
+        segments.join(directory, d.world_size, tmp)
+
+    out.write(fill, before_commit=lambda: fault_point("plan.write"))
+    result = _result(c, out, held["count"], held["fin"], t0)
+    result.write_segments = held["segments"]
+    return result
+
+
+def _phase2(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSpec, directory: str,
+            bar: PlanProgress, t0: float) -> tuple[list, list, Finished]:
+    """Rank 0: the epochs laid out (their rows), the chunk files' readers, and the plan's columns and
+    metadata."""
     epochs: list[EpochRows] = []
     readers = []
     packing_stats, num_long, long_ids, fixed_batch = [], 0, np.zeros(0, np.int64), None
@@ -288,18 +348,15 @@ def _phase23(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSp
     fin = finish(c, ctx, manifest, rows.num_rows, epochs, long_ids=long_ids, num_long=num_long,
                  packing_stats=packing_stats, fixed_batch=fixed_batch, t0=t0, trained_only=rows.has_target)
     fin.metadata["chunks"]["count"] = spec.count
-    bar.phase("write")
-    try:
-        out.write(lambda tmp: emit.write(c.output, c.overwrite, epochs, fin, readers, c.dp, c.grad_accum,
-                                         bool(c.packing), tmp),
-                  before_commit=lambda: fault_point("plan.write"))
-    finally:
-        for rs in readers:
-            for r in rs:
-                r.close()
+    return epochs, readers, fin
+
+
+def _result(c, out: PlanOutput, num_microbatches: int, fin: Finished, t0: float):
+    from ..config import PlanResult
+
     fin.summary["seconds"] = time.perf_counter() - t0
     return PlanResult(output=out.final, order=c.order, num_steps=int(fin.step_start[-1]),
-                      num_microbatches=sum(ep.count for ep in epochs), stats=fin.summary,
+                      num_microbatches=num_microbatches, stats=fin.summary,
                       packing=fin.metadata.get("packing"), dropped_ids=fin.dropped_ids,
                       seconds=fin.summary["seconds"], metadata=fin.metadata)
 

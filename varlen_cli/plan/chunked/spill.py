@@ -159,3 +159,7 @@ class ItemReader:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+    def __getstate__(self) -> dict:
+        """Pickled without its open files (a worker that unpickles it opens its own)."""
+        return {**self.__dict__, "_fds": {}}

@@ -1,0 +1,166 @@
+"""Phase 3 shared out: every worker writes segments of the plan, rank 0 joins them (issue 25).
+
+With one worker the plan is streamed row group by row group (:func:`.emit.write`). With ``W > 1``
+workers the plan's row groups (``writer.rows_per_group(slots)`` rows each, as one writer cuts
+them) are cut into **segments** of :data:`SEGMENT_GROUPS` row groups, a constant (never dependent
+on ``W``):
+
+1. rank 0, after phase 2 and ``finish``, writes into the spill directory what a worker needs to
+   write a segment without rank 0's memory: the :class:`~.emit.RowGroups` (step columns, shapes,
+   metadata) and the chunk files' readers once (``write-job.pkl``), then each segment's row specs
+   (:class:`~.emit.RowSpec`: about 30 bytes a row), one segment at a time (``seg-S.spec``);
+2. every worker, rank 0 included, claims segments (an atomic create of ``seg-S.claim``: whoever
+   comes first), reads their items, checks each row group with its own
+   :class:`~varlen_cli.plan_checks.PlanChecks` and writes the segment's row groups into
+   ``seg-S.parquet`` with the plan's schema and writer settings; then it pickles its checks
+   (``checks-R.pkl``);
+3. rank 0 merges the checks (:meth:`PlanChecks.merge`: the results of one check fed every row
+   group), refuses a plan that fails them, and concatenates the segments in order
+   (:func:`varlen_cli.runtime.parquet_concat.concat`): the very bytes one writer writes, whoever
+   wrote which segment.
+
+A worker's error is every worker's (:func:`share_outcome`): nothing is committed, and the
+temporary files go with the spill directory.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...errors import ERROR_CLASSES, OutputError, VarlenError, WorkerError
+from ...plan_checks import PlanChecks
+from ...runtime import parquet_concat
+from ...runtime.dist import Dist, fault_point
+from . import emit
+from .epoch import EpochRows
+from .spill import ItemReader
+
+SEGMENT_GROUPS = 32  # row groups a segment (100M samples, padded: ~46 segments; 1B: ~460): a worker that
+# finishes last waits at most one segment for the other
+JOB = "write-job.pkl"
+
+
+@dataclass
+class WriteJob:
+    """What every worker needs to write any segment (besides the segment's specs)."""
+
+    row_groups: emit.RowGroups
+    readers: list  # per epoch, per chunk: ItemReader (pickled without open files)
+    segments: int
+    segment_groups: int
+
+    @property
+    def segment_rows(self) -> int:
+        return self.row_groups.group * self.segment_groups
+
+
+def _path(directory: str, name: str) -> str:
+    return os.path.join(directory, name)
+
+
+def _dump(value, path: str) -> None:
+    try:
+        with open(path + ".tmp", "wb") as fh:
+            pickle.dump(value, fh, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(path + ".tmp", path)
+    except OSError as exc:
+        raise OutputError(f"cannot write the plan's temporary files in {os.path.dirname(path)}: "
+                          f"{exc.strerror or exc}") from None
+
+
+def _load(path: str):
+    with open(path, "rb") as fh:
+        return pickle.load(fh)  # our own spill directory, written by this job's workers
+
+
+def segment_name(s: int, ext: str) -> str:
+    return f"seg-{s:06d}.{ext}"
+
+
+def write_specs(directory: str, epochs: list[EpochRows], rg: emit.RowGroups, readers: list[list[ItemReader]]) -> int:
+    """Rank 0: the job and each segment's row specs (one segment in memory at a time); the segment count."""
+    job = WriteJob(rg, readers, 0, SEGMENT_GROUPS)
+    job.segments = max(1, -(-rg.total // job.segment_rows))
+    starts = np.concatenate([[0], np.cumsum([ep.count for ep in epochs])])
+    for s in range(job.segments):
+        lo = s * job.segment_rows
+        hi = min(rg.total, lo + job.segment_rows)
+        firsts = range(lo, max(hi, lo + 1), rg.group)  # (an empty plan: one empty group, as one writer writes)
+        groups = [(g, emit.row_specs(epochs, starts, g, min(hi, g + rg.group))) for g in firsts]
+        _dump(groups, _path(directory, segment_name(s, "spec")))
+    _dump(job, _path(directory, JOB))
+    return job.segments
+
+
+def _claim(directory: str, s: int, count: int) -> int | None:
+    """The first segment from ``s`` on that no worker has claimed yet (now this worker's), or None."""
+    while s < count:
+        try:
+            os.close(os.open(_path(directory, segment_name(s, "claim")), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return s
+        except FileExistsError:
+            s += 1
+    return None
+
+
+def write_share(directory: str, rank: int, output: str) -> int:
+    """Every worker: claim segments until none is left, write and check each; pickle the checks. The
+    number of segments this worker wrote."""
+    job: WriteJob = _load(_path(directory, JOB))
+    fault_point("plan.segment")  # tests: a worker killed in phase 3
+    checks = PlanChecks(job.row_groups.fin.metadata, lengths=True, mergeable=True)
+    written, s = 0, 0
+    try:
+        while (s := _claim(directory, s, job.segments)) is not None:
+            groups = _load(_path(directory, segment_name(s, "spec")))
+            out = _path(directory, segment_name(s, "parquet"))
+            emit.write_groups(output, out + ".tmp", job.row_groups, job.readers, checks,
+                              ((first, lambda specs=specs: specs) for first, specs in groups))
+            os.replace(out + ".tmp", out)
+            written += 1
+            s += 1
+    except OSError as exc:
+        raise OutputError(f"cannot write the plan's temporary files in {directory}: {exc.strerror or exc}") from None
+    finally:
+        for rs in job.readers:
+            for r in rs:
+                r.close()
+    _dump(checks, _path(directory, f"checks-{rank:05d}.pkl"))
+    return written
+
+
+def join(directory: str, world_size: int, tmp_path: str) -> None:
+    """Rank 0, every worker done: the merged checks (refusing a plan that fails them), then the segments
+    concatenated into ``tmp_path``."""
+    checks = None
+    for rank in range(world_size):
+        part = _load(_path(directory, f"checks-{rank:05d}.pkl"))
+        if checks is None:
+            checks = part
+        else:
+            checks.merge(part)
+        del part
+    emit.raise_failed(checks)
+    job: WriteJob = _load(_path(directory, JOB))
+    parquet_concat.concat([_path(directory, segment_name(s, "parquet")) for s in range(job.segments)], tmp_path)
+
+
+def share_outcome(d: Dist, fn):
+    """``fn()`` on every rank, then every rank's outcome on every rank: the first failing rank's error
+    raised everywhere (marked ``shared``, as ``run.on_main`` marks it: no rank gathers it again), else
+    the values by rank."""
+    try:
+        outcome = ("ok", fn())
+    except VarlenError as exc:
+        outcome = ("error", type(exc).__name__, exc.message)
+    outcomes = d.all_gather_object(outcome)
+    for o in outcomes:
+        if o[0] == "error":
+            error = ERROR_CLASSES.get(o[1], WorkerError)(o[2])
+            error.shared = True
+            raise error
+    return [o[1] for o in outcomes]
