@@ -371,6 +371,9 @@ def _dropped_keys(meta: dict, keys: _Keys, epochs: int) -> tuple[np.ndarray, lis
     return long_keys, tail
 
 
+SPLIT_BITMAP_MAX = 1 << 34  # (epoch, key) pairs a split plan's lookup bitmap covers (2 GiB; else binary search)
+
+
 class SplitInfo:
     """The split samples of a plan (``--split-long``): per (epoch, key) the largest chunk start, from
     the entries with start > 0 (what tells which chunk completes a sample without its length)."""
@@ -381,6 +384,7 @@ class SplitInfo:
         self._starts: list = []
         self.key = np.zeros(0, np.int64)
         self.max_start = np.zeros(0, np.int64)
+        self.bits: Bitmap | None = None
 
     def collect(self, epoch: np.ndarray, keys: np.ndarray, starts: np.ndarray) -> None:
         later = starts > 0
@@ -396,14 +400,29 @@ class SplitInfo:
         last = np.r_[k[1:] != k[:-1], True] if len(k) else np.zeros(0, bool)
         self.key, self.max_start = k[last], s[last]
         self._keys, self._starts = [], []
+        span = int(self.key[-1]) + 1 if len(self.key) else 0
+        self.bits = None
+        if 0 < span <= SPLIT_BITMAP_MAX:  # one bit per (epoch, key): most entries are not split, found in O(1)
+            self.bits = Bitmap(span)
+            self.bits.set(self.key)
         return self
 
     def lookup(self, epoch_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(whether each key is a split sample's, its largest start)."""
+        n = len(epoch_keys)
         if not len(self.key):
-            return np.zeros(len(epoch_keys), bool), np.zeros(len(epoch_keys), np.int64)
-        at = np.minimum(np.searchsorted(self.key, epoch_keys), len(self.key) - 1)
-        return self.key[at] == epoch_keys, self.max_start[at]
+            return np.zeros(n, bool), np.zeros(n, np.int64)
+        if self.bits is None:
+            at = np.minimum(np.searchsorted(self.key, epoch_keys), len(self.key) - 1)
+            return self.key[at] == epoch_keys, self.max_start[at]
+        inside = (epoch_keys >= 0) & (epoch_keys < self.bits.n)
+        candidates = np.flatnonzero(inside)
+        hit = candidates[self.bits.test(epoch_keys[candidates])]
+        is_split, top = np.zeros(n, bool), np.zeros(n, np.int64)
+        at = np.searchsorted(self.key, epoch_keys[hit])  # a binary search only for the split samples' entries
+        is_split[hit] = True
+        top[hit] = self.max_start[at]
+        return is_split, top
 
 
 def split_info(windows, meta: dict) -> SplitInfo:
