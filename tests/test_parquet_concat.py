@@ -69,3 +69,29 @@ def test_concat_refuses_other_schemas_and_non_parquet(tmp_path):
         concat([str(junk)], str(tmp_path / "out2.parquet"))
     with pytest.raises(OutputError, match="nothing to concatenate"):
         concat([], str(tmp_path / "out3.parquet"))
+
+
+def test_a_full_disk_is_an_output_error_naming_the_plan(tmp_path):
+    """A write that fails (a file-size limit: EFBIG, as on a full disk) while joining is one OutputError
+    naming the plan, not an internal error."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    schema, tables = _tables(False, [3000, 3000])
+    parts = [_write(tmp_path / f"p{i}.parquet", schema, [t]) for i, t in enumerate(tables)]
+    code = ("import sys\nfrom varlen_cli.errors import OutputError\n"
+            "from varlen_cli.runtime.parquet_concat import concat\n"
+            "try:\n    concat(sys.argv[1:3], sys.argv[3], what='plan.parquet')\n"
+            "except OutputError as exc:\n    print(exc.message)\n    sys.exit(4)\n")
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+
+    result = subprocess.run([sys.executable, "-c", code, *parts, str(tmp_path / "out.parquet")], capture_output=True,
+                            text=True, env=dict(os.environ, PYTHONPATH=ROOT), preexec_fn=small_files, timeout=60)
+    assert result.returncode == 4, result.stderr
+    assert result.stdout.strip() == "cannot write plan.parquet: File too large"

@@ -259,10 +259,18 @@ def _refuse(what: str):
     return refuse
 
 
-def concat(paths: list[str], out_path: str) -> None:
-    """Write ``out_path``: the row groups of ``paths`` (same schema and settings) in order, one footer."""
+def concat(paths: list[str], out_path: str, what: str | None = None) -> None:
+    """Write ``out_path``: the row groups of ``paths`` (same schema and settings) in order, one footer.
+    A failing write (a full disk) is an OutputError naming ``what`` (default ``out_path``)."""
     if not paths:
         raise OutputError("nothing to concatenate")
+    try:
+        _concat(paths, out_path)
+    except OSError as exc:
+        raise OutputError(f"cannot write {what or out_path}: {exc.strerror or exc}") from None
+
+
+def _concat(paths: list[str], out_path: str) -> None:
     groups = bytearray()
     at, ordinal, parts = len(MAGIC), 0, []
     with open(out_path, "wb", buffering=0) as out:

@@ -309,7 +309,7 @@ def _phase23_workers(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec:
 
     def fill(tmp: str) -> None:
         share()
-        segments.join(directory, d.world_size, tmp)
+        segments.join(directory, d.world_size, tmp, c.output)
 
     out.write(fill, before_commit=lambda: fault_point("plan.write"))
     result = _result(c, out, held["count"], held["fin"], t0)

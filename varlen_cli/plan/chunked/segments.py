@@ -133,9 +133,9 @@ def write_share(directory: str, rank: int, output: str) -> int:
     return written
 
 
-def join(directory: str, world_size: int, tmp_path: str) -> None:
+def join(directory: str, world_size: int, tmp_path: str, output: str) -> None:
     """Rank 0, every worker done: the merged checks (refusing a plan that fails them), then the segments
-    concatenated into ``tmp_path``."""
+    concatenated into ``tmp_path`` (the temporary of the plan ``output``)."""
     checks = None
     for rank in range(world_size):
         part = _load(_path(directory, f"checks-{rank:05d}.pkl"))
@@ -146,7 +146,8 @@ def join(directory: str, world_size: int, tmp_path: str) -> None:
         del part
     emit.raise_failed(checks)
     job: WriteJob = _load(_path(directory, JOB))
-    parquet_concat.concat([_path(directory, segment_name(s, "parquet")) for s in range(job.segments)], tmp_path)
+    parquet_concat.concat([_path(directory, segment_name(s, "parquet")) for s in range(job.segments)], tmp_path,
+                          what=output)
 
 
 def share_outcome(d: Dist, fn):
