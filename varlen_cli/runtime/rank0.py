@@ -33,20 +33,38 @@ def needs_group() -> bool:
     return True
 
 
+def outcome_of(fn: Callable[[], Any]) -> tuple:
+    """``("ok", fn())``, or ``("error", kind, message)`` for a user error: what one rank sends the
+    others. An error that every rank already has (``shared``, raised by :func:`result_of`) is
+    raised again as it is: gathering it a second time would meet no peer."""
+    try:
+        return ("ok", fn())
+    except VarlenError as exc:
+        if getattr(exc, "shared", False):
+            raise
+        return ("error", type(exc).__name__, exc.message)
+
+
+def result_of(outcome: tuple) -> Any:
+    """The value of an :func:`outcome_of`, or its error raised, marked ``shared`` (every rank raises it
+    after the same collective)."""
+    if outcome[0] == "ok":
+        return outcome[1]
+    error = ERROR_CLASSES.get(outcome[1], WorkerError)(outcome[2])
+    error.shared = True
+    raise error
+
+
 def on_rank0(fn: Callable[[Any], Any], config: Any) -> Any:
     """``fn(config)`` on rank 0 only; every rank returns its result or raises its user error."""
     with session("cpu") as d:
         outcome: tuple = ("ok", None)
         if d.is_main:
             try:
-                outcome = ("ok", fn(config))
-            except VarlenError as exc:
-                outcome = ("error", type(exc).__name__, exc.message)
+                outcome = outcome_of(lambda: fn(config))
             except BaseException as exc:
                 outcome = ("error", "WorkerError", f"rank 0 failed: {type(exc).__name__}: {exc}")
                 d.all_gather_object(outcome)
                 raise
         outcome = d.all_gather_object(outcome if d.is_main else None)[0]
-    if outcome[0] == "ok":
-        return outcome[1]
-    raise ERROR_CLASSES.get(outcome[1], WorkerError)(outcome[2])
+    return result_of(outcome)

@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from ... import storage
-from ...errors import InputError, UsageError, VarlenError, WorkerError
+from ...errors import InputError, UsageError
 from ...runtime import artifacts, freshness, rank0, safety
 from ...runtime.dist import Dist, fault_point, run_distributed, session
 from ..cost_model import resolve_budget
@@ -81,7 +81,7 @@ def _shared(d: Dist, fn):
     """``fn()`` on every rank; rank 0's result (or user error) is every rank's."""
     if not d.distributed:
         return fn()
-    return _rank0_outcome(d, _outcome(fn))
+    return rank0.result_of(d.all_gather_object(rank0.outcome_of(fn))[0])
 
 
 def on_main(d: Dist, fn):
@@ -89,27 +89,7 @@ def on_main(d: Dist, fn):
     at this one collective whatever happens, so an error on rank 0 can never be taken for its result."""
     if not d.distributed:
         return fn()
-    return _rank0_outcome(d, _outcome(fn) if d.is_main else ("ok", None))
-
-
-def _outcome(fn) -> tuple:
-    try:
-        return ("ok", fn())
-    except VarlenError as exc:
-        if getattr(exc, "shared", False):  # every rank has it already (``on_main``): no second collective
-            raise
-        return ("error", type(exc).__name__, exc.message)
-
-
-def _rank0_outcome(d: Dist, outcome: tuple):
-    from ...errors import ERROR_CLASSES
-
-    outcome = d.all_gather_object(outcome)[0]
-    if outcome[0] == "ok":
-        return outcome[1]
-    error = ERROR_CLASSES.get(outcome[1], WorkerError)(outcome[2])
-    error.shared = True
-    raise error
+    return rank0.result_of(d.all_gather_object(rank0.outcome_of(fn) if d.is_main else ("ok", None))[0])
 
 
 def context(c, manifest: dict, rows: InputRows, spec: ChunkSpec, d: Dist) -> PlanContext:

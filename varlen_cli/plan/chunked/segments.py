@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...errors import ERROR_CLASSES, OutputError, VarlenError, WorkerError
+from ...errors import OutputError
 from ...plan_checks import PlanChecks
-from ...runtime import parquet_concat
+from ...runtime import parquet_concat, rank0
 from ...runtime.dist import Dist, fault_point
 from . import emit
 from .epoch import EpochRows
@@ -154,14 +154,8 @@ def share_outcome(d: Dist, fn):
     """``fn()`` on every rank, then every rank's outcome on every rank: the first failing rank's error
     raised everywhere (marked ``shared``, as ``run.on_main`` marks it: no rank gathers it again), else
     the values by rank."""
-    try:
-        outcome = ("ok", fn())
-    except VarlenError as exc:
-        outcome = ("error", type(exc).__name__, exc.message)
-    outcomes = d.all_gather_object(outcome)
+    outcomes = d.all_gather_object(rank0.outcome_of(fn))
     for o in outcomes:
         if o[0] == "error":
-            error = ERROR_CLASSES.get(o[1], WorkerError)(o[2])
-            error.shared = True
-            raise error
+            rank0.result_of(o)
     return [o[1] for o in outcomes]
