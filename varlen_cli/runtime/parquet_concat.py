@@ -15,6 +15,7 @@ filters, no encryption, no ``file_path`` (external column chunks); anything else
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
 
@@ -300,7 +301,12 @@ def _row_groups_field(count: int) -> bytes:
     return bytes([(1 << 4) | _LIST]) + _list_header(count, _STRUCT)
 
 
+_NO_COPY_FILE_RANGE = frozenset({errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF})
+
+
 def _copy(src, dst, offset: int, length: int) -> None:
+    """``length`` bytes of ``src`` from ``offset`` appended to ``dst``: by the kernel where the filesystem
+    can (``copy_file_range``), else read and written; any other error (a full disk) is raised."""
     done = 0
     try:
         while done < length:
@@ -308,8 +314,9 @@ def _copy(src, dst, offset: int, length: int) -> None:
             if n == 0:
                 break
             done += n
-    except OSError:
-        pass
+    except OSError as exc:
+        if exc.errno not in _NO_COPY_FILE_RANGE:
+            raise
     if done < length:
         src.seek(offset + done)
         dst.seek(0, os.SEEK_END)
