@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -259,48 +260,98 @@ def _phase23(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSp
 
 def _phase23_workers(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSpec, directory: str,
                      out: PlanOutput, t0: float, bar: PlanProgress, d: Dist):
-    """W > 1 workers: rank 0 lays the epochs out and writes the segments' specs; every rank writes
-    segments; rank 0 joins them into the output (:mod:`.segments`). Rank 0's result, None elsewhere;
-    any rank's error on every rank."""
+    """W > 1 workers: every rank lays out its share of each epoch (rank 0 joins the parts), rank 0
+    finishes the epochs and writes the segments' specs; every rank writes segments; rank 0 joins them
+    into the output (:mod:`.segments`). Rank 0's result, None elsewhere; any rank's error on every rank."""
     held: dict = {}
 
-    def lay_out_and_specs() -> None:
+    def lay_out_share() -> None:
         _trim()
-        epochs, readers, fin = _phase2(c, ctx, manifest, rows, spec, directory, bar, t0)
+        laid = _lay_out(c, ctx, rows, spec, directory, bar, (d.rank, d.world_size))
+        if d.is_main:
+            held["laid"] = laid
+
+    try:
+        segments.share_outcome(d, lay_out_share)  # any rank's phase-2 error is every rank's
+    except BaseException:
+        if "laid" in held:
+            _close(held.pop("laid").readers)
+        raise
+
+    def finish_and_job() -> None:
+        laid = held.pop("laid")
+        for e, ep in enumerate(laid.epochs):
+            for r in range(1, d.world_size):
+                lo, hi = ep.parts[r]
+                spill.read_order_part(directory, e, r, ep.order[lo:hi])
+        epochs, readers, fin = _finish(c, ctx, manifest, rows, spec, laid, bar, t0)
         bar.phase("write")
         rg = emit.row_groups_of(epochs, fin, c.dp, c.grad_accum, bool(c.packing))
         try:
-            held.update(fin=fin, count=rg.total, segments=segments.write_specs(directory, epochs, rg, readers))
+            held.update(fin=fin, count=rg.total, epochs=epochs, job=segments.write_job(directory, rg, readers))
         finally:
-            for rs in readers:
-                for r in rs:
-                    r.close()
-        # the epochs' tables go here: rank 0 writes its segments holding one segment's specs
+            _close(readers)
 
-    on_main(d, lay_out_and_specs)  # rank 0's phase-2 error is every rank's
+    on_main(d, finish_and_job)  # rank 0's phase-2 error is every rank's
+
+    def specs_and_segments() -> int:
+        if d.is_main:  # the segments' specs, published one by one while the other ranks write segments
+            segments.write_specs(directory, held.pop("epochs"), held["job"])
+            _trim()  # the epochs' tables go here: rank 0 writes its segments holding one segment's specs
+        return segments.write_share(directory, d.rank, c.output)
 
     def share() -> None:
-        segments.share_outcome(d, lambda: segments.write_share(directory, d.rank, c.output))
+        segments.share_outcome(d, specs_and_segments)
 
     if not d.is_main:
         share()
         return None
-    _trim()
 
     def fill(tmp: str) -> None:
-        share()
+        try:
+            share()
+        finally:
+            held.pop("epochs", None)
         segments.join(directory, d.world_size, tmp, c.output)
 
     out.write(fill, before_commit=lambda: fault_point("plan.write"))
     result = _result(c, out, held["count"], held["fin"], t0)
-    result.write_segments = held["segments"]
+    result.write_segments = held["job"].segments
     return result
+
+
+def _close(readers: list) -> None:
+    for rs in readers:
+        for r in rs:
+            r.close()
+
+
+@dataclass
+class _LaidOut:
+    """Phase 2 up to the columns: the epochs laid out, their chunk files' readers and what ``finish``
+    needs from the chunks' tables."""
+
+    epochs: list
+    readers: list
+    packing_stats: list
+    num_long: int
+    long_ids: np.ndarray
+    fixed_batch: int | None
 
 
 def _phase2(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSpec, directory: str,
             bar: PlanProgress, t0: float) -> tuple[list, list, Finished]:
-    """Rank 0: the epochs laid out (their rows), the chunk files' readers, and the plan's columns and
+    """One worker: the epochs laid out (their rows), the chunk files' readers, and the plan's columns and
     metadata."""
+    return _finish(c, ctx, manifest, rows, spec, _lay_out(c, ctx, rows, spec, directory, bar, (0, 1)), bar, t0)
+
+
+def _lay_out(c, ctx: PlanContext, rows: InputRows, spec: ChunkSpec, directory: str, bar: PlanProgress,
+             share: tuple[int, int]) -> _LaidOut | None:
+    """Every epoch laid out by rank ``share[0]`` of ``share[1]``: the whole epochs on rank 0 (the other
+    ranks' positions still to be read from their part files), None on the other ranks, which write
+    their parts of each epoch's order into the spill directory (:func:`.epoch.lay_out`)."""
+    rank, _ = share
     epochs: list[EpochRows] = []
     readers = []
     packing_stats, num_long, long_ids, fixed_batch = [], 0, np.zeros(0, np.int64), None
@@ -316,19 +367,34 @@ def _phase2(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSpe
         mode = epoch_mode(c, e)
         bar.phase(f"layout epoch {e + 1}/{c.epochs}")
         ep = lay_out(tables, ctx, mode, global_rng(c.seed, e), warmup=c.compile_warmup and e == 0,
-                     schedule=c.schedule, stages=c.stages)
+                     schedule=c.schedule, stages=c.stages, share=share)
+        fault_point("plan.layout")  # tests: a worker killed in its share of the layout
+        if rank:
+            lo, hi = ep.parts[rank]
+            spill.write_order_part(directory, e, rank, ep.order[lo:hi])
+            del ep, tables
+            continue
         dropped = _tail_ids(directory, tables, ep)
         if len(dropped):
             ep.tail_ids = np.concatenate([ep.tail_ids, dropped])
         epochs.append(ep)
         readers.append([spill.ItemReader(directory, t) for t in tables])
         del tables
+    if rank:
+        return None
+    return _LaidOut(epochs, readers, packing_stats, num_long, long_ids, fixed_batch)
+
+
+def _finish(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSpec, laid: _LaidOut,
+            bar: PlanProgress, t0: float) -> tuple[list, list, Finished]:
+    """Rank 0, the epochs laid out: the plan's columns and metadata (``finish``)."""
     _trim()  # the layout's block temporaries: their freed pages back to the system before the write's buffers
     bar.phase("columns")
-    fin = finish(c, ctx, manifest, rows.num_rows, epochs, long_ids=long_ids, num_long=num_long,
-                 packing_stats=packing_stats, fixed_batch=fixed_batch, t0=t0, trained_only=rows.has_target)
+    fin = finish(c, ctx, manifest, rows.num_rows, laid.epochs, long_ids=laid.long_ids, num_long=laid.num_long,
+                 packing_stats=laid.packing_stats, fixed_batch=laid.fixed_batch, t0=t0,
+                 trained_only=rows.has_target)
     fin.metadata["chunks"]["count"] = spec.count
-    return epochs, readers, fin
+    return laid.epochs, laid.readers, fin
 
 
 def _result(c, out: PlanOutput, num_microbatches: int, fin: Finished, t0: float):

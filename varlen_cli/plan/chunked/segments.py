@@ -27,18 +27,21 @@ from __future__ import annotations
 
 import os
 import pickle
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from ...errors import OutputError
+from ...errors import OutputError, WorkerError
 from ...plan_checks import PlanChecks
 from ...runtime import parquet_concat, rank0
-from ...runtime.dist import Dist, fault_point
+from ...runtime.dist import Dist, collective_timeout, fault_point
 from . import emit
 from .epoch import EpochRows
 from .spill import ItemReader
 
+SPEC_POLL_S = 0.005  # a worker waiting for a segment's spec looks again after this long
+SPECS_FAILED = "specs.failed"  # rank 0 failed while writing the specs: the waiting workers stop
 SEGMENT_GROUPS = 32  # row groups a segment (100M samples, padded: ~46 segments; 1B: ~460): a worker that
 # finishes last waits at most one segment for the other
 JOB = "write-job.pkl"
@@ -81,19 +84,45 @@ def segment_name(s: int, ext: str) -> str:
     return f"seg-{s:06d}.{ext}"
 
 
-def write_specs(directory: str, epochs: list[EpochRows], rg: emit.RowGroups, readers: list[list[ItemReader]]) -> int:
-    """Rank 0: the job and each segment's row specs (one segment in memory at a time); the segment count."""
+def write_job(directory: str, rg: emit.RowGroups, readers: list[list[ItemReader]]) -> WriteJob:
+    """Rank 0: what every worker needs besides the segments' specs (``write-job.pkl``)."""
     job = WriteJob(rg, readers, 0, SEGMENT_GROUPS)
     job.segments = max(1, -(-rg.total // job.segment_rows))
-    starts = np.concatenate([[0], np.cumsum([ep.count for ep in epochs])])
-    for s in range(job.segments):
-        lo = s * job.segment_rows
-        hi = min(rg.total, lo + job.segment_rows)
-        firsts = range(lo, max(hi, lo + 1), rg.group)  # (an empty plan: one empty group, as one writer writes)
-        groups = [(g, emit.row_specs(epochs, starts, g, min(hi, g + rg.group))) for g in firsts]
-        _dump(groups, _path(directory, segment_name(s, "spec")))
     _dump(job, _path(directory, JOB))
-    return job.segments
+    return job
+
+
+def write_specs(directory: str, epochs: list[EpochRows], job: WriteJob) -> None:
+    """Rank 0: each segment's row specs in segment order, each published whole (renamed into place) as
+    soon as it is written, so that the other workers write segment 0 while rank 0 writes the next
+    specs. A failure leaves :data:`SPECS_FAILED` for the workers waiting on a spec."""
+    rg = job.row_groups
+    starts = np.concatenate([[0], np.cumsum([ep.count for ep in epochs])])
+    try:
+        for s in range(job.segments):
+            lo = s * job.segment_rows
+            hi = min(rg.total, lo + job.segment_rows)
+            firsts = range(lo, max(hi, lo + 1), rg.group)  # (an empty plan: one empty group, as one writer writes)
+            groups = [(g, emit.row_specs(epochs, starts, g, min(hi, g + rg.group))) for g in firsts]
+            fault_point("plan.specs")
+            _dump(groups, _path(directory, segment_name(s, "spec")))
+    except BaseException:
+        with open(_path(directory, SPECS_FAILED), "wb"):
+            pass
+        raise
+
+
+def _wait_spec(directory: str, s: int, timeout: float) -> None:
+    """Until rank 0 has published segment ``s``'s spec (it writes them in order while the others write)."""
+    path = _path(directory, segment_name(s, "spec"))
+    waited = 0.0
+    while not os.path.exists(path):
+        if os.path.exists(_path(directory, SPECS_FAILED)):
+            raise WorkerError("rank 0 failed while writing the plan's segment specs")
+        if waited > timeout:
+            raise WorkerError(f"rank 0 wrote no segment spec {s} in {timeout:.0f} s (VARLEN_TIMEOUT)")
+        time.sleep(SPEC_POLL_S)
+        waited += SPEC_POLL_S
 
 
 def _claim(directory: str, s: int, count: int) -> int | None:
@@ -108,14 +137,16 @@ def _claim(directory: str, s: int, count: int) -> int | None:
 
 
 def write_share(directory: str, rank: int, output: str) -> int:
-    """Every worker: claim segments until none is left, write and check each; pickle the checks. The
-    number of segments this worker wrote."""
+    """Every worker: claim segments until none is left, write and check each (waiting for a segment's
+    spec while rank 0 still writes it); pickle the checks. The number of segments this worker wrote."""
     job: WriteJob = _load(_path(directory, JOB))
     fault_point("plan.segment")  # tests: a worker killed in phase 3
     checks = PlanChecks(job.row_groups.fin.metadata, lengths=True, mergeable=True)
     written, s = 0, 0
+    timeout = collective_timeout()
     try:
         while (s := _claim(directory, s, job.segments)) is not None:
+            _wait_spec(directory, s, timeout)
             groups = _load(_path(directory, segment_name(s, "spec")))
             out = _path(directory, segment_name(s, "parquet"))
             emit.write_groups(output, out + ".tmp", job.row_groups, job.readers, checks,

@@ -8,6 +8,9 @@ Per (epoch, chunk) job:
 * ``e{E}-c{K}.{item}.bin``: each item array raw, in unit order (what phase 3 reads by ranges with
   ``pread``). Sample ids are stored as uint32 offsets from the chunk's smallest id when they fit.
 
+Per epoch and rank > 0 of a shared layout (phase 2 on every rank): ``e{E}-r{R}.order.npy``, the unit
+of each of the rank's plan positions, which rank 0 copies into its epoch's order.
+
 A killed run leaves the directory behind; it matches the output's temporary pattern, so the next
 run on that output removes it (``runtime.safety.clean_leftovers``).
 """
@@ -29,6 +32,31 @@ ITEM_DTYPES = {"item_length": np.int32, "item_start": np.int32, "item_row": np.i
 
 def job_name(epoch: int, chunk: int) -> str:
     return f"e{epoch:05d}-c{chunk:06d}"
+
+
+def _part_path(directory: str, epoch: int, rank: int) -> str:
+    return os.path.join(directory, f"e{epoch:05d}-r{rank:05d}.order.npy")
+
+
+def write_order_part(directory: str, epoch: int, rank: int, values: np.ndarray) -> None:
+    """A rank's part of an epoch's plan order (raises OutputError on a full disk)."""
+    path = _part_path(directory, epoch, rank)
+    try:
+        with open(path + ".tmp", "wb") as fh:
+            np.save(fh, values)
+        os.replace(path + ".tmp", path)
+    except OSError as exc:
+        raise OutputError(f"cannot write the plan's temporary files in {directory}: {exc.strerror or exc}") from None
+
+
+def read_order_part(directory: str, epoch: int, rank: int, out: np.ndarray) -> None:
+    """Rank ``rank``'s part of an epoch's plan order, read into ``out`` (its positions) and removed."""
+    path = _part_path(directory, epoch, rank)
+    part = np.load(path)
+    if len(part) != len(out):  # pragma: no cover - every rank computes the same parts
+        raise OutputError(f"{path} holds {len(part):,} plan rows, not {len(out):,}")
+    out[:] = part
+    os.remove(path)
 
 
 def _write_raw(path: str, values: np.ndarray) -> None:
