@@ -7,10 +7,12 @@ on ``W``):
 
 1. rank 0, after phase 2 and ``finish``, writes into the spill directory what a worker needs to
    write a segment without rank 0's memory: the :class:`~.emit.RowGroups` (step columns, shapes,
-   metadata) and the chunk files' readers once (``write-job.pkl``), then each segment's row specs
-   (:class:`~.emit.RowSpec`: about 30 bytes a row), one segment at a time (``seg-S.spec``);
-2. every worker, rank 0 included, claims segments (an atomic create of ``seg-S.claim``: whoever
-   comes first), reads their items, checks each row group with its own
+   metadata) and the chunk files' readers once (``write-job.pkl``); then, while the other workers
+   already write segments, each segment's row specs (:class:`~.emit.RowSpec`: about 30 bytes a row),
+   one segment at a time in segment order, each published whole by a rename (``seg-S.spec``; a
+   failure leaves ``specs.failed``, which stops the workers waiting for a spec);
+2. every worker (rank 0 after its last spec) claims segments (an atomic create of ``seg-S.claim``:
+   whoever comes first), waits for the segment's spec, reads its items, checks each row group with its own
    :class:`~varlen_cli.plan_checks.PlanChecks` and writes the segment's row groups into
    ``seg-S.parquet`` with the plan's schema and writer settings; then it pickles its checks
    (``checks-R.pkl``);
