@@ -265,35 +265,67 @@ def concat(paths: list[str], out_path: str, what: str | None = None) -> None:
     A failing write (a full disk) is an OutputError naming ``what`` (default ``out_path``)."""
     if not paths:
         raise OutputError("nothing to concatenate")
-    try:
-        _concat(paths, out_path)
-    except OSError as exc:
-        raise OutputError(f"cannot write {what or out_path}: {exc.strerror or exc}") from None
-
-
-def _concat(paths: list[str], out_path: str) -> None:
-    groups = bytearray()
-    at, ordinal, parts = len(MAGIC), 0, []
-    with open(out_path, "wb", buffering=0) as out:
-        out.write(MAGIC)
+    with Concatenation(out_path, what) as cat:
         for path in paths:
+            cat.add(path)
+        cat.finish()
+
+
+class Concatenation:
+    """:func:`concat` a file at a time: ``add`` copies a file's row groups as soon as it exists (the
+    caller may add the first files while later ones are still being written), ``finish`` writes the
+    footer. Closing without ``finish`` leaves an incomplete file, for the caller to remove."""
+
+    def __init__(self, out_path: str, what: str | None = None):
+        self.what = what or out_path
+        self.groups = bytearray()
+        self.at, self.ordinal, self.parts = len(MAGIC), 0, []
+        try:
+            self.out = open(out_path, "wb", buffering=0)
+            self.out.write(MAGIC)
+        except OSError as exc:
+            raise self._error(exc) from None
+
+    def _error(self, exc: OSError) -> OutputError:
+        return OutputError(f"cannot write {self.what}: {exc.strerror or exc}")
+
+    def __enter__(self) -> Concatenation:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.out.close()
+
+    def add(self, path: str) -> None:
+        """Append the row groups of ``path`` (its schema and metadata the first file's)."""
+        try:
             buf, data_end = _footer(path)
-            part = _Part(path, buf, data_end, at - len(MAGIC), ordinal, groups)
-            if parts and (part.before != parts[0].before or part.after != parts[0].after):
-                raise OutputError(f"cannot concatenate {path}: its schema or metadata differs from {paths[0]}'s")
-            parts.append(part)
-            ordinal += part.groups
+            part = _Part(path, buf, data_end, self.at - len(MAGIC), self.ordinal, self.groups)
+            first = self.parts[0] if self.parts else part
+            if part.before != first.before or part.after != first.after:
+                raise OutputError(f"cannot concatenate {path}: its schema or metadata differs from {first.path}'s")
+            self.parts.append(part)
+            self.ordinal += part.groups
             with open(part.path, "rb") as src:
-                _copy(src, out, len(MAGIC), part.data_end - len(MAGIC))
-            at += part.data_end - len(MAGIC)
-        footer = bytearray(parts[0].before)
+                _copy(src, self.out, len(MAGIC), part.data_end - len(MAGIC))
+            self.at += part.data_end - len(MAGIC)
+        except OSError as exc:
+            raise self._error(exc) from None
+
+    def finish(self) -> None:
+        """The footer: the first file's ``FileMetaData`` with every added file's row groups."""
+        if not self.parts:
+            raise OutputError("nothing to concatenate")
+        footer = bytearray(self.parts[0].before)
         # the fields keep their order: num_rows (3) and row_groups (4) right after schema (2)
-        footer += bytes([(1 << 4) | _I64]) + _zigzag(sum(p.num_rows for p in parts))
-        footer += _row_groups_field(ordinal) + groups
-        footer += parts[0].after
-        out.write(footer)
-        out.write(struct.pack("<I", len(footer)))
-        out.write(MAGIC)
+        footer += bytes([(1 << 4) | _I64]) + _zigzag(sum(p.num_rows for p in self.parts))
+        footer += _row_groups_field(self.ordinal) + self.groups
+        footer += self.parts[0].after
+        try:
+            self.out.write(footer)
+            self.out.write(struct.pack("<I", len(footer)))
+            self.out.write(MAGIC)
+        except OSError as exc:
+            raise self._error(exc) from None
 
 
 def _row_groups_field(count: int) -> bytes:

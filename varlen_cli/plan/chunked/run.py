@@ -297,10 +297,14 @@ def _phase23_workers(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec:
     on_main(d, finish_and_job)  # rank 0's phase-2 error is every rank's
 
     def specs_and_segments() -> int:
-        if d.is_main:  # the segments' specs, published one by one while the other ranks write segments
-            segments.write_specs(directory, held.pop("epochs"), held["job"])
-            _trim()  # the epochs' tables go here: rank 0 writes its segments holding one segment's specs
-        return segments.write_share(directory, d.rank, c.output)
+        if not d.is_main:
+            return segments.write_share(directory, d.rank, c.output)
+        # the plan's temporary file, filled with the segments as they come; the segments' specs,
+        # published one by one while the other ranks write segments
+        held["joiner"] = segments.Joiner(directory, held["job"].segments, held.pop("tmp"), c.output)
+        segments.write_specs(directory, held.pop("epochs"), held["job"])
+        _trim()  # the epochs' tables go here: rank 0 writes its segments holding one segment's specs
+        return segments.write_share(directory, d.rank, c.output, between=held["joiner"].advance)
 
     def share() -> None:
         segments.share_outcome(d, specs_and_segments)
@@ -310,11 +314,14 @@ def _phase23_workers(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec:
         return None
 
     def fill(tmp: str) -> None:
+        held["tmp"] = tmp
         try:
             share()
+            segments.join(directory, d.world_size, held["joiner"])
         finally:
             held.pop("epochs", None)
-        segments.join(directory, d.world_size, tmp, c.output)
+            if "joiner" in held:
+                held.pop("joiner").close()
 
     out.write(fill, before_commit=lambda: fault_point("plan.write"))
     result = _result(c, out, held["count"], held["fin"], t0)

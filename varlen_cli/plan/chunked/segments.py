@@ -16,9 +16,11 @@ on ``W``):
    :class:`~varlen_cli.plan_checks.PlanChecks` and writes the segment's row groups into
    ``seg-S.parquet`` with the plan's schema and writer settings; then it pickles its checks
    (``checks-R.pkl``);
-3. rank 0 merges the checks (:meth:`PlanChecks.merge`: the results of one check fed every row
-   group), refuses a plan that fails them, and concatenates the segments in order
-   (:func:`varlen_cli.runtime.parquet_concat.concat`): the very bytes one writer writes, whoever
+3. rank 0 concatenates the segments in order into the plan's temporary file
+   (:class:`varlen_cli.runtime.parquet_concat.Concatenation`): between its own segments it appends
+   those already written (:class:`Joiner`), and once every worker is done it merges the checks
+   (:meth:`PlanChecks.merge`: the results of one check fed every row group), refuses a plan that
+   fails them, appends the rest and writes the footer: the very bytes one writer writes, whoever
    wrote which segment.
 
 A worker's error is every worker's (:func:`share_outcome`): nothing is committed, and the
@@ -138,9 +140,10 @@ def _claim(directory: str, s: int, count: int) -> int | None:
     return None
 
 
-def write_share(directory: str, rank: int, output: str) -> int:
+def write_share(directory: str, rank: int, output: str, between=None) -> int:
     """Every worker: claim segments until none is left, write and check each (waiting for a segment's
-    spec while rank 0 still writes it); pickle the checks. The number of segments this worker wrote."""
+    spec while rank 0 still writes it), calling ``between()`` after each; pickle the checks. The number
+    of segments this worker wrote."""
     job: WriteJob = _load(_path(directory, JOB))
     fault_point("plan.segment")  # tests: a worker killed in phase 3
     checks = PlanChecks(job.row_groups.fin.metadata, lengths=True, mergeable=True)
@@ -156,6 +159,8 @@ def write_share(directory: str, rank: int, output: str) -> int:
             os.replace(out + ".tmp", out)
             written += 1
             s += 1
+            if between is not None:
+                between()
     except OSError as exc:
         raise OutputError(f"cannot write the plan's temporary files in {directory}: {exc.strerror or exc}") from None
     finally:
@@ -166,9 +171,31 @@ def write_share(directory: str, rank: int, output: str) -> int:
     return written
 
 
-def join(directory: str, world_size: int, tmp_path: str, output: str) -> None:
+class Joiner:
+    """Rank 0: the segments appended to the plan's temporary file in segment order as soon as they
+    are written (``advance``, between rank 0's own segments: the copying overlaps the other workers'
+    writing), then the rest and the footer (:func:`join`)."""
+
+    def __init__(self, directory: str, count: int, tmp_path: str, output: str):
+        self.directory, self.count, self.next = directory, count, 0
+        self.cat = parquet_concat.Concatenation(tmp_path, what=output)
+
+    def advance(self) -> None:
+        """Append every written segment that follows the appended ones."""
+        while self.next < self.count:
+            path = _path(self.directory, segment_name(self.next, "parquet"))
+            if not os.path.exists(path):  # renamed into place once whole
+                return
+            self.cat.add(path)
+            self.next += 1
+
+    def close(self) -> None:
+        self.cat.out.close()
+
+
+def join(directory: str, world_size: int, joiner: Joiner) -> None:
     """Rank 0, every worker done: the merged checks (refusing a plan that fails them), then the segments
-    concatenated into ``tmp_path`` (the temporary of the plan ``output``)."""
+    not yet appended and the footer."""
     checks = None
     for rank in range(world_size):
         part = _load(_path(directory, f"checks-{rank:05d}.pkl"))
@@ -178,9 +205,10 @@ def join(directory: str, world_size: int, tmp_path: str, output: str) -> None:
             checks.merge(part)
         del part
     emit.raise_failed(checks)
-    job: WriteJob = _load(_path(directory, JOB))
-    parquet_concat.concat([_path(directory, segment_name(s, "parquet")) for s in range(job.segments)], tmp_path,
-                          what=output)
+    joiner.advance()
+    if joiner.next < joiner.count:  # pragma: no cover - every worker returned, every segment written
+        raise OutputError(f"segment {joiner.next} of the plan is missing in {directory}")
+    joiner.cat.finish()
 
 
 def share_outcome(d: Dist, fn):
