@@ -437,10 +437,10 @@ def test_a_workers_phase2_error_fails_the_job(dirs, tmp_path, small_segments, mo
     if phase == "layout":
         real_part = spill.write_order_part
 
-        def failing(directory, e, rank, values):
+        def failing(directory, e, rank, values, tally):
             if rank == 1:
                 raise OutputError(f"cannot write the plan's temporary files in {directory}: No space left on device")
-            return real_part(directory, e, rank, values)
+            return real_part(directory, e, rank, values, tally)
         monkeypatch.setattr(spill, "write_order_part", failing)
     else:
         real_specs, calls = emit.row_specs, []

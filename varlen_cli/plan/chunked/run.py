@@ -31,7 +31,7 @@ from ..shapes import ShapeMap, choose_edges
 from . import emit, segments, spill
 from .chunks import ChunkSource, ChunkSpec, InputRows, Scatter, chunk_rng, global_rng
 from .epoch import EpochRows, lay_out
-from .finish import Finished, finish
+from .finish import Finished, finish, merge_tallies, tally
 from .form import PlanContext, form_chunk
 from .output import PlanOutput
 
@@ -285,7 +285,7 @@ def _phase23_workers(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec:
         for e, ep in enumerate(laid.epochs):
             for r in range(1, d.world_size):
                 lo, hi = ep.parts[r]
-                spill.read_order_part(directory, e, r, ep.order[lo:hi])
+                laid.tallies[e].append(spill.read_order_part(directory, e, r, ep.order[lo:hi]))
         epochs, readers, fin = _finish(c, ctx, manifest, rows, spec, laid, bar, t0)
         bar.phase("write")
         rg = emit.row_groups_of(epochs, fin, c.dp, c.grad_accum, bool(c.packing))
@@ -346,6 +346,7 @@ class _LaidOut:
     num_long: int
     long_ids: np.ndarray
     fixed_batch: int | None
+    tallies: list | None = None  # per epoch, each rank's Tally of its rows (a shared layout), rank order
 
 
 def _phase2(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSpec, directory: str,
@@ -360,9 +361,9 @@ def _lay_out(c, ctx: PlanContext, rows: InputRows, spec: ChunkSpec, directory: s
     """Every epoch laid out by rank ``share[0]`` of ``share[1]``: the whole epochs on rank 0 (the other
     ranks' positions still to be read from their part files), None on the other ranks, which write
     their parts of each epoch's order into the spill directory (:func:`.epoch.lay_out`)."""
-    rank, _ = share
+    rank, world = share
     epochs: list[EpochRows] = []
-    readers = []
+    readers, tallies = [], []
     packing_stats, num_long, long_ids, fixed_batch = [], 0, np.zeros(0, np.int64), None
     for e in range(c.epochs):
         tables = [spill.read_table(directory, e, k) for k in range(spec.count)]
@@ -378,11 +379,14 @@ def _lay_out(c, ctx: PlanContext, rows: InputRows, spec: ChunkSpec, directory: s
         ep = lay_out(tables, ctx, mode, global_rng(c.seed, e), warmup=c.compile_warmup and e == 0,
                      schedule=c.schedule, stages=c.stages, share=share)
         fault_point("plan.layout")  # tests: a worker killed in its share of the layout
-        if rank:
+        if world > 1:  # the sums finish needs, of this rank's rows
             lo, hi = ep.parts[rank]
-            spill.write_order_part(directory, e, rank, ep.order[lo:hi])
-            del ep, tables
-            continue
+            own = tally(c, ctx, ep, lo, hi)
+            if rank:
+                spill.write_order_part(directory, e, rank, ep.order[lo:hi], own)
+                del ep, tables, own
+                continue
+            tallies.append([own])
         dropped = _tail_ids(directory, tables, ep)
         if len(dropped):
             ep.tail_ids = np.concatenate([ep.tail_ids, dropped])
@@ -391,7 +395,7 @@ def _lay_out(c, ctx: PlanContext, rows: InputRows, spec: ChunkSpec, directory: s
         del tables
     if rank:
         return None
-    return _LaidOut(epochs, readers, packing_stats, num_long, long_ids, fixed_batch)
+    return _LaidOut(epochs, readers, packing_stats, num_long, long_ids, fixed_batch, tallies or None)
 
 
 def _finish(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSpec, laid: _LaidOut,
@@ -401,7 +405,8 @@ def _finish(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSpe
     bar.phase("columns")
     fin = finish(c, ctx, manifest, rows.num_rows, laid.epochs, long_ids=laid.long_ids, num_long=laid.num_long,
                  packing_stats=laid.packing_stats, fixed_batch=laid.fixed_batch, t0=t0,
-                 trained_only=rows.has_target)
+                 trained_only=rows.has_target,
+                 tallies=[merge_tallies(parts) for parts in laid.tallies] if laid.tallies else None)
     fin.metadata["chunks"]["count"] = spec.count
     return laid.epochs, laid.readers, fin
 
