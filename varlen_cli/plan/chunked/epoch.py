@@ -314,7 +314,7 @@ def rank_block(slots: int, n: int, whole_epoch: bool) -> int:
     return max(n if whole_epoch else slots * max(1, BLOCK_ROWS // slots), 1)
 
 
-def split_block(mode: str, slots: int, n: int, whole_epoch: bool, windows: bool) -> int:
+def split_block(slots: int, n: int, whole_epoch: bool, windows: bool) -> int:
     """The unit in which an epoch's layout is shared out among ranks: whole blocks of the rank layout
     and, for bucket-shuffle windows, whole window blocks (the epoch when they do not fit together)."""
     block = rank_block(slots, n, whole_epoch)
@@ -469,7 +469,7 @@ def lay_out(tables: list, ctx: PlanContext, mode: str, rng: np.random.Generator,
         parts = [(0, n)] + [(n, n)] * (world - 1)
     else:
         windows = mode == "bucket-shuffle" and level == "unit"
-        parts = shares(n, split_block(mode, ctx.slots, n, whole_epoch, windows), world)
+        parts = shares(n, split_block(ctx.slots, n, whole_epoch, windows), world)
     lo, hi = parts[rank]
     if level == "epoch":
         seq = units.ids(np.arange(n, dtype=_index_dtype(n)))
