@@ -155,14 +155,29 @@ def parent_rows(parent: Parent, c: PlanConfig) -> tuple[Rows, dict, list | None]
         rows, info = rows_of(c, parent.meta, parent.path)
         return rows, {}, info
     manifest, sample_id, length = read_input(c.input, c.allow_stale)
+    _same_input(parent, c.input, manifest, len(sample_id))
+    return Rows(sample_id, length, target=read_targets(c, c.input, manifest)), manifest, None
+
+
+def check_same_input(parent: Parent, path: str, allow_stale: bool) -> None:
+    """Refuse (from its manifest, reading no sample) an input other than the one the parent was planned
+    from."""
+    from ..runtime import freshness
+
+    manifest = artifacts.read_manifest(path, what="metrics or sorted directory",
+                                       hint="create one with `varlen analyze` (and `varlen sort` for curriculum order)")
+    freshness.check_inputs(path, manifest, allow_stale, rerun="varlen sort")
+    _same_input(parent, path, manifest, sum(int(p["rows"]) for p in manifest.get("parts", [])))
+
+
+def _same_input(parent: Parent, path: str, manifest: dict, num_rows: int) -> None:
     recorded = parent.input or {}
-    if recorded.get("num_rows") is not None and int(recorded["num_rows"]) != len(sample_id):
-        raise InputError(f"{c.input} changed since {parent.path} was planned: it has {len(sample_id):,} samples, "
+    if recorded.get("num_rows") is not None and int(recorded["num_rows"]) != num_rows:
+        raise InputError(f"{path} changed since {parent.path} was planned: it has {num_rows:,} samples, "
                          f"the plan was made for {int(recorded['num_rows']):,}")
     if recorded.get("artifact_id") and manifest.get("artifact_id") != recorded["artifact_id"]:
-        raise InputError(f"{c.input} changed since {parent.path} was planned (artifact_id "
+        raise InputError(f"{path} changed since {parent.path} was planned (artifact_id "
                          f"{manifest.get('artifact_id')}, the plan was made from {recorded['artifact_id']})")
-    return Rows(sample_id, length, target=read_targets(c, c.input, manifest)), manifest, None
 
 
 # -- what an epoch has left after a step -------------------------------------------------------------
