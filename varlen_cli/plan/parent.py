@@ -320,8 +320,11 @@ def plan_epochs_from(c: PlanConfig, parent: Parent, rows: Rows, budget: Budget, 
 
 
 def config_record(c: PlanConfig, budget: Budget) -> dict:
-    """The options a derived plan records: ``c``'s, with the budget's own options where it changed."""
-    values = artifacts.config_dict(c)
+    """The options a derived plan records: ``c``'s (as a fresh plan records them: no output path or worker
+    count), with the budget's own options where it changed."""
+    from .assemble import recorded_config
+
+    values = recorded_config(c)  # what the plan computed from, not how this run ran (output, --nproc, ...)
     if budget.source == "memory" and budget.memory is not None:
         values.update(max_tokens=None, max_memory=budget.memory.get("max_memory"),
                       memory_profile=budget.memory.get("profile_path"), memory_margin=budget.memory.get("margin"))
