@@ -226,20 +226,22 @@ def test_every_planner_option_replans_exactly_once(dirs, tmp_path, options):
     assert m["orders"] == pm["orders"][1:]  # the same order policy per epoch (curriculum switch included)
 
 
-def test_replan_refuses_a_parent_too_big_for_memory(dirs, tmp_path, monkeypatch):
-    """replan holds every sample in one process: a parent whose samples would not fit in the memory
-    available is refused in one line, before any sample is read (here: 1,000 bytes available)."""
+def test_replan_is_bounded_by_its_epochs_and_a_chunk(dirs, tmp_path, monkeypatch):
+    """replan plans with the chunked planner (the consumed samples a bitmap): its memory is the microbatch
+    tables of the epochs it plans and one chunk, never the parent's samples; when even that does not fit,
+    it is refused in one line before any work (here: 1,000 bytes available)."""
     from varlen_cli.plan import pipeline
+    from varlen_cli.plan.chunked import run
 
     monkeypatch.setattr(pipeline, "_available_memory", lambda: 1000)
     out = str(tmp_path / "new.parquet")
     args = ["replan", dirs["parent"], "-o", out, "--dp", "3", "--from-step", "2"]
-    need = N * 2 * pipeline.BYTES_PER_ENTRY / 2**30
+    need = (N * 2 * run.TABLE_BYTES_PER_ENTRY + run.CHUNK_BYTES_PER_SAMPLE * N) / 2**30
     assert_user_error(runner.invoke(app, args), 2,
                       f"the plan would hold {N * 2:,} sample entries (2 epoch(s) of {N} samples), about "
-                      f"{need:,.1f} GiB while planning, more than the 0.0 GiB of memory available; `varlen replan` "
-                      "plans in one process (unlike `varlen plan --nproc`): run it on a machine with more memory, or "
-                      "plan the rest afresh with `varlen plan`")
+                      f"{need:,.1f} GiB while planning, more than the 0.0 GiB of memory available; run it on a "
+                      "machine with more memory (`varlen replan` holds the microbatch tables of the epochs it plans "
+                      "and one chunk)")
     assert not os.path.exists(out)
 
 

@@ -20,6 +20,7 @@ import numpy as np
 from ... import storage
 from ...budget import Budget
 from ...errors import InputError, UsageError
+from ...plan_checks import Bitmap
 from ...runtime import artifacts, freshness, rank0, safety
 from ...runtime.dist import Dist, fault_point, run_distributed, session
 from ..cost_model import resolve_budget
@@ -29,7 +30,7 @@ from ..pipeline import FEWER_EPOCHS, check_plan_size
 from ..progress import PlanProgress
 from ..shapes import ShapeMap, choose_edges
 from . import emit, segments, spill
-from .chunks import ChunkSource, ChunkSpec, InputRows, Scatter, chunk_rng, global_rng
+from .chunks import ChunkData, ChunkSource, ChunkSpec, InputRows, Scatter, chunk_rng, global_rng
 from .epoch import EpochRows, lay_out
 from .finish import Finished, finish
 from .form import PlanContext, form_chunk
@@ -60,10 +61,23 @@ class Continuation:
     budget: Budget | None = None
     remedies: Remedies = PLAN_REMEDIES
     too_big: str = FEWER_EPOCHS  # what a plan too big for this machine's memory suggests
+    first_samples: Bitmap | None = None  # ``varlen replan``: the samples (by id) the plan's first epoch holds
+    metadata: dict | None = None  # entries of the plan's metadata given (lineage, the recorded config)
 
     def epoch(self, e: int) -> int:
         """The job's epoch number of the plan's epoch ``e``."""
         return self.first_epoch + e
+
+    def chunk(self, data: ChunkData, e: int, longest_fitting: int) -> ChunkData:
+        """A chunk's samples in the plan's epoch ``e``: in the first, only :attr:`first_samples`, and the
+        samples longer than ``longest_fitting`` (in no plan: counted and dropped as in every epoch)."""
+        if e or self.first_samples is None or not data.n:
+            return data
+        left = self.first_samples.test(data.ids.astype(np.int64)) | (data.length > longest_fitting)
+        if left.all():
+            return data
+        return ChunkData(data.index, data.ids[left], data.length[left], None,
+                         data.target[left] if data.target is not None else None)
 
 
 FRESH = Continuation()  # a plan of its own: epochs from 0, the budget from its options
@@ -234,7 +248,8 @@ def _phase1(c, ctx: PlanContext, rows: InputRows, spec: ChunkSpec, d: Dist, dire
         if cached is None or cached[0] != key:
             source = ChunkSource(rows, spec, curricular=mode in CURRICULAR, reverse=mode == "reverse", scatter=scatter)
             cached = (key, source.read(k))
-        cu = form_chunk(cached[1], ctx, mode, e, chunk_rng(c.seed, cont.epoch(e), k), whole=spec.count == 1, config=c)
+        data = cont.chunk(cached[1], e, ctx.longest_fitting)
+        cu = form_chunk(data, ctx, mode, e, chunk_rng(c.seed, cont.epoch(e), k), whole=spec.count == 1, config=c)
         spill.write(directory, cu)
         del cu
         fault_point("plan.chunk")
@@ -353,6 +368,7 @@ def _phase2(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSpe
     fin = finish(c, ctx, manifest, rows.num_rows, epochs, long_ids=long_ids, num_long=num_long,
                  packing_stats=packing_stats, fixed_batch=fixed_batch, t0=t0, trained_only=rows.has_target)
     fin.metadata["chunks"]["count"] = spec.count
+    fin.metadata.update(cont.metadata or {})  # before the write: the plan's own check reads it (lineage)
     return epochs, readers, fin
 
 
