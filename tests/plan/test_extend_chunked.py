@@ -197,3 +197,24 @@ def test_a_parent_of_another_parquet_schema_is_re_encoded(metrics, tmp_path):
     assert validate(ValidateConfig(plan=out, metrics=metrics)).ok
     assert pq.read_table(out).slice(0, len(table)).to_pydict() == table.to_pydict()
     assert pq.ParquetFile(out).schema.to_arrow_schema().field("sample_ids").type == pa.list_(pa.int64())
+
+
+def test_extend_keeps_too_long_samples_counted_not_listed(metrics, tmp_path, monkeypatch):
+    """More too-long samples than a plan lists (100M-sample plans: over 10,000): the extended plan keeps
+    the parent's rule (``too_long_listed: false``, the count, the length over which samples are dropped)
+    and the counts add up, so it passes validate (the single-process merge lost the rule and failed)."""
+    from varlen_cli.plan.chunked import finish
+
+    monkeypatch.setattr(finish, "LIST_LIMIT", 3)
+    parent = str(tmp_path / "p.parquet")
+    plan(PlanConfig(input=metrics, output=parent, chunk_samples=CHUNK, max_tokens=256, drop_long=True, dp=2,
+                    progress=False))
+    pm = _meta(parent)["dropped"]
+    assert pm["too_long_listed"] is False and pm["too_long_count"] > 3
+    out = str(tmp_path / "e.parquet")
+    extend(ExtendConfig(plan=parent, output=out, epochs=3))
+    m = _meta(out)["dropped"]
+    assert (m["too_long_listed"], m["too_long_count"], m["too_long_over"]) == (False, pm["too_long_count"], 256)
+    assert m["reason"]["too_long"] == 3 * pm["too_long_count"] == m["count"]
+    for given in (None, metrics):
+        assert validate(ValidateConfig(plan=out, metrics=given)).ok

@@ -10,7 +10,8 @@ parent's later epochs follow, planned afresh for the new layout. LR scales keep 
 (:mod:`.parent`). A plan of one metrics or sorted directory is replanned in bounded memory: the
 epoch in progress's rest read as a bitmap (:func:`.parent.left_samples`), the chunked planner
 (``--nproc`` workers) planning from its chunks (:class:`.chunked.run.Continuation`); a mixture, or a
-``--split-long`` sample split across step N, in one process (:func:`.parent.plan_epochs_from`). ``varlen plan --extend`` is :mod:`.extend`. Both record where they come from in
+``--split-long`` sample split across step N, in one process (:func:`.parent.plan_epochs_from`).
+``varlen plan --extend`` is :mod:`.extend`. Both record where they come from in
 the metadata's ``lineage`` (docs/plan.md, "Re-planning a running job").
 """
 
