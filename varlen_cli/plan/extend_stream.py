@@ -61,13 +61,16 @@ def extend_streamed(parent: Parent, c: PlanConfig, budget: Budget, record: dict,
         work = _work_dir(out)
         try:
             epochs = os.path.join(work, "epochs.parquet")
-            plan_chunked(dataclasses.replace(c, output=epochs, overwrite=False), t0,
-                         Continuation(first_epoch, budget, REPLAN_REMEDIES, too_big=TOO_BIG))
+            more = plan_chunked(dataclasses.replace(c, output=epochs, overwrite=False), t0,
+                                Continuation(first_epoch, budget, REPLAN_REMEDIES, too_big=TOO_BIG))
+            t1 = time.perf_counter()
             out.write(lambda tmp: held.update(result=join(parent, epochs, c, record, lineage, tmp, work, t0)),
                       before_commit=lambda: fault_point("extend.write"))
         finally:
             shutil.rmtree(work, ignore_errors=True)
-    return held["result"]
+    result = held["result"]
+    result.phases = {**more.phases, "join": time.perf_counter() - t1}  # the new epochs' phases, then the join
+    return result
 
 
 def _work_dir(out: PlanOutput) -> str:
