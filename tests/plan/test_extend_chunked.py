@@ -26,6 +26,7 @@ from tests.conftest import ROOT
 from tests.plan_helpers import write_metrics
 from varlen_cli import format
 from varlen_cli.errors import OutputError
+from varlen_cli.plan import extend as extend_module
 from varlen_cli.plan import parent as parent_module
 from varlen_cli.plan import pipeline
 from varlen_cli.plan.core import PlanConfig, plan
@@ -51,13 +52,14 @@ def metrics(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def no_single_process_planner(monkeypatch):
-    """What ran: the single-process planner (every sample in one process) must not."""
+    """What ran: the single-process planner (every sample in one process) and merge must not."""
     def refuse(*args, **kwargs):
         raise AssertionError("the single-process planner ran")
 
     for module in (parent_module, pipeline):
         monkeypatch.setattr(module, "plan_epochs", refuse)
     monkeypatch.setattr(parent_module, "read_input", refuse)
+    monkeypatch.setattr(extend_module, "merge", refuse)  # the in-memory join of both plans' columns
 
 
 def _parent(metrics, path, case, epochs=2, **more):
