@@ -34,7 +34,7 @@ import numpy as np
 
 from .. import format
 from ..budget import Budget
-from ..errors import InternalConsistencyError
+from ..errors import InternalConsistencyError, OutputError
 from ..runtime import parquet_concat, safety
 from ..runtime.faults import fault_point
 from . import writer
@@ -96,16 +96,17 @@ def join(parent: Parent, epochs: str, c: PlanConfig, record: dict, lineage: dict
     def totals() -> Totals:
         return Totals(budget, c.dp, c.grad_accum, memory, len(shapes))
 
-    rows = os.path.join(work, "rows.parquet")
-    new = _write_rows(epochs, rows, schema, parent, remap, totals())
-    old = totals()
-    for cols, lengths, offsets in _windows(parent.path, old.needs_lengths, c.dp * c.grad_accum):
-        old.update(cols, lengths, offsets)
-    whole = dataclasses.replace(c, epochs=parent.epochs + c.epochs)
-    meta, summary = _metadata(old_meta, new_meta, old, new, shapes, whole, record, lineage, t0)
-    footer = os.path.join(work, "footer.parquet")
-    full = schema.with_metadata(format.encode_plan_metadata(writer.plan_metadata(meta)))
-    pq.ParquetWriter(footer, full, **writer.parquet_options(full)).close()
+    rows, footer = os.path.join(work, "rows.parquet"), os.path.join(work, "footer.parquet")
+    old, whole = totals(), dataclasses.replace(c, epochs=parent.epochs + c.epochs)
+    try:
+        new = _write_rows(epochs, rows, schema, parent, remap, totals())
+        for cols, lengths, offsets in _windows(parent.path, old.needs_lengths, c.dp * c.grad_accum):
+            old.update(cols, lengths, offsets)
+        meta, summary = _metadata(old_meta, new_meta, old, new, shapes, whole, record, lineage, t0)
+        full = schema.with_metadata(format.encode_plan_metadata(writer.plan_metadata(meta)))
+        pq.ParquetWriter(footer, full, **writer.parquet_options(full)).close()
+    except OSError as exc:  # a full disk beside the output
+        raise OutputError(f"cannot write {c.output}: {exc.strerror or exc}") from None
     if parquet_concat.same_schema(parent.path, footer) and parquet_concat.same_schema(rows, footer):
         parquet_concat.concat([parent.path, rows], tmp, what=c.output, footer=footer)
     else:  # a parent written with another Parquet schema: its row groups re-encoded, one at a time
@@ -190,8 +191,6 @@ def _metadata(old_meta: dict, new_meta: dict, old: Totals, new: Totals, shapes: 
 def _rewrite(paths: list[str], tmp: str, schema, what: str) -> None:
     """``tmp``: the row groups of ``paths`` re-encoded one at a time with ``schema``."""
     import pyarrow.parquet as pq
-
-    from ..errors import OutputError
 
     try:
         with pq.ParquetWriter(tmp, schema, **writer.parquet_options(schema)) as w:
