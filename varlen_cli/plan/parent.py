@@ -135,9 +135,11 @@ def parent_config(parent: Parent, **overrides) -> PlanConfig:
 
 
 def check_parent_size(parent: Parent, epochs: int, command: str) -> None:
-    """Refuse, before reading any sample, a replan/extension that would not fit in memory: they plan
-    in one process holding every sample of the parent's input (not the chunked planner's bounded
-    memory), so a plan of a billion samples is refused in one line instead of an out-of-memory kill."""
+    """Refuse, before reading any sample, a replan/extension planned in one process that would not fit
+    in memory (a replan of a split sample started before the step, the extension of a mixture, which
+    its caller sizes once its sources are read): it holds every sample of the parent's input, so a
+    plan of a billion samples is refused in one line instead of an out-of-memory kill. Every other
+    replan and extension uses the chunked planner's bounded memory."""
     n = parent.input.get("num_rows")
     if parent.mixture or n is None:
         return  # a mixture's rows are counted (and checked) once its sources are read
