@@ -9,6 +9,11 @@ now lie, ordinals renumbered and ``num_rows`` summed. The result is the file one
 written with the same row groups, byte for byte (tested), which is what lets several workers encode
 the row groups of one plan in parallel and still write the same file as one worker.
 
+With ``footer=TEMPLATE`` the output's footer fields around the row groups (schema, key-value metadata,
+``created_by``, column orders) are those of another file of the same Parquet schema, e.g. one written
+with no row groups: the row groups of files written with other metadata (a plan and the rows appended
+to it, ``varlen plan --extend``) are joined under new metadata without being decoded.
+
 Only what pyarrow writes by default is handled: no page index (``write_page_index``), no bloom
 filters, no encryption, no ``file_path`` (external column chunks); anything else is refused.
 """
@@ -260,15 +265,29 @@ def _refuse(what: str):
     return refuse
 
 
-def concat(paths: list[str], out_path: str, what: str | None = None) -> None:
-    """Write ``out_path``: the row groups of ``paths`` (same schema and settings) in order, one footer.
-    A failing write (a full disk) is an OutputError naming ``what`` (default ``out_path``)."""
+def concat(paths: list[str], out_path: str, what: str | None = None, footer: str | None = None) -> None:
+    """Write ``out_path``: the row groups of ``paths`` (same schema and settings) in order, one footer
+    (``footer``: the fields around the row groups taken from that file, whose schema every path must
+    have; default: the first path's, whose metadata every path must have too). A failing write (a
+    full disk) is an OutputError naming ``what`` (default ``out_path``)."""
     if not paths:
         raise OutputError("nothing to concatenate")
-    with Concatenation(out_path, what) as cat:
+    with Concatenation(out_path, what, footer) as cat:
         for path in paths:
             cat.add(path)
         cat.finish()
+
+
+def _fields(path: str) -> _Part:
+    """The footer fields of ``path`` around its row groups."""
+    buf, data_end = _footer(path)
+    return _Part(path, buf, data_end, 0, 0, bytearray())
+
+
+def same_schema(a: str, b: str) -> bool:
+    """Whether the Parquet files ``a`` and ``b`` have the same schema (their row groups can be joined
+    under one footer, :func:`concat` with ``footer``)."""
+    return _fields(a).before == _fields(b).before
 
 
 class Concatenation:
@@ -276,11 +295,12 @@ class Concatenation:
     caller may add the first files while later ones are still being written), ``finish`` writes the
     footer. Closing without ``finish`` leaves an incomplete file, for the caller to remove."""
 
-    def __init__(self, out_path: str, what: str | None = None):
-        self.what = what or out_path
+    def __init__(self, out_path: str, what: str | None = None, footer: str | None = None):
+        self.what, self.footer_path = what or out_path, footer
         self.groups = bytearray()
         self.at, self.ordinal, self.parts = len(MAGIC), 0, []
         try:
+            self.template = _fields(footer) if footer is not None else None
             self.out = open(out_path, "wb", buffering=0)
             self.out.write(MAGIC)
         except OSError as exc:
@@ -296,13 +316,17 @@ class Concatenation:
         self.out.close()
 
     def add(self, path: str) -> None:
-        """Append the row groups of ``path`` (its schema and metadata the first file's)."""
+        """Append the row groups of ``path`` (its schema the footer file's, else its schema and metadata
+        the first file's)."""
         try:
             buf, data_end = _footer(path)
             part = _Part(path, buf, data_end, self.at - len(MAGIC), self.ordinal, self.groups)
-            first = self.parts[0] if self.parts else part
-            if part.before != first.before or part.after != first.after:
-                raise OutputError(f"cannot concatenate {path}: its schema or metadata differs from {first.path}'s")
+            if self.template is not None:
+                if part.before != self.template.before:
+                    raise OutputError(f"cannot concatenate {path}: its schema differs from {self.footer_path}'s")
+            elif self.parts and (part.before != self.parts[0].before or part.after != self.parts[0].after):
+                raise OutputError(f"cannot concatenate {path}: its schema or metadata differs from "
+                                  f"{self.parts[0].path}'s")
             self.parts.append(part)
             self.ordinal += part.groups
             with open(part.path, "rb") as src:
@@ -312,14 +336,16 @@ class Concatenation:
             raise self._error(exc) from None
 
     def finish(self) -> None:
-        """The footer: the first file's ``FileMetaData`` with every added file's row groups."""
+        """The footer: the footer file's (else the first file's) ``FileMetaData`` with every added file's
+        row groups."""
         if not self.parts:
             raise OutputError("nothing to concatenate")
-        footer = bytearray(self.parts[0].before)
+        head = self.template if self.template is not None else self.parts[0]
+        footer = bytearray(head.before)
         # the fields keep their order: num_rows (3) and row_groups (4) right after schema (2)
         footer += bytes([(1 << 4) | _I64]) + _zigzag(sum(p.num_rows for p in self.parts))
         footer += _row_groups_field(self.ordinal) + self.groups
-        footer += self.parts[0].after
+        footer += head.after
         try:
             self.out.write(footer)
             self.out.write(struct.pack("<I", len(footer)))
