@@ -321,21 +321,29 @@ def _cli(*args, env=None):
 @pytest.fixture
 def small_segments(monkeypatch):
     """Row groups of 8 rows and segments of 3 row groups in this process and its --nproc workers (forked:
-    they inherit the module constants), so that a small plan is written in several segments."""
+    they inherit the module constants), so that a small plan is written in several segments; layout
+    blocks of 16 rows and bucket-shuffle windows of 2 steps, so that the workers share each epoch's
+    layout in several blocks."""
     from varlen_cli.plan import writer
-    from varlen_cli.plan.chunked import segments
+    from varlen_cli.plan.chunked import epoch, segments
 
     monkeypatch.setenv("VARLEN_START_METHOD", "fork")
     monkeypatch.setattr(writer, "ROW_GROUP_TARGET", 8)
     monkeypatch.setattr(segments, "SEGMENT_GROUPS", 3)
+    monkeypatch.setattr(epoch, "BLOCK_ROWS", 16)
+    monkeypatch.setattr(epoch, "WINDOW_STEPS", 2)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["bucket-shuffle", "curriculum", "packed, attention cost",
+@pytest.mark.parametrize("name", ["bucket-shuffle", "curriculum", "random", "random, same shape",
+                                  "static shapes, warm-up", "packed, attention cost",
                                   "packed, rows per microbatch"])  # padded, runs, packed, R > 1 rows
 def test_same_plan_for_1_2_and_4_workers(dirs, tmp_path, name, small_segments):
     """The plan is a function of the chunks: --nproc 1, 2 and 4 write the same rows and metadata, the
-    workers each writing some of the plan's segments (rank 0 joining them) and checking them."""
+    workers each laying out a share of every epoch (rank 0 joining the shares), writing some of the
+    plan's segments (rank 0 joining them) and checking them."""
+    from varlen_cli.plan.chunked import epoch
+
     options = CASES[name]
     outs = []
     for nproc in (1, 2, 4):
@@ -345,6 +353,27 @@ def test_same_plan_for_1_2_and_4_workers(dirs, tmp_path, name, small_segments):
         assert r.write_segments == (0 if nproc == 1 else -(-rows // 3)) and rows > 6
         outs.append(out)
     assert _same_plan(outs[0], outs[1]) and _same_plan(outs[0], outs[2])
+    # with these block sizes both of 2 workers had rows of each epoch to lay out (but a warm-up's
+    # epoch, or --same-shape-per-step rewriting a random order's units, which rank 0 lays out whole)
+    slots = options.get("dp", 1) * options.get("grad_accum", 1)
+    whole = bool(options.get("compile_warmup") or options.get("same_shape_per_step") and "packing" not in options)
+    windows = options.get("order", "bucket-shuffle") == "bucket-shuffle" and "packing" not in options
+    per_epoch = r.num_microbatches // options.get("epochs", 1)
+    shared = [hi - lo for lo, hi in epoch.shares(per_epoch, epoch.split_block(slots, per_epoch, whole, windows), 2)]
+    assert (min(shared) > 0) == (not whole)
+
+
+def test_layout_shares_are_whole_blocks_covering_the_epoch():
+    """Each rank's positions are whole blocks, contiguous, in rank order, covering the epoch once."""
+    from varlen_cli.plan.chunked import epoch
+
+    for n, block, world in [(0, 4, 2), (7, 4, 2), (64, 8, 3), (10, 100, 4), (96, 16, 4)]:
+        parts = epoch.shares(n, block, world)
+        assert len(parts) == world and parts[0][0] == 0 and parts[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
+        assert all((lo % block == 0 or lo == n) and (hi % block == 0 or hi == n) for lo, hi in parts)
+    assert epoch.split_block(48, 10**9, False, True) % (48 * epoch.WINDOW_STEPS) == 0
+    assert epoch.split_block(8, 100, True, False) == 100  # a warm-up looks across the epoch
 
 
 @pytest.mark.slow
@@ -394,9 +423,48 @@ def test_a_workers_segment_error_fails_the_job(dirs, tmp_path, small_segments, m
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("phase", ["layout", "specs"])
+def test_a_workers_phase2_error_fails_the_job(dirs, tmp_path, small_segments, monkeypatch, phase):
+    """Rank 1 failing to write its share of the layout, or rank 0 failing while it publishes the
+    segments' specs (rank 1 already writing segments): every rank raises the error, the old plan stays
+    and nothing is left beside it."""
+    from varlen_cli.errors import OutputError
+    from varlen_cli.plan.chunked import emit, spill
+    from varlen_cli.runtime import safety
+
+    out = tmp_path / "p.parquet"
+    options = dict(CASES["bucket-shuffle"], epochs=1)
+    plan(_config(dirs, out, options, chunk_samples=CHUNK))
+    before = out.read_bytes()
+    if phase == "layout":
+        real_part = spill.write_order_part
+
+        def failing(directory, e, rank, values, tally):
+            if rank == 1:
+                raise OutputError(f"cannot write the plan's temporary files in {directory}: No space left on device")
+            return real_part(directory, e, rank, values, tally)
+        monkeypatch.setattr(spill, "write_order_part", failing)
+    else:
+        real_specs, calls = emit.row_specs, []
+
+        def failing(*args):
+            calls.append(1)
+            if len(calls) > 4:  # after a segment's spec: rank 1 has started writing
+                raise OutputError("cannot write the plan's temporary files: No space left on device")
+            return real_specs(*args)
+        monkeypatch.setattr(emit, "row_specs", failing)
+    with pytest.raises(OutputError, match="No space left on device"):
+        plan(_config(dirs, out, options, chunk_samples=CHUNK, nproc=2))
+    assert out.read_bytes() == before
+    tags = (safety.TMP_TAG, safety.OLD_TAG, safety.LOCK_TAG)
+    assert [n for n in os.listdir(tmp_path) if any(t in n for t in tags)] == []
+
+
+@pytest.mark.slow
 def test_killed_worker_fails_the_job_and_keeps_the_old_plan(dirs, tmp_path):
     """A worker killed while forming its chunks: the job fails (exit 5), the previous plan is intact and
-    nothing is left beside it; the same with a worker killed as it writes its segments, and with rank 0
+    nothing is left beside it; the same with rank 1 killed in its share of the layout, rank 0 killed
+    while it publishes the segments' specs, a worker killed as it writes its segments, and rank 0
     killed before it commits."""
     from varlen_cli.runtime import safety
 
@@ -405,7 +473,7 @@ def test_killed_worker_fails_the_job_and_keeps_the_old_plan(dirs, tmp_path):
             "--chunk-samples", str(CHUNK), "--overwrite"]
     assert _cli(*args).returncode == 0
     before = out.read_bytes()
-    for fault in ("plan.chunk:1", "plan.segment:1", "plan.write:0"):
+    for fault in ("plan.chunk:1", "plan.layout:1", "plan.specs:0", "plan.segment:1", "plan.write:0"):
         proc = _cli(*args, "--nproc", "2", "--seed", "9", env=dict(ENV, VARLEN_FAULT=fault))
         assert proc.returncode == 5, proc.stderr
         assert "killed by signal 9" in proc.stderr

@@ -272,10 +272,10 @@ def concat(paths: list[str], out_path: str, what: str | None = None, footer: str
     full disk) is an OutputError naming ``what`` (default ``out_path``)."""
     if not paths:
         raise OutputError("nothing to concatenate")
-    try:
-        _concat(paths, out_path, footer)
-    except OSError as exc:
-        raise OutputError(f"cannot write {what or out_path}: {exc.strerror or exc}") from None
+    with Concatenation(out_path, what, footer) as cat:
+        for path in paths:
+            cat.add(path)
+        cat.finish()
 
 
 def _fields(path: str) -> _Part:
@@ -290,34 +290,68 @@ def same_schema(a: str, b: str) -> bool:
     return _fields(a).before == _fields(b).before
 
 
-def _concat(paths: list[str], out_path: str, footer_path: str | None = None) -> None:
-    groups = bytearray()
-    at, ordinal, parts = len(MAGIC), 0, []
-    template = _fields(footer_path) if footer_path is not None else None
-    with open(out_path, "wb", buffering=0) as out:
-        out.write(MAGIC)
-        for path in paths:
+class Concatenation:
+    """:func:`concat` a file at a time: ``add`` copies a file's row groups as soon as it exists (the
+    caller may add the first files while later ones are still being written), ``finish`` writes the
+    footer. Closing without ``finish`` leaves an incomplete file, for the caller to remove."""
+
+    def __init__(self, out_path: str, what: str | None = None, footer: str | None = None):
+        self.what, self.footer_path = what or out_path, footer
+        self.groups = bytearray()
+        self.at, self.ordinal, self.parts = len(MAGIC), 0, []
+        try:
+            self.template = _fields(footer) if footer is not None else None
+            self.out = open(out_path, "wb", buffering=0)
+            self.out.write(MAGIC)
+        except OSError as exc:
+            raise self._error(exc) from None
+
+    def _error(self, exc: OSError) -> OutputError:
+        return OutputError(f"cannot write {self.what}: {exc.strerror or exc}")
+
+    def __enter__(self) -> Concatenation:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.out.close()
+
+    def add(self, path: str) -> None:
+        """Append the row groups of ``path`` (its schema the footer file's, else its schema and metadata
+        the first file's)."""
+        try:
             buf, data_end = _footer(path)
-            part = _Part(path, buf, data_end, at - len(MAGIC), ordinal, groups)
-            if template is not None:
-                if part.before != template.before:
-                    raise OutputError(f"cannot concatenate {path}: its schema differs from {footer_path}'s")
-            elif parts and (part.before != parts[0].before or part.after != parts[0].after):
-                raise OutputError(f"cannot concatenate {path}: its schema or metadata differs from {paths[0]}'s")
-            parts.append(part)
-            ordinal += part.groups
+            part = _Part(path, buf, data_end, self.at - len(MAGIC), self.ordinal, self.groups)
+            if self.template is not None:
+                if part.before != self.template.before:
+                    raise OutputError(f"cannot concatenate {path}: its schema differs from {self.footer_path}'s")
+            elif self.parts and (part.before != self.parts[0].before or part.after != self.parts[0].after):
+                raise OutputError(f"cannot concatenate {path}: its schema or metadata differs from "
+                                  f"{self.parts[0].path}'s")
+            self.parts.append(part)
+            self.ordinal += part.groups
             with open(part.path, "rb") as src:
-                _copy(src, out, len(MAGIC), part.data_end - len(MAGIC))
-            at += part.data_end - len(MAGIC)
-        head = template if template is not None else parts[0]
+                _copy(src, self.out, len(MAGIC), part.data_end - len(MAGIC))
+            self.at += part.data_end - len(MAGIC)
+        except OSError as exc:
+            raise self._error(exc) from None
+
+    def finish(self) -> None:
+        """The footer: the footer file's (else the first file's) ``FileMetaData`` with every added file's
+        row groups."""
+        if not self.parts:
+            raise OutputError("nothing to concatenate")
+        head = self.template if self.template is not None else self.parts[0]
         footer = bytearray(head.before)
         # the fields keep their order: num_rows (3) and row_groups (4) right after schema (2)
-        footer += bytes([(1 << 4) | _I64]) + _zigzag(sum(p.num_rows for p in parts))
-        footer += _row_groups_field(ordinal) + groups
+        footer += bytes([(1 << 4) | _I64]) + _zigzag(sum(p.num_rows for p in self.parts))
+        footer += _row_groups_field(self.ordinal) + self.groups
         footer += head.after
-        out.write(footer)
-        out.write(struct.pack("<I", len(footer)))
-        out.write(MAGIC)
+        try:
+            self.out.write(footer)
+            self.out.write(struct.pack("<I", len(footer)))
+            self.out.write(MAGIC)
+        except OSError as exc:
+            raise self._error(exc) from None
 
 
 def _row_groups_field(count: int) -> bytes:

@@ -41,8 +41,8 @@ Bucket-shuffle shuffles a chunk's microbatches inside the chunk before they are 
 cross-chunk order below can take them in sequence). Nothing of a chunk stays in memory after it
 is written: a worker's peak is one chunk's formation, whatever N.
 
-Phase 2: steps and ranks (rank 0, the unit table only)
-------------------------------------------------------
+Phase 2: steps and ranks (the unit table only; shared out by the ranks)
+-----------------------------------------------------------------------
 The unit tables (about N / mean samples per microbatch rows) are concatenated in chunk order, one
 chunk's column at a time into columns allocated once in the smallest dtype their values need (the
 chunks' headers give each column's largest value; a packed row of ``--seq-len`` < 65536 takes 2
@@ -67,6 +67,21 @@ benchmarks/scale.md, "Rank 0 memory"):
   each chunk's sequence.
 * **Ranks**: ``layout.layout_epoch`` (LPT per step, compile warm-up, ``--schedule``) on the table,
   unchanged; LR scales, statistics and metadata from the table (``core.finish``'s formulas).
+* **Shared by W > 1 workers** (``epoch.lay_out``'s ``share``): once the units, their tail and the
+  shuffled chunk labels are drawn, the epoch's positions fall into independent blocks (the rank
+  layout's blocks of whole steps, bucket-shuffle's blocks of whole windows: ``epoch.split_block``).
+  Every rank reads the unit tables and computes the same units and the same random draws (the
+  labels' shuffle; bucket-shuffle's one draw a step, drawn for the whole epoch at once, the same
+  stream as drawn block by block), then orders and lays out only its own contiguous run of blocks
+  (``epoch.shares``: rank 0 the fewest, as it goes on to the columns; an epoch of one block, as with a
+  compile warm-up or a schedule, which look across the epoch, or ``--same-shape-per-step`` on a random
+  order, which rewrites units across it, is rank 0's). The other ranks write their part of the order
+  into the spill directory (``e{E}-r{R}.order.npy``), rank 0 reads them into its epoch: the same
+  order as one worker's, the units' table held by every rank for the time of the layout. Each rank
+  also tallies what ``finish`` needs from its rows (``finish.Tally``: per-step sums and straggler,
+  shapes, the budget check, sums; the straggler's float sums kept per block and added up in block
+  order, so the metadata has the same bits as one worker's), and rank 0's columns phase merges the
+  tallies.
 
 Phase 3: writing (every worker, bounded buffers)
 ------------------------------------------------
@@ -80,10 +95,12 @@ schedule reorders are within a step or a handful of units), read with ``pread`` 
 One worker streams the plan into the output's temporary file. ``W > 1`` workers share it out
 (:mod:`.segments`): the row groups are cut into segments of a fixed number of groups; rank 0 writes
 each segment's row specs (the rows' unit columns and item addresses, ~30 bytes a row) into the spill
-directory, every worker claims segments, writes them as Parquet files and checks them with its own
-check; rank 0 merges the checks (the results of one check fed every group) and joins the segments'
-row groups into one file by copying their bytes (``runtime.parquet_concat``): the bytes one writer
-writes, whoever wrote which segment.
+directory, publishing each as soon as it is written (renamed into place), while the other workers
+already claim segments (waiting for a claimed segment's spec) and write them as Parquet files,
+checking them with their own check; rank 0 joins the claiming after its last spec. Rank 0 merges the
+checks (the results of one check fed every group) and joins the segments' row groups into one file
+by copying their bytes (``runtime.parquet_concat``): the bytes one writer writes, whoever wrote which
+segment.
 
 Quality
 -------
@@ -115,6 +132,7 @@ the parent's row groups and the new ones (``plan/extend_stream.py``).
 Failure
 -------
 Everything is written inside the output's temporary directory; any worker's failure fails the
-job (``runtime.dist``; an error in phase 2 or 3 is every worker's), the temporary is removed and an
-existing plan stays as it was.
+job (``runtime.dist``; an error in phase 2 or 3 is every worker's: a rank's error in its share of the
+layout is raised on every rank, and rank 0 failing while it publishes the specs leaves a marker that
+stops the workers waiting for one), the temporary is removed and an existing plan stays as it was.
 """

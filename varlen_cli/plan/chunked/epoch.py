@@ -11,6 +11,7 @@ their values need, :class:`Units`), so 100M+ microbatches fit in a few GB.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -173,6 +174,7 @@ class EpochRows:
     rows: Units | None = None  # packed microbatches of R > 1 chunk rows: the rows (row_lo/rows index them)
     row_seq_start: np.ndarray | None = None  # first sequence position of each chunk's rows
     budget: object = None
+    parts: list | None = None  # each rank's positions [lo, hi) of a shared layout (lay_out's ``share``)
 
     @property
     def count(self) -> int:
@@ -233,61 +235,102 @@ def _concat(tables: list, columns, const: dict | None = None) -> tuple[Units, np
 
 
 # -- the order across chunks -----------------------------------------------------------------------
-def interleave(per_chunk: np.ndarray, rng: np.random.Generator):
+def interleave(per_chunk: np.ndarray, rng: np.random.Generator, lo: int = 0, hi: int | None = None):
     """A uniformly random interleaving of the chunks' sequences: a shuffled multiset of chunk labels;
-    yields, a block of positions at a time, ``(lo, label, rank of the unit inside its chunk)`` (no
-    N-sized sort, nothing N-sized besides the labels)."""
+    yields, a block of positions at a time from ``lo`` to ``hi`` (default: all), ``(lo, label, rank of
+    the unit inside its chunk)`` (no N-sized sort, nothing N-sized besides the labels). The labels are
+    shuffled whole whatever the range (the same draws), and a position's rank does not depend on where
+    the blocks start: any range gives the positions the whole interleaving gives them."""
     k = len(per_chunk)
     total = int(per_chunk.sum())
+    hi = total if hi is None else hi
     labels = np.repeat(np.arange(k, dtype=np.int16 if k < 1 << 15 else np.int32), per_chunk)
     if k > 1:
         rng.shuffle(labels)
-    seen = np.zeros(k, np.int64)
-    for lo in range(0, total, BLOCK_ROWS):
-        block = labels[lo:lo + BLOCK_ROWS].astype(np.int64)
+    seen = np.bincount(labels[:lo], minlength=k).astype(np.int64)
+    for a in range(lo, hi, BLOCK_ROWS):
+        block = labels[a:min(a + BLOCK_ROWS, hi)].astype(np.int64)
         order = np.argsort(block, kind="stable")
         sb = block[order]
         first = np.searchsorted(sb, np.arange(k), side="left")
         rank = np.empty(len(block), np.int64)
         rank[order] = seen[sb] + (np.arange(len(sb)) - first[sb])
         seen += np.bincount(block, minlength=k)
-        yield lo, block, rank
+        yield a, block, rank
 
 
-def windowed_steps(seq: np.ndarray, cost: np.ndarray, slots: int, rng: np.random.Generator) -> np.ndarray:
+def windowed_steps(seq: np.ndarray, cost: np.ndarray, slots: int, draws: np.ndarray) -> np.ndarray:
     """Bucket-shuffle balance of a block of whole windows: sorted by cost inside windows of WINDOW_STEPS
-    steps, cut into steps, the steps shuffled inside their window (the ranks of a step finish together)."""
+    steps, cut into steps, the steps shuffled inside their window by ``draws`` (one uniform draw a step;
+    the ranks of a step finish together)."""
     m = len(seq)
     window = np.arange(m) // (WINDOW_STEPS * slots)
     key = np.lexsort((cost, window))
     seq = seq[key]
     steps = m // slots
-    step_order = np.lexsort((rng.random(steps), np.arange(steps) // WINDOW_STEPS))
+    step_order = np.lexsort((draws[:steps], np.arange(steps) // WINDOW_STEPS))
     return seq.reshape(steps, slots)[step_order].reshape(-1)
 
 
-def cross_chunk_order(mode: str, units: Units, slots: int, rng, whole_steps: bool, cost_of) -> np.ndarray:
+def window_block(slots: int) -> int:
+    """Plan rows that bucket-shuffle's windows are sorted in together (whole windows)."""
+    return WINDOW_STEPS * slots * max(1, BLOCK_ROWS // (WINDOW_STEPS * slots))
+
+
+def cross_chunk_order(mode: str, units: Units, slots: int, rng, whole_steps: bool, cost_of, lo: int = 0,
+                      hi: int | None = None) -> np.ndarray:
     """Unit ids of the epoch in step order: curriculum keeps the chunks one after another; other orders
-    take a random interleaving (of whole steps for step-level chunks); bucket-shuffle then its windows."""
+    take a random interleaving (of whole steps for step-level chunks); bucket-shuffle then its windows.
+    Only positions ``[lo, hi)`` (whole blocks of :func:`split_block`) are filled: every rank of a shared
+    layout draws the whole epoch's random numbers and uses those of its positions."""
     n = len(units)
+    hi = n if hi is None else hi
     if mode in CURRICULAR:
         return units.ids(np.arange(n, dtype=_index_dtype(n)))
     seq_start = np.concatenate([[0], np.cumsum(units.per_chunk)])
-    seq = np.empty(n, _index_dtype(units.m + (len(units.extra["count"]) if units.extra else 0) + 1))
+    seq = np.zeros(n, _index_dtype(units.m + (len(units.extra["count"]) if units.extra else 0) + 1))
     if whole_steps:
-        for lo, label, rank in interleave(units.per_chunk // slots, rng):
+        for a, label, rank in interleave(units.per_chunk // slots, rng, lo // slots, hi // slots):
             step_first = seq_start[label] + rank * slots
-            seq[lo * slots:(lo + len(label)) * slots] = units.ids(
+            seq[a * slots:(a + len(label)) * slots] = units.ids(
                 (step_first[:, None] + np.arange(slots)[None, :]).reshape(-1))
         return seq
-    for lo, label, rank in interleave(units.per_chunk, rng):
-        seq[lo:lo + len(label)] = units.ids(seq_start[label] + rank)
+    for a, label, rank in interleave(units.per_chunk, rng, lo, hi):
+        seq[a:a + len(label)] = units.ids(seq_start[label] + rank)
     if mode == "bucket-shuffle":
-        block = WINDOW_STEPS * slots * max(1, BLOCK_ROWS // (WINDOW_STEPS * slots))
-        for lo in range(0, n, block):
-            part = seq[lo:lo + block]
-            seq[lo:lo + block] = windowed_steps(part, cost_of(part), slots, rng)
+        block = window_block(slots)
+        step_at = np.concatenate([[0], np.cumsum([min(block, n - a) // slots for a in range(0, n, block)])])
+        draws = rng.random(int(step_at[-1]))  # each block's draws, in block order (one stream)
+        for a in range(lo, hi, block):
+            part = seq[a:a + block]
+            first = int(step_at[a // block])
+            seq[a:a + block] = windowed_steps(part, cost_of(part), slots, draws[first:])
     return seq
+
+
+def rank_block(slots: int, n: int, whole_epoch: bool) -> int:
+    """Plan rows laid out together by ``layout.layout_epoch`` (whole steps; the whole epoch with a
+    compile warm-up or a schedule, which look across steps)."""
+    return max(n if whole_epoch else slots * max(1, BLOCK_ROWS // slots), 1)
+
+
+def split_block(slots: int, n: int, whole_epoch: bool, windows: bool) -> int:
+    """The unit in which an epoch's layout is shared out among ranks: whole blocks of the rank layout
+    and, for bucket-shuffle windows, whole window blocks (the epoch when they do not fit together)."""
+    block = rank_block(slots, n, whole_epoch)
+    if windows:
+        block = math.lcm(block, window_block(slots))
+    return block
+
+
+def shares(n: int, block: int, world: int) -> list[tuple[int, int]]:
+    """Each rank's contiguous positions ``[lo, hi)`` of an epoch: whole blocks, as even as they split (the
+    later ranks take the odd blocks: rank 0 finishes the epochs after); one block is rank 0's (a compile
+    warm-up or a schedule: the layout's report comes from the block at position 0)."""
+    blocks = -(-n // block)
+    if blocks <= 1:
+        return [(0, n)] + [(n, n)] * (world - 1)
+    return [(min(n, blocks * r // world * block), min(n, blocks * (r + 1) // world * block)) for r in range(world)]
 
 
 # -- building the microbatch table -------------------------------------------------------------------
@@ -401,8 +444,12 @@ def _same_shape_steps(units: Units, seq: np.ndarray, slots: int) -> None:
 
 # -- the layout --------------------------------------------------------------------------------------
 def lay_out(tables: list, ctx: PlanContext, mode: str, rng: np.random.Generator, *, warmup: bool,
-            schedule: str | None = None, stages: int | None = None) -> EpochRows:
-    """The epoch's plan rows from its chunks' tables (chunk order), see the module docstring."""
+            schedule: str | None = None, stages: int | None = None, share: tuple[int, int] = (0, 1)) -> EpochRows:
+    """The epoch's plan rows from its chunks' tables (chunk order), see the module docstring.
+
+    ``share = (rank, world)``: the epoch's layout shared out among ``world`` ranks, each computing the
+    same units and random draws and the order of its own positions only (``EpochRows.parts``: every
+    rank's); the other positions of ``order`` are left to be filled with the other ranks' parts."""
     level = tables[0].header["level"]
     rows = row_seq_start = dropped = None
     if ctx.packing and level == "unit":
@@ -414,36 +461,47 @@ def lay_out(tables: list, ctx: PlanContext, mode: str, rng: np.random.Generator,
     def cost_of(idx):
         return _cost_of(units, idx, ctx.budget)
 
-    if level == "epoch":
-        seq = units.ids(np.arange(len(units), dtype=_index_dtype(len(units))))
+    n = len(units)
+    whole_epoch = warmup or schedule is not None
+    in_place = ctx.same_shape and not ctx.packing and level == "unit"  # random + --same-shape-per-step
+    rank, world = share
+    if in_place:  # rewrites units across the whole sequence: one rank lays the epoch out
+        parts = [(0, n)] + [(n, n)] * (world - 1)
     else:
-        seq = cross_chunk_order(mode, units, ctx.slots, rng, level == "step", cost_of)
-        if ctx.same_shape and not ctx.packing and level == "unit":  # random + --same-shape-per-step
+        windows = mode == "bucket-shuffle" and level == "unit"
+        parts = shares(n, split_block(ctx.slots, n, whole_epoch, windows), world)
+    lo, hi = parts[rank]
+    if level == "epoch":
+        seq = units.ids(np.arange(n, dtype=_index_dtype(n)))
+    else:
+        seq = cross_chunk_order(mode, units, ctx.slots, rng, level == "step", cost_of, lo, hi)
+        if in_place:
             _same_shape_steps(units, seq, ctx.slots)
     ranked = bool(tables[0].header.get("ranked"))
-    order, lay_info = _ranks(units, seq, cost_of, ctx, ranked, warmup, schedule, stages)
+    order, lay_info = _ranks(units, seq, cost_of, ctx, ranked, warmup, schedule, stages, lo, hi)
     units.seq = None  # the order holds unit ids: the sequence (the tail's pieces in place) is not needed again
     tail_ids = np.concatenate([np.asarray(t.tail_ids, np.int64) for t in tables])
     return EpochRows(mode, units, order, *lay_info, tail_ids=tail_ids, dropped_units=dropped,
                      item_rows=ctx.packing and level != "unit", rows=rows, row_seq_start=row_seq_start,
-                     budget=ctx.budget)
+                     budget=ctx.budget, parts=parts)
 
 
 def _ranks(units: Units, seq: np.ndarray, cost_of, ctx: PlanContext, ranked: bool, warmup: bool, schedule,
-           stages) -> tuple[np.ndarray, tuple]:
-    """``layout.layout_epoch`` (and ``--schedule``) on the sequence, a block of whole steps at a time
-    (the whole epoch with a compile warm-up or a schedule, which look across steps). The sequence
-    (the caller's, not needed after) becomes the order in place."""
+           stages, lo: int = 0, hi: int | None = None) -> tuple[np.ndarray, tuple]:
+    """``layout.layout_epoch`` (and ``--schedule``) on the sequence's positions ``[lo, hi)`` (default:
+    all), a block of whole steps at a time (:func:`rank_block`). The sequence (the caller's, not needed
+    after) becomes the order in place."""
     n = len(seq)
-    block = n if (warmup or schedule is not None) else ctx.slots * max(1, BLOCK_ROWS // ctx.slots)
+    hi = n if hi is None else hi
+    block = rank_block(ctx.slots, n, warmup or schedule is not None)
     order = seq
     info = (0, 0, None)
-    for lo in range(0, n, max(block, 1)):
-        part = seq[lo:lo + block]
+    for a in range(lo, hi, block):
+        part = seq[a:a + block]
         cost = cost_of(part)
         mb = Microbatches(None, None, units.take("seqlen", part).astype(np.int64),
                           units.take("batch", part).astype(np.int64), units.take("tokens", part).astype(np.int64))
-        lay = layout.layout_epoch(mb, cost, ctx.dp, ctx.grad_accum, warmup=warmup and lo == 0,
+        lay = layout.layout_epoch(mb, cost, ctx.dp, ctx.grad_accum, warmup=warmup and a == 0,
                                   same_shape=ctx.same_shape or ctx.packing, static=ctx.static, ranked=ranked)
         ordered = None
         if schedule is not None:
@@ -452,7 +510,7 @@ def _ranks(units: Units, seq: np.ndarray, cost_of, ctx: PlanContext, ranked: boo
             padded = units.take("batch", part).astype(np.float64) * units.take("seqlen", part)
             lay, ordered = reorder_layout(lay, cost, padded, dp=ctx.dp, grad_accum=ctx.grad_accum, schedule=schedule,
                                           stages=stages)
-        order[lo:lo + len(part)] = part[lay.order]
-        if lo == 0:
+        order[a:a + len(part)] = part[lay.order]
+        if a == 0:
             info = (lay.warmup_steps, lay.warmup_missing, ordered)
     return order, info

@@ -47,50 +47,98 @@ class Finished:
         return np.searchsorted(self.shape_keys, key).astype(np.int32)
 
 
-def blocks(ep: EpochRows, slots: int):
-    """``(lo, hi)`` blocks of whole steps of an epoch's rows (bounded temporaries)."""
+def blocks(ep: EpochRows, slots: int, lo: int = 0, hi: int | None = None):
+    """``(lo, hi)`` blocks of whole steps of an epoch's rows ``[lo, hi)`` (default: all; bounded
+    temporaries). A shared layout's parts are whole blocks (``epoch.split_block``)."""
     size = slots * max(1, BLOCK_ROWS // slots)
-    for lo in range(0, ep.count, size):
-        yield lo, min(ep.count, lo + size)
+    hi = ep.count if hi is None else hi
+    for a in range(lo, hi, size):
+        yield a, min(hi, a + size)
 
 
-def _step_sums(ep: EpochRows, slots: int, name: str) -> np.ndarray:
-    parts = [ep.column(name, lo, hi).astype(np.int64).reshape(-1, slots).sum(axis=1) for lo, hi in blocks(ep, slots)]
-    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+@dataclass
+class Tally:
+    """What ``finish`` reads from plan rows ``[lo, hi)`` of an epoch (whole blocks): per-step sums and
+    straggler, the shape keys, the rows over budget, sums; the straggler's float sums per block, so
+    that adding them up in block order gives the same bits whoever tallied which rows."""
+
+    completed: np.ndarray  # per step
+    tokens: np.ndarray
+    lost: np.ndarray
+    strag: np.ndarray
+    top: list  # per block: the steps' largest rank load, summed
+    mean: list  # per block: the steps' mean rank load, summed
+    keys: np.ndarray  # (B << 32 | T) of the rows' shapes, unique (B = 0 where B is not part of a shape)
+    over: int  # microbatches over budget
+    t_max: int
+    padded: int  # B x T summed
+    count: int  # entries (samples or pieces)
+    token_sum: int
+    rows: int  # packed rows used (packing)
 
 
-def _total(ep: EpochRows, slots: int, name: str) -> int:
-    return sum(int(ep.column(name, lo, hi).astype(np.int64).sum()) for lo, hi in blocks(ep, slots))
+def tally(c, ctx: PlanContext, ep: EpochRows, lo: int = 0, hi: int | None = None) -> Tally:
+    """The :class:`Tally` of an epoch's rows ``[lo, hi)`` (default: all)."""
+    slots, fixed_b = ctx.slots, bool(c.static_shapes or c.packing)
+    sums: dict = {name: [] for name in ("completed", "tokens", "lost", "strag")}
+    top, mean, keys = [], [], set()
+    over = t_max = padded = count = token_sum = rows = 0
+    for a, b in blocks(ep, slots, lo, hi):
+        batch, seqlen = ep.column("batch", a, b).astype(np.int64), ep.column("seqlen", a, b).astype(np.int64)
+        tokens = ep.column("tokens", a, b).astype(np.int64)
+        for name, values in (("completed", ep.column("completed", a, b)), ("tokens", tokens),
+                             ("lost", ep.column("lost", a, b))):
+            sums[name].append(values.astype(np.int64).reshape(-1, slots).sum(axis=1))
+        step, rank, _ = row_positions(b - a, c.dp, c.grad_accum)
+        load = format.step_loads(step, rank, ep.column("cost", a, b), c.dp)
+        m = load.mean(axis=1)
+        sums["strag"].append(np.where(m > 0, load.max(axis=1) / np.where(m > 0, m, 1), 1.0))
+        top.append(float(load.max(axis=1).sum()))
+        mean.append(float(m.sum()))
+        keys.update(np.unique((batch if fixed_b else np.zeros(b - a, np.int64)) << 32 | seqlen).tolist())
+        if ctx.packing:
+            over += int(np.count_nonzero(tokens > batch * seqlen))
+            if ctx.budget.max_tokens is not None:
+                over += int(np.count_nonzero(~ctx.budget.fits(batch, seqlen)))
+            rows += int(ep.column("rows", a, b).astype(np.int64).sum())
+        else:
+            over += int(np.count_nonzero(~ctx.budget.fits(batch, seqlen)))
+        t_max = max(t_max, int(seqlen.max()) if len(seqlen) else 0)
+        padded += int((batch * seqlen).sum())
+        count += int(ep.column("count", a, b).astype(np.int64).sum())
+        token_sum += int(tokens.sum())
+    per_step = {name: np.concatenate(v) if v else np.zeros(0, np.float64 if name == "strag" else np.int64)
+                for name, v in sums.items()}
+    return Tally(per_step["completed"], per_step["tokens"], per_step["lost"], per_step["strag"], top, mean,
+                 np.array(sorted(keys), np.int64), over, t_max, padded, count, token_sum, rows)
 
 
-def _straggler(epochs: list[EpochRows], dp: int, grad_accum: int) -> tuple[np.ndarray, float]:
-    per_step, top, mean = [], 0.0, 0.0
-    slots = dp * grad_accum
-    for ep in epochs:
-        for lo, hi in blocks(ep, slots):
-            step, rank, _ = row_positions(hi - lo, dp, grad_accum)
-            load = format.step_loads(step, rank, ep.column("cost", lo, hi), dp)
-            m = load.mean(axis=1)
-            per_step.append(np.where(m > 0, load.max(axis=1) / np.where(m > 0, m, 1), 1.0))
-            top += float(load.max(axis=1).sum())
-            mean += float(m.sum())
-    strag = np.concatenate(per_step) if per_step else np.zeros(0)
+def merge_tallies(parts: list[Tally]) -> Tally:
+    """One epoch's tally from the tallies of its consecutive parts, in order."""
+    if len(parts) == 1:
+        return parts[0]
+    cat = {name: np.concatenate([getattr(t, name) for t in parts]) for name in ("completed", "tokens", "lost", "strag")}
+    return Tally(cat["completed"], cat["tokens"], cat["lost"], cat["strag"], [v for t in parts for v in t.top],
+                 [v for t in parts for v in t.mean], np.unique(np.concatenate([t.keys for t in parts])),
+                 sum(t.over for t in parts), max(t.t_max for t in parts), sum(t.padded for t in parts),
+                 sum(t.count for t in parts), sum(t.token_sum for t in parts), sum(t.rows for t in parts))
+
+
+def _straggler(tallies: list[Tally]) -> tuple[np.ndarray, float]:
+    top, mean = 0.0, 0.0
+    for t in tallies:  # block after block, as one pass over the rows adds them
+        for v in t.top:
+            top += v
+        for v in t.mean:
+            mean += v
+    strag = np.concatenate([t.strag for t in tallies]) if tallies else np.zeros(0)
     return strag, (top / mean - 1.0 if mean > 0 else 0.0)
 
 
-def _check_budget(c, ctx: PlanContext, epochs: list[EpochRows]) -> float:
+def _check_budget(c, ctx: PlanContext, tallies: list[Tally]) -> float:
     """The per-microbatch token budget; no microbatch over it, every T within int32 (``core._budget_tokens``)."""
-    over, t_max = 0, 0
-    for ep in epochs:
-        for lo, hi in blocks(ep, ctx.slots):
-            b, t = ep.column("batch", lo, hi).astype(np.int64), ep.column("seqlen", lo, hi).astype(np.int64)
-            if ctx.packing:
-                over += int(np.count_nonzero(ep.column("tokens", lo, hi) > b * t))
-                if ctx.budget.max_tokens is not None:
-                    over += int(np.count_nonzero(~ctx.budget.fits(b, t)))
-            else:
-                over += int(np.count_nonzero(~ctx.budget.fits(b, t)))
-            t_max = max(t_max, int(t.max()) if len(t) else 0)
+    over = sum(t.over for t in tallies)
+    t_max = max((t.t_max for t in tallies), default=0)
     if over:
         raise InternalConsistencyError(f"{over} microbatches over budget")
     if t_max > format.INT32_MAX:
@@ -102,22 +150,17 @@ def _check_budget(c, ctx: PlanContext, epochs: list[EpochRows]) -> float:
     return float(budget)
 
 
-def _shapes(c, ctx: PlanContext, epochs: list[EpochRows]) -> tuple[list, np.ndarray, bool]:
+def _shapes(c, tallies: list[Tally]) -> tuple[list, np.ndarray, bool]:
     """The plan's (B, T) shapes sorted by (B, T) (B = 0 where it varies), as ``shapes.pair_ids`` sorts them."""
     fixed_b = bool(c.static_shapes or c.packing)
-    keys = set()
-    for ep in epochs:
-        for lo, hi in blocks(ep, ctx.slots):
-            b = ep.column("batch", lo, hi).astype(np.int64) if fixed_b else np.zeros(hi - lo, np.int64)
-            keys.update(np.unique(b << 32 | ep.column("seqlen", lo, hi).astype(np.int64)).tolist())
-    shape_keys = np.array(sorted(keys), np.int64)
+    shape_keys = np.unique(np.concatenate([t.keys for t in tallies])) if tallies else np.zeros(0, np.int64)
     shapes = [[int(k >> 32), int(k & 0xFFFFFFFF)] for k in shape_keys.tolist()]
-    return shapes, shape_keys, fixed_b
+    return shapes, shape_keys.astype(np.int64), fixed_b
 
 
-def _packing_info(c, ctx: PlanContext, epochs: list[EpochRows], packing_stats: list[dict]) -> dict:
-    tokens = sum(_total(ep, ctx.slots, "tokens") for ep in epochs)
-    rows_used = sum(_total(ep, ctx.slots, "rows") for ep in epochs)
+def _packing_info(c, ctx: PlanContext, tallies: list[Tally], packing_stats: list[dict]) -> dict:
+    tokens = sum(t.token_sum for t in tallies)
+    rows_used = sum(t.rows for t in tallies)
     return {"seq_len": int(c.seq_len), "rows_per_microbatch": int(ctx.rows_per_mb), "max_per_row": c.max_per_row,
             "efficiency": tokens / (rows_used * c.seq_len) if rows_used else 1.0, "split_long": bool(c.split_long),
             "split_samples": int(sum(p["split_samples"] for p in packing_stats)),
@@ -151,36 +194,35 @@ class _Dropped:
 
 def finish(c, ctx: PlanContext, manifest: dict, num_rows: int, epochs: list[EpochRows], *, long_ids: np.ndarray,
            num_long: int, packing_stats: list[dict], fixed_batch: int | None, t0: float,
-           trained_only: bool = False) -> Finished:
-    """Step columns, LR, shapes, statistics and metadata (``assemble.finish``'s, epoch by epoch)."""
+           trained_only: bool = False, tallies: list[Tally] | None = None) -> Finished:
+    """Step columns, LR, shapes, statistics and metadata (``assemble.finish``'s, epoch by epoch), from
+    each epoch's :class:`Tally` (``tallies``: made by the ranks of a shared layout; default: here)."""
     from ..assemble import build_metadata, input_info, memory_entry
 
     slots = ctx.slots
+    tallies = [tally(c, ctx, ep) for ep in epochs] if tallies is None else tallies
     step_start = list(np.concatenate([[0], np.cumsum([ep.count // slots for ep in epochs])]).astype(int))
     num_steps = int(step_start[-1])
-    step_samples = np.concatenate([_step_sums(ep, slots, "completed") for ep in epochs])
-    step_tokens = np.concatenate([_step_sums(ep, slots, "tokens") for ep in epochs])
-    step_targets = step_tokens - np.concatenate([_step_sums(ep, slots, "lost") for ep in epochs])
+    step_samples = np.concatenate([t.completed for t in tallies])
+    step_tokens = np.concatenate([t.tokens for t in tallies])
+    step_targets = step_tokens - np.concatenate([t.lost for t in tallies])
     # target_length (analyze --target-length): "tokens" are those that carry loss
     scales, base = lr.lr_scales(step_samples, step_targets if trained_only else step_tokens, c.lr_scaling,
                                 c.lr_scale_by, c.base_batch_size)
     if not np.all(np.isfinite(scales)):
         raise UsageError(f"--base-batch-size {c.base_batch_size} gives a non-finite lr_scale; give a larger base "
                          "batch size")
-    shapes, shape_keys, fixed_b = _shapes(c, ctx, epochs)
-    budget_tokens = _check_budget(c, ctx, epochs)
-    strag, overhead = _straggler(epochs, c.dp, c.grad_accum)
+    shapes, shape_keys, fixed_b = _shapes(c, tallies)
+    budget_tokens = _check_budget(c, ctx, tallies)
+    strag, overhead = _straggler(tallies)
     tail_ids = [np.asarray(ep.tail_ids, np.int64) for ep in epochs]
     listed = num_long <= LIST_LIMIT  # more are counted, not listed: the rule that drops them is recorded
     dropped = _Dropped(np.asarray(long_ids if listed else [], np.int64), tail_ids, c.epochs)
     dropped_all = dropped.all_ids()
     count = sum(ep.count for ep in epochs)
     tokens = int(step_tokens.sum())
-    padded = 0
-    for ep in epochs:
-        for lo, hi in blocks(ep, slots):
-            padded += int((ep.column("batch", lo, hi).astype(np.int64) * ep.column("seqlen", lo, hi)).sum())
-    per_epoch = [_total(ep, slots, "count") for ep in epochs]
+    padded = sum(t.padded for t in tallies)
+    per_epoch = [t.count for t in tallies]
     summary = stats.summary(
         num_steps=num_steps, num_microbatches=count, samples=sum(per_epoch), tokens=tokens, padded_tokens=padded,
         budget_tokens=budget_tokens, strag=strag, shapes=len(shapes), lr=scales,
@@ -193,7 +235,7 @@ def finish(c, ctx: PlanContext, manifest: dict, num_rows: int, epochs: list[Epoc
         idle = int(np.count_nonzero((step_samples == 0) & (step_tokens > 0)))
         if idle:
             summary["zero_lr_scale_steps"] = idle
-    packing = _packing_info(c, ctx, epochs, packing_stats) if c.packing else None
+    packing = _packing_info(c, ctx, tallies, packing_stats) if c.packing else None
     adapters = [SimpleNamespace(mb=SimpleNamespace(count=ep.count), mode=ep.mode,
                                 layout=SimpleNamespace(warmup_steps=ep.warmup_steps)) for ep in epochs]
     inputs = SimpleNamespace(budget=ctx.budget, slots=slots, shape=ctx.shape)

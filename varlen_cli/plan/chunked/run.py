@@ -1,10 +1,12 @@
-"""The chunked planner across workers: phase 1 on every rank, phase 2 on rank 0, phase 3 on every rank.
+"""The chunked planner across workers: phase 1 on every rank, phase 2 shared (rank 0 finishes it),
+phase 3 on every rank.
 
 :func:`plan_chunked` runs ``varlen plan`` (a metrics or sorted directory input) as world size 1 in
 this process, in ``--nproc N`` local workers, or on the ranks of a torchrun job: every rank forms
 the (epoch, chunk) jobs ``j`` with ``j mod world_size == rank`` and writes them into a temporary
-directory beside the output; rank 0 then lays the epochs out and streams the plan (one worker), or
-every rank writes segments of it that rank 0 joins (:mod:`.segments`). Every rank returns rank 0's
+directory beside the output; then one worker lays the epochs out and streams the plan, or every rank
+lays out its share of each epoch (rank 0 joins the shares and computes the columns) and writes
+segments of the plan that rank 0 joins (:mod:`.segments`). Every rank returns rank 0's
 result (or raises its error). See the package docstring for the design.
 """
 
@@ -14,6 +16,7 @@ import contextlib
 import dataclasses
 import functools
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -32,7 +35,7 @@ from ..shapes import ShapeMap, choose_edges
 from . import emit, segments, spill
 from .chunks import ChunkData, ChunkSource, ChunkSpec, InputRows, Scatter, chunk_rng, global_rng
 from .epoch import EpochRows, lay_out
-from .finish import Finished, finish
+from .finish import Finished, finish, merge_tallies, tally
 from .form import PlanContext, form_chunk
 from .output import PlanOutput
 
@@ -299,50 +302,109 @@ def _phase23(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSp
 
 def _phase23_workers(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSpec, directory: str,
                      out: PlanOutput, t0: float, bar: PlanProgress, d: Dist, cont: Continuation = FRESH):
-    """W > 1 workers: rank 0 lays the epochs out and writes the segments' specs; every rank writes
-    segments; rank 0 joins them into the output (:mod:`.segments`). Rank 0's result, None elsewhere;
-    any rank's error on every rank."""
+    """W > 1 workers: every rank lays out its share of each epoch (rank 0 joins the parts), rank 0
+    finishes the epochs and writes the segments' specs; every rank writes segments; rank 0 joins them
+    into the output (:mod:`.segments`). Rank 0's result, None elsewhere; any rank's error on every rank."""
     held: dict = {}
 
-    def lay_out_and_specs() -> None:
+    def lay_out_share() -> None:
         _trim()
-        epochs, readers, fin = _phase2(c, ctx, manifest, rows, spec, directory, bar, t0, cont)
+        laid = _lay_out(c, ctx, rows, spec, directory, bar, (d.rank, d.world_size), cont)
+        if d.is_main:
+            held["laid"] = laid
+
+    try:
+        segments.share_outcome(d, lay_out_share)  # any rank's phase-2 error is every rank's
+    except BaseException:
+        if "laid" in held:
+            _close(held.pop("laid").readers)
+        raise
+
+    def finish_and_job() -> None:
+        laid = held.pop("laid")
+        for e, ep in enumerate(laid.epochs):
+            for r in range(1, d.world_size):
+                lo, hi = ep.parts[r]
+                laid.tallies[e].append(spill.read_order_part(directory, e, r, ep.order[lo:hi]))
+        epochs, readers, fin = _finish(c, ctx, manifest, rows, spec, laid, bar, t0, cont)
         bar.phase("write")
         rg = emit.row_groups_of(epochs, fin, c.dp, c.grad_accum, bool(c.packing))
         try:
-            held.update(fin=fin, count=rg.total, segments=segments.write_specs(directory, epochs, rg, readers))
+            held.update(fin=fin, count=rg.total, epochs=epochs, job=segments.write_job(directory, rg, readers))
         finally:
-            for rs in readers:
-                for r in rs:
-                    r.close()
-        # the epochs' tables go here: rank 0 writes its segments holding one segment's specs
+            _close(readers)
 
-    on_main(d, lay_out_and_specs)  # rank 0's phase-2 error is every rank's
+    on_main(d, finish_and_job)  # rank 0's phase-2 error is every rank's
+
+    def specs_and_segments() -> int:
+        if not d.is_main:
+            return segments.write_share(directory, d.rank, c.output)
+        # the plan's temporary file, filled with the segments as they come; the segments' specs,
+        # published one by one while the other ranks write segments
+        held["joiner"] = segments.Joiner(directory, held["job"].segments, held.pop("tmp"), c.output)
+        segments.write_specs(directory, held.pop("epochs"), held["job"])
+        _trim()  # the epochs' tables go here: rank 0 writes its segments holding one segment's specs
+        return segments.write_share(directory, d.rank, c.output, between=held["joiner"].advance)
 
     def share() -> None:
-        segments.share_outcome(d, lambda: segments.write_share(directory, d.rank, c.output))
+        segments.share_outcome(d, specs_and_segments)
 
     if not d.is_main:
         share()
         return None
-    _trim()
 
     def fill(tmp: str) -> None:
-        share()
-        segments.join(directory, d.world_size, tmp, c.output)
+        held["tmp"] = tmp
+        try:
+            share()
+            segments.join(directory, d.world_size, held["joiner"])
+        finally:
+            held.pop("epochs", None)
+            if "joiner" in held:
+                held.pop("joiner").close()
 
     out.write(fill, before_commit=lambda: fault_point("plan.write"))
     result = _result(c, out, held["count"], held["fin"], t0)
-    result.write_segments = held["segments"]
+    result.write_segments = held["job"].segments
     return result
+
+
+def _close(readers: list) -> None:
+    for rs in readers:
+        for r in rs:
+            r.close()
+
+
+@dataclass
+class _LaidOut:
+    """Phase 2 up to the columns: the epochs laid out, their chunk files' readers and what ``finish``
+    needs from the chunks' tables."""
+
+    epochs: list
+    readers: list
+    packing_stats: list
+    num_long: int
+    long_ids: np.ndarray
+    fixed_batch: int | None
+    tallies: list | None = None  # per epoch, each rank's Tally of its rows (a shared layout), rank order
 
 
 def _phase2(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSpec, directory: str,
             bar: PlanProgress, t0: float, cont: Continuation = FRESH) -> tuple[list, list, Finished]:
-    """Rank 0: the epochs laid out (their rows), the chunk files' readers, and the plan's columns and
+    """One worker: the epochs laid out (their rows), the chunk files' readers, and the plan's columns and
     metadata."""
+    return _finish(c, ctx, manifest, rows, spec, _lay_out(c, ctx, rows, spec, directory, bar, (0, 1), cont), bar, t0,
+                   cont)
+
+
+def _lay_out(c, ctx: PlanContext, rows: InputRows, spec: ChunkSpec, directory: str, bar: PlanProgress,
+             share: tuple[int, int], cont: Continuation = FRESH) -> _LaidOut | None:
+    """Every epoch laid out by rank ``share[0]`` of ``share[1]``: the whole epochs on rank 0 (the other
+    ranks' positions still to be read from their part files), None on the other ranks, which write
+    their parts of each epoch's order into the spill directory (:func:`.epoch.lay_out`)."""
+    rank, world = share
     epochs: list[EpochRows] = []
-    readers = []
+    readers, tallies = [], []
     packing_stats, num_long, long_ids, fixed_batch = [], 0, np.zeros(0, np.int64), None
     for e in range(c.epochs):
         tables = [spill.read_table(directory, e, k) for k in range(spec.count)]
@@ -356,20 +418,40 @@ def _phase2(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSpe
         mode = epoch_mode(c, cont.epoch(e))
         bar.phase(f"layout epoch {e + 1}/{c.epochs}")
         ep = lay_out(tables, ctx, mode, global_rng(c.seed, cont.epoch(e)),
-                     warmup=c.compile_warmup and cont.epoch(e) == 0, schedule=c.schedule, stages=c.stages)
+                     warmup=c.compile_warmup and cont.epoch(e) == 0, schedule=c.schedule, stages=c.stages,
+                     share=share)
+        fault_point("plan.layout")  # tests: a worker killed in its share of the layout
+        if world > 1:  # the sums finish needs, of this rank's rows
+            lo, hi = ep.parts[rank]
+            own = tally(c, ctx, ep, lo, hi)
+            if rank:
+                spill.write_order_part(directory, e, rank, ep.order[lo:hi], own)
+                del ep, tables, own
+                continue
+            tallies.append([own])
         dropped = _tail_ids(directory, tables, ep)
         if len(dropped):
             ep.tail_ids = np.concatenate([ep.tail_ids, dropped])
         epochs.append(ep)
         readers.append([spill.ItemReader(directory, t) for t in tables])
         del tables
+    if rank:
+        return None
+    return _LaidOut(epochs, readers, packing_stats, num_long, long_ids, fixed_batch, tallies or None)
+
+
+def _finish(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSpec, laid: _LaidOut,
+            bar: PlanProgress, t0: float, cont: Continuation = FRESH) -> tuple[list, list, Finished]:
+    """Rank 0, the epochs laid out: the plan's columns and metadata (``finish``)."""
     _trim()  # the layout's block temporaries: their freed pages back to the system before the write's buffers
     bar.phase("columns")
-    fin = finish(c, ctx, manifest, rows.num_rows, epochs, long_ids=long_ids, num_long=num_long,
-                 packing_stats=packing_stats, fixed_batch=fixed_batch, t0=t0, trained_only=rows.has_target)
+    fin = finish(c, ctx, manifest, rows.num_rows, laid.epochs, long_ids=laid.long_ids, num_long=laid.num_long,
+                 packing_stats=laid.packing_stats, fixed_batch=laid.fixed_batch, t0=t0,
+                 trained_only=rows.has_target,
+                 tallies=[merge_tallies(parts) for parts in laid.tallies] if laid.tallies else None)
     fin.metadata["chunks"]["count"] = spec.count
     fin.metadata.update(cont.metadata or {})  # before the write: the plan's own check reads it (lineage)
-    return epochs, readers, fin
+    return laid.epochs, laid.readers, fin
 
 
 def _result(c, out: PlanOutput, num_microbatches: int, fin: Finished, t0: float):

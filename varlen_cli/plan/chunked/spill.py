@@ -8,6 +8,10 @@ Per (epoch, chunk) job:
 * ``e{E}-c{K}.{item}.bin``: each item array raw, in unit order (what phase 3 reads by ranges with
   ``pread``). Sample ids are stored as uint32 offsets from the chunk's smallest id when they fit.
 
+Per epoch and rank > 0 of a shared layout (phase 2 on every rank): ``e{E}-r{R}.order.npy``, the unit
+of each of the rank's plan positions, which rank 0 copies into its epoch's order, and
+``e{E}-r{R}.tally.pkl``, the sums ``finish`` needs from those rows (``finish.Tally``).
+
 A killed run leaves the directory behind; it matches the output's temporary pattern, so the next
 run on that output removes it (``runtime.safety.clean_leftovers``).
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +34,39 @@ ITEM_DTYPES = {"item_length": np.int32, "item_start": np.int32, "item_row": np.i
 
 def job_name(epoch: int, chunk: int) -> str:
     return f"e{epoch:05d}-c{chunk:06d}"
+
+
+def _part_path(directory: str, epoch: int, rank: int, ext: str) -> str:
+    return os.path.join(directory, f"e{epoch:05d}-r{rank:05d}.{ext}")
+
+
+def write_order_part(directory: str, epoch: int, rank: int, values: np.ndarray, tally) -> None:
+    """A rank's part of an epoch's plan order, and the tally of its rows (raises OutputError on a full disk)."""
+    try:
+        for ext, write in (("order.npy", lambda fh: np.save(fh, values)),
+                           ("tally.pkl", lambda fh: pickle.dump(tally, fh, protocol=pickle.HIGHEST_PROTOCOL))):
+            path = _part_path(directory, epoch, rank, ext)
+            with open(path + ".tmp", "wb") as fh:
+                write(fh)
+            os.replace(path + ".tmp", path)
+    except OSError as exc:
+        raise OutputError(f"cannot write the plan's temporary files in {directory}: {exc.strerror or exc}") from None
+
+
+def read_order_part(directory: str, epoch: int, rank: int, out: np.ndarray):
+    """Rank ``rank``'s part of an epoch's plan order, read into ``out`` (its positions), and its tally;
+    the files are removed."""
+    path = _part_path(directory, epoch, rank, "order.npy")
+    part = np.load(path)
+    if len(part) != len(out):  # pragma: no cover - every rank computes the same parts
+        raise OutputError(f"{path} holds {len(part):,} plan rows, not {len(out):,}")
+    out[:] = part
+    os.remove(path)
+    path = _part_path(directory, epoch, rank, "tally.pkl")
+    with open(path, "rb") as fh:
+        tally = pickle.load(fh)  # our own spill directory, written by this job's workers
+    os.remove(path)
+    return tally
 
 
 def _write_raw(path: str, values: np.ndarray) -> None:
