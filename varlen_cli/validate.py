@@ -10,6 +10,7 @@ exactly-once (a 1B-sample plan: 125 MB a epoch).
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -121,17 +122,18 @@ def _scan(config: ValidateConfig, pf, meta: dict, per_id: dict | None) -> list[C
 
         split = None
         if "sample_starts" in names and per_id is None:  # which chunk ends a split sample, without lengths
-            split = split_info((window_arrays(w, None) for w in
-                                plan_scan.windows(pf, ["epoch"], [c for c in lists if c != "sample_rows"], slots)),
-                               meta)
-        checks = PlanChecks(meta, split=split, lengths=per_id is not None, max_memory=config.max_memory,
-                            profile_path=config.memory_profile)
-        over = (meta.get("dropped") or {}).get("too_long_over")
-        if per_id is not None and over is not None and checks.error is None:  # too-long samples counted, not listed
-            checks.coverage.long_samples(np.flatnonzero(per_id["length"] > int(over)))
-        for a in arrays():
-            checks.update(a)
-        return checks.results()
+            first = [c for c in ("sample_ids", "sample_starts", "source") if c in lists]  # what split_info reads
+            split = split_info((window_arrays(w, None) for w in plan_scan.windows(pf, ["epoch"], first, slots)), meta)
+        with tempfile.TemporaryDirectory(prefix="varlen-validate-") as spill:
+            checks = PlanChecks(meta, split=split, lengths=per_id is not None, max_memory=config.max_memory,
+                                profile_path=config.memory_profile, spill=spill if "sample_starts" in names else None)
+            del split  # the checks hold what they need of it
+            over = (meta.get("dropped") or {}).get("too_long_over")
+            if per_id is not None and over is not None and checks.error is None:  # too-long: counted, not listed
+                checks.coverage.long_samples(np.flatnonzero(per_id["length"] > int(over)))
+            for a in arrays():
+                checks.update(a)
+            return checks.results()
     except (OSError, pa.ArrowException) as exc:  # corrupted pages: the file, not varlen
         raise InputError(f"cannot read plan {config.plan}: {str(exc).strip().splitlines()[0] if str(exc) else exc}") \
             from None
