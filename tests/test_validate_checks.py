@@ -464,7 +464,7 @@ def test_split_lookup_by_rank_is_the_largest_start_of_each_sample(monkeypatch):
             if s > 0:
                 top[e * size + k] = max(top.get(e * size + k, 0), s)
         ek = epoch * size + keys
-        assert info.later == int((starts > 0).sum()) and len(info.key) == len(top)
+        assert info.later == int((starts > 0).sum()) and info.count == len(top)
         is_split, final = info.final(ek, starts)
         want_split = np.array([k in top for k in ek.tolist()], bool)
         assert is_split.tolist() == want_split.tolist()

@@ -274,6 +274,16 @@ class Bitmap:
             self.bits[byte] |= mask
             keys = keys[(self.bits[byte] & mask) == 0]
 
+    def test_and_set(self, keys: np.ndarray) -> np.ndarray:
+        """:meth:`test` then :meth:`set`, with one gather less: whether each key was set before."""
+        byte, mask = keys >> 3, np.left_shift(1, keys & 7).astype(np.uint8)
+        before = self.bits[byte]
+        self.bits[byte] = before | mask
+        lost = np.flatnonzero((self.bits[byte] & mask) == 0)  # keys sharing a byte: one write won
+        if len(lost):
+            self.set(keys[lost])
+        return (before & mask) != 0
+
     def count(self) -> int:
         return int(np.bitwise_count(self.bits).sum())
 
@@ -394,7 +404,8 @@ class SplitInfo:
         self._keys: list = []  # (epoch key, start) pairs that do not pack (tampered epochs, huge plans)
         self._starts: list = []
         self.later = 0  # entries with start > 0
-        self.key = np.zeros(0, np.int64)
+        self.count = 0  # split (epoch, key)s
+        self.key = np.zeros(0, np.int64)  # them, sorted, when there is no bitmap
         self.max_start = np.zeros(0, np.int64)
         self.bits: Bitmap | None = None
         self._words: np.ndarray | None = None  # self.bits as uint64 words
@@ -429,23 +440,22 @@ class SplitInfo:
             k >>= _START_BITS
         self._packed, self._keys, self._starts = [], [], []
         last = np.r_[k[1:] != k[:-1], True] if len(k) else np.zeros(0, bool)
-        self.key, self.max_start = k[last], s[last]
+        self.key, self.max_start = k[last], _compact(s[last])
         del k, s, last
+        self.count = len(self.key)
         span = int(self.key[-1]) + 1 if len(self.key) else 0
         self.bits = self._words = self._rank = None
         if 0 < span <= SPLIT_BITMAP_MAX:  # one bit per (epoch, key): most entries are not split, found in O(1)
             self.bits = Bitmap(span, pad=8)
             self.bits.set(self.key)
+            self.key = np.zeros(0, np.int64)  # the bitmap and its rank say it all
             self._words = self.bits.bits.view(np.uint64)
-            counts = np.bitwise_count(self._words)
-            self._rank = np.zeros(len(counts), np.int64)
-            np.cumsum(counts[:-1], out=self._rank[1:])
-            if len(self.key) < 1 << 31:
-                self._rank = self._rank.astype(np.int32)
+            self._rank = np.zeros(len(self._words), np.int32 if self.count < 1 << 31 else np.int64)
+            np.cumsum(np.bitwise_count(self._words[:-1]), out=self._rank[1:])
         return self
 
     def _index(self, epoch_keys: np.ndarray) -> np.ndarray:
-        """Where split (epoch, key)s are in ``self.key`` (the keys must be split ones)."""
+        """Where split (epoch, key)s are in ``max_start`` (the keys must be split ones)."""
         if self._rank is None:
             return np.searchsorted(self.key, epoch_keys)
         word, bit = epoch_keys >> 6, (epoch_keys & 63).astype(np.uint64)
@@ -464,7 +474,7 @@ class SplitInfo:
     def contains(self, epoch_keys: np.ndarray) -> np.ndarray:
         """Whether each (epoch, key) is a split sample's."""
         n = len(epoch_keys)
-        if not len(self.key):
+        if not self.count:
             return np.zeros(n, bool)
         if self.bits is None:
             at = np.minimum(np.searchsorted(self.key, epoch_keys), len(self.key) - 1)
@@ -515,10 +525,9 @@ class _Seen:
 
     def add(self, k: np.ndarray) -> None:
         if isinstance(self.seen, Bitmap):
-            hit = self.seen.test(k)
+            hit = self.seen.test_and_set(k)
             if hit.any():
                 self.hits = _smallest(self.hits, k[hit])
-            self.seen.set(k)
         else:
             self.seen += np.bincount(k, minlength=len(self.seen))
         self.entries += len(k)
@@ -1100,7 +1109,7 @@ def final_entries(a: PlanArrays, split: SplitInfo | None, keys: _Keys, meta: dic
         final = a.starts + a.lengths == a.sample_length
         a._final = None if final.all() else final
         return a._final
-    if split is None or not len(split.key):
+    if split is None or not split.count:
         return None
     k, problem = keys.of(a, meta)
     if problem is not None:
@@ -1330,7 +1339,8 @@ class PlanChecks:
     streaming one puts the chunks of split samples until their check at the end (else held in memory)."""
 
     def __init__(self, meta: dict, *, split: SplitInfo | None = None, lengths: bool = False, max_memory=None,
-                 profile_path: str | None = None, mergeable: bool = False, spill: str | None = None):
+                 profile_path: str | None = None, mergeable: bool = False, spill: str | None = None,
+                 background: bool = False):
         self.meta = meta
         self.error: str | None = None
         try:
@@ -1342,13 +1352,13 @@ class PlanChecks:
         self.keys = keys_of(meta)
         # a replan's first epoch of a split plan, without the samples' lengths: which chunk ends a sample
         # whose last chunk was consumed before the replan is unknown
-        unknowable = (split is not None and len(split.key) > 0 and not lengths
+        unknowable = (split is not None and split.count > 0 and not lengths
                       and "consumed_samples" in (meta.get("lineage") or {}))
         self.layout, self.counts = Layout(meta), Counts(bool(meta.get("packing")))
         self.coverage, self.budget_check = Coverage(meta, split), BudgetCheck(meta, self.budget)
         self.coverage.keep = mergeable
         if spill is not None and not mergeable:  # split chunks to files under spill, checked a key range at a time
-            expected = split.later + len(split.key) if split is not None else self.keys.size // 16
+            expected = split.later + split.count if split is not None else self.keys.size // 16
             self.coverage.spill_to(spill, expected, lengths)
         self.shapes, self.steps, self.lr = Shapes(meta), StepTotals(unknowable), Lr(meta, unknowable)
         self.straggler = Straggler(meta, self.budget)
@@ -1356,6 +1366,11 @@ class PlanChecks:
         self.memory = [] if (max_memory is not None or profile_path is not None or self.budget.memory) else None
         self.memory_args = (max_memory, profile_path)
         self.broken = False  # list columns that disagree, negative ids: only layout and counts are meaningful
+        self._worker = self._pending = None  # background: a thread checks coverage while the rest goes on
+        if background and not mergeable:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="varlen-coverage")
 
     def update(self, a: PlanArrays) -> None:
         if self.error is not None:
@@ -1367,7 +1382,11 @@ class PlanChecks:
             return
         final = final_entries(a, self.split, self.keys, self.meta)
         done = completed(a, final)
-        self.coverage.update(a)
+        if self._worker is None:
+            self.coverage.update(a)
+        else:  # windows in order: the previous one's first (numpy's gathers and scatters release the GIL)
+            self._wait()
+            self._pending = self._worker.submit(self.coverage.update, a)
         self.budget_check.update(a)
         self.shapes.update(a)
         self.steps.update(a, done)
@@ -1376,6 +1395,20 @@ class PlanChecks:
             self.memory.append((a.first_row, a.cols["batch_size"].astype(np.int32), a.cols["seqlen"].astype(np.int32)))
         self.straggler.update(a)
         self.loss.update(a, final)
+
+    def _wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        """Wait for the background coverage check and end its thread (results() does it too)."""
+        if self._worker is not None:
+            try:
+                self._wait()
+            finally:
+                self._worker.shutdown()
+                self._worker = None
 
     def merge(self, other: PlanChecks) -> None:
         """Add the windows ``other`` (made with the same metadata, ``mergeable``) was fed."""
@@ -1390,6 +1423,7 @@ class PlanChecks:
     def results(self) -> list[Check]:
         if self.error is not None:
             return [Check("budget", False, self.error)]
+        self.close()
         checks = [self.layout.result(), self.counts.result()]
         if self.broken:
             return checks

@@ -126,14 +126,18 @@ def _scan(config: ValidateConfig, pf, meta: dict, per_id: dict | None) -> list[C
             split = split_info((window_arrays(w, None) for w in plan_scan.windows(pf, ["epoch"], first, slots)), meta)
         with tempfile.TemporaryDirectory(prefix="varlen-validate-") as spill:
             checks = PlanChecks(meta, split=split, lengths=per_id is not None, max_memory=config.max_memory,
-                                profile_path=config.memory_profile, spill=spill if "sample_starts" in names else None)
+                                profile_path=config.memory_profile, spill=spill if "sample_starts" in names else None,
+                                background=True)
             del split  # the checks hold what they need of it
-            over = (meta.get("dropped") or {}).get("too_long_over")
-            if per_id is not None and over is not None and checks.error is None:  # too-long: counted, not listed
-                checks.coverage.long_samples(np.flatnonzero(per_id["length"] > int(over)))
-            for a in arrays():
-                checks.update(a)
-            return checks.results()
+            try:
+                over = (meta.get("dropped") or {}).get("too_long_over")
+                if per_id is not None and over is not None and checks.error is None:  # too-long: counted, not listed
+                    checks.coverage.long_samples(np.flatnonzero(per_id["length"] > int(over)))
+                for a in arrays():
+                    checks.update(a)
+                return checks.results()
+            finally:
+                checks.close()  # its thread done before the spill directory goes
     except (OSError, pa.ArrowException) as exc:  # corrupted pages: the file, not varlen
         raise InputError(f"cannot read plan {config.plan}: {str(exc).strip().splitlines()[0] if str(exc) else exc}") \
             from None
