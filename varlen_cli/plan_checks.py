@@ -426,22 +426,25 @@ class SplitInfo:
 
     def freeze(self) -> SplitInfo:
         if self._keys:  # some pairs do not pack: sort all as pairs
-            packed = np.concatenate(self._packed) if self._packed else np.zeros(0, np.int64)
-            k = np.concatenate([packed >> _START_BITS, *self._keys])
-            s = np.concatenate([packed & ((1 << _START_BITS) - 1), *self._starts])
+            joined = np.concatenate(self._packed) if self._packed else np.zeros(0, np.int64)
+            k = np.concatenate([joined >> _START_BITS, *self._keys])
+            s = np.concatenate([joined & ((1 << _START_BITS) - 1), *self._starts])
             order = np.lexsort((s, k))
             k, s = k[order], s[order]
+            packed = False
         else:
+            packed = True
             k = np.concatenate(self._packed) if len(self._packed) > 1 else \
                 (self._packed[0] if self._packed else np.zeros(0, np.int64))
             self._packed = []
-            k.sort()
-            s = k & ((1 << _START_BITS) - 1)
-            k >>= _START_BITS
+            k.sort()  # in place: by epoch key, then start
+            s = k  # the starts are the low bits of the packed values
+            k = k >> _START_BITS
         self._packed, self._keys, self._starts = [], [], []
         last = np.r_[k[1:] != k[:-1], True] if len(k) else np.zeros(0, bool)
-        self.key, self.max_start = k[last], _compact(s[last])
+        self.key, top = k[last], s[last]
         del k, s, last
+        self.max_start = _compact(top & ((1 << _START_BITS) - 1) if packed else top)
         self.count = len(self.key)
         span = int(self.key[-1]) + 1 if len(self.key) else 0
         self.bits = self._words = self._rank = None
