@@ -95,3 +95,25 @@ def test_a_full_disk_is_an_output_error_naming_the_plan(tmp_path):
                             text=True, env=dict(os.environ, PYTHONPATH=ROOT), preexec_fn=small_files, timeout=60)
     assert result.returncode == 4, result.stderr
     assert result.stdout.strip() == "cannot write plan.parquet: File too large"
+
+
+def test_concat_under_another_files_footer(tmp_path):
+    """``footer=``: row groups of files written with other metadata, joined under the metadata of an empty
+    file of the same schema: the file one writer writes with that metadata; another schema is refused."""
+    from varlen_cli.runtime.parquet_concat import same_schema
+
+    schema, tables = _tables(True, [40, 7, 300], seed=3)
+    other = schema.with_metadata(format.encode_plan_metadata({"note": "other", "dp": 2}))
+    parts = [_write(tmp_path / "a.parquet", schema, tables[:2]), _write(tmp_path / "b.parquet", other, tables[2:])]
+    final = schema.with_metadata(format.encode_plan_metadata({"note": "final" * 30, "dp": 2}))
+    footer = _write(tmp_path / "footer.parquet", final, [])
+    assert pq.ParquetFile(footer).metadata.num_row_groups == 0
+    concat(parts, str(tmp_path / "cat.parquet"), footer=footer)
+    whole = _write(tmp_path / "whole.parquet", final, tables)
+    assert (tmp_path / "cat.parquet").read_bytes() == open(whole, "rb").read()
+    assert same_schema(parts[0], footer) and same_schema(parts[1], footer)
+    plain, _ = _tables(False, [5])
+    elsewhere = _write(tmp_path / "plain.parquet", plain, [])
+    assert not same_schema(parts[0], elsewhere)
+    with pytest.raises(OutputError, match="its schema differs from"):
+        concat(parts, str(tmp_path / "bad.parquet"), footer=elsewhere)

@@ -72,12 +72,9 @@ def validate(config: ValidateConfig) -> ValidateResult:
         return rank0.on_rank0(validate, config)
     storage.configure(config.storage_options)
     pf, meta = _open_plan(config.plan)
-    schema = pf.schema_arrow
-    problems = format.plan_schema_problems(schema, meta)
     result = ValidateResult(config.plan)
-    result.checks.append(Check("columns", not problems, "; ".join(problems) if problems else
-                               f"{len(schema.names)} columns"))
-    if problems:
+    result.checks.append(_columns(pf, meta))
+    if not result.checks[-1].ok:
         return result
     per_id = None
     if config.metrics:
@@ -96,6 +93,19 @@ def validate(config: ValidateConfig) -> ValidateResult:
             per_id = _metrics_per_id(meta, config.metrics, manifest)
     result.checks += _scan(config, pf, meta, per_id)
     return result
+
+
+def _columns(pf, meta: dict) -> Check:
+    problems = format.plan_schema_problems(pf.schema_arrow, meta)
+    return Check("columns", not problems, "; ".join(problems) if problems else f"{len(pf.schema_arrow.names)} columns")
+
+
+def check_file(path: str) -> list[Check]:
+    """Every check ``varlen validate PLAN`` (no ``--metrics``) runs on a local plan file, in bounded
+    memory; what a planner runs on a plan it wrote before swapping it in (``varlen plan --extend``)."""
+    pf, meta = _open_plan(path)
+    columns = _columns(pf, meta)
+    return [columns] + (_scan(ValidateConfig(plan=path), pf, meta, None) if columns.ok else [])
 
 
 LENGTHS_IN_MEMORY = 1 << 28  # --metrics lengths held for the checks (int32: 1 GiB)

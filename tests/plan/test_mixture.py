@@ -147,3 +147,19 @@ def test_bad_inputs(dirs, tmp_path):
     res = runner.invoke(app, ["plan", "--mix", huge, "-o", out, "--max-tokens", "1024"])
     assert_user_error(res, 2, "--mix makes 30,000,000,000,000,000,000,000 samples per epoch, more than a plan holds "
                               "(2^31); lower the weights")
+
+
+def test_extend_of_a_mixture_stays_in_one_process(dirs, tmp_path):
+    """A mixture plan is extended in one process (its samples held): --nproc is refused in one line, for
+    --extend of a mixture as for --mix itself; without it the extension passes validate."""
+    parent = _plan(dirs, tmp_path / "p.parquet", epochs=1).output
+    out = str(tmp_path / "e.parquet")
+    assert_user_error(runner.invoke(app, ["plan", "--extend", parent, "--epochs", "2", "-o", out, "--nproc", "2"]), 2,
+                      "--nproc applies to plans of one metrics or sorted directory: a mixture plan (--mix) is extended "
+                      "in one process")
+    assert_user_error(runner.invoke(app, ["plan", "--mix", _mix(dirs), "--max-tokens", "1024", "-o", out,
+                                          "--nproc", "2"]), 2,
+                      "--nproc applies to plans of one metrics or sorted directory, not to --mix")
+    res = runner.invoke(app, ["plan", "--extend", parent, "--epochs", "2", "-o", out])
+    assert res.exit_code == 0, res.output
+    assert validate(ValidateConfig(plan=out)).ok

@@ -226,22 +226,37 @@ def test_every_planner_option_replans_exactly_once(dirs, tmp_path, options):
     assert m["orders"] == pm["orders"][1:]  # the same order policy per epoch (curriculum switch included)
 
 
-@pytest.mark.parametrize("command", ["replan", "extend"])
-def test_replan_and_extend_refuse_a_parent_too_big_for_memory(dirs, tmp_path, monkeypatch, command):
-    """replan and --extend hold every sample in one process: a parent whose samples would not fit in the
-    memory available is refused in one line, before any sample is read (here: 1,000 bytes available)."""
+def test_replan_is_bounded_by_its_epochs_and_a_chunk(dirs, tmp_path, monkeypatch):
+    """replan plans with the chunked planner (the consumed samples a bitmap): its memory is the microbatch
+    tables of the epochs it plans and one chunk, never the parent's samples; when even that does not fit,
+    it is refused in one line before any work (here: 1,000 bytes available)."""
     from varlen_cli.plan import pipeline
+    from varlen_cli.plan.chunked import run
 
     monkeypatch.setattr(pipeline, "_available_memory", lambda: 1000)
     out = str(tmp_path / "new.parquet")
-    args = (["replan", dirs["parent"], "-o", out, "--dp", "3", "--from-step", "2"] if command == "replan"
-            else ["plan", "--extend", dirs["parent"], "-o", out, "--epochs", "3"])
-    which = "varlen replan" if command == "replan" else "varlen plan --extend"
-    epochs = 2 if command == "replan" else 3
-    need = N * epochs * pipeline.BYTES_PER_ENTRY / 2**30
+    args = ["replan", dirs["parent"], "-o", out, "--dp", "3", "--from-step", "2"]
+    need = (N * 2 * run.TABLE_BYTES_PER_ENTRY + run.CHUNK_BYTES_PER_SAMPLE * N) / 2**30
     assert_user_error(runner.invoke(app, args), 2,
-                      f"the plan would hold {N * epochs:,} sample entries ({epochs} epoch(s) of {N} samples), about "
-                      f"{need:,.1f} GiB while planning, more than the 0.0 GiB of memory available; `{which}` plans in "
-                      "one process (unlike `varlen plan --nproc`): run it on a machine with more memory, or plan the "
-                      "rest afresh with `varlen plan`")
+                      f"the plan would hold {N * 2:,} sample entries (2 epoch(s) of {N} samples), about "
+                      f"{need:,.1f} GiB while planning, more than the 0.0 GiB of memory available; run it on a "
+                      "machine with more memory (`varlen replan` holds the microbatch tables of the epochs it plans "
+                      "and one chunk)")
+    assert not os.path.exists(out)
+
+
+def test_extend_is_bounded_by_the_new_epochs_and_a_chunk(dirs, tmp_path, monkeypatch):
+    """--extend plans the new epochs with the chunked planner: its memory is the new epochs' microbatch
+    tables and one chunk, never the parent's samples; when even that does not fit, it is refused in one
+    line that says to extend by fewer epochs (here: 1,000 bytes available)."""
+    from varlen_cli.plan import pipeline
+    from varlen_cli.plan.chunked import run
+
+    monkeypatch.setattr(pipeline, "_available_memory", lambda: 1000)
+    out = str(tmp_path / "new.parquet")
+    need = (N * run.TABLE_BYTES_PER_ENTRY + run.CHUNK_BYTES_PER_SAMPLE * N) / 2**30
+    assert_user_error(runner.invoke(app, ["plan", "--extend", dirs["parent"], "-o", out, "--epochs", "3"]), 2,
+                      f"the plan would hold {N:,} sample entries (1 epoch(s) of {N:,} samples), about {need:,.1f} GiB "
+                      "while planning, more than the 0.0 GiB of memory available; extend the plan by fewer epochs at a "
+                      "time (a smaller --epochs, then extend its output again)")
     assert not os.path.exists(out)

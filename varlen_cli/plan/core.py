@@ -21,8 +21,8 @@ def plan(config: PlanConfig) -> PlanResult:
     """Run ``varlen plan``: plan every epoch and write the plan; returns the summary (on every rank)."""
     storage.configure(config.storage_options)  # inputs and the output may be in object storage
     if config.extend is not None or config.mix is not None:
-        if config.nproc != 1:
-            raise UsageError("--nproc applies to plans of one metrics or sorted directory, not to --extend or --mix")
+        if config.nproc != 1 and config.extend is None:
+            raise UsageError("--nproc applies to plans of one metrics or sorted directory, not to --mix")
         if rank0.needs_group():  # under torchrun: rank 0 plans and writes, the others wait
             return rank0.on_rank0(plan, config)
         if config.extend is not None:  # varlen plan --extend PLAN --epochs E (plan/extend.py)

@@ -135,9 +135,11 @@ def parent_config(parent: Parent, **overrides) -> PlanConfig:
 
 
 def check_parent_size(parent: Parent, epochs: int, command: str) -> None:
-    """Refuse, before reading any sample, a replan/extension that would not fit in memory: they plan
-    in one process holding every sample of the parent's input (not the chunked planner's bounded
-    memory), so a plan of a billion samples is refused in one line instead of an out-of-memory kill."""
+    """Refuse, before reading any sample, a replan/extension planned in one process that would not fit
+    in memory (a replan of a split sample started before the step, the extension of a mixture, which
+    its caller sizes once its sources are read): it holds every sample of the parent's input, so a
+    plan of a billion samples is refused in one line instead of an out-of-memory kill. Every other
+    replan and extension uses the chunked planner's bounded memory."""
     n = parent.input.get("num_rows")
     if parent.mixture or n is None:
         return  # a mixture's rows are counted (and checked) once its sources are read
@@ -155,14 +157,31 @@ def parent_rows(parent: Parent, c: PlanConfig) -> tuple[Rows, dict, list | None]
         rows, info = rows_of(c, parent.meta, parent.path)
         return rows, {}, info
     manifest, sample_id, length = read_input(c.input, c.allow_stale)
+    _same_input(parent, c.input, manifest, len(sample_id))
+    return Rows(sample_id, length, target=read_targets(c, c.input, manifest)), manifest, None
+
+
+def check_same_input(parent: Parent, path: str, allow_stale: bool) -> int:
+    """Refuse (from its manifest, reading no sample) an input other than the one the parent was planned
+    from; its number of samples."""
+    from ..runtime import freshness
+
+    manifest = artifacts.read_manifest(path, what="metrics or sorted directory",
+                                       hint="create one with `varlen analyze` (and `varlen sort` for curriculum order)")
+    freshness.check_inputs(path, manifest, allow_stale, rerun="varlen sort")
+    num_rows = sum(int(p["rows"]) for p in manifest.get("parts", []))
+    _same_input(parent, path, manifest, num_rows)
+    return num_rows
+
+
+def _same_input(parent: Parent, path: str, manifest: dict, num_rows: int) -> None:
     recorded = parent.input or {}
-    if recorded.get("num_rows") is not None and int(recorded["num_rows"]) != len(sample_id):
-        raise InputError(f"{c.input} changed since {parent.path} was planned: it has {len(sample_id):,} samples, "
+    if recorded.get("num_rows") is not None and int(recorded["num_rows"]) != num_rows:
+        raise InputError(f"{path} changed since {parent.path} was planned: it has {num_rows:,} samples, "
                          f"the plan was made for {int(recorded['num_rows']):,}")
     if recorded.get("artifact_id") and manifest.get("artifact_id") != recorded["artifact_id"]:
-        raise InputError(f"{c.input} changed since {parent.path} was planned (artifact_id "
+        raise InputError(f"{path} changed since {parent.path} was planned (artifact_id "
                          f"{manifest.get('artifact_id')}, the plan was made from {recorded['artifact_id']})")
-    return Rows(sample_id, length, target=read_targets(c, c.input, manifest)), manifest, None
 
 
 # -- what an epoch has left after a step -------------------------------------------------------------
@@ -305,8 +324,11 @@ def plan_epochs_from(c: PlanConfig, parent: Parent, rows: Rows, budget: Budget, 
 
 
 def config_record(c: PlanConfig, budget: Budget) -> dict:
-    """The options a derived plan records: ``c``'s, with the budget's own options where it changed."""
-    values = artifacts.config_dict(c)
+    """The options a derived plan records: ``c``'s (as a fresh plan records them: no output path or worker
+    count), with the budget's own options where it changed."""
+    from .assemble import recorded_config
+
+    values = recorded_config(c)  # what the plan computed from, not how this run ran (output, --nproc, ...)
     if budget.source == "memory" and budget.memory is not None:
         values.update(max_tokens=None, max_memory=budget.memory.get("max_memory"),
                       memory_profile=budget.memory.get("profile_path"), memory_margin=budget.memory.get("margin"))
@@ -314,3 +336,54 @@ def config_record(c: PlanConfig, budget: Budget) -> dict:
         values.update(max_tokens=budget.max_tokens, max_memory=None, memory_profile=None,
                       allow_memory_extrapolation=False)
     return values
+
+
+# -- what an epoch has left, streamed (the chunked replan) ------------------------------------------
+@dataclass
+class Left:
+    """The parent's epoch ``epoch`` at the resume step: the samples its steps >= the step hold, one
+    bit per sample id (``bits``: what the replan's first epoch holds, as :func:`remaining_rows` keeps
+    them), ``consumed`` (the first chunks of steps < the step, as :class:`Remaining` counts them), and
+    whether a split sample has chunks on both sides of the step (``started``: such a remainder is
+    replanned in one process, :func:`remaining_rows`)."""
+
+    epoch: int
+    bits: object  # plan_checks.Bitmap
+    consumed: int
+    started: bool
+
+
+def left_samples(parent: Parent, step: int, num_rows: int) -> Left:
+    """:class:`Left`, read from the parent window by window (bounded: a window and two bitmaps of
+    ``num_rows`` bits, the ids of a metrics or sorted directory of ``num_rows`` samples)."""
+    import pyarrow.parquet as pq
+
+    from .. import plan_scan
+    from ..plan_checks import Bitmap
+
+    epoch = parent.epoch_of(step)
+    pf = pq.ParquetFile(parent.path)
+    split = "sample_starts" in pf.schema_arrow.names
+    before, after, consumed = Bitmap(num_rows) if split else None, Bitmap(num_rows), 0
+    lists = ["sample_ids"] + (["sample_starts"] if split else [])
+    for w in plan_scan.windows(pf, ["epoch", "step"], lists, parent.dp * parent.grad_accum):
+        e = w.cols["epoch"]
+        if int(e[0]) > epoch:
+            break
+        if int(e[-1]) < epoch:
+            continue
+        row_step = np.repeat(w.cols["step"].astype(np.int64), np.diff(w.offsets()))
+        entry_epoch = np.repeat(e.astype(np.int64), np.diff(w.offsets()))
+        ids = w.values("sample_ids").astype(np.int64)
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= num_rows):
+            raise InputError(f"{parent.path} holds sample ids its input does not have; re-plan from the input")
+        mine = entry_epoch == epoch
+        done, rest = mine & (row_step < step), mine & (row_step >= step)
+        after.set(ids[rest])
+        if split:
+            before.set(ids[done])
+            consumed += int(np.count_nonzero(w.values("sample_starts")[done] == 0))
+        else:
+            consumed += int(np.count_nonzero(done))
+    started = bool(split and np.any(before.bits & after.bits))
+    return Left(epoch, after, consumed, started)

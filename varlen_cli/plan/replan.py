@@ -7,7 +7,11 @@ strategy (curriculum continues where it stopped, bucket-shuffle reshuffles the r
 parent's later epochs follow, planned afresh for the new layout. LR scales keep the parent's
 ``base_batch_size``; the budget is the parent's (:mod:`.cost_model`, :func:`rebudget`), with a
 ``--max-memory`` limit re-checked. Works for every plan ``varlen plan`` writes, mixtures included
-(:mod:`.parent`). ``varlen plan --extend`` is :mod:`.extend`. Both record where they come from in
+(:mod:`.parent`). A plan of one metrics or sorted directory is replanned in bounded memory: the
+epoch in progress's rest read as a bitmap (:func:`.parent.left_samples`), the chunked planner
+(``--nproc`` workers) planning from its chunks (:class:`.chunked.run.Continuation`); a mixture, or a
+``--split-long`` sample split across step N, in one process (:func:`.parent.plan_epochs_from`).
+``varlen plan --extend`` is :mod:`.extend`. Both record where they come from in
 the metadata's ``lineage`` (docs/plan.md, "Re-planning a running job").
 """
 
@@ -25,6 +29,7 @@ from ..runtime import rank0, safety
 from ..runtime.choices import (
     ALLOW_MEMORY_EXTRAPOLATION_HELP,
     ALLOW_STALE_HELP,
+    NPROC_HELP,
     OVERWRITE_HELP,
     STORAGE_OPTION_HELP,
     doc,
@@ -35,9 +40,12 @@ from .config import PlanResult
 from .cost_model import rebudget
 from .extend import ExtendConfig, extend
 from .parent import (
+    REPLAN_REMEDIES,
     Parent,
     check_parent_size,
+    check_same_input,
     config_record,
+    left_samples,
     open_parent,
     parent_config,
     parent_rows,
@@ -46,6 +54,8 @@ from .parent import (
 )
 
 __all__ = ["ExtendConfig", "ReplanConfig", "extend", "replan"]
+TOO_BIG = ("run it on a machine with more memory (`varlen replan` holds the microbatch tables of the epochs it "
+           "plans and one chunk)")
 
 
 @dataclass(frozen=True)
@@ -68,6 +78,8 @@ class ReplanConfig:
     overwrite: bool = doc(False, OVERWRITE_HELP)
     allow_stale: bool = doc(False, ALLOW_STALE_HELP)
     storage_options: tuple = doc((), STORAGE_OPTION_HELP)
+    nproc: int = doc(1, NPROC_HELP)
+    progress: bool = doc(True, "Show a progress bar on rank 0 (only on a terminal).")
 
 
 def resume_step(config: ReplanConfig, parent: Parent) -> int:
@@ -127,18 +139,40 @@ def replan(config: ReplanConfig) -> PlanResult:
     inputs = [c.input] if not parent.mixture else [s["path"] for s in parent.mixture["sources"] if s.get("path")]
     safety.check_no_overlap(c.output, inputs)
     writer.check_output(c.output, c.overwrite)
+    if not parent.mixture:  # bounded: the chunked planner, the consumed samples a bitmap (unless a split started)
+        num_rows = check_same_input(parent, c.input, c.allow_stale)
+        left = left_samples(parent, step, num_rows)
+        if not left.started:
+            return _replan_chunked(config, parent, c, budget, step, left, t0)
     check_parent_size(parent, parent.epochs, "varlen replan")
     rows, manifest, mixture_info = parent_rows(parent, c)
     left = remaining_rows(parent, step, rows)
-    before = parent.lineage
-    first_epoch = int(before.get("first_epoch", 0)) + left.epoch
-    # the parent's first epoch may itself lack what an earlier replan consumed: counted together
-    earlier = int(before.get("consumed_samples") or 0) if left.epoch == 0 else 0
-    lineage = {"kind": "replan", "parent": parent.fingerprint, "parent_path": os.path.abspath(parent.path),
-               "from_step": step, "consumed_samples": left.consumed + earlier,
-               "first_step": int(before.get("first_step", 0)) + step, "first_epoch": first_epoch,
-               "parent_dp": parent.dp, "parent_grad_accum": parent.grad_accum}
+    lineage = _lineage(parent, step, left.epoch, left.consumed)
     c = dataclasses.replace(c, epochs=parent.epochs - left.epoch)
-    return plan_epochs_from(c, parent, rows, budget, first_epoch=first_epoch, left=left, manifest=manifest,
-                            mixture_info=mixture_info, config_record=config_record(c, budget), lineage=lineage,
-                            t0=t0)
+    return plan_epochs_from(c, parent, rows, budget, first_epoch=lineage["first_epoch"], left=left,
+                            manifest=manifest, mixture_info=mixture_info, config_record=config_record(c, budget),
+                            lineage=lineage, t0=t0)
+
+
+def _lineage(parent: Parent, step: int, epoch: int, consumed: int) -> dict:
+    """Where the replanned plan sits in the job (docs/plan.md, "Re-planning a running job")."""
+    before = parent.lineage
+    # the parent's first epoch may itself lack what an earlier replan consumed: counted together
+    earlier = int(before.get("consumed_samples") or 0) if epoch == 0 else 0
+    return {"kind": "replan", "parent": parent.fingerprint, "parent_path": os.path.abspath(parent.path),
+            "from_step": step, "consumed_samples": consumed + earlier,
+            "first_step": int(before.get("first_step", 0)) + step,
+            "first_epoch": int(before.get("first_epoch", 0)) + epoch,
+            "parent_dp": parent.dp, "parent_grad_accum": parent.grad_accum}
+
+
+def _replan_chunked(config: ReplanConfig, parent: Parent, c, budget, step: int, left, t0: float) -> PlanResult:
+    """The replan by the chunked planner (``config.nproc`` workers): its first epoch the chunks of the
+    epoch in progress holding only what the parent's steps >= N hold, then the parent's later epochs."""
+    from .chunked.run import Continuation, plan_chunked
+
+    lineage = _lineage(parent, step, left.epoch, left.consumed)
+    c = dataclasses.replace(c, epochs=parent.epochs - left.epoch, nproc=config.nproc, progress=config.progress)
+    cont = Continuation(lineage["first_epoch"], budget, REPLAN_REMEDIES, too_big=TOO_BIG, first_samples=left.bits,
+                        metadata={"lineage": lineage, "config": config_record(c, budget)})
+    return plan_chunked(c, t0, cont)

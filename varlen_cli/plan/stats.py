@@ -6,8 +6,13 @@ import numpy as np
 
 
 def summary(*, num_steps: int, num_microbatches: int, samples: int, tokens: int, padded_tokens: int,
-            budget_tokens: float, strag: np.ndarray, shapes: int, lr: np.ndarray, dropped: int,
+            budget_tokens: float, strag: np.ndarray | tuple, shapes: int, lr: np.ndarray | tuple, dropped: int,
             over_budget: int, warmup_steps: int, epochs: int, samples_per_epoch: list, seconds: float) -> dict:
+    """``strag``: the per-step straggler (or its (mean, max) over steps, summed part by part:
+    :mod:`.totals`); ``lr``: the per-step LR scales (or their (min, max))."""
+    strag_mean, strag_max = strag if isinstance(strag, tuple) else (
+        (float(strag.mean()), float(strag.max())) if len(strag) else (1.0, 1.0))
+    lr_min, lr_max = lr if isinstance(lr, tuple) else ((float(lr.min()), float(lr.max())) if len(lr) else (1.0, 1.0))
     return {
         "steps": int(num_steps),
         "microbatches": int(num_microbatches),
@@ -19,11 +24,11 @@ def summary(*, num_steps: int, num_microbatches: int, samples: int, tokens: int,
         "budget_fill_pct": (100.0 * tokens / (num_microbatches * budget_tokens)
                             if num_microbatches and budget_tokens else 0.0),
         "mean_samples_per_microbatch": samples / num_microbatches if num_microbatches else 0.0,
-        "straggler_mean": float(strag.mean()) if len(strag) else 1.0,
-        "straggler_max": float(strag.max()) if len(strag) else 1.0,
+        "straggler_mean": float(strag_mean),
+        "straggler_max": float(strag_max),
         "distinct_shapes": int(shapes),
-        "lr_scale_min": float(lr.min()) if len(lr) else 1.0,
-        "lr_scale_max": float(lr.max()) if len(lr) else 1.0,
+        "lr_scale_min": float(lr_min),
+        "lr_scale_max": float(lr_max),
         "dropped": int(dropped),
         "over_budget_microbatches": int(over_budget),
         "warmup_steps": int(warmup_steps),

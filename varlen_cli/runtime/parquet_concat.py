@@ -9,6 +9,11 @@ now lie, ordinals renumbered and ``num_rows`` summed. The result is the file one
 written with the same row groups, byte for byte (tested), which is what lets several workers encode
 the row groups of one plan in parallel and still write the same file as one worker.
 
+With ``footer=TEMPLATE`` the output's footer fields around the row groups (schema, key-value metadata,
+``created_by``, column orders) are those of another file of the same Parquet schema, e.g. one written
+with no row groups: the row groups of files written with other metadata (a plan and the rows appended
+to it, ``varlen plan --extend``) are joined under new metadata without being decoded.
+
 Only what pyarrow writes by default is handled: no page index (``write_page_index``), no bloom
 filters, no encryption, no ``file_path`` (external column chunks); anything else is refused.
 """
@@ -260,37 +265,56 @@ def _refuse(what: str):
     return refuse
 
 
-def concat(paths: list[str], out_path: str, what: str | None = None) -> None:
-    """Write ``out_path``: the row groups of ``paths`` (same schema and settings) in order, one footer.
-    A failing write (a full disk) is an OutputError naming ``what`` (default ``out_path``)."""
+def concat(paths: list[str], out_path: str, what: str | None = None, footer: str | None = None) -> None:
+    """Write ``out_path``: the row groups of ``paths`` (same schema and settings) in order, one footer
+    (``footer``: the fields around the row groups taken from that file, whose schema every path must
+    have; default: the first path's, whose metadata every path must have too). A failing write (a
+    full disk) is an OutputError naming ``what`` (default ``out_path``)."""
     if not paths:
         raise OutputError("nothing to concatenate")
     try:
-        _concat(paths, out_path)
+        _concat(paths, out_path, footer)
     except OSError as exc:
         raise OutputError(f"cannot write {what or out_path}: {exc.strerror or exc}") from None
 
 
-def _concat(paths: list[str], out_path: str) -> None:
+def _fields(path: str) -> _Part:
+    """The footer fields of ``path`` around its row groups."""
+    buf, data_end = _footer(path)
+    return _Part(path, buf, data_end, 0, 0, bytearray())
+
+
+def same_schema(a: str, b: str) -> bool:
+    """Whether the Parquet files ``a`` and ``b`` have the same schema (their row groups can be joined
+    under one footer, :func:`concat` with ``footer``)."""
+    return _fields(a).before == _fields(b).before
+
+
+def _concat(paths: list[str], out_path: str, footer_path: str | None = None) -> None:
     groups = bytearray()
     at, ordinal, parts = len(MAGIC), 0, []
+    template = _fields(footer_path) if footer_path is not None else None
     with open(out_path, "wb", buffering=0) as out:
         out.write(MAGIC)
         for path in paths:
             buf, data_end = _footer(path)
             part = _Part(path, buf, data_end, at - len(MAGIC), ordinal, groups)
-            if parts and (part.before != parts[0].before or part.after != parts[0].after):
+            if template is not None:
+                if part.before != template.before:
+                    raise OutputError(f"cannot concatenate {path}: its schema differs from {footer_path}'s")
+            elif parts and (part.before != parts[0].before or part.after != parts[0].after):
                 raise OutputError(f"cannot concatenate {path}: its schema or metadata differs from {paths[0]}'s")
             parts.append(part)
             ordinal += part.groups
             with open(part.path, "rb") as src:
                 _copy(src, out, len(MAGIC), part.data_end - len(MAGIC))
             at += part.data_end - len(MAGIC)
-        footer = bytearray(parts[0].before)
+        head = template if template is not None else parts[0]
+        footer = bytearray(head.before)
         # the fields keep their order: num_rows (3) and row_groups (4) right after schema (2)
         footer += bytes([(1 << 4) | _I64]) + _zigzag(sum(p.num_rows for p in parts))
         footer += _row_groups_field(ordinal) + groups
-        footer += parts[0].after
+        footer += head.after
         out.write(footer)
         out.write(struct.pack("<I", len(footer)))
         out.write(MAGIC)

@@ -102,6 +102,16 @@ per chunk); chunks partition the input; phase 2 only reorders units or splits on
 contiguous halves; the writer emits each unit's item range once. ``varlen validate`` checks it
 again on the written file with a bitmap of one bit per sample (``varlen_cli.validate``).
 
+Continuations: ``--extend`` and ``replan``
+-----------------------------------------
+A plan may continue another (``run.Continuation``): its epochs are numbered from the parent's
+(``first_epoch``: the seed streams ``(seed, first_epoch + e, k)``, the curriculum switch, no compile
+warm-up after epoch 0), use the parent's recorded budget, and for ``varlen replan`` the first epoch's
+chunks hold only the samples the parent's epoch in progress had left (a bitmap of one bit per sample
+id, read from the parent window by window). The chunks are the parent's (its ``--chunk-samples``), so
+a continued epoch is the epoch a fresh plan of the same options plans. ``plan --extend`` then joins
+the parent's row groups and the new ones (``plan/extend_stream.py``).
+
 Failure
 -------
 Everything is written inside the output's temporary directory; any worker's failure fails the

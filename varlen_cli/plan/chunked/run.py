@@ -11,22 +11,26 @@ result (or raises its error). See the package docstring for the design.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import time
 
 import numpy as np
 
 from ... import storage
+from ...budget import Budget
 from ...errors import InputError, UsageError
+from ...plan_checks import Bitmap
 from ...runtime import artifacts, freshness, rank0, safety
 from ...runtime.dist import Dist, fault_point, run_distributed, session
 from ..cost_model import resolve_budget
+from ..layout import PLAN_REMEDIES, Remedies
 from ..orders import CURRICULAR
-from ..pipeline import check_plan_size
+from ..pipeline import FEWER_EPOCHS, check_plan_size
 from ..progress import PlanProgress
 from ..shapes import ShapeMap, choose_edges
 from . import emit, segments, spill
-from .chunks import ChunkSource, ChunkSpec, InputRows, Scatter, chunk_rng, global_rng
+from .chunks import ChunkData, ChunkSource, ChunkSpec, InputRows, Scatter, chunk_rng, global_rng
 from .epoch import EpochRows, lay_out
 from .finish import Finished, finish
 from .form import PlanContext, form_chunk
@@ -46,16 +50,50 @@ def epoch_mode(c, e: int) -> str:
     return c.order
 
 
-def plan_chunked(c, t0: float | None = None):
-    """``varlen plan`` on ``c.nproc`` workers (or the torchrun ranks); the result on every rank."""
+@dataclasses.dataclass(frozen=True)
+class Continuation:
+    """Epochs planned after a plan's own (``varlen plan --extend``): the plan's epochs are numbered
+    from ``first_epoch`` (seed streams, curriculum switch, compile warm-up only in epoch 0) and use
+    ``budget``, the parent's as recorded (not resolved again from the options); refusals suggest
+    ``remedies``. Epoch ``e`` of the written plan is the job's epoch ``first_epoch + e``."""
+
+    first_epoch: int = 0
+    budget: Budget | None = None
+    remedies: Remedies = PLAN_REMEDIES
+    too_big: str = FEWER_EPOCHS  # what a plan too big for this machine's memory suggests
+    first_samples: Bitmap | None = None  # ``varlen replan``: the samples (by id) the plan's first epoch holds
+    metadata: dict | None = None  # entries of the plan's metadata given (lineage, the recorded config)
+
+    def epoch(self, e: int) -> int:
+        """The job's epoch number of the plan's epoch ``e``."""
+        return self.first_epoch + e
+
+    def chunk(self, data: ChunkData, e: int, longest_fitting: int) -> ChunkData:
+        """A chunk's samples in the plan's epoch ``e``: in the first, only :attr:`first_samples`, and the
+        samples longer than ``longest_fitting`` (in no plan: counted and dropped as in every epoch)."""
+        if e or self.first_samples is None or not data.n:
+            return data
+        left = self.first_samples.test(data.ids.astype(np.int64)) | (data.length > longest_fitting)
+        if left.all():
+            return data
+        return ChunkData(data.index, data.ids[left], data.length[left], None,
+                         data.target[left] if data.target is not None else None)
+
+
+FRESH = Continuation()  # a plan of its own: epochs from 0, the budget from its options
+
+
+def plan_chunked(c, t0: float | None = None, cont: Continuation = FRESH):
+    """``varlen plan`` on ``c.nproc`` workers (or the torchrun ranks); the result on every rank.
+    ``cont``: the epochs continue another plan's (:class:`Continuation`)."""
     t0 = time.perf_counter() if t0 is None else t0
     out = PlanOutput(c.output, c.overwrite)
     out.check([c.input])
-    entry = functools.partial(_in_session, t0=t0)
+    entry = functools.partial(_in_session, t0=t0, cont=cont)
     if c.nproc == 1:
         if rank0.needs_group():  # a torchrun rank: every rank forms its share of the chunks
             return entry(c)
-        return run_in_group(c, Dist(), t0)  # alone (a process group the caller made stays the caller's)
+        return run_in_group(c, Dist(), t0, cont)  # alone (a process group the caller made stays the caller's)
     with out.locked():  # the launcher holds it; its workers inherit it
         try:
             return run_distributed(entry, c, c.nproc)
@@ -65,10 +103,10 @@ def plan_chunked(c, t0: float | None = None):
             raise
 
 
-def _in_session(c, t0: float):
+def _in_session(c, t0: float, cont: Continuation = FRESH):
     storage.configure(c.storage_options)  # --storage-option, in every worker process
     with session("cpu") as d:
-        return _shared(d, lambda: run_in_group(c, d, t0))
+        return _shared(d, lambda: run_in_group(c, d, t0, cont))
 
 
 def plan_in_group(c, d: Dist, t0: float):
@@ -92,11 +130,11 @@ def on_main(d: Dist, fn):
     return rank0.result_of(d.all_gather_object(rank0.outcome_of(fn) if d.is_main else ("ok", None))[0])
 
 
-def context(c, manifest: dict, rows: InputRows, spec: ChunkSpec, d: Dist) -> PlanContext:
+def context(c, manifest: dict, rows: InputRows, spec: ChunkSpec, d: Dist, cont: Continuation = FRESH) -> PlanContext:
     """The budget, shape map and limits every chunk is formed with."""
     from ..pipeline import _check_cost_range, _longest_fitting, _rows_per_microbatch
 
-    budget = resolve_budget(c)
+    budget = cont.budget if cont.budget is not None else resolve_budget(c)
     shape = ShapeMap(1 if c.packing else c.pad_multiple)
     rows_per_mb = _rows_per_microbatch(c, budget) if c.packing else None
     _check_cost_range(c, budget, rows_per_mb)
@@ -107,7 +145,7 @@ def context(c, manifest: dict, rows: InputRows, spec: ChunkSpec, d: Dist) -> Pla
     ctx = PlanContext(order=c.order, shape=shape, budget=budget, dp=c.dp, grad_accum=c.grad_accum,
                       static=c.static_shapes, same_shape=c.same_shape_per_step, packing=c.packing, seq_len=c.seq_len,
                       max_per_row=c.max_per_row, split_long=c.split_long, rows_per_mb=rows_per_mb, tail=c.tail,
-                      longest_fitting=int(fit))
+                      longest_fitting=int(fit), remedies=cont.remedies)
     if (c.num_shapes is not None and not c.packing) or (spec.count > 1 and c.order == "random"):
         _census(c, ctx, rows, spec, d)
     return ctx
@@ -144,7 +182,7 @@ def _spill_dir(d: Dist, out: PlanOutput) -> str:
     return on_main(d, lambda: out.make_spill_dir(d.world_size))
 
 
-def run_in_group(c, d: Dist, t0: float):
+def run_in_group(c, d: Dist, t0: float, cont: Continuation = FRESH):
     """One rank's part (see the module docstring); the result on rank 0, None elsewhere."""
     manifest = artifacts.read_manifest(c.input, what="metrics or sorted directory",
                                        hint="create one with `varlen analyze` (and `varlen sort` for curriculum "
@@ -164,23 +202,23 @@ def run_in_group(c, d: Dist, t0: float):
     # rank 0 holds the microbatch tables of every epoch (~2-4 bytes a sample entry), each worker one chunk
     check_plan_size(rows.num_rows, c.epochs, c.packing, f"{rows.num_rows:,} samples",
                     bytes_per_entry=PACKED_TABLE_BYTES_PER_ENTRY if c.packing else TABLE_BYTES_PER_ENTRY,
-                    fixed=CHUNK_BYTES_PER_SAMPLE * min(spec.size, rows.num_rows) * d.world_size)
+                    fixed=CHUNK_BYTES_PER_SAMPLE * min(spec.size, rows.num_rows) * d.world_size, remedy=cont.too_big)
     out = PlanOutput(c.output, c.overwrite)
     with (out.locked() if d.is_main else contextlib.nullcontext()), \
             PlanProgress(c.progress and d.is_main, c.epochs) as bar:
         directory = _spill_dir(d, out)
         try:
             bar.phase("read")
-            ctx = context(c, manifest, rows, spec, d)
-            _phase1(c, ctx, rows, spec, d, directory, kind, bar)
+            ctx = context(c, manifest, rows, spec, d, cont)
+            _phase1(c, ctx, rows, spec, d, directory, kind, bar, cont)
             d.barrier()
             if d.world_size > 1:  # phase 3 shared out (segments.py)
-                result = _phase23_workers(c, ctx, manifest, rows, spec, directory, out, t0, bar, d)
+                result = _phase23_workers(c, ctx, manifest, rows, spec, directory, out, t0, bar, d, cont)
                 if not d.is_main:
                     return None
             else:
                 _trim()
-                result = _phase23(c, ctx, manifest, rows, spec, directory, out, t0, bar)
+                result = _phase23(c, ctx, manifest, rows, spec, directory, out, t0, bar, cont)
         finally:
             if d.is_main:
                 out.remove_spill_dir(directory)
@@ -189,10 +227,11 @@ def run_in_group(c, d: Dist, t0: float):
 
 
 def _phase1(c, ctx: PlanContext, rows: InputRows, spec: ChunkSpec, d: Dist, directory: str, kind: str,
-            bar: PlanProgress) -> None:
+            bar: PlanProgress, cont: Continuation = FRESH) -> None:
     jobs = [(e, k) for e in range(c.epochs) for k in range(spec.count)]
     scatter = None
-    if spec.count > 1 and kind != "metrics" and any(epoch_mode(c, e) not in CURRICULAR for e in range(c.epochs)):
+    if spec.count > 1 and kind != "metrics" and any(epoch_mode(c, cont.epoch(e)) not in CURRICULAR
+                                                    for e in range(c.epochs)):
         scatter = Scatter(rows, spec, directory)  # canonical chunks of a sorted directory
         scatter.write(d.rank, d.world_size)
         d.barrier()
@@ -204,12 +243,13 @@ def _phase1(c, ctx: PlanContext, rows: InputRows, spec: ChunkSpec, d: Dist, dire
         if e != shown:
             bar.phase(f"form epoch {e + 1}/{c.epochs}")
             shown = e
-        mode = epoch_mode(c, e)
+        mode = epoch_mode(c, cont.epoch(e))
         key = (k, mode in CURRICULAR)
         if cached is None or cached[0] != key:
             source = ChunkSource(rows, spec, curricular=mode in CURRICULAR, reverse=mode == "reverse", scatter=scatter)
             cached = (key, source.read(k))
-        cu = form_chunk(cached[1], ctx, mode, e, chunk_rng(c.seed, e, k), whole=spec.count == 1, config=c)
+        data = cont.chunk(cached[1], e, ctx.longest_fitting)
+        cu = form_chunk(data, ctx, mode, e, chunk_rng(c.seed, cont.epoch(e), k), whole=spec.count == 1, config=c)
         spill.write(directory, cu)
         del cu
         fault_point("plan.chunk")
@@ -242,9 +282,9 @@ def _shortest(tables) -> int:
 
 
 def _phase23(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSpec, directory: str,
-             out: PlanOutput, t0: float, bar: PlanProgress):
+             out: PlanOutput, t0: float, bar: PlanProgress, cont: Continuation = FRESH):
     """One worker: phase 2, then the plan streamed by this process."""
-    epochs, readers, fin = _phase2(c, ctx, manifest, rows, spec, directory, bar, t0)
+    epochs, readers, fin = _phase2(c, ctx, manifest, rows, spec, directory, bar, t0, cont)
     bar.phase("write")
     try:
         out.write(lambda tmp: emit.write(c.output, c.overwrite, epochs, fin, readers, c.dp, c.grad_accum,
@@ -258,7 +298,7 @@ def _phase23(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSp
 
 
 def _phase23_workers(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSpec, directory: str,
-                     out: PlanOutput, t0: float, bar: PlanProgress, d: Dist):
+                     out: PlanOutput, t0: float, bar: PlanProgress, d: Dist, cont: Continuation = FRESH):
     """W > 1 workers: rank 0 lays the epochs out and writes the segments' specs; every rank writes
     segments; rank 0 joins them into the output (:mod:`.segments`). Rank 0's result, None elsewhere;
     any rank's error on every rank."""
@@ -266,7 +306,7 @@ def _phase23_workers(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec:
 
     def lay_out_and_specs() -> None:
         _trim()
-        epochs, readers, fin = _phase2(c, ctx, manifest, rows, spec, directory, bar, t0)
+        epochs, readers, fin = _phase2(c, ctx, manifest, rows, spec, directory, bar, t0, cont)
         bar.phase("write")
         rg = emit.row_groups_of(epochs, fin, c.dp, c.grad_accum, bool(c.packing))
         try:
@@ -298,7 +338,7 @@ def _phase23_workers(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec:
 
 
 def _phase2(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSpec, directory: str,
-            bar: PlanProgress, t0: float) -> tuple[list, list, Finished]:
+            bar: PlanProgress, t0: float, cont: Continuation = FRESH) -> tuple[list, list, Finished]:
     """Rank 0: the epochs laid out (their rows), the chunk files' readers, and the plan's columns and
     metadata."""
     epochs: list[EpochRows] = []
@@ -313,10 +353,10 @@ def _phase2(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSpe
                 ctx.fixed_batch = int(fixed_batch)
         if c.packing:
             packing_stats.append(_packing_stats(tables))
-        mode = epoch_mode(c, e)
+        mode = epoch_mode(c, cont.epoch(e))
         bar.phase(f"layout epoch {e + 1}/{c.epochs}")
-        ep = lay_out(tables, ctx, mode, global_rng(c.seed, e), warmup=c.compile_warmup and e == 0,
-                     schedule=c.schedule, stages=c.stages)
+        ep = lay_out(tables, ctx, mode, global_rng(c.seed, cont.epoch(e)),
+                     warmup=c.compile_warmup and cont.epoch(e) == 0, schedule=c.schedule, stages=c.stages)
         dropped = _tail_ids(directory, tables, ep)
         if len(dropped):
             ep.tail_ids = np.concatenate([ep.tail_ids, dropped])
@@ -328,6 +368,7 @@ def _phase2(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec: ChunkSpe
     fin = finish(c, ctx, manifest, rows.num_rows, epochs, long_ids=long_ids, num_long=num_long,
                  packing_stats=packing_stats, fixed_batch=fixed_batch, t0=t0, trained_only=rows.has_target)
     fin.metadata["chunks"]["count"] = spec.count
+    fin.metadata.update(cont.metadata or {})  # before the write: the plan's own check reads it (lineage)
     return epochs, readers, fin
 
 
