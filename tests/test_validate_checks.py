@@ -354,3 +354,155 @@ def test_checks_split_among_workers_and_merged_are_one_check(plans, tmp_path, wh
         assert _as_tuples(merged.results()) == one(cuts)
 
     split()
+
+
+# -- split samples at scale: chunks spilled by key range, split lookups by bitmap rank -------------------
+def _first_split_row(v, edit):
+    """The first row with a chunk past its sample's start, its starts edited."""
+    at = next(i for i, row in enumerate(v) if any(row))
+    return v[:at] + [[edit(s) for s in v[at]]] + v[at + 1:]
+
+
+SPILL_TAMPERS = {
+    "good": None,
+    "one-start": _set("sample_starts", lambda v: [[s + 1 if s else s for s in v[0]]] + v[1:]),
+    "all-starts": _set("sample_starts", lambda v: [[s + 1 for s in row] for row in v]),
+    "negative-start": _set("sample_starts", lambda v: _first_split_row(v, lambda s: -5 if s else s)),
+    "longer-chunks": _set("sample_lengths", lambda v: [[x + 3 for x in row] for row in v]),
+    "repeated-chunk": lambda cols: _repeat_split_chunk(cols),
+}
+
+
+def _repeat_split_chunk(cols: dict) -> None:
+    """The first chunk past its sample's start, once more in the last row (every list column)."""
+    at = next(i for i, row in enumerate(cols["sample_starts"]) if any(row))
+    j = next(j for j, s in enumerate(cols["sample_starts"][at]) if s)
+    for name in ("sample_ids", "sample_lengths", "sample_rows", "sample_starts"):
+        cols[name][-1] = cols[name][-1] + [cols[name][at][j] if name != "sample_rows" else cols[name][-1][-1]]
+    cols["num_samples"][-1] += 1
+
+
+def _streamed(path: str, metrics: str | None, spill, steps_per_window: int) -> list:
+    """validate's checks of a plan fed as windows of ``steps_per_window`` steps (with the metrics' lengths
+    or, without, the split samples found by a first pass), split chunks spilled to ``spill`` or held."""
+    from varlen_cli import format, plan_scan
+    from varlen_cli.plan_checks import PlanChecks, split_info
+    from varlen_cli.runtime import artifacts
+    from varlen_cli.validate import _metrics_per_id, window_arrays
+
+    pf, meta = format.open_plan_file(path)
+    per_id = _metrics_per_id(meta, metrics, artifacts.read_manifest(metrics)) if metrics else None
+    names = pf.schema_arrow.names
+    lists = [c for c in names if c in format.PLAN_LIST_COLUMNS]
+    (w,) = plan_scan.windows(pf, [c for c in names if c not in lists], lists, pf.metadata.num_rows or 1)
+    a = window_arrays(w, per_id)
+    size = steps_per_window * int(meta["dp"]) * int(meta["grad_accum"])
+    windows = [_rows(a, lo, min(lo + size, a.count)) for lo in range(0, a.count, size)]
+    split = split_info(windows, meta) if per_id is None else None
+    checks = PlanChecks(meta, split=split, lengths=per_id is not None, spill=spill)
+    for window in windows:
+        checks.update(window)
+    return _as_tuples(checks.results())
+
+
+@pytest.mark.parametrize("tamper", list(SPILL_TAMPERS), ids=list(SPILL_TAMPERS))
+@pytest.mark.parametrize("lengths", [True, False], ids=["metrics", "no-metrics"])
+def test_split_chunks_spilled_by_key_range_say_what_held_chunks_say(plans, tmp_path, monkeypatch, tamper, lengths):
+    """The chunks of split samples spilled to files by (epoch, range of keys), a few keys a file (as a
+    billion-sample plan's are), give every check's result and message, examples included, that the
+    chunks held in memory give; for the plan as written and tampered (tilings that overlap, leave gaps,
+    differ between copies or reach past their sample), with and without the samples' lengths, the plan
+    read as one window and as windows of one step."""
+    from varlen_cli import plan_checks
+
+    src = plans["packed"]
+    if SPILL_TAMPERS[tamper] is not None:
+        src = _rewrite(src, str(tmp_path / "bad.parquet"), SPILL_TAMPERS[tamper])
+    metrics = plans["metrics"] if lengths else None
+    held = _streamed(src, metrics, None, 10**9)
+    assert all(c[1] for c in held) == (tamper == "good")  # each tampering is caught
+    for part in (1 << 40, 3):  # one file an epoch, then a few keys a file
+        monkeypatch.setattr(plan_checks, "SPILL_PART", part)
+        for steps in (10**9, 1):
+            spill = tmp_path / f"spill-{part}-{steps}"
+            spill.mkdir()
+            assert _streamed(src, metrics, str(spill), steps) == held
+            files = len(list(spill.iterdir()))  # the chunks went to files: one an epoch, then many
+            assert files == 2 if part > 3 else files > 4
+
+
+def test_split_lookup_by_rank_is_the_largest_start_of_each_sample(monkeypatch):
+    """SplitInfo (packed sort, bitmap rank) against a plain dictionary of each (epoch, key)'s largest
+    start, for random chunks, also when the pairs do not pack into an int64 (huge keys) and when the
+    span is too large for a bitmap (binary search)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from varlen_cli import plan_checks
+    from varlen_cli.plan_checks import SplitInfo
+
+    @settings(max_examples=60, deadline=None)
+    @given(data=st.data())
+    def check(data):
+        size = data.draw(st.sampled_from([1, 7, 64, 200, 3 << 31]))
+        epochs = data.draw(st.integers(1, 3))
+        n = data.draw(st.integers(0, 300))
+        rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+        epoch = rng.integers(0, epochs, n)
+        keys = rng.integers(0, size, n)
+        starts = np.where(rng.random(n) < 0.5, 0, rng.integers(-3, 1 << 20, n))
+        if data.draw(st.booleans()):
+            monkeypatch.setattr(plan_checks, "SPLIT_BITMAP_MAX", 0)
+        else:
+            monkeypatch.setattr(plan_checks, "SPLIT_BITMAP_MAX", 1 << 34)
+        info = SplitInfo(size)
+        for lo in range(0, n, 50):
+            info.collect(epoch[lo:lo + 50], keys[lo:lo + 50], starts[lo:lo + 50])
+        info.freeze()
+        top = {}
+        for e, k, s in zip(epoch.tolist(), keys.tolist(), starts.tolist()):
+            if s > 0:
+                top[e * size + k] = max(top.get(e * size + k, 0), s)
+        ek = epoch * size + keys
+        assert info.later == int((starts > 0).sum()) and info.count == len(top)
+        is_split, final = info.final(ek, starts)
+        want_split = np.array([k in top for k in ek.tolist()], bool)
+        assert is_split.tolist() == want_split.tolist()
+        assert final.tolist() == [k not in top or s == top[k] for k, s in zip(ek.tolist(), starts.tolist())]
+        looked, biggest = info.lookup(ek)
+        assert looked.tolist() == want_split.tolist()
+        assert biggest.tolist() == [top.get(k, 0) for k in ek.tolist()]
+
+    check()
+
+
+def test_tiling_sort_packed_or_not_is_the_lexsort():
+    """The chunks' sort by (key, start, length), one packed int64 where the values fit, is the lexsort's
+    (and falls back to it for negative or too wide values)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from varlen_cli.plan_checks import _sorted_chunks
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.lists(st.tuples(st.integers(-2, 1 << 40), st.integers(-2, 1 << 20), st.integers(-2, 1 << 14)),
+                    min_size=1, max_size=40), st.booleans())
+    def check(rows, need_order):
+        k, s, ln = (np.array(x, np.int64) for x in zip(*rows))
+        order = np.lexsort((ln, s, k))
+        got = _sorted_chunks(k, s, ln, need_order)
+        for have, want in zip(got[:3], (k[order], s[order], ln[order])):
+            assert have.tolist() == want.tolist()
+        if got[3] is not None:
+            assert k[got[3]].tolist() == k[order].tolist() and s[got[3]].tolist() == s[order].tolist()
+
+    check()
+
+
+def test_a_spill_that_cannot_be_written_is_an_output_error(tmp_path):
+    from varlen_cli.errors import OutputError
+    from varlen_cli.key_spill import KeyRangeSpill
+
+    spill = KeyRangeSpill(str(tmp_path / "gone"), ("key", "start"), 100, 4)
+    with pytest.raises(OutputError, match="cannot write temporary files under .*gone"):
+        spill.add(np.zeros(3, np.int64), {"key": np.arange(3), "start": np.ones(3, np.int64)})

@@ -19,6 +19,7 @@ import numpy as np
 
 from . import format
 from .budget import Budget
+from .key_spill import KeyRangeSpill
 
 MAX_EXAMPLES = 5
 
@@ -53,6 +54,8 @@ class PlanArrays:
     sample_target: np.ndarray | None = None
     first_row: int = 0
     _final: np.ndarray | None = field(default=None, repr=False)
+    _split: np.ndarray | None = field(default=None, repr=False)  # entries of split samples (final_entries)
+    _epoch: np.ndarray | None = field(default=None, repr=False)  # entry_epoch()
 
     @property
     def count(self) -> int:
@@ -64,7 +67,9 @@ class PlanArrays:
         return self.starts is not None and len(self.starts) > 0 and bool(self.starts.any())
 
     def entry_epoch(self) -> np.ndarray:
-        return np.repeat(self.cols["epoch"].astype(np.int64), np.diff(self.offsets))
+        if self._epoch is None:
+            self._epoch = np.repeat(self.cols["epoch"].astype(np.int64), np.diff(self.offsets))
+        return self._epoch
 
 
 # -- segments ----------------------------------------------------------------------------------------
@@ -253,11 +258,11 @@ class Counts:
 
 # -- coverage -----------------------------------------------------------------------------------------
 class Bitmap:
-    """One bit per key in ``[0, n)``."""
+    """One bit per key in ``[0, n)`` (``pad``: the bytes rounded up to a multiple of it, zero)."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, pad: int = 1):
         self.n = n
-        self.bits = np.zeros((n + 7) // 8, np.uint8)
+        self.bits = np.zeros(-(-((n + 7) // 8) // pad) * pad, np.uint8)
 
     def test(self, keys: np.ndarray) -> np.ndarray:
         return (self.bits[keys >> 3] >> (keys & 7).astype(np.uint8)) & 1 == 1
@@ -268,6 +273,16 @@ class Bitmap:
             byte, mask = keys >> 3, np.left_shift(1, keys & 7).astype(np.uint8)
             self.bits[byte] |= mask
             keys = keys[(self.bits[byte] & mask) == 0]
+
+    def test_and_set(self, keys: np.ndarray) -> np.ndarray:
+        """:meth:`test` then :meth:`set`, with one gather less: whether each key was set before."""
+        byte, mask = keys >> 3, np.left_shift(1, keys & 7).astype(np.uint8)
+        before = self.bits[byte]
+        self.bits[byte] = before | mask
+        lost = np.flatnonzero((self.bits[byte] & mask) == 0)  # keys sharing a byte: one write won
+        if len(lost):
+            self.set(keys[lost])
+        return (before & mask) != 0
 
     def count(self) -> int:
         return int(np.bitwise_count(self.bits).sum())
@@ -372,57 +387,118 @@ def _dropped_keys(meta: dict, keys: _Keys, epochs: int) -> tuple[np.ndarray, lis
 
 
 SPLIT_BITMAP_MAX = 1 << 34  # (epoch, key) pairs a split plan's lookup bitmap covers (2 GiB; else binary search)
+_START_BITS = 31  # a later chunk's (epoch key, start) packed in one int64 while the epoch key fits 32 bits
 
 
 class SplitInfo:
     """The split samples of a plan (``--split-long``): per (epoch, key) the largest chunk start, from
-    the entries with start > 0 (what tells which chunk completes a sample without its length)."""
+    the entries with start > 0 (what tells which chunk completes a sample without its length).
+
+    Collected packed (one int64 per later chunk: epoch key and start), sorted once in place; looked up
+    by a bitmap of the split (epoch, key) pairs and its rank (set bits before each 64-bit word), which
+    indexes ``max_start``: O(1) per entry, no binary search."""
 
     def __init__(self, size: int):
         self.size = max(size, 1)
-        self._keys: list = []
+        self._packed: list = []  # epoch key << _START_BITS | start
+        self._keys: list = []  # (epoch key, start) pairs that do not pack (tampered epochs, huge plans)
         self._starts: list = []
-        self.key = np.zeros(0, np.int64)
+        self.later = 0  # entries with start > 0
+        self.count = 0  # split (epoch, key)s
+        self.key = np.zeros(0, np.int64)  # them, sorted, when there is no bitmap
         self.max_start = np.zeros(0, np.int64)
         self.bits: Bitmap | None = None
+        self._words: np.ndarray | None = None  # self.bits as uint64 words
+        self._rank: np.ndarray | None = None  # set bits before each word
 
     def collect(self, epoch: np.ndarray, keys: np.ndarray, starts: np.ndarray) -> None:
         later = starts > 0
-        if later.any():
-            self._keys.append(epoch[later] * self.size + keys[later])
-            self._starts.append(starts[later].astype(np.int64))
+        n = int(np.count_nonzero(later))
+        if not n:
+            return
+        self.later += n
+        k, s = epoch[later] * self.size + keys[later], starts[later].astype(np.int64)
+        if int(k.min()) >= 0 and int(k.max()) < 1 << 32 and int(s.max()) < 1 << _START_BITS:
+            self._packed.append((k << _START_BITS) | s)
+        else:
+            self._keys.append(k)
+            self._starts.append(s)
 
     def freeze(self) -> SplitInfo:
-        k = np.concatenate(self._keys) if self._keys else np.zeros(0, np.int64)
-        s = np.concatenate(self._starts) if self._starts else np.zeros(0, np.int64)
-        order = np.lexsort((s, k))
-        k, s = k[order], s[order]
+        if self._keys:  # some pairs do not pack: sort all as pairs
+            joined = np.concatenate(self._packed) if self._packed else np.zeros(0, np.int64)
+            k = np.concatenate([joined >> _START_BITS, *self._keys])
+            s = np.concatenate([joined & ((1 << _START_BITS) - 1), *self._starts])
+            order = np.lexsort((s, k))
+            k, s = k[order], s[order]
+            packed = False
+        else:
+            packed = True
+            k = np.concatenate(self._packed) if len(self._packed) > 1 else \
+                (self._packed[0] if self._packed else np.zeros(0, np.int64))
+            self._packed = []
+            k.sort()  # in place: by epoch key, then start
+            s = k  # the starts are the low bits of the packed values
+            k = k >> _START_BITS
+        self._packed, self._keys, self._starts = [], [], []
         last = np.r_[k[1:] != k[:-1], True] if len(k) else np.zeros(0, bool)
-        self.key, self.max_start = k[last], s[last]
-        self._keys, self._starts = [], []
+        self.key, top = k[last], s[last]
+        del k, s, last
+        self.max_start = _compact(top & ((1 << _START_BITS) - 1) if packed else top)
+        self.count = len(self.key)
         span = int(self.key[-1]) + 1 if len(self.key) else 0
-        self.bits = None
+        self.bits = self._words = self._rank = None
         if 0 < span <= SPLIT_BITMAP_MAX:  # one bit per (epoch, key): most entries are not split, found in O(1)
-            self.bits = Bitmap(span)
+            self.bits = Bitmap(span, pad=8)
             self.bits.set(self.key)
+            self.key = np.zeros(0, np.int64)  # the bitmap and its rank say it all
+            self._words = self.bits.bits.view(np.uint64)
+            self._rank = np.zeros(len(self._words), np.int32 if self.count < 1 << 31 else np.int64)
+            np.cumsum(np.bitwise_count(self._words[:-1]), out=self._rank[1:])
         return self
+
+    def _index(self, epoch_keys: np.ndarray) -> np.ndarray:
+        """Where split (epoch, key)s are in ``max_start`` (the keys must be split ones)."""
+        if self._rank is None:
+            return np.searchsorted(self.key, epoch_keys)
+        word, bit = epoch_keys >> 6, (epoch_keys & 63).astype(np.uint64)
+        below = self._words[word] & ((np.uint64(1) << bit) - np.uint64(1))
+        return self._rank[word] + np.bitwise_count(below)
 
     def lookup(self, epoch_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(whether each key is a split sample's, its largest start)."""
         n = len(epoch_keys)
-        if not len(self.key):
-            return np.zeros(n, bool), np.zeros(n, np.int64)
+        is_split = self.contains(epoch_keys)
+        top = np.zeros(n, np.int64)
+        hit = np.flatnonzero(is_split)
+        top[hit] = self.max_start[self._index(epoch_keys[hit])]
+        return is_split, top
+
+    def contains(self, epoch_keys: np.ndarray) -> np.ndarray:
+        """Whether each (epoch, key) is a split sample's."""
+        n = len(epoch_keys)
+        if not self.count:
+            return np.zeros(n, bool)
         if self.bits is None:
             at = np.minimum(np.searchsorted(self.key, epoch_keys), len(self.key) - 1)
-            return self.key[at] == epoch_keys, self.max_start[at]
+            return self.key[at] == epoch_keys
         inside = (epoch_keys >= 0) & (epoch_keys < self.bits.n)
+        if inside.all():
+            return self.bits.test(epoch_keys)
+        out = np.zeros(n, bool)
         candidates = np.flatnonzero(inside)
-        hit = candidates[self.bits.test(epoch_keys[candidates])]
-        is_split, top = np.zeros(n, bool), np.zeros(n, np.int64)
-        at = np.searchsorted(self.key, epoch_keys[hit])  # a binary search only for the split samples' entries
-        is_split[hit] = True
-        top[hit] = self.max_start[at]
-        return is_split, top
+        out[candidates] = self.bits.test(epoch_keys[candidates])
+        return out
+
+    def final(self, epoch_keys: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(whether each entry is a split sample's, whether it ends its sample): a split sample's entry
+        ends it when it starts at the sample's largest start (> 0); any other entry ends its sample."""
+        is_split = self.contains(epoch_keys)
+        final = ~is_split
+        later = np.flatnonzero(is_split & (starts > 0))
+        if len(later):
+            final[later] = starts[later] == self.max_start[self._index(epoch_keys[later])]
+        return is_split, final
 
 
 def split_info(windows, meta: dict) -> SplitInfo:
@@ -452,10 +528,9 @@ class _Seen:
 
     def add(self, k: np.ndarray) -> None:
         if isinstance(self.seen, Bitmap):
-            hit = self.seen.test(k)
+            hit = self.seen.test_and_set(k)
             if hit.any():
                 self.hits = _smallest(self.hits, k[hit])
-            self.seen.set(k)
         else:
             self.seen += np.bincount(k, minlength=len(self.seen))
         self.entries += len(k)
@@ -504,6 +579,17 @@ class Coverage:
         self.problems: list = []
         self.needs_diagnosis: set = set()
         self.chunks: dict = {name: [] for name in ("epoch", "key", "start", "length", "full")}
+        self.spill: KeyRangeSpill | None = None  # where split chunks go instead of self.chunks (spill_to)
+        self.spill_full = self.spill_gaps = False  # spilled with their samples' lengths; a window without
+
+    def spill_to(self, directory: str, expected: int, lengths: bool) -> None:
+        """Append split samples' chunks to files under ``directory`` by (epoch, range of keys) instead of
+        holding them (about ``expected`` of them; ``lengths``: windows come with ``sample_length``); the
+        tiling is then checked one file at a time: bounded memory (not for a ``keep`` Coverage)."""
+        parts = min(max(-(-int(expected) // SPILL_PART), 1), SPILL_FILES)
+        self.spill_full = lengths
+        self.spill = KeyRangeSpill(directory, ("key", "start", "length") + (("full",) if lengths else ()),
+                                   self.keys.size, parts)
 
     def long_samples(self, ids: np.ndarray) -> None:
         """The samples too long for any microbatch (from the lengths), for a plan that counted them
@@ -543,9 +629,21 @@ class Coverage:
         sel = a.starts > 0
         if a.sample_length is not None and a.lengths is not None:
             sel |= a.lengths < a.sample_length
+        elif a._split is not None:  # found by final_entries
+            sel |= a._split
         elif self.split is not None:
-            sel |= self.split.lookup(epoch * self.split.size + k)[0]
+            sel |= self.split.contains(epoch * self.split.size + k)
         if not sel.any():
+            return
+        if self.spill is not None:
+            n = int(sel.sum())
+            cols = {"key": k[sel], "start": a.starts[sel],
+                    "length": a.lengths[sel] if a.lengths is not None else np.zeros(n, np.int64)}
+            if self.spill_full:
+                if a.sample_length is None:  # as in memory: the whole lengths are then not checked
+                    self.spill_gaps = True
+                cols["full"] = a.sample_length[sel] if a.sample_length is not None else np.zeros(n, np.int64)
+            self.spill.add(epoch[sel], cols)
             return
         # held until the end (a billion-sample plan has tens of millions): int32 where the values fit
         parts = {"epoch": _compact(epoch[sel]), "key": _compact(k[sel]), "start": _compact(a.starts[sel]),
@@ -593,6 +691,8 @@ class Coverage:
         self.problem = _first_met(self.problem, other.problem)
         self.out_of_order |= other.out_of_order
         self.edges += other.edges
+        if self.spill is not None or other.spill is not None:
+            raise ValueError("a spilling Coverage cannot be merged")
         for name, parts in other.chunks.items():
             self.chunks[name] += parts
         mine, theirs = self._states(), other._states()
@@ -656,6 +756,8 @@ class Coverage:
                      f"each of {self.epochs} epochs" + (f", {dropped} listed as dropped" if dropped else ""))
 
     def _tiling(self) -> list[str]:
+        if self.spill is not None:
+            return self._spilled_tiling()
         if not self.chunks["epoch"]:
             return []
         c = {}
@@ -669,6 +771,18 @@ class Coverage:
             sel = c["epoch"] == e if len(epochs) > 1 else slice(None)
             problems += _tiling_problems({name: v[sel] for name, v in c.items()}, int(e),
                                          partial=e == 0 and self.partial_first)
+        return problems
+
+    def _spilled_tiling(self) -> list[str]:
+        problems = []
+        for e in self.spill.groups():
+            partial = e == 0 and self.partial_first
+            found = []
+            for c in self.spill.parts(e):
+                if self.spill_gaps:
+                    c.pop("full", None)
+                found += _tiling_found(c, partial)
+            problems += _tiling_messages(found, e, partial)
         return problems
 
 
@@ -715,26 +829,37 @@ INT32_LIMIT = 1 << 31
 
 
 TILING_PART = 1 << 20  # split chunks whose tiling is checked together (a range of keys): bounded temporaries
+SPILL_PART = 1 << 21  # split chunks a spill file is meant to hold (Coverage.spill_to; 64 MiB with lengths)
+SPILL_FILES = 4096  # at most this many ranges of keys an epoch
 
 
 def _tiling_problems(c: dict, e: int, partial: bool) -> list[str]:
     """The chunks of every split sample of one epoch (``c``: their key, start, length and, when known,
     whole length): each distinct chunk (start, length) as often as the sample's first one (its copies),
     distinct chunks back to back from 0 (a replan's first epoch: no overlap only), and, with the
-    samples' lengths, ending at the sample's length. Checked a range of keys at a time (a sample's
-    chunks share its key), in key order."""
+    samples' lengths, ending at the sample's length."""
+    return _tiling_messages(_tiling_found(c, partial), e, partial)
+
+
+def _tiling_found(c: dict, partial: bool) -> list[dict]:
+    """:func:`_tiling_part` of the chunks ``c`` (every chunk of their samples), a range of keys at a time
+    (a sample's chunks share its key), in key order: bounded temporaries."""
     k = c["key"]
     with_full = "full" in c and len(c["full"]) == len(k)
     names = ("key", "start", "length") + (("full",) if with_full else ())
     parts = -(-len(k) // TILING_PART)
-    found = []
     if parts <= 1:
-        found.append(_tiling_part({name: c[name] for name in names}, partial))
-    else:
-        edges = np.linspace(int(k.min()), int(k.max()) + 1, parts + 1).astype(np.int64)
-        for lo, hi in zip(edges[:-1], edges[1:]):
-            idx = np.flatnonzero((k >= lo) & (k < hi))
-            found.append(_tiling_part({name: c[name][idx] for name in names}, partial))
+        return [_tiling_part({name: c[name] for name in names}, partial)]
+    found = []
+    edges = np.linspace(int(k.min()), int(k.max()) + 1, parts + 1).astype(np.int64)
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        idx = np.flatnonzero((k >= lo) & (k < hi))
+        found.append(_tiling_part({name: c[name][idx] for name in names}, partial))
+    return found
+
+
+def _tiling_messages(found: list[dict], e: int, partial: bool) -> list[str]:
+    """The problems of epoch ``e`` from its :func:`_tiling_part` findings, in key order."""
     problems = []
     if any(f["differ"] for f in found):
         problems.append(f"epoch {e}: copies of a chunk differ in length")
@@ -754,15 +879,15 @@ def _tiling_part(c: dict, partial: bool) -> dict:
     """What :func:`_tiling_problems` reports, for the split samples whose keys are in ``c``."""
     found = {"differ": False, "overlap": False, "gaps": [], "bad_ends": 0}
     k, s, ln = c["key"], c["start"], c["length"]
-    split = np.unique(k[s > 0])
-    if not len(split):
+    if not len(s) or not (s > 0).any():
         return found
-    keep = split[np.minimum(np.searchsorted(split, k), len(split) - 1)] == k  # np.isin, without its N-sized sort
-    if not keep.all():
-        k, s, ln = k[keep], s[keep], ln[keep]
-    order = np.lexsort((ln, s, k))
-    k, s, ln = k[order], s[order], ln[order]
+    k, s, ln, order = _sorted_chunks(k, s, ln, need_order="full" in c)
     new_key = np.r_[True, k[1:] != k[:-1]]
+    keep = (s[np.r_[new_key[1:], True]] > 0)[np.cumsum(new_key) - 1]  # samples split: their largest start > 0
+    full = c["full"][order] if "full" in c else None
+    if not keep.all():
+        k, s, ln, new_key = k[keep], s[keep], ln[keep], new_key[keep]
+        full = full[keep] if full is not None else None
     same_chunk = ~new_key & np.r_[False, s[1:] == s[:-1]]
     found["differ"] = bool((same_chunk & np.r_[False, ln[1:] != ln[:-1]]).any())
     chunk_start = np.flatnonzero(~same_chunk)  # first entry of each distinct (key, start)
@@ -778,14 +903,32 @@ def _tiling_part(c: dict, partial: bool) -> dict:
         head_copies = copies[first][group]
         bad = gaps | (copies != head_copies)
         found["gaps"] = ck[np.flatnonzero(bad)[:MAX_EXAMPLES]].tolist()
-    if "full" in c:
-        full = c["full"][keep] if not keep.all() else c["full"]
-        full = full[order][chunk_start].astype(np.int64)
+    if full is not None:
+        full = full[chunk_start].astype(np.int64)
         last = np.r_[ck[1:] != ck[:-1], True]
         over = cs + cl > full
         short = last & (cs + cl != full) & (not partial)
         found["bad_ends"] = int(over.sum() + short.sum())
     return found
+
+
+def _sorted_chunks(k: np.ndarray, s: np.ndarray, ln: np.ndarray, need_order: bool) -> tuple:
+    """Chunks sorted by (key, start, length), and the order (when ``need_order``): one sort of the three
+    packed in an int64 when their values fit (they do in any plan varlen writes), else a lexsort."""
+    k, s, ln = (np.asarray(x, np.int64) for x in (k, s, ln))
+    bits = [int(x.max()).bit_length() for x in (k, s, ln)]
+    if min(int(k.min()), int(s.min()), int(ln.min())) < 0 or sum(bits) > 63:
+        order = np.lexsort((ln, s, k))
+        return k[order], s[order], ln[order], order
+    packed = (k << (bits[1] + bits[2])) | (s << bits[2]) | ln
+    order = None
+    if need_order:  # ties are equal chunks of one sample (the same whole length): any order of them will do
+        order = np.argsort(packed)
+        packed = packed[order]
+    else:
+        packed.sort()
+    low = (1 << bits[2]) - 1
+    return packed >> (bits[1] + bits[2]), (packed >> bits[2]) & ((1 << bits[1]) - 1), packed & low, order
 
 
 # -- budget and shapes ----------------------------------------------------------------------------------
@@ -969,13 +1112,12 @@ def final_entries(a: PlanArrays, split: SplitInfo | None, keys: _Keys, meta: dic
         final = a.starts + a.lengths == a.sample_length
         a._final = None if final.all() else final
         return a._final
-    if split is None or not len(split.key):
+    if split is None or not split.count:
         return None
     k, problem = keys.of(a, meta)
     if problem is not None:
         return None
-    is_split, top = split.lookup(a.entry_epoch() * split.size + k)
-    a._final = ~is_split | (a.starts == top)
+    a._split, a._final = split.final(a.entry_epoch() * split.size + k, a.starts)
     return a._final
 
 
@@ -1196,10 +1338,12 @@ class PlanChecks:
     windows in plan order, e.g. the workers writing a plan's segments), which are then joined with
     :meth:`merge` (in any order; picklable between processes): the merged :meth:`results` are those
     of one PlanChecks fed every window. Such a PlanChecks keeps one bitmap per epoch it met until
-    the end (a streaming one only the current epoch's)."""
+    the end (a streaming one only the current epoch's). ``spill``: a directory (the caller's) where a
+    streaming one puts the chunks of split samples until their check at the end (else held in memory)."""
 
     def __init__(self, meta: dict, *, split: SplitInfo | None = None, lengths: bool = False, max_memory=None,
-                 profile_path: str | None = None, mergeable: bool = False):
+                 profile_path: str | None = None, mergeable: bool = False, spill: str | None = None,
+                 background: bool = False):
         self.meta = meta
         self.error: str | None = None
         try:
@@ -1211,17 +1355,25 @@ class PlanChecks:
         self.keys = keys_of(meta)
         # a replan's first epoch of a split plan, without the samples' lengths: which chunk ends a sample
         # whose last chunk was consumed before the replan is unknown
-        unknowable = (split is not None and len(split.key) > 0 and not lengths
+        unknowable = (split is not None and split.count > 0 and not lengths
                       and "consumed_samples" in (meta.get("lineage") or {}))
         self.layout, self.counts = Layout(meta), Counts(bool(meta.get("packing")))
         self.coverage, self.budget_check = Coverage(meta, split), BudgetCheck(meta, self.budget)
         self.coverage.keep = mergeable
+        if spill is not None and not mergeable:  # split chunks to files under spill, checked a key range at a time
+            expected = split.later + split.count if split is not None else self.keys.size // 16
+            self.coverage.spill_to(spill, expected, lengths)
         self.shapes, self.steps, self.lr = Shapes(meta), StepTotals(unknowable), Lr(meta, unknowable)
         self.straggler = Straggler(meta, self.budget)
         self.loss = LossTokens(unknowable, meta.get("loss_tokens") == format.TARGET_LENGTH_COLUMN)
         self.memory = [] if (max_memory is not None or profile_path is not None or self.budget.memory) else None
         self.memory_args = (max_memory, profile_path)
         self.broken = False  # list columns that disagree, negative ids: only layout and counts are meaningful
+        self._worker = self._pending = None  # background: a thread checks coverage while the rest goes on
+        if background and not mergeable:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="varlen-coverage")
 
     def update(self, a: PlanArrays) -> None:
         if self.error is not None:
@@ -1233,7 +1385,11 @@ class PlanChecks:
             return
         final = final_entries(a, self.split, self.keys, self.meta)
         done = completed(a, final)
-        self.coverage.update(a)
+        if self._worker is None:
+            self.coverage.update(a)
+        else:  # windows in order: the previous one's first (numpy's gathers and scatters release the GIL)
+            self._wait()
+            self._pending = self._worker.submit(self.coverage.update, a)
         self.budget_check.update(a)
         self.shapes.update(a)
         self.steps.update(a, done)
@@ -1242,6 +1398,20 @@ class PlanChecks:
             self.memory.append((a.first_row, a.cols["batch_size"].astype(np.int32), a.cols["seqlen"].astype(np.int32)))
         self.straggler.update(a)
         self.loss.update(a, final)
+
+    def _wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        """Wait for the background coverage check and end its thread (results() does it too)."""
+        if self._worker is not None:
+            try:
+                self._wait()
+            finally:
+                self._worker.shutdown()
+                self._worker = None
 
     def merge(self, other: PlanChecks) -> None:
         """Add the windows ``other`` (made with the same metadata, ``mergeable``) was fed."""
@@ -1256,6 +1426,7 @@ class PlanChecks:
     def results(self) -> list[Check]:
         if self.error is not None:
             return [Check("budget", False, self.error)]
+        self.close()
         checks = [self.layout.result(), self.counts.result()]
         if self.broken:
             return checks

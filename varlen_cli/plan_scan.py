@@ -67,8 +67,10 @@ def _flat(column) -> tuple[np.ndarray, np.ndarray]:
     return offsets - offsets[0], values
 
 
-def windows(pf, scalars, lists, slots: int) -> Iterator[Window]:
-    """Windows of whole steps (``slots`` rows a step) over an open ``pyarrow.parquet.ParquetFile``."""
+def windows(pf, scalars, lists, slots: int, target: int | None = None) -> Iterator[Window]:
+    """Windows of whole steps (``slots`` rows a step) over an open ``pyarrow.parquet.ParquetFile``;
+    row groups are read together up to ``target`` list values (default :data:`TARGET_VALUES`)."""
+    target = TARGET_VALUES if target is None else target
     names = list(scalars) + list(lists)
     carry: Window | None = None
     row = 0
@@ -81,7 +83,7 @@ def windows(pf, scalars, lists, slots: int) -> Iterator[Window]:
             rg = md.row_group(g)
             pending.append(g)
             pending_values += rg.column(leaf).num_values if leaf is not None else rg.num_rows
-            if pending_values < TARGET_VALUES and g + 1 < md.num_row_groups:
+            if pending_values < target and g + 1 < md.num_row_groups:
                 continue
         if not pending:
             break
