@@ -1039,13 +1039,17 @@ def _length_problems(a: PlanArrays, packing) -> list[tuple[str, int]]:
     return problems
 
 
+DENSE_SEQLEN = 1 << 24  # seqlens below this are noted in a boolean array (one byte each), others in a set
+
+
 class Shapes:
     def __init__(self, meta: dict):
         self.meta = meta
         self.pcfg = meta.get("config") or {}
         self.shapes = meta.get("shapes") or []
         self.arr = np.asarray(self.shapes, dtype=np.int64).reshape(-1, 2)
-        self.seqlens: set = set()
+        self.seqlens = np.zeros(0, bool)  # seqlen t met: seqlens[t] (0 <= t < DENSE_SEQLEN)
+        self.odd_seqlens: set = set()  # the others (a tampered plan)
         self.pairs: set = set()
         self.outside = self.bad_b = self.mixed = False
         self.bad_t = 0
@@ -1053,7 +1057,7 @@ class Shapes:
     def update(self, a: PlanArrays) -> None:
         c = a.cols
         t = c["seqlen"].astype(np.int64)
-        self.seqlens.update(np.unique(t).tolist())
+        self._note_seqlens(t)
         sid = c["shape_id"].astype(np.int64)
         if len(sid) and (not self.shapes or sid.min() < 0 or sid.max() >= len(self.shapes)):
             self.outside = True
@@ -1070,8 +1074,33 @@ class Shapes:
             s, kk = step[order], key[order]
             self.mixed |= bool(((s[1:] == s[:-1]) & (kk[1:] != kk[:-1])).any())
 
+    def _note_seqlens(self, t: np.ndarray) -> None:
+        if not len(t):
+            return
+        if int(t.min()) < 0 or int(t.max()) >= DENSE_SEQLEN:
+            inside = (t >= 0) & (t < DENSE_SEQLEN)
+            self.odd_seqlens.update(np.unique(t[~inside]).tolist())
+            t = t[inside]
+            if not len(t):
+                return
+        top = int(t.max())
+        if top >= len(self.seqlens):
+            grown = np.zeros(max(top + 1, 2 * len(self.seqlens)), bool)
+            grown[:len(self.seqlens)] = self.seqlens
+            self.seqlens = grown
+        self.seqlens[t] = True
+
+    def distinct_seqlens(self) -> int:
+        return int(np.count_nonzero(self.seqlens)) + len(self.odd_seqlens)
+
     def merge(self, other: Shapes) -> None:
-        self.seqlens |= other.seqlens
+        if len(other.seqlens) > len(self.seqlens):
+            grown = other.seqlens.copy()
+            grown[:len(self.seqlens)] |= self.seqlens
+            self.seqlens = grown
+        else:
+            self.seqlens[:len(other.seqlens)] |= other.seqlens
+        self.odd_seqlens |= other.odd_seqlens
         self.pairs |= other.pairs
         self.outside |= other.outside
         self.bad_b |= other.bad_b
@@ -1081,7 +1110,7 @@ class Shapes:
     def result(self) -> Check:
         problems = []
         k = self.pcfg.get("num_shapes")
-        distinct_t = len(self.seqlens)
+        distinct_t = self.distinct_seqlens()
         if k and distinct_t > int(k):
             problems.append(f"{distinct_t} distinct seqlens, more than --num-shapes {k}")
         if self.outside:

@@ -26,20 +26,28 @@ from .spill import ItemReader
 GAP = 1 << 16  # items between two rows of a chunk read in one run rather than two
 
 
-def _runs(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Merge item ranges ``[lo, hi)`` (any order) into runs; returns run starts, run ends and the run
-    of each range."""
-    order = np.argsort(lo, kind="stable")
-    s, e = lo[order], hi[order]
+_CHUNK_SHIFT = 40  # a (chunk, item) key: chunk << 40 | item (items of a chunk < 2^40, chunks < 2^23)
+
+
+def _runs(chunk: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Merge the item ranges ``[lo, hi)`` of chunks ``chunk`` (any order) into runs of one chunk each: in
+    (chunk, lo) order, a range starts a new run when it lies more than :data:`GAP` items beyond the
+    furthest end so far (or in the next chunk). Returns each run's chunk, start and end, in (chunk,
+    start) order, and the run of each range."""
+    base = chunk.astype(np.int64) << _CHUNK_SHIFT
+    s_all = base + lo
+    order = np.argsort(s_all, kind="stable")
+    s, e = s_all[order], (base + hi)[order]
     reach = np.maximum.accumulate(e)
     new = np.ones(len(s), bool)
     new[1:] = s[1:] > reach[:-1] + GAP
-    run_of_sorted = np.cumsum(new) - 1
-    starts = s[new]
-    ends = np.maximum.reduceat(e, np.flatnonzero(new)) if len(s) else np.zeros(0, np.int64)
+    first = np.flatnonzero(new)
+    starts = s[first]
+    ends = np.maximum.reduceat(e, first) if len(s) else np.zeros(0, np.int64)
     run = np.empty(len(lo), np.int64)
-    run[order] = run_of_sorted
-    return starts, ends, run
+    run[order] = np.cumsum(new) - 1
+    run_chunk = starts >> _CHUNK_SHIFT
+    return run_chunk, starts - (run_chunk << _CHUNK_SHIFT), ends - (run_chunk << _CHUNK_SHIFT), run
 
 
 class GroupItems:
@@ -50,26 +58,19 @@ class GroupItems:
 
     def read(self, chunk: np.ndarray, item_lo: np.ndarray, count: np.ndarray) -> tuple[dict, np.ndarray]:
         count = count.astype(np.int64)
-        offsets = np.concatenate([[0], np.cumsum(count)]).astype(np.int64)
-        buffers = {name: [] for name in self.names}
-        src_start = np.zeros(len(chunk), np.int64)
-        at = 0
-        for k in np.unique(chunk).tolist():
-            rows = np.flatnonzero(chunk == k)
-            lo = item_lo[rows].astype(np.int64)
-            starts, ends, run = _runs(lo, lo + count[rows])
-            run_at = at + np.concatenate([[0], np.cumsum(ends - starts)])[:-1]
-            src_start[rows] = run_at[run] + (lo - starts[run])
-            for s, e in zip(starts.tolist(), ends.tolist()):
-                for name in self.names:
-                    buffers[name].append(self.readers[k].read(name, s, e))
-            at += int((ends - starts).sum())
-        idx = batching.segment_gather(src_start, count, offsets)
-        out = {}
-        for name in self.names:
-            flat = np.concatenate(buffers[name]) if buffers[name] else np.zeros(0, np.int64)
-            out[name] = flat[idx] if len(idx) else flat[:0]
-        return out, offsets
+        offsets = np.zeros(len(count) + 1, np.int64)
+        np.cumsum(count, out=offsets[1:])
+        lo = item_lo.astype(np.int64)
+        run_chunk, starts, ends, run = _runs(chunk, lo, lo + count)
+        run_at = np.zeros(len(starts) + 1, np.int64)
+        np.cumsum(ends - starts, out=run_at[1:])
+        flat = {name: np.empty(int(run_at[-1]), self.readers[0].dtype_of(name) if self.readers else np.int64)
+                for name in self.names}
+        for k, s, e, at in zip(run_chunk.tolist(), starts.tolist(), ends.tolist(), run_at[:-1].tolist()):
+            for name in self.names:
+                self.readers[k].read_into(name, s, e, flat[name][at:at + e - s])
+        idx = batching.segment_gather(run_at[:-1][run] + (lo - starts[run]), count, offsets)
+        return {name: flat[name][idx] for name in self.names}, offsets
 
 
 @dataclass
@@ -248,7 +249,7 @@ def _group(rg: RowGroups, readers, specs: list[RowSpec]):
                 "shape_id": fin.shape_id(batch, seqlen.astype(np.int64)), "step_samples": fin.step_samples[gstep],
                 "step_tokens": fin.step_tokens[gstep], "step_loss_tokens": fin.step_loss_tokens[gstep]}
         item_rows = rg.packed and rg.item_rows[e]
-        got, _ = GroupItems(readers[e], rg.names + (("item_row",) if item_rows else ())).read(
+        got, offsets = GroupItems(readers[e], rg.names + (("item_row",) if item_rows else ())).read(
             spec.chunk, spec.item_lo, count)
         items = {"sample_ids": got["ids"], "sample_length": got["sample_length"].astype(np.int64)}
         if "sample_target" in got:
@@ -260,6 +261,8 @@ def _group(rg: RowGroups, readers, specs: list[RowSpec]):
         parts_cols.append(cols)
         parts_items.append(items)
         parts_counts.append(count.astype(np.int64))
+    if len(specs) == 1:  # a row group inside one epoch
+        return parts_cols[0], parts_items[0], offsets
     cols = {name: np.concatenate([p[name] for p in parts_cols]) for name in parts_cols[0]} if parts_cols else {}
     items = {name: np.concatenate([p[name] for p in parts_items]) for name in parts_items[0]} if parts_items else {}
     counts = np.concatenate(parts_counts) if parts_counts else np.zeros(0, np.int64)

@@ -7,6 +7,7 @@ position and are never stored).
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -27,6 +28,9 @@ def row_positions(m: int, dp: int, grad_accum: int, lo: int = 0) -> tuple[np.nda
     return i // slots, (i % slots) // grad_accum, i % grad_accum
 
 
+DENSE_SHAPES = 1 << 22  # seqlens up to this look their shape id up in a table (4 bytes a seqlen)
+
+
 @dataclass
 class Finished:
     """What the writer needs besides the epochs' rows: per-step columns and the shapes."""
@@ -43,8 +47,19 @@ class Finished:
     dropped_ids: np.ndarray
 
     def shape_id(self, batch: np.ndarray, seqlen: np.ndarray) -> np.ndarray:
+        table = self._by_seqlen
+        if table is not None and (not len(seqlen) or (int(seqlen.min()) >= 0 and int(seqlen.max()) < len(table))):
+            return table[seqlen]
         key = (batch.astype(np.int64) if self.fixed_b else np.zeros(len(seqlen), np.int64)) << 32 | seqlen
         return np.searchsorted(self.shape_keys, key).astype(np.int32)
+
+    @functools.cached_property
+    def _by_seqlen(self) -> np.ndarray | None:
+        """When the shapes are the seqlens (B not part of them) up to :data:`DENSE_SHAPES`: the shape id of
+        every seqlen ``0..T_max`` (the binary search's results, looked up instead of searched)."""
+        if self.fixed_b or not len(self.shape_keys) or int(self.shape_keys[-1]) >= DENSE_SHAPES:
+            return None
+        return np.searchsorted(self.shape_keys, np.arange(int(self.shape_keys[-1]) + 1)).astype(np.int32)
 
 
 def blocks(ep: EpochRows, slots: int, lo: int = 0, hi: int | None = None):

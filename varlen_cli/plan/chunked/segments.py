@@ -174,7 +174,7 @@ def write_share(directory: str, rank: int, output: str, between=None) -> int:
 class Joiner:
     """Rank 0: the segments appended to the plan's temporary file in segment order as soon as they
     are written (``advance``, between rank 0's own segments: the copying overlaps the other workers'
-    writing), then the rest and the footer (:func:`join`)."""
+    writing), each removed once appended, then the rest and the footer (:func:`join`)."""
 
     def __init__(self, directory: str, count: int, tmp_path: str, output: str):
         self.directory, self.count, self.next = directory, count, 0
@@ -187,6 +187,7 @@ class Joiner:
             if not os.path.exists(path):  # renamed into place once whole
                 return
             self.cat.add(path)
+            os.remove(path)  # its bytes are in the plan now: the disk holds the plan about once, not twice
             self.next += 1
 
     def close(self) -> None:

@@ -175,23 +175,32 @@ class ItemReader:
                        for item in table.header["item_arrays"]}
         self._fds: dict = {}
 
+    def dtype_of(self, item: str) -> np.dtype:
+        """The dtype :meth:`read` returns ``item`` in (sample ids: int64)."""
+        return np.dtype(np.int64) if item == "ids" else self.dtypes[item]
+
     def read(self, item: str, lo: int, hi: int) -> np.ndarray:
         """Items ``[lo, hi)`` of ``item`` (sample ids as int64)."""
+        out = np.empty(hi - lo, self.dtype_of(item))
+        self.read_into(item, lo, hi, out)
+        return out
+
+    def read_into(self, item: str, lo: int, hi: int, out: np.ndarray) -> None:
+        """Items ``[lo, hi)`` of ``item`` into ``out`` (``hi - lo`` values of :meth:`dtype_of`)."""
         dtype = self.dtypes[item]
         fd = self._fds.get(item)
         if fd is None:
             fd = self._fds[item] = os.open(f"{self.name}.{item}.bin", os.O_RDONLY)
-        out = np.empty(hi - lo, dtype)
-        view, at, want = memoryview(out.view(np.uint8)), 0, (hi - lo) * dtype.itemsize
+        raw = out if out.dtype == dtype else np.empty(hi - lo, dtype)
+        view, at, want = memoryview(raw.view(np.uint8)), 0, (hi - lo) * dtype.itemsize
         while at < want:
             got = os.preadv(fd, [view[at:]], lo * dtype.itemsize + at)
             if got <= 0:
                 raise OutputError(f"{self.name}.{item}.bin is shorter than its table says (a temporary file was "
                                   "changed while the plan was written)")
             at += got
-        if item == "ids":
-            return out.astype(np.int64) + self.base if dtype != np.int64 else out
-        return out
+        if raw is not out:  # sample ids stored as uint32 offsets from the chunk's smallest
+            np.add(raw, self.base, out=out, dtype=np.int64)
 
     def close(self) -> None:
         for fd in self._fds.values():
