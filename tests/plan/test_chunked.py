@@ -363,6 +363,48 @@ def test_same_plan_for_1_2_and_4_workers(dirs, tmp_path, name, small_segments):
     assert (min(shared) > 0) == (not whole)
 
 
+def _interleaving(per_chunk, seed: int, block: int, lo: int = 0, hi: int | None = None):
+    from varlen_cli.plan.chunked import epoch
+
+    was, epoch.BLOCK_ROWS = epoch.BLOCK_ROWS, block
+    try:
+        parts = list(epoch.interleave(np.array(per_chunk), np.random.default_rng(seed), lo, hi))
+    finally:
+        epoch.BLOCK_ROWS = was
+    if not parts:
+        return [], []
+    assert parts[0][0] == lo and all(a[0] + len(a[1]) == b[0] for a, b in zip(parts, parts[1:]))
+    return np.concatenate([p[1] for p in parts]).tolist(), np.concatenate([p[2] for p in parts]).tolist()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=5), st.integers(1, 30), st.integers(0, 2**32), st.data())
+def test_interleaving_any_range_is_the_whole_ones(per_chunk, block, seed, data):
+    """The interleaving takes every chunk's units once, in their order, and any range of positions (a
+    rank's share) gets what the whole interleaving gives those positions."""
+    labels, ranks = _interleaving(per_chunk, seed, block)
+    assert np.bincount(labels, minlength=len(per_chunk)).tolist() == per_chunk
+    for k, n in enumerate(per_chunk):
+        assert [r for label, r in zip(labels, ranks) if label == k] == list(range(n))
+    lo = data.draw(st.integers(0, sum(per_chunk)))
+    hi = data.draw(st.integers(lo, sum(per_chunk)))
+    assert _interleaving(per_chunk, seed, block, lo, hi) == (labels[lo:hi], ranks[lo:hi])
+    if len(per_chunk) == 1:  # one chunk: its own order, no draws (the single-process planner's)
+        assert ranks == list(range(per_chunk[0]))
+
+
+@pytest.mark.parametrize("block", [1, 2, 3, 100])
+def test_interleaving_is_uniform(block):
+    """Every arrangement of the labels 0 0 1 1 2 is equally likely (30 of them), however the positions
+    are cut into blocks: 6,000 seeds, each arrangement within 5 standard deviations of 200."""
+    from collections import Counter
+
+    seen = Counter(tuple(_interleaving([2, 2, 1], seed, block)[0]) for seed in range(6000))
+    assert len(seen) == 30
+    sd = (6000 * (1 / 30) * (29 / 30)) ** 0.5
+    assert all(abs(n - 200) < 5 * sd for n in seen.values()), seen.most_common(3)
+
+
 def test_layout_shares_are_whole_blocks_covering_the_epoch():
     """Each rank's positions are whole blocks, contiguous, in rank order, covering the epoch once."""
     from varlen_cli.plan.chunked import epoch

@@ -60,7 +60,9 @@ benchmarks/scale.md, "Rank 0 memory"):
 * **Order**: curriculum/reverse keep the chunks' sequences one after the other; every other order
   takes a uniformly random interleaving of the chunks' sequences (a random permutation of the
   multiset of chunk labels), which, each chunk's sequence being shuffled, is a uniformly random
-  order of all microbatches.
+  order of all microbatches. It is drawn a block of positions at a time (``epoch.interleave``): how
+  many units each block takes from each chunk (a multivariate hypergeometric draw per block, from
+  what the chunks have left), then each block's labels shuffled by a stream of its own.
 * **Bucket-shuffle balance**: as before, microbatches are sorted by cost inside windows of 64
   steps and cut into steps; the steps are then shuffled *inside their window* (the windows are
   already random), so the step order stays random while every window reads a contiguous run of
@@ -68,11 +70,12 @@ benchmarks/scale.md, "Rank 0 memory"):
 * **Ranks**: ``layout.layout_epoch`` (LPT per step, compile warm-up, ``--schedule``) on the table,
   unchanged; LR scales, statistics and metadata from the table (``core.finish``'s formulas).
 * **Shared by W > 1 workers** (``epoch.lay_out``'s ``share``): once the units, their tail and the
-  shuffled chunk labels are drawn, the epoch's positions fall into independent blocks (the rank
+  blocks' label counts are drawn, the epoch's positions fall into independent blocks (the rank
   layout's blocks of whole steps, bucket-shuffle's blocks of whole windows: ``epoch.split_block``).
   Every rank reads the unit tables and computes the same units and the same random draws (the
-  labels' shuffle; bucket-shuffle's one draw a step, drawn for the whole epoch at once, the same
-  stream as drawn block by block), then orders and lays out only its own contiguous run of blocks
+  label counts and seeds of every block, the labels of its own blocks only; bucket-shuffle's one
+  draw a step, drawn for the whole epoch at once, the same stream as drawn block by block), then
+  orders and lays out only its own contiguous run of blocks
   (``epoch.shares``: rank 0 the fewest, as it goes on to the columns; an epoch of one block, as with a
   compile warm-up or a schedule, which look across the epoch, or ``--same-shape-per-step`` on a random
   order, which rewrites units across it, is rank 0's). The other ranks write their part of the order

@@ -236,27 +236,45 @@ def _concat(tables: list, columns, const: dict | None = None) -> tuple[Units, np
 
 # -- the order across chunks -----------------------------------------------------------------------
 def interleave(per_chunk: np.ndarray, rng: np.random.Generator, lo: int = 0, hi: int | None = None):
-    """A uniformly random interleaving of the chunks' sequences: a shuffled multiset of chunk labels;
-    yields, a block of positions at a time from ``lo`` to ``hi`` (default: all), ``(lo, label, rank of
-    the unit inside its chunk)`` (no N-sized sort, nothing N-sized besides the labels). The labels are
-    shuffled whole whatever the range (the same draws), and a position's rank does not depend on where
-    the blocks start: any range gives the positions the whole interleaving gives them."""
-    k = len(per_chunk)
-    total = int(per_chunk.sum())
+    """A uniformly random interleaving of the chunks' sequences, drawn a block of :data:`BLOCK_ROWS`
+    positions at a time; yields, for positions ``lo`` to ``hi`` (default: all), ``(first position,
+    label, rank of the unit inside its chunk)`` a block at a time.
+
+    The units each block takes from each chunk are drawn first, block after block (a multivariate
+    hypergeometric draw from what the chunks have left: cheap, the same on every rank), then the
+    labels of each block are shuffled by a stream of its own, so a rank draws the labels of its own
+    blocks only and nothing N-sized; together, a uniformly random order of the multiset of labels.
+    Any range gives its positions what the whole interleaving gives them."""
+    per_chunk = np.asarray(per_chunk, np.int64)
+    k, total = len(per_chunk), int(per_chunk.sum())
     hi = total if hi is None else hi
-    labels = np.repeat(np.arange(k, dtype=np.int16 if k < 1 << 15 else np.int32), per_chunk)
-    if k > 1:
-        rng.shuffle(labels)
-    seen = np.bincount(labels[:lo], minlength=k).astype(np.int64)
-    for a in range(lo, hi, BLOCK_ROWS):
-        block = labels[a:min(a + BLOCK_ROWS, hi)].astype(np.int64)
+    starts = list(range(0, total, BLOCK_ROWS))
+    counts = np.zeros((len(starts), k), np.int64)
+    if k == 1:  # one chunk: its sequence (no draws: the single-process planner's order)
+        counts[:, 0] = [min(BLOCK_ROWS, total - a) for a in starts]
+        seeds = np.zeros(len(starts), np.int64)
+    else:
+        left = per_chunk.copy()
+        for b, a in enumerate(starts):
+            counts[b] = rng.multivariate_hypergeometric(left, min(BLOCK_ROWS, total - a))
+            left -= counts[b]
+        seeds = rng.integers(0, np.iinfo(np.int64).max, len(starts))
+    before = np.cumsum(counts, axis=0) - counts  # each chunk's units in the blocks before
+    dtype = np.int16 if k < 1 << 15 else np.int32
+    for b in range(lo // BLOCK_ROWS, -(-hi // BLOCK_ROWS) if hi > lo else lo // BLOCK_ROWS):
+        first = starts[b]
+        labels = np.repeat(np.arange(k, dtype=dtype), counts[b])
+        if k > 1:
+            np.random.default_rng(int(seeds[b])).shuffle(labels)
+        a, z = max(lo, first) - first, min(hi, first + len(labels)) - first
+        seen = before[b] + np.bincount(labels[:a], minlength=k)
+        block = labels[a:z].astype(np.int64)
         order = np.argsort(block, kind="stable")
         sb = block[order]
-        first = np.searchsorted(sb, np.arange(k), side="left")
+        at = np.searchsorted(sb, np.arange(k), side="left")
         rank = np.empty(len(block), np.int64)
-        rank[order] = seen[sb] + (np.arange(len(sb)) - first[sb])
-        seen += np.bincount(block, minlength=k)
-        yield a, block, rank
+        rank[order] = seen[sb] + (np.arange(len(sb)) - at[sb])
+        yield first + a, block, rank
 
 
 def windowed_steps(seq: np.ndarray, cost: np.ndarray, slots: int, draws: np.ndarray) -> np.ndarray:
