@@ -6,7 +6,9 @@ Per (epoch, chunk) job:
   column's largest value (what phase 2 reads: about 30 bytes a unit; the header and candidates
   when the table is opened, the unit columns one at a time when they are copied into the epoch's);
 * ``e{E}-c{K}.{item}.bin``: each item array raw, in unit order (what phase 3 reads by ranges with
-  ``pread``). Sample ids are stored as uint32 offsets from the chunk's smallest id when they fit.
+  ``pread``). Sample ids are stored as uint32 offsets from the chunk's smallest id when they fit, the
+  other items (lengths, starts, rows) as uint16 when the chunk's values fit (the header's
+  ``item_dtypes``), else int32.
 
 Per epoch and rank > 0 of a shared layout (phase 2 on every rank): ``e{E}-r{R}.order.npy``, the unit
 of each of the rank's plan positions, which rank 0 copies into its epoch's order, and
@@ -29,7 +31,16 @@ from ...errors import OutputError
 from .form import ChunkUnits
 
 ITEM_DTYPES = {"item_length": np.int32, "item_start": np.int32, "item_row": np.int32, "sample_length": np.int32,
-               "sample_target": np.int32}
+               "sample_target": np.int32}  # what the readers hand out; stored as uint16 where a chunk's values fit
+
+
+def _stored_dtype(values) -> np.dtype:
+    """How an item array is written: uint16 when every value fits (lengths under a 16k budget: half the
+    bytes to write and read back), else int32."""
+    values = np.asarray(values)
+    if not len(values) or (int(values.min()) >= 0 and int(values.max()) <= np.iinfo(np.uint16).max):
+        return np.dtype(np.uint16)
+    return np.dtype(np.int32)
 
 
 def job_name(epoch: int, chunk: int) -> str:
@@ -102,17 +113,15 @@ def write(directory: str, cu: ChunkUnits) -> None:
               "complete": bool(cu.candidates.get("complete", True)),
               "ranked": cu.ranked, "fixed_batch": cu.fixed_batch,
               "max": {k: _largest(v) for k, v in cu.units.items()}}
+    stored = {item: _stored_dtype(values) for item, values in cu.items.items() if item != "ids"}
+    header["item_dtypes"] = {item: dtype.name for item, dtype in stored.items()}
     arrays = {f"unit_{k}": v for k, v in cu.units.items()}
     arrays.update({f"cand_{k}": np.asarray(v) for k, v in cu.candidates.items() if k != "complete"})
     arrays.update(offsets=cu.offsets, long_ids=cu.long_ids, tail_ids=cu.tail_ids,
                   header=np.frombuffer(json.dumps(header).encode(), np.uint8))
     try:
-        for item, values in cu.items.items():
-            if item == "ids":
-                values = ids_out
-            else:
-                values = np.asarray(values, ITEM_DTYPES[item])
-            _write_raw(f"{name}.{item}.bin", values)
+        for item, values in cu.items.items():  # one converted array at a time
+            _write_raw(f"{name}.{item}.bin", ids_out if item == "ids" else np.asarray(values, stored[item]))
         with open(name + ".npz.tmp", "wb") as fh:
             np.savez(fh, **arrays)
         os.replace(name + ".npz.tmp", name + ".npz")  # the table last: a job is done when it exists
@@ -171,13 +180,14 @@ class ItemReader:
     def __init__(self, directory: str, table: ChunkTable):
         self.name = os.path.join(directory, job_name(table.header["epoch"], table.header["chunk"]))
         self.base = int(table.header["ids_base"])
-        self.dtypes = {item: (np.dtype(table.header["ids_dtype"]) if item == "ids" else np.dtype(ITEM_DTYPES[item]))
+        stored = table.header.get("item_dtypes", {})
+        self.dtypes = {item: np.dtype(table.header["ids_dtype"] if item == "ids" else stored.get(item, "int32"))
                        for item in table.header["item_arrays"]}
         self._fds: dict = {}
 
     def dtype_of(self, item: str) -> np.dtype:
-        """The dtype :meth:`read` returns ``item`` in (sample ids: int64)."""
-        return np.dtype(np.int64) if item == "ids" else self.dtypes[item]
+        """The dtype :meth:`read` returns ``item`` in (sample ids: int64; the others int32, however stored)."""
+        return np.dtype(np.int64) if item == "ids" else np.dtype(ITEM_DTYPES[item])
 
     def read(self, item: str, lo: int, hi: int) -> np.ndarray:
         """Items ``[lo, hi)`` of ``item`` (sample ids as int64)."""
@@ -199,8 +209,12 @@ class ItemReader:
                 raise OutputError(f"{self.name}.{item}.bin is shorter than its table says (a temporary file was "
                                   "changed while the plan was written)")
             at += got
-        if raw is not out:  # sample ids stored as uint32 offsets from the chunk's smallest
+        if raw is out:
+            return
+        if item == "ids":  # stored as uint32 offsets from the chunk's smallest id
             np.add(raw, self.base, out=out, dtype=np.int64)
+        else:
+            out[:] = raw
 
     def close(self) -> None:
         for fd in self._fds.values():
