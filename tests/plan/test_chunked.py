@@ -363,6 +363,25 @@ def test_same_plan_for_1_2_and_4_workers(dirs, tmp_path, name, small_segments):
     assert (min(shared) > 0) == (not whole)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["bucket-shuffle", "packed, rows per microbatch"])
+def test_rank_0_lays_out_alone_when_the_workers_could_not_hold_the_tables(dirs, tmp_path, name, small_segments,
+                                                                        monkeypatch):
+    """A shared layout holds an epoch's unit table on every worker; where a node's workers could not all
+    hold one in the memory free, rank 0 lays the epochs out alone: the same plan, one table in memory."""
+    from varlen_cli.plan.chunked import run
+
+    options = CASES[name]
+    paths = [tmp_path / f"p{i}.parquet" for i in range(3)]
+    one = plan(_config(dirs, paths[0], options, chunk_samples=CHUNK))
+    shared = plan(_config(dirs, paths[1], options, chunk_samples=CHUNK, nproc=2))
+    monkeypatch.setattr(run, "SHARED_LAYOUT_MEMORY", 1e-12)  # inherited by the forked workers
+    alone = plan(_config(dirs, paths[2], options, chunk_samples=CHUNK, nproc=2))
+    assert (one.layout_shared, shared.layout_shared, alone.layout_shared) == (False, True, False)
+    assert alone.write_segments == shared.write_segments > 1  # the write is shared either way
+    assert _same_plan(paths[0], paths[1]) and _same_plan(paths[0], paths[2])
+
+
 def _interleaving(per_chunk, seed: int, block: int, lo: int = 0, hi: int | None = None):
     from varlen_cli.plan.chunked import epoch
 

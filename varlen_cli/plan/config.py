@@ -116,6 +116,7 @@ class PlanResult:
     metadata: dict = field(repr=False, default_factory=dict)
     phases: dict = field(default_factory=dict)  # seconds per phase: read, form, layout, columns, write
     write_segments: int = 0  # segments the workers wrote in parallel and rank 0 joined (0: one writer streamed it)
+    layout_shared: bool = False  # every worker laid out a share of each epoch (False: one worker, or too little memory)
 
 
 # -- checks ----------------------------------------------------------------------------------------

@@ -80,7 +80,9 @@ benchmarks/scale.md, "Rank 0 memory"):
   compile warm-up or a schedule, which look across the epoch, or ``--same-shape-per-step`` on a random
   order, which rewrites units across it, is rank 0's). The other ranks write their part of the order
   into the spill directory (``e{E}-r{R}.order.npy``), rank 0 reads them into its epoch: the same
-  order as one worker's, the units' table held by every rank for the time of the layout. Each rank
+  order as one worker's, the units' table held by every rank for the time of the layout. (So the
+  layout is shared only while every node's ranks can each hold one in the memory free then,
+  ``run.layout_is_shared``; else rank 0 lays the epochs out alone: the same plan.) Each rank
   also tallies what ``finish`` needs from its rows (``finish.Tally``: per-step sums and straggler,
   shapes, the budget check, sums; the straggler's float sums kept per block and added up in block
   order, so the metadata has the same bits as one worker's), and rank 0's columns phase merges the

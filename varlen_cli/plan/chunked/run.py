@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import time
 from dataclasses import dataclass
 
@@ -45,6 +46,7 @@ from .output import PlanOutput
 TABLE_BYTES_PER_ENTRY = 2
 PACKED_TABLE_BYTES_PER_ENTRY = 4
 CHUNK_BYTES_PER_SAMPLE = 200  # phase 1: one chunk's formation (packing, measured ~190 at 2^23 samples)
+SHARED_LAYOUT_MEMORY = 0.8  # a shared layout's tables (one per rank of a node) may take this much of what is free
 
 
 def epoch_mode(c, e: int) -> str:
@@ -306,10 +308,13 @@ def _phase23_workers(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec:
     finishes the epochs and writes the segments' specs; every rank writes segments; rank 0 joins them
     into the output (:mod:`.segments`). Rank 0's result, None elsewhere; any rank's error on every rank."""
     held: dict = {}
+    shared = layout_is_shared(c, rows.num_rows, d)
 
     def lay_out_share() -> None:
         _trim()
-        laid = _lay_out(c, ctx, rows, spec, directory, bar, (d.rank, d.world_size), cont)
+        if not shared and not d.is_main:
+            return
+        laid = _lay_out(c, ctx, rows, spec, directory, bar, (d.rank, d.world_size) if shared else (0, 1), cont)
         if d.is_main:
             held["laid"] = laid
 
@@ -322,7 +327,7 @@ def _phase23_workers(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec:
 
     def finish_and_job() -> None:
         laid = held.pop("laid")
-        for e, ep in enumerate(laid.epochs):
+        for e, ep in enumerate(laid.epochs if shared else ()):
             for r in range(1, d.world_size):
                 lo, hi = ep.parts[r]
                 laid.tallies[e].append(spill.read_order_part(directory, e, r, ep.order[lo:hi]))
@@ -366,7 +371,21 @@ def _phase23_workers(c, ctx: PlanContext, manifest: dict, rows: InputRows, spec:
     out.write(fill, before_commit=lambda: fault_point("plan.write"))
     result = _result(c, out, held["count"], held["fin"], t0)
     result.write_segments = held["job"].segments
+    result.layout_shared = shared
     return result
+
+
+def layout_is_shared(c, num_rows: int, d: Dist) -> bool:
+    """Whether every rank lays out a share of each epoch (faster) or rank 0 alone: a rank that shares the
+    layout holds the epoch's unit table too (~2-4 bytes a sample entry), so it is shared only while every
+    node's ranks can all hold one in :data:`SHARED_LAYOUT_MEMORY` of the memory its ranks see free now (the
+    same answer on every rank; the plan is the same either way)."""
+    from ..pipeline import _available_memory
+
+    need = num_rows * (PACKED_TABLE_BYTES_PER_ENTRY if c.packing else TABLE_BYTES_PER_ENTRY)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or d.world_size)
+    seen = d.all_gather_object((_available_memory(), local))
+    return all(free is None or n * need <= SHARED_LAYOUT_MEMORY * free for free, n in seen)
 
 
 def _close(readers: list) -> None:
