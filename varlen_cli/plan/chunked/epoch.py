@@ -261,7 +261,8 @@ def interleave(per_chunk: np.ndarray, rng: np.random.Generator, lo: int = 0, hi:
         seeds = rng.integers(0, np.iinfo(np.int64).max, len(starts))
     before = np.cumsum(counts, axis=0) - counts  # each chunk's units in the blocks before
     dtype = np.int16 if k < 1 << 15 else np.int32
-    for b in range(lo // BLOCK_ROWS, -(-hi // BLOCK_ROWS) if hi > lo else lo // BLOCK_ROWS):
+    blocks = range(lo // BLOCK_ROWS, -(-hi // BLOCK_ROWS)) if hi > lo else range(0)
+    for b in blocks:
         first = starts[b]
         labels = np.repeat(np.arange(k, dtype=dtype), counts[b])
         if k > 1:
