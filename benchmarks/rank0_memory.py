@@ -122,9 +122,9 @@ def main(argv=None):
         wrap(epoch, "_ranks", s, "ranks (layout)")
         wrap(run, "finish", s, "finish")
         wrap(emit, "write", s, "write")
-        from varlen_cli import plan_checks
+        from varlen_cli import checks
 
-        wrap(plan_checks.PlanChecks, "results", s, "write: plan check results")
+        wrap(checks.PlanChecks, "results", s, "write: plan check results")
         t1 = time.perf_counter()
         run._phase23(c, ctx, manifest, rows, spec, args.spill, PlanOutput(c.output, True), t0, bar)
         s.stop()

@@ -251,13 +251,13 @@ def test_simulate_with_a_huge_attention_cost_is_refused(plans):
 def test_split_chunks_checked_by_key_ranges_say_what_one_pass_says(plans, tmp_path, monkeypatch, tamper):
     """The tiling of split samples checked a few keys at a time (as a billion-sample plan is) gives the
     same result and message, examples included, as one pass over every chunk."""
-    from varlen_cli import plan_checks
+    from varlen_cli.checks import tiling
 
     src = plans["packed"]
     if tamper is not None:
         src = _rewrite(src, str(tmp_path / "bad.parquet"), _set("sample_starts", tamper))
     whole = {c.name: (c.ok, c.detail) for c in validate(ValidateConfig(src, metrics=plans["metrics"])).checks}
-    monkeypatch.setattr(plan_checks, "TILING_PART", 3)
+    monkeypatch.setattr(tiling, "TILING_PART", 3)
     parts = {c.name: (c.ok, c.detail) for c in validate(ValidateConfig(src, metrics=plans["metrics"])).checks}
     assert parts["coverage"] == whole["coverage"]
     assert whole["coverage"][0] == (tamper is None)
@@ -266,7 +266,8 @@ def test_split_chunks_checked_by_key_ranges_say_what_one_pass_says(plans, tmp_pa
 # -- the checks shared out: windows split among several PlanChecks and merged ---------------------------
 def _plan_arrays(path: str, metrics: str):
     """A plan file as one PlanArrays (with the metrics' lengths) and its metadata."""
-    from varlen_cli import format, plan_scan
+    from varlen_cli import format
+    from varlen_cli.checks import scan
     from varlen_cli.runtime import artifacts
     from varlen_cli.validate import _metrics_per_id, window_arrays
 
@@ -275,13 +276,13 @@ def _plan_arrays(path: str, metrics: str):
     names = pf.schema_arrow.names
     lists = [c for c in names if c in format.PLAN_LIST_COLUMNS]
     scalars = [c for c in names if c not in lists]
-    (w,) = plan_scan.windows(pf, scalars, lists, pf.metadata.num_rows or 1)
+    (w,) = scan.windows(pf, scalars, lists, pf.metadata.num_rows or 1)
     return window_arrays(w, per_id), meta
 
 
 def _rows(a, lo: int, hi: int):
     """Rows ``[lo, hi)`` of a PlanArrays, as a window of the plan."""
-    from varlen_cli.plan_checks import PlanArrays
+    from varlen_cli.checks import PlanArrays
 
     s, e = int(a.offsets[lo]), int(a.offsets[hi])
 
@@ -321,7 +322,7 @@ def test_checks_split_among_workers_and_merged_are_one_check(plans, tmp_path, wh
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from varlen_cli.plan_checks import PlanChecks
+    from varlen_cli.checks import PlanChecks
 
     src = plans[which]
     if columns is not None or metadata is not None:
@@ -385,8 +386,8 @@ def _repeat_split_chunk(cols: dict) -> None:
 def _streamed(path: str, metrics: str | None, spill, steps_per_window: int) -> list:
     """validate's checks of a plan fed as windows of ``steps_per_window`` steps (with the metrics' lengths
     or, without, the split samples found by a first pass), split chunks spilled to ``spill`` or held."""
-    from varlen_cli import format, plan_scan
-    from varlen_cli.plan_checks import PlanChecks, split_info
+    from varlen_cli import format
+    from varlen_cli.checks import PlanChecks, scan, split_info
     from varlen_cli.runtime import artifacts
     from varlen_cli.validate import _metrics_per_id, window_arrays
 
@@ -394,7 +395,7 @@ def _streamed(path: str, metrics: str | None, spill, steps_per_window: int) -> l
     per_id = _metrics_per_id(meta, metrics, artifacts.read_manifest(metrics)) if metrics else None
     names = pf.schema_arrow.names
     lists = [c for c in names if c in format.PLAN_LIST_COLUMNS]
-    (w,) = plan_scan.windows(pf, [c for c in names if c not in lists], lists, pf.metadata.num_rows or 1)
+    (w,) = scan.windows(pf, [c for c in names if c not in lists], lists, pf.metadata.num_rows or 1)
     a = window_arrays(w, per_id)
     size = steps_per_window * int(meta["dp"]) * int(meta["grad_accum"])
     windows = [_rows(a, lo, min(lo + size, a.count)) for lo in range(0, a.count, size)]
@@ -413,7 +414,7 @@ def test_split_chunks_spilled_by_key_range_say_what_held_chunks_say(plans, tmp_p
     chunks held in memory give; for the plan as written and tampered (tilings that overlap, leave gaps,
     differ between copies or reach past their sample), with and without the samples' lengths, the plan
     read as one window and as windows of one step."""
-    from varlen_cli import plan_checks
+    from varlen_cli.checks import coverage
 
     src = plans["packed"]
     if SPILL_TAMPERS[tamper] is not None:
@@ -422,7 +423,7 @@ def test_split_chunks_spilled_by_key_range_say_what_held_chunks_say(plans, tmp_p
     held = _streamed(src, metrics, None, 10**9)
     assert all(c[1] for c in held) == (tamper == "good")  # each tampering is caught
     for part in (1 << 40, 3):  # one file an epoch, then a few keys a file
-        monkeypatch.setattr(plan_checks, "SPILL_PART", part)
+        monkeypatch.setattr(coverage, "SPILL_PART", part)
         for steps in (10**9, 1):
             spill = tmp_path / f"spill-{part}-{steps}"
             spill.mkdir()
@@ -438,8 +439,7 @@ def test_split_lookup_by_rank_is_the_largest_start_of_each_sample(monkeypatch):
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from varlen_cli import plan_checks
-    from varlen_cli.plan_checks import SplitInfo
+    from varlen_cli.checks import SplitInfo, split
 
     @settings(max_examples=60, deadline=None)
     @given(data=st.data())
@@ -452,9 +452,9 @@ def test_split_lookup_by_rank_is_the_largest_start_of_each_sample(monkeypatch):
         keys = rng.integers(0, size, n)
         starts = np.where(rng.random(n) < 0.5, 0, rng.integers(-3, 1 << 20, n))
         if data.draw(st.booleans()):
-            monkeypatch.setattr(plan_checks, "SPLIT_BITMAP_MAX", 0)
+            monkeypatch.setattr(split, "SPLIT_BITMAP_MAX", 0)
         else:
-            monkeypatch.setattr(plan_checks, "SPLIT_BITMAP_MAX", 1 << 34)
+            monkeypatch.setattr(split, "SPLIT_BITMAP_MAX", 1 << 34)
         info = SplitInfo(size)
         for lo in range(0, n, 50):
             info.collect(epoch[lo:lo + 50], keys[lo:lo + 50], starts[lo:lo + 50])
@@ -482,7 +482,7 @@ def test_tiling_sort_packed_or_not_is_the_lexsort():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from varlen_cli.plan_checks import _sorted_chunks
+    from varlen_cli.checks.tiling import sorted_chunks
 
     @settings(max_examples=60, deadline=None)
     @given(st.lists(st.tuples(st.integers(-2, 1 << 40), st.integers(-2, 1 << 20), st.integers(-2, 1 << 14)),
@@ -490,7 +490,7 @@ def test_tiling_sort_packed_or_not_is_the_lexsort():
     def check(rows, need_order):
         k, s, ln = (np.array(x, np.int64) for x in zip(*rows))
         order = np.lexsort((ln, s, k))
-        got = _sorted_chunks(k, s, ln, need_order)
+        got = sorted_chunks(k, s, ln, need_order)
         for have, want in zip(got[:3], (k[order], s[order], ln[order])):
             assert have.tolist() == want.tolist()
         if got[3] is not None:
@@ -500,8 +500,8 @@ def test_tiling_sort_packed_or_not_is_the_lexsort():
 
 
 def test_a_spill_that_cannot_be_written_is_an_output_error(tmp_path):
+    from varlen_cli.checks import KeyRangeSpill
     from varlen_cli.errors import OutputError
-    from varlen_cli.key_spill import KeyRangeSpill
 
     spill = KeyRangeSpill(str(tmp_path / "gone"), ("key", "start"), 100, 4)
     with pytest.raises(OutputError, match="cannot write temporary files under .*gone"):

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .runtime.files import check_regular
+from .storage.files import check_regular
 
 # -- metrics and sorted directories ------------------------------------------------------------------
 MANIFEST_NAME = "_manifest.json"  # "_" so pyarrow datasets skip it

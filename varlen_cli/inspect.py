@@ -81,15 +81,15 @@ def plan_series(pf, meta: dict) -> dict:
 
     The straggler is :func:`varlen_cli.format.straggler` over the cost the plan recorded
     (:func:`varlen_cli.format.plan_budget`), so it matches the plan's own statistics. The plan is read
-    in windows of whole steps (:mod:`varlen_cli.plan_scan`): memory grows with the steps, not the rows."""
-    from . import plan_scan
+    in windows of whole steps (:mod:`varlen_cli.checks.scan`): memory grows with the steps, not the rows."""
+    from .checks import scan
 
     budget = format.plan_budget(meta)
     lists = ["sample_lengths"] if budget.needs_segment_lengths else []
     cols = ["step", "rank", "num_samples", "lr_scale", "tokens", "batch_size", "seqlen"]
     series = _SeriesSums(max(int(meta.get("dp", 1)), 1))
     slots = max(series.ranks * int(meta.get("grad_accum", 1)), 1)
-    for w in plan_scan.windows(pf, cols, lists, slots):
+    for w in scan.windows(pf, cols, lists, slots):
         if w.n:
             series.add(w, budget)
     if not series.tokens:

@@ -1,7 +1,7 @@
 """``varlen validate``: re-check every invariant of a plan file.
 
 This module reads the plan (and optionally the metrics directory it was built from) in windows of
-whole steps (:mod:`varlen_cli.plan_scan`); the checks themselves are :mod:`varlen_cli.plan_checks`,
+whole steps (:mod:`varlen_cli.checks.scan`); the checks themselves are :mod:`varlen_cli.checks`,
 which the planner also runs on every plan before writing it. Everything is recomputed from
 scratch, vectorised, in bounded memory: one window at a time and one bit per sample for
 exactly-once (a 1B-sample plan: 125 MB a epoch).
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import format, storage
+from .checks import Check, PlanArrays
 from .errors import InputError, UsageError
-from .plan_checks import Check, PlanArrays
 from .runtime import artifacts, freshness, rank0
 from .runtime.choices import ALLOW_STALE_HELP, STORAGE_OPTION_HELP, doc
 
@@ -114,13 +114,12 @@ WINDOW_VALUES = 1 << 19  # sample entries a window holds (both passes): its read
 
 
 def _scan(config: ValidateConfig, pf, meta: dict, per_id: dict | None) -> list[Check]:
-    """Every check of :mod:`varlen_cli.plan_checks`, the plan read in windows of whole steps (bounded
+    """Every check of :mod:`varlen_cli.checks`, the plan read in windows of whole steps (bounded
     memory: one window, a bitmap per epoch; issue 25). ``per_id``: the metrics' columns by sample id
     (:func:`_metrics_per_id`), or None."""
     import pyarrow as pa
 
-    from . import plan_scan
-    from .plan_checks import PlanChecks, split_info
+    from .checks import PlanChecks, scan, split_info
 
     try:
         slots = int(meta["dp"]) * int(meta["grad_accum"])
@@ -129,14 +128,14 @@ def _scan(config: ValidateConfig, pf, meta: dict, per_id: dict | None) -> list[C
         lists = [c for c in names if c in format.PLAN_LIST_COLUMNS]
 
         def arrays():
-            for w in plan_scan.windows(pf, scalars, lists, slots, WINDOW_VALUES):
+            for w in scan.windows(pf, scalars, lists, slots, WINDOW_VALUES):
                 yield window_arrays(w, per_id)
 
         split = None
         if "sample_starts" in names and per_id is None:  # which chunk ends a split sample, without lengths
             first = [c for c in ("sample_ids", "sample_starts", "source") if c in lists]  # what split_info reads
             split = split_info((window_arrays(w, None) for w in
-                                plan_scan.windows(pf, ["epoch"], first, slots, WINDOW_VALUES)), meta)
+                                scan.windows(pf, ["epoch"], first, slots, WINDOW_VALUES)), meta)
         with tempfile.TemporaryDirectory(prefix="varlen-validate-") as spill:
             checks = PlanChecks(meta, split=split, lengths=per_id is not None, max_memory=config.max_memory,
                                 profile_path=config.memory_profile, spill=spill if "sample_starts" in names else None,
@@ -157,7 +156,7 @@ def _scan(config: ValidateConfig, pf, meta: dict, per_id: dict | None) -> list[C
 
 
 def window_arrays(w, per_id: dict | None) -> PlanArrays:
-    """A window of a plan file (:mod:`varlen_cli.plan_scan`) as :class:`~varlen_cli.plan_checks.PlanArrays`;
+    """A window of a plan file (:mod:`varlen_cli.checks.scan`) as :class:`~varlen_cli.checks.PlanArrays`;
     ``per_id``: the metrics' ``length`` (and ``target_length``) per sample id (``--metrics``)."""
     offsets, ids = w.lists["sample_ids"]
     ids = ids.astype(np.int64, copy=False)

@@ -132,12 +132,12 @@ def test_dataloader_workers_state_after_batch(tmp_path):
 
 
 def test_loader_imports_only_torch_numpy_pyarrow():
-    # varlen_cli.format (the plan format's one definition) imports only pyarrow, numpy, json and runtime.files
+    # varlen_cli.format (the plan format's one definition) imports only pyarrow, numpy, json and storage.files
     code = ("import sys, varlen_cli.loader; bad = sorted(m for m in sys.modules if m.split('.')[0] in "
             "('typer', 'rich', 'click', 'transformers', 'accelerate', 'lightning', 'torchdata') or "
             "(m.startswith('varlen_cli.') and not m.startswith('varlen_cli.loader') "
-            "and m not in ('varlen_cli.format', 'varlen_cli.errors', 'varlen_cli.runtime', "
-            "'varlen_cli.runtime.files'))); print(bad)")  # runtime.files: the stdlib-only regular-file check
+            "and m not in ('varlen_cli.format', 'varlen_cli.errors', 'varlen_cli.storage', "
+            "'varlen_cli.storage.files'))); print(bad)")  # storage: stdlib only (fsspec lazily)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

@@ -152,15 +152,15 @@ def test_too_many_dropped_ids_are_counted_not_listed(dirs, tmp_path, monkeypatch
 
 def test_validate_and_readers_in_windows(dirs, tmp_path, monkeypatch):
     """A plan read back in many small windows (bounded memory): validate, Plan.open, the sampler."""
-    from varlen_cli import plan_scan
+    from varlen_cli.checks import scan
     from varlen_cli.loader import Plan
     from varlen_cli.plan import writer
 
     monkeypatch.setattr(writer, "ROW_GROUP_TARGET", 8)
-    monkeypatch.setattr(plan_scan, "TARGET_VALUES", 64)
+    monkeypatch.setattr(scan, "TARGET_VALUES", 64)
     out = tmp_path / "p.parquet"
     plan(_config(dirs, out, CASES["packed, cap"], chunk_samples=CHUNK))
-    windows = list(plan_scan.windows(pq.ParquetFile(out), ["step", "epoch"], ["sample_ids"], 2))
+    windows = list(scan.windows(pq.ParquetFile(out), ["step", "epoch"], ["sample_ids"], 2))
     assert len(windows) > 10 and all(w.n % 2 == 0 for w in windows)
     assert sum(w.n for w in windows) == pq.ParquetFile(out).metadata.num_rows
     v = validate(ValidateConfig(str(out), metrics=dirs["metrics"]))
@@ -174,7 +174,8 @@ def test_validate_and_readers_in_windows(dirs, tmp_path, monkeypatch):
 def test_inspect_and_simulate_in_windows(dirs, tmp_path, monkeypatch):
     """inspect's series summed window by window and simulate's row-group reads give what the whole
     table gives (a packed attention-cost plan: the straggler needs the segments' lengths)."""
-    from varlen_cli import format, inspect, plan_scan
+    from varlen_cli import format, inspect
+    from varlen_cli.checks import scan
     from varlen_cli.plan import writer
     from varlen_cli.schedule.simulate import read_plan_costs
 
@@ -184,7 +185,7 @@ def test_inspect_and_simulate_in_windows(dirs, tmp_path, monkeypatch):
     pf, meta = format.open_plan_file(str(out))
     assert pf.metadata.num_row_groups > 10
     whole = inspect.plan_series(pf, meta)  # one window: TARGET_VALUES exceeds the plan's ids
-    monkeypatch.setattr(plan_scan, "TARGET_VALUES", 64)
+    monkeypatch.setattr(scan, "TARGET_VALUES", 64)
     windowed = inspect.plan_series(pf, meta)
     assert _leaves(windowed).keys() == _leaves(whole).keys()
     for key, value in _leaves(whole).items():

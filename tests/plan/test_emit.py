@@ -12,10 +12,10 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from varlen_cli.checks import DENSE_SEQLEN, Shapes
 from varlen_cli.plan.chunked import emit
 from varlen_cli.plan.chunked.finish import Finished
 from varlen_cli.plan.chunked.spill import ItemReader, job_name
-from varlen_cli.plan_checks import DENSE_SEQLEN, Shapes
 
 
 def _chunk_files(directory, k: int, ids: np.ndarray, lengths: np.ndarray, base: int) -> ItemReader:

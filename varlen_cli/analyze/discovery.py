@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 from .. import format
 from ..errors import InputError
-from ..runtime.files import open_regular
+from ..storage.files import open_regular
 
 NON_DATA_NAME = re.compile(
     r"(readme|licen[cs]e|copying|notice|authors|changelog|changes|citation|contributing)([-_. ].*)?"

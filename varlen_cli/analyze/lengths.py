@@ -26,7 +26,7 @@ from operator import attrgetter
 import numpy as np
 
 from ..errors import InputError, UsageError
-from ..runtime.files import check_regular
+from ..storage.files import check_regular
 
 LENGTH_KINDS = ("list", "tokens", "chars", "bytes", "words", "value", "chat")
 TEXT_KINDS = ("tokens", "chars", "bytes", "words")

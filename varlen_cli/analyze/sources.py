@@ -28,8 +28,8 @@ import numpy as np
 
 from .. import format, storage
 from ..errors import InputError
-from ..runtime.files import check_regular, open_regular
 from ..runtime.freshness import footer_hash
+from ..storage.files import check_regular, open_regular
 from . import discovery, formats, remote
 
 PARQUET_EXT = (".parquet", ".pq")

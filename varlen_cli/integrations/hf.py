@@ -32,7 +32,7 @@ from ..loader import PadCollate, VariableBatchSizeLR, dataloader_for_plan, to_mo
 from ..loader.packed import PackedCollate
 from ..loader.plan_file import Plan, PlanError
 from ..loader.replan import first_step, lineage
-from ..runtime.files import open_regular
+from ..storage.files import open_regular
 from . import open_plan
 
 STATE_FILE = "varlen_plan_state.json"

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 
 from ..errors import InputError, UsageError
-from ..runtime.files import open_regular
+from ..storage.files import open_regular
 from . import fit as fitting
 from .profile import require_regular_file
 

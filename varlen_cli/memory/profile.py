@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from .. import __version__, format
 from ..errors import InputError
-from ..runtime.files import check_regular, open_regular
+from ..storage.files import check_regular, open_regular
 
 PROFILE_FORMAT = format.MEMORY_PROFILE_FORMAT
 PROFILE_FORMAT_VERSION = format.MEMORY_PROFILE_FORMAT_VERSION

@@ -13,8 +13,8 @@ import numpy as np
 
 from .. import __version__, format, storage
 from ..budget import Budget
+from ..checks import PlanArrays, run_checks
 from ..errors import InternalConsistencyError, UsageError
-from ..plan_checks import PlanArrays, run_checks
 from ..runtime import artifacts
 from . import batching, lr, stats, writer
 from .batching import Microbatches

@@ -144,7 +144,7 @@ def _write_rows(epochs: str, path: str, schema, parent: Parent, remap: np.ndarra
 def _groups(pf, lengths: bool, slots: int, keep):
     """Per row group of ``pf`` (whole steps, as plans are written): its :data:`ROW_COLUMNS` as numpy,
     its ``sample_lengths`` as CSR (``lengths``), and the group's table of the columns ``keep``."""
-    from ..plan_scan import _flat
+    from ..checks.scan import flatten
     from .arrow_io import to_numpy
 
     for g in range(pf.metadata.num_row_groups):
@@ -152,7 +152,7 @@ def _groups(pf, lengths: bool, slots: int, keep):
         if table.num_rows % slots:  # pragma: no cover - the chunked writer writes whole steps a group
             raise InternalConsistencyError(f"row group {g} of the new epochs does not hold whole steps")
         cols = {name: to_numpy(table.column(name).combine_chunks()) for name in ROW_COLUMNS}
-        off, values = _flat(table.column("sample_lengths")) if lengths else (None, None)
+        off, values = flatten(table.column("sample_lengths")) if lengths else (None, None)
         yield cols, values, off, table
 
 
@@ -160,10 +160,10 @@ def _windows(path: str, lengths: bool, slots: int):
     """Windows of whole steps of the plan ``path``: :data:`ROW_COLUMNS`, and ``sample_lengths`` as CSR."""
     import pyarrow.parquet as pq
 
-    from .. import plan_scan
+    from ..checks import scan
 
     pf = pq.ParquetFile(path)
-    for w in plan_scan.windows(pf, ROW_COLUMNS, ["sample_lengths"] if lengths else [], slots):
+    for w in scan.windows(pf, ROW_COLUMNS, ["sample_lengths"] if lengths else [], slots):
         off, values = w.lists["sample_lengths"] if lengths else (None, None)
         yield w.cols, values, off
 

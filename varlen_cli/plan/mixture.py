@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import format
+from ..checks import mixture_extra
 from ..errors import InputError, UsageError
-from ..plan_checks import mixture_extra
 from ..runtime import artifacts, safety
 from . import writer
 from .assemble import assemble_columns, finish, location_record

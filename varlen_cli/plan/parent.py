@@ -358,15 +358,14 @@ def left_samples(parent: Parent, step: int, num_rows: int) -> Left:
     ``num_rows`` bits, the ids of a metrics or sorted directory of ``num_rows`` samples)."""
     import pyarrow.parquet as pq
 
-    from .. import plan_scan
-    from ..plan_checks import Bitmap
+    from ..checks import Bitmap, scan
 
     epoch = parent.epoch_of(step)
     pf = pq.ParquetFile(parent.path)
     split = "sample_starts" in pf.schema_arrow.names
     before, after, consumed = Bitmap(num_rows) if split else None, Bitmap(num_rows), 0
     lists = ["sample_ids"] + (["sample_starts"] if split else [])
-    for w in plan_scan.windows(pf, ["epoch", "step"], lists, parent.dp * parent.grad_accum):
+    for w in scan.windows(pf, ["epoch", "step"], lists, parent.dp * parent.grad_accum):
         e = w.cols["epoch"]
         if int(e[0]) > epoch:
             break

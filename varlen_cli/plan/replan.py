@@ -34,7 +34,7 @@ from ..runtime.choices import (
     STORAGE_OPTION_HELP,
     doc,
 )
-from ..runtime.files import open_regular
+from ..storage.files import open_regular
 from . import writer
 from .config import PlanResult
 from .cost_model import rebudget

@@ -20,9 +20,9 @@ from typing import Any
 
 from .. import __version__, format
 from ..errors import InputError, OutputError
+from ..storage.files import check_regular, open_regular
 from . import safety
 from .faults import fault_point
-from .files import check_regular, open_regular
 
 # The directory format is defined in varlen_cli.format; these are the names the stages use.
 MANIFEST_NAME = format.MANIFEST_NAME

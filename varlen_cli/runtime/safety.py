@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 from ..errors import InputError, OutputError
-from .files import open_regular
+from ..storage.files import open_regular
 
 TMP_TAG = ".varlen-tmp"
 OLD_TAG = ".varlen-old"

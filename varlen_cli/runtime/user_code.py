@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 
 from ..errors import InputError, UsageError, VarlenError
-from .files import check_regular
+from ..storage.files import check_regular
 
 
 def split_spec(spec: str, option: str) -> tuple[str, str]:

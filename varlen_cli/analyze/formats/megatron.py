@@ -30,7 +30,7 @@ import numpy as np
 
 from ... import storage
 from ...errors import InputError
-from ...runtime.files import open_regular
+from ...storage.files import open_regular
 
 MAGIC = b"MMIDIDX\x00\x00"
 HEADER_BYTES = 34  # magic 9 + version 8 + dtype 1 + sequences 8 + doc entries 8

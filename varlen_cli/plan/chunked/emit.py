@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ... import format
+from ...checks import PlanArrays, PlanChecks
 from ...errors import InternalConsistencyError, OutputError
-from ...plan_checks import PlanArrays, PlanChecks
 from .. import batching, writer
 from .epoch import EpochRows
 from .finish import Finished, row_positions

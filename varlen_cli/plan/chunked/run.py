@@ -23,8 +23,8 @@ import numpy as np
 
 from ... import storage
 from ...budget import Budget
+from ...checks import Bitmap
 from ...errors import InputError, UsageError
-from ...plan_checks import Bitmap
 from ...runtime import artifacts, freshness, rank0, safety
 from ...runtime.dist import Dist, fault_point, run_distributed, session
 from ..cost_model import resolve_budget

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ...checks import PlanChecks
 from ...errors import OutputError, WorkerError
-from ...plan_checks import PlanChecks
 from ...runtime import parquet_concat, rank0
 from ...runtime.dist import Dist, collective_timeout, fault_point
 from . import emit

@@ -72,8 +72,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import InputError, OutputError, UsageError, VarlenError
-from .runtime.files import check_regular, open_regular
+from ..errors import InputError, OutputError, UsageError, VarlenError
+from .files import check_regular, open_regular
 
 # URL scheme -> (module to import, extra that installs it).
 EXTRAS: dict[str, tuple[str, str]] = {

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import format
+from .. import format
 
 TARGET_VALUES = 1 << 21  # list values per window (several row groups are read together below this)
 
@@ -55,7 +55,7 @@ def _concat(a: Window, b: Window) -> Window:
     return Window(a.first_row, {k: np.concatenate([v, b.cols[k]]) for k, v in a.cols.items()}, lists)
 
 
-def _flat(column) -> tuple[np.ndarray, np.ndarray]:
+def flatten(column) -> tuple[np.ndarray, np.ndarray]:
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -89,7 +89,7 @@ def windows(pf, scalars, lists, slots: int, target: int | None = None) -> Iterat
             break
         t = pf.read_row_groups(pending, columns=names)
         pending, pending_values = [], 0
-        w = Window(row, {c: t.column(c).to_numpy() for c in scalars}, {c: _flat(t.column(c)) for c in lists})
+        w = Window(row, {c: t.column(c).to_numpy() for c in scalars}, {c: flatten(t.column(c)) for c in lists})
         row += t.num_rows
         del t
         if carry is not None:

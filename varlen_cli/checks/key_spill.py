@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from .errors import OutputError
+from ..errors import OutputError
 
 
 class KeyRangeSpill:
