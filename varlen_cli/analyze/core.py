@@ -279,8 +279,53 @@ def run_in_group(config: AnalyzeConfig, d: Dist, out: artifacts.AtomicDir, t0: f
     rarity_mode = work.difficulty.kind == "vocab-rarity"
     if not rarity_mode and all(u.rows >= 0 for u in units):  # rows known up front: stream the part
         return _run_streaming(config, d, out, t0, files, units, lo, hi, work)
-    total_weight = sum(u.weight for u in units) * (2 if rarity_mode else 1)
+    lengths_parts, diff_parts, unit_rows, extra_parts = _read_units(config, d, work, units, mine)
 
+    lengths = np.concatenate(lengths_parts) if lengths_parts else np.zeros(0, np.int64)
+    difficulty = np.concatenate(diff_parts) if diff_parts else np.zeros(0, np.float64)
+    rows = d.all_gather_int(len(lengths))
+    total_rows = int(rows.sum())
+    if total_rows == 0:
+        raise InputError("the sources hold no samples (empty dataset)")
+    first_id = int(rows[: d.rank].sum())
+
+    extras = {name: np.concatenate([e[name] for e in extra_parts]) if extra_parts else np.zeros(0, np.int64)
+              for name in work.extra_names()}
+    _write_part(out.file(artifacts.part_name(d.rank)), first_id, lengths, difficulty, extras)
+
+    # Rows per file, for the dataset fingerprint: each rank knows its units' rows.
+    per_file = np.zeros(len(files), dtype=np.int64)
+    np.add.at(per_file, np.array([u.file for u in mine], dtype=np.int64), np.array(unit_rows, dtype=np.int64))
+    per_file = d.all_reduce(per_file)
+    all_unit_rows = np.zeros(len(units), dtype=np.int64)
+    all_unit_rows[lo:hi] = unit_rows
+    all_unit_rows = d.all_reduce(all_unit_rows)
+    length_stats = distribution(lengths, d)
+    diff_stats = float_summary(diff_parts, total_rows, d)
+    stats = {"length": length_stats, "difficulty": diff_stats}
+    if "target_length" in extras:  # a collective: every rank
+        stats["target_length"] = distribution(extras["target_length"], d)
+    d.barrier()  # every part is written
+    if not d.is_main:
+        return None
+    fp = _with_chunks(fingerprint(files, per_file.tolist()), files, units, all_unit_rows)
+    manifest = _manifest(config, str(work.length), d.world_size, fp, rows, stats, list(extras))
+    artifacts.atomic_write_json(out.file(artifacts.MANIFEST_NAME), manifest)
+    out.commit()
+    return AnalyzeResult(
+        output=out.path, num_samples=total_rows, num_files=len(files), num_parts=len(manifest["parts"]),
+        length=str(work.length), difficulty=str(work.difficulty), stats=length_stats, difficulty_stats=diff_stats,
+        seconds=time.perf_counter() - t0, manifest=manifest,
+    )
+
+
+def _read_units(config: AnalyzeConfig, d: Dist, work: _Work, units: list, mine: list) -> tuple[list, list, list, list]:
+    """This rank's units read (``mine``, of every rank's ``units``), with progress: per unit its lengths,
+    difficulty, row count and extra columns. ``vocab-rarity`` needs the token counts of every rank
+    first: the ids are counted in a first pass (kept while they fit RARITY_CACHE_BYTES, else read
+    again) and scored in a second one."""
+    rarity_mode = work.difficulty.kind == "vocab-rarity"
+    total_weight = sum(u.weight for u in units) * (2 if rarity_mode else 1)
     lengths_parts, diff_parts, unit_rows, extra_parts = [], [], [], []
     ids_cache: list = []  # vocab-rarity: each unit's token ids, kept while they fit RARITY_CACHE_BYTES
     cached_bytes = 0
@@ -320,43 +365,7 @@ def run_in_group(config: AnalyzeConfig, d: Dist, out: artifacts.AtomicDir, t0: f
                 bar.advance(unit.weight)
             ids_cache = None
             bar.wait_for_peers(total_weight)
-
-    lengths = np.concatenate(lengths_parts) if lengths_parts else np.zeros(0, np.int64)
-    difficulty = np.concatenate(diff_parts) if diff_parts else np.zeros(0, np.float64)
-    rows = d.all_gather_int(len(lengths))
-    total_rows = int(rows.sum())
-    if total_rows == 0:
-        raise InputError("the sources hold no samples (empty dataset)")
-    first_id = int(rows[: d.rank].sum())
-
-    extras = {name: np.concatenate([e[name] for e in extra_parts]) if extra_parts else np.zeros(0, np.int64)
-              for name in work.extra_names()}
-    _write_part(out.file(artifacts.part_name(d.rank)), first_id, lengths, difficulty, extras)
-
-    # Rows per file, for the dataset fingerprint: each rank knows its units' rows.
-    per_file = np.zeros(len(files), dtype=np.int64)
-    np.add.at(per_file, np.array([u.file for u in mine], dtype=np.int64), np.array(unit_rows, dtype=np.int64))
-    per_file = d.all_reduce(per_file)
-    all_unit_rows = np.zeros(len(units), dtype=np.int64)
-    all_unit_rows[lo:hi] = unit_rows
-    all_unit_rows = d.all_reduce(all_unit_rows)
-    length_stats = distribution(lengths, d)
-    diff_stats = float_summary(diff_parts, total_rows, d)
-    stats = {"length": length_stats, "difficulty": diff_stats}
-    if "target_length" in extras:  # a collective: every rank
-        stats["target_length"] = distribution(extras["target_length"], d)
-    d.barrier()  # every part is written
-    if not d.is_main:
-        return None
-    fp = _with_chunks(fingerprint(files, per_file.tolist()), files, units, all_unit_rows)
-    manifest = _manifest(config, str(work.length), d.world_size, fp, rows, stats, list(extras))
-    artifacts.atomic_write_json(out.file(artifacts.MANIFEST_NAME), manifest)
-    out.commit()
-    return AnalyzeResult(
-        output=out.path, num_samples=total_rows, num_files=len(files), num_parts=len(manifest["parts"]),
-        length=str(work.length), difficulty=str(work.difficulty), stats=length_stats, difficulty_stats=diff_stats,
-        seconds=time.perf_counter() - t0, manifest=manifest,
-    )
+    return lengths_parts, diff_parts, unit_rows, extra_parts
 
 
 def _run_streaming(config: AnalyzeConfig, d: Dist, out: artifacts.AtomicDir, t0: float, files, units, lo: int,

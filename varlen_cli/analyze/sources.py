@@ -68,7 +68,8 @@ class Unit:
     weight: int  # rows, or estimated rows for line formats: what workers are balanced on
 
 
-def _format_of(path: str) -> tuple[str | None, str | None]:
+def file_format(path: str) -> tuple[str | None, str | None]:
+    """(format, compression) of a data file from its name; (None, None) for a file of no format."""
     shard_format = formats.format_of(path)  # megatron .idx, MDS index.json, WebDataset .tar
     if shard_format is not None:
         return shard_format, None
@@ -103,7 +104,7 @@ def _hf_dataset_files(directory: str) -> list[str] | None:
 
 
 def _is_data_file_name(name: str) -> bool:
-    return _format_of(name)[0] is not None
+    return file_format(name)[0] is not None
 
 
 def _expand(source: str) -> list[tuple[str, bool]]:
@@ -114,7 +115,7 @@ def _expand(source: str) -> list[tuple[str, bool]]:
         if idx is not None:
             return [(idx, True)]
     if storage.is_remote(source):
-        return remote.expand(source, _is_data_file_name, lambda p: _format_of(p)[0])
+        return remote.expand(source, _is_data_file_name, lambda p: file_format(p)[0])
     if any(ch in source for ch in discovery.GLOB_CHARS):
         out = discovery.expand_glob(source, _is_data_file_name)
         if not out:
@@ -130,9 +131,9 @@ def _expand(source: str) -> list[tuple[str, bool]]:
         found = discovery.walk_directory(source, _is_data_file_name)
         if not found:
             raise InputError(f"no data files (Parquet, Arrow, JSONL, text) found in directory {source}")
-        if len({_format_of(p)[0] for p in found}) > 1:  # plans are no data (dropped by discover anyway)
-            found = [p for p in found if _format_of(p)[0] != "parquet" or not _is_plan_file(p)]
-        discovery.check_single_format(source, found, lambda p: _format_of(p)[0])
+        if len({file_format(p)[0] for p in found}) > 1:  # plans are no data (dropped by discover anyway)
+            found = [p for p in found if file_format(p)[0] != "parquet" or not _is_plan_file(p)]
+        discovery.check_single_format(source, found, lambda p: file_format(p)[0])
         return [(p, False) for p in found]
     parent = os.path.dirname(os.path.abspath(source))
     if discovery.artifact_kind(parent) is not None:
@@ -152,7 +153,7 @@ def discover(sources: Sequence[str]) -> list[SourceFile]:
             explicit[path] = explicit.get(path, False) or named
     files = []
     for path in sorted(explicit):
-        fmt, compression = _format_of(path)
+        fmt, compression = file_format(path)
         if fmt is None:
             raise InputError(
                 f"unsupported source file {path}: expected .parquet, .arrow/.feather, .jsonl[.gz], .txt[.gz], "

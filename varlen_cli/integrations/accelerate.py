@@ -65,9 +65,9 @@ class PlanLoader:
 
 def prepare_plan_dataloader(accelerator: Any, loader: Any, *, register: bool = True) -> PlanLoader:
     """Use the plan's loader under ``accelerator`` without re-sharding it (see the module docstring)."""
-    from ..loader.dataloader import _PlanLoaderMixin
+    from ..loader.dataloader import PlanLoaderMixin
 
-    if not isinstance(loader, _PlanLoaderMixin):
+    if not isinstance(loader, PlanLoaderMixin):
         raise PlanError("prepare_plan_dataloader takes the loader made by varlen_cli.loader.dataloader_for_plan")
     plan = loader.plan
     plan.validate(world_size=accelerator.num_processes)

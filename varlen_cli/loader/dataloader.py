@@ -26,12 +26,12 @@ from .collate import PadCollate, PlanDataset
 from .guard import ConsumptionGuard, register
 from .packed import PackedCollate
 from .plan_file import Plan, PlanError
-from .sampler import PlanBatchSampler, _Position
+from .sampler import MicrobatchPosition, PlanBatchSampler
 
 STATE_KEY = "varlen"  # the loader's own state inside torchdata's state dict
 
 
-class _PlanLoaderMixin:
+class PlanLoaderMixin:
     """What :class:`PlanDataLoader` and :class:`PlanStatefulDataLoader` add to their DataLoader base."""
 
     batch_sampler: PlanBatchSampler
@@ -123,7 +123,7 @@ class _PlanLoaderMixin:
         """The position after the last batch handed out (or reported), with the ledger up to it."""
         sampler = self.batch_sampler
         if self._last is not None:
-            epoch, step, micro = sampler._after(_Position(*self._last))
+            epoch, step, micro = sampler._after(MicrobatchPosition(*self._last))
         else:
             step, micro, _ = sampler.bounds()
             epoch = sampler.epoch
@@ -147,7 +147,7 @@ class _PlanLoaderMixin:
         self._restore_position(state)
 
 
-class PlanDataLoader(_PlanLoaderMixin, DataLoader):
+class PlanDataLoader(PlanLoaderMixin, DataLoader):
     """A ``torch.utils.data.DataLoader`` over a plan (made by :func:`dataloader_for_plan`)."""
 
     def __init__(self, dataset, batch_sampler: PlanBatchSampler, *, all_epochs: bool = False,
@@ -202,7 +202,7 @@ def stateful_loader_class():
     if _STATEFUL is None:
         from torchdata.stateful_dataloader import StatefulDataLoader
 
-        class PlanStatefulDataLoader(_PlanLoaderMixin, StatefulDataLoader):
+        class PlanStatefulDataLoader(PlanLoaderMixin, StatefulDataLoader):
             _defer_start = True
 
             def __init__(self, dataset, batch_sampler: PlanBatchSampler, *, all_epochs: bool = False,

@@ -79,15 +79,15 @@ def _as_info(obj: Any) -> Microbatch:
     obj = getattr(obj, "info", obj) if not isinstance(obj, (Microbatch, PlanRow)) else obj
     if isinstance(obj, PlanRow):
         return obj.microbatch
-    if isinstance(obj, (Microbatch, _Position)):
+    if isinstance(obj, (Microbatch, MicrobatchPosition)):
         return obj
     if isinstance(obj, dict) and obj.get("plan_position") is not None:  # only the position survived
         epoch, step, rank, micro = batch_position(obj)
-        return _Position(epoch, step, rank, micro)
+        return MicrobatchPosition(epoch, step, rank, micro)
     raise TypeError("expected a Microbatch, MicrobatchIndices or a collated batch with an 'info' entry")
 
 
-class _Position:
+class MicrobatchPosition:
     """The position fields of a Microbatch (what ``state_dict(after=...)`` needs)."""
 
     def __init__(self, epoch, step, rank, micro):

@@ -167,7 +167,7 @@ def read_metrics_manifest(metrics_dir: str) -> dict:
 
 def _source_files(manifest: dict, where: str) -> tuple[list, list[dict]]:
     from .. import storage
-    from ..analyze.sources import SourceFile, _format_of
+    from ..analyze.sources import SourceFile, file_format
 
     dataset = manifest.get("dataset")
     if not isinstance(dataset, dict) or not dataset.get("files"):
@@ -176,8 +176,8 @@ def _source_files(manifest: dict, where: str) -> tuple[list, list[dict]]:
     files, entries = [], []
     for entry in dataset["files"]:
         path = storage.under(str(entry["path"]), root)
-        fmt = entry.get("format") or _format_of(path)[0]
-        compression = _format_of(path)[1] if fmt in ("jsonl", "text") else None
+        fmt = entry.get("format") or file_format(path)[0]
+        compression = file_format(path)[1] if fmt in ("jsonl", "text") else None
         files.append(SourceFile(path, fmt, int(entry["size"]), compression, int(entry["rows"])))
         entries.append(entry)
     return files, entries
