@@ -39,7 +39,6 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 
 A_SMALL = 1 / (2 * 12_800)
 
@@ -193,7 +192,7 @@ def run_case(metrics: str, tmp: str, seq_len: int, dp: int, grad_accum: int, att
 
 
 def main(argv=None) -> None:
-    from plan_helpers import write_metrics
+    from benchmarks.bench_plan import write_metrics_dir
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seq-len", default="4096,16384,65536")
@@ -212,7 +211,7 @@ def main(argv=None) -> None:
         for dp in [int(x) for x in args.dp.split(",")]:
             lengths = corpus(seq_len, args.steps * dp // 8, man)  # about --steps steps at every dp
             with tempfile.TemporaryDirectory() as tmp:
-                metrics = write_metrics(os.path.join(tmp, "metrics"), lengths)
+                metrics = write_metrics_dir(os.path.join(tmp, "metrics"), lengths)
                 for r in run_case(metrics, tmp, seq_len, dp, args.grad_accum, args.attention_cost, args.repeat):
                     print(f"| {seq_len:,} | {dp} | {r['case']} | {r['steps']} | {r['mean']:.3f} / {r['max']:.3f} "
                           f"| {r['max_not_last']:.3f} | {100 * r['overhead']:.2f}% "

@@ -1,6 +1,6 @@
 """Benchmark of ``varlen calibrate`` + ``varlen plan --max-memory`` (results: benchmarks/memory.md).
 
-    python benchmarks/bench_calibrate.py --model tests.memory_models:lm_4k --max-memory 640MiB \\
+    python benchmarks/bench_calibrate.py --model benchmarks.tiny_models:lm_4k --max-memory 640MiB \\
         --buckets 64,128,256,512 --runs 3
 
 Per run, on CPU (peak = the peak resident memory of the training process, docs/memory.md; both
@@ -92,7 +92,7 @@ def one_run(args, workdir: str, run: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tests.memory_models:lm_4k")
+    ap.add_argument("--model", default="benchmarks.tiny_models:lm_4k")
     ap.add_argument("--max-memory", default="640MiB")
     ap.add_argument("--margin", type=float, default=0.05)
     ap.add_argument("--buckets", default="64,128,256,512")

@@ -19,10 +19,9 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from plan_helpers import write_metrics  # noqa: E402
-
+from benchmarks.bench_plan import write_metrics_dir  # noqa: E402
 from varlen_cli.plan import PlanConfig, plan  # noqa: E402
 from varlen_cli.plan.replan import ExtendConfig, ReplanConfig, extend, replan  # noqa: E402
 
@@ -41,9 +40,9 @@ def main() -> None:
     rng = np.random.default_rng(0)
     lengths = np.clip(rng.lognormal(5, 1, a.samples).astype(np.int64), 1, 4000)
     with tempfile.TemporaryDirectory() as d:
-        metrics = write_metrics(os.path.join(d, "m"), lengths)
-        half = write_metrics(os.path.join(d, "h"), lengths[: a.samples // 2])
-        other = write_metrics(os.path.join(d, "o"), lengths[a.samples // 2:])
+        metrics = write_metrics_dir(os.path.join(d, "m"), lengths)
+        half = write_metrics_dir(os.path.join(d, "h"), lengths[: a.samples // 2])
+        other = write_metrics_dir(os.path.join(d, "o"), lengths[a.samples // 2:])
         out = lambda name: os.path.join(d, name)  # noqa: E731
         base = PlanConfig(input=metrics, output=out("p.parquet"), max_tokens=16384, dp=8, overwrite=True)
         steps = plan(base).num_steps

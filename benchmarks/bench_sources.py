@@ -94,7 +94,7 @@ def timed(fn, repeats: int) -> tuple[float, object]:
 
 
 def bench_analyze(local: str, url: str, work: str, repeats: int) -> dict:
-    from tests.s3_requests import s3_requests
+    from benchmarks.s3_requests import s3_requests
     from varlen_cli.analyze import AnalyzeConfig, analyze
 
     def go(src, out):

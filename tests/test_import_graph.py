@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 from functools import cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -285,3 +286,24 @@ def test_no_function_over_80_lines():
     assert over == [], f"functions over {MAX_FUNCTION_LINES} lines: {over}"
     gone = ALLOWED_LONG_FUNCTIONS - {f[:2] for f in found}
     assert not gone, f"allowed but gone (or short now): remove from ALLOWED_LONG_FUNCTIONS: {sorted(gone)}"
+
+
+def test_benchmarks_import_no_tests():
+    """A benchmark reproduces its numbers from benchmarks/ and the package alone: no import of a test
+    module (``tests.x``, or a helper of tests/ reached through sys.path), no ``tests.x:NAME`` spec."""
+    helpers = {name[:-3] for name in os.listdir(os.path.join(ROOT, "tests")) if name.endswith(".py")} | {"tests"}
+    found = []
+    for name in sorted(os.listdir(os.path.join(ROOT, "benchmarks"))):
+        if not name.endswith(".py"):
+            continue
+        with open(os.path.join(ROOT, "benchmarks", name), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found += [(name, a.name) for a in node.names if a.name.split(".")[0] in helpers]
+            elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] in helpers:
+                found.append((name, node.module))
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and (
+                    node.value == "tests" or re.fullmatch(r"tests\.[\w.]+:\w+", node.value)):
+                found.append((name, node.value))
+    assert found == [], f"benchmarks that import from tests/: {found}"

@@ -1,6 +1,6 @@
 """Megatron ``.idx``, MosaicML MDS and WebDataset shards (and Parquet) analysed from the moto S3 server
 give the metrics of the same files analysed locally, and ``SourceDataset`` items of the remote metrics
-equal the local ones. Requests are counted (every call s3fs sends, :mod:`tests.s3_requests`): an
+equal the local ones. Requests are counted (every call s3fs sends, :mod:`benchmarks.s3_requests`): an
 ``.idx`` analysis never reads the ``.bin``, Parquet is read by column-chunk ranges (never a whole
 object), and a Parquet footer is read once per file."""
 
@@ -14,9 +14,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from benchmarks.s3_requests import gets, s3_requests
 from tests.analyze_helpers import ipc_bytes, run
 from tests.formats_helpers import MDS_FIXTURES, random_docs, wds_samples, write_megatron, write_webdataset
-from tests.s3_requests import gets, s3_requests
 from varlen_cli.loader import SourceDataset
 
 
