@@ -26,7 +26,7 @@ def new_iteration_id() -> str:
 
 
 class FetchOrder:
-    """Per-process record of the microbatches a DataLoader fetched, for :func:`check_fetch_order`."""
+    """Per-process record of the microbatches a DataLoader fetched, for :meth:`check`."""
 
     def __init__(self):
         self.last: dict[str, int] = {}

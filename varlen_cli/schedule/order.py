@@ -101,7 +101,7 @@ def schedule_order(cost: np.ndarray, tokens: np.ndarray, *, dp: int, grad_accum:
 
 def reorder_layout(lay, cost: np.ndarray, tokens: np.ndarray, *, dp: int, grad_accum: int, schedule: str,
                    stages: int) -> tuple:
-    """A planner layout (``varlen_cli.plan.layout.Layout``) with each step's rows reordered for
+    """A planner layout (``varlen_cli.plan.layout.EpochLayout``) with each step's rows reordered for
     ``schedule``; ``cost`` and ``tokens`` are per microbatch in the planner's (pre-layout) order.
     Returns ``(layout, OrderResult)``."""
     import dataclasses
