@@ -149,8 +149,7 @@ def test_num_microbatches_is_checked_against_megatron(corpus):
                                         r"2: set --global-batch-size to --micro-batch-size x dp x 2 \(no "
                                         r"--rampup-batch-size\), or re-plan with --grad-accum 4$"):
         plan_iterator(packed, ds, rank=0, world_size=2, num_microbatches=4)
-    with pytest.raises(PlanError, match=r"^Megatron's number of microbatches is unknown"):
-        plan_iterator(packed, ds, rank=0, world_size=2)
+    assert plan_iterator(packed, ds, rank=0, world_size=2).num_microbatches == 2  # nothing configured: the plan's
     try:  # Megatron's own calculator: --global-batch-size 4 --micro-batch-size 1 on 2 data-parallel ranks
         calc.init_num_microbatches_calculator(0, None, 4, 1, 2)
         it = plan_iterator(packed, ds, rank=0, world_size=2)

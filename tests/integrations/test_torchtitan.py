@@ -190,20 +190,32 @@ def test_refusals(setup):
                                         r"least 512$"):
         build(plan.path, metrics, seq_len=256)
     scaled = make_plan(folder, data, "scaled", max_tokens=512, dp=2, grad_accum=2, epochs=1, lr_scaling="linear")
-    with pytest.raises(PlanError, match=r"^the plan's lr_scale \(.* to .*\) would not be applied: torchtitan's LR "
-                                        r"schedule has no per-step scale; make the plan with --lr-scaling none"):
-        build(scaled, metrics)
-    PlanDataLoader.Config(plan=scaled, dataset=metrics, lr_scale="ignore").build(dp_world_size=2, dp_rank=0)
+    ignored = PlanDataLoader.Config(plan=scaled, dataset=metrics, lr_scale="ignore").build(dp_world_size=2, dp_rank=0)
+    assert ignored.stream.loader.guard.lr_scale == "ignore"  # the loader's LR-coverage check, told to let it pass
+    assert len(list(ignored)) == Plan.open(scaled).num_steps * 2
     with pytest.raises(PlanError, match=r"^PlanDataLoader.Config needs dataset= "):
         PlanDataLoader.Config(plan=plan.path).build(dp_world_size=2, dp_rank=0)
     loader = build(plan.path, metrics)
     batches = iter(loader)
-    next(batches)  # micro 0 of step 0: a checkpoint now means torchtitan's gradient accumulation is not the plan's
-    with pytest.raises(PlanError, match=r"^torchtitan saved the loader in the middle of the plan's step 0 \(after "
-                                        r"micro 0 of 2\): its gradient accumulation is not the plan's --grad-accum 2"):
-        loader.state_dict()
+    weight = torch.nn.Parameter(torch.zeros(2))
+    optimizers = [torch.optim.SGD([weight], lr=0.1), torch.optim.SGD([weight], lr=0.1)]  # torchtitan's container
     next(batches)
-    assert json.loads(loader.state_dict()["varlen"])["step"] == 1
+    with pytest.raises(PlanError, match=r"^an optimizer step follows 1 microbatch\(es\) up to micro 0 of the "
+                                        r"plan's step 0, whose steps have 2: torchtitan's gradient accumulation is not "
+                                        r"the plan's --grad-accum 2 \(set training.global_batch_size = "
+                                        r"local_batch_size x dp x 2\)$"):
+        optimizers[0].step()  # before the update: the weight is untouched
+    assert weight.detach().tolist() == [0.0, 0.0] and json.loads(loader.state_dict()["varlen"])["micro"] == 1
+    next(batches)
+    for opt in optimizers:  # one plan step, every optimizer of the container
+        weight.grad = torch.ones(2)
+        opt.step()
+    next(batches), next(batches), next(batches)
+    with pytest.raises(PlanError, match=r"^an optimizer step follows 3 microbatch\(es\) up to micro 0 of the plan's "
+                                        r"step 2"):
+        optimizers[0].step()
+    loader.close()
+    optimizers[0].step()  # the hook went with close()
 
 
 def test_replanned_plan_without_its_checkpoint_is_refused(setup):

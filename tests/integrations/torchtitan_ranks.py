@@ -4,7 +4,8 @@ The ``PlanDataLoader`` is built through its ``Config.build`` with the arguments 
 passes, and checkpointed by torchtitan's own ``CheckpointManager`` (DCP) with a model, torchtitan's
 ``OptimizersContainer`` and ``LRSchedulersContainer`` and a train state, as the Trainer does. Each step
 fetches ``grad_accum`` microbatches first and counts their targets the Trainer's way (labels != -100,
-all-reduced), then saves. torchtitan's Trainer needs a GPU; everything here is its CPU data path.
+all-reduced), then steps torchtitan's optimizers and LR schedulers and saves. torchtitan's Trainer
+needs a GPU; everything here is its CPU data path.
 
     torchrun ... torchtitan_ranks.py PLAN DATA FOLDER LOG [--interval K] [--load-step N] [--refused-plan P]
 """
@@ -46,10 +47,12 @@ def build(plan, data, folder, interval, rank, world):
     checkpointer = CheckpointManager.Config(enable=True, folder="ckpt", interval=interval, keep_latest_k=0).build(
         dataloader=loader, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
         states={"train_state": state}, sd_adapter=None, base_folder=folder)
-    return loader, checkpointer, state
+    return loader, checkpointer, state, (model, optimizers, schedulers)
 
 
-def train(loader, checkpointer, state, grad_accum, log):
+def train(loader, checkpointer, state, parts, log):
+    model, optimizers, schedulers = parts
+    grad_accum = loader.plan.grad_accum
     data = iter(loader)
     while True:
         fetched, valid = [], torch.tensor(0)
@@ -64,6 +67,11 @@ def train(loader, checkpointer, state, grad_accum, log):
                             "samples": row.sample_ids.tolist(), "input": inputs["input"].tolist(),
                             "positions": inputs["positions"].tolist(), "labels": labels.tolist()})
         dist.all_reduce(valid)  # torchtitan's global_valid_tokens
+        for param in model.parameters():
+            param.grad = torch.full_like(param, float(valid))
+        optimizers.step()  # the loader's optimizer hook checks that a whole plan step was fetched
+        schedulers.step()
+        optimizers.zero_grad()
         state.step += 1
         log["micro"] += fetched
         log["steps"].append(state.step)
@@ -83,17 +91,17 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     log = {"micro": [], "steps": [], "valid": [], "refused": None}
     if args.refused_plan:  # the checkpoint's own plan on another number of ranks
-        loader, checkpointer, _ = build(args.refused_plan, args.data, args.folder, args.interval, rank, world)
+        loader, checkpointer, _, _ = build(args.refused_plan, args.data, args.folder, args.interval, rank, world)
         try:
             checkpointer.load(step=args.load_step)
         except PlanError as exc:
             log["refused"] = str(exc)
         checkpointer.close()
-    loader, checkpointer, state = build(args.plan, args.data, args.folder, args.interval, rank, world)
+    loader, checkpointer, state, parts = build(args.plan, args.data, args.folder, args.interval, rank, world)
     if args.load_step is not None:
         assert checkpointer.load(step=args.load_step)
         log["loaded_step"] = state.step
-    train(loader, checkpointer, state, loader.plan.grad_accum, log)
+    train(loader, checkpointer, state, parts, log)
     checkpointer.close()
     with open(os.path.join(args.log, f"rank-{rank}.json"), "w") as fh:
         json.dump(log, fh)

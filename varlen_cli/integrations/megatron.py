@@ -28,7 +28,8 @@ schedules call it ``num_microbatches`` times a step):
 
 The plan's ``grad_accum`` must be Megatron's number of microbatches (``--global-batch-size`` =
 ``--micro-batch-size`` x dp x grad_accum): checked at every step against
-``get_num_microbatches()`` (or ``num_microbatches=``), refused in one line when they differ.
+``get_num_microbatches()`` once Megatron set it up (else ``num_microbatches=``, the value given to
+``forward_backward_func``; ``it.num_microbatches`` is the plan's), refused in one line when they differ.
 The iterator's state (position + ledger) is ``state_dict()`` (also ``save_state()``, what Megatron-LM's
 ``--dataloader-save`` stores per DP rank); resume with ``state=`` or ``iteration=`` (the checkpoint's
 iteration, no file needed). A checkpoint of another number of data-parallel ranks is refused naming
@@ -205,12 +206,9 @@ def megatron_num_microbatches() -> int | None:
 
 
 def check_num_microbatches(plan: Plan, num_microbatches: int | None) -> None:
-    """Refuse a Megatron number of microbatches other than the plan's ``grad_accum``."""
-    if num_microbatches is None:
-        raise PlanError("Megatron's number of microbatches is unknown: initialise Megatron first (its "
-                        "num_microbatches calculator) or pass plan_iterator(..., num_microbatches=N), the value "
-                        "forward_backward_func gets")
-    if int(num_microbatches) != plan.grad_accum:
+    """Refuse a Megatron number of microbatches other than the plan's ``grad_accum`` (None: nothing
+    configured to check against)."""
+    if num_microbatches is not None and int(num_microbatches) != plan.grad_accum:
         raise PlanError(f"Megatron runs {int(num_microbatches)} microbatches a step but the plan was made with "
                         f"--grad-accum {plan.grad_accum}: set --global-batch-size to --micro-batch-size x dp x "
                         f"{plan.grad_accum} (no --rampup-batch-size), or re-plan with --grad-accum "
@@ -236,8 +234,13 @@ class PlanIterator:
     def __init__(self, stream: PlanStream, num_microbatches: int | None):
         self.stream = stream
         self.plan = stream.plan
-        self.num_microbatches = num_microbatches
+        self.configured = num_microbatches  # what the caller said Megatron runs (None: Megatron's calculator)
         self._batches = None
+
+    @property
+    def num_microbatches(self) -> int:
+        """Microbatches per optimizer step: the plan's ``grad_accum`` (what ``forward_backward_func`` gets)."""
+        return self.plan.grad_accum
 
     def __iter__(self):
         return self
@@ -247,9 +250,13 @@ class PlanIterator:
             self._batches = iter(self.stream)
         batch = next(self._batches)
         if batch["info"].micro == 0:  # every step: Megatron's count may change (batch-size ramp-up)
-            live = megatron_num_microbatches()
-            check_num_microbatches(self.plan, live if live is not None else self.num_microbatches)
+            self.check_num_microbatches()
         return batch
+
+    def check_num_microbatches(self) -> None:
+        """The given ``num_microbatches`` and Megatron's configured one must be the plan's ``grad_accum``."""
+        check_num_microbatches(self.plan, self.configured)
+        check_num_microbatches(self.plan, megatron_num_microbatches())
 
     @property
     def last(self):
@@ -275,15 +282,13 @@ def plan_iterator(plan: Plan | str | os.PathLike, dataset, *, rank: int | None =
 
     ``rank``/``world_size``: the data-parallel rank and size (default: the process group; with
     tensor or pipeline parallelism pass Megatron's ``mpu.get_data_parallel_rank()`` and size).
-    ``num_microbatches``: checked against the plan's ``grad_accum`` (default: Megatron's
-    ``get_num_microbatches()``). ``state`` (a ``state_dict()``) or ``iteration`` (Megatron's
-    ``args.iteration``) resumes. Other keyword arguments go to
+    ``num_microbatches`` and Megatron's ``get_num_microbatches()`` (once its calculator is set up) are
+    checked against the plan's ``grad_accum``. ``state`` (a ``state_dict()``) or ``iteration``
+    (Megatron's ``args.iteration``) resumes. Other keyword arguments go to
     :func:`~varlen_cli.loader.dataloader_for_plan` (``lr_scale="ignore"``: a plan whose ``lr_scale``
     is not all 1 trained without ``VariableBatchSizeLR``).
     """
     plan = open_plan(plan)
-    live = megatron_num_microbatches()
-    check_num_microbatches(plan, num_microbatches if num_microbatches is not None else live)
     collate = THDCollate(pad_id) if plan.packing else BSHDCollate(pad_id)
     stream = PlanStream(dataset, plan, collate_fn=collate, rank=rank, world_size=world_size, num_workers=num_workers,
                         lr_scale=lr_scale, **loader_kwargs)
@@ -295,6 +300,7 @@ def plan_iterator(plan: Plan | str | os.PathLike, dataset, *, rank: int | None =
                                         "dp": plan.dp}, stream.world_size)
         state = iteration_state(plan, iteration)
     it = PlanIterator(stream, num_microbatches)
+    it.check_num_microbatches()
     if state is not None:
         it.load_state_dict(state)
     return it

@@ -22,10 +22,12 @@ refused in one line naming ``varlen replan PLAN --from-step N --dp M``, and acce
 that command writes. torchtitan's trainer counts each step's loss targets itself (labels != -100,
 all-reduced): ``loader.last.step_loss_tokens`` is the same count from the plan, per microbatch.
 
-Also checked, in one line each: ``training.seq_len`` below the plan's longest row; a plan whose
-``lr_scale`` is not all 1 (torchtitan's LR schedule has no per-step scale: plan with
-``--lr-scaling none``, or ``Config(lr_scale="ignore")``); a checkpoint taken in the middle of a
-plan step (torchtitan's gradient accumulation is not the plan's ``--grad-accum``).
+Also checked, in one line each: ``training.seq_len`` below the plan's longest row; an optimizer
+step (a global optimizer hook) after other than exactly one plan step of microbatches (torchtitan's
+gradient accumulation is not the plan's ``--grad-accum``), before the update is applied.
+torchtitan's LR schedule has no per-step scale: a plan whose ``lr_scale`` is not all 1 meets the
+loader's LR-coverage check (varlen_cli.loader.guard); plan with ``--lr-scaling none``, or pass
+``Config(lr_scale="ignore")`` to train without the scale on purpose.
 
 torchtitan's main branch (the Grain-based loader, pytorch/torchtitan#4088) builds the loader with
 ``max_context_length`` and ``num_tokens_per_batch`` instead of ``seq_len``; given those, each
@@ -36,11 +38,12 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..loader import PadCollate
 from ..loader.batch import IGNORE_INDEX
@@ -78,21 +81,13 @@ def longest_row(plan: Plan) -> int:
     return max((t for _, t in plan.shapes), default=0)
 
 
-def check_lr_scale(plan: Plan, lr_scale: str) -> None:
-    scales = plan.lr_scales()
-    if lr_scale == "check" and len(scales) and not np.allclose(scales, 1.0):
-        raise PlanError(f"the plan's lr_scale ({float(scales.min()):.3g} to {float(scales.max()):.3g}) would not be "
-                        f"applied: torchtitan's LR schedule has no per-step scale; make the plan with --lr-scaling "
-                        f"none, or pass PlanDataLoader.Config(lr_scale='ignore') to train without it")
-
-
 class PlanDataLoader(BaseDataLoader):
     """A torchtitan ``BaseDataLoader`` over a varlen plan (see the module docstring).
 
     ``Config(plan=..., dataset=...)``: the plan file, and the dataset (an object whose item ``i`` is
     sample ``i``'s token ids, or a path, see :func:`open_dataset`); ``pad_id`` fills padding;
     ``num_workers`` DataLoader workers; ``lr_scale="ignore"`` trains a plan whose ``lr_scale`` is
-    not all 1 without it.
+    not all 1 without it (the loader's LR-coverage check otherwise stops it).
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -114,7 +109,6 @@ class PlanDataLoader(BaseDataLoader):
             raise PlanError("PlanDataLoader.Config needs dataset= (a dataset whose item i is sample i of the plan, or "
                             "a path: a Megatron PREFIX or a varlen analyze metrics directory)")
         plan = open_plan(config.plan)
-        check_lr_scale(plan, config.lr_scale)
         context = max_context_length if max_context_length is not None else seq_len
         if context is not None and longest_row(plan) > context:
             raise PlanError(f"the plan has rows of {longest_row(plan)} tokens but torchtitan's context length is "
@@ -127,6 +121,8 @@ class PlanDataLoader(BaseDataLoader):
                                  world_size=dp_world_size, num_workers=config.num_workers, lr_scale=config.lr_scale)
         self.plan = plan
         self.dp_rank, self.dp_world_size = int(dp_rank), int(dp_world_size)
+        self._since, self._stepped_at = 0, None  # microbatches since the last optimizer step; where it was
+        _watch_optimizer_steps()
 
     @property
     def last(self):
@@ -135,7 +131,10 @@ class PlanDataLoader(BaseDataLoader):
         return self.stream.last
 
     def __iter__(self):
+        global _ACTIVE
         for batch in self.stream:
+            self._since += 1
+            _ACTIVE = weakref.ref(self)  # the loader that handed out the latest batch: the one being trained
             yield self.trainer_batch(batch)
 
     def trainer_batch(self, batch: dict) -> tuple[dict, torch.Tensor]:
@@ -155,17 +154,49 @@ class PlanDataLoader(BaseDataLoader):
         positions = torch.cat([positions.reshape(-1), torch.arange(pad, dtype=positions.dtype)])
         return {"input": inputs, "positions": positions}, labels
 
+    def check_optimizer_step(self) -> None:
+        """Run before every optimizer step in this process while this loader handed out the latest batch
+        (a global optimizer hook): the microbatches handed out since the previous step must be exactly one
+        plan step (torchtitan's gradient accumulation is the plan's)."""
+        row, ga = self.stream.last, self.plan.grad_accum
+        if row is None or (row.step, row.micro) == self._stepped_at:
+            return  # no data yet, or another optimizer of the same step (torchtitan's containers hold several)
+        if self._since != ga or row.micro != ga - 1:
+            raise PlanError(f"an optimizer step follows {self._since} microbatch(es) up to micro {row.micro} of the "
+                            f"plan's step {row.step}, whose steps have {ga}: torchtitan's gradient accumulation is "
+                            f"not the plan's --grad-accum {ga} (set training.global_batch_size = local_batch_size x "
+                            f"dp x {ga})")
+        self._stepped_at, self._since = (row.step, row.micro), 0
+
     def state_dict(self) -> dict[str, Any]:
-        state = self.stream.state_dict()
-        if state and state.get("micro", 0) != 0:
-            raise PlanError(f"torchtitan saved the loader in the middle of the plan's step {state['step']} (after "
-                            f"micro {state['micro'] - 1} of {self.plan.grad_accum}): its gradient accumulation is not "
-                            f"the plan's --grad-accum {self.plan.grad_accum} (set training.global_batch_size = "
-                            f"local_batch_size x dp x {self.plan.grad_accum})")
-        return {STATE_KEY: json.dumps(state)}
+        return {STATE_KEY: json.dumps(self.stream.state_dict())}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         text = (state_dict or {}).get(STATE_KEY)
         if not text:  # a checkpoint without the loader (torchtitan allows an empty state)
             return
         self.stream.load_state_dict(json.loads(text))
+        self._since, self._stepped_at = 0, None
+
+    def close(self) -> None:
+        """Stop checking optimizer steps against this loader (torchtitan main calls it)."""
+        global _ACTIVE
+        if _ACTIVE is not None and _ACTIVE() is self:
+            _ACTIVE = None
+
+
+_ACTIVE: weakref.ref | None = None  # the PlanDataLoader that handed out the latest batch in this process
+_HOOK = None
+
+
+def _check_active(optimizer, args, kwargs) -> None:
+    """A global optimizer pre-step hook: the loader being trained checks the step (see check_optimizer_step)."""
+    loader = _ACTIVE() if _ACTIVE is not None else None
+    if loader is not None:
+        loader.check_optimizer_step()
+
+
+def _watch_optimizer_steps() -> None:
+    global _HOOK
+    if _HOOK is None:
+        _HOOK = register_optimizer_step_pre_hook(_check_active)
