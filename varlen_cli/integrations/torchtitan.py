@@ -172,10 +172,10 @@ class PlanDataLoader(BaseDataLoader):
         return {STATE_KEY: json.dumps(self.stream.state_dict())}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        text = (state_dict or {}).get(STATE_KEY)
-        if not text:  # a checkpoint without the loader (torchtitan allows an empty state)
+        state = json.loads((state_dict or {}).get(STATE_KEY) or "{}")
+        if not state:  # a checkpoint without the loader's position (torchtitan allows an empty state)
             return
-        self.stream.load_state_dict(json.loads(text))
+        self.stream.load_state_dict(state)
         self._since, self._stepped_at = 0, None
 
     def close(self) -> None:
