@@ -1,10 +1,11 @@
 """The recipes of docs/loader.md and docs/integrations.md run as written: each ```python block that
 starts with ``# recipe: NAME (FILE)`` is saved as FILE and started with 2 CPU processes (gloo) as the
-command the docs give under it starts them, on a plan of a slice of sample_data/tokenized.parquet.
-The plain DDP and torchdata recipes run under the real ``torchrun`` command (the ddp recipe's second run,
-its resume, under tests/launcher.py); the other framework recipes under tests/launcher.py, which starts
-each rank as torchrun does from a process that imported the frameworks once (their frameworks' 2-rank
-tests run under the real torchrun)."""
+command the docs give under it starts them, on a plan of a slice of sample_data/tokenized.parquet
+(torchtitan: a packed plan of it; Megatron: the slice written as a Megatron corpus by megatron-core).
+The plain DDP, torchdata and torchtitan recipes run under the real ``torchrun`` command (the ddp
+recipe's second run, its resume, under tests/launcher.py); the other framework recipes under
+tests/launcher.py, which starts each rank as torchrun does from a process that imported the frameworks
+once (their frameworks' 2-rank tests run under the real torchrun; Megatron's tests run in one process)."""
 
 import os
 import re
@@ -32,13 +33,17 @@ def _recipes() -> dict:
 
 RECIPES = _recipes()
 NEEDS = {"hf": ["transformers"], "trl": ["trl", "datasets"], "accelerate": ["accelerate", "transformers"],
-         "lightning": ["lightning", "transformers"], "torchdata": ["torchdata"], "ddp": []}
+         "lightning": ["lightning", "transformers"], "torchdata": ["torchdata"], "ddp": [],
+         "torchtitan": ["torchtitan.components.checkpoint"], "megatron": ["megatron.core"]}
 # the recipes whose framework has no other launch under the real torchrun (the others' 2-rank tests run
 # their full run under it: tests/integrations/test_{hf,trl,accelerate,lightning,fsdp2}.py)
-REAL = ("ddp", "torchdata")
+REAL = ("ddp", "torchdata", "torchtitan")
 PRELOAD = {"hf": IMPORTS["train_hf_trainer.py"], "trl": IMPORTS["train_trl.py"],
            "accelerate": IMPORTS["train_accelerate.py"], "lightning": IMPORTS["train_lightning.py"],
-           "torchdata": ("torchdata.stateful_dataloader",), "ddp": ("torch.nn.parallel",)}
+           "torchdata": ("torchdata.stateful_dataloader",), "ddp": ("torch.nn.parallel",),
+           "torchtitan": ("torchtitan.components.checkpoint", "torchtitan.components.optimizer",
+                          "varlen_cli.integrations.torchtitan"),
+           "megatron": ("megatron.core.num_microbatches_calculator", "varlen_cli.integrations.megatron")}
 
 
 def test_the_docs_hold_every_recipe():
@@ -51,6 +56,32 @@ def plan(tmp_path_factory):
     data = str(folder / "rows.parquet")
     pq.write_table(pq.read_table(small_dataset(folder)).slice(0, 160), data)
     return make_plan(folder, data, "plan", max_tokens=512, dp=2, grad_accum=2, epochs=2), data
+
+
+def _titan_inputs(folder: str, data: str) -> list:
+    """The torchtitan recipe's arguments: a packed plan without LR scaling, and the metrics directory."""
+    plan = make_plan(folder, data, "plan-titan", packing=True, seq_len=512, max_tokens=1024, dp=2, grad_accum=2,
+                     epochs=2, lr_scaling="none")
+    return [plan, os.path.join(folder, "metrics")]
+
+
+def _megatron_inputs(folder: str, data: str) -> list:
+    """The Megatron recipe's arguments: the rows written as a Megatron corpus by megatron-core's
+    IndexedDatasetBuilder (a sequence per row), ``varlen analyze PREFIX``, ``varlen plan --packing``."""
+    from tests.formats_helpers import write_megatron
+    from varlen_cli.analyze import AnalyzeConfig, analyze
+    from varlen_cli.plan import PlanConfig, plan
+
+    prefix = os.path.join(folder, "corpus_text_document")
+    write_megatron(prefix, [[row] for row in pq.read_table(data).column("input_ids").to_pylist()])
+    analyze(AnalyzeConfig(sources=(prefix,), output=os.path.join(folder, "mg"), progress=False, overwrite=True))
+    out = os.path.join(folder, "plan-mg.parquet")
+    plan(PlanConfig(input=os.path.join(folder, "mg"), output=out, packing=True, seq_len=512, max_tokens=1024, dp=2,
+                    grad_accum=2, epochs=2, lr_scaling="linear", overwrite=True))
+    return [out, prefix]
+
+
+PACKED = {"torchtitan": _titan_inputs, "megatron": _megatron_inputs}  # recipes with their own inputs
 
 
 def _run(folder, name: str, file: str, *args, real: bool = False) -> subprocess.CompletedProcess:
@@ -73,9 +104,11 @@ def test_recipe_runs_as_written_on_two_processes(plan, tmp_path, name):
     file, code = RECIPES[name]
     (tmp_path / file).write_text(code)
     args = [plan_path, data] + ([TOKENIZER] if name == "trl" else [])
-    steps = Plan.open(plan_path).num_steps
+    if name in PACKED:
+        args = PACKED[name](os.path.dirname(plan_path), data)
+    steps = Plan.open(args[0]).num_steps
     out = _run(tmp_path, name, file, *args, real=name in REAL).stdout
-    if name in ("ddp", "torchdata", "accelerate"):
+    if name in ("ddp", "torchdata", "accelerate", "torchtitan", "megatron"):
         assert f"trained to step {steps}" in out, out[-2000:]
     if name == "ddp":  # run again: it resumes from its last checkpoint and trains the rest
         assert os.path.exists(tmp_path / "ckpt.pt")
