@@ -149,7 +149,7 @@ class ConsumptionGuard:
         if end is None or self.ledger.index(pos[1], pos[3]) <= self.ledger.index(s, end[3]):
             return (f"desync: the microbatch at {describe(pos)} is consumed but VariableBatchSizeLR is at optimizer "
                     f"step {s}: call VariableBatchSizeLR.step() once per optimizer step")
-        if self.stepped_after == end:
+        if self.stepped_after in (end, position_after(self.plan, end)):  # (a trainer that reads one ahead)
             return (f"desync: the loader hands out {describe(pos)} but VariableBatchSizeLR is still at optimizer step "
                     f"{s}: optimizer.step() ran after {describe(end)}, the step's last microbatch, but "
                     f"VariableBatchSizeLR.step() did not (call it right after every optimizer.step(), in place of "

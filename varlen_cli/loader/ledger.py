@@ -114,6 +114,8 @@ class Ledger:
             info = lineage(self.plan)
             made = f"`varlen replan` from step {info['from_step']} of its parent" if "from_step" in info else \
                 "`varlen replan`"
+            if info.get("kind") == "extend":
+                made = "`varlen plan --extend` of a plan made by `varlen replan`"
             raise PlanError(f"{self.plan.path} continues a job from its global step {start} (made by {made}), but "
                             f"this loader starts fresh: load the checkpoint the plan was made from "
                             f"(loader.load_state_dict(its loader state)) before iterating, or a new model trains on "
