@@ -124,3 +124,26 @@ def test_tiny_lm_packed_forward_equals_unpacked():
         alone_b = model(b[None], torch.ones(1, 7, dtype=torch.bool))
     assert torch.allclose(packed[0, :5], alone_a[0], atol=1e-5)
     assert torch.allclose(packed[0, 5:12], alone_b[0], atol=1e-5)
+
+
+def test_a_replanned_plan_without_the_parents_checkpoint_is_refused(tmp_path, monkeypatch):
+    """`varlen replan --from-step 2` then train_tiny_lm.py without --resume trained a fresh model on the
+    rest of the data, exit 0: the loader refuses it before the first batch."""
+    import re
+
+    from varlen_cli.loader import PlanError
+    from varlen_cli.plan.replan import ReplanConfig, replan
+
+    parent = _plan(tmp_path, max_tokens=2048, dp=1, grad_accum=2)
+    child = str(tmp_path / "child.parquet")
+    replan(ReplanConfig(plan=parent, output=child, dp=1, from_step=2, progress=False))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    spec = importlib.util.spec_from_file_location("train_tiny_lm", SCRIPT)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    with pytest.raises(PlanError, match="^" + re.escape(
+            f"{child} continues a job from its global step 2 (made by `varlen replan` from step 2 of its parent), but "
+            f"this loader starts fresh: load the checkpoint the plan was made from (loader.load_state_dict(its loader "
+            f"state)) before iterating, or a new model trains on the rest of the data only") + "$"):
+        example.train(example.parse_args(["--plan", child, "--d-model", "16", "--layers", "1"]))

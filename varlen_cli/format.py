@@ -421,3 +421,47 @@ def _check_manifest_dataset(dataset: dict, bad) -> None:
 
 def _is_manifest_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+# -- loader states ------------------------------------------------------------------------------------
+#: The position keys of a loader or sampler state (``PlanBatchSampler.state_dict()``,
+#: ``PlanDataLoader.state_dict()``, the file ``varlen replan --state`` reads); ``ledger`` is optional.
+STATE_POSITION_KEYS = ("epoch", "step", "micro")
+
+
+def _state_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def loader_state_problem(state) -> str | None:
+    """What is wrong with the shape of a loader or sampler state, or None: a dict whose ``epoch``,
+    ``step`` and ``micro`` are integers >= 0, and whose ``ledger`` (when present) holds ``consumed``,
+    a list of ``[start, stop]`` integer pairs with ``0 <= start < stop``, and ``ended``, a list of
+    integers >= 0. Whether the position and the ledger fit a plan is the plan's to say (the loader)."""
+    if not isinstance(state, dict):
+        return f"it is a {type(state).__name__}, not a dict (pass what loader.state_dict() returned)"
+    for key in STATE_POSITION_KEYS:
+        if key not in state:
+            return f"it has no '{key}'"
+        if not _state_int(state[key]) or state[key] < 0:
+            return f"its '{key}' is {_shown(state[key])}, not an integer >= 0"
+    ledger = state.get("ledger")
+    if ledger is None:
+        return None
+    if not isinstance(ledger, dict):
+        return f"its 'ledger' is {_shown(ledger)}, not a dict"
+    consumed, ended = ledger.get("consumed", []), ledger.get("ended", [])
+    if not isinstance(consumed, list):
+        return f"its ledger's 'consumed' is {_shown(consumed)}, not a list of [start, stop] pairs"
+    for span in consumed:
+        if not isinstance(span, (list, tuple)) or len(span) != 2 or not all(map(_state_int, span)) \
+                or not 0 <= span[0] < span[1]:
+            return f"its ledger's 'consumed' holds {_shown(span)}, not a [start, stop] pair with 0 <= start < stop"
+    if not isinstance(ended, list) or not all(_state_int(e) and e >= 0 for e in ended):
+        return f"its ledger's 'ended' is {_shown(ended)}, not a list of epoch numbers"
+    return None

@@ -262,3 +262,19 @@ def test_schema_differs_between_files(tmp_path):
         run(tmp_path / "out", tmp_path / "a.parquet", tmp_path / "b.parquet", length="chars:text")
     assert err.value.message == f"column 'text' not found in {tmp_path / 'b.parquet'} (columns: body)"
     assert pq.read_table(tmp_path / "a.parquet").num_rows == 5
+
+
+def test_an_in_memory_dataset_is_refused(tmp_path):
+    """analyze() of an in-memory datasets.Dataset said "output lies inside the input Dataset(...)"."""
+    datasets = pytest.importorskip("datasets")
+    from varlen_cli.analyze import AnalyzeConfig, analyze
+
+    ds = datasets.Dataset.from_dict({"text": ["a", "bb"]})
+    message = ("analyze reads sources from files, local or remote (paths or URLs), not an in-memory datasets.Dataset: "
+               "write it out first (a datasets.Dataset: ds.save_to_disk(DIR), then analyze DIR)")
+    for sources in ((ds,), ds):
+        with pytest.raises(UsageError, match="^" + re.escape(message) + "$"):
+            analyze(AnalyzeConfig(sources=sources, output=str(tmp_path / "m")))
+    with pytest.raises(UsageError, match="^give at least one SOURCE$"):
+        analyze(AnalyzeConfig(sources=(), output=str(tmp_path / "m")))
+    assert not os.path.exists(tmp_path / "m")

@@ -4,6 +4,7 @@ lengths, against files written by each format's own library and against ``AutoTo
 from __future__ import annotations
 
 import gzip
+import json
 import os
 import re
 import shutil
@@ -349,6 +350,10 @@ CHAT_ERRORS = {
     "chat without tokenizer": (["--length", "chat:messages"],
                                "--length chat:messages needs --tokenizer DIR (a tokenizer directory with a chat "
                                "template)", 2),
+    "no special tokens": (["--length", "chat:messages", "--no-special-tokens"],  # silently did nothing
+                          "--no-special-tokens does not apply to --length chat:messages: the chat template writes the "
+                          "special tokens (BOS, turn markers), so the lengths are the template's; edit the template "
+                          "to change them", 2),
 }
 
 
@@ -368,6 +373,28 @@ def test_chat_errors(tmp_path, case):
     result = CliRunner().invoke(app, ["analyze", src, "-o", str(tmp_path / "out"), "--no-progress", *args])
     assert_user_error(result, code, message)
     assert leftovers(tmp_path) == []
+
+
+def test_empty_conversations_and_plans_without_loss_targets(tmp_path):
+    """An empty conversation was measured as 1 token (transformers refuses it); a plan whose steps all
+    have step_loss_tokens 0 (no assistant turn anywhere) was written without a word."""
+    tok_dir = sentencepiece_dir(tmp_path, "LlamaTokenizer", CHAT_TEMPLATE)
+    turns = [[{"role": "user", "content": "hello world " * (i % 4 + 1)}] for i in range(12)]
+    empty = str(tmp_path / "empty.parquet")
+    pa.parquet.write_table(pa.table({"messages": [json.dumps(c) for c in turns[:5] + [[]] + turns[5:]]}), empty)
+    result = CliRunner().invoke(app, ["analyze", empty, "-o", str(tmp_path / "e"), "--length", "chat:messages",
+                                      "--tokenizer", tok_dir, "--no-progress"])
+    assert_user_error(result, 3, f"chat column 'messages' holds 1 empty conversation(s) (no messages) in {empty}: "
+                                 f"transformers' apply_chat_template refuses one; drop those rows")
+    users = str(tmp_path / "users.parquet")  # conversations without an assistant turn: no loss target anywhere
+    pa.parquet.write_table(pa.table({"messages": turns}), users)
+    run(tmp_path / "m", users, length="chat:messages", tokenizer=tok_dir, target_length="assistant")
+    result = CliRunner().invoke(app, ["plan", str(tmp_path / "m"), "-o", str(tmp_path / "p.parquet"),
+                                      "--max-tokens", "64", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr == ("varlen: warning: every step has step_loss_tokens 0 (no sample in them carries a loss "
+                             "target: target_length 0, or samples of 1 token): a loss averaged over a step's targets "
+                             "is 0/0 there\n")
 
 
 def test_plan_counts_assistant_targets(tmp_path):

@@ -7,6 +7,7 @@ history of optimizer steps against the plan.
 """
 
 import copy
+import re
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.loader_helpers import SyntheticTokens, write_plan
-from varlen_cli.loader import Plan, PlanError, VariableBatchSizeLR, dataloader_for_plan
+from varlen_cli.loader import Ledger, Plan, PlanError, VariableBatchSizeLR, dataloader_for_plan
 
 LENGTHS = np.random.default_rng(11).integers(1, 90, size=160)
 
@@ -147,23 +148,39 @@ def test_half_an_epoch_then_the_next_needs_end_epoch(tmp_path):
     assert loader.state_dict()["ledger"]["ended"] == [0]
 
 
-def test_lr_coverage_refuses_two_steps_without_the_plans_scheduler(tmp_path):
+def test_lr_coverage_refuses_the_first_optimizer_step_without_the_plans_scheduler(tmp_path):
+    """Issue 37: a loop with a plain LR scheduler trained 2 optimizer steps at the wrong LR before the
+    check stopped it, and merely iterating a loader needed lr_scale="ignore". Now: iterating is free,
+    and the first optimizer step taken on the plan's microbatches is refused before it runs."""
     plan = _plan(tmp_path)
     scales = plan.lr_scales()
     assert len(set(scales.round(6))) > 1
+    looked = dataloader_for_plan(SyntheticTokens(LENGTHS), plan, rank=0, world_size=1)
+    assert len(list(looked)) == plan.steps_per_epoch[0] * plan.grad_accum  # a look at the data: no optimizer
+    optimizer = _optimizer()
+    weight = optimizer.param_groups[0]["params"][0]
+    weight.grad = torch.ones(1)
+    optimizer.step()  # an optimizer of something else, while no plan loader is being iterated: not the plan's
+    base = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     loader = dataloader_for_plan(SyntheticTokens(LENGTHS), plan, rank=0, world_size=1)
-    batches = iter(loader)
-    for _ in range(2 * plan.grad_accum):  # two optimizer steps' worth
-        next(batches)
+    before = weight.detach().clone()
     with pytest.raises(PlanError, match=rf"^the plan's lr_scale \({scales.min():.3g} to {scales.max():.3g}\) is not "
-                                        r"applied: rank 0 consumed optimizer steps 0 and 1 with no VariableBatchSizeLR "
-                                        r"of this plan stepped .* or pass lr_scale='ignore' to dataloader_for_plan to "
+                                        r"applied: an optimizer step is about to run after \(epoch 0, step 0, rank 0, "
+                                        r"micro 1\) on rank 0 with no VariableBatchSizeLR of this plan \(wrap the LR "
+                                        r"scheduler in VariableBatchSizeLR\(scheduler, plan\) and call its step\(\) "
+                                        r"once per optimizer step, or pass lr_scale='ignore' to dataloader_for_plan to "
                                         r"train without it\)\.$"):
-        next(batches)
+        for batch in loader:
+            if batch["info"].micro == plan.grad_accum - 1:
+                weight.grad = torch.ones(1)
+                optimizer.step()
+                base.step()
+    assert torch.equal(weight.detach(), before)  # refused before the step ran
     ones = _plan(tmp_path, "ones", lr_scaling="none")  # lr_scale all 1: nothing to apply
-    assert list(dataloader_for_plan(SyntheticTokens(LENGTHS), ones, rank=0, world_size=1))
-    ignored = dataloader_for_plan(SyntheticTokens(LENGTHS), plan, rank=0, world_size=1, lr_scale="ignore")
-    assert len(list(ignored)) == plan.steps_per_epoch[0] * plan.grad_accum
+    for _batch in dataloader_for_plan(SyntheticTokens(LENGTHS), ones, rank=0, world_size=1):
+        optimizer.step()
+    for _batch in dataloader_for_plan(SyntheticTokens(LENGTHS), plan, rank=0, world_size=1, lr_scale="ignore"):
+        optimizer.step()
 
 
 def test_the_launcher_hint_replaces_replan_with_dp_1(tmp_path, monkeypatch):
@@ -273,3 +290,145 @@ def test_every_resume_trains_each_position_once_or_refuses_before_a_wrong_step(t
         assert "\n" not in refused
     if loop == "documented":
         assert refused is None, refused
+
+
+# -- loader states: their shape, and ledgers that cannot be a job's history (issue 31) ------------------
+def _state_at(plan, k, **ledger):
+    step, micro = divmod(k, plan.grad_accum)
+    return {"plan": plan.fingerprint, "epoch": plan.epoch_of(step), "step": step, "micro": micro, "dp": plan.dp,
+            "ledger": {"consumed": [[0, k]], "ended": [], **ledger}}
+
+
+MALFORMED = {  # state -> the message after "invalid loader state: "
+    "spans as a string": (lambda s: {**s, "ledger": {"consumed": "0-8", "ended": []}},
+                          "its ledger's 'consumed' is '0-8', not a list of [start, stop] pairs"),
+    "3-number span": (lambda s: {**s, "ledger": {"consumed": [[0, 4, 8]], "ended": []}},
+                      "its ledger's 'consumed' holds [0, 4, 8], not a [start, stop] pair with 0 <= start < stop"),
+    "ended not numbers": (lambda s: {**s, "ledger": {"consumed": [[0, 8]], "ended": ["x"]}},
+                          "its ledger's 'ended' is ['x'], not a list of epoch numbers"),
+    "a list": (lambda s: list(s.items()),
+               "it is a list, not a dict (pass what loader.state_dict() returned)"),
+    "no epoch": (lambda s: {k: v for k, v in s.items() if k != "epoch"}, "it has no 'epoch'"),
+    "step a float": (lambda s: {**s, "step": 4.0}, "its 'step' is 4.0, not an integer >= 0"),
+    "ledger a list": (lambda s: {**s, "ledger": [[0, 8]]}, "its 'ledger' is [[0, 8]], not a dict"),
+}
+
+
+@pytest.mark.parametrize("stateful", [False, True])
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_a_malformed_state_is_one_plan_error(tmp_path, case, stateful):
+    """A state with spans as a string, 3-number spans, ended ["x"], a list, no epoch: raw ValueError,
+    KeyError or AttributeError before."""
+    plan = _plan(tmp_path)
+    make, message = MALFORMED[case]
+    loader = dataloader_for_plan(SyntheticTokens(LENGTHS), plan, rank=0, world_size=1, stateful=stateful)
+    state = make(_state_at(plan, 8))
+    if stateful and isinstance(state, dict):
+        state = {"varlen": state}
+    with pytest.raises(PlanError, match="^" + re.escape(f"invalid loader state: {message}") + "$"):
+        loader.load_state_dict(state)
+
+
+def test_a_ledger_with_a_gap_is_refused(tmp_path):
+    """A ledger [[0,2],[4,8]] was accepted and the job trained to the end without positions 2-3."""
+    plan = _plan(tmp_path)
+    loader = dataloader_for_plan(SyntheticTokens(LENGTHS), plan, rank=0, world_size=1, lr_scale="ignore")
+    with pytest.raises(PlanError, match="^" + re.escape(
+            "invalid loader state: its ledger leaves (epoch 0, step 1, rank 0, micro 0) to (epoch 0, step 1, rank 0, "
+            "micro 1) untrained, in epoch 0, which was not ended with end_epoch(): those positions would never be "
+            "trained (was the state edited, or put together from two jobs?)") + "$"):
+        loader.load_state_dict(_state_at(plan, 8, consumed=[[0, 2], [4, 8]]))
+    # the same gap inside an epoch ended on purpose is a history the loader writes: accepted
+    e1 = plan.epoch_start(1) * plan.grad_accum
+    loader.load_state_dict(_state_at(plan, e1 + 2, consumed=[[0, 2], [e1, e1 + 2]], ended=[0]))
+    assert _pos(next(iter(loader))) == (1, plan.epoch_start(1) + 1, 0, 0)
+
+
+@pytest.mark.parametrize("ledger,message", [
+    ({"ended": [99]}, "its ledger says epoch 99 was ended early, but the plan has 2 epoch(s) and the state is at "
+                      "epoch 0"),
+    ({"consumed": [[0, 10]]}, "its ledger holds positions [0, 10) but its position (epoch 0, step 4, rank 0, micro 0) "
+                              "is position 8: the ledger and the position come from different points"),
+    ({"consumed": [[0, 6], [2, 8]]}, "its ledger's spans [[0, 6], [2, 8]] overlap or are out of order"),
+])
+def test_a_ledger_that_is_no_history_is_refused(tmp_path, ledger, message):
+    plan = _plan(tmp_path)
+    loader = dataloader_for_plan(SyntheticTokens(LENGTHS), plan, rank=0, world_size=1)
+    with pytest.raises(PlanError, match="^" + re.escape(f"invalid loader state: {message}") + "$"):
+        loader.load_state_dict(_state_at(plan, 8, **ledger))
+
+
+def test_epoch_numbers_out_of_range(tmp_path):
+    """"re-plan with --epochs 0 to train longer" was the advice for epoch -1."""
+    plan = _plan(tmp_path)
+    loader = dataloader_for_plan(SyntheticTokens(LENGTHS), plan, rank=0, world_size=1)
+    with pytest.raises(PlanError, match=r"^epoch -1 is out of range: the plan's epochs are 0\.\.1$"):
+        loader.set_epoch(-1)
+    with pytest.raises(PlanError, match=r"^epoch 2 is out of range: the plan has 2 epoch\(s\) \(re-plan with "
+                                        r"--epochs 3 to train longer\)$"):
+        loader.set_epoch(2)
+    with pytest.raises(PlanError, match=r"^epoch 1\.0 is not an epoch number: the plan's epochs are 0\.\.1$"):
+        loader.set_epoch(1.0)
+    loader.set_epoch(np.int64(1))
+    assert loader.epoch == 1
+
+
+# -- planted fault 2 (issue 30): a second loader that starts behind the first one's position ------------
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(first=st.integers(1, 40), starts=st.lists(st.integers(0, 40), min_size=1, max_size=3),
+       runs=st.lists(st.integers(1, 6), min_size=3, max_size=3))
+def test_ledger_spans_stay_disjoint(tmp_path_factory, first, starts, runs):
+    """Fresh ledgers of one plan and rank in one process, each recording a run of positions from where
+    it starts: whatever is accepted or refused, every ledger's spans stay sorted and disjoint, and a
+    position another ledger of the job already holds is never recorded again."""
+    plan = _LEDGER_PLAN.get("plan") or _LEDGER_PLAN.setdefault("plan", _plan(tmp_path_factory.mktemp("l")))
+    total = plan.num_steps * plan.grad_accum
+    ledgers = [Ledger(plan, 0)]
+    for k in range(min(first, total)):
+        ledgers[0].record(*_where(plan, k))
+    for start, run in zip(starts, runs):
+        ledger = Ledger(plan, 0)
+        ledgers.append(ledger)
+        before = {id(x): [list(s) for s in x.spans] for x in ledgers}
+        for k in range(min(start, total - 1), min(start + run, total)):
+            try:
+                ledger.record(*_where(plan, k))
+            except PlanError:
+                break
+        for x in ledgers:
+            assert all(a < b for a, b in x.spans) and all(
+                x.spans[i][1] < x.spans[i + 1][0] for i in range(len(x.spans) - 1)), x.spans
+        if ledger.continued is None and start > 0:  # a fresh job starts at 0 or continues at a frontier
+            assert ledger.spans == [], (start, ledger.spans, before)
+
+
+_LEDGER_PLAN: dict = {}
+
+
+def _where(plan, k):
+    step, micro = divmod(k, plan.grad_accum)
+    return plan.epoch_of(step), step, micro
+
+
+def test_two_loaders_second_one_behind(tmp_path):
+    """The planted fault: a second loader of the same plan that starts behind the first one's position
+    continued its ledger and got spans [[0,6],[4,5]]: refused, the spans stay disjoint."""
+    plan = _plan(tmp_path)
+    data = SyntheticTokens(LENGTHS)
+    first = dataloader_for_plan(data, plan, rank=0, world_size=1, lr_scale="ignore")
+    for epoch in range(plan.epochs):  # epoch 0 whole, then one step of epoch 1
+        first.set_epoch(epoch)
+        for i, _ in enumerate(first):
+            if epoch == 1 and i == plan.grad_accum:
+                break
+    e1 = plan.epoch_start(1) * plan.grad_accum
+    assert first.guard.ledger.spans == [[0, e1 + 3]]
+    second = dataloader_for_plan(data, plan, rank=0, world_size=1, lr_scale="ignore")
+    second.set_epoch(1)  # behind the first loader's position, with no state loaded
+    with pytest.raises(PlanError, match=r"^desync: epoch 1 started on rank 0 but epoch 0 is incomplete: 0 of "):
+        next(iter(second))
+    assert second.guard.ledger.spans == [] and first.guard.ledger.spans == [[0, e1 + 3]]
+    third = dataloader_for_plan(data, plan, rank=0, world_size=1, lr_scale="ignore")  # continues at its frontier
+    third.load_state_dict(first.state_dict())
+    assert _pos(next(iter(third))) == (1, plan.epoch_start(1) + 1, 0, 1)
+    assert third.guard.ledger.spans == [[0, e1 + 4]]

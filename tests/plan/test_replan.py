@@ -196,6 +196,38 @@ def test_bad_inputs(dirs, tmp_path):
     assert not os.path.exists(out)
 
 
+def test_bad_states(dirs, tmp_path):
+    """replan --state checks a state as the loader does: step -3 blamed --from-step, micro 7 was accepted
+    for grad-accum 2."""
+    parent = Plan.open(dirs["parent"])
+    good = {"plan": parent.fingerprint, "epoch": 0, "step": 3, "micro": 1, "dp": 2}
+    ns, e1 = parent.num_steps, parent.epoch_start(1)
+    cases = [
+        ({**good, "step": -3}, "is not a loader state: its 'step' is -3, not an integer >= 0"),
+        ({**good, "micro": 7}, f"is at micro 7 of step 3, but {dirs['parent']} has grad_accum 2 (micros 0..1)"),
+        ({**good, "step": ns + 5, "epoch": 1}, f"is at step {ns + 5}, beyond the end of {dirs['parent']} ({ns} steps): "
+                                               f"nothing is left to replan"),
+        ({**good, "epoch": 1}, f"says epoch 1 at step 3, but step 3 of {dirs['parent']} is in epoch 0"),
+        ({**good, "step": "3"}, "is not a loader state: its 'step' is '3', not an integer >= 0"),
+        ({**good, "ledger": {"consumed": [[0, 1, 2]]}}, "is not a loader state: its ledger's 'consumed' holds "
+                                                         "[0, 1, 2], not a [start, stop] pair with 0 <= start < stop"),
+    ]
+    path = tmp_path / "state.json"
+    for state, message in cases:
+        path.write_text(json.dumps(state))
+        res = runner.invoke(app, ["replan", dirs["parent"], "--state", str(path), "--dp", "3", "-o",
+                                  str(tmp_path / "x.parquet")])
+        assert_user_error(res, 3, f"the sampler state {path} {message}")
+    path.write_text(json.dumps([good]))
+    res = runner.invoke(app, ["replan", dirs["parent"], "--state", str(path), "--dp", "3", "-o", str(tmp_path / "x")])
+    assert_user_error(res, 3, f"sampler state {path} is not a JSON object")
+    path.write_text(json.dumps({**good, "epoch": 1, "step": e1, "micro": 0}))  # a state right after epoch 0
+    res = runner.invoke(app, ["replan", dirs["parent"], "--state", str(path), "--dp", "3", "-o",
+                              str(tmp_path / "y.parquet")])
+    assert res.exit_code == 0, res.output
+    assert Plan.open(str(tmp_path / "y.parquet")).meta["lineage"]["from_step"] == e1
+
+
 def _copy_with_input(src, dst, input_path):
     """The plan ``src`` rewritten as if it had been planned from ``input_path`` (a source that changed)."""
     t = pq.read_table(src)

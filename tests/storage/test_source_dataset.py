@@ -4,6 +4,7 @@ the S3-protocol server; plan-order read-ahead through ``dataloader_for_plan``; s
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -20,8 +21,9 @@ from tests.analyze_helpers import (
 )
 from tests.conftest import sample
 from tests.loader_helpers import write_plan
-from varlen_cli.errors import InputError
+from varlen_cli.errors import InputError, UsageError
 from varlen_cli.loader import SourceDataset, dataloader_for_plan
+from varlen_cli.loader.source_dataset import IndexTypeError
 
 TOK = sample("tokenizer.json")
 
@@ -209,3 +211,106 @@ def test_read_ahead_follows_each_worker(depth, stride):
     for k, (_, ahead) in enumerate(got):
         want = [[j, 100 + j] for j in range(k + stride, min(11, k + stride * depth + 1), stride)]
         assert (ahead is None and depth == 0) or [a.tolist() for a in ahead] == want
+
+
+# -- the tokenizer is analyze's, whatever object is passed (issue 31) -----------------------------------
+def test_a_tokenizer_object_counts_as_analyze_counted(tmp_path):
+    """A tokenizers.Tokenizer kept its own truncation and padding (128 ids where analyze counted 213);
+    a transformers tokenizer object gave AttributeError."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    table = text_table(60, seed=6)
+    write_parquet(table, tmp_path / "a.parquet", row_group_size=16)
+    _, metrics = run(tmp_path / "m", tmp_path / "a.parquet", length="tokens:text", tokenizer=TOK)
+    want = metrics.column("length").to_pylist()
+    assert max(want) > 12
+    tok = Tokenizer.from_file(TOK)
+    tok.enable_truncation(max_length=8)
+    tok.enable_padding(length=12)
+    hf = PreTrainedTokenizerFast(tokenizer_file=TOK)
+    for given in (tok, hf):
+        ds = SourceDataset(tmp_path / "m", tokenizer=given)
+        assert [len(it["input_ids"]) for it in ds.__getitems__(list(range(len(ds))))] == want
+    assert tok.truncation["max_length"] == 8 and tok.padding["length"] == 12  # the caller's object left as it was
+    with pytest.raises(UsageError, match=r"^tokenizer must be a tokenizer.json path, a tokenizer directory, a "
+                                         r"tokenizers.Tokenizer or a transformers tokenizer, not dict$"):
+        SourceDataset(tmp_path / "m", tokenizer={"vocab": 1})
+    with pytest.raises(UsageError, match=r"^tokenizer= tokenizes column 'text' \(what analyze measured\): add it to "
+                                         r"columns=\['id'\]$"):
+        SourceDataset(tmp_path / "m", columns=["id"], tokenizer=TOK)
+
+
+def test_a_tokenizer_over_list_metrics_is_refused(tmp_path):
+    """KeyError: 'text' before."""
+    write_parquet(_token_table(30), tmp_path / "a.parquet")
+    run(tmp_path / "m", tmp_path / "a.parquet", length="list:input_ids")
+    with pytest.raises(UsageError, match="^" + re.escape(
+            f"SourceDataset(tokenizer=...) tokenizes the text analyze measured, but {tmp_path / 'm'} was measured with "
+            f"--length list:input_ids, which holds no text: drop tokenizer= (the items hold 'input_ids' as analyze "
+            f"counted it)") + "$"):
+        SourceDataset(tmp_path / "m", tokenizer=TOK)
+
+
+def test_chat_items_are_the_chat_templates_tokens(tmp_path):
+    """KeyError: 'text' before: chat metrics now give the template's token ids, analyze's count."""
+    from transformers import AutoTokenizer
+
+    from tests.formats_helpers import CHAT_TEMPLATE, chat_source, sentencepiece_dir
+
+    tok_dir = sentencepiece_dir(tmp_path, "LlamaTokenizer", CHAT_TEMPLATE)
+    src, convs = chat_source(tmp_path, as_json=True)
+    _, metrics = run(tmp_path / "m", src, length="chat:messages", tokenizer=tok_dir)
+    hf = AutoTokenizer.from_pretrained(tok_dir)
+    for given in (tok_dir, hf):
+        ds = SourceDataset(tmp_path / "m", tokenizer=given)
+        items = ds.__getitems__(list(range(len(ds))))
+        assert [len(it["input_ids"]) for it in items] == metrics.column("length").to_pylist()
+        assert items[4]["input_ids"].tolist() == hf.apply_chat_template(convs[4], tokenize=True,
+                                                                        return_dict=True)["input_ids"]
+    with pytest.raises(UsageError, match="^" + re.escape(
+            f"{tmp_path / 'm'} was measured with a chat template (--length chat:COLUMN): SourceDataset needs the same "
+            f"tokenizer, a transformers tokenizer or its directory, not {TOK}") + "$"):
+        SourceDataset(tmp_path / "m", tokenizer=TOK)
+
+
+@pytest.mark.parametrize("index,shown", [(1.7, "float 1.7"), ("3", "str '3'"), (True, "bool True"),
+                                         (None, "NoneType None")])
+def test_indices_are_integers(tmp_path, index, shown):
+    """ds[1.7] returned row 1, ds['3'] row 3, a 2-D index list was flattened."""
+    write_parquet(_token_table(30), tmp_path / "a.parquet")
+    run(tmp_path / "m", tmp_path / "a.parquet")
+    ds = SourceDataset(tmp_path / "m")
+    with pytest.raises(IndexTypeError, match="^" + re.escape(f"SourceDataset indices are sample ids (integers), "
+                                                            f"not {shown}") + "$"):
+        ds[index]
+    with pytest.raises(TypeError, match=r"^SourceDataset indices are sample ids \(a flat list of integers\), not "
+                                        r"\[\[1, 2\], \[3, 4\]\]$"):
+        ds.__getitems__([[1, 2], [3, 4]])
+    with pytest.raises(TypeError, match=r"^SourceDataset indices are sample ids \(a flat list of integers\), not "
+                                        r"\[1\.5, 2\.0\]$"):
+        ds.__getitems__([1.5, 2.0])
+    assert _plain(ds[np.int32(3)]) == _plain(ds[3]) == _plain(ds.__getitems__(np.array([3], np.uint8))[0])
+
+
+# -- planted fault 3 (issue 30): row groups larger than a slice --------------------------------------------
+def test_row_groups_larger_than_a_slice(tmp_path, monkeypatch):
+    """Row groups over 2^20 rows are read in slices of MAX_UNIT_ROWS rows; a one-row shift in a slice went
+    unnoticed. With the slice patched down to 7 rows: every item of row groups of 50 and 30 rows (several
+    boundaries each, a last slice shorter) is compared with its row, and analyze's lengths of them and of
+    an Arrow file (cut in slices too) with the rows'."""
+    from varlen_cli.analyze import sources
+
+    monkeypatch.setattr(sources, "MAX_UNIT_ROWS", 7)
+    table = _token_table(230, seed=9)
+    write_parquet(table.slice(0, 130), tmp_path / "a.parquet", row_group_size=50)
+    write_arrow_file(table.slice(130), tmp_path / "b.arrow")
+    _, metrics = run(tmp_path / "m", tmp_path / "a.parquet", tmp_path / "b.arrow")  # analyze slices both files
+    assert metrics.column("length").to_pylist() == [len(x) for x in table.column("input_ids").to_pylist()]
+    ds = SourceDataset(tmp_path / "m", cache_bytes=1)  # every block read again: no row served from a neighbour
+    slices = [g + a for g, n in ((0, 50), (50, 50), (100, 30)) for a in range(0, n, 7)]
+    assert ds._layout().tolist() == slices + [130, 230]  # the Parquet groups in slices of 7, the Arrow file whole
+    order = np.random.default_rng(2).permutation(len(ds))
+    assert [_plain(it) for it in ds.__getitems__(order.tolist())] == [table.slice(int(i), 1).to_pylist()[0]
+                                                                       for i in order]

@@ -29,6 +29,14 @@ def check_target(target: str | None) -> None:
         raise UsageError(f"--target-length must be one of {', '.join(TARGETS)}; got {target!r}")
 
 
+def check_special_tokens(length: str, special_tokens: bool) -> None:
+    """``--no-special-tokens`` has no meaning for chat: the template writes the special tokens."""
+    if str(length).startswith("chat:") and not special_tokens:
+        raise UsageError(f"--no-special-tokens does not apply to --length {length}: the chat template writes the "
+                         f"special tokens (BOS, turn markers), so the lengths are the template's; edit the template "
+                         f"to change them")
+
+
 def check_tokenizer(hf, path: str, want_target: bool) -> None:
     """Refuse a tokenizer without a chat template, or (for the assistant mask) without generation markers."""
     template = getattr(hf, "chat_template", None)
@@ -42,20 +50,38 @@ def check_tokenizer(hf, path: str, want_target: bool) -> None:
 
 def conversations(column, name: str, where: str) -> list:
     """The column's conversations as Python lists of message dicts (JSON strings parsed)."""
-    import pyarrow as pa
+    return parse_conversations(column.to_pylist(), name, where)
 
-    values = column.to_pylist()
-    t = column.type
-    if pa.types.is_string(t) or pa.types.is_large_string(t):
+
+def parse_conversations(values: list, name: str, where: str) -> list:
+    """``values`` (lists of message dicts, or JSON strings of them) as lists of message dicts; an
+    empty conversation is refused, as ``apply_chat_template`` refuses one on its own."""
+    if any(isinstance(v, str) for v in values):
         try:
-            values = [json.loads(v) for v in values]
+            values = [json.loads(v) if isinstance(v, str) else v for v in values]
         except ValueError as exc:
             raise InputError(f"chat column '{name}' holds invalid JSON in {where}: {exc}") from None
     for v in values:
         if not isinstance(v, list) or not all(isinstance(m, dict) for m in v):
             raise InputError(f"--length chat:{name} needs a list of messages per row, but '{name}' holds "
                              f"{type(v).__name__} values in {where}")
+    empty = sum(1 for v in values if not v)
+    if empty:
+        raise InputError(f"chat column '{name}' holds {empty} empty conversation(s) (no messages) in {where}: "
+                         f"transformers' apply_chat_template refuses one; drop those rows")
     return values
+
+
+def encode(hf, convs: list, where: str, want_target: bool = False) -> dict:
+    """``apply_chat_template`` of a batch of conversations: ``input_ids`` (and ``assistant_masks``
+    when ``want_target``), one list per conversation. What analyze counts and what
+    ``SourceDataset(tokenizer=...)`` hands out for chat metrics."""
+    try:
+        return hf.apply_chat_template(convs, tokenize=True, return_dict=True, return_assistant_tokens_mask=want_target)
+    except Exception as exc:  # a template's own raise_exception(), a missing key...: the user's data
+        text = str(exc).strip().splitlines()
+        raise InputError(f"the chat template failed on a row of {where}: "
+                         f"{text[0] if text else type(exc).__name__}") from None
 
 
 def chat_lengths(hf, column, name: str, where: str, want_target: bool) -> tuple[np.ndarray, np.ndarray | None]:
@@ -67,13 +93,7 @@ def chat_lengths(hf, column, name: str, where: str, want_target: bool) -> tuple[
     target = np.zeros(len(convs), np.int64) if want_target else None
     for i in range(0, len(convs), BATCH):
         batch = convs[i: i + BATCH]
-        try:
-            out = hf.apply_chat_template(batch, tokenize=True, return_dict=True,
-                                         return_assistant_tokens_mask=want_target)
-        except Exception as exc:  # a template's own raise_exception(), a missing key...: the user's data
-            text = str(exc).strip().splitlines()
-            raise InputError(f"the chat template failed on a row of {where}: "
-                             f"{text[0] if text else type(exc).__name__}") from None
+        out = encode(hf, batch, where, want_target)
         lengths[i: i + len(batch)] = [len(ids) for ids in out["input_ids"]]
         if want_target:
             target[i: i + len(batch)] = [sum(m) for m in out["assistant_masks"]]

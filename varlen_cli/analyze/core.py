@@ -9,6 +9,7 @@ number of workers.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -31,7 +32,7 @@ from ..runtime.dist import Dist, fault_point
 from ..runtime.executor import execute
 from ..runtime.progress import JobProgress
 from . import formats, hf_tokenizer
-from .chat import chat_lengths, check_target
+from .chat import chat_lengths, check_special_tokens, check_target
 from .chat import check_tokenizer as check_chat_tokenizer
 from .difficulty import call_function, load_function, parse_difficulty, rarity
 from .lengths import (
@@ -106,11 +107,11 @@ def analyze(config: AnalyzeConfig) -> AnalyzeResult | None:
 def check(config: AnalyzeConfig) -> None:
     """Refuse bad options before any worker starts."""
     check_choices(config)
-    if not config.sources:
-        raise UsageError("give at least one SOURCE")
+    check_sources(config.sources)
     if config.length != "auto":
         parse_length(config.length)
     check_target(config.target_length)
+    check_special_tokens(config.length, config.special_tokens)
     if config.target_length is not None and not config.length.startswith("chat:"):
         raise UsageError("--target-length needs --length chat:COLUMN (the loss mask comes from the chat template)")
     parse_difficulty(config.difficulty)
@@ -118,6 +119,18 @@ def check(config: AnalyzeConfig) -> None:
     if config.chunk_bytes < 1:
         raise UsageError("chunk_bytes must be positive")
     storage.parse_options(config.storage_options)
+
+
+def check_sources(sources) -> None:
+    """Sources are paths or URLs: refuse anything else (an in-memory ``datasets.Dataset``, a table) in one line."""
+    items = list(sources) if isinstance(sources, (list, tuple)) else [sources]
+    if not items:
+        raise UsageError("give at least one SOURCE")
+    for item in items:
+        if not isinstance(item, (str, os.PathLike)):
+            kind = f"{type(item).__module__.partition('.')[0]}.{type(item).__name__}"
+            raise UsageError(f"analyze reads sources from files, local or remote (paths or URLs), not an in-memory "
+                             f"{kind}: write it out first (a datasets.Dataset: ds.save_to_disk(DIR), then analyze DIR)")
 
 
 class _Work:

@@ -39,15 +39,34 @@ def load_auto(path: str):
         raise InputError(f"cannot load the tokenizer in {path}: {text[0] if text else type(exc).__name__}") from None
 
 
-def counter(hf):
-    """What counts tokens for ``hf`` (an AutoTokenizer): its Rust backend when it is fast, else a
-    batched wrapper with the same two methods varlen calls."""
+def counter(hf, copy: bool = False):
+    """What counts tokens for ``hf`` (an AutoTokenizer): its Rust backend when it is fast (a copy with
+    ``copy``), else a batched wrapper with the same two methods varlen calls."""
     backend = getattr(hf, "_tokenizer", None)
     if backend is not None and hasattr(backend, "encode_batch"):
-        backend.no_truncation()
-        backend.no_padding()
-        return backend
+        return untruncated(backend, copy)
     return SlowCounter(hf)
+
+
+def untruncated(tok, copy: bool = False):
+    """``tok`` (a ``tokenizers.Tokenizer``) with truncation and padding switched off, so that it counts
+    true lengths: the one place analyze and ``SourceDataset`` do it. ``copy``: on a copy, leaving a
+    caller's tokenizer as it was (and unaffected by its later settings)."""
+    if copy:
+        tok = type(tok).from_str(tok.to_str())
+    tok.no_truncation()
+    tok.no_padding()
+    return tok
+
+
+def token_counter(tokenizer):
+    """What counts tokens for a tokenizer object a caller passes (None if it is neither kind): a
+    ``tokenizers.Tokenizer`` or a transformers tokenizer, on a copy without truncation and padding."""
+    if hasattr(tokenizer, "encode_batch") and hasattr(tokenizer, "no_truncation") and hasattr(tokenizer, "to_str"):
+        return untruncated(tokenizer, copy=True)
+    if callable(tokenizer) and hasattr(tokenizer, "convert_tokens_to_ids"):  # transformers' PreTrainedTokenizerBase
+        return counter(tokenizer, copy=True)
+    return None
 
 
 class _Ids(list):

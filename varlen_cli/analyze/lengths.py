@@ -110,9 +110,7 @@ def load_tokenizer(path: str):
     except Exception as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise InputError(f"{path} is not a valid tokenizer.json: {first}") from None
-    tok.no_truncation()
-    tok.no_padding()
-    return tok
+    return hf_tokenizer.untruncated(tok)
 
 
 def encode(tokenizer, texts: list, add_special_tokens: bool):

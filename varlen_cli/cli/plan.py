@@ -35,6 +35,7 @@ def plan_command(config: PlanConfig, json_output: bool = common.JSON) -> None:
         result = common.run(plan, config)
     if result is not None and json_output:
         report.print_json(report.plan_json(result))
+        report.warn_zero_loss(result)
     elif result is not None:
         report.print_plan(result)
 

@@ -167,6 +167,8 @@ def plan_rows(result) -> list:
     if s.get("zero_lr_scale_steps"):
         rows.append(_row("steps with lr_scale 0 (only split chunks; consider --lr-scale-by tokens)",
                          s["zero_lr_scale_steps"]))
+    if s.get("zero_loss_steps"):
+        rows.append(_row("steps with step_loss_tokens 0 (their mean loss is 0/0)", s["zero_loss_steps"]))
     if result.packing:
         eff = 100 * result.packing["efficiency"]
         rows.append(_row("packing efficiency %", eff, f"{eff:.3f}"))
@@ -195,6 +197,19 @@ def plan_json(result) -> dict:
 def print_plan(result) -> None:
     """The rich table ``varlen plan`` prints at the end."""
     console().print(_summary_table(f"varlen plan → {result.output}", plan_rows(result)))
+    warn_zero_loss(result)
+
+
+def warn_zero_loss(result) -> None:
+    """On stderr: steps without a loss target (``step_loss_tokens`` 0), whose mean loss is 0/0."""
+    zero, steps = result.stats.get("zero_loss_steps", 0), result.stats["steps"]
+    if zero:
+        import sys
+
+        which = "every step has" if zero == steps else f"{zero:,} of {steps:,} steps have"
+        sys.stderr.write(f"varlen: warning: {which} step_loss_tokens 0 (no sample in them carries a loss target: "
+                         f"target_length 0, or samples of 1 token): a loss averaged over a step's targets is 0/0 "
+                         f"there\n")
 
 
 def run_json(result) -> dict:

@@ -22,6 +22,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
+from ..format import loader_state_problem
 from .collate import PadCollate, PlanDataset
 from .guard import ConsumptionGuard, register
 from .packed import PackedCollate
@@ -100,6 +101,13 @@ class PlanLoaderMixin:
         return self._iterate(epochs)
 
     def _iterate(self, epochs):
+        self.guard.iterating += 1  # an optimizer step now trains on this loader's batches (guard.py)
+        try:
+            yield from self._batches(epochs)
+        finally:
+            self.guard.iterating -= 1
+
+    def _batches(self, epochs):
         base_iter = super().__iter__
         limit = 2 * self.plan.grad_accum + 2  # what a trainer may fetch ahead of the batch it trains
         for i, epoch in enumerate(epochs):
@@ -179,6 +187,7 @@ def dataloader_for_plan(dataset, plan: Plan | str, rank: int | None = None,
     method (:class:`~varlen_cli.loader.SourceDataset`) is told the sample ids of the next
     ``read_ahead`` microbatches each DataLoader worker (or the main process) fetches.
     """
+    check_map_style(dataset, check_length)
     plan = plan if isinstance(plan, Plan) else Plan.open(plan)
     sampler = PlanBatchSampler(plan, rank, world_size, num_samples=len(dataset) if check_length else None,
                                epoch=epoch)
@@ -189,6 +198,21 @@ def dataloader_for_plan(dataset, plan: Plan | str, rank: int | None = None,
     cls = stateful_loader_class() if stateful else PlanDataLoader
     return cls(PlanDataset(dataset), sampler, collate_fn=collate_fn, num_workers=num_workers, pin_memory=pin_memory,
                all_epochs=all_epochs, lr_scale=lr_scale, **kwargs)
+
+
+def check_map_style(dataset, check_length: bool = True) -> None:
+    """Refuse, in one line, a dataset a plan cannot index: an iterable one, or one without ``len()``
+    when the plan is to be checked against it."""
+    from torch.utils.data import IterableDataset
+
+    name = type(dataset).__name__
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__"):
+        raise PlanError(f"a plan indexes a map-style dataset (dataset[sample_id]), but {name} is iterable only: write "
+                        f"the data to files, run `varlen analyze` and `varlen plan` on them and read them with "
+                        f"SourceDataset (a streaming planner for iterable datasets, varlen_cli.online, is to come)")
+    if check_length and not hasattr(dataset, "__len__"):
+        raise PlanError(f"{name} has no len(): the plan is checked against the dataset's size (give the dataset a "
+                        f"__len__, or pass check_length=False)")
 
 
 def stateful_loader_class():
@@ -217,6 +241,8 @@ def stateful_loader_class():
                 return state
 
             def load_state_dict(self, state: dict) -> None:
+                if not isinstance(state, dict):
+                    raise PlanError(f"invalid loader state: {loader_state_problem(state)}")
                 state = dict(state)
                 ours = state.pop(STATE_KEY, None) or _legacy_position(state)
                 if ours is not None:

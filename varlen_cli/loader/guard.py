@@ -10,8 +10,11 @@ Four checks, each raising a one-line :class:`PlanError` before the wrong microba
   job (resumes included), none skipped, no epoch started while an earlier one is incomplete
   (:mod:`varlen_cli.loader.ledger`);
 * the LR pace: the data may run at most one step ahead of the plan's ``VariableBatchSizeLR``
-  (prefetching), never behind it, and a plan whose ``lr_scale`` is not all 1 needs one
-  (``lr_scale="ignore"`` opts out);
+  (prefetching), never behind it;
+* LR coverage (:func:`_before_optimizer_step`, a global ``torch.optim`` step pre-hook): a plan whose
+  ``lr_scale`` is not all 1 needs a ``VariableBatchSizeLR``, checked at the first optimizer step taken
+  on its microbatches, before that step runs (``lr_scale="ignore"`` opts out). Iterating a loader
+  without an optimizer step (a notebook, a benchmark) is never refused for it;
 * step membership (:meth:`ConsumptionGuard.check_step`, run by ``VariableBatchSizeLR.step()``): the
   update being applied is that of the step whose micros ``0..grad_accum-1`` were consumed, and no
   step lies past the plan's end.
@@ -76,10 +79,12 @@ class ConsumptionGuard:
         self.last: tuple[int, int, int, int] | None = None  # the last position consumed in this job
         self.pending: list[tuple[int, int, int, int]] = []  # consumed, update not applied yet
         self.applied: int | None = None  # the last step VariableBatchSizeLR.step() checked
-        self.first_step: int | None = None  # the first step this job consumed (LR coverage)
+        self.stepped_after: tuple | None = None  # the last position consumed before the latest optimizer step
+        self.iterating = 0  # iterations of the loader in progress (a loop that finished or broke off is none)
         self.enabled = True
         self._lr: weakref.ReferenceType | None = None
         self._needs_lr: bool | None = None
+        _install_optimizer_hook()
 
     # -- iterations and resumes -----------------------------------------------------------------
     def restart(self, position: tuple[int, int, int, int] | None) -> None:
@@ -87,7 +92,7 @@ class ConsumptionGuard:
 
     def resumed(self) -> None:
         """A state was loaded: what this process consumed before belongs to no step of the new position."""
-        self.last, self.expected, self.pending, self.first_step = None, None, [], None
+        self.last, self.expected, self.pending, self.stepped_after = None, None, [], None
 
     # -- consuming ------------------------------------------------------------------------------
     def consume(self, batch: Any) -> tuple[int, int, int, int]:
@@ -99,6 +104,7 @@ class ConsumptionGuard:
         self.last = pos
         self.expected = position_after(self.plan, pos)
         self.pending.append(pos)
+        _FEEDING.add(self)
         return pos
 
     def _check_order(self, pos) -> None:
@@ -113,11 +119,8 @@ class ConsumptionGuard:
         """The data may lead the plan's VariableBatchSizeLR by one step (read-ahead), never lag it."""
         epoch, step, _, micro = pos
         lr = self.lr()
-        if lr is None:
-            self._check_lr_coverage(step)
-            return
-        if not lr.check:
-            return
+        if lr is None or not lr.check:
+            return  # without one, LR coverage is checked at the optimizer step (_before_optimizer_step)
         s = lr.step_index
         if step < s:
             raise PlanError(f"desync: the microbatch at {describe(pos)} is consumed but VariableBatchSizeLR is already "
@@ -130,9 +133,7 @@ class ConsumptionGuard:
                 raise PlanError(f"desync: the loader resumes at {describe(pos)} but VariableBatchSizeLR at optimizer "
                                 f"step {s}: the loader's and the scheduler's states were saved at different points "
                                 f"(save both after scheduler.step())")
-            raise PlanError(f"desync: the microbatch at {describe(pos)} is consumed but optimizer step(s) "
-                            f"{s}..{step - 1} were consumed without VariableBatchSizeLR.step() (call it once per "
-                            f"optimizer step)")
+            raise PlanError(self._unfinished_step_message(pos, s))
         if micro > 0 and self.last != (epoch, step, self.rank, micro - 1):
             raise PlanError(f"desync: the microbatch at {describe(pos)} is the first of optimizer step {step} this "
                             f"job trains, but micros 0..{micro - 1} of that step were consumed before its checkpoint "
@@ -140,21 +141,40 @@ class ConsumptionGuard:
                             f"framework that reads ahead, such as Lightning, saves it early: use PlanDataModule, or "
                             f"report trained batches with loader.mark_consumed(batch))")
 
-    def _check_lr_coverage(self, step: int) -> None:
-        if self.lr_scale == "ignore" or not self.needs_lr:
-            return
-        if self.first_step is None:
-            self.first_step = step
-        if step < self.first_step + 2:
-            return
+    def _unfinished_step_message(self, pos, s: int) -> str:
+        """The data moved past optimizer step ``s`` that VariableBatchSizeLR never finished: name what
+        happened after the step's last microbatch (the optimizer stepped without the scheduler, or
+        nothing stepped: that microbatch was skipped by the loop)."""
+        end = (self.plan.epoch_of(s), s, self.rank, self.plan.grad_accum - 1) if s < self.plan.num_steps else None
+        if end is None or self.ledger.index(pos[1], pos[3]) <= self.ledger.index(s, end[3]):
+            return (f"desync: the microbatch at {describe(pos)} is consumed but VariableBatchSizeLR is at optimizer "
+                    f"step {s}: call VariableBatchSizeLR.step() once per optimizer step")
+        if self.stepped_after in (end, position_after(self.plan, end)):  # (a trainer that reads one ahead)
+            return (f"desync: the loader hands out {describe(pos)} but VariableBatchSizeLR is still at optimizer step "
+                    f"{s}: optimizer.step() ran after {describe(end)}, the step's last microbatch, but "
+                    f"VariableBatchSizeLR.step() did not (call it right after every optimizer.step(), in place of "
+                    f"the base scheduler's)")
+        return (f"desync: the loader hands out {describe(pos)} but optimizer step {s} was never taken: nothing "
+                f"stepped after {describe(end)}, the step's last microbatch (was that microbatch skipped, e.g. by a "
+                f"`continue` before the optimizer step? train every microbatch the loader hands out and end each "
+                f"step with optimizer.step() and VariableBatchSizeLR.step())")
+
+    def before_optimizer_step(self) -> None:
+        """An optimizer step is about to run on what this loader handed out: refuse it when the plan's
+        ``lr_scale`` is not all 1 and no VariableBatchSizeLR of the plan applies it."""
+        self.stepped_after = self.last
+        if not self.iterating or not self.enabled or self.lr_scale == "ignore" or not self.needs_lr \
+                or self.lr() is not None:
+            return  # (a loader looked at and left is not what the optimizer trains on)
         scales = self.plan.lr_scales()
         where = (" Under transformers.Trainer use varlen_cli.integrations.hf.PlanTrainer (it also fixes the label "
                  "shift and the loss normalisation)." if _under_transformers_trainer() else "")
+        at = f" after {describe(self.last)}" if self.last is not None else ""
         raise PlanError(f"the plan's lr_scale ({float(scales.min()):.3g} to {float(scales.max()):.3g}) is not "
-                        f"applied: rank {self.rank} consumed optimizer steps {self.first_step} and "
-                        f"{self.first_step + 1} with no VariableBatchSizeLR of this plan stepped (wrap the LR "
-                        f"scheduler in VariableBatchSizeLR(scheduler, plan) and call its step() once per optimizer "
-                        f"step, or pass lr_scale='ignore' to dataloader_for_plan to train without it).{where}")
+                        f"applied: an optimizer step is about to run{at} on rank {self.rank} with no "
+                        f"VariableBatchSizeLR of this plan (wrap the LR scheduler in VariableBatchSizeLR(scheduler, "
+                        f"plan) and call its step() once per optimizer step, or pass lr_scale='ignore' to "
+                        f"dataloader_for_plan to train without it).{where}")
 
     @property
     def needs_lr(self) -> bool:
@@ -204,6 +224,30 @@ class ConsumptionGuard:
 
     def state_dict(self) -> dict:
         return {"last": list(self.last) if self.last is not None else None}
+
+
+# -- the optimizer step ---------------------------------------------------------------------------------
+# Guards that handed out a batch since the last optimizer step in this process: the next optimizer
+# step (any torch.optim optimizer, through torch's global step pre-hook, installed with the first guard)
+# is taken on their microbatches when their loader's iteration is still in progress.
+_FEEDING: weakref.WeakSet = weakref.WeakSet()
+_HOOK: Any = None
+
+
+def _install_optimizer_hook() -> None:
+    global _HOOK
+    if _HOOK is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _HOOK = register_optimizer_step_pre_hook(_before_optimizer_step)
+
+
+def _before_optimizer_step(optimizer, args, kwargs) -> None:
+    """torch's global optimizer step pre-hook: the guards that fed this step check it before it runs."""
+    guards = list(_FEEDING)
+    _FEEDING.clear()
+    for guard in guards:
+        guard.before_optimizer_step()
 
 
 # -- linking loaders and LR schedulers of one plan in one process -------------------------------------

@@ -21,6 +21,7 @@ import bisect
 
 from ..errors import PlanError
 from .plan_file import Plan
+from .replan import first_step, lineage
 
 _LATEST: dict = {}  # (plan fingerprint, rank) -> the ledger that recorded last in this process
 
@@ -75,6 +76,8 @@ class Ledger:
     def record(self, epoch: int, step: int, micro: int) -> None:
         """Record a consumed position; :class:`PlanError` if it breaks a rule (module docstring)."""
         k = self.index(step, micro)
+        if not self.spans and self.restored_at is None and not self._continues(k):
+            self._check_fresh_start()
         if self.consumed(k):
             raise PlanError(self._replay_message(k))
         if epoch in self.ended:
@@ -83,7 +86,7 @@ class Ledger:
         if k < self.frontier:
             raise PlanError(f"desync: rank {self.rank} is given {self.describe(k)}, before this job's last trained "
                             f"position {self.describe(self.frontier - 1)}: the plan is trained in order ({LOOP_HINT})")
-        if k > self.frontier and not self._continues(k):
+        if k > self.frontier:
             self._check_gap(self.frontier, k, epoch)
         if self.spans and self.spans[-1][1] == k:
             self.spans[-1][1] = k + 1
@@ -93,16 +96,30 @@ class Ledger:
 
     def _continues(self, k: int) -> bool:
         """A new loader of a job that continues where the previous loader of the same plan and rank in
-        this process stopped (a framework that makes a loader per epoch): take over its ledger."""
+        this process stopped (a framework that makes a loader per epoch): take over its ledger. Only
+        at exactly that loader's frontier; the checks that follow then see the whole job's history."""
         previous = _LATEST.get((self.plan.fingerprint, self.rank))
-        if self.spans or self.restored_at is not None or previous is None or previous is self:
-            return False
-        if previous.frontier != k:
+        if previous is None or previous is self or previous.frontier != k or k == 0:
             return False
         self.spans = [list(span) for span in previous.spans]
         self.ended = set(previous.ended)
         self.continued = previous
         return True
+
+    def _check_fresh_start(self) -> None:
+        """A job that starts without a loaded state: refused on a plan that continues another job's
+        steps (``varlen replan``), which would train a fresh model on the rest of the data only."""
+        start = first_step(self.plan)
+        if start > 0:
+            info = lineage(self.plan)
+            made = f"`varlen replan` from step {info['from_step']} of its parent" if "from_step" in info else \
+                "`varlen replan`"
+            if info.get("kind") == "extend":
+                made = "`varlen plan --extend` of a plan made by `varlen replan`"
+            raise PlanError(f"{self.plan.path} continues a job from its global step {start} (made by {made}), but "
+                            f"this loader starts fresh: load the checkpoint the plan was made from "
+                            f"(loader.load_state_dict(its loader state)) before iterating, or a new model trains on "
+                            f"the rest of the data only")
 
     def _replay_message(self, k: int) -> str:
         where = (f" (it resumed at {self.describe(self.restored_at)})" if self.restored_at is not None else "")
@@ -153,16 +170,45 @@ class Ledger:
         return {"consumed": spans, "ended": sorted(self.ended)}
 
     def restore(self, state: dict | None, position: int) -> None:
-        """Load a ledger saved with a loader state at ``position``; a state without one (older
-        states, sampler states of a standalone sampler) means every position before it was trained."""
+        """Load a ledger saved with a loader state at ``position`` (its shape checked by
+        :func:`varlen_cli.format.loader_state_problem`); a state without one (older states, sampler
+        states of a standalone sampler) means every position before it was trained. Refuses a ledger
+        that is not a history this loader can write: spans out of order or past the position, an
+        ended epoch the plan does not have, or untrained positions outside the epochs ended early."""
         if state is None:
             self.spans = [[0, int(position)]] if position > 0 else []
             self.ended = set()
         else:
-            spans = sorted([int(a), int(b)] for a, b in state.get("consumed", []) if int(b) > int(a))
-            if any(a < 0 or b > self.total for a, b in spans) or any(
-                    spans[i][1] > spans[i + 1][0] for i in range(len(spans) - 1)):
-                raise PlanError("invalid loader state: its ledger of consumed positions does not fit this plan")
-            self.spans = spans
-            self.ended = {int(e) for e in state.get("ended", [])}
+            spans = [[int(a), int(b)] for a, b in state.get("consumed", [])]
+            ended = {int(e) for e in state.get("ended", [])}
+            problem = self._history_problem(spans, ended, int(position))
+            if problem is not None:
+                raise PlanError(f"invalid loader state: {problem}")
+            self.spans, self.ended = spans, ended
         self.restored_at = int(position)
+
+    def _history_problem(self, spans: list[list[int]], ended: set[int], position: int) -> str | None:
+        """Why ``spans`` and ``ended`` cannot be the ledger of a job at ``position`` (None if they can)."""
+        for a, b in spans:
+            if b > position:
+                return (f"its ledger holds positions [{a}, {b}) but its position {self.describe(position)} is "
+                        f"position {position}: the ledger and the position come from different points")
+        if any(spans[i][1] > spans[i + 1][0] for i in range(len(spans) - 1)):
+            return f"its ledger's spans {spans[:4]} overlap or are out of order"
+        last = self.plan.epoch_of(min(position // self.plan.grad_accum, self.plan.num_steps - 1))
+        for e in sorted(ended):
+            if e >= self.plan.epochs or e > last:
+                return (f"its ledger says epoch {e} was ended early, but the plan has {self.plan.epochs} epoch(s) and "
+                        f"the state is at epoch {last}")
+        starts = [0] + [b for _, b in spans]
+        stops = [a for a, _ in spans] + [position]
+        for lo, hi in zip(starts, stops):
+            if lo < hi:
+                first, final = self.plan.epoch_of(lo // self.plan.grad_accum), \
+                    self.plan.epoch_of((hi - 1) // self.plan.grad_accum)
+                open_epochs = [e for e in range(first, final + 1) if e not in ended]
+                if open_epochs:
+                    return (f"its ledger leaves {self.describe(lo)} to {self.describe(hi - 1)} untrained, in epoch "
+                            f"{open_epochs[0]}, which was not ended with end_epoch(): those positions would never be "
+                            f"trained (was the state edited, or put together from two jobs?)")
+        return None

@@ -234,7 +234,11 @@ class Plan:
         return int(np.searchsorted(self._epoch_starts[1:], step, side="right"))
 
     def check_epoch(self, epoch: int) -> None:
-        if not 0 <= epoch < self.epochs:
+        if not isinstance(epoch, (int, np.integer)) or isinstance(epoch, (bool, np.bool_)):
+            raise PlanError(f"epoch {epoch!r} is not an epoch number: the plan's epochs are 0..{self.epochs - 1}")
+        if epoch < 0:
+            raise PlanError(f"epoch {epoch} is out of range: the plan's epochs are 0..{self.epochs - 1}")
+        if epoch >= self.epochs:
             raise PlanError(f"epoch {epoch} is out of range: the plan has {self.epochs} epoch(s) "
                             f"(re-plan with --epochs {epoch + 1} to train longer)")
 

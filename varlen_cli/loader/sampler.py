@@ -9,6 +9,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from ..format import loader_state_problem
 from .fetch import new_iteration_id
 from .ledger import Ledger
 from .plan_file import Microbatch, Plan, PlanError
@@ -211,7 +212,11 @@ class PlanBatchSampler:
     def load_state_dict(self, state: dict) -> None:
         """Resume at ``state``'s position: the next iteration starts there (no fast-forwarding).
         The ledger of the loader this sampler feeds is restored too (a state without one: every
-        position before it was trained)."""
+        position before it was trained). A malformed state is refused with one line
+        (:func:`varlen_cli.format.loader_state_problem`, the same check ``varlen replan --state`` runs)."""
+        problem = loader_state_problem(state)
+        if problem is not None:
+            raise PlanError(f"invalid loader state: {problem}")
         if state.get("plan") != self.plan.fingerprint:  # a state of the plan's parent (varlen replan/--extend)?
             state = state_from_parent(self.plan, state) or state
         if state.get("plan") != self.plan.fingerprint:

@@ -23,9 +23,10 @@ source row whose ``sample_id`` is ``i``, read from the files in place (local or 
 
 Items are dicts of the selected columns (all by default): list columns as 1-D numpy arrays, other
 values as Python objects (``str`` for text). With ``tokenizer`` (a ``tokenizer.json`` path, a
-directory analyze accepts, or a loaded tokenizer) the text column analyze measured is tokenized into
-``input_ids`` (an int64 array), with analyze's special-token setting, so its length is the metrics'
-length.
+directory analyze accepts, a ``tokenizers.Tokenizer`` or a transformers tokenizer) the text (or the
+conversation) analyze measured is tokenized into ``input_ids`` (an int64 array) as analyze counted it
+(:mod:`.item_tokens`): its length is the metrics' length. Indices are integers (numpy's too); a
+float, a string or a nested list is refused (:class:`IndexTypeError`).
 
 Imports only numpy and pyarrow at module level (and torch through ``varlen_cli.loader``).
 """
@@ -42,7 +43,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InputError
+from ..errors import InputError, UsageError
+from .item_tokens import ItemTokenizer
 
 DEFAULT_CACHE_BYTES = 1 << 30
 DEFAULT_THREADS = 4
@@ -220,9 +222,11 @@ class SourceDataset:
         self.columns = list(columns) if columns is not None else None
         self.cache_bytes = int(cache_bytes)
         self.threads = max(1, int(threads))
-        config = manifest.get("config") or {}
-        self._text_column, self._special_tokens = _tokenized_column(config), bool(config.get("special_tokens", True))
-        self.tokenizer = _load_tokenizer(tokenizer)
+        self.tokenizer = ItemTokenizer(tokenizer, manifest.get("config") or {}, self.metrics_dir) \
+            if tokenizer is not None else None
+        if self.tokenizer is not None and self.columns is not None and self.tokenizer.column not in self.columns:
+            raise UsageError(f"tokenizer= tokenizes column '{self.tokenizer.column}' (what analyze measured): add it "
+                             f"to columns={self.columns}")
         self._num_rows = int(sum(f.rows for f in self.files))
         self._blocks: list[Block] | None = None  # every file's blocks, in sample_id order (built on first use)
         self._block_starts: np.ndarray | None = None  # first sample_id of each block, then the total
@@ -266,10 +270,13 @@ class SourceDataset:
         return self._num_rows
 
     def __getitem__(self, index: int) -> dict:
+        if not _is_index(index):
+            raise IndexTypeError(f"SourceDataset indices are sample ids (integers), not {type(index).__name__} "
+                                 f"{index!r}")
         return self.__getitems__([index])[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list[dict]:
-        ids = np.asarray(indices, dtype=np.int64).reshape(-1)
+        ids = _sample_ids(indices)
         if len(ids) and (ids.min() < 0 or ids.max() >= self._num_rows):
             bad = ids[(ids < 0) | (ids >= self._num_rows)][0]
             raise IndexError(f"sample id {bad} out of range for {self._num_rows} source rows")
@@ -283,7 +290,7 @@ class SourceDataset:
         decoded = {b: self._decoded(b) for b in needed}
         items = [decoded[b].item(r) for b, r in zip(blocks.tolist(), rows)]
         if self.tokenizer is not None:
-            self._add_token_ids(items)
+            self.tokenizer.add_ids(items)
         return items
 
     def prefetch(self, sample_ids: Iterable[int]) -> None:
@@ -355,16 +362,6 @@ class SourceDataset:
             with self._lock:
                 self._inflight.pop(block, None)
 
-    def _add_token_ids(self, items: list[dict]) -> None:
-        import pyarrow as pa
-
-        from ..analyze.lengths import token_lengths
-
-        texts = pa.array([item[self._text_column] for item in items], pa.large_string())
-        lengths, ids = token_lengths(self.tokenizer, texts, self._special_tokens, with_ids=True)
-        for item, tokens in zip(items, np.split(ids, np.cumsum(lengths)[:-1]) if len(lengths) else []):
-            item["input_ids"] = tokens
-
 
 class _Decoded:
     """A block's rows ready to hand out: list-of-number columns as numpy (offsets, values), so that
@@ -401,15 +398,19 @@ def _is_primitive(t) -> bool:
     return pa.types.is_integer(t) or pa.types.is_floating(t)
 
 
-def _tokenized_column(config: dict) -> str:
-    """The text column analyze measured (``tokens:COLUMN``, ``chars:COLUMN``...), else ``text``."""
-    kind, _, column = str(config.get("length") or "").partition(":")
-    return column if column and kind in ("tokens", "chars", "words", "bytes") else "text"
+class IndexTypeError(UsageError, TypeError):
+    """An index of :class:`SourceDataset` that is not an integer (a ``TypeError`` too, as Python's own)."""
 
 
-def _load_tokenizer(tokenizer: Any):
-    if tokenizer is None or not isinstance(tokenizer, (str, os.PathLike)):
-        return tokenizer
-    from ..analyze.lengths import load_tokenizer
+def _is_index(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
-    return load_tokenizer(str(tokenizer))
+
+def _sample_ids(indices) -> np.ndarray:
+    """``indices`` (a sequence or 1-D array of integers) as int64 sample ids; anything else refused
+    (floats, strings, nested lists: ``ds[1.7]`` must not read row 1)."""
+    ids = np.asarray(indices)
+    if ids.ndim != 1 or (len(ids) and ids.dtype.kind not in "iu"):
+        shown = repr(indices) if len(repr(indices)) <= 60 else repr(indices)[:57] + "..."
+        raise IndexTypeError(f"SourceDataset indices are sample ids (a flat list of integers), not {shown}")
+    return ids.astype(np.int64, copy=False)

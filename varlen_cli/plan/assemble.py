@@ -271,6 +271,9 @@ def finish(c: PlanConfig, rows: Rows, epochs: list[PlannedEpoch], col: dict, it:
     summary["straggler_overhead"] = format.straggler_overhead(step, col["rank"].astype(np.int64), col["cost"], c.dp)
     if lay0.warmup_missing:
         summary["warmup_missing"] = int(lay0.warmup_missing)
+    zero_loss = int(np.count_nonzero(step_loss_tokens == 0))  # steps whose loss would be 0/0 (report.warn_zero_loss)
+    if zero_loss:
+        summary["zero_loss_steps"] = zero_loss
     if c.lr_scaling != "none" and c.lr_scale_by == "samples":
         # steps of non-final --split-long chunks only: they complete no sample, so their lr_scale is 0
         idle = int(np.count_nonzero((step_samples == 0) & (step_tokens > 0)))

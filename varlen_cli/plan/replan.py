@@ -17,13 +17,15 @@ the metadata's ``lineage`` (docs/plan.md, "Re-planning a running job").
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import json
 import os
 import time
 from dataclasses import dataclass
 
-from .. import storage
+from .. import format, storage
 from ..errors import InputError, UsageError
 from ..runtime import rank0, safety
 from ..runtime.choices import (
@@ -87,21 +89,40 @@ def resume_step(config: ReplanConfig, parent: Parent) -> int:
     if (config.from_step is None) == (config.state is None):
         raise UsageError("give exactly one of --from-step N and --state SAMPLER_STATE.json")
     if config.state is not None:
-        state = _read_state(config.state)
-        if state.get("plan") != parent.fingerprint:
-            raise InputError(f"the sampler state {config.state} was saved with another plan (fingerprint "
-                             f"{state.get('plan')}, {parent.path} has {parent.fingerprint})")
-        step = state.get("step")
-        if not isinstance(step, int) or isinstance(step, bool):
-            raise InputError(f"the sampler state {config.state} has no integer 'step'")
-    else:
-        step = config.from_step
+        return _state_step(config.state, parent)
+    step = config.from_step
     if step < 0:
         raise UsageError(f"--from-step must be >= 0 (got {step})")
     if step >= parent.num_steps:
         raise UsageError(f"step {step} is beyond the plan: {parent.path} has {parent.num_steps} steps "
                          f"(0..{parent.num_steps - 1}), nothing is left to replan")
     return int(step)
+
+
+def _state_step(path: str, parent: Parent) -> int:
+    """The step of the sampler state ``path``, checked as the loader checks a state (its shape, then
+    the parent's plan: fingerprint, micro and step in range)."""
+    state = _read_state(path)
+    problem = format.loader_state_problem(state)
+    if problem is not None:
+        raise InputError(f"the sampler state {path} is not a loader state: {problem}")
+    if state.get("plan") != parent.fingerprint:
+        raise InputError(f"the sampler state {path} was saved with another plan (fingerprint "
+                         f"{state.get('plan')}, {parent.path} has {parent.fingerprint})")
+    step, micro = int(state["step"]), int(state["micro"])
+    if micro >= parent.grad_accum:
+        raise InputError(f"the sampler state {path} is at micro {micro} of step {step}, but {parent.path} has "
+                         f"grad_accum {parent.grad_accum} (micros 0..{parent.grad_accum - 1})")
+    if step >= parent.num_steps:
+        where = "the end" if step == parent.num_steps else "beyond the end"
+        raise InputError(f"the sampler state {path} is at step {step}, {where} of {parent.path} "
+                         f"({parent.num_steps} steps): nothing is left to replan")
+    starts = list(itertools.accumulate(parent.meta["steps_per_epoch"], initial=0))
+    epoch = int(state["epoch"])
+    if not (epoch + 1 < len(starts) and starts[epoch] <= step < starts[epoch + 1]):
+        raise InputError(f"the sampler state {path} says epoch {epoch} at step {step}, but step {step} of "
+                         f"{parent.path} is in epoch {bisect.bisect_right(starts, step) - 1}")
+    return step
 
 
 def _read_state(path: str) -> dict:

@@ -246,6 +246,9 @@ def finish(c, ctx: PlanContext, manifest: dict, num_rows: int, epochs: list[Epoc
     summary["straggler_overhead"] = overhead
     if epochs[0].warmup_missing:
         summary["warmup_missing"] = int(epochs[0].warmup_missing)
+    zero_loss = int(np.count_nonzero(step_targets == 0))  # steps whose loss would be 0/0 (report.warn_zero_loss)
+    if zero_loss:
+        summary["zero_loss_steps"] = zero_loss
     if c.lr_scaling != "none" and c.lr_scale_by == "samples":
         idle = int(np.count_nonzero((step_samples == 0) & (step_tokens > 0)))
         if idle:
