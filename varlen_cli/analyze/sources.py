@@ -191,6 +191,7 @@ def _stat_readable(path: str) -> os.stat_result:
         st = os.stat(path)
     except OSError as exc:
         raise InputError(f"source {path} is not readable: {exc.strerror}") from None
+    check_regular(path, "source")  # a socket cannot even be opened: say what it is
     try:
         with open_regular(path, "rb", what="source"):
             pass
