@@ -145,6 +145,7 @@ def discover(sources: Sequence[str]) -> list[SourceFile]:
     if not sources:
         raise InputError("no sources given")
     _FOOTERS.clear()  # a new run: footers are read (once) again
+    formats.clear_cache()  # and shard indexes
     explicit: dict[str, bool] = {}
     for s in sources:
         for p, named in _expand(storage.local_path(str(s))):  # file:///x is the local path /x
