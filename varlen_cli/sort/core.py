@@ -146,7 +146,7 @@ def check(config: SortConfig) -> None:
 
 def _read_input(path: str) -> dict:
     manifest = artifacts.read_manifest(path, "metrics directory", "create one with `varlen analyze`")
-    rows = sum(int(p["row"]) for p in manifest.get("parts", []))
+    rows = sum(int(p["rows"]) for p in manifest.get("parts", []))
     if int(manifest.get("num_rows", rows)) != rows:
         raise InputError(f"{path} is inconsistent: {artifacts.MANIFEST_NAME} says {manifest['num_rows']} rows "
                          f"but its parts hold {rows}")
@@ -242,7 +242,7 @@ def run_in_group(config: SortConfig, d: Dist, out: artifacts.AtomicDir, t0: floa
         mine = _boundary(spec, cols, words, shift, m)
         everyone = d.all_gather_object(mine)
         _check_unique(everyone, path)
-        rows = [b["row"] for b in everyone]
+        rows = [b["rows"] for b in everyone]
 
         fault_point("sort.write")
         if config.single_file:
@@ -276,7 +276,7 @@ def _read_columns(path: str, manifest: dict, lo: int, hi: int, schema) -> dict:
             for f in schema}
     filled, offset = 0, 0
     for part in manifest.get("parts", []):
-        rows = int(part["row"])
+        rows = int(part["rows"])
         a, b = max(lo, offset), min(hi, offset + rows)
         offset += rows
         if b <= a:
@@ -517,7 +517,7 @@ def _plain(v):
 
 def _boundary(spec: sk.KeySpec, cols: dict, words: list, shift: int, m: int) -> dict:
     """This rank's row count, first/last key values and words, and a duplicated sample id if any."""
-    info = {"row": m, "first_key": None, "last_key": None, "first_words": None, "last_words": None, "dup": None}
+    info = {"rows": m, "first_key": None, "last_key": None, "first_words": None, "last_words": None, "dup": None}
     if m == 0:
         return info
     key = [w >> np.int64(shift) if shift else w for w in words]  # drop the row-index bits
@@ -555,7 +555,7 @@ def _check_unique(everyone: list, path: str) -> None:
     dups = [b["dup"] for b in everyone if b["dup"] is not None]
     prev = None
     for b in everyone:
-        if b["row"] == 0:
+        if b["rows"] == 0:
             continue
         if prev is not None and prev["last_words"] == b["first_words"]:
             dups.append("(at a worker boundary)")
@@ -607,16 +607,16 @@ def _write_single(d: Dist, out: artifacts.AtomicDir, schema, cols: dict, rows: l
 
 def _finish(config: SortConfig, d: Dist, out: artifacts.AtomicDir, manifest: dict, everyone: list, stats: dict,
             phases: dict, peaks: list, t0: float) -> SortResult:
-    rows = [int(b["row"]) for b in everyone]
+    rows = [int(b["rows"]) for b in everyone]
     total = sum(rows)
     balance = max(rows) / (total / len(rows)) if total else 1.0
     if config.single_file:
-        nonempty = [b for b in everyone if b["row"]]
-        parts = [{"file": artifacts.part_name(0), "row": total,
+        nonempty = [b for b in everyone if b["rows"]]
+        parts = [{"file": artifacts.part_name(0), "rows": total,
                   "first_key": nonempty[0]["first_key"] if nonempty else None,
                   "last_key": nonempty[-1]["last_key"] if nonempty else None}]
     else:
-        parts = [{"file": artifacts.part_name(r), "row": b["row"], "first_key": b["first_key"],
+        parts = [{"file": artifacts.part_name(r), "rows": b["rows"], "first_key": b["first_key"],
                   "last_key": b["last_key"]} for r, b in enumerate(everyone)]
     cfg = artifacts.config_dict(config)
     # Identity: what was computed, not how it ran or was laid out (the rows are the same).
