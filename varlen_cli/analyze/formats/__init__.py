@@ -73,12 +73,13 @@ def clear_cache() -> None:
     mds.clear_cache()
 
 
-def companions(path: str, fmt: str) -> list[str]:
-    """The files beside ``path`` (an ``.idx``, an ``index.json``) that its samples are read from."""
+def companions(path: str, fmt: str, size: int) -> list[storage.FileInfo]:
+    """The files beside ``path`` (an ``.idx``, an ``index.json``) that its samples are read from, as
+    stat'ed when the index was read and checked against them."""
     if fmt == "megatron":
-        return [megatron.bin_path(path)]
+        return [megatron.read_index(path, size).data]
     if fmt == "mds":
-        return [s.path for s in mds.read_index(path)]
+        return [s.info for s in mds.read_index(path)]
     return []
 
 

@@ -54,6 +54,7 @@ class Shard:
     encodings: tuple
     sizes: tuple  # fixed size in bytes, or None (stored per sample)
     compression: str | None
+    info: storage.FileInfo | None = None  # the shard file when the index was read (freshness records it)
 
 
 MAX_RAW_BYTES = (1 << 32) - 1  # a raw shard's offsets are uint32: no shard is longer
@@ -120,11 +121,13 @@ def _shard(index_path: str, folder: str, k: int, s) -> Shard:
     path = storage.join(folder, basename)
     if not storage.is_remote(path):
         check_regular(storage.local_path(path), "MDS shard")
-    size = storage.stat(path).size
+    info = storage.stat(path)
+    size = info.size
     if size != file_bytes:
         raise InputError(f"MDS shard {path} has {size:,} bytes; {index_path} says {file_bytes:,} (truncated or "
                          "replaced)")
-    return Shard(path, samples, raw_bytes, names, encodings, sizes, compression.split(":")[0] if compression else None)
+    return Shard(path, samples, raw_bytes, names, encodings, sizes, compression.split(":")[0] if compression else None,
+                 info)
 
 
 def _count(value, where: str, what: str) -> int:

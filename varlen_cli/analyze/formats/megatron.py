@@ -23,6 +23,7 @@ only when named. Every read is a range read (a local file or an object-storage U
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import struct
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ class Index:
     dtype: type
     multimodal: bool
     size: int = 0  # of the file, in bytes
+    data: storage.FileInfo | None = None  # the .bin, as checked when the index was read (check_bin)
 
     @property
     def pointers_at(self) -> int:
@@ -83,8 +85,7 @@ def read_index(path: str, size: int) -> Index:
     hit = _INDEXES.get((path, size))
     if hit is None:
         hit = _read_index(path, size)
-        check_bin(hit)
-        _INDEXES[(path, size)] = hit
+        hit = _INDEXES[(path, size)] = dataclasses.replace(hit, data=check_bin(hit))
     return hit
 
 
@@ -96,14 +97,14 @@ def clear_cache() -> None:
     _INDEXES.clear()
 
 
-def check_bin(index: Index) -> None:
+def check_bin(index: Index) -> storage.FileInfo:
     """The ``.bin`` must exist and end where the index's last sequence ends: the index's counts
     checked against the data file's size (its own end marker). The first sequence starts at byte 0."""
     data = bin_path(index.path)
     if not storage.is_remote(data):
         check_regular(storage.local_path(data), "Megatron data")
     try:
-        size = storage.stat(data).size
+        info = storage.stat(data)
     except InputError as exc:
         raise InputError(f"Megatron data {data} (beside its index) cannot be read: {exc.message}") from None
     end = 0
@@ -115,9 +116,10 @@ def check_bin(index: Index) -> None:
             raise InputError(f"corrupt Megatron index {index.path}: the first sequence starts at byte {first} of "
                              f"{data}, the last has length {length}")
         end = last + length * np.dtype(index.dtype).itemsize
-    if size != end:
-        raise InputError(f"Megatron data {data} has {size:,} bytes, but its index {index.path} ends its last sequence "
-                         f"at byte {end:,} (truncated, or not the index's data)")
+    if info.size != end:
+        raise InputError(f"Megatron data {data} has {info.size:,} bytes, but its index {index.path} ends its last "
+                         f"sequence at byte {end:,} (truncated, or not the index's data)")
+    return info
 
 
 def _read_index(path: str, size: int) -> Index:
