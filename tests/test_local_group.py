@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from varlen_cli.errors import InputError, UsageError, WorkerError
@@ -216,19 +216,23 @@ def _source(folder, fmt: str, units: int) -> tuple[list[str], list[int], int]:
 
 
 @pytest.mark.slow
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(fmt=st.sampled_from(["parquet", "jsonl", "webdataset", "megatron"]), units=st.integers(1, 3), data=st.data())
-def test_any_worker_count_gives_the_same_metrics(tmp_path_factory, monkeypatch, fmt, units, data):
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(fmt=st.sampled_from(["parquet", "jsonl", "webdataset", "megatron"]), units=st.integers(1, 3),
+       workers=st.integers(1, 5))
+@example(fmt="parquet", units=1, workers=3)  # the issue's case: one row group, more workers
+@example(fmt="megatron", units=2, workers=4)
+@example(fmt="jsonl", units=3, workers=1)
+def test_any_worker_count_gives_the_same_metrics(tmp_path_factory, monkeypatch, fmt, units, workers):
     """Any number of workers, 1 to more than the work units, on any source: the metrics of the data
-    (workers without a unit write an empty part). The executor runs the count asked for (the --nproc
-    cap is the stages' choice: a torchrun world larger than the units gets the same)."""
+    (workers without a unit write an empty part), and sorted by as many workers. The executor runs the
+    count asked for (the --nproc cap is the stages' choice: a torchrun world larger than the units gets
+    the same)."""
     from tests.analyze_helpers import read_metrics
     from varlen_cli.analyze import AnalyzeConfig, run_in_group
     from varlen_cli.runtime import artifacts
     from varlen_cli.runtime.executor import execute
 
     monkeypatch.setenv("VARLEN_START_METHOD", "fork")
-    workers = data.draw(st.integers(1, units + 2), label="workers")
     folder, out = tmp_path_factory.mktemp(fmt), tmp_path_factory.mktemp("out") / "m"
     sources, lengths, chunk = _source(folder, fmt, units)
     length = "value:json.num_tokens" if fmt == "webdataset" else "value:length" if fmt == "megatron" else "value:n"
@@ -241,6 +245,14 @@ def test_any_worker_count_gives_the_same_metrics(tmp_path_factory, monkeypatch, 
     manifest = artifacts.read_manifest(str(out))
     assert manifest["world_size"] == workers and res.num_parts == workers
     assert sum(p["rows"] for p in manifest["parts"]) == len(lengths)
+    # sort on as many workers (more than the rows, some examples): the rows by (length, sample_id)
+    from varlen_cli.sort import SortConfig
+    from varlen_cli.sort.core import run_in_group as sort_in_group
+
+    execute(sort_in_group, SortConfig(metrics_dir=str(out), output=str(out) + "-sorted", by=("length",),
+                                      nproc=workers, progress=False))
+    order = read_metrics(str(out) + "-sorted").column("sample_id").to_pylist()
+    assert order == sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
 
 
 @dataclasses.dataclass(frozen=True)
