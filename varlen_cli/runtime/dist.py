@@ -16,6 +16,7 @@ Collectives also carry a timeout (``VARLEN_TIMEOUT`` seconds, default 1800) as a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -337,8 +338,6 @@ def cap_workers(config: Any, count_units: Callable[[], tuple[int, str]]) -> Any:
         return config
     notes.add(f"--nproc {nproc} capped to {_count(capped, 'worker')}: {_count(units, what)}, "
               f"{_count(cores, 'core')}")
-    import dataclasses
-
     return dataclasses.replace(config, nproc=capped)
 
 
