@@ -604,6 +604,8 @@ def test_signal_to_the_launcher_after_a_worker_swapped(ws):
         return pq.read_table("m").column("length").to_numpy()  # every part, in name order
 
     old = lengths()
+    shutil.copy("src/a.jsonl", "src/b.jsonl")  # two work units: two workers (--nproc is capped by the units)
+    old = np.concatenate([old, old])
     code, err = _signal_after_the_swap(ws, ["analyze", "src", "-o", "m", "--nproc", "2", "--overwrite",
                                             "--length", "chars:text"], "m")
     assert code == 0 and err.splitlines()[-1] == "varlen: terminated after m was written; it is complete", err
@@ -628,6 +630,7 @@ def test_sigterm_while_printing_the_gantt_chart(ws):
 def test_killed_worker_leaves_old_output_and_next_run_cleans(ws):
     """SIGKILL (no cleanup possible): the old output stays; the next run removes the temporary."""
     before = tree_hash("m")
+    shutil.copy("src/a.jsonl", "src/b.jsonl")  # two work units: two workers (--nproc is capped by the units)
     env = dict(ENV, VARLEN_FAULT="analyze.unit:1")
     proc = cli("analyze", "src", "-o", "m", "--overwrite", "--nproc", "2", env=env)
     assert proc.returncode == 5, proc.stderr

@@ -327,8 +327,10 @@ def small_segments(monkeypatch):
     layout in several blocks."""
     from varlen_cli.plan import writer
     from varlen_cli.plan.chunked import epoch, segments
+    from varlen_cli.runtime import dist
 
     monkeypatch.setenv("VARLEN_START_METHOD", "fork")
+    monkeypatch.setattr(dist, "available_cores", lambda: 8)  # --nproc 4 is 4 workers on a 2-core machine too
     monkeypatch.setattr(writer, "ROW_GROUP_TARGET", 8)
     monkeypatch.setattr(segments, "SEGMENT_GROUPS", 3)
     monkeypatch.setattr(epoch, "BLOCK_ROWS", 16)

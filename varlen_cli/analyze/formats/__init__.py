@@ -14,6 +14,28 @@ up front), :func:`units`, :func:`schema`, and a :class:`Reader` per worker (whic
 ``varlen_cli.loader.SourceDataset`` also reads items with; :data:`ITEM_COLUMNS`). Every
 byte is read through :mod:`varlen_cli.storage`, so local paths and object-storage URLs both work.
 This package imports nothing from ``sources`` (units are returned as plain tuples).
+
+**The reader contract** (every format keeps it: a damaged, truncated or changed shard is refused in
+one line, never read in part):
+
+1. A count the files declare is checked against the container's own sizes before anything is
+   allocated from it: MDS ``samples`` and byte counts are integers of 0 or more, each shard file
+   has the size ``index.json`` gives it, and a raw shard's size can hold its samples' offsets
+   (compressed shards are decompressed a step at a time, never past the declared size); Megatron's
+   sequence and document counts fill the ``.idx`` exactly. Tar shards declare no count.
+2. Where reading ends, the container's own end marker must be there: a tar walk ends at the two
+   zero blocks of end-of-archive, followed by zeros only (``tarfile`` itself takes a damaged header
+   for the end); an MDS shard's first 4 bytes hold the index's sample count and its last sample ends
+   at its last byte; a Megatron ``.bin`` ends where the last sequence does (the first starts at 0).
+3. What is read is checked on the way: MDS offsets non-decreasing; Megatron pointers at each
+   unit's ends spanning exactly its sequences' tokens (so the lengths add up to the ``.bin``'s
+   contents; inner pointers are checked where tokens are read), document boundaries
+   non-decreasing within 0..sequences.
+4. :func:`companions` names the files beside the one discovered that the samples come from (a
+   Megatron ``.bin``, MDS shards): the dataset fingerprint records them, so a rewritten one makes
+   the metrics stale (:mod:`varlen_cli.runtime.freshness`).
+
+Indexes are read once per run (:func:`clear_cache` when a run discovers its sources).
 """
 
 from __future__ import annotations
@@ -46,6 +68,22 @@ def megatron_prefix(source: str) -> str | None:
     return source + ".idx"
 
 
+def clear_cache() -> None:
+    """Forget the indexes read so far: a new run reads and checks them again."""
+    megatron.clear_cache()
+    mds.clear_cache()
+
+
+def companions(path: str, fmt: str, size: int) -> list[storage.FileInfo]:
+    """The files beside ``path`` (an ``.idx``, an ``index.json``) that its samples are read from, as
+    stat'ed when the index was read and checked against them."""
+    if fmt == "megatron":
+        return [megatron.read_index(path, size).data]
+    if fmt == "mds":
+        return [s.info for s in mds.read_index(path)]
+    return []
+
+
 def describe(path: str, fmt: str, size: int) -> int:
     """The file's samples when known without reading the data (-1 otherwise); checks the header."""
     if fmt == "megatron":
@@ -72,7 +110,7 @@ def schema(path: str, fmt: str, size: int):
         return megatron.schema(megatron.read_index(path, size))
     if fmt == "mds":
         return mds.schema(mds.read_index(path))
-    return webdataset.schema(path)
+    return webdataset.schema(path, size)
 
 
 class Reader:
@@ -91,7 +129,7 @@ class Reader:
             return megatron.table(self._index, unit.start, unit.stop, columns)
         if fmt == "mds":
             return self._mds.read(path, unit.part, unit.start, unit.stop, columns)
-        return self._wds.read(path, unit.start, unit.stop, columns)
+        return self._wds.read(path, size, unit.start, unit.stop, columns)
 
 
 def document_offsets(paths: list[str], formats: list[str], sizes: list[int]) -> np.ndarray | None:

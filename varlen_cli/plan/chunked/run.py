@@ -26,7 +26,7 @@ from ...budget import Budget
 from ...checks import Bitmap
 from ...errors import InputError, UsageError
 from ...runtime import artifacts, freshness, rank0, safety
-from ...runtime.dist import Dist, fault_point, run_distributed, session
+from ...runtime.dist import Dist, cap_workers, fault_point, run_distributed, session
 from ..cost_model import resolve_budget
 from ..layout import PLAN_REMEDIES, Remedies
 from ..orders import CURRICULAR
@@ -94,6 +94,7 @@ def plan_chunked(c, t0: float | None = None, cont: Continuation = FRESH):
     t0 = time.perf_counter() if t0 is None else t0
     out = PlanOutput(c.output, c.overwrite)
     out.check([c.input])
+    c = cap_workers(c, functools.partial(_count_jobs, c))
     entry = functools.partial(_in_session, t0=t0, cont=cont)
     if c.nproc == 1:
         if rank0.needs_group():  # a torchrun rank: every rank forms its share of the chunks
@@ -106,6 +107,12 @@ def plan_chunked(c, t0: float | None = None, cont: Continuation = FRESH):
             if not out.remote:
                 safety.clean_leftovers(out.local.path)
             raise
+
+
+def _count_jobs(c) -> tuple[int, str]:
+    """The (epoch, chunk) jobs of phase 1: ``--nproc`` is capped by them."""
+    rows = int(artifacts.read_manifest(c.input, what="metrics or sorted directory").get("num_rows", 0))
+    return max(1, c.epochs) * ChunkSpec(max(rows, 1), int(c.chunk_samples)).count, "chunk job"
 
 
 def _in_session(c, t0: float, cont: Continuation = FRESH):
