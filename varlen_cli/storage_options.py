@@ -77,8 +77,13 @@ def s3_kwargs(opts: dict, timeouts: dict[str, float]) -> dict:
                              "endpoint_url, anon, key, secret, token, profile, client_kwargs, config_kwargs...)")
         if key.endswith("_kwargs") and not isinstance(value, dict):
             raise bad(key, 'a JSON object such as {"region_name": "eu-west-1"}', value)
-        if isinstance(_default(s3fs.S3FileSystem.__init__, key), bool) and not isinstance(value, bool):
+        default = _default(s3fs.S3FileSystem.__init__, key)
+        if isinstance(default, bool) and not isinstance(value, bool):
             raise bad(key, "true or false", value)
+        if type(default) is int and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise bad(key, "an integer >= 1", value)
+        if key == "session" and not isinstance(value, AioSession):
+            raise bad(key, "an aiobotocore AioSession (given from Python)", value)
     config = dict(opts.get("config_kwargs") or {})
     _check_config(config)
     config = {**timeouts, "retries": dict(S3_ATTEMPTS), **config}  # the user's config_kwargs win

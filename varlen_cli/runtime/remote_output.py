@@ -144,8 +144,8 @@ class RemoteAtomicDir:
         module docstring, step 3); remove the temporary."""
         with storage.translate_errors(self.path, write=True):
             old = self.check().names  # checked again: nothing but varlen's own is there now
-            new = {storage.relpath(o, self.tmp): info.size for o, info in storage.find_info(self.tmp + "/").items()}
-            new.pop(OWNER_NAME, None)
+            listed = {storage.relpath(o, self.tmp): info.size for o, info in storage.find_info(self.tmp + "/").items()}
+            new = {n: size for n, size in listed.items() if _TMP_FILES.match(n) and n != OWNER_NAME}
             if format.MANIFEST_NAME not in new:
                 raise OutputError(f"cannot write {self.path}: {self.tmp} holds no {format.MANIFEST_NAME}")
             marker = storage.join(self.path, COMMIT_MARKER)
