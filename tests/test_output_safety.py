@@ -226,7 +226,7 @@ def _overwrite_varlen_dir_with_user_files(ws):
     (ws / "m" / "notes.txt").write_text("keep")
     os.makedirs("m/mine")
     return (["analyze", "src", "-o", "m", "--length", "words:text", "--overwrite"], 4,
-            "output m holds files varlen did not write (mine, notes.txt); --overwrite replaces only what varlen made: "
+            "output m holds files varlen did not write (mine/, notes.txt); --overwrite replaces only what varlen made: "
             "move them out first", ["m"])
 
 
@@ -251,6 +251,12 @@ def _overwrite_foreign_file(ws):
     (ws / "notes.parquet").write_text("not a plan")
     return (["plan", "m", "-o", "notes.parquet", "--max-tokens", "256", "--overwrite"], 4,
             "output notes.parquet is not a varlen plan; --overwrite replaces only varlen outputs", ["notes.parquet"])
+
+
+def _plan_output_named_like_folder(ws):
+    return (["plan", "m", "-o", "newdir/", "--max-tokens", "256"], 4,
+            "output newdir/ ends with '/', which names a folder; give a file name such as newdir/plan.parquet",
+            ["newdir"])
 
 
 def _dir_output_is_file(ws):
@@ -381,6 +387,7 @@ CASES = [
     ("sort --overwrite, a part the manifest does not list", _sort_overwrite_with_user_file),
     ("run --overwrite, user files in the run and its metrics", _run_overwrite_with_user_files),
     ("directory output is a plan file", _dir_output_is_file),
+    ("plan output named like a folder", _plan_output_named_like_folder),
     ("plan output is a directory", _plan_output_is_dir),
     ("output locked by a live process", _live_lock),
     ("disk full while writing the manifest", _full_disk),
