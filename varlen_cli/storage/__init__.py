@@ -20,7 +20,7 @@ the extra, e.g. ``reading s3://b/x needs s3fs: pip install "varlen-cli[s3]"`` (:
 ``GOOGLE_APPLICATION_CREDENTIALS``, ``HF_TOKEN``...). ``--storage-option key=value`` passes anything
 else to the filesystem's constructor: :func:`parse_options` turns the pairs into a dict (values
 are JSON when they parse as JSON: ``anon=true``, ``client_kwargs={"region_name": "eu-west-1"}``,
-else strings), checked first (:mod:`varlen_cli.storage_options`: a bad value is one UsageError line
+else strings), checked first (:mod:`varlen_cli.storage.options`: a bad value is one UsageError line
 naming the option). For ``s3://`` and ``http(s)://`` every request has a connect and a read timeout
 (``connect_timeout``/``read_timeout`` options, seconds; defaults 5 and 10) and few retries, so an
 unreachable or silent endpoint fails in seconds, never hangs (docs/analyze.md, "Timeouts").
@@ -260,7 +260,7 @@ def filesystem(loc: str, options: Options = None) -> tuple[Any, str]:
 def _make_fs(loc: str, s: str, opts: dict) -> Any:
     import fsspec
 
-    from . import storage_options
+    from . import options as storage_options
 
     try:
         fsspec.get_filesystem_class(s)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from .errors import UsageError
+from ..errors import UsageError
 
 TIMEOUTS: dict[str, float] = {"connect_timeout": 5.0, "read_timeout": 10.0}
 TIMEOUT_SCHEMES = ("s3", "s3a", "http", "https")  # the clients varlen gives the timeouts to
