@@ -230,10 +230,10 @@ def test_replan_is_bounded_by_its_epochs_and_a_chunk(dirs, tmp_path, monkeypatch
     """replan plans with the chunked planner (the consumed samples a bitmap): its memory is the microbatch
     tables of the epochs it plans and one chunk, never the parent's samples; when even that does not fit,
     it is refused in one line before any work (here: 1,000 bytes available)."""
-    from varlen_cli.plan import pipeline
+    from varlen_cli.plan import cost_model
     from varlen_cli.plan.chunked import run
 
-    monkeypatch.setattr(pipeline, "_available_memory", lambda: 1000)
+    monkeypatch.setattr(cost_model, "available_memory", lambda: 1000)
     out = str(tmp_path / "new.parquet")
     args = ["replan", dirs["parent"], "-o", out, "--dp", "3", "--from-step", "2"]
     need = (N * 2 * run.TABLE_BYTES_PER_ENTRY + run.CHUNK_BYTES_PER_SAMPLE * N) / 2**30
@@ -249,10 +249,10 @@ def test_extend_is_bounded_by_the_new_epochs_and_a_chunk(dirs, tmp_path, monkeyp
     """--extend plans the new epochs with the chunked planner: its memory is the new epochs' microbatch
     tables and one chunk, never the parent's samples; when even that does not fit, it is refused in one
     line that says to extend by fewer epochs (here: 1,000 bytes available)."""
-    from varlen_cli.plan import pipeline
+    from varlen_cli.plan import cost_model
     from varlen_cli.plan.chunked import run
 
-    monkeypatch.setattr(pipeline, "_available_memory", lambda: 1000)
+    monkeypatch.setattr(cost_model, "available_memory", lambda: 1000)
     out = str(tmp_path / "new.parquet")
     need = (N * run.TABLE_BYTES_PER_ENTRY + run.CHUNK_BYTES_PER_SAMPLE * N) / 2**30
     assert_user_error(runner.invoke(app, ["plan", "--extend", dirs["parent"], "-o", out, "--epochs", "3"]), 2,

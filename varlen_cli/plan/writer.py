@@ -1,12 +1,16 @@
 """Writing the plan: one Parquet file per docs/formats.md, row groups of whole steps, schema
-metadata under the key ``varlen``, written to a temporary file then renamed (atomic)."""
+metadata under the key ``varlen``, written to a temporary file then renamed (atomic); and the
+metadata's entries (:func:`build_metadata`: what the plan records of its options, input, budget,
+layout and statistics; :func:`memory_entry`: its predicted peaks under a memory limit)."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
-from .. import format
-from ..errors import OutputError
+from .. import __version__, format, storage
+from ..errors import OutputError, UsageError
 from ..runtime import artifacts
 
 PLAN_FORMAT = format.PLAN_FORMAT  # the names the planner uses; format.py defines them
@@ -81,3 +85,58 @@ def parquet_options(schema) -> dict:
     return {"compression": {**{c: "zstd" for c in zstd}, **{leaf: "none" for leaf in leaves}},
             "compression_level": {c: 1 for c in zstd}, "use_dictionary": dict_cols,
             "column_encoding": {leaf: "DELTA_BINARY_PACKED" for leaf in leaves}}
+
+
+# -- the metadata --------------------------------------------------------------------------------------
+def location_record(path: str, output: str) -> dict:
+    """An input of the plan ``output`` as its metadata records it: ``path``, absolute (a URL as given),
+    and ``relative_path``, the input as seen from the plan's folder: still right after a move of both
+    (varlen run's swap); null when the input or the plan is in object storage."""
+    where = storage.absolute(path)
+    if storage.is_remote(path) or storage.is_remote(output):
+        return {"path": where, "relative_path": None}
+    return {"path": where, "relative_path": os.path.relpath(where, os.path.dirname(os.path.abspath(output)))}
+
+
+def recorded_config(c) -> dict:
+    """The options a plan records: what it is made of, not how the command ran (no output, overwrite,
+    progress, nproc, allow_stale: ``artifacts.RUNTIME_FIELDS``), so the same input and options give
+    the same file, whatever the number of workers and wherever it is written."""
+    return {k: v for k, v in artifacts.config_dict(c).items() if k not in artifacts.RUNTIME_FIELDS}
+
+
+def build_metadata(c, *, config: dict, input: dict, num_steps: int, num_microbatches: int, steps_per_epoch: list,
+                   orders: list, shapes: list, warmup_steps: int, base_batch_size, budget, shape_map: dict,
+                   fixed_batch: int | None, packing: dict | None, dropped: dict, summary: dict) -> dict:
+    """The plan's key-value metadata (see docs/formats.md): ``config`` the options it records
+    (:func:`recorded_config`, or a derived plan's), ``input`` what it was planned from."""
+    return {
+        "format": format.PLAN_FORMAT, "format_version": format.PLAN_FORMAT_VERSION,
+        "varlen_version": __version__,
+        "config": config, "input": input,
+        "dp": c.dp, "grad_accum": c.grad_accum, "epochs": c.epochs, "num_steps": num_steps,
+        "steps_per_epoch": steps_per_epoch, "num_microbatches": num_microbatches,
+        "orders": orders,
+        "shapes": shapes, "warmup_steps": warmup_steps,
+        "base_batch_size": base_batch_size, "lr_scaling": c.lr_scaling, "lr_scale_by": c.lr_scale_by,
+        "budget": budget.to_metadata(),
+        "shape_map": shape_map, "fixed_batch_size": fixed_batch,
+        "packing": packing,
+        "dropped": dropped,
+        "stats": {key: value for key, value in summary.items() if key != "seconds"},
+    }
+
+
+def memory_entry(c, budget, b: np.ndarray, t: np.ndarray, shape_id: np.ndarray, num_shapes: int,
+                 sum_squares=None) -> dict:
+    """The ``memory`` entry of a plan kept under a memory limit; refused (one line) when a microbatch's
+    predicted peak exceeds it (a replan given another --max-tokens than the limit allows)."""
+    from ..memory.budget import over_limit, plan_memory_metadata
+    from ..memory.sizes import format_size
+
+    over, worst = over_limit(budget.memory, b, t, bool(c.packing))
+    if over:
+        raise UsageError(f"{over:,} microbatches are predicted above the plan's --max-memory "
+                         f"{format_size(budget.memory['max_memory'])} (up to {format_size(worst)}) with "
+                         f"{budget.describe()}; give a smaller --max-tokens, or --max-memory for a new limit")
+    return plan_memory_metadata(budget.memory, b, t, shape_id, num_shapes, bool(c.packing), None, None, sum_squares)

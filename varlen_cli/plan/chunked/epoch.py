@@ -1,7 +1,7 @@
 """Phase 2: one epoch's steps and ranks, from its chunks' unit tables (rank 0; no sample is read).
 
 :func:`lay_out` puts the chunks' units in one sequence (:class:`Units`, chunk after chunk), fixes
-the tail (:mod:`.tail`), groups packed rows into microbatches, orders the units across chunks
+the tail (:mod:`varlen_cli.plan.tail`), groups packed rows into microbatches, orders the units across chunks
 (:func:`cross_chunk_order`) and hands the microbatches, a block of whole steps at a time, to the
 single-process layout (``layout.layout_epoch``: ranks by LPT; compile warm-up and ``--schedule`` on
 the whole epoch). The result, :class:`EpochRows`, is the unit of every plan row in (step, rank,
@@ -17,10 +17,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...budget import segment_sum_squares
-from .. import batching, layout
+from .. import batching, layout, tail
 from ..batching import Microbatches
 from ..orders import CURRICULAR
-from . import tail
 from .form import PlanContext
 
 WINDOW_STEPS = 64  # bucket-shuffle: microbatches sorted by cost inside windows of this many steps
