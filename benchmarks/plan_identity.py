@@ -6,6 +6,10 @@ Run once per version (PYTHONPATH picks the code), then compare the two JSON file
     PYTHONPATH=/path/to/new python benchmarks/plan_identity.py run --work /tmp/pid --out new.json
     python benchmarks/plan_identity.py compare old.json new.json [--ignore-keys budget,cost_model]
 
+``--parents DIR`` (with ``run``): the extensions and replans start from the parent plans in ``DIR``
+(``NAME.parent.parquet``, e.g. a copy of the old run's ``WORK/plans``) instead of planning their own, so
+both versions extend and replan the same files.
+
 Beside plans of one input, the grid holds ``--mix`` plans (sources in id order and sorted, with and
 without ``target_length``, fractional weights), ``--extend`` of plain and mixture plans, and
 ``varlen replan`` of plain and mixture plans (one replan from a step where a ``--split-long`` sample
@@ -178,6 +182,7 @@ REPLAN_CONFIGS = {
     "replan-mix-packed": dict(parent=dict(MIX_CONFIGS["mix-packed"]), at=0.25, dp=2),
     "replan-mix-packed-split-long-straddle": dict(parent=dict(MIX_CONFIGS["mix-packed-split-long-attn"]),
                                                   at="straddle", dp=2),
+    "replan-mix-packed-split-long-at-0": dict(parent=dict(MIX_CONFIGS["mix-packed-split-long-attn"]), at=0.0, dp=2),
 }
 
 
@@ -238,8 +243,9 @@ def _straddle(path: str) -> int:
     raise SystemExit(f"{path}: no split sample straddles a step")
 
 
-def _make(name: str, dirs: dict, work: str) -> str:
-    """Write configuration ``name``'s plan (a plan, an extension or a replan); its path."""
+def _make(name: str, dirs: dict, work: str, parents: str = "") -> str:
+    """Write configuration ``name``'s plan (a plan, an extension or a replan); its path. ``parents``: a
+    folder of parent plans to extend or replan (another version's, copied) instead of planning them."""
     import json
 
     import pyarrow.parquet as pq
@@ -254,7 +260,12 @@ def _make(name: str, dirs: dict, work: str) -> str:
         return dest
     spec = EXTEND_CONFIGS.get(name) or REPLAN_CONFIGS[name]
     parent = os.path.join(work, "plans", f"{name}.parent.parquet")
-    _plan(dirs, spec["parent"], parent)
+    if parents:
+        import shutil
+
+        shutil.copyfile(os.path.join(parents, f"{name}.parent.parquet"), parent)
+    else:
+        _plan(dirs, spec["parent"], parent)
     if name in EXTEND_CONFIGS:
         plan(PlanConfig(input="", output=dest, extend=parent, epochs=spec["epochs"], overwrite=True, progress=False))
         return dest
@@ -274,7 +285,7 @@ def run(args) -> None:
         if args.only and name not in args.only.split(","):
             continue
         try:
-            dest = _make(name, dirs, args.work)
+            dest = _make(name, dirs, args.work, args.parents)
         except VarlenError as exc:  # a refusal is part of the fingerprint too
             out[name] = {"refused": str(exc), "table": "refused", "rows": 0, "columns": {}, "metadata": ""}
             print(f"{name:<32} refused: {exc}", flush=True)
@@ -327,6 +338,8 @@ def main() -> None:
     r.add_argument("--out", required=True)
     r.add_argument("--samples", type=int, default=300_000)
     r.add_argument("--only", default="")
+    r.add_argument("--parents", default="", help="extend and replan these parent plans (NAME.parent.parquet, "
+                                                 "another version's) instead of planning them")
     c = sub.add_parser("compare")
     c.add_argument("a")
     c.add_argument("b")

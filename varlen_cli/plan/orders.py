@@ -172,7 +172,7 @@ def same_shape_steps(seq: np.ndarray, length: np.ndarray, shape: ShapeMap, budge
                      rng: np.random.Generator) -> tuple[Microbatches, np.ndarray]:
     """Whole steps of one (B, T) shape from the samples ``seq`` (in order), the steps kept in curriculum
     order (by their samples' mean position) or shuffled; and the ids left over (``tail``: drop, or refused).
-    The one definition for the single-process planner and the chunked one."""
+    The one definition for an epoch formed whole and a chunk's steps."""
     dp, grad_accum, tail_mode = layout_of
     mb, dropped = batching.form_same_shape(seq, length, shape, budget, static, slots)
     if len(dropped) and tail_mode != "drop":

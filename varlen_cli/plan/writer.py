@@ -1,7 +1,7 @@
-"""Writing the plan: one Parquet file per docs/formats.md, row groups of whole steps, schema
-metadata under the key ``varlen``, written to a temporary file then renamed (atomic); and the
-metadata's entries (:func:`build_metadata`: what the plan records of its options, input, budget,
-layout and statistics; :func:`memory_entry`: its predicted peaks under a memory limit)."""
+"""Writing the plan: a plan file's Parquet settings, row groups of whole steps and schema metadata
+under the key ``varlen`` (docs/formats.md; the chunked planner streams the file, :mod:`.chunked.emit`),
+and the metadata's entries: :func:`build_metadata` (what the plan records of its options, input,
+budget, layout and statistics), :func:`memory_entry` (its predicted peaks under a memory limit)."""
 
 from __future__ import annotations
 
@@ -10,16 +10,13 @@ import os
 import numpy as np
 
 from .. import __version__, format, storage
-from ..errors import OutputError, UsageError
+from ..errors import UsageError
 from ..runtime import artifacts
 
-PLAN_FORMAT = format.PLAN_FORMAT  # the names the planner uses; format.py defines them
-PLAN_FORMAT_VERSION = format.PLAN_FORMAT_VERSION
 ROW_GROUP_TARGET = 4096  # microbatches per row group (rounded to whole steps)
 # dictionary-encode the low-cardinality columns only (trying it on sample ids costs 2x the write)
 DICTIONARY_COLUMNS = frozenset({"epoch", "rank", "micro", "num_samples", "seqlen", "batch_size", "lr_scale", "shape_id",
                                 "step_samples", "step_tokens"})
-plan_schema = format.plan_schema
 
 
 def rows_per_group(slots: int) -> int:
@@ -34,43 +31,6 @@ def plan_metadata(metadata: dict) -> dict:
 def check_output(path: str, overwrite: bool) -> None:
     """Refuse an output that exists (without --overwrite), is not a varlen plan, is a link or a directory."""
     artifacts.AtomicFile(path, overwrite).check()
-
-
-def write_plan(path: str, overwrite: bool, cols: dict, offsets: np.ndarray, items: dict, metadata: dict,
-               slots: int) -> None:
-    """``cols``: per-row numpy arrays; ``offsets`` (rows + 1) and ``items`` (``sample_ids`` and, for
-    packed plans, ``sample_lengths``/``sample_rows``/``sample_starts``) the list columns as CSR."""
-    packed = "sample_lengths" in items
-    schema = format.plan_schema(packed, plan_metadata(metadata), mixture="source" in items)
-    n = len(offsets) - 1
-    group = rows_per_group(slots)
-    types = {f.name: f.type for f in schema}
-    with artifacts.atomic_file(path, overwrite) as out:
-        _write_rows(out.tmp, path, schema, types, cols, offsets, items, n, group)
-
-
-def _write_rows(tmp: str, path: str, schema, types: dict, cols: dict, offsets: np.ndarray, items: dict, n: int,
-                group: int) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from .arrow_io import list_array, to_arrow
-
-    try:
-        with pq.ParquetWriter(tmp, schema, **parquet_options(schema)) as w:
-            for lo in range(0, max(n, 1), group):
-                hi = min(n, lo + group)
-                a, b = int(offsets[lo]), int(offsets[hi])
-                local = (offsets[lo:hi + 1] - a).astype(np.int32)
-                arrays = []
-                for name in schema.names:
-                    if name in items:
-                        arrays.append(list_array(local, items[name][a:b], types[name]))
-                    else:
-                        arrays.append(to_arrow(cols[name][lo:hi], types[name]))
-                w.write_table(pa.Table.from_arrays(arrays, schema=schema))
-    except OSError as exc:
-        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 def parquet_options(schema) -> dict:

@@ -3,14 +3,15 @@
 :func:`form_chunk` turns a :class:`~.chunks.ChunkData` into :class:`ChunkUnits`: a table of units in
 the chunk's sequence order, their items (sample ids and, packed, the per-sample columns) in the same
 order, and the tail candidates (the fullest units with their halves' statistics). It uses the
-formation functions of the single-process planner (``batching``, ``packing.pack``, ``balance``) and
-leaves to phase 2 what spans chunks: the tail, the order of the units, the ranks.
+planner's formers (``orders``, ``batching``, ``packing.pack``, ``balance``) and leaves to phase 2 what
+spans chunks: the tail, the order of the units, the ranks. A mixture's items also name each entry's
+source; a replan's pieces (:class:`~.chunks.ChunkData`) start inside their samples.
 
 Unit levels:
 
-* ``epoch``: the chunk is the whole epoch (one chunk): the single-process former runs unchanged
-  (its tail, its shuffle), so a plan of one chunk is exactly the plan one process made before
-  chunks existed; phase 2 only lays it out;
+* ``epoch``: the chunk is the whole epoch (one chunk): the formers of :mod:`varlen_cli.plan.orders`
+  form it whole (its tail, its shuffle), the plan varlen made before chunks existed; phase 2 only
+  lays it out;
 * ``unit``: padded microbatches (curriculum, reverse, bucket-shuffle, random) and packed rows;
   phase 2 splits the tail, orders them across chunks and cuts steps;
 * ``step``: whole steps formed inside the chunk (``--same-shape-per-step``; packed plans with an
@@ -123,7 +124,7 @@ def _kept(chunk: ChunkData, ctx: PlanContext, mode: str) -> tuple[np.ndarray, np
 def form_chunk(chunk: ChunkData, ctx: PlanContext, mode: str, epoch: int, rng: np.random.Generator,
                whole: bool, config=None) -> ChunkUnits:
     """The chunk's units for an epoch planned in ``mode`` (see the module docstring); ``whole``: the
-    chunk is the whole epoch (``config``: the plan's PlanConfig, for the single-process former)."""
+    chunk is the whole epoch (``config``: the plan's PlanConfig, for the formers of an epoch formed whole)."""
     seq, too_long = _kept(chunk, ctx, mode)
     if whole:  # the whole input: its too-long samples are the plan's (the error before any forming)
         from ..cost_model import too_long_error
@@ -187,9 +188,9 @@ def _empty(ctx: PlanContext, mode: str) -> ChunkUnits:
     return out
 
 
-# -- one chunk: the single-process former ------------------------------------------------------------
+# -- one chunk: the epoch formed whole -----------------------------------------------------------------
 def _whole_epoch(chunk: ChunkData, ctx: PlanContext, mode: str, seq: np.ndarray, rng, config) -> ChunkUnits:
-    """The epoch formed by ``orders.Formers`` exactly as one process forms it (tail and shuffle included)."""
+    """The epoch formed whole by ``orders.Formers`` (tail and shuffle included)."""
     from ..orders import EpochInputs, Formers
 
     ordered = seq if mode in CURRICULAR else None

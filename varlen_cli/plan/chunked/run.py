@@ -1,14 +1,14 @@
-"""The chunked planner across workers: phase 1 on every rank, phase 2 shared (rank 0 finishes it),
-phase 3 on every rank.
+"""The chunked planner across workers: phase 0 (a chunk source's preparation) and phase 1 on every
+rank, phase 2 shared (rank 0 finishes it), phase 3 on every rank.
 
-:func:`plan_chunked` runs ``varlen plan`` (a metrics or sorted directory input) as world size 1 in
-this process, in ``--nproc N`` local workers, or on the ranks of a torchrun job: every rank forms
-the (epoch, chunk) jobs ``j`` with ``j mod world_size == rank`` and writes them into a temporary
-directory beside the output; then one worker lays the epochs out and streams the plan, or every rank
-lays out its share of each epoch (rank 0 joins the shares and computes the columns) and writes
-segments of the plan that rank 0 joins (:mod:`.segments`). Every rank returns rank 0's
-result (or raises its error). See the package docstring for the design.
-"""
+:func:`plan_chunked` runs ``varlen plan`` (a metrics or sorted directory, a mixture, a replan's or an
+extension's epochs: :class:`Continuation`) as world size 1 in this process, in ``--nproc N`` local
+workers, or on the ranks of a torchrun job: every rank forms the (epoch, chunk) jobs ``j`` with
+``j mod world_size == rank`` and writes them into a temporary directory beside the output; then one
+worker lays the epochs out and streams the plan, or every rank lays out its share of each epoch (rank
+0 joins the shares and computes the columns) and writes segments of the plan that rank 0 joins
+(:mod:`.segments`). Every rank returns rank 0's result (or raises its error). See the package
+docstring for the design."""
 
 from __future__ import annotations
 

@@ -504,34 +504,50 @@ class Left:
         if not data.n:
             return data
         ids = data.ids.astype(np.int64)
+        key = ids if self.copies is None else self.offsets[data.source.astype(np.int64)] + ids
+        pieces, more = self._pieces(data, key)  # more: per position, its sample's pieces that are whole
         if self.copies is not None:
-            key = self.offsets[data.source.astype(np.int64)] + ids
-            left = data.copy < self.copies[key]
+            left = data.copy < self.copies[key] + more
         else:
-            key = ids
-            left = self.whole.test(ids)
+            left = self.whole.test(ids) | (more > 0)
         left |= data.length > longest_fitting
-        if self.pieces is None or not len(self.pieces.get("ids", ())):
+        if pieces is None:
             return data if left.all() else data.take(left)
-        return self._with_pieces(data, key, np.flatnonzero(left))
+        return self._with_pieces(data, key, np.flatnonzero(left), pieces)
 
-    def _with_pieces(self, data: ChunkData, key: np.ndarray, kept: np.ndarray) -> ChunkData:
+    def _pieces(self, data: ChunkData, key: np.ndarray) -> tuple[dict | None, np.ndarray]:
+        """The pieces whose sample the chunk holds, each with the position of that sample's (last) copy,
+        less those that are the whole sample (a first chunk as long as its sample: ``--seq-len``); and
+        per position, how many of its sample's pieces are whole (they count as copies left whole)."""
         p = self.pieces
+        none = np.zeros(data.n, np.int64)
+        if p is None or not len(p.get("ids", ())):
+            return None, none
         piece_key = p["ids"] if self.copies is None else self.offsets[p["source"]] + p["ids"]
         places = np.flatnonzero(data.last) if data.last is not None else np.arange(data.n)
         order = np.argsort(key[places], kind="stable")
         sorted_keys = key[places][order]
         at = np.minimum(np.searchsorted(sorted_keys, piece_key), max(len(sorted_keys) - 1, 0))
-        mine = np.flatnonzero(sorted_keys[at] == piece_key) if len(sorted_keys) else np.zeros(0, np.int64)
-        place = places[order[at[mine]]]
-        pos = np.concatenate([kept, place])
-        order = np.lexsort((np.concatenate([np.zeros(len(kept), np.int64), p["start"][mine] + 1]), pos))
+        found = sorted_keys[at] == piece_key if len(sorted_keys) else np.zeros(len(piece_key), bool)
+        place = np.where(found, places[order[at]] if len(sorted_keys) else 0, -1)
+        whole = found & (p["start"] == 0) & (p["length"] == data.length[np.maximum(place, 0)])
+        if whole.any():
+            wk, count = np.unique(piece_key[whole], return_counts=True)
+            at_w = np.minimum(np.searchsorted(wk, key), len(wk) - 1)
+            none = np.where(wk[at_w] == key, count[at_w], 0)
+        mine = np.flatnonzero(found & ~whole)
+        return {"place": place[mine], "start": p["start"][mine], "length": p["length"][mine]}, none
+
+    @staticmethod
+    def _with_pieces(data: ChunkData, key: np.ndarray, kept: np.ndarray, pieces: dict) -> ChunkData:
+        pos = np.concatenate([kept, pieces["place"]])
+        order = np.lexsort((np.concatenate([np.zeros(len(kept), np.int64), pieces["start"] + 1]), pos))
         out = data.take(pos[order])
         piece = order >= len(kept)
-        which = mine[order[piece] - len(kept)]
+        which = order[piece] - len(kept)
         out.full = data.length[pos[order]]
         out.start = np.zeros(out.n, np.int64)
-        out.start[piece] = p["start"][which]
+        out.start[piece] = pieces["start"][which]
         out.length = out.length.copy()
-        out.length[piece] = p["length"][which]
+        out.length[piece] = pieces["length"][which]
         return out
