@@ -1,7 +1,8 @@
 """Phase 3: the plan file written row group by row group from the epochs' rows and the chunk files.
 
-A row group holds ``writer.rows_per_group(slots)`` consecutive plan rows (whole steps). For each group, the items of its rows are read from the chunk files: the rows
-of one chunk are sorted by their first item and merged into runs (rows whose items lie within
+A row group holds ``writer.rows_per_group(slots)`` consecutive plan rows (whole steps). For each group,
+the items of its rows are read from the chunk files: the rows of one chunk are sorted by their first
+item and merged into runs (rows whose items lie within
 :data:`GAP` items of each other), and each run is read with one ``pread``; then one gather puts the
 items in row order. Bucket-shuffle windows and the interleaving take each chunk's units in sequence,
 so a group reads one short run per chunk; the warm-up's few moved microbatches cost a read each.
