@@ -16,6 +16,7 @@ from varlen_cli.cli import app
 from varlen_cli.loader import Plan, PlanBatchSampler, PlanError
 from varlen_cli.plan import PlanConfig, plan
 from varlen_cli.plan.replan import ReplanConfig, replan
+from varlen_cli.validate import ValidateConfig, validate
 
 runner = CliRunner()
 N = 600
@@ -224,6 +225,22 @@ def test_every_planner_option_replans_exactly_once(dirs, tmp_path, options):
     assert sorted(epoch_ids(p, 1, 0, step) + epoch_ids(t, 0)) == list(range(N))
     assert m["epochs"] == options["epochs"] - 1 and m["lineage"]["first_epoch"] == 1
     assert m["orders"] == pm["orders"][1:]  # the same order policy per epoch (curriculum switch included)
+
+
+def test_replan_lists_what_the_parents_tail_dropped(dirs, tmp_path):
+    """A parent whose epoch in progress left samples out (--tail drop): they are in neither plan, so the
+    replan's first epoch lists them as dropped too, and it passes its own check and validate."""
+    parent = str(tmp_path / "p.parquet")
+    plan(PlanConfig(input=dirs["metrics"], output=parent, max_tokens=512, dp=7, grad_accum=2, epochs=2,
+                    same_shape_per_step=True, tail="drop", progress=False))
+    pm = json.loads(pq.read_schema(parent).metadata[b"varlen"])
+    gone = [t["sample_ids"] for t in pm["dropped"]["tail"] if t["epoch"] == 0][0]
+    out = str(tmp_path / "r.parquet")
+    replan(ReplanConfig(plan=parent, output=out, dp=3, from_step=pm["steps_per_epoch"][0] // 2, progress=False))
+    t, m = rows(out)
+    assert set(gone) <= set(next(e["sample_ids"] for e in m["dropped"]["tail"] if e["epoch"] == 0))
+    assert not set(gone) & set(epoch_ids(t, 0))
+    assert validate(ValidateConfig(plan=out, metrics=dirs["metrics"])).ok
 
 
 def test_replan_is_bounded_by_its_epochs_and_a_chunk(dirs, tmp_path, monkeypatch):

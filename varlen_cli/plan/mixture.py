@@ -88,7 +88,6 @@ def plan_mixture(config: PlanConfig, t0: float | None = None) -> PlanResult:
     check(c)
     check_nproc(c.nproc)
     safety.check_no_overlap(c.output, [s.path for s in sources])
-    writer.check_output(c.output, c.overwrite)
     check_size(sources)
     record = writer.recorded_config(config)  # the options as given (no INPUT_DIR: the sources are in --mix)
     return plan_chunked(c, t0, Continuation(mixture=tuple(sources), metadata={"config": record}))

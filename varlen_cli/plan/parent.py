@@ -215,7 +215,19 @@ def left_samples(parent: Parent, step: int, sizes: list[int]) -> Left:
     if split and (started or (epoch == 0 and parent.lineage.get("kind") == "replan")):
         scan = _scan(parent, epoch, step, keys, split, pieces=True)
     return Left(epoch, scan.consumed, scan.whole if keys.offsets is None else None,
-                scan.whole if keys.offsets is not None else None, keys.offsets, scan.pieces)
+                scan.whole if keys.offsets is not None else None, keys.offsets, scan.pieces,
+                _tail_dropped(parent, epoch))
+
+
+def _tail_dropped(parent: Parent, epoch: int) -> dict | None:
+    """What the parent's ``--tail drop`` left out of epoch ``epoch`` (ids, a mixture's sources): never in
+    the epoch, so the replan's first epoch lists them as dropped too."""
+    for entry in (parent.meta.get("dropped") or {}).get("tail", []):
+        if int(entry.get("epoch", -1)) == epoch and entry.get("sample_ids"):
+            sources = entry.get("sources")
+            return {"ids": np.asarray(entry["sample_ids"], np.int64),
+                    "sources": np.asarray(sources, np.int64) if sources is not None else None}
+    return None
 
 
 class _Keys:

@@ -187,9 +187,10 @@ def packing_info(c, ctx: PlanContext, tallies: list[Tally], packing_stats: list[
 
 @dataclass
 class Dropped:
-    """Samples the plan leaves out: too long for any microbatch (every epoch; ``num_long`` of them, the
-    first :data:`~.form.LIST_LIMIT` listed) or dropped by ``--tail drop`` (per epoch). A mixture's
-    entries are copies: its lists name each copy with its source."""
+    """Samples the plan leaves out: too long for any microbatch (every epoch; ``num_long`` of them, listed
+    up to :data:`~.form.LIST_LIMIT`, beyond which only counted) or dropped by ``--tail drop`` (per
+    epoch). A mixture's entries are copies: its lists name each copy with its source, and every
+    too-long copy is listed (``varlen validate`` counts a mixture's copies per sample)."""
 
     long_ids: np.ndarray
     tail_ids: list  # per epoch
@@ -199,8 +200,8 @@ class Dropped:
     tail_sources: list | None = None  # a mixture: per epoch, the source of each tail id
 
     @property
-    def listed(self) -> bool:
-        return self.num_long <= LIST_LIMIT  # more are counted, not listed: the rule that drops them is recorded
+    def listed(self) -> bool:  # more are counted, not listed: the rule that drops them is recorded
+        return self.num_long <= LIST_LIMIT or self.long_sources is not None
 
     @property
     def tail_count(self) -> int:

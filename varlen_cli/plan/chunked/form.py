@@ -147,10 +147,11 @@ def form_chunk(chunk: ChunkData, ctx: PlanContext, mode: str, epoch: int, rng: n
     out.num_long = int(np.count_nonzero(too_long))
     out.longest = int(chunk.length.max()) if chunk.n else 0
     out.shortest = int(chunk.length.min()) if chunk.n else 0
-    if out.num_long:
-        out.long_ids = chunk.ids[np.flatnonzero(too_long)][:LIST_LIMIT]
+    if out.num_long:  # listed up to LIST_LIMIT; a mixture's all (the check of its copies counts each)
+        limit = None if ctx.num_sources else LIST_LIMIT
+        out.long_ids = chunk.ids[np.flatnonzero(too_long)][:limit]
         if chunk.source is not None:
-            out.long_sources = chunk.source[np.flatnonzero(too_long)][:LIST_LIMIT]
+            out.long_sources = chunk.source[np.flatnonzero(too_long)][:limit]
     if ctx.num_sources:
         _source_totals(out, chunk, ctx)
     return out

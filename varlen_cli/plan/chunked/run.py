@@ -423,23 +423,27 @@ def _lay_out(c, ctx: PlanContext, plan_input, spec: ChunkSpec, directory: str, b
                 del ep, tables, own
                 continue
             laid.tallies.append([own])
-        _tail(directory, tables, ep, laid, ctx)
+        _tail(directory, tables, ep, laid, ctx, cont.first if e == 0 else None)
         laid.epochs.append(ep)
         laid.readers.append([spill.ItemReader(directory, t) for t in tables])
         del tables
     return None if rank else laid
 
 
-def _tail(directory: str, tables: list, ep: EpochRows, laid: LaidOut, ctx: PlanContext) -> None:
+def _tail(directory: str, tables: list, ep: EpochRows, laid: LaidOut, ctx: PlanContext, first: Left | None) -> None:
     """The epoch's ``--tail drop`` samples (the chunks' own, and the units phase 2 dropped, read from their
-    chunk files) into ``laid.dropped``; a mixture's tokens per source (less those dropped)."""
+    chunk files; a replan's first epoch: and those the parent's dropped, ``first``) into ``laid.dropped``;
+    a mixture's tokens per source (less those dropped)."""
     dropped = _tail_items(directory, tables, ep, ("ids", "source", "sample_length") if ctx.num_sources else ("ids",))
-    laid.dropped.tail_ids.append(np.concatenate([np.asarray(ep.tail_ids, np.int64), dropped["ids"]]))
+    before = first.dropped if first is not None and first.dropped is not None else None
+    ids = [np.asarray(ep.tail_ids, np.int64), dropped["ids"]] + ([before["ids"]] if before else [])
+    laid.dropped.tail_ids.append(np.concatenate(ids))
     if not ctx.num_sources:
         return
     own = [np.asarray(t.tail_sources if t.tail_sources is not None else np.zeros(0, np.int32), np.int64)
            for t in tables]
-    laid.dropped.tail_sources.append(np.concatenate(own + [dropped["source"].astype(np.int64)]))
+    own += [dropped["source"].astype(np.int64)] + ([before["sources"]] if before else [])
+    laid.dropped.tail_sources.append(np.concatenate(own))
     tokens = np.sum([t.header["source_tokens"] for t in tables], axis=0).astype(np.int64)
     tokens -= np.bincount(dropped["source"], weights=dropped["sample_length"],
                           minlength=ctx.num_sources).astype(np.int64)  # padded units: whole samples

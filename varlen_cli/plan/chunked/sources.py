@@ -488,7 +488,9 @@ class Left:
     (:func:`varlen_cli.plan.parent.left_samples` reads it). ``consumed``: the samples (first chunks) of
     the steps before; ``whole``: one bit per sample id left whole (one input), or ``copies``: per
     sample key ``offsets[source] + id``, the copies left whole (a mixture); ``pieces``: the chunks left
-    of split samples (``ids``, ``start``, ``length``, a mixture's ``source``), which keep their cuts."""
+    of split samples (``ids``, ``start``, ``length``, a mixture's ``source``), which keep their cuts;
+    ``dropped``: what the parent's ``--tail drop`` left out of the epoch (``ids``, a mixture's
+    ``sources``), listed as dropped from the first epoch too."""
 
     epoch: int
     consumed: int
@@ -496,6 +498,7 @@ class Left:
     copies: np.ndarray | None = None
     offsets: np.ndarray | None = None
     pieces: dict | None = field(default=None, repr=False)
+    dropped: dict | None = field(default=None, repr=False)
 
     def chunk(self, data: ChunkData, longest_fitting: int) -> ChunkData:
         """The positions of chunk ``data`` the first epoch holds: those left whole, and the samples
