@@ -111,11 +111,10 @@ def _spans(path, epoch, below=None, at_least=None) -> dict:
     return out
 
 
-@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_a_split_sample_cut_by_the_step_keeps_its_cuts(data, tmp_path, nproc):
+def test_a_split_sample_cut_by_the_step_keeps_its_cuts(data, tmp_path):
     """--split-long: when a sample has chunks on both sides of the step, the chunks left of the split
     samples enter the replan's first epoch as pieces (their cuts kept), planned by the chunked planner
-    (several chunks, any worker count): across the two plans every token of the epoch is planned once."""
+    (several chunks): across the two plans every token of the epoch is planned once."""
     parent = str(tmp_path / "p.parquet")
     plan(PlanConfig(input=data["metrics"], output=parent, chunk_samples=CHUNK, packing=True, seq_len=256,
                     split_long=True, dp=2, progress=False))
@@ -126,7 +125,7 @@ def test_a_split_sample_cut_by_the_step_keeps_its_cuts(data, tmp_path, nproc):
             steps.setdefault(i, [s, s])[1] = s
     step = next(last for first, last in steps.values() if last > first)  # a sample split across steps
     out = str(tmp_path / "r.parquet")
-    replan(ReplanConfig(plan=parent, output=out, dp=3, from_step=step, progress=False, nproc=nproc))
+    replan(ReplanConfig(plan=parent, output=out, dp=3, from_step=step, progress=False))
     assert validate(ValidateConfig(plan=out, metrics=data["metrics"])).ok
     assert _meta(out)["chunks"] == {"samples": CHUNK, "count": 5}
     lengths = data["lengths"]
