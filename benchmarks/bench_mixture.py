@@ -10,8 +10,8 @@ resident memory is read from its own rusage (``os.wait4``); the medians of ``--r
 printed per checkout, and this checkout's as a ratio of ``--before``'s. Commands: ``plan --mix``
 (bucket-shuffle; curriculum over the union), ``replan`` from the middle of epoch 0 onto dp 6, and
 ``--extend`` to 2 epochs, each also with ``--chunk-samples`` a quarter of the mixture (``chunks``:
-this checkout's bounded path; the other checkout plans a mixture in one process whatever the option)
-and with ``--nproc 2``.
+this checkout's bounded path, or ``--chunk``; the other checkout plans a mixture in one process
+whatever the option) and with ``--nproc 2``. ``--only`` runs some of them (the parent is always planned).
 """
 
 from __future__ import annotations
@@ -90,13 +90,18 @@ def main() -> None:
     ap.add_argument("--before", required=True, help="the other checkout (PYTHONPATH)")
     ap.add_argument("--virtual", type=int, default=4_000_000)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--chunk", type=int, default=0, help="--chunk-samples of the 'chunks' commands (default: a "
+                                                        "quarter of the mixture)")
+    ap.add_argument("--only", default="", help="commands to run (separated by ';'; default: all)")
     a = ap.parse_args()
     versions = {"before": a.before, "this": ROOT}
     with tempfile.TemporaryDirectory() as d:
         dirs = _inputs(d, a.virtual)
-        commands = _commands(d, dirs, a.virtual // 4)
+        commands = _commands(d, dirs, a.chunk or a.virtual // 4)
         results: dict = {}
         for name, code in commands.items():
+            if a.only and name not in a.only.split(";") and not name.startswith("parent"):
+                continue
             for version, path in versions.items():
                 if version == "before" and ("nproc" in name or "curriculum" in name):
                     continue  # the other checkout refuses --nproc with --mix; its curriculum is its plain mix

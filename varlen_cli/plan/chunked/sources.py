@@ -35,14 +35,62 @@ from ..writer import location_record
 from .chunks import TARGET_COLUMN, ChunkData, ChunkSource, ChunkSpec, InputRows, Scatter
 
 DIFFICULTY = "difficulty"
+RUN_DTYPES = {"d": np.uint64, "v": np.int64, "length": np.int64, "cum": np.int64, "target": np.int64}
 
 
 def _save(path: str, values: np.ndarray) -> None:
+    """``values`` as a raw file (read back by :func:`_mapped` and :func:`_part`)."""
     try:
-        np.save(path, values)
+        np.ascontiguousarray(values).tofile(path)
     except OSError as exc:
         raise OutputError(f"cannot write the plan's temporary files in {os.path.dirname(path)}: "
                           f"{exc.strerror or exc}") from None
+
+
+def _mapped(path: str, dtype) -> np.ndarray:
+    """A raw file as a read-only memory map (the pages touched only)."""
+    if not os.path.getsize(path):
+        return np.zeros(0, dtype)
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+class _Sorted:
+    """A sorted column of a run in a raw file, searched without holding or mapping it: every
+    :data:`STRIDE`-th value is held (written beside it), and a search reads the one block between two
+    of those."""
+
+    STRIDE = 4096
+
+    def __init__(self, path: str, dtype):
+        self.path, self.dtype = path, np.dtype(dtype)
+        self.n = os.path.getsize(path) // self.dtype.itemsize
+        self.index = np.fromfile(path + ".idx", dtype=self.dtype)
+
+    @classmethod
+    def write(cls, path: str, values: np.ndarray) -> None:
+        _save(path, values)
+        _save(path + ".idx", values[::cls.STRIDE])
+
+    def at(self, i: int):
+        return _part(self.path, self.dtype, i, i + 1)[0]
+
+    def search(self, x, side: str, lo: int = 0, hi: int | None = None) -> int:
+        """``lo + np.searchsorted(values[lo:hi], x, side)`` (``values[lo:hi]`` sorted)."""
+        hi = self.n if hi is None else hi
+        if hi <= lo:
+            return lo
+        s = self.STRIDE
+        first, last = -(-lo // s), (hi - 1) // s + 1  # the held values inside [lo, hi)
+        k = int(np.searchsorted(self.index[first:last], x, side))
+        a = lo if k == 0 else (first + k - 1) * s  # the answer lies in (a, b]
+        b = hi if first + k >= last else (first + k) * s
+        return a + int(np.searchsorted(_part(self.path, self.dtype, a, b), x, side))
+
+
+def _part(path: str, dtype, lo: int, hi: int) -> np.ndarray:
+    """Values ``[lo, hi)`` of a raw file, read (not mapped: what is read is not held)."""
+    dtype = np.dtype(dtype)
+    return np.fromfile(path, dtype=dtype, count=max(hi - lo, 0), offset=lo * dtype.itemsize)
 
 
 def open_manifest(path: str, allow_stale: bool) -> dict:
@@ -235,7 +283,7 @@ class MixtureInput:
 
     # -- phase 0 -----------------------------------------------------------------------------------
     def _name(self, what: str) -> str:
-        return os.path.join(self.directory, f"mix-{what}.npy")
+        return os.path.join(self.directory, f"mix-{what}.bin")
 
     def prepare(self, spec: ChunkSpec, directory: str, d, canonical: bool) -> None:
         """Each source's ids checked and its extra rows listed (source ``k`` by rank ``k mod W``); for a
@@ -271,11 +319,8 @@ class MixtureInput:
         from ...plan_checks import Bitmap
 
         bits = Bitmap(0)
-        bits.n, bits.bits = int(self.sizes[k]), np.load(self._name(f"s{k}-extra"), mmap_mode="r")
+        bits.n, bits.bits = int(self.sizes[k]), _mapped(self._name(f"s{k}-extra"), np.uint8)
         return bits
-
-    def _extra_rows(self, k: int) -> np.ndarray:
-        return np.load(self._name(f"s{k}-rows"), mmap_mode="r")
 
     # -- reading ranges of the sequence ------------------------------------------------------------
     def reader(self, spec: ChunkSpec, mode_curricular: bool, reverse: bool):
@@ -329,7 +374,7 @@ class MixtureInput:
 
     def _read_extra(self, k: int, a: int, b: int) -> dict:
         """Extra rows ``[a, b)`` of source ``k`` (its row order), read a window of rows at a time."""
-        rows = np.asarray(self._extra_rows(k)[a:b], np.int64)
+        rows = _part(self._name(f"s{k}-rows"), np.int64, a, b)
         out: dict = {}
         window, i = self.piece_size, 0
         while i < len(rows):
@@ -365,17 +410,17 @@ class MixtureInput:
         if self.has_target:
             cols["target"] = got[TARGET_COLUMN][keep][order]
         for name, values in cols.items():
-            _save(self._name(f"r{p}-{name}"), values)
+            (_Sorted.write if name in ("d", "v", "cum") else _save)(self._name(f"r{p}-{name}"), values)
 
     def _load_runs(self) -> list[dict]:
+        """Each run's keys and copies (:class:`_Sorted`), for the binary searches of :meth:`_split`."""
         if not self.runs:
-            names = ("d", "v", "length", "cum") + (("target",) if self.has_target else ())
-            self.runs = [{name: np.load(self._name(f"r{p}-{name}"), mmap_mode="r") for name in names}
+            self.runs = [{name: _Sorted(self._name(f"r{p}-{name}"), RUN_DTYPES[name]) for name in ("d", "v", "cum")}
                          for p in range(len(self._pieces(self.piece_size)))]
         return self.runs
 
     def _weight(self, runs: list, at: list) -> int:
-        return sum(int(r["cum"][i]) for r, i in zip(runs, at))
+        return sum(int(r["cum"].at(i)) for r, i in zip(runs, at))
 
     def _split(self, b: int) -> tuple[list, int, int]:
         """Where virtual position ``b`` falls: per run, its elements before the element holding ``b``;
@@ -386,21 +431,21 @@ class MixtureInput:
         if b <= 0:
             out = ([0] * len(runs), -1, 0)
         elif b >= self.num_rows:
-            out = ([len(r["d"]) for r in runs], -1, 0)
+            out = ([r["d"].n for r in runs], -1, 0)
         else:
             lo, hi = 0, (1 << 64) - 1  # the smallest difficulty key whose weight up to it exceeds b
             while lo < hi:
                 mid = (lo + hi) // 2
-                if self._weight(runs, [np.searchsorted(r["d"], np.uint64(mid), "right") for r in runs]) > b:
+                if self._weight(runs, [r["d"].search(np.uint64(mid), "right") for r in runs]) > b:
                     hi = mid
                 else:
                     lo = mid + 1
             key = np.uint64(lo)
-            first = [int(np.searchsorted(r["d"], key, "left")) for r in runs]
-            last = [int(np.searchsorted(r["d"], key, "right")) for r in runs]
+            first = [r["d"].search(key, "left") for r in runs]
+            last = [r["d"].search(key, "right") for r in runs]
 
             def before(v: int) -> list:  # per run, the elements before (key, v)
-                return [a + int(np.searchsorted(r["v"][a:z], v, "left")) for r, a, z in zip(runs, first, last)]
+                return [r["v"].search(v, "left", a, z) for r, a, z in zip(runs, first, last)]
 
             lo, hi = 0, int(self.offset[-1])  # the smallest id key whose weight up to it exceeds b
             while lo < hi:
@@ -410,8 +455,8 @@ class MixtureInput:
                 else:
                     lo = mid + 1
             at = before(lo)
-            held = next(i for i, (r, a) in enumerate(zip(runs, at)) if a < len(r["v"]) and int(r["v"][a]) == lo
-                        and int(r["d"][a]) == int(key))
+            held = next(i for i, (r, a) in enumerate(zip(runs, at)) if a < r["v"].n and int(r["v"].at(a)) == lo
+                        and int(r["d"].at(a)) == int(key))
             out = (at, held, b - self._weight(runs, at))
         self._splits[b] = out
         return out
@@ -420,15 +465,14 @@ class MixtureInput:
         """``[lo, hi)`` of the sorted sequence: each run's part, merged, the copies expanded."""
         if hi <= lo:
             return []
-        runs = self._load_runs()
         (a, run_a, skip), (b, run_b, take) = self._split(lo), self._split(hi)
         names = ("d", "v", "length") + (("target",) if self.has_target else ())
         got: dict = {name: [] for name in names + ("copies", "first", "total")}
-        for i, r in enumerate(runs):
+        for i in range(len(a)):
             end = b[i] + (1 if i == run_b and take else 0)
             if end <= a[i]:
                 continue
-            copies = np.diff(np.asarray(r["cum"][a[i]:end + 1]))
+            copies = np.diff(_part(self._name(f"r{i}-cum"), np.int64, a[i], end + 1))
             got["total"].append(copies.copy())
             first = np.zeros(len(copies), np.int64)
             if i == run_b and take:
@@ -437,7 +481,7 @@ class MixtureInput:
                 copies[0] -= skip
                 first[0] = skip
             for name in names:
-                got[name].append(np.asarray(r[name][a[i]:end]))
+                got[name].append(_part(self._name(f"r{i}-{name}"), RUN_DTYPES[name], a[i], end))
             got["copies"].append(copies)
             got["first"].append(first)
         cat = {name: np.concatenate(v) for name, v in got.items()}
