@@ -716,15 +716,16 @@ def test_no_assert_in_the_package():
 
 
 def test_budget_check_raises_an_internal_consistency_error():
+    from types import SimpleNamespace
+
     from varlen_cli.errors import InternalConsistencyError
-    from varlen_cli.plan.assemble import _budget_tokens
+    from varlen_cli.plan.chunked.finish import check_budget
     from varlen_cli.plan.config import PlanConfig
-    from varlen_cli.plan.shapes import Budget
 
     c = PlanConfig(input="m", output="p", max_tokens=100)
-    b, t = np.array([2, 3]), np.array([50, 50])
+    ctx = SimpleNamespace(packing=False, budget=SimpleNamespace(max_tokens=100))
     with pytest.raises(InternalConsistencyError, match="1 microbatches over budget"):
-        _budget_tokens(c, Budget(100, None, 0.0), None, b, t, np.array([90, 120]))
+        check_budget(c, ctx, [SimpleNamespace(over=1, t_max=50)])
 
 
 # -- format ----------------------------------------------------------------------------------------
