@@ -81,9 +81,9 @@ def test_a_bin_that_does_not_match_its_idx_is_refused(corpus, tmp_path):
     with open(prefix + ".bin", "rb") as src, open(copy + ".bin", "wb") as dst:
         data = src.read()
         dst.write(data[:-2])
-    with pytest.raises(InputError, match=rf"^{copy}.bin holds {len(data) - 2} bytes but {copy}.idx describes "
-                                         rf"{len(data)} \(its last sequence ends there\): the .bin does not belong to "
-                                         rf"this .idx \(another build, or truncated\)$"):
+    with pytest.raises(InputError, match=rf"^Megatron data {copy}.bin has {len(data) - 2:,} bytes, but its index "
+                                         rf"{copy}.idx ends its last sequence at byte {len(data):,} \(truncated, "
+                                         rf"or not the index's data\)$"):
         IndexedDocuments(copy)
 
 

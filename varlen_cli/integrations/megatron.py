@@ -68,7 +68,8 @@ def _prefix(path: str | os.PathLike) -> str:
 
 
 class _Pair:
-    """One ``PREFIX.idx`` + ``PREFIX.bin``, memory-mapped, the ``.bin`` checked against the index."""
+    """One ``PREFIX.idx`` + ``PREFIX.bin``, memory-mapped, the ``.bin`` checked against the index by the
+    reader contract (:func:`varlen_cli.analyze.formats.megatron.check_bin`)."""
 
     def __init__(self, prefix: str):
         idx, bin_path = prefix + ".idx", prefix + ".bin"
@@ -76,16 +77,12 @@ class _Pair:
             if not os.path.isfile(path):
                 raise InputError(f"{path} does not exist (IndexedDocuments takes the PREFIX of PREFIX.bin and "
                                  f"PREFIX.idx)")
-        index = megatron_format.read_index(idx, os.path.getsize(idx))  # header and size checked
+        index = megatron_format.read_index(idx, os.path.getsize(idx))  # header, and the .bin's size against it
         n = index.sequences
         self.prefix, self.size, self.dtype = prefix, n, np.dtype(index.dtype)
         self.lengths = np.memmap(idx, np.int32, "r", megatron_format.HEADER_BYTES, (n,)) if n else np.zeros(0, np.int32)
         self.pointers = np.memmap(idx, np.int64, "r", index.pointers_at, (n,)) if n else np.zeros(0, np.int64)
         have = os.path.getsize(bin_path)
-        want = int(self.pointers[-1]) + int(self.lengths[-1]) * self.dtype.itemsize if n else 0
-        if have != want:
-            raise InputError(f"{bin_path} holds {have} bytes but {idx} describes {want} (its last sequence ends "
-                             f"there): the .bin does not belong to this .idx (another build, or truncated)")
         self.data = np.memmap(bin_path, self.dtype, "r") if have else np.zeros(0, self.dtype)
 
     def tokens(self, i: int) -> np.ndarray:
