@@ -195,6 +195,20 @@ def made_by_varlen_file(path: str) -> bool:
     return True
 
 
+def made_by_varlen_report(path: str) -> bool:
+    """An HTML page or PNG image ``varlen report`` wrote: its generator mark in the first 4 KiB."""
+    from .. import format
+
+    if not _regular_file(path):
+        return False
+    try:
+        with open_regular(path, "rb") as fh:
+            head = fh.read(4096)
+    except (OSError, InputError):
+        return False
+    return format.REPORT_GENERATOR.encode() in head
+
+
 def _regular_file(path: str) -> bool:
     try:
         return stat.S_ISREG(os.stat(path).st_mode)
@@ -205,8 +219,9 @@ def _regular_file(path: str) -> bool:
 def check_replaceable(path: str, overwrite: bool, kind: str, json_format: str | None = None) -> None:
     """Refuse to replace an existing ``path`` unless ``--overwrite`` and varlen made it and holds
     nothing else: ``kind`` ``dir`` (a metrics, sorted or run directory, without files varlen did not
-    write there), ``file`` (a plan) or ``json`` (a JSON file whose ``format`` is ``json_format``, such
-    as a memory profile). Symbolic links are never replaced (nor their targets)."""
+    write there), ``file`` (a plan), ``json`` (a JSON file whose ``format`` is ``json_format``, such
+    as a memory profile) or ``report`` (a page or image of ``varlen report``). Symbolic links are
+    never replaced (nor their targets)."""
     if not os.path.lexists(path):
         return
     if not overwrite:
@@ -230,6 +245,11 @@ def check_replaceable(path: str, overwrite: bool, kind: str, json_format: str | 
         if not _regular_file(path) or _json_format(path) != json_format:
             raise OutputError(f"output {path} is not a {json_format.replace('-', ' ')}; --overwrite replaces only "
                               "varlen outputs")
+    elif kind == "report":
+        if os.path.isdir(path):
+            raise OutputError(f"output {path} is a directory; give a file name such as report.html")
+        if not made_by_varlen_report(path):
+            raise OutputError(f"output {path} is not a varlen report; --overwrite replaces only varlen outputs")
     else:
         if os.path.isdir(path):
             raise OutputError(f"output {path} is a directory; give a file name such as plan.parquet")
