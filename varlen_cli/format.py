@@ -47,7 +47,9 @@ MEMORY_PROFILE_FORMAT_VERSION = 1
 
 # -- plan files --------------------------------------------------------------------------------------
 REPORT_GENERATOR = "varlen report"  # the generator mark of `varlen report`'s pages and images (--overwrite)
-TRACE_FORMAT = "varlen-trace"  # the "format" of a `varlen simulate --trace` file (Chrome trace events)
+TRACE_FORMAT = "varlen-trace"  # the "format" of a `varlen simulate --trace` file (Chrome trace events), its first key
+#: what ``--overwrite`` looks for in the first 4 KiB of an output before replacing it (runtime/safety.py)
+OUTPUT_MARKS = {"report": REPORT_GENERATOR, "trace": f'{{"format": "{TRACE_FORMAT}"'}
 
 PLAN_FORMAT = "varlen-plan"
 PLAN_FORMAT_VERSION = 1

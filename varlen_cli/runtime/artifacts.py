@@ -133,7 +133,7 @@ class AtomicFile(_AtomicOutput):
     only a file of the same format)."""
 
     json_format: str | None = None
-    kind: str = "file"  # what --overwrite may replace (safety.check_replaceable): a plan, or "report"
+    kind: str = "file"  # what --overwrite may replace (safety.check_replaceable): a plan, "report" or "trace"
 
     def check(self) -> None:
         from .. import storage
@@ -144,8 +144,8 @@ class AtomicFile(_AtomicOutput):
             return check_file(self.given, self.overwrite)
         parent = os.path.dirname(self.path)
         if os.path.isdir(self.path) and not os.path.islink(self.path):
-            name = {"report": "report.html"}.get(self.kind, "plan.parquet" if self.json_format is None
-                                                 else "profile.json")
+            name = {"report": "report.html", "trace": "trace.json"}.get(
+                self.kind, "plan.parquet" if self.json_format is None else "profile.json")
             raise OutputError(f"output {self.given} is a directory; give a file name such as {name}")
         if self.json_format is None:
             safety.check_replaceable(self.given, self.overwrite, self.kind)
@@ -170,7 +170,8 @@ def atomic_file(path: str, overwrite: bool, inputs: Sequence[str] = (),
 
     ``inputs``: every input of the command (``safety.stage_inputs(config)``), none of which the output
     may be, contain or lie inside. ``json_format``: the output is a JSON file of that format (a memory
-    profile, a trace) instead of a plan; ``kind="report"``: a page or image of ``varlen report``."""
+    profile) instead of a plan; ``kind``: ``"report"`` (a page or image of ``varlen report``) or ``"trace"``
+    (a ``varlen simulate --trace`` file) instead of a plan."""
     from .. import storage
 
     if storage.is_remote(path):

@@ -195,8 +195,12 @@ def made_by_varlen_file(path: str) -> bool:
     return True
 
 
-def made_by_varlen_report(path: str) -> bool:
-    """An HTML page or PNG image ``varlen report`` wrote: its generator mark in the first 4 KiB."""
+MARKED_SUFFIX = {"report": "html", "trace": "json"}
+
+
+def made_by_varlen_mark(path: str, kind: str) -> bool:
+    """A page or image of ``varlen report`` (``kind`` ``report``) or a ``varlen simulate --trace`` file
+    (``trace``): its mark (``format.OUTPUT_MARKS``) in the first 4 KiB, so a large file is not read."""
     from .. import format
 
     if not _regular_file(path):
@@ -206,7 +210,7 @@ def made_by_varlen_report(path: str) -> bool:
             head = fh.read(4096)
     except (OSError, InputError):
         return False
-    return format.REPORT_GENERATOR.encode() in head
+    return format.OUTPUT_MARKS[kind].encode() in head
 
 
 def _regular_file(path: str) -> bool:
@@ -220,8 +224,8 @@ def check_replaceable(path: str, overwrite: bool, kind: str, json_format: str | 
     """Refuse to replace an existing ``path`` unless ``--overwrite`` and varlen made it and holds
     nothing else: ``kind`` ``dir`` (a metrics, sorted or run directory, without files varlen did not
     write there), ``file`` (a plan), ``json`` (a JSON file whose ``format`` is ``json_format``, such
-    as a memory profile) or ``report`` (a page or image of ``varlen report``). Symbolic links are
-    never replaced (nor their targets)."""
+    as a memory profile), ``report`` (a page or image of ``varlen report``) or ``trace`` (a ``varlen
+    simulate --trace`` file). Symbolic links are never replaced (nor their targets)."""
     if not os.path.lexists(path):
         return
     if not overwrite:
@@ -245,11 +249,11 @@ def check_replaceable(path: str, overwrite: bool, kind: str, json_format: str | 
         if not _regular_file(path) or _json_format(path) != json_format:
             raise OutputError(f"output {path} is not a {json_format.replace('-', ' ')}; --overwrite replaces only "
                               "varlen outputs")
-    elif kind == "report":
+    elif kind in ("report", "trace"):
         if os.path.isdir(path):
-            raise OutputError(f"output {path} is a directory; give a file name such as report.html")
-        if not made_by_varlen_report(path):
-            raise OutputError(f"output {path} is not a varlen report; --overwrite replaces only varlen outputs")
+            raise OutputError(f"output {path} is a directory; give a file name such as {kind}.{MARKED_SUFFIX[kind]}")
+        if not made_by_varlen_mark(path, kind):
+            raise OutputError(f"output {path} is not a varlen {kind}; --overwrite replaces only varlen outputs")
     else:
         if os.path.isdir(path):
             raise OutputError(f"output {path} is a directory; give a file name such as plan.parquet")
