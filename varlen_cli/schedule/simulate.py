@@ -14,8 +14,7 @@ import numpy as np
 from ..errors import InputError, UsageError
 from ..runtime import rank0
 from ..runtime.choices import doc
-from .closed import chain_starts, gpipe_starts
-from .engine import Jobs, build_jobs, greedy
+from .engine import Jobs, build_jobs, unit_starts
 from .schemes import SCHEDULES, Scheme, make_scheme
 
 _COLUMNS = ("step", "rank", "micro", "batch_size", "seqlen")
@@ -190,16 +189,6 @@ def _row_groups(pf):
     for g in range(pf.metadata.num_row_groups):
         yield g, at
         at += pf.metadata.row_group(g).num_rows
-
-
-def unit_starts(scheme: Scheme, jobs: Jobs, costs: np.ndarray, r: float) -> tuple[np.ndarray, np.ndarray]:
-    """Start times and durations ``(rows, J)`` of one unit's jobs; ``costs`` is ``(rows, n)``."""
-    per_job = costs[:, jobs.micro - jobs.first] * np.where(jobs.backward, r, 1.0)[None, :]
-    if scheme.closed_form == "chain":
-        return chain_starts(costs, scheme.stages, r), per_job
-    if scheme.closed_form == "gpipe":
-        return gpipe_starts(costs, scheme.stages, r), per_job
-    return greedy(jobs, per_job), per_job
 
 
 def _peak_activation(jobs: Jobs, on: np.ndarray, start, end, tokens) -> np.ndarray:

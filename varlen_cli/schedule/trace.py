@@ -18,8 +18,7 @@ import json
 import numpy as np
 
 from ..errors import OutputError, UsageError
-from .engine import build_jobs
-from .simulate import unit_starts
+from .engine import build_jobs, unit_starts
 
 MAX_TRACE_EVENTS = 4_000_000  # about 600 MB of JSON; Perfetto's UI opens about that much
 PID_STRIDE = 100_000  # the pid of worker w in the k-th schedule of the trace: k * PID_STRIDE + w
