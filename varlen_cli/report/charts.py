@@ -87,9 +87,10 @@ def value_range(values, floor: float | None = None) -> tuple[float, float]:
     return lo, hi
 
 
-def axes(c: Canvas, f: Frame, y_label: str, x_label: str, x_ticks: list | None = None) -> None:
-    """Grid lines, axes, tick labels and the axis titles of frame ``f``."""
-    for v in nice_ticks(f.y0, f.y1):
+def axes(c: Canvas, f: Frame, y_label: str, x_label: str, x_ticks: list | None = None,
+         y_integer: bool = False) -> None:
+    """Grid lines, axes, tick labels and the axis titles of frame ``f`` (``y_integer``: counts)."""
+    for v in nice_ticks(f.y0, f.y1, integer=y_integer):
         y = f.y(v)
         c.add(Line(((f.left, y), (f.right, y)), GRID, 1))
         c.add(Text(f.left - 6, y + 4, tick_label(v), 10, "end", MUTED))
@@ -160,7 +161,7 @@ def bar_chart(label: str, names: list[str], values: list[float], y_label: str, x
     f = Frame(0, n, 0, value_range(values, 0.0)[1])
     c = Canvas(WIDTH, HEIGHT, label)
     every = max(1, math.ceil(n / ((f.right - f.left) / 56)))
-    axes(c, f, y_label, x_label, x_ticks=[])
+    axes(c, f, y_label, x_label, x_ticks=[], y_integer=True)
     for i, (name, v) in enumerate(zip(names, values)):
         x0, x1 = f.x(i) + 1, f.x(i + 1) - 1
         c.add(Rect(x0, f.y(v), x1 - x0, f.bottom - f.y(v), color, f"{name}: {v:,.0f}"))
@@ -180,7 +181,7 @@ def hbar_chart(label: str, names: list[str], values: list[float], x_label: str, 
     height = TOP + row * max(len(values), 1) + BOTTOM
     f = Frame(0, value_range(values, 0.0)[1], 0, 1, left=140, right=WIDTH - 80, bottom=height - BOTTOM)
     c = Canvas(WIDTH, height, label)
-    for v in nice_ticks(f.x0, f.x1, 6):
+    for v in nice_ticks(f.x0, f.x1, 6, integer=True):
         c.add(Line(((f.x(v), f.top), (f.x(v), f.bottom)), GRID, 1))
         c.add(Text(f.x(v), f.bottom + 16, tick_label(v), 10, "middle", MUTED))
     c.add(Text((f.left + f.right) / 2, f.bottom + 32, x_label, 11, "middle", MUTED))
