@@ -97,7 +97,7 @@ def order_gain(args) -> None:
 
 def main() -> None:
     from varlen_cli.schedule import SCHEDULES, SimulateConfig, build_jobs, make_scheme, read_plan_costs, simulate
-    from varlen_cli.schedule.simulate import unit_starts
+    from varlen_cli.schedule.engine import unit_starts
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--microbatches", type=int, default=1_000_000)

@@ -101,6 +101,8 @@ def parse_args(argv=None):
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--log-dir", default=None, help="write rank-R.json and (rank 0) grad0.pt here")
+    p.add_argument("--tensorboard", default=None,
+                   help="report_to TensorBoard, event files here (the plan's varlen/* figures every step)")
     p.add_argument("--use-cpu", action=argparse.BooleanOptionalAction, default=True,
                    help="TrainingArguments(use_cpu=...); --no-use-cpu shows the plain setup on CPU, where "
                         "transformers runs no data parallelism under torchrun (PlanTrainer refuses it)")
@@ -115,9 +117,12 @@ def main(argv=None) -> None:
     plan = Plan.open(args.plan)
     max_len = max(t for _, t in plan.shapes)
     model = tiny_llama(dataset.vocab_size, max_len, hidden=args.hidden, attn=args.attn_implementation)
+    if args.tensorboard:  # where transformers' TensorBoardCallback writes
+        os.environ["TENSORBOARD_LOGGING_DIR"] = args.tensorboard
     targs = TrainingArguments(
         output_dir=args.out, learning_rate=args.lr, lr_scheduler_type=args.scheduler, warmup_steps=args.warmup_steps,
-        weight_decay=0.0, max_grad_norm=args.max_grad_norm, logging_steps=1, report_to=[], use_cpu=args.use_cpu,
+        weight_decay=0.0, max_grad_norm=args.max_grad_norm, logging_steps=1,
+        report_to=["tensorboard"] if args.tensorboard else [], use_cpu=args.use_cpu,
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, max_steps=args.max_steps,
         dataloader_num_workers=args.num_workers, ddp_backend="gloo" if torch.distributed.is_available() else None,
         seed=0, disable_tqdm=True, save_only_model=False,

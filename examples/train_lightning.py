@@ -85,6 +85,8 @@ def parse_args(argv=None):
                    help="length of the base LR schedule (default: the job's last step, the plan's end)")
     p.add_argument("--distributed-sampler", action="store_true", help="the plain Trainer default (refused)")
     p.add_argument("--log-dir", default=None)
+    p.add_argument("--tensorboard", default=None,
+                   help="a TensorBoardLogger writing here, every step (the plan's varlen/* figures)")
     return p.parse_args(argv)
 
 
@@ -107,10 +109,15 @@ def main(argv=None) -> None:
     world = int(os.environ.get("WORLD_SIZE", 1))
     # a collective waits at most VARLEN_TIMEOUT seconds (default 1800) for a peer, then this rank fails
     strategy = DDPStrategy(timeout=datetime.timedelta(seconds=collective_timeout())) if world > 1 else "auto"
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy,
+    logger = False
+    if args.tensorboard:
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        logger = TensorBoardLogger(save_dir=args.tensorboard, name="", version="")
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, log_every_n_steps=1,
                         max_epochs=dm.max_epochs, max_steps=args.max_steps, accumulate_grad_batches=plan.grad_accum,
                         use_distributed_sampler=args.distributed_sampler, reload_dataloaders_every_n_epochs=1,
-                        callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=callbacks, logger=logger, enable_progress_bar=False, enable_model_summary=False,
                         enable_checkpointing=bool(args.save_every), num_sanity_val_steps=0)
     trainer.fit(module, datamodule=dm, ckpt_path=args.resume)
     if args.log_dir:

@@ -63,10 +63,10 @@ def tokens(data: str) -> list:
 # what each example imports, loaded once in the launcher's zygote (tests/launcher.py) instead of in every rank
 _HF = ("transformers.trainer", "transformers.models.llama.modeling_llama", "varlen_cli.integrations.hf")
 IMPORTS = {
-    "train_hf_trainer.py": _HF,
+    "train_hf_trainer.py": _HF + ("torch.utils.tensorboard",),
     "train_trl.py": _HF + ("datasets", "trl.trainer.sft_trainer"),
     "train_accelerate.py": _HF + ("accelerate", "varlen_cli.integrations.accelerate"),
-    "train_lightning.py": _HF + ("lightning.pytorch", "varlen_cli.integrations.lightning"),
+    "train_lightning.py": _HF + ("lightning.pytorch", "lightning.pytorch.loggers", "varlen_cli.integrations.lightning"),
     "train_fsdp2.py": _HF + ("torch.distributed.fsdp", "torch.distributed.checkpoint"),
     "train_tiny_lm.py": ("torch.nn.parallel",),
 }
@@ -176,3 +176,54 @@ def assert_grads_close(got: dict, want: dict, rel: float = 1e-5) -> None:
     w = torch.cat([want[n].reshape(-1).double() for n in names])
     err = float((g - w).norm() / w.norm())
     assert err < rel, err
+
+
+def plan_step_figures(plan_path: str) -> dict[str, np.ndarray]:
+    """What the trackers must show for each step of a plan (issue 35), computed here from its columns
+    with numpy: real and padded tokens, padding %, samples, lr_scale, the straggler under the plan's
+    budget, the largest T and verl's global_seqlen (per-rank real tokens)."""
+    t = pq.read_table(plan_path)
+    meta = json.loads(t.schema.metadata[b"varlen"])
+    c = {n: t.column(n).to_numpy() for n in ("step", "rank", "tokens", "batch_size", "seqlen", "step_samples",
+                                             "lr_scale")}
+    steps, dp, per_step = int(c["step"].max()) + 1, meta["dp"], meta["dp"] * meta["grad_accum"]
+    a, packed = float(meta["budget"]["attention_cost"]), meta["budget"]["cost"] == "packed"
+    if packed:
+        squares = [sum(int(v) ** 2 for v in row) for row in t.column("sample_lengths").to_pylist()]
+        cost = c["tokens"] + a * np.array(squares, dtype=float)
+    else:
+        cost = c["batch_size"] * c["seqlen"] * (1.0 + a * c["seqlen"])
+    load, real = np.zeros((steps, dp)), np.zeros((steps, dp))
+    np.add.at(load, (c["step"], c["rank"]), cost)
+    np.add.at(real, (c["step"], c["rank"]), c["tokens"])
+    tokens = real.sum(1)
+    padded = np.bincount(c["step"], weights=c["batch_size"] * c["seqlen"].astype(float))
+    seqlen_max = np.zeros(steps)
+    np.maximum.at(seqlen_max, c["step"], c["seqlen"])
+    return {"varlen/tokens": tokens, "varlen/padded_tokens": padded, "varlen/padding_pct": 100 * (1 - tokens / padded),
+            "varlen/samples": c["step_samples"][::per_step], "varlen/lr_scale": c["lr_scale"][::per_step],
+            "varlen/straggler": load.max(1) / load.mean(1), "varlen/seqlen_max": seqlen_max,
+            "global_seqlen/min": real.min(1), "global_seqlen/max": real.max(1), "global_seqlen/mean": real.mean(1),
+            "global_seqlen/minmax_diff": real.max(1) - real.min(1)}
+
+
+def tensorboard_scalars(folder) -> dict[str, dict[int, float]]:
+    """Every scalar of the TensorBoard event files in ``folder``: {tag: {step: value}}, read with
+    TensorBoard's own event reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+
+
+def check_tracker_figures(plan_path: str, folder, prefix: str, x_of_step: int, steps) -> None:
+    """The ``varlen/*`` and ``global_seqlen/*`` scalars a run logged to TensorBoard in ``folder`` are
+    the plan's rows: one value per optimizer step of ``steps``, at x = step + ``x_of_step`` (the
+    framework's own step counter), equal to :func:`plan_step_figures` (float32 in the event file)."""
+    scalars = tensorboard_scalars(folder)
+    for name, values in plan_step_figures(plan_path).items():
+        got = scalars[prefix + name]
+        assert sorted(got) == [s + x_of_step for s in steps], (name, sorted(got)[:5])
+        want = np.array([values[s] for s in steps], dtype=np.float32)
+        assert np.allclose([got[s + x_of_step] for s in steps], want, rtol=1e-6, atol=1e-6), name

@@ -46,6 +46,11 @@ MEMORY_PROFILE_FORMAT = "varlen-memory-profile"
 MEMORY_PROFILE_FORMAT_VERSION = 1
 
 # -- plan files --------------------------------------------------------------------------------------
+REPORT_GENERATOR = "varlen report"  # the generator mark of `varlen report`'s pages and images (--overwrite)
+TRACE_FORMAT = "varlen-trace"  # the "format" of a `varlen simulate --trace` file (Chrome trace events), its first key
+#: what ``--overwrite`` looks for in the first 4 KiB of an output before replacing it (runtime/safety.py)
+OUTPUT_MARKS = {"report": REPORT_GENERATOR, "trace": f'{{"format": "{TRACE_FORMAT}"'}
+
 PLAN_FORMAT = "varlen-plan"
 PLAN_FORMAT_VERSION = 1
 #: Schema-metadata key holding the plan's JSON metadata.
@@ -360,6 +365,35 @@ def straggler(step: np.ndarray, rank: np.ndarray, cost: np.ndarray, dp: int) -> 
     load = step_loads(step, rank, cost, dp)
     mean = load.mean(axis=1)
     return np.where(mean > 0, load.max(axis=1) / np.where(mean > 0, mean, 1), 1.0)
+
+
+def step_figures(step: np.ndarray, rank: np.ndarray, cols: dict, cost: np.ndarray, dp: int) -> dict:
+    """Per step of rows holding whole steps (``step`` numbered from 0 in them, ``cols``: the plan's
+    ``tokens``, ``batch_size``, ``seqlen`` and ``num_samples`` of each row, ``cost`` its cost under
+    the plan's budget): what ``varlen inspect``, ``varlen report`` and the trackers show of a step,
+    computed here once. Arrays of one value a step: ``tokens`` (real), ``padded_tokens`` (B x T),
+    ``samples`` (sample entries), ``seqlen_max`` (the largest T), ``straggler`` (:func:`straggler`),
+    ``rank_tokens_min``/``max``/``mean`` (the real tokens each rank runs in the step), and ``loads``
+    (:func:`step_loads`: steps x dp)."""
+    steps = int(step.max()) + 1 if len(step) else 0
+    tokens = cols["tokens"].astype(np.float64)
+    loads = step_loads(step, rank, cost, dp)
+    mean = loads.mean(axis=1) if steps else np.zeros(0)
+    per_rank = step_loads(step, rank, tokens, dp)
+    seqlen_max = np.zeros(steps)
+    np.maximum.at(seqlen_max, step, cols["seqlen"].astype(np.float64))
+    return {
+        "tokens": np.bincount(step, weights=tokens, minlength=steps),
+        "padded_tokens": np.bincount(step, weights=cols["batch_size"].astype(np.float64) * cols["seqlen"],
+                                     minlength=steps),
+        "samples": np.bincount(step, weights=cols["num_samples"].astype(np.float64), minlength=steps),
+        "seqlen_max": seqlen_max,
+        "straggler": np.where(mean > 0, loads.max(axis=1, initial=0.0) / np.where(mean > 0, mean, 1), 1.0),
+        "rank_tokens_min": per_rank.min(axis=1, initial=np.inf) if steps else np.zeros(0),
+        "rank_tokens_max": per_rank.max(axis=1, initial=0.0),
+        "rank_tokens_mean": per_rank.mean(axis=1) if steps else np.zeros(0),
+        "loads": loads,
+    }
 
 
 def straggler_overhead(step: np.ndarray, rank: np.ndarray, cost: np.ndarray, dp: int) -> float:

@@ -15,9 +15,17 @@ from . import format, storage
 from .errors import InputError, UsageError
 from .runtime import artifacts, rank0
 from .runtime.choices import STORAGE_OPTION_HELP, doc
-from .runtime.text import fmt, histogram_lines
+from .runtime.text import LOG_BINS, fmt, histogram_lines
 
-SERIES_BINS = 48
+SERIES_BINS = 48  # sparkline columns (``binned_mean`` of each series)
+PLOT_BUCKETS = 400  # points of each series in ``buckets`` (``varlen report``'s plots): one a step up to that many
+HEAT_BUCKETS = 96  # columns of the per-rank cost heat strip
+HEAT_RANKS = 64  # its rows: more ranks are grouped, the busiest of each group shown
+TOP_SHAPES = 64  # shapes listed with their counts (all are counted)
+FILL_BINS = 20  # packed-row fill histogram: bins of 5 %
+DIFFICULTY_IN_MEMORY = 1 << 28  # --metrics difficulties held by sample id (float32: 1 GiB)
+STEP_SERIES = ("tokens_per_step", "padded_tokens_per_step", "padding_pct", "samples_per_step", "mean_sample_length",
+               "lr_scale", "straggler")
 SPARK = " ▁▂▃▄▅▆▇█"
 CHART_STEPS = 48  # steps the per-rank cost chart shows
 CHART_RANKS = 16  # ranks it shows one line each for (all ranks count in its "busiest" line)
@@ -31,6 +39,8 @@ class InspectConfig:
     path: str = doc(help="A metrics directory, a sorted directory or a plan file, local or in object storage "
                          "(s3://...).")
     step: int | None = doc(None, "Plans: also show the microbatches of step N.")
+    metrics: str | None = doc(None, "Plans: the metrics or sorted directory the plan was built from, for the "
+                                    "samples' length histogram and their difficulty over the steps.")
     storage_options: tuple = doc((), STORAGE_OPTION_HELP)
 
 
@@ -40,8 +50,9 @@ def inspect_artifact(config: InspectConfig) -> dict:
     storage.configure(config.storage_options)
     path = config.path
     if _is_directory(path):
-        if config.step is not None:
-            raise UsageError("--step applies to plans, not to metrics or sorted directories")
+        for given, name in ((config.step, "--step"), (config.metrics, "--metrics")):
+            if given is not None:
+                raise UsageError(f"{name} applies to plans, not to metrics or sorted directories")
         manifest = artifacts.read_manifest(path, what="artifact",
                                            hint="expected a metrics or sorted directory, or a plan")
         return {"kind": manifest.get("kind", "metrics"), "path": storage.absolute(path), "manifest": manifest,
@@ -54,13 +65,47 @@ def inspect_artifact(config: InspectConfig) -> dict:
         raise InputError(str(exc)) from None
     import pyarrow as pa
 
+    metrics = _plan_metrics(meta, config.metrics) if config.metrics else None
     try:
-        out = {"kind": "plan", "path": storage.absolute(path), "metadata": meta, "series": plan_series(pf, meta)}
+        difficulty = metrics.pop("by_id") if metrics else None
+        out = {"kind": "plan", "path": storage.absolute(path), "metadata": meta,
+               "series": plan_series(pf, meta, difficulty)}
+        if metrics:
+            out["metrics"] = metrics
         if config.step is not None:
             out["step"] = _plan_step(pf, config.step, int(meta.get("num_steps", 0)))
     except (OSError, pa.ArrowException) as exc:  # corrupted pages: the file, not varlen
         raise InputError(f"cannot read plan {path}: {str(exc).strip().splitlines()[0] if str(exc) else exc}") from None
     return out
+
+
+def _plan_metrics(meta: dict, path: str) -> dict:
+    """The metrics of a plan's input (``--metrics``): its path, length and difficulty statistics and,
+    up to :data:`DIFFICULTY_IN_MEMORY` samples, the difficulty by sample id (``by_id``, float32)."""
+    if meta.get("mixture"):
+        raise UsageError("--metrics does not apply to a mixture plan (varlen plan --mix): it has one input per source")
+    manifest = artifacts.read_manifest(path)
+    inp = meta.get("input") or {}
+    digest = (manifest.get("dataset") or {}).get("digest")
+    if inp.get("dataset_digest") not in (None, digest) or int(inp.get("num_rows", -1)) != int(manifest["num_rows"]):
+        raise InputError(f"{path} describes dataset {digest} of {int(manifest['num_rows']):,} samples, the plan was "
+                         f"built from {inp.get('dataset_digest')} of {inp.get('num_rows')}: pass the metrics the plan "
+                         "was made from")
+    out = {"path": storage.absolute(path), "kind": manifest.get("kind", "metrics"), "stats": manifest.get("stats", {}),
+           "config": manifest.get("config", {})}
+    n = int(manifest["num_rows"])
+    if n > DIFFICULTY_IN_MEMORY:
+        out["difficulty_skipped"] = (f"the difficulty over the steps is read for up to {DIFFICULTY_IN_MEMORY:,} "
+                                     f"samples; {path} has {n:,}")
+        return {**out, "by_id": None}
+    by_id = np.full(n, np.nan, np.float32)
+    chunk = 1 << 22
+    for start in range(0, n, chunk):  # a chunk of rows at a time: 4 bytes a sample are kept
+        t = artifacts.read_row_range(path, manifest, start, min(n, start + chunk), ["sample_id", "difficulty"])
+        ids = t.column("sample_id").to_numpy()
+        ok = (ids >= 0) & (ids < n)
+        by_id[ids[ok]] = t.column("difficulty").to_numpy()[ok]
+    return {**out, "by_id": by_id}
 
 
 def _is_directory(path: str) -> bool:
@@ -75,37 +120,60 @@ def _balance(rows: list) -> float:
     return float(rows.max() / rows.mean()) if len(rows) and rows.mean() > 0 else 1.0
 
 
-def plan_series(pf, meta: dict) -> dict:
-    """Per-step tokens, samples, lr_scale and straggler; per-rank totals (no sample ids read) of the
-    plan ``pf`` (an open ``pyarrow.parquet.ParquetFile``, :func:`varlen_cli.format.open_plan_file`).
+def plan_series(pf, meta: dict, difficulty: np.ndarray | None = None) -> dict:
+    """Per-step series (tokens, padded tokens, padding %, samples, mean sample length, lr_scale,
+    straggler), per-rank totals and cost, the shapes used, the length histogram, packed-row fill and
+    mixture shares of the plan ``pf`` (an open ``pyarrow.parquet.ParquetFile``,
+    :func:`varlen_cli.format.open_plan_file`); with ``difficulty`` (by sample id) the samples'
+    difficulty over the steps.
 
-    The straggler is :func:`varlen_cli.format.straggler` over the cost the plan recorded
-    (:func:`varlen_cli.format.plan_budget`), so it matches the plan's own statistics. The plan is read
-    in windows of whole steps (:mod:`varlen_cli.checks.scan`): memory grows with the steps, not the rows."""
+    The per-step figures are :func:`varlen_cli.format.step_figures` under the cost the plan recorded
+    (:func:`varlen_cli.format.plan_budget`), so they match the plan's own statistics and the trackers'.
+    The plan is read in windows of whole steps (:mod:`varlen_cli.checks.scan`), sample ids only for
+    ``difficulty``, and every series is kept in buckets of steps (:mod:`varlen_cli.runtime.series`):
+    memory is bounded by a window and the buckets, whatever the plan's size."""
     from .checks import scan
 
     budget = format.plan_budget(meta)
-    lists = ["sample_lengths"] if budget.needs_segment_lengths else []
+    names = pf.schema_arrow.names
+    packed = bool(meta.get("packing")) and {"sample_lengths", "sample_rows"} <= set(names)
+    lists = (["sample_lengths"] if packed or budget.needs_segment_lengths else []) + (["sample_rows"] if packed else [])
+    lists += (["source"] if meta.get("mixture") and "source" in names else [])
+    lists += (["sample_ids"] if difficulty is not None else [])
     cols = ["step", "rank", "num_samples", "lr_scale", "tokens", "batch_size", "seqlen"]
-    series = _SeriesSums(max(int(meta.get("dp", 1)), 1))
-    slots = max(series.ranks * int(meta.get("grad_accum", 1)), 1)
+    ranks = max(int(meta.get("dp", 1)), 1)
+    slots = max(ranks * int(meta.get("grad_accum", 1)), 1)
+    series = _SeriesSums(ranks, -(-pf.metadata.num_rows // slots), meta, packed, difficulty)
     for w in scan.windows(pf, cols, lists, slots):
         if w.n:
             series.add(w, budget)
-    if not series.tokens:
+    if not series.seen:
         return {"steps": 0}
     return series.result(budget)
 
 
 class _SeriesSums:
-    """Per-step series and per-rank totals of a plan, summed window by window."""
+    """Per-step series (in buckets), per-rank totals, shapes and entry figures of a plan, summed
+    window by window."""
 
-    def __init__(self, ranks: int):
-        self.ranks = ranks
-        self.tokens, self.samples, self.lr, self.straggler, self.first_loads = [], [], [], [], []
+    def __init__(self, ranks: int, total: int, meta: dict, packed: bool, difficulty: np.ndarray | None):
+        from .runtime.series import BucketMatrix, Buckets
+
+        self.ranks, self.seen, self.packed, self.difficulty = ranks, 0, packed, difficulty
+        self.series = {name: (Buckets(total, SERIES_BINS), Buckets(total, PLOT_BUCKETS)) for name in STEP_SERIES}
+        self.heat = BucketMatrix(total, HEAT_BUCKETS, ranks)
+        self.first_loads = []
         self.top = self.mean = 0.0
         self.real = np.zeros(ranks)
         self.padded = np.zeros(ranks)
+        self.shapes: dict = {}
+        self.lengths = np.zeros(LOG_BINS, np.int64)
+        self.fill = np.zeros(FILL_BINS, np.int64)
+        self.fill_sum = 0.0
+        sources = (meta.get("mixture") or {}).get("sources") or []
+        self.source_names = [s.get("name") for s in sources]
+        self.sources = BucketMatrix(total, PLOT_BUCKETS, len(self.source_names)) if sources else None
+        self.hardness = Buckets(total, PLOT_BUCKETS) if difficulty is not None else None
 
     def add(self, w, budget) -> None:
         from .budget import segment_sum_squares
@@ -115,67 +183,151 @@ class _SeriesSums:
         if int(rank.max()) >= self.ranks:  # a damaged plan (validate says so): more ranks than dp
             self._widen(int(rank.max()) + 1)
         local = step - int(step.min())
-        steps = int(local.max()) + 1
         sums = (segment_sum_squares(w.values("sample_lengths"), w.offsets("sample_lengths"))
                 if budget.needs_segment_lengths else None)
-        cost = budget.microbatch_cost(c["tokens"], c["batch_size"], c["seqlen"], sums)
-        tokens = c["tokens"].astype(np.float64)
-        self.tokens.append(np.bincount(local, weights=tokens, minlength=steps))
-        self.samples.append(np.bincount(local, weights=c["num_samples"].astype(np.float64), minlength=steps))
-        lr = np.zeros(steps)
-        lr[local] = c["lr_scale"]
-        self.lr.append(lr)
-        loads = format.step_loads(local, rank, cost, self.ranks)
+        fig = format.step_figures(local, rank, c, budget.microbatch_cost(c["tokens"], c["batch_size"], c["seqlen"],
+                                                                         sums), self.ranks)
+        positions = self.seen + np.arange(len(fig["tokens"]))
+        for name, values in _step_values(fig, local, c["lr_scale"]).items():
+            ok = np.isfinite(values) | (name != "mean_sample_length")  # a step without samples has no mean
+            for buckets in self.series[name]:
+                buckets.add(positions[ok], values[ok])
+        loads = fig["loads"]
         m = loads.mean(axis=1)
-        self.straggler.append(np.where(m > 0, loads.max(axis=1) / np.where(m > 0, m, 1), 1.0))
+        ratio = loads / np.where(m > 0, m, 1.0)[:, None]
+        self.heat.add(np.repeat(positions, self.ranks), np.tile(np.arange(self.ranks), len(positions)), ratio.ravel())
         self.top, self.mean = self.top + float(loads.max(axis=1).sum()), self.mean + float(m.sum())
         if sum(len(x) for x in self.first_loads) < CHART_STEPS:
             self.first_loads.append(loads[:CHART_STEPS])
+        tokens = c["tokens"].astype(np.float64)
         self.real += np.bincount(rank, weights=tokens, minlength=self.ranks)
         self.padded += np.bincount(rank, weights=c["batch_size"].astype(np.float64) * c["seqlen"],
                                    minlength=self.ranks)
+        self._add_shapes(c)
+        self._add_entries(w, self.seen + local)
+        self.seen += len(positions)
+
+    def _add_shapes(self, c: dict) -> None:
+        key = (c["batch_size"].astype(np.int64) << 32) | (c["seqlen"].astype(np.int64) & 0xFFFFFFFF)
+        values, counts = np.unique(key, return_counts=True)
+        for k, n in zip(values.tolist(), counts.tolist()):
+            self.shapes[k] = self.shapes.get(k, 0) + n
+
+    def _add_entries(self, w, row_position: np.ndarray) -> None:
+        """The length histogram, packed-row fill, mixture shares and difficulty of a window's entries."""
+        from .runtime.text import log2_histogram
+
+        c = w.cols
+        if self.packed:
+            self.lengths += log2_histogram(w.values("sample_lengths"))
+            bins, fill_sum = packed_row_fill(c["batch_size"], c["seqlen"], w.values("sample_lengths"),
+                                             w.values("sample_rows"), w.parent("sample_lengths"))
+            self.fill += bins
+            self.fill_sum += fill_sum
+        else:  # each sample at its microbatch's padded length T
+            exponent = np.frexp(np.maximum(c["seqlen"], 0).astype(np.float64))[1]
+            self.lengths += np.bincount(np.minimum(exponent, LOG_BINS - 1), weights=c["num_samples"],
+                                        minlength=LOG_BINS).astype(np.int64)
+        if self.sources is not None:
+            src = w.values("source").astype(np.int64)
+            ok = (src >= 0) & (src < len(self.source_names))
+            self.sources.add(row_position[w.parent("source")][ok], src[ok], np.ones(int(ok.sum())))
+        if self.hardness is not None:
+            ids = w.values("sample_ids").astype(np.int64)
+            ok = (ids >= 0) & (ids < len(self.difficulty))
+            self.hardness.add(row_position[w.parent("sample_ids")][ok], self.difficulty[ids[ok]])
 
     def _widen(self, ranks: int) -> None:
         grow = ranks - self.ranks
         self.real, self.padded = np.pad(self.real, (0, grow)), np.pad(self.padded, (0, grow))
         self.first_loads = [np.pad(x, ((0, 0), (0, grow))) for x in self.first_loads]
+        self.heat.grow(ranks)
         self.ranks = ranks
 
     def result(self, budget) -> dict:
-        straggler = np.concatenate(self.straggler)
-        return {
-            "steps": len(straggler),
-            "ranks": self.ranks,
-            "tokens_per_step": _binned(np.concatenate(self.tokens)),
-            "samples_per_step": _binned(np.concatenate(self.samples)),
-            "lr_scale": _binned(np.concatenate(self.lr)),
-            "straggler": _binned(straggler),
-            "straggler_mean": float(straggler.mean()),
-            "straggler_max": float(straggler.max()),
+        out = {"steps": self.seen, "ranks": self.ranks, "bucket_edges": self.series["straggler"][1].edges.tolist()}
+        for name, (coarse, fine) in self.series.items():
+            out[name] = {**coarse.summary(), "binned_mean": coarse.means().tolist(), "buckets": fine.to_json()}
+        out.update({
+            "straggler_mean": out["straggler"]["mean"],
+            "straggler_max": out["straggler"]["max"],
             "straggler_cost": budget.straggler_spec(),
             "straggler_overhead": self.top / self.mean - 1.0 if self.mean > 0 else 0.0,
             "rank_cost_first_steps": np.concatenate(self.first_loads)[:CHART_STEPS].tolist(),
+            "rank_cost_heat": _heat_rows(self.heat),
             "padded_tokens_per_rank": self.padded.tolist(),
             "real_tokens_per_rank": self.real.tolist(),
-        }
+            "shapes": _top_shapes(self.shapes),
+            "length_histogram": {"of": "sample_lengths" if self.packed else "seqlen",
+                                 "log2_bins": _trimmed(self.lengths)},
+        })
+        if self.packed:
+            rows = int(self.fill.sum())
+            out["row_fill"] = {"bins": self.fill.tolist(), "rows": rows, "mean": self.fill_sum / rows if rows else 0.0}
+        if self.sources is not None:
+            counts = self.sources.sums
+            total = counts.sum(axis=0)
+            out["source_shares"] = {"sources": self.source_names, "entries": counts.sum(axis=1).tolist(),
+                                    "buckets": (counts / np.where(total > 0, total, 1.0)).tolist()}
+        if self.hardness is not None:
+            out["difficulty"] = {**self.hardness.summary(), "buckets": self.hardness.to_json()}
+        return out
 
 
-def _binned(values: np.ndarray) -> dict:
-    """Min/max and the mean over SERIES_BINS equal slices of the steps (for a sparkline); values that
-    are not finite (a damaged plan: ``varlen validate`` says which) are counted, not averaged."""
-    finite = np.isfinite(values)
-    edges = np.linspace(0, len(values), min(SERIES_BINS, len(values)) + 1).astype(np.int64)
-    clean = np.where(finite, values, 0.0)
-    sums = np.add.reduceat(clean, edges[:-1]) if len(values) else np.zeros(0)
-    counts = np.add.reduceat(finite.astype(np.int64), edges[:-1]) if len(values) else np.zeros(0)
-    means = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
-    kept = values[finite]
-    out = {"min": float(kept.min()) if len(kept) else float("nan"),
-           "max": float(kept.max()) if len(kept) else float("nan"),
-           "mean": float(kept.mean()) if len(kept) else float("nan"), "binned_mean": means.tolist()}
-    if not finite.all():
-        out["non_finite"] = int((~finite).sum())
-    return out
+def _step_values(fig: dict, local: np.ndarray, lr_scale: np.ndarray) -> dict:
+    """The per-step series of one window (:data:`STEP_SERIES`) from its :func:`format.step_figures`."""
+    tokens, padded, samples = fig["tokens"], fig["padded_tokens"], fig["samples"]
+    lr = np.zeros(len(tokens))
+    lr[local] = lr_scale
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return {"tokens_per_step": tokens, "padded_tokens_per_step": padded,
+                "padding_pct": np.where(padded > 0, 100.0 * (1.0 - tokens / np.where(padded > 0, padded, 1)), 0.0),
+                "samples_per_step": samples, "mean_sample_length": np.where(samples > 0, tokens / samples, np.nan),
+                "lr_scale": lr, "straggler": fig["straggler"]}
+
+
+def packed_row_fill(rows, seqlen, lengths, entry_rows, parent) -> tuple[np.ndarray, float]:
+    """Counts of packed rows by the fraction of their T that real tokens fill (:data:`FILL_BINS` bins of
+    equal width; full rows in the last), and the sum of the fractions. ``rows``/``seqlen``: each
+    microbatch's R and T; ``lengths``/``entry_rows``/``parent``: each entry's tokens, row and microbatch.
+    Every row counts, the empty padding rows too."""
+    rows = np.maximum(np.asarray(rows, np.int64), 0)
+    first = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64)
+    entry_rows = np.asarray(entry_rows, np.int64)
+    ok = (entry_rows >= 0) & (entry_rows < rows[parent])  # a damaged plan's rows are not counted
+    total = int(rows.sum())
+    used = np.bincount(first[parent[ok]] + entry_rows[ok], weights=np.asarray(lengths, np.float64)[ok],
+                       minlength=total)[:total]
+    length = np.repeat(np.maximum(np.asarray(seqlen, np.float64), 1.0), rows)
+    fill = np.clip(used / length, 0.0, 1.0)
+    return np.bincount(np.minimum((fill * FILL_BINS).astype(np.int64), FILL_BINS - 1), minlength=FILL_BINS), \
+        float(fill.sum())
+
+
+def _heat_rows(heat) -> dict:
+    """The per-rank cost heat strip: per row (a rank, or a group of ranks when there are more than
+    :data:`HEAT_RANKS`: the busiest of the group) and bucket, the rank's mean cost over the step's mean."""
+    ranks = len(heat.sums)
+    mean = heat.sums / np.maximum(heat.steps(), 1.0)[None, :]
+    group = np.arange(ranks) * min(ranks, HEAT_RANKS) // max(ranks, 1)
+    rows = [mean[group == g].max(axis=0) for g in range(int(group.max()) + 1)] if ranks else []
+    bounds = [[int(np.flatnonzero(group == g)[0]), int(np.flatnonzero(group == g)[-1])] for g in range(len(rows))]
+    return {"bucket_edges": heat.edges.tolist(), "rows": bounds, "ratio": [r.tolist() for r in rows]}
+
+
+def _top_shapes(shapes: dict) -> dict:
+    """The shapes used: how many, and the :data:`TOP_SHAPES` most used as ``[B, T, microbatches]``."""
+    ranked = sorted(shapes.items(), key=lambda kv: (-kv[1], kv[0]))
+    top = [[k >> 32, k & 0xFFFFFFFF, n] for k, n in ranked[:TOP_SHAPES]]
+    total = sum(shapes.values())
+    return {"distinct": len(shapes), "microbatches": total, "top": top,
+            "other_microbatches": total - sum(n for _, _, n in top)}
+
+
+def _trimmed(bins: np.ndarray) -> list:
+    """A log2 histogram without its empty high bins (as ``varlen analyze`` writes them)."""
+    last = int(np.flatnonzero(bins).max()) + 1 if bins.any() else 1
+    return bins[:last].tolist()
 
 
 def _plan_step(pf, step: int, num_steps: int) -> list:

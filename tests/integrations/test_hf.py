@@ -16,6 +16,7 @@ from tests.integration_helpers import (  # noqa: E402
     assert_grads_close,
     check_lr,
     check_stream,
+    check_tracker_figures,
     hf_cosine,
     load_example,
     logs,
@@ -55,9 +56,11 @@ def test_trainer_two_ranks_exact_stream_lr_gradient_and_resume(setup, kind):
     out, log_dir = folder / f"out-{kind}", folder / f"log-{kind}"
     common = ["--plan", plan_path, "--data", data, "--lr", "3e-3", "--warmup-steps", "2", "--max-grad-norm", "0"]
     torchrun("train_hf_trainer.py", *common, "--out", out, "--log-dir", log_dir, "--save-steps", save_at + 1,
-             real=kind == "padded")  # the real torchrun; the resume under tests/launcher.py
-    full = logs(log_dir)
+             "--tensorboard", folder / f"tb-{kind}", real=kind == "padded")  # the real torchrun; the resume under
+    full = logs(log_dir)  # tests/launcher.py
     check_stream(plan, full)
+    # report_to=["tensorboard"]: the plan's figures of every step, at Trainer's global_step (step + 1)
+    check_tracker_figures(plan_path, folder / f"tb-{kind}", "train/", 1, range(plan.num_steps))
     check_lr(plan, full, 3e-3, hf_cosine(2, plan.num_steps))
     # the first step's gradient (after DDP's all-reduce) equals the exact single-process mean over targets
     example = _example()
@@ -71,9 +74,11 @@ def test_trainer_two_ranks_exact_stream_lr_gradient_and_resume(setup, kind):
     # resume from Trainer's own mid-run checkpoint: the rest of the stream, LRs and losses, exactly
     resumed_out = folder / f"resumed-{kind}"
     shutil.copytree(out / f"checkpoint-{save_at + 1}", resumed_out / f"checkpoint-{save_at + 1}")
-    torchrun("train_hf_trainer.py", *common, "--out", resumed_out, "--log-dir", folder / f"log2-{kind}", "--resume")
+    torchrun("train_hf_trainer.py", *common, "--out", resumed_out, "--log-dir", folder / f"log2-{kind}", "--resume",
+             "--tensorboard", folder / f"tb2-{kind}")
     resumed = logs(folder / f"log2-{kind}")
     k = save_at + 1
+    check_tracker_figures(plan_path, folder / f"tb2-{kind}", "train/", 1, range(k, plan.num_steps))
     for a, b in zip(full, resumed):
         assert b["steps"] == a["steps"][k:]
         assert b["lr"] == a["lr"][k:]

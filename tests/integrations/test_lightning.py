@@ -15,6 +15,7 @@ from tests.integration_helpers import (  # noqa: E402
     assert_grads_close,
     check_lr,
     check_stream,
+    check_tracker_figures,
     load_example,
     logs,
     make_plan,
@@ -41,9 +42,11 @@ def test_lightning_two_ranks_exact_stream_lr_gradient_and_mid_epoch_resume(setup
     every = 3
     common = ["--plan", plan_path, "--data", data, "--lr", "3e-3", "--warmup-steps", "2"]
     torchrun("train_lightning.py", *common, "--ckpt-dir", folder / "ck", "--save-every", every, "--log-dir",
-             folder / "full", real=True)  # the real torchrun; the resume under tests/launcher.py
-    full = logs(folder / "full")
+             folder / "full", "--tensorboard", folder / "tb", real=True)  # the real torchrun; the resume under
+    full = logs(folder / "full")  # tests/launcher.py
     check_stream(plan, full)
+    # TensorBoardLogger: the plan's figures of every step through pl_module.log, at Lightning's step (0-based)
+    check_tracker_figures(plan_path, folder / "tb", "", 0, range(plan.num_steps))
     check_lr(plan, full, 3e-3, load_example("tiny_lm").warmup_cosine(2, plan.num_steps))
     data_tokens = tokens(data)
     vocab = max(int(t.max()) for t in data_tokens) + 1
@@ -54,8 +57,9 @@ def test_lightning_two_ranks_exact_stream_lr_gradient_and_mid_epoch_resume(setup
     k = next(s for s in range(every, plan.num_steps, every)
              if s not in (start1, plan.num_steps) and s % plan.steps_per_epoch[0] != 0)
     torchrun("train_lightning.py", *common, "--resume", folder / "ck" / f"step={k}.ckpt", "--log-dir",
-             folder / "resumed")
+             folder / "resumed", "--tensorboard", folder / "tb2")
     resumed = logs(folder / "resumed")
+    check_tracker_figures(plan_path, folder / "tb2", "", 0, range(k, plan.num_steps))
     for a, b in zip(full, resumed):
         assert b["steps"] == a["steps"][k:] and b["lr"] == a["lr"][k:]
         assert b["micro"] == a["micro"][k * plan.grad_accum:]  # positions, samples, losses: bit-identical

@@ -8,18 +8,10 @@ import numpy as np
 
 from ..errors import InputError
 from ..runtime.dist import Dist
+from ..runtime.text import LOG_BINS, log2_histogram
 
 EXACT_MAX = 1 << 22  # lengths up to 4M: exact percentiles from an all-reduced bincount
-LOG_BINS = 64
 INT64_MAX = (1 << 63) - 1
-
-
-def log2_histogram(values: np.ndarray) -> np.ndarray:
-    """Counts per power-of-two bin: bin 0 holds 0, bin k holds [2**(k-1), 2**k)."""
-    v = np.asarray(values, dtype=np.int64)
-    # frexp's exponent of v > 0 is floor(log2 v) + 1 (exact: no rounding of a log), and 0 for 0.
-    bins = np.frexp(v.astype(np.float64))[1] if len(v) else np.zeros(0, dtype=np.int64)
-    return np.bincount(bins, minlength=LOG_BINS)[:LOG_BINS].astype(np.int64)
 
 
 def _log2_from_counts(counts: np.ndarray) -> np.ndarray:

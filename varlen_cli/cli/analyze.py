@@ -18,14 +18,14 @@ from varlen_cli.cli.options import OUTPUT, STORAGE_OPTION, Cli, config_command
 def analyze_command(config: AnalyzeConfig, json_output: bool = common.JSON) -> None:
     """Compute each sample's length and difficulty, distributed over workers."""
     from varlen_cli.analyze import analyze
-    from varlen_cli.cli import report
+    from varlen_cli.cli import summary
 
     result = common.run(analyze, config)
     if result is not None and json_output:
-        report.print_json(report.analyze_json(result))
-        report.warn_empty(result)
+        summary.print_json(summary.analyze_json(result))
+        summary.warn_empty(result)
     elif result is not None:
-        report.print_analyze(result)
+        summary.print_analyze(result)
 
 
 def register(app: typer.Typer) -> None:

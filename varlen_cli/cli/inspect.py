@@ -16,7 +16,7 @@ def inspect_command(
     json_output: bool = typer.Option(False, "--json", help="Print everything as JSON (for scripts)."),
 ) -> None:
     """Show an artifact's config, provenance and statistics, with terminal histograms."""
-    from varlen_cli.cli.report import print_tables
+    from varlen_cli.cli.summary import print_tables
     from varlen_cli.inspect import inspect_artifact, tables
 
     info = common.run(inspect_artifact, config)

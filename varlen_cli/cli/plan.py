@@ -27,17 +27,17 @@ def _attention_cost(value: str) -> float | str:
 )
 def plan_command(config: PlanConfig, json_output: bool = common.JSON) -> None:
     """Write a token-budget batch plan (Parquet): microbatches, ranks, steps, shapes and LR scales."""
-    from varlen_cli.cli import report
+    from varlen_cli.cli import summary
     from varlen_cli.plan import plan
     from varlen_cli.plan.heap import reuse_freed_memory
 
     with reuse_freed_memory():  # large plans: freed arrays reused, not unmapped and zeroed again (plan/heap.py)
         result = common.run(plan, config)
     if result is not None and json_output:
-        report.print_json(report.plan_json(result))
-        report.warn_zero_loss(result)
+        summary.print_json(summary.plan_json(result))
+        summary.warn_zero_loss(result)
     elif result is not None:
-        report.print_plan(result)
+        summary.print_plan(result)
 
 
 def register(app: typer.Typer) -> None:

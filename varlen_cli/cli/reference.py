@@ -26,7 +26,7 @@ Generated from `varlen COMMAND --help` by `python -m varlen_cli.cli.reference`; 
 hand (a test fails when this file is stale). Every option is a field of the command's config
 dataclass (`varlen_cli/cli/options.py`), so the same names and defaults work from Python. The
 guides: [analyze](analyze.md), [sort](sort.md), [plan](plan.md), [packing](packing.md),
-[run, inspect, validate](commands.md), [simulate](schedules.md), [calibrate](memory.md).
+[run, inspect, validate, report](commands.md), [simulate](schedules.md), [calibrate](memory.md).
 """
 
 

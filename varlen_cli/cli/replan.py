@@ -15,14 +15,14 @@ def replan_command(config: ReplanConfig) -> None:
 
     The epoch in progress goes on with exactly its unconsumed samples, the LR schedule too (same base batch size).
     """
-    from varlen_cli.cli import report
+    from varlen_cli.cli import summary
     from varlen_cli.plan.replan import replan
 
     result = common.run(replan, config)
     if result is not None:
-        report.print_plan(result)
+        summary.print_plan(result)
         lineage = result.metadata["lineage"]
-        report.console().print(f"replanned from step {lineage['from_step']} of plan {lineage['parent']} "
+        summary.console().print(f"replanned from step {lineage['from_step']} of plan {lineage['parent']} "
                                f"({lineage['consumed_samples']:,} samples of epoch {lineage['first_epoch']} done); "
                                f"global step = {lineage['first_step']} + step")
 

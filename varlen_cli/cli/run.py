@@ -64,7 +64,7 @@ def _stage_options(stage: str, fn, options: dict) -> dict:
 
 
 def run_command(sources: list[str], output: str, **options) -> None:
-    from varlen_cli.cli import report
+    from varlen_cli.cli import summary
     from varlen_cli.run import run
 
     stage_opts = {stage: _stage_options(stage, fn, options) for stage, fn in _STAGES}
@@ -75,10 +75,10 @@ def run_command(sources: list[str], output: str, **options) -> None:
     )
     result = common.run(run, config)
     if result is not None and options["json_output"]:
-        report.print_json(report.run_json(result))
-        report.warn_empty(result.analyze)
+        summary.print_json(summary.run_json(result))
+        summary.warn_empty(result.analyze)
     elif result is not None:
-        report.print_run(result)
+        summary.print_run(result)
 
 
 _SIGNATURE = inspect.Signature(list(_OWN.parameters) + list(_MERGED.values()))

@@ -41,6 +41,9 @@ def simulate_command(
     if gantt_step is not None:
         for r in result.results:
             console.print(gantt_chart(r, gantt_step, width))
+    if result.trace:
+        console.print(f"trace of {result.trace_steps:,} steps → {result.trace} (open it in Perfetto or "
+                      "chrome://tracing)")
 
 
 def summary_table(result):

@@ -17,14 +17,14 @@ from varlen_cli.sort import SortConfig
 )
 def sort_command(config: SortConfig, json_output: bool = common.JSON) -> None:
     """Sort a metrics directory globally by key, distributed over workers (sample sort)."""
-    from varlen_cli.cli import report
+    from varlen_cli.cli import summary
     from varlen_cli.sort import sort
 
     result = common.run(sort, config)
     if result is not None and json_output:
-        report.print_json(report.sort_json(result))
+        summary.print_json(summary.sort_json(result))
     elif result is not None:
-        report.print_sort(result)
+        summary.print_sort(result)
 
 
 def register(app: typer.Typer) -> None:

@@ -14,7 +14,11 @@
 * packed plans run padding-free (no 2D mask, ``position_ids`` restarting per sample, ``use_cache=False``);
 * checkpoints hold the plan position and fingerprint (``varlen_plan_state.json``); resuming seeks
   there (no fast-forward) and refuses a checkpoint of another plan;
-* logs get ``tokens_per_second`` (real tokens, all ranks, from the plan) and ``padding_pct``.
+* logs get ``tokens_per_second`` (real tokens, all ranks, from the plan) and ``padding_pct``;
+* every optimizer step logs the plan's figures of that step (:func:`~varlen_cli.loader.plan_metrics`:
+  ``varlen/*``, ``global_seqlen/*``) through ``Trainer.log``, so they reach whatever ``report_to``
+  names (TensorBoard shows them as ``train/varlen/...``), at the step's ``global_step``, without
+  printing a line per step (``plan_metrics=False``: not logged).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from ..loader import PadCollate, VariableBatchSizeLR, dataloader_for_plan, to_model_inputs
 from ..loader.packed import PackedCollate
@@ -88,11 +92,12 @@ class PlanTrainerMixin:
     ``plan``: a plan file or :class:`Plan`; ``plan_collate``: the collate (default
     ``PadCollate``/``PackedCollate`` with shifted labels); ``attention``: ``"hf"`` (default: packed
     rows through transformers' position-id packing detection, sdpa or eager), ``"flash"`` or ``"sdpa"``
-    (float block mask), see :func:`~varlen_cli.loader.to_model_inputs`.
+    (float block mask), see :func:`~varlen_cli.loader.to_model_inputs`; ``plan_metrics``: log the
+    plan's figures of every optimizer step (default True).
     """
 
     def __init__(self, *args: Any, plan: Plan | str | os.PathLike, plan_collate: Any = None,
-                 attention: str = "hf", **kwargs: Any):
+                 attention: str = "hf", plan_metrics: bool = True, **kwargs: Any):
         self.plan = open_plan(plan)
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if training_args is None:
@@ -106,8 +111,11 @@ class PlanTrainerMixin:
         self._plan_slots = 0  # padded tokens this rank ran
         self._plan_real_local = 0
         self._plan_t0: float | None = None
+        self._plan_figures = None  # the figures of the step being trained (its microbatches carry them)
         super().__init__(*args, **kwargs)
         _check_world(self.args, self.plan)
+        if plan_metrics:
+            self.add_callback(PlanMetricsCallback(self))
 
     # -- data ----------------------------------------------------------------------------------
     def get_train_dataloader(self):
@@ -183,6 +191,7 @@ class PlanTrainerMixin:
     def _account(self, batch: dict) -> None:
         if self._plan_t0 is None:
             self._plan_t0 = time.perf_counter()
+        self._plan_figures = getattr(batch.get("info"), "figures", None)
         if int(batch["plan_position"][3]) == 0:
             self._plan_tokens += int(batch["step_tokens"])
         self._plan_slots += int(batch["input_ids"].numel())
@@ -196,6 +205,24 @@ class PlanTrainerMixin:
                 logs["padding_pct"] = round(100.0 * (1 - self._plan_real_local / self._plan_slots), 2)
         return super().log(logs, *args, **kwargs)
 
+    def log_plan_figures(self) -> None:
+        """Log the figures of the optimizer step just taken through ``Trainer.log`` itself (not a
+        subclass's: TRL's would flush its own metrics), to every callback but the console printers,
+        keeping the Trainer's own decision to log this step."""
+        from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+        figures, self._plan_figures = self._plan_figures, None
+        if figures is None:
+            return
+        handler, should_log = self.callback_handler, self.control.should_log
+        shown = handler.callbacks
+        handler.callbacks = [cb for cb in shown if not isinstance(cb, (PrinterCallback, ProgressCallback))]
+        try:
+            Trainer.log(self, figures.metrics())
+        finally:
+            handler.callbacks = shown
+            self.control.should_log = should_log
+
     # -- checkpoints ---------------------------------------------------------------------------
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
@@ -203,6 +230,20 @@ class PlanTrainerMixin:
             return
         folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
         save_plan_state(folder, self.plan, self.plan_loader.state_dict(), self.state.global_step)
+
+
+class PlanMetricsCallback(TrainerCallback):
+    """After every optimizer step: :meth:`PlanTrainerMixin.log_plan_figures` (added by the mixin)."""
+
+    def __init__(self, trainer: PlanTrainerMixin):
+        import weakref
+
+        self.trainer = weakref.ref(trainer)  # no cycle through the Trainer's callbacks
+
+    def on_step_end(self, args, state, control, **kwargs):
+        trainer = self.trainer()
+        if trainer is not None:
+            trainer.log_plan_figures()
 
 
 def save_plan_state(folder: str, plan: Plan, loader_state: dict, global_step: int) -> str:

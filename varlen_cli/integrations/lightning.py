@@ -17,8 +17,10 @@ being stateful) is the position of the last batch *trained*, not the one Lightni
 so a mid-epoch resume seeks to exactly the next microbatch; the callback (added to the Trainer by
 the data module itself) refuses a Trainer whose ``use_distributed_sampler``,
 ``accumulate_grad_batches``, ``limit_train_batches``, ``max_epochs`` or ``max_steps`` disagree with the
-plan and an LR scheduler that is not the plan's (or not stepped per optimizer step). A plan made by
-``varlen replan`` resumes from the checkpoint it was made from, on the new number of processes.
+plan and an LR scheduler that is not the plan's (or not stepped per optimizer step), and logs the
+plan's figures of every optimizer step (``varlen/*``, ``global_seqlen/*``) through ``pl_module.log``.
+A plan made by ``varlen replan`` resumes from the checkpoint it was made from, on the new number
+of processes.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 
 import lightning.pytorch as L
 
-from ..loader import VariableBatchSizeLR, dataloader_for_plan
+from ..loader import VariableBatchSizeLR, dataloader_for_plan, plan_metrics
 from ..loader.guard import bind
 from ..loader.plan_file import Plan, PlanError
 from ..loader.replan import first_epoch, first_step, lineage
@@ -80,6 +82,17 @@ class PlanCallback(L.Callback):
         if loader is not None:
             loader.mark_consumed(batch)  # Lightning fetched ahead: this is the batch being trained
 
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        """The plan's figures of the step (:func:`~varlen_cli.loader.plan_metrics`) through
+        ``pl_module.log``, once per optimizer step (after its last microbatch): Lightning sends them to
+        its loggers at the step, every ``log_every_n_steps``."""
+        info = batch.get("info") if isinstance(batch, dict) else None
+        if not self.datamodule.plan_metrics or getattr(info, "figures", None) is None or \
+                info.micro != self.datamodule.plan.grad_accum - 1:
+            return
+        for name, value in plan_metrics(batch).items():
+            pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=1)
+
 
 def check_trainer(trainer, plan: Plan) -> None:
     """Refuse Trainer settings that would train other data, steps or epochs than the plan's."""
@@ -111,14 +124,16 @@ class PlanDataModule(L.LightningDataModule):
 
     ``collate_fn``, ``num_workers`` and other keyword arguments go to
     :func:`~varlen_cli.loader.dataloader_for_plan`. Its checks (:class:`PlanCallback`) are armed in
-    ``setup``: the Trainer needs no callback from the user.
+    ``setup``: the Trainer needs no callback from the user. ``plan_metrics``: log the plan's figures of
+    every optimizer step through ``pl_module.log`` (default True).
     """
 
     def __init__(self, dataset, plan: Plan | str | os.PathLike, *, collate_fn: Any = None, num_workers: int = 0,
-                 **loader_kwargs: Any):
+                 plan_metrics: bool = True, **loader_kwargs: Any):
         super().__init__()
         self.dataset = dataset
         self.plan = open_plan(plan)
+        self.plan_metrics = plan_metrics
         self.collate_fn = collate_fn
         self.num_workers = num_workers
         self.loader_kwargs = loader_kwargs

@@ -31,11 +31,13 @@ from .plan_file import Plan, PlanError
 from .position import PlanRow, batch_position, check_batch
 from .sampler import MicrobatchIndices, PlanBatchSampler, resolve_rank
 from .source_dataset import SourceDataset
+from .step_figures import StepFigures, plan_metric_events, plan_metrics
 
 __all__ = [
     "BOOKKEEPING_KEYS", "ConsumptionGuard", "IGNORE_INDEX", "Ledger", "Microbatch", "MicrobatchIndices",
     "PackedCollate", "PackedLayoutError", "PadCollate", "Plan", "PlanBatchSampler", "PlanDataLoader", "PlanDataset",
-    "PlanError", "PlanRow", "Samples", "SourceDataset", "VariableBatchSizeLR", "batch_position", "block_causal_mask",
-    "causal_padding_mask", "check_batch", "collate_packed", "dataloader_for_plan", "packed_layout", "pad_collate",
-    "predicted_memory", "resolve_rank", "to_model_inputs",
+    "PlanError", "PlanRow", "Samples", "SourceDataset", "StepFigures", "VariableBatchSizeLR", "batch_position",
+    "block_causal_mask", "causal_padding_mask", "check_batch", "collate_packed", "dataloader_for_plan",
+    "packed_layout", "pad_collate", "plan_metric_events", "plan_metrics", "predicted_memory", "resolve_rank",
+    "to_model_inputs",
 ]

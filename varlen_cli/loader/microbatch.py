@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -29,6 +30,8 @@ class Microbatch:
     sample_starts: np.ndarray | None = None
     source: np.ndarray | None = None  # mixture plans: index of each sample's source (plan.meta["mixture"])
     step_loss_tokens: int | None = None  # loss targets of the whole step (plans written since the column exists)
+    # the step's figures over all ranks (loader/step_figures.py: StepFigures), for the trackers
+    figures: Any = field(default=None, compare=False, repr=False)
 
     @property
     def step_targets(self) -> int:

@@ -49,7 +49,7 @@ class _Group:
             raise PlanError(f"the plan holds sample id {int(ids.min())}: sample ids index the dataset from 0 (the file "
                             f"was edited or damaged; make it again with `varlen plan`)")
 
-    def microbatch(self, row: int) -> Microbatch:
+    def microbatch(self, row: int, figures=None) -> Microbatch:
         i = row - self.first_row
         s = self.scalars
         lists = {}
@@ -62,7 +62,7 @@ class _Group:
             shape_id=int(s["shape_id"][i]), step_samples=int(s["step_samples"][i]),
             step_tokens=int(s["step_tokens"][i]), sample_lengths=lists.get("sample_lengths"),
             sample_rows=lists.get("sample_rows"), sample_starts=lists.get("sample_starts"), source=lists.get("source"),
-            step_loss_tokens=int(s["step_loss_tokens"][i]) if "step_loss_tokens" in s else None,
+            step_loss_tokens=int(s["step_loss_tokens"][i]) if "step_loss_tokens" in s else None, figures=figures,
         )
 
 
@@ -86,6 +86,7 @@ class Plan:
         self._group: _Group | None = None
         self._lr_scales: np.ndarray | None = None
         self._fingerprint: str | None = None
+        self._figures = None  # the steps' figures for the trackers (StepFigureTable), read when first asked
         self.dp = int(meta.get("dp", 0))
         self.grad_accum = int(meta.get("grad_accum", 0))
         self.num_steps = int(meta.get("num_steps", 0))
@@ -328,11 +329,20 @@ class Plan:
         if not 0 <= micro < self.grad_accum:
             raise PlanError(f"micro {micro} is out of range: the plan has grad_accum={self.grad_accum}")
         row = (step * self.dp + rank) * self.grad_accum + micro
-        mb = self._load(row).microbatch(row)
+        mb = self._load(row).microbatch(row, self.step_figures(step))
         if (mb.step, mb.rank, mb.micro) != (step, rank, micro):
             raise PlanError(f"{self.path} rows are not in (step, rank, micro) order: row {row} holds "
                             f"(step {mb.step}, rank {mb.rank}, micro {mb.micro}), expected ({step}, {rank}, {micro})")
         return mb
+
+    def step_figures(self, step: int):
+        """The :class:`~varlen_cli.loader.step_figures.StepFigures` of global ``step`` (all ranks; from
+        the plan file, a window of steps at a time): what the trackers log for it."""
+        if self._figures is None:
+            from .step_figures import StepFigureTable
+
+            self._figures = StepFigureTable(self._pf, self.meta)
+        return self._figures.figures(step)
 
     def check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.dp:

@@ -133,6 +133,7 @@ class AtomicFile(_AtomicOutput):
     only a file of the same format)."""
 
     json_format: str | None = None
+    kind: str = "file"  # what --overwrite may replace (safety.check_replaceable): a plan, "report" or "trace"
 
     def check(self) -> None:
         from .. import storage
@@ -144,10 +145,11 @@ class AtomicFile(_AtomicOutput):
         safety.check_file_name(self.given, "plan.parquet" if self.json_format is None else "profile.json")
         parent = os.path.dirname(self.path)
         if os.path.isdir(self.path) and not os.path.islink(self.path):
-            name = "plan.parquet" if self.json_format is None else "profile.json"
+            name = {"report": "report.html", "trace": "trace.json"}.get(
+                self.kind, "plan.parquet" if self.json_format is None else "profile.json")
             raise OutputError(f"output {self.given} is a directory; give a file name such as {name}")
         if self.json_format is None:
-            safety.check_replaceable(self.given, self.overwrite, "file")
+            safety.check_replaceable(self.given, self.overwrite, self.kind)
         else:
             safety.check_replaceable(self.given, self.overwrite, "json", self.json_format)
         if not os.path.isdir(parent):
@@ -162,14 +164,15 @@ class AtomicFile(_AtomicOutput):
 
 @contextmanager
 def atomic_file(path: str, overwrite: bool, inputs: Sequence[str] = (),
-                json_format: str | None = None) -> Iterator[AtomicFile]:
+                json_format: str | None = None, kind: str = "file") -> Iterator[AtomicFile]:
     """Lock ``path``, check it, yield an :class:`AtomicFile` to write ``.tmp`` of, then swap it in;
     on any failure (or SIGTERM) the temporary is removed and an old file stays as it was. An
     object-storage ``path`` is written locally and uploaded at the end (:mod:`.remote_output`).
 
     ``inputs``: every input of the command (``safety.stage_inputs(config)``), none of which the output
     may be, contain or lie inside. ``json_format``: the output is a JSON file of that format (a memory
-    profile) instead of a plan."""
+    profile) instead of a plan; ``kind``: ``"report"`` (a page or image of ``varlen report``) or ``"trace"``
+    (a ``varlen simulate --trace`` file) instead of a plan."""
     from .. import storage
 
     safety.check_no_overlap(path, inputs)
@@ -180,7 +183,7 @@ def atomic_file(path: str, overwrite: bool, inputs: Sequence[str] = (),
             yield remote_out
         return
     out = AtomicFile(path, overwrite)
-    out.json_format = json_format
+    out.json_format, out.kind = json_format, kind
     out.check()
     with safety.output_lock(out.path, path):
         try:

@@ -304,6 +304,24 @@ def made_by_varlen_file(path: str) -> bool:
     return True
 
 
+MARKED_SUFFIX = {"report": "html", "trace": "json"}
+
+
+def made_by_varlen_mark(path: str, kind: str) -> bool:
+    """A page or image of ``varlen report`` (``kind`` ``report``) or a ``varlen simulate --trace`` file
+    (``trace``): its mark (``format.OUTPUT_MARKS``) in the first 4 KiB, so a large file is not read."""
+    from .. import format
+
+    if not _regular_file(path):
+        return False
+    try:
+        with open_regular(path, "rb") as fh:
+            head = fh.read(4096)
+    except (OSError, InputError):
+        return False
+    return format.OUTPUT_MARKS[kind].encode() in head
+
+
 def _regular_file(path: str) -> bool:
     try:
         return stat.S_ISREG(os.stat(path).st_mode)
@@ -322,8 +340,9 @@ def check_file_name(path: str, example: str = "plan.parquet") -> None:
 def check_replaceable(path: str, overwrite: bool, kind: str, json_format: str | None = None):
     """Refuse to replace an existing ``path`` unless ``--overwrite`` and varlen made it and holds
     nothing else: ``kind`` ``dir`` (a metrics, sorted or run directory, without files varlen did not
-    write there), ``file`` (a plan) or ``json`` (a JSON file whose ``format`` is ``json_format``, such
-    as a memory profile). Symbolic links are never replaced (nor their targets). An object-storage
+    write there), ``file`` (a plan), ``json`` (a JSON file whose ``format`` is ``json_format``, such
+    as a memory profile), ``report`` (a page or image of ``varlen report``) or ``trace`` (a ``varlen
+    simulate --trace`` file). Symbolic links are never replaced (nor their targets). An object-storage
     ``path`` follows the same rules (:func:`check_remote_replaceable`), whose result it returns."""
     from .. import storage
 
@@ -346,6 +365,11 @@ def check_replaceable(path: str, overwrite: bool, kind: str, json_format: str | 
         if not _regular_file(path) or _json_format(path) != json_format:
             raise OutputError(f"output {path} is not a {json_format.replace('-', ' ')}; --overwrite replaces only "
                               "varlen outputs")
+    elif kind in ("report", "trace"):
+        if os.path.isdir(path):
+            raise OutputError(f"output {path} is a directory; give a file name such as {kind}.{MARKED_SUFFIX[kind]}")
+        if not made_by_varlen_mark(path, kind):
+            raise OutputError(f"output {path} is not a varlen {kind}; --overwrite replaces only varlen outputs")
     else:
         if os.path.isdir(path):
             raise OutputError(f"output {path} is a directory; give a file name such as plan.parquet")

@@ -1,9 +1,11 @@
 """Plain-text formatting of values and histograms, shared by library tables (``inspect``) and the
-CLI's summaries (``cli/report.py``)."""
+CLI's summaries (``cli/summary.py``)."""
 
 from __future__ import annotations
 
 from typing import Any
+
+LOG_BINS = 64  # bins of a log2 length histogram (bin 0: length 0, bin k: [2**(k-1), 2**k))
 
 
 def fmt(x: Any) -> str:
@@ -30,3 +32,14 @@ def histogram_lines(log2_bins: list, width: int = 30) -> list[tuple[str, str, st
         bar = "█" * (round(width * n / peak) if peak else 0)
         rows.append((label, f"{n:,}", bar))
     return rows
+
+
+def log2_histogram(values):
+    """Counts per power-of-two bin (numpy int64, :data:`LOG_BINS` bins): bin 0 holds 0, bin k holds
+    [2**(k-1), 2**k)."""
+    import numpy as np
+
+    v = np.asarray(values, dtype=np.int64)
+    # frexp's exponent of v > 0 is floor(log2 v) + 1 (exact: no rounding of a log), and 0 for 0.
+    bins = np.frexp(v.astype(np.float64))[1] if len(v) else np.zeros(0, dtype=np.int64)
+    return np.bincount(bins, minlength=LOG_BINS)[:LOG_BINS].astype(np.int64)

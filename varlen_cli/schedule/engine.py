@@ -1,4 +1,5 @@
-"""The greedy master scheduler, vectorised across steps.
+"""The greedy master scheduler, vectorised across steps, and the job times of a unit (:func:`unit_starts`:
+the closed forms where they apply, else the scheduler).
 
 Jobs of one unit (a block of the step's microbatches that shares no worker with the others) are
 numbered ``j = d * S * n + s * n + i`` (``d`` 0 forward / 1 backward, stage ``s``, ``i``-th
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import UsageError
+from .closed import chain_starts, gpipe_starts
 from .schemes import BACKWARD, FORWARD, Scheme
 
 
@@ -222,3 +224,13 @@ def greedy(jobs: Jobs, durations: np.ndarray) -> np.ndarray:
             if heads.size:
                 ready[ck[heads], heads] = ready_of(k[heads], heads)
     return start.T
+
+
+def unit_starts(scheme: Scheme, jobs: Jobs, costs: np.ndarray, r: float) -> tuple[np.ndarray, np.ndarray]:
+    """Start times and durations ``(rows, J)`` of one unit's jobs; ``costs`` is ``(rows, n)``."""
+    per_job = costs[:, jobs.micro - jobs.first] * np.where(jobs.backward, r, 1.0)[None, :]
+    if scheme.closed_form == "chain":
+        return chain_starts(costs, scheme.stages, r), per_job
+    if scheme.closed_form == "gpipe":
+        return gpipe_starts(costs, scheme.stages, r), per_job
+    return greedy(jobs, per_job), per_job

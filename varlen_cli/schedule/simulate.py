@@ -14,8 +14,7 @@ import numpy as np
 from ..errors import InputError, UsageError
 from ..runtime import rank0
 from ..runtime.choices import doc
-from .closed import chain_starts, gpipe_starts
-from .engine import Jobs, build_jobs, greedy
+from .engine import Jobs, build_jobs, unit_starts
 from .schemes import SCHEDULES, Scheme, make_scheme
 
 _COLUMNS = ("step", "rank", "micro", "batch_size", "seqlen")
@@ -43,6 +42,11 @@ class SimulateConfig:
                                              "B*T + A*B*T^2 or packed tokens + A*sum(l_i^2)); a value overrides the "
                                              "plan's A.")
     gantt_step: int | None = doc(None, "Draw step N as a Gantt chart: worker rows, time columns, microbatch ids.")
+    trace: str | None = doc(None, "Write the simulated schedule as Chrome trace events to this JSON file (open it in "
+                                  "Perfetto or chrome://tracing): a track per worker and stage, an event per forward "
+                                  "and backward, steps end to end.")
+    trace_steps: int | None = doc(None, "The steps --trace holds, from step 0 (default: every step).")
+    overwrite: bool = doc(False, "Replace an existing --trace file (only one varlen wrote).")
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,8 @@ class ScheduleResult:
 class SimulateResult:
     plan: str
     results: list = field(default_factory=list)
+    trace: str | None = None  # the --trace file written
+    trace_steps: int = 0  # the steps it holds
 
 
 def read_plan_costs(path: str, attention_cost: float | None = None) -> PlanCosts:
@@ -183,16 +189,6 @@ def _row_groups(pf):
     for g in range(pf.metadata.num_row_groups):
         yield g, at
         at += pf.metadata.row_group(g).num_rows
-
-
-def unit_starts(scheme: Scheme, jobs: Jobs, costs: np.ndarray, r: float) -> tuple[np.ndarray, np.ndarray]:
-    """Start times and durations ``(rows, J)`` of one unit's jobs; ``costs`` is ``(rows, n)``."""
-    per_job = costs[:, jobs.micro - jobs.first] * np.where(jobs.backward, r, 1.0)[None, :]
-    if scheme.closed_form == "chain":
-        return chain_starts(costs, scheme.stages, r), per_job
-    if scheme.closed_form == "gpipe":
-        return gpipe_starts(costs, scheme.stages, r), per_job
-    return greedy(jobs, per_job), per_job
 
 
 def _peak_activation(jobs: Jobs, on: np.ndarray, start, end, tokens) -> np.ndarray:
@@ -329,6 +325,11 @@ def check_config(config: SimulateConfig) -> None:
         raise UsageError(f"--workers must be >= 1 (got {config.workers})")
     if config.groups is not None and config.groups < 1:
         raise UsageError(f"--groups must be >= 1 (got {config.groups})")
+    if config.trace_steps is not None and (config.trace is None or config.trace_steps < 1):
+        raise UsageError("--trace-steps needs --trace FILE" if config.trace is None else
+                         f"--trace-steps must be >= 1 (got {config.trace_steps})")
+    if config.overwrite and config.trace is None:
+        raise UsageError("--overwrite applies to --trace FILE (simulate writes nothing else)")
     if config.schedule not in SCHEDULES + ("all",) and ":" not in config.schedule:
         raise UsageError(f"--schedule {config.schedule!r} is not one of {', '.join(SCHEDULES)}, all, or "
                          "MODULE:FUNCTION")
@@ -356,6 +357,7 @@ def simulate(config: SimulateConfig) -> SimulateResult:
         raise UsageError(f"--gantt-step {config.gantt_step} is not a step of the plan (0 .. {costs.num_steps - 1})")
     names = SCHEDULES if config.schedule == "all" else (config.schedule,)
     result = SimulateResult(plan=config.plan)
+    schemes = []
     for name in names:
         # With "all", --groups applies to the pipelines and --workers to LPP/FSLPP; DDP/FSDP use dp workers.
         workers, groups = config.workers, config.groups
@@ -365,7 +367,20 @@ def simulate(config: SimulateConfig) -> SimulateResult:
         scheme = make_scheme(name, stages=config.stages, microbatches=costs.per_step, dp=costs.dp,
                              workers=workers, groups=groups)
         check_size(scheme)
+        schemes.append(scheme)
+    if config.trace:
+        from .trace import check_trace_output, check_trace_size, trace_steps
+
+        check_trace_output(config.trace, config.overwrite, config.plan)
+        check_trace_size(schemes, trace_steps(costs.num_steps, config.trace_steps), config.trace_steps)
+    for scheme in schemes:
         res = simulate_scheme(scheme, costs, config.backward_ratio, config.gantt_step)
         res.cost_model = costs.cost_model
         result.results.append(res)
+    if config.trace:
+        from .trace import write_trace
+
+        result.trace_steps = write_trace(config.trace, list(zip(schemes, result.results)), costs,
+                                         config.backward_ratio, config.trace_steps, config.overwrite)
+        result.trace = config.trace
     return result

@@ -275,7 +275,7 @@ def _summary(c, ctx: PlanContext, laid: LaidOut, tallies: list[Tally], cols: tup
     summary["straggler_overhead"] = overhead
     if epochs[0].warmup_missing:
         summary["warmup_missing"] = int(epochs[0].warmup_missing)
-    zero_loss = int(np.count_nonzero(step_targets == 0))  # steps whose loss would be 0/0 (report.warn_zero_loss)
+    zero_loss = int(np.count_nonzero(step_targets == 0))  # steps whose loss is 0/0 (cli/summary.py warns)
     if zero_loss:
         summary["zero_loss_steps"] = zero_loss
     if c.lr_scaling != "none" and c.lr_scale_by == "samples":
