@@ -16,7 +16,7 @@ from typing import Any
 import typer
 
 # The commands, in --help order; each is ``varlen_cli/cli/<name>.py`` with ``register(app)``.
-COMMANDS = ("analyze", "sort", "plan", "replan", "run", "inspect", "validate", "simulate", "calibrate")
+COMMANDS = ("analyze", "sort", "plan", "replan", "run", "inspect", "validate", "simulate", "calibrate", "export")
 
 
 class _LazyCommands(typer.core.TyperGroup):

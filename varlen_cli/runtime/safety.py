@@ -141,20 +141,21 @@ def _json_format(path: str) -> str | None:
 
 def made_by_varlen_dir(path: str) -> bool:
     """A varlen metrics/sorted directory (``_manifest.json``), a ``varlen run`` output (``_run.json``),
-    or an empty directory (nothing to lose)."""
+    a ``varlen export`` output (``_export.json``), or an empty directory (nothing to lose)."""
     if not os.listdir(path):
         return True
     from .. import format
 
     return (_json_format(os.path.join(path, format.MANIFEST_NAME)) == format.METRICS_FORMAT
-            or _json_format(os.path.join(path, format.RUN_MANIFEST_NAME)) == format.RUN_FORMAT)
+            or _json_format(os.path.join(path, format.RUN_MANIFEST_NAME)) == format.RUN_FORMAT
+            or _json_format(os.path.join(path, format.EXPORT_MANIFEST_NAME)) == format.DEEPSPEED_EXPORT_FORMAT)
 
 
 def foreign_entries(path: str) -> list[str]:
     """What a varlen directory holds that varlen did not write there, as paths relative to ``path``:
     anything but the manifest and the parts it lists (metrics/sorted), or, in a ``varlen run``
     output, anything but ``_run.json``, ``plan.parquet`` and the ``metrics``/``sorted`` directories
-    (checked the same way)."""
+    (checked the same way); in a ``varlen export`` output, anything but ``_export.json`` and the files it lists."""
     from .. import format
 
     names = set(os.listdir(path))
@@ -169,6 +170,10 @@ def foreign_entries(path: str) -> list[str]:
             else:
                 foreign.append(sub)
         return foreign
+    export = _json(os.path.join(path, format.EXPORT_MANIFEST_NAME))
+    if export is not None and export.get("format") == format.DEEPSPEED_EXPORT_FORMAT:  # varlen export
+        files = export.get("files") if isinstance(export.get("files"), list) else []
+        return sorted(names - {format.EXPORT_MANIFEST_NAME} - {str(f) for f in files})
     manifest = _json(os.path.join(path, format.MANIFEST_NAME)) or {}
     parts = manifest.get("parts") if isinstance(manifest.get("parts"), list) else []
     ours = {format.MANIFEST_NAME} | {str(p.get("file")) for p in parts if isinstance(p, dict)}
