@@ -1,9 +1,9 @@
 """The recipes of docs/loader.md and docs/integrations.md run as written: each ```python block that
 starts with ``# recipe: NAME (FILE)`` is saved as FILE and started with 2 CPU processes (gloo) as the
 command the docs give under it starts them, on a plan of a slice of sample_data/tokenized.parquet.
-The plain DDP and torchdata recipes run under the real ``torchrun`` command (the ddp recipe's second run,
-its resume, under tests/launcher.py); the other framework recipes under tests/launcher.py, which starts
-each rank as torchrun does from a process that imported the frameworks once (their frameworks' 2-rank
+The plain DDP, torchdata and DeepSpeed recipes run under the real ``torchrun`` command (the ddp recipe's
+second run, its resume, under tests/launcher.py); the other framework recipes under tests/launcher.py, which
+starts each rank as torchrun does from a process that imported the frameworks once (their frameworks' 2-rank
 tests run under the real torchrun)."""
 
 import os
@@ -32,10 +32,12 @@ def _recipes() -> dict:
 
 RECIPES = _recipes()
 NEEDS = {"hf": ["transformers"], "trl": ["trl", "datasets"], "accelerate": ["accelerate", "transformers"],
-         "lightning": ["lightning", "transformers"], "torchdata": ["torchdata"], "ddp": []}
+         "lightning": ["lightning", "transformers"], "torchdata": ["torchdata"], "ddp": [],
+         "deepspeed": ["deepspeed", "transformers"]}
 # the recipes whose framework has no other launch under the real torchrun (the others' 2-rank tests run
-# their full run under it: tests/integrations/test_{hf,trl,accelerate,lightning,fsdp2}.py)
-REAL = ("ddp", "torchdata")
+# their full run under it: tests/integrations/test_{hf,trl,accelerate,lightning,fsdp2}.py; DeepSpeed's
+# tests run under tests/launcher.py, its recipe under the real torchrun)
+REAL = ("ddp", "torchdata", "deepspeed")
 PRELOAD = {"hf": IMPORTS["train_hf_trainer.py"], "trl": IMPORTS["train_trl.py"],
            "accelerate": IMPORTS["train_accelerate.py"], "lightning": IMPORTS["train_lightning.py"],
            "torchdata": ("torchdata.stateful_dataloader",), "ddp": ("torch.nn.parallel",)}
@@ -75,7 +77,7 @@ def test_recipe_runs_as_written_on_two_processes(plan, tmp_path, name):
     args = [plan_path, data] + ([TOKENIZER] if name == "trl" else [])
     steps = Plan.open(plan_path).num_steps
     out = _run(tmp_path, name, file, *args, real=name in REAL).stdout
-    if name in ("ddp", "torchdata", "accelerate"):
+    if name in ("ddp", "torchdata", "accelerate", "deepspeed"):
         assert f"trained to step {steps}" in out, out[-2000:]
     if name == "ddp":  # run again: it resumes from its last checkpoint and trains the rest
         assert os.path.exists(tmp_path / "ckpt.pt")

@@ -32,14 +32,15 @@ What the plain setup gets wrong, and what each name does instead (docs/integrati
   between steps of different shapes; :func:`pipe_loss` is the matching ``loss_fn``.
 
 Per-step tracker figures (``engine.monitor``) are not written here yet: the hook point is
-:func:`~.engine.sync_lr`'s callers (one call per microbatch, with the batch) in :func:`backward`
+:func:`~.binding.sync_lr`'s callers (one call per microbatch, with the batch) in :func:`backward`
 and :meth:`PipeLoader._before`.
 """
 
 from __future__ import annotations
 
+from .binding import PlanBinding, binding_of
 from .checkpoint import load_checkpoint, save_checkpoint
-from .engine import PlanBinding, backward, binding_of, initialize
+from .engine import backward, initialize
 from .pipe import PipeBatch, PipeLoader, pipe_loss
 
 __all__ = ["PipeBatch", "PipeLoader", "PlanBinding", "backward", "binding_of", "initialize", "load_checkpoint",

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ...loader.plan_file import PlanError
 from ...loader.replan import first_step
-from .engine import binding_of, sync_lr
+from .binding import binding_of, sync_lr
 
 CLIENT_KEY = "varlen"
 

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import os
-import weakref
-from dataclasses import dataclass
-from typing import Any
 
 import deepspeed
 import torch
@@ -14,30 +11,11 @@ from deepspeed.pipe import PipelineModule
 
 from ...loader import VariableBatchSizeLR, dataloader_for_plan
 from ...loader.plan_file import Plan, PlanError
-from ...loader.position import batch_position, describe
 from ...loader.replan import first_step
 from .. import open_plan
+from .binding import TRAINING_DATA, PlanBinding, bind, binding_of, check_position, sync_lr
 from .config import check_engine, engine_config
-
-TRAINING_DATA = ("deepspeed.initialize(training_data=...) wraps the dataset in DeepSpeed's own loader, whose "
-                 "DistributedSampler re-shards it across the ranks: its batches are not the plan's. Pass the dataset "
-                 "to varlen_cli.integrations.deepspeed.initialize(plan, dataset, ...) and train on the loader it "
-                 "returns")
-
-
-@dataclass
-class PlanBinding:
-    """What :func:`initialize` ties to an engine: the plan, this rank's loader, the plan's LR scheduler."""
-
-    plan: Plan
-    loader: Any  # the plan loader (PipeLoader for a PipelineModule)
-    lr: VariableBatchSizeLR
-    rank: int  # data-parallel rank and size: the engine's data-parallel group
-    dp: int
-    loads_data: bool  # False on the middle stages of a pipeline
-
-
-_BINDINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+from .pipe import PipeLoader, check_pipe_plan
 
 
 def initialize(plan: Plan | str | os.PathLike, dataset, *, model, config, optimizer=None, model_parameters=None,
@@ -53,8 +31,6 @@ def initialize(plan: Plan | str | os.PathLike, dataset, *, model, config, optimi
     :class:`~varlen_cli.loader.VariableBatchSizeLR`, which the engine steps. ``mpu``: a model-parallel
     unit, as for DeepSpeed; ``pipe_inputs``: the batch keys a pipeline's first stage gets.
     """
-    from .pipe import PipeLoader, check_pipe_plan
-
     if "training_data" in loader_kwargs:
         raise PlanError(TRAINING_DATA)
     if isinstance(dataset, torch.utils.data.DataLoader):
@@ -77,8 +53,7 @@ def initialize(plan: Plan | str | os.PathLike, dataset, *, model, config, optimi
     binding = PlanBinding(plan=plan, loader=loader, lr=lr, rank=rank, dp=dp, loads_data=loads_data)
     if pipe:
         binding.loader = PipeLoader(loader, engine, binding, inputs=pipe_inputs)
-    _BINDINGS[engine] = binding
-    _follow_skipped_steps(engine, binding)
+    bind(engine, binding)
     return engine, engine.optimizer, binding.loader, lr
 
 
@@ -108,17 +83,6 @@ def check_same_plan(plan: Plan) -> None:
                         f"hang ZeRO 2/3 and pipelines)")
 
 
-def binding_of(engine) -> PlanBinding:
-    """The plan an engine was made for by :func:`initialize` (refuses any other engine)."""
-    binding = _BINDINGS.get(engine)
-    if binding is not None:
-        return binding
-    if getattr(engine, "training_dataloader", None) is not None:
-        raise PlanError(TRAINING_DATA)
-    raise PlanError("this DeepSpeed engine was not made by varlen_cli.integrations.deepspeed.initialize(plan, dataset, "
-                    "...): its gradient accumulation, LR schedule and loader do not follow the plan")
-
-
 def backward(engine, loss_sum: torch.Tensor, batch: dict):
     """``engine.backward`` of a microbatch's *summed* token loss, normalised to the exact mean over the
     whole step's loss targets across ranks: ``loss_sum * dp / batch["step_loss_tokens"]``, with the
@@ -132,54 +96,3 @@ def backward(engine, loss_sum: torch.Tensor, batch: dict):
     return engine.backward(loss_sum * (binding.dp / targets), scale_wrt_gas=False)
 
 
-def check_position(engine, binding: PlanBinding, batch: Any, micro: bool) -> tuple[int, int, int, int]:
-    """The batch is the microbatch the engine is at: the plan's step (the engine's global step minus the
-    steps before a replanned plan) and, with ``micro``, its micro index."""
-    pos = batch_position(batch)
-    plan = binding.plan
-    step = engine.global_steps - first_step(plan)
-    at = engine.micro_steps % plan.grad_accum if micro else pos[3]
-    if (pos[1], pos[3]) == (step, at):
-        return pos
-    if engine.global_steps < first_step(plan):
-        raise PlanError(f"{plan.path} continues a job from its global step {first_step(plan)} (made by `varlen "
-                        f"replan`) but the engine is at step {engine.global_steps}: load the checkpoint it was made "
-                        f"from (varlen_cli.integrations.deepspeed.load_checkpoint)")
-    raise PlanError(f"desync: the microbatch at {describe(pos)} reaches the DeepSpeed engine at plan step {step}"
-                    + (f", micro {at}" if micro else "") + ": call engine.step() after every microbatch, and resume "
-                    "the engine and the loader together (varlen_cli.integrations.deepspeed.load_checkpoint)")
-
-
-def sync_lr(engine, binding: PlanBinding) -> None:
-    """Bring the plan's ``VariableBatchSizeLR`` to the engine's step. DeepSpeed steps the scheduler only
-    after an update it applied; an update it skipped (fp16 or bf16 gradient overflow) leaves it one
-    step behind the data. Here the scheduler steps for each skipped step too, so the LR at every step
-    the engine applies is the base schedule there x the plan's ``lr_scale`` there (the skipped step's
-    microbatches were consumed; its update is lost, as always with a skipped step)."""
-    lr = binding.lr
-    behind = engine.global_steps - first_step(binding.plan) - lr.step_index
-    if behind == 0:
-        return
-    if behind < 0 or behind > engine.skipped_steps:
-        raise PlanError(f"desync: the plan's LR scheduler is at step {lr.step_index} but the DeepSpeed engine at plan "
-                        f"step {lr.step_index + behind} ({engine.skipped_steps} skipped): step the scheduler only "
-                        f"through the engine, and resume both from one checkpoint")
-    for _ in range(behind):
-        lr.step()
-
-
-def _follow_skipped_steps(engine, binding: PlanBinding) -> None:
-    """Also sync the LR right before every update the engine applies (a torch optimizer step pre-hook):
-    the middle stages of a pipeline load no data, so nothing else of theirs runs between steps."""
-    optimizer = engine.optimizer
-    while not isinstance(optimizer, torch.optim.Optimizer) and getattr(optimizer, "optimizer", None) is not None:
-        optimizer = optimizer.optimizer
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        return
-    ref = weakref.ref(engine)
-
-    def before_update(*_) -> None:
-        if ref() is not None:
-            sync_lr(ref(), binding)
-
-    optimizer.register_step_pre_hook(before_update)

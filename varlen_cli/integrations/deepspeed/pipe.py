@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ...loader.plan_file import Plan, PlanError
+from .binding import check_position, sync_lr
 from .config import plan_columns
 
 
@@ -106,8 +107,6 @@ class PipeLoader:
         return PipeBatch(inputs[0] if len(inputs) == 1 else inputs, (batch["labels"], scale), batch.get("info"))
 
     def _before(self, batch: dict) -> None:
-        from .engine import check_position, sync_lr
-
         engine = self._engine
         _, step, _, micro = check_position(engine, self._binding, batch, micro=False)
         sync_lr(engine, self._binding)
