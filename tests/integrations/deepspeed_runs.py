@@ -26,6 +26,7 @@ from varlen_cli.integrations import deepspeed as varlen_ds  # noqa: E402
 
 SAVE_AT = {0: 3, 2: 6, 3: 6, "pipe": 4}  # checkpoint after this global step (ZeRO-0: the elastic restart's parent)
 OVERFLOW_STEP = 1
+HF_LR = 3e-3
 
 
 def train(folder: str, data: str, name: str, plan: str, *extra, hook=None) -> dict:
@@ -49,6 +50,43 @@ def runs(folder: str, data: str) -> None:
         train(folder, data, f"z{stage}-resumed", "padded.parquet", "--zero", str(stage), "--resume", "--ckpt",
               os.path.join(folder, f"ckpt-z{stage}"))
     train(folder, data, "bf16", "padded.parquet", "--zero", "2", "--bf16", "--max-steps", "4", hook=overflow)
+
+
+def hf_overflow(folder: str, data: str) -> None:
+    """PlanTrainer with a bf16 ZeRO-2 DeepSpeed config, step 1 overflowing: Trainer does not step the scheduler
+    after a skipped update; PlanTrainer's plan scheduler steps anyway (rank-R.json: the LR of each step)."""
+    import train_hf_trainer as hf_example
+    from transformers import TrainerCallback, TrainingArguments
+
+    class OverflowingTrainer(hf_example.LoggingPlanTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            return overflow(loss, inputs)
+
+    config = {"zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True, "bf16": {"enabled": True},
+              "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}
+    args = TrainingArguments(output_dir=os.path.join(folder, "hf-bf16-out"), learning_rate=HF_LR,
+                             lr_scheduler_type="constant", bf16=True, use_cpu=True, deepspeed=config, max_steps=4,
+                             report_to=[], save_strategy="no", disable_tqdm=True, max_grad_norm=0.0)
+    dataset = example.TokenDataset(data)
+    trainer = OverflowingTrainer(plan=os.path.join(folder, "padded.parquet"), model=example.tiny_llama(
+        dataset.vocab_size, 512), args=args, train_dataset=dataset)
+    log = {"steps": [], "lr": [], "unscaled_lr": [], "lr_scale": [], "micro": [], "skipped": []}
+    trainer.add_callback(hf_example.Recorder(trainer, log, None))
+
+    class Skips(TrainerCallback):
+        def __init__(self, accelerator):
+            self.accelerator = accelerator
+
+        def on_step_end(self, args, state, control, **kwargs):
+            log["skipped"].append(bool(self.accelerator.optimizer_step_was_skipped))
+
+    trainer.add_callback(Skips(trainer.accelerator))
+    trainer.train()
+    os.makedirs(os.path.join(folder, "hf-bf16"), exist_ok=True)
+    with open(os.path.join(folder, "hf-bf16", f"rank-{dist.get_rank()}.json"), "w") as fh:
+        json.dump(log, fh)
+    del trainer
 
 
 def pipe_runs(folder: str, data: str) -> None:
@@ -114,6 +152,7 @@ def main() -> None:
     folder, data = sys.argv[1], sys.argv[2]
     deepspeed.init_distributed(dist_backend="gloo")
     runs(folder, data)
+    hf_overflow(folder, data)
     found = refusals(folder, data)  # and the pipeline runs
     if dist.get_rank() == 0:
         with open(os.path.join(folder, "refusals.json"), "w") as fh:

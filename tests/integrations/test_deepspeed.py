@@ -118,6 +118,18 @@ def test_a_skipped_update_keeps_the_lr_on_the_plan(ds):
 
 
 @pytest.mark.slow
+def test_plan_trainer_under_deepspeed_keeps_the_lr_on_the_plan_across_a_skipped_update(ds):
+    """PlanTrainer, bf16 ZeRO-2 config, step 1 overflowing: Trainer steps no scheduler after the skipped
+    update, PlanTrainer's plan scheduler steps anyway (else step 2 would run at step 1's lr_scale, or,
+    with 2 micros a step, stop with a desync)."""
+    folder, _, plans = ds
+    plan = plans["padded"]
+    for run in logs(folder / "hf-bf16"):
+        assert run["steps"] == [0, 1, 2, 3] and run["skipped"] == [False, True, False, False]
+        assert np.allclose(run["lr"], [LR * plan.lr_scales()[s] for s in range(4)], rtol=1e-9)
+
+
+@pytest.mark.slow
 def test_pipeline_engine_two_stages_same_shape_plan(ds, reference):
     """2 stages (data-parallel size 1): the first stage is fed its plan rows in order, the LR follows the
     plan, the first step's loss is the exact mean over its targets, and the shape changes between steps

@@ -4,7 +4,10 @@
   (and TRL's ``SFTTrainer``) — ``pip install varlen-cli[hf]``;
 * :mod:`varlen_cli.integrations.accelerate`: ``prepare_plan_dataloader(accelerator, loader)``;
 * :mod:`varlen_cli.integrations.lightning`: ``PlanDataModule`` and ``PlanLRCallback`` —
-  ``pip install varlen-cli[lightning]``.
+  ``pip install varlen-cli[lightning]``;
+* :mod:`varlen_cli.integrations.deepspeed`: ``initialize``, ``backward``, ``save_checkpoint``,
+  ``load_checkpoint`` for the DeepSpeed engine (ZeRO 0-3, the pipeline engine) —
+  ``pip install varlen-cli[deepspeed]``.
 
 See docs/integrations.md.
 """
