@@ -6,10 +6,11 @@
     # --deepspeed-max samples, its time extrapolated beyond (power law through its two largest runs)
     PYTHONPATH=. python benchmarks/bench_deepspeed.py plan --sizes 2000,5000,339000 --deepspeed-max 5000
 
-    # CPU tokens/s of a tiny Llama under the DeepSpeed engine, ZeRO-2, 2 processes (real torchrun), the
-    # three in the same run, interleaved: the varlen plan (varlen_cli.integrations.deepspeed),
-    # batch_by_seqlens' microbatches through DeepSpeed's dataloader_for_variable_batch_size, and fixed
-    # random padded batches (the plan's mean batch size, padded to the batch's longest sample)
+    # CPU tokens/s of a tiny Llama under the DeepSpeed engine, ZeRO-2, 2 processes (real torchrun), all in
+    # the same run, interleaved: the varlen plan (varlen_cli.integrations.deepspeed), the varlen plan with
+    # --max-tokens = batch_by_seqlens' largest padded microbatch (the same peak size), batch_by_seqlens'
+    # microbatches through DeepSpeed's dataloader_for_variable_batch_size, and fixed random padded
+    # batches (the plan's mean batch size, padded to the batch's longest sample)
     PYTHONPATH=. python benchmarks/bench_deepspeed.py train --samples 2000 --repeats 3
 
 Same budget for all: --max-tokens padded tokens per microbatch for varlen (B x T, never exceeded);
@@ -54,21 +55,20 @@ def plan_bench(args) -> None:
     print(f"# {' '.join(sys.argv)}")
     print(f"# {os.cpu_count()} CPUs (shared), load {os.getloadavg()[0]:.1f}; budget {args.max_tokens} padded tokens, "
           f"dp {args.dp}; lengths: sample_data/tokenized.parquet")
-    print(f"{'N':>8} {'method':<34} {'CPU s':>10} {'microbatches':>12} {'padding %':>9} {'over budget':>11} "
-          f"{'straggler':>9}")
+    print(f"{'N':>8} {'method':<34} {'CPU s':>10} {'wall s':>8} {'microbatches':>12} {'padding %':>9} "
+          f"{'over budget':>11} {'straggler':>9}")
     ds_times = {}
     bench_plan.peer_deepspeed(sample_lengths(200), args.max_tokens, args.dp)  # imports DeepSpeed outside the timing
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         for n in [int(s) for s in args.sizes.split(",")]:
             lengths = sample_lengths(n)
-            runs = [_cpu_timed(bench_plan.varlen_plan, lengths, args.max_tokens, args.dp, "bucket-shuffle", tmp)
+            runs = [_timed(bench_plan.varlen_plan, lengths, args.max_tokens, args.dp, "bucket-shuffle", tmp)
                     for _ in range(args.repeats)]
-            m = runs[0][0][0]
-            _row(n, "varlen plan (bucket-shuffle)", statistics.median(cpu for _, cpu in runs), m)
+            _row(n, "varlen plan (bucket-shuffle)", runs, runs[0][0][0])
             if n <= args.deepspeed_max:
-                batches, ds_times[n] = _cpu_timed(bench_plan.peer_deepspeed, lengths, args.max_tokens, args.dp)
-                _row(n, "deepspeed batch_by_seqlens", ds_times[n],
-                     bench_plan.metrics_of(batches, lengths, args.max_tokens, args.dp))
+                ds = [_timed(bench_plan.peer_deepspeed, lengths, args.max_tokens, args.dp) for _ in range(args.repeats)]
+                ds_times[n] = _row(n, "deepspeed batch_by_seqlens", ds,
+                                   bench_plan.metrics_of(ds[0][0], lengths, args.max_tokens, args.dp))
             elif len(ds_times) >= 2:
                 (n1, t1), (n2, t2) = sorted(ds_times.items())[-2:]
                 k = np.log(t2 / t1) / np.log(n2 / n1)
@@ -77,17 +77,20 @@ def plan_bench(args) -> None:
                       f"{n1:,} and {n2:,}; {est / 86400:.1f} days)", flush=True)
 
 
-def _cpu_timed(fn, *args):
-    """``(fn(*args), CPU seconds of this process)``: on a shared machine CPU time, not wall time, is what
-    a single-threaded planner costs."""
-    t0 = time.process_time()
+def _timed(fn, *args):
+    """``(fn(*args), CPU seconds of this process, wall seconds)``: on a shared machine CPU time, not wall
+    time, is what a single-threaded planner costs."""
+    t0, c0 = time.perf_counter(), time.process_time()
     out = fn(*args)
-    return out, time.process_time() - t0
+    return out, time.process_time() - c0, time.perf_counter() - t0
 
 
-def _row(n: int, name: str, seconds: float, m: dict) -> None:
-    print(f"{n:>8,} {name:<34} {seconds:>10.3f} {m['microbatches']:>12,} {m['padding_pct']:>9.2f} "
+def _row(n: int, name: str, runs: list, m: dict) -> float:
+    """Print one row (medians of the runs); returns the median CPU seconds."""
+    cpu, wall = statistics.median(r[1] for r in runs), statistics.median(r[2] for r in runs)
+    print(f"{n:>8,} {name:<34} {cpu:>10.3f} {wall:>8.3f} {m['microbatches']:>12,} {m['padding_pct']:>9.2f} "
           f"{m['over_budget']:>11,} {m['straggler_mean']:>9.3f}", flush=True)
+    return cpu
 
 
 # -- train: tokens/s under the DeepSpeed engine ----------------------------------------------------------
@@ -104,10 +107,12 @@ def train_bench(args) -> None:
         from varlen_cli.plan import PlanConfig, plan
 
         metrics = bench_plan.write_metrics_dir(os.path.join(tmp, "metrics"), lengths)
-        plan(PlanConfig(input=metrics, output=os.path.join(tmp, "plan.parquet"), max_tokens=args.max_tokens,
-                        dp=2, grad_accum=1, lr_scaling="linear", overwrite=True, progress=False))
         bench_plan.peer_deepspeed(sample_lengths(200), args.max_tokens, 2)  # imports DeepSpeed outside the timing
-        ds, ds_seconds = _cpu_timed(bench_plan.peer_deepspeed, lengths, args.max_tokens, 2)
+        ds, ds_seconds, _ = _timed(bench_plan.peer_deepspeed, lengths, args.max_tokens, 2)
+        peak = max(len(b) * int(lengths[b].max()) for b in ds)  # DeepSpeed's largest padded microbatch
+        for name, budget in (("plan.parquet", args.max_tokens), ("plan-peak.parquet", peak)):
+            plan(PlanConfig(input=metrics, output=os.path.join(tmp, name), max_tokens=budget, dp=2, grad_accum=1,
+                            lr_scaling="linear", overwrite=True, progress=False))
         with open(os.path.join(tmp, "ds.json"), "w") as fh:
             json.dump([b.tolist() for b in ds], fh)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", __file__,
@@ -116,8 +121,13 @@ def train_bench(args) -> None:
         print(f"# {' '.join(sys.argv)}")
         print(f"# {os.cpu_count()} CPUs (shared), load {os.getloadavg()[0]:.1f} before; {args.samples:,} samples of "
               f"sample_data/tokenized.parquet, budget {args.max_tokens}, tiny Llama hidden {args.hidden}, fp32, "
-              f"ZeRO-2, 2 processes x 1 thread; batch_by_seqlens planned in {ds_seconds:.2f} CPU s", flush=True)
+              f"ZeRO-2, 2 processes x 1 thread; batch_by_seqlens planned in {ds_seconds:.2f} CPU s, its largest padded "
+              f"microbatch {peak} tokens", flush=True)
         subprocess.run(cmd, check=True, env=env)
+
+
+# the varlen plans: at the budget, and at DeepSpeed's largest padded microbatch (the same peak size)
+PLANS = {"varlen plan": "plan.parquet", "varlen plan, DS's peak budget": "plan-peak.parquet"}
 
 
 def _batches(method: str, tmp: str, rank: int, dataset) -> list:
@@ -149,8 +159,8 @@ def _pad(dataset, ids: list) -> dict:
     return PadCollate()([dataset[i] for i in ids])
 
 
-def _train_one(method: str, tmp: str, hidden: int) -> tuple[float, int, int]:
-    """One epoch of ``method`` on a fresh engine: (seconds, real tokens, padded tokens) of this rank."""
+def _train_one(method: str, tmp: str, hidden: int) -> tuple[float, float, int, int]:
+    """One epoch of ``method`` on a fresh engine: (seconds, CPU seconds, real tokens, padded tokens) of this rank."""
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -162,11 +172,11 @@ def _train_one(method: str, tmp: str, hidden: int) -> tuple[float, int, int]:
     from varlen_cli.loader import Plan, to_model_inputs
 
     dataset = TokenDataset(os.path.join(tmp, "data.parquet"))
-    plan = Plan.open(os.path.join(tmp, "plan.parquet"))
+    plan = Plan.open(os.path.join(tmp, PLANS.get(method, "plan.parquet")))
     model = tiny_llama(dataset.vocab_size, 512, hidden=hidden)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     config = {"zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
-    if method == "varlen plan":
+    if method in PLANS:
         engine, _, loader, _ = varlen_ds.initialize(plan, dataset, model=model, config=config, optimizer=optimizer)
         batches = loader
     else:
@@ -175,19 +185,20 @@ def _train_one(method: str, tmp: str, hidden: int) -> tuple[float, int, int]:
         batches = (_pad(dataset, ids) for ids in _batches(method, tmp, dist.get_rank(), dataset))
     real = padded = 0
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for batch in batches:
         logits = engine(**to_model_inputs(batch, labels=False)).logits
         loss_sum = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="sum")
-        if method == "varlen plan":
+        if method in PLANS:
             varlen_ds.backward(engine, loss_sum, batch)
         else:
             engine.backward(loss_sum / max(int(batch["loss_tokens"]), 1))
         engine.step()
         real += int(batch["num_tokens"])
         padded += int(batch["input_ids"].numel())
+    cpu = time.process_time() - c0
     dist.barrier()
-    return time.perf_counter() - t0, real, padded
+    return time.perf_counter() - t0, cpu, real, padded
 
 
 def _train_ranks(args) -> None:
@@ -195,24 +206,34 @@ def _train_ranks(args) -> None:
     import torch.distributed as dist
 
     deepspeed.init_distributed(dist_backend="gloo")
-    methods = ["varlen plan", "deepspeed batch_by_seqlens", "fixed random batches"]
+    methods = [*PLANS, "deepspeed batch_by_seqlens", "fixed random batches"]
     seen = {m: [] for m in methods}
     for r in range(args.repeats):
-        for method in methods[r % 3:] + methods[:r % 3]:  # rotate the order each round
-            seconds, real, padded = _train_one(method, args.tmp, args.hidden)
+        for method in methods[r % len(methods):] + methods[:r % len(methods)]:  # rotate the order each round
             totals = [None] * dist.get_world_size()
-            dist.all_gather_object(totals, (seconds, real, padded))
-            seen[method].append((max(t[0] for t in totals), sum(t[1] for t in totals), sum(t[2] for t in totals)))
+            dist.all_gather_object(totals, _train_one(method, args.tmp, args.hidden))
+            seen[method].append((max(t[0] for t in totals), sum(t[1] for t in totals), sum(t[2] for t in totals),
+                                 sum(t[3] for t in totals)))
     if dist.get_rank() == 0:
-        print(f"{'method':<28} {'real tokens/s (median)':>22} {'runs':<28} {'padding %':>9} {'vs varlen':>9}")
-        base = statistics.median(real / s for s, real, _ in seen["varlen plan"])
-        for method, runs in seen.items():
-            speeds = [real / s for s, real, _ in runs]
-            pad = 100 * (1 - runs[0][1] / runs[0][2])
-            print(f"{method:<28} {statistics.median(speeds):>22,.0f} {', '.join(f'{x:,.0f}' for x in speeds):<28} "
-                  f"{pad:>9.2f} {statistics.median(speeds) / base:>8.2f}x", flush=True)
+        _report(seen)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _report(seen: dict) -> None:
+    """Per method: real tokens per second (wall, slowest rank) and per CPU-second (both ranks), medians;
+    padding; the ratios to the varlen plan."""
+    print(f"{'method':<30} {'tokens/s':>9} {'runs':<24} {'tokens/CPU-s':>12} {'runs':<24} {'padding %':>9} "
+          f"{'vs varlen (s, CPU-s)':>20}")
+    rate = {m: [real / s for s, _, real, _ in runs] for m, runs in seen.items()}
+    per_cpu = {m: [real / c for _, c, real, _ in runs] for m, runs in seen.items()}
+    base, base_cpu = statistics.median(rate["varlen plan"]), statistics.median(per_cpu["varlen plan"])
+    for method, runs in seen.items():
+        pad = 100 * (1 - runs[0][2] / runs[0][3])
+        r, c = statistics.median(rate[method]), statistics.median(per_cpu[method])
+        print(f"{method:<30} {r:>9,.0f} {', '.join(f'{x:,.0f}' for x in rate[method]):<24} {c:>12,.0f} "
+              f"{', '.join(f'{x:,.0f}' for x in per_cpu[method]):<24} {pad:>9.2f} "
+              f"{r / base:>10.2f}x {c / base_cpu:>7.2f}x", flush=True)
 
 
 def main() -> None:
@@ -223,7 +244,7 @@ def main() -> None:
     s.add_argument("--deepspeed-max", type=int, default=5000, help="largest N batch_by_seqlens runs on")
     s.add_argument("--max-tokens", type=int, default=2048)
     s.add_argument("--dp", type=int, default=2)
-    s.add_argument("--repeats", type=int, default=3, help="varlen runs per N (median)")
+    s.add_argument("--repeats", type=int, default=3, help="runs per N and method (median)")
     s.add_argument("--work", default=tempfile.gettempdir())
     t = sub.add_parser("train")
     t.add_argument("--samples", type=int, default=2000)

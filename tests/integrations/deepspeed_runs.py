@@ -1,8 +1,9 @@
 """The DeepSpeed runs of tests/integrations/test_deepspeed.py, one after another in one 2-rank launch
 (each rank imports DeepSpeed once, and the launcher's zygote already did): ``examples/train_deepspeed.py``'s
 ``train`` for ZeRO 0-3 (ZeRO-0 and ZeRO-2/3 also checkpoint mid-epoch), the ZeRO-2 and ZeRO-3 resumes
-from DeepSpeed's own checkpoint in fresh engines, bf16 with an overflowing step, the 2-stage pipeline
-(and its resume), and the refusals, whose one-line messages go to ``refusals.json``.
+from DeepSpeed's own checkpoint in fresh engines, bf16 with an overflowing step (the engine, and Hugging
+Face's Trainer through PlanTrainer), the 2-stage pipeline (and its resume), and the refusals, whose
+one-line messages go to ``refusals.json``.
 
     python -m tests.launcher ... deepspeed_runs.py FOLDER DATA
 """

@@ -1,10 +1,11 @@
 """DeepSpeed on a plan (varlen_cli.integrations.deepspeed), with the real engine: CPU, gloo, 2 processes.
 
 One 2-rank launch (tests/integrations/deepspeed_runs.py) trains the plan under ZeRO 0, 1, 2 and 3,
-resumes ZeRO-2 and ZeRO-3 from DeepSpeed's own mid-epoch checkpoints, overflows one bf16 step,
-runs a 2-stage pipeline and collects the refusals; the tests below check what each run did against
-the plan and against single-process references. A 3-rank launch continues the ZeRO-0 job on a plan
-made by ``varlen replan --dp 3``; Hugging Face's Trainer runs with a ZeRO-2 config through PlanTrainer.
+resumes ZeRO-2 and ZeRO-3 from DeepSpeed's own mid-epoch checkpoints, overflows one bf16 step (under
+the engine and under PlanTrainer), runs a 2-stage pipeline and collects the refusals; the tests below
+check what each run did against the plan and against single-process references. A 3-rank launch
+continues the ZeRO-0 job on a plan made by ``varlen replan --dp 3``; Hugging Face's Trainer runs with a
+ZeRO-2 config through PlanTrainer (full run and resume).
 """
 
 import json

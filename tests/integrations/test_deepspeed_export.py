@@ -32,6 +32,7 @@ def export(*args):
 
 
 @pytest.mark.parametrize("unit", ["samples", "tokens"])
+@pytest.mark.filterwarnings("ignore::UserWarning")  # DeepSpeed's VariableBatchSizeLR calls step(epoch) at start
 def test_deepspeeds_own_loader_and_lr_consume_the_export(plans, tmp_path, unit):
     sampling = pytest.importorskip("deepspeed.runtime.data_pipeline.data_sampling.variable_batch_size_and_lr")
     import torch

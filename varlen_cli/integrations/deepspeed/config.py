@@ -92,7 +92,7 @@ def _sizes(plan: Plan) -> str:
     return f"{low}" if low == high else f"{low} to {high}"
 
 
-def check_engine(engine: Any, plan: Plan) -> None:
+def check_engine(engine: Any) -> None:
     """Settings of a built engine that the plan's loss normalisation does not cover."""
     sp = int(getattr(engine, "sequence_parallel_size", 1) or 1)
     if sp > 1:

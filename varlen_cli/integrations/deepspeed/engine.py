@@ -42,7 +42,7 @@ def initialize(plan: Plan | str | os.PathLike, dataset, *, model, config, optimi
         check_pipe_plan(plan, model)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=model_parameters,
                                            lr_scheduler=lr_scheduler, mpu=mpu, config=engine_config(config, plan))
-    check_engine(engine, plan)
+    check_engine(engine)
     rank, dp = data_parallel(engine)
     check_same_plan(plan)
     loader = dataloader_for_plan(dataset, plan, rank=rank, world_size=dp, collate_fn=collate_fn, **loader_kwargs)
