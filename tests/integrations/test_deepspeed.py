@@ -165,7 +165,6 @@ def test_refusals_are_one_line(ds):
                      "DistributedSampler re-shards it across the ranks: its batches are not the plan's. Pass the "
                      "dataset to varlen_cli.integrations.deepspeed.initialize(plan, dataset, ...) and train on the "
                      "loader it returns")
-    sizes = sorted({mb.num_samples for s in range(plans["padded"].num_steps) for mb in plans["padded"].step(s)})
     pipebad = plans["pipebad"]
     step = next(s for s in range(pipebad.num_steps) if len({mb.shape for mb in pipebad.step(s)}) > 1)
     seen = ", ".join(sorted({f"{b}x{t}" for b, t in (mb.shape for mb in pipebad.step(step))}))
@@ -174,8 +173,9 @@ def test_refusals_are_one_line(ds):
         "engine_with_training_data": training_data,
         "grad_accum": "the DeepSpeed config has gradient_accumulation_steps=3 but the plan was made with --grad-accum "
                       "2: leave it out (varlen sets it from the plan) or re-plan",
-        "micro_batch": f"the DeepSpeed config has train_micro_batch_size_per_gpu=4 but the plan's microbatches hold "
-                       f"{sizes[0]} to {sizes[-1]} samples (varlen plans them): leave it out or set \"auto\"",
+        "implied_grad_accum": "the DeepSpeed config has train_batch_size=64 and train_micro_batch_size_per_gpu=4, "
+                              "which make 8 accumulation steps on 2 data-parallel ranks, but the plan was made with "
+                              "--grad-accum 2: leave them out (varlen sets them from the plan)",
         "other_plan": f"rank 1 trains another plan ({plans['other'].path}: {plans['other'].num_steps} steps x "
                       f"grad_accum 2) than rank 0 ({plans['padded'].path}: {plans['padded'].num_steps} steps x "
                       f"grad_accum 2): every rank must train the same plan (unequal microbatch counts per step hang "
@@ -185,6 +185,35 @@ def test_refusals_are_one_line(ds):
                        f"DeepSpeed's pipeline engine keeps its p2p buffers from the first send: re-plan with "
                        f"--same-shape-per-step, or build the PipelineModule with dynamic_shape=True",
     }
+
+
+def test_the_config_takes_the_plans_batch_settings(tmp_path):
+    """gradient_accumulation_steps and the micro batch size come from the plan: DeepSpeed's micro batch size
+    only counts samples, so a variable plan's mean replaces a given value; a plan of one batch size refuses
+    another, as do settings that imply another accumulation; DeepSpeed's own data sampling is refused."""
+    from varlen_cli.errors import PlanError
+    from varlen_cli.integrations.deepspeed.config import engine_config
+
+    data = small_dataset(tmp_path)
+    variable = Plan.open(make_plan(tmp_path, data, "variable", max_tokens=512, dp=2, grad_accum=2, lr_scaling="none"))
+    fixed = Plan.open(make_plan(tmp_path, data, "fixed", max_tokens=2048, dp=2, grad_accum=2, lr_scaling="none",
+                                static_shapes=True, num_shapes=1))
+    mean = round(sum(mb.num_samples for r in range(2) for mb in variable.microbatches(r)) / variable.num_microbatches)
+    base = {"zero_optimization": {"stage": 2}}
+    got = engine_config({**base, "train_micro_batch_size_per_gpu": 1, "train_batch_size": "auto"}, variable)
+    assert got == {**base, "gradient_accumulation_steps": 2, "train_micro_batch_size_per_gpu": mean}
+    b = fixed.microbatch(0, 0, 0).batch_size
+    assert engine_config({**base, "train_micro_batch_size_per_gpu": b}, fixed)["train_micro_batch_size_per_gpu"] == b
+    with pytest.raises(PlanError, match=rf"^the DeepSpeed config has train_micro_batch_size_per_gpu={b + 1} but every "
+                                        rf"microbatch of the plan holds {b} \(padded\) samples: leave it out or set "
+                                        r'"auto"$'):
+        engine_config({**base, "train_micro_batch_size_per_gpu": b + 1}, fixed)
+    with pytest.raises(PlanError, match=r"^the DeepSpeed config has gradient_accumulation_steps='2': give a positive "
+                                        r'integer, "auto", or leave it out$'):
+        engine_config({**base, "gradient_accumulation_steps": "2"}, variable)
+    with pytest.raises(PlanError, match=r"^the DeepSpeed config enables data_efficiency: DeepSpeed would sample and "
+                                        r"batch the data itself"):
+        engine_config({**base, "data_efficiency": {"enabled": True}}, variable)
 
 
 @pytest.mark.slow

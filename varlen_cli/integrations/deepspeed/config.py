@@ -1,10 +1,12 @@
 """The DeepSpeed config a plan needs, and the settings that contradict a plan (each a one-line ``PlanError``).
 
-* ``gradient_accumulation_steps`` is the plan's ``grad_accum`` (another explicit value is refused);
-* ``train_micro_batch_size_per_gpu`` is what DeepSpeed counts samples with (its ``global_samples``,
-  throughput and monitor axes): the plan's batch size when every microbatch has the same one, else
-  the mean samples per microbatch, rounded; an explicit other value is refused, as is a
-  ``train_batch_size`` other than that x ``grad_accum`` x ``dp`` (``"auto"`` is accepted for both);
+* ``gradient_accumulation_steps`` is the plan's ``grad_accum``: another explicit value is refused, and
+  so are a ``train_batch_size`` and ``train_micro_batch_size_per_gpu`` that imply another one;
+* ``train_micro_batch_size_per_gpu`` only counts samples in DeepSpeed (its ``global_samples``,
+  throughput and monitor axes): it is set to the plan's batch size when every microbatch has the
+  same one (another explicit value is refused), else to the mean samples per microbatch, rounded
+  (an explicit value is then replaced: no single number is the plan's); ``train_batch_size`` is left
+  to DeepSpeed (micro x ``grad_accum`` x the data-parallel size);
 * DeepSpeed's own data sampling (``data_efficiency``, ``curriculum_learning``) would re-batch the
   data: refused.
 
@@ -39,12 +41,14 @@ def plan_columns(plan: Plan, names: tuple[str, ...]) -> dict[str, np.ndarray]:
     return {name: table.column(name).to_numpy() for name in names}
 
 
-def micro_batch_size(plan: Plan) -> int:
-    """Samples per microbatch as DeepSpeed counts them (see the module docstring)."""
-    sizes = plan_columns(plan, ("num_samples",))["num_samples"]
-    if len(sizes) and sizes.min() == sizes.max():
-        return max(1, int(sizes[0]))
-    return max(1, int(round(float(sizes.mean())))) if len(sizes) else 1
+def micro_batch_size(plan: Plan) -> tuple[int, bool]:
+    """Samples per microbatch as DeepSpeed counts them, and whether every microbatch has that batch size
+    (see the module docstring)."""
+    cols = plan_columns(plan, ("num_samples", "batch_size"))
+    sizes, padded = cols["num_samples"], cols["batch_size"]
+    if padded.min() == padded.max():
+        return max(1, int(padded[0])), True
+    return max(1, int(round(float(sizes.mean())))), False
 
 
 def read_config(config: dict | str | os.PathLike) -> dict:
@@ -64,19 +68,20 @@ def read_config(config: dict | str | os.PathLike) -> dict:
 def engine_config(config: dict | str | os.PathLike, plan: Plan) -> dict:
     """``config`` with the plan's gradient accumulation and micro batch size (module docstring)."""
     cfg = read_config(config)
-    ga = cfg.get("gradient_accumulation_steps")
+    ga, given, total = (_count(cfg, k) for k in ("gradient_accumulation_steps", "train_micro_batch_size_per_gpu",
+                                                 "train_batch_size"))
     if ga not in AUTO and ga != plan.grad_accum:
         raise PlanError(f"the DeepSpeed config has gradient_accumulation_steps={ga} but the plan was made with "
                         f"--grad-accum {plan.grad_accum}: leave it out (varlen sets it from the plan) or re-plan")
-    micro = micro_batch_size(plan)
-    given = cfg.get("train_micro_batch_size_per_gpu")
-    if given not in AUTO and given != micro:
-        raise PlanError(f"the DeepSpeed config has train_micro_batch_size_per_gpu={given} but the plan's microbatches "
-                        f"hold {_sizes(plan)} samples (varlen plans them): leave it out or set \"auto\"")
-    total = cfg.get("train_batch_size")
-    if total not in AUTO and total != micro * plan.grad_accum * plan.dp:
-        raise PlanError(f"the DeepSpeed config has train_batch_size={total}: the plan makes every step's batch "
-                        f"(its size varies); leave it out or set \"auto\"")
+    if ga in AUTO and given not in AUTO and total not in AUTO and total != given * plan.grad_accum * plan.dp:
+        raise PlanError(f"the DeepSpeed config has train_batch_size={total} and train_micro_batch_size_per_gpu="
+                        f"{given}, which make {total / (given * plan.dp):g} accumulation steps on {plan.dp} "
+                        f"data-parallel ranks, but the plan was made with --grad-accum {plan.grad_accum}: leave them "
+                        f"out (varlen sets them from the plan)")
+    micro, fixed = micro_batch_size(plan)
+    if fixed and given not in AUTO and given != micro:
+        raise PlanError(f"the DeepSpeed config has train_micro_batch_size_per_gpu={given} but every microbatch of "
+                        f"the plan holds {micro} (padded) samples: leave it out or set \"auto\"")
     for key in ("data_efficiency", "curriculum_learning"):
         if isinstance(cfg.get(key), dict) and cfg[key].get("enabled"):
             raise PlanError(f"the DeepSpeed config enables {key}: DeepSpeed would sample and batch the data itself, "
@@ -86,10 +91,12 @@ def engine_config(config: dict | str | os.PathLike, plan: Plan) -> dict:
     return cfg
 
 
-def _sizes(plan: Plan) -> str:
-    sizes = plan_columns(plan, ("num_samples",))["num_samples"]
-    low, high = int(sizes.min()), int(sizes.max())
-    return f"{low}" if low == high else f"{low} to {high}"
+def _count(cfg: dict, key: str):
+    """``cfg[key]``: absent (None), ``"auto"`` or a positive integer (else refused)."""
+    value = cfg.get(key)
+    if value in AUTO or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        return value
+    raise PlanError(f"the DeepSpeed config has {key}={value!r}: give a positive integer, \"auto\", or leave it out")
 
 
 def check_engine(engine: Any) -> None:
