@@ -49,7 +49,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--plan", required=True)
     p.add_argument("--data", default=os.path.join(ROOT, "sample_data", "tokenized.parquet"))
-    p.add_argument("--zero", type=int, default=2, choices=[0, 1, 2, 3], help="ZeRO stage")
+    p.add_argument("--zero", type=int, default=None, choices=[0, 1, 2, 3],
+                   help="ZeRO stage (default 2; with --pipe 0: the pipeline engine runs ZeRO 0 or 1)")
     p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (DeepSpeed's bf16 optimizer)")
     p.add_argument("--pipe", action="store_true", help="a 2-stage PipelineModule (ZeRO 0 or 1)")
     p.add_argument("--lr", type=float, default=3e-3)
@@ -72,8 +73,8 @@ def main(argv=None) -> None:
 
 def ds_config(args) -> dict:
     """The DeepSpeed config: no batch sizes or gradient accumulation (they come from the plan)."""
-    config = {"zero_optimization": {"stage": args.zero}, "zero_allow_untested_optimizer": True,
-              "steps_per_print": 10**9}
+    stage = args.zero if args.zero is not None else 0 if args.pipe else 2
+    config = {"zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
     if args.bf16:
         config["bf16"] = {"enabled": True}
     return config

@@ -214,6 +214,9 @@ def test_the_config_takes_the_plans_batch_settings(tmp_path):
     with pytest.raises(PlanError, match=r"^the DeepSpeed config enables data_efficiency: DeepSpeed would sample and "
                                         r"batch the data itself"):
         engine_config({**base, "data_efficiency": {"enabled": True}}, variable)
+    with pytest.raises(PlanError, match=r"^the DeepSpeed config has ZeRO stage 2 but DeepSpeed's pipeline engine runs "
+                                        r"ZeRO stage 0 or 1 only$"):
+        engine_config(base, variable, pipe=True)
 
 
 @pytest.mark.slow

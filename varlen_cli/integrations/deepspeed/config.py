@@ -65,9 +65,14 @@ def read_config(config: dict | str | os.PathLike) -> dict:
     return data
 
 
-def engine_config(config: dict | str | os.PathLike, plan: Plan) -> dict:
-    """``config`` with the plan's gradient accumulation and micro batch size (module docstring)."""
+def engine_config(config: dict | str | os.PathLike, plan: Plan, pipe: bool = False) -> dict:
+    """``config`` with the plan's gradient accumulation and micro batch size (module docstring); ``pipe``:
+    for DeepSpeed's pipeline engine (ZeRO 0 or 1 only)."""
     cfg = read_config(config)
+    stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
+    if pipe and stage not in (0, 1):
+        raise PlanError(f"the DeepSpeed config has ZeRO stage {stage} but DeepSpeed's pipeline engine runs ZeRO "
+                        f"stage 0 or 1 only")
     ga, given, total = (_count(cfg, k) for k in ("gradient_accumulation_steps", "train_micro_batch_size_per_gpu",
                                                  "train_batch_size"))
     if ga not in AUTO and ga != plan.grad_accum:

@@ -41,7 +41,7 @@ def initialize(plan: Plan | str | os.PathLike, dataset, *, model, config, optimi
     if pipe:
         check_pipe_plan(plan, model)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=model_parameters,
-                                           lr_scheduler=lr_scheduler, mpu=mpu, config=engine_config(config, plan))
+                                           lr_scheduler=lr_scheduler, mpu=mpu, config=engine_config(config, plan, pipe))
     check_engine(engine)
     rank, dp = data_parallel(engine)
     check_same_plan(plan)
