@@ -52,13 +52,35 @@ class Recorder(TrainerCallback):
     def __init__(self, trainer, log: dict, grad_path: str | None):
         self.trainer, self.log, self.grad_path = trainer, log, grad_path
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        engine = getattr(self.trainer, "deepspeed", None)
+        if self.grad_path and engine is not None and state.global_step == 0:
+            self.record_deepspeed_gradient(engine)
+
+    def record_deepspeed_gradient(self, engine) -> None:
+        """Under DeepSpeed the update happens inside ``accelerator.backward``, before the optimizer-step
+        callbacks: record step 0's gradient between the engine's backward (which reduced it) and its
+        step (which applies and clears it), with DeepSpeed's ``safe_get_full_grad`` (any ZeRO stage)."""
+        from deepspeed.utils import safe_get_full_grad
+
+        step = engine.step
+
+        def step_after_recording(*a, **kw):
+            if engine.global_steps == 0 and engine.is_gradient_accumulation_boundary():
+                grads = {n: safe_get_full_grad(p) for n, p in engine.module.named_parameters()}
+                if self.trainer.args.process_index == 0:
+                    torch.save({n: g.detach().clone() for n, g in grads.items() if g is not None}, self.grad_path)
+            return step(*a, **kw)
+
+        engine.step = step_after_recording
+
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         sched = self.trainer.lr_scheduler
         self.log["steps"].append(int(sched.global_step))  # the job's step (a replanned plan continues it)
         self.log["lr"].append(self.trainer.optimizer.param_groups[0]["lr"])
         self.log["unscaled_lr"].append(sched.get_unscaled_lr()[0])
         self.log["lr_scale"].append(sched.scale())
-        if self.grad_path and state.global_step == 0 and args.process_index == 0:
+        if self.grad_path and state.global_step == 0 and args.process_index == 0 and not args.deepspeed:
             grads = {n: p.grad.detach().clone() for n, p in self.trainer.model.named_parameters() if p.grad is not None}
             torch.save(grads, self.grad_path)
 
@@ -103,6 +125,8 @@ def parse_args(argv=None):
     p.add_argument("--log-dir", default=None, help="write rank-R.json and (rank 0) grad0.pt here")
     p.add_argument("--tensorboard", default=None,
                    help="report_to TensorBoard, event files here (the plan's varlen/* figures every step)")
+    p.add_argument("--deepspeed", default=None, help="a DeepSpeed config (JSON file): Trainer runs the DeepSpeed "
+                   "engine (no batch sizes or gradient accumulation in it: they come from the plan)")
     p.add_argument("--use-cpu", action=argparse.BooleanOptionalAction, default=True,
                    help="TrainingArguments(use_cpu=...); --no-use-cpu shows the plain setup on CPU, where "
                         "transformers runs no data parallelism under torchrun (PlanTrainer refuses it)")
@@ -125,7 +149,7 @@ def main(argv=None) -> None:
         report_to=["tensorboard"] if args.tensorboard else [], use_cpu=args.use_cpu,
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, max_steps=args.max_steps,
         dataloader_num_workers=args.num_workers, ddp_backend="gloo" if torch.distributed.is_available() else None,
-        seed=0, disable_tqdm=True, save_only_model=False,
+        seed=0, disable_tqdm=True, save_only_model=False, deepspeed=args.deepspeed,
         ddp_timeout=int(collective_timeout()),  # a collective waits at most VARLEN_TIMEOUT s for a peer
     )
     trainer = LoggingPlanTrainer(plan=plan, model=model, args=targs, train_dataset=dataset, attention=args.attention)

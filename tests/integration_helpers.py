@@ -69,6 +69,8 @@ IMPORTS = {
     "train_lightning.py": _HF + ("lightning.pytorch", "lightning.pytorch.loggers", "varlen_cli.integrations.lightning"),
     "train_fsdp2.py": _HF + ("torch.distributed.fsdp", "torch.distributed.checkpoint"),
     "train_tiny_lm.py": ("torch.nn.parallel",),
+    # torch._dynamo: DeepSpeed imports it (its Muon optimizer) when it checks the optimizer, seconds a process
+    "train_deepspeed.py": _HF + ("torch._dynamo", "deepspeed", "deepspeed.pipe", "varlen_cli.integrations.deepspeed"),
 }
 
 

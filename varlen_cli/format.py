@@ -25,6 +25,9 @@ METRICS_FORMAT_VERSION = 1
 RUN_MANIFEST_NAME = "_run.json"
 RUN_FORMAT = "varlen-run"
 RUN_FORMAT_VERSION = 1
+#: A `varlen export deepspeed` output directory (varlen_cli/export.py): its manifest, written last.
+EXPORT_MANIFEST_NAME = "_export.json"
+DEEPSPEED_EXPORT_FORMAT = "varlen-deepspeed-export"
 #: Metrics column of the tokens that carry loss (``varlen analyze --target-length``); a plan made from
 #: such metrics counts them as its loss tokens (metadata ``loss_tokens``: this name).
 TARGET_LENGTH_COLUMN = "target_length"

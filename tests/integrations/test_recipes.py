@@ -2,7 +2,7 @@
 starts with ``# recipe: NAME (FILE)`` is saved as FILE and started with 2 CPU processes (gloo) as the
 command the docs give under it starts them, on a plan of a slice of sample_data/tokenized.parquet
 (torchtitan: a packed plan of it; Megatron: the slice written as a Megatron corpus by megatron-core).
-The plain DDP, torchdata and torchtitan recipes run under the real ``torchrun`` command (the ddp
+The plain DDP, torchdata, torchtitan and DeepSpeed recipes run under the real ``torchrun`` command (the ddp
 recipe's second run, its resume, under tests/launcher.py); the other framework recipes under
 tests/launcher.py, which starts each rank as torchrun does from a process that imported the frameworks
 once (their frameworks' 2-rank tests run under the real torchrun; Megatron's tests run in one process)."""
@@ -34,10 +34,12 @@ def _recipes() -> dict:
 RECIPES = _recipes()
 NEEDS = {"hf": ["transformers"], "trl": ["trl", "datasets"], "accelerate": ["accelerate", "transformers"],
          "lightning": ["lightning", "transformers"], "torchdata": ["torchdata"], "ddp": [],
-         "torchtitan": ["torchtitan.components.checkpoint"], "megatron": ["megatron.core"]}
+         "torchtitan": ["torchtitan.components.checkpoint"], "megatron": ["megatron.core"],
+         "deepspeed": ["deepspeed", "transformers"]}
 # the recipes whose framework has no other launch under the real torchrun (the others' 2-rank tests run
-# their full run under it: tests/integrations/test_{hf,trl,accelerate,lightning,fsdp2}.py)
-REAL = ("ddp", "torchdata", "torchtitan")
+# their full run under it: tests/integrations/test_{hf,trl,accelerate,lightning,fsdp2}.py; DeepSpeed's
+# tests run under tests/launcher.py, its recipe under the real torchrun)
+REAL = ("ddp", "torchdata", "torchtitan", "deepspeed")
 PRELOAD = {"hf": IMPORTS["train_hf_trainer.py"], "trl": IMPORTS["train_trl.py"],
            "accelerate": IMPORTS["train_accelerate.py"], "lightning": IMPORTS["train_lightning.py"],
            "torchdata": ("torchdata.stateful_dataloader",), "ddp": ("torch.nn.parallel",),
@@ -108,7 +110,7 @@ def test_recipe_runs_as_written_on_two_processes(plan, tmp_path, name):
         args = PACKED[name](os.path.dirname(plan_path), data)
     steps = Plan.open(args[0]).num_steps
     out = _run(tmp_path, name, file, *args, real=name in REAL).stdout
-    if name in ("ddp", "torchdata", "accelerate", "torchtitan", "megatron"):
+    if name in ("ddp", "torchdata", "accelerate", "torchtitan", "megatron", "deepspeed"):
         assert f"trained to step {steps}" in out, out[-2000:]
     if name == "ddp":  # run again: it resumes from its last checkpoint and trains the rest
         assert os.path.exists(tmp_path / "ckpt.pt")

@@ -16,7 +16,8 @@ from typing import Any
 import typer
 
 # The commands, in --help order; each is ``varlen_cli/cli/<name>.py`` with ``register(app)``.
-COMMANDS = ("analyze", "sort", "plan", "replan", "run", "inspect", "validate", "report", "simulate", "calibrate")
+COMMANDS = ("analyze", "sort", "plan", "replan", "run", "inspect", "validate", "report", "simulate", "calibrate",
+            "export")
 
 
 class _LazyCommands(typer.core.TyperGroup):

@@ -4,13 +4,16 @@
   (and TRL's ``SFTTrainer``) — ``pip install varlen-cli[hf]``;
 * :mod:`varlen_cli.integrations.accelerate`: ``prepare_plan_dataloader(accelerator, loader)``;
 * :mod:`varlen_cli.integrations.lightning`: ``PlanDataModule`` and ``PlanLRCallback`` —
-  ``pip install varlen-cli[lightning]``.
+  ``pip install varlen-cli[lightning]``;
 * :mod:`varlen_cli.integrations.torchtitan`: ``PlanDataLoader``, a torchtitan ``BaseDataLoader`` —
   ``pip install varlen-cli[torchtitan]``;
 * :mod:`varlen_cli.integrations.megatron`: ``IndexedDocuments`` (a Megatron ``.bin``/``.idx`` corpus) and
   ``plan_iterator`` (Megatron's external loader, THD microbatches) — ``pip install varlen-cli[megatron]``;
 * :mod:`varlen_cli.integrations.stream`: what those two share (one rank's stream over every epoch,
-  the data-parallel change refused naming ``varlen replan``).
+  the data-parallel change refused naming ``varlen replan``);
+* :mod:`varlen_cli.integrations.deepspeed`: ``initialize``, ``backward``, ``save_checkpoint``,
+  ``load_checkpoint`` for the DeepSpeed engine (ZeRO 0-3, the pipeline engine) —
+  ``pip install varlen-cli[deepspeed]``.
 
 See docs/integrations.md.
 """

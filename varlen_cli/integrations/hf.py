@@ -9,6 +9,7 @@
   different explicit value is refused) and the epochs too;
 * Trainer's LR scheduler is wrapped in :class:`VariableBatchSizeLR` (base LR x the plan's
   ``lr_scale``), whose ``step()`` also checks that the step's microbatches were the ones consumed;
+  it also steps for an update Trainer skipped (an overflow), so the LR stays on the plan's step;
 * exact loss normalisation: ``num_items_in_batch`` is the step's target count from the plan (all
   ranks and micros), with labels in the model's convention (``labels`` + exact ``shift_labels``);
 * packed plans run padding-free (no 2D mask, ``position_ids`` restarting per sample, ``use_cache=False``);
@@ -168,6 +169,7 @@ class PlanTrainerMixin:
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
         if self.plan_loader is not None and self.model.training:
+            self._follow_skipped_steps()
             self.plan_loader.mark_consumed(inputs)  # checked against the plan's order here, where the model gets it
         self._account(inputs)
         model_inputs = to_model_inputs(inputs, style=self.plan_attention)
@@ -187,6 +189,15 @@ class PlanTrainerMixin:
             loss = loss * self.accelerator.num_processes
         self.loss_is_scaled_for_ga = True
         return (loss, outputs) if return_outputs else loss
+
+    def _follow_skipped_steps(self) -> None:
+        """Trainer steps the LR scheduler only after an update that was applied (``optimizer_step_was_skipped``:
+        an fp16 or bf16 overflow under DeepSpeed, or AMP's scaler): the plan's scheduler steps for a skipped
+        update too, so every later step runs at base x its own ``lr_scale``, not the previous step's."""
+        lr = self.lr_scheduler
+        if isinstance(lr, VariableBatchSizeLR):
+            for _ in range(self.state.global_step - lr.global_step):
+                lr.step()
 
     def _account(self, batch: dict) -> None:
         if self._plan_t0 is None:

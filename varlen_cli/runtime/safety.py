@@ -208,14 +208,19 @@ class RemoteTree:
 
 
 def _listed_by_manifest(tree, sub: str) -> set[str]:
-    """What a varlen ``_manifest.json`` in ``sub`` says varlen wrote there (itself and its parts)."""
+    """What a varlen manifest in ``sub`` says varlen wrote there: a metrics/sorted ``_manifest.json``
+    (itself and its parts) or a ``varlen export`` ``_export.json`` (itself and its files)."""
     from .. import format
 
     manifest = tree.read_json(tree.join(sub, format.MANIFEST_NAME))
-    if manifest is None or manifest.get("format") != format.METRICS_FORMAT:
-        return set()
-    parts = manifest.get("parts") if isinstance(manifest.get("parts"), list) else []
-    return {format.MANIFEST_NAME} | {str(p.get("file")) for p in parts if isinstance(p, dict)}
+    if manifest is not None and manifest.get("format") == format.METRICS_FORMAT:
+        parts = manifest.get("parts") if isinstance(manifest.get("parts"), list) else []
+        return {format.MANIFEST_NAME} | {str(p.get("file")) for p in parts if isinstance(p, dict)}
+    export = tree.read_json(tree.join(sub, format.EXPORT_MANIFEST_NAME))  # varlen export deepspeed
+    if export is not None and export.get("format") == format.DEEPSPEED_EXPORT_FORMAT:
+        files = export.get("files") if isinstance(export.get("files"), list) else []
+        return {format.EXPORT_MANIFEST_NAME} | {str(f) for f in files}
+    return set()
 
 
 def _listed_by_marker(tree, sub: str) -> set[str]:
@@ -239,7 +244,8 @@ def _run_record(tree, sub: str = "") -> bool:
 
 def made_by_varlen_dir(path_or_tree, sub: str = "") -> bool:
     """A varlen metrics/sorted directory (``_manifest.json``), a ``varlen run`` output (``_run.json``),
-    a prefix a varlen commit marker vouches for, or an empty directory (nothing to lose)."""
+    a ``varlen export`` output (``_export.json``), a prefix a varlen commit marker vouches for, or an
+    empty directory (nothing to lose)."""
     tree = LocalTree(path_or_tree) if isinstance(path_or_tree, str) else path_or_tree
     if not tree.entries(sub):
         return True
