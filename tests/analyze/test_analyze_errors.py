@@ -114,7 +114,7 @@ CASES = {
         "--length list:COLUMN on a column of token ids", 2),
     "bad --length": lambda t: (
         [sample("text.parquet"), "--length", "tokens"],
-        "--length must be KIND:COLUMN with KIND one of list, tokens, chars, bytes, words, value, chat; "
+        "--length must be KIND:PATH with KIND one of list, tokens, chars, bytes, words, value, chat; "
         "got 'tokens'", 2),
     "bad --difficulty": lambda t: (
         [sample("text.parquet"), "--difficulty", "hardness"],

@@ -220,11 +220,13 @@ class SourceDataset:
             _check_fresh(manifest, self.metrics_dir)
         self.files, self._entries = _source_files(manifest, self.metrics_dir)
         self.columns = list(columns) if columns is not None else None
+        self._selection = _Selection(self.columns, self.files) if self.columns is not None else None
         self.cache_bytes = int(cache_bytes)
         self.threads = max(1, int(threads))
         self.tokenizer = ItemTokenizer(tokenizer, manifest.get("config") or {}, self.metrics_dir) \
             if tokenizer is not None else None
-        if self.tokenizer is not None and self.columns is not None and self.tokenizer.column not in self.columns:
+        if self.tokenizer is not None and self.columns is not None and not self._selection.holds(
+                self.tokenizer.column, self.files):
             raise UsageError(f"tokenizer= tokenizes column '{self.tokenizer.column}' (what analyze measured): add it "
                              f"to columns={self.columns}")
         self._num_rows = int(sum(f.rows for f in self.files))
@@ -346,7 +348,11 @@ class SourceDataset:
         try:
             b = self._blocks[block]
             f = self.files[b.file]
-            table = _FORMATS.get(f.format, (None, _reader_read))[1](f, b.unit, self.columns)
+            read = _FORMATS.get(f.format, (None, _reader_read))[1]
+            if self._selection is None:
+                table = read(f, b.unit, None)
+            else:
+                table = self._selection.table(read(f, b.unit, self._selection.read), f.path)
             if table.num_rows != b.rows:
                 raise InputError(f"{f.path} changed since analyze (a block holds {table.num_rows} rows, not "
                                  f"{b.rows}); re-run `varlen analyze`")
@@ -361,6 +367,34 @@ class SourceDataset:
         finally:
             with self._lock:
                 self._inflight.pop(block, None)
+
+
+class _Selection:
+    """``columns=`` as PATHs (:mod:`varlen_cli.analyze.paths`): the columns read, and each item key's
+    values taken from them (vectorised over a block)."""
+
+    def __init__(self, columns: list[str], files: list):
+        from ..analyze.core import split_path
+
+        self.keys = columns
+        self.at = [split_path(text, files) for text in columns]  # (column, steps) per key
+        self.read = list(dict.fromkeys(column for column, _ in self.at))
+
+    def holds(self, text: str, files: list) -> bool:
+        """Whether the items hold PATH ``text`` (as a key, or inside a column they hold whole)."""
+        from ..analyze.core import split_path
+
+        return text in self.keys or split_path(text, files)[0] in self.keys
+
+    def table(self, table, where: str):
+        import pyarrow as pa
+
+        from ..analyze.paths import extract
+
+        if all(not steps and column == key for key, (column, steps) in zip(self.keys, self.at)):
+            return table
+        return pa.table({key: extract(table.column(column), steps, key, where) if steps and table.num_rows
+                         else table.column(column) for key, (column, steps) in zip(self.keys, self.at)})
 
 
 class _Decoded:
