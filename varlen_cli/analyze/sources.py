@@ -30,7 +30,7 @@ from .. import format, storage
 from ..errors import InputError
 from ..runtime.freshness import footer_hash
 from ..storage.files import check_regular, open_regular
-from . import discovery, formats, remote
+from . import corpora, discovery, formats, remote
 
 PARQUET_EXT = (".parquet", ".pq")
 ARROW_EXT = (".arrow", ".feather", ".ipc")
@@ -109,7 +109,10 @@ def _is_data_file_name(name: str) -> bool:
 
 def _expand(source: str) -> list[tuple[str, bool]]:
     """The data-file candidates of one SOURCE, each with whether the user named it explicitly
-    (see :mod:`varlen_cli.analyze.discovery` for what a directory or glob takes)."""
+    (see :mod:`varlen_cli.analyze.discovery` for what a directory or glob takes; :mod:`.corpora` for
+    NeMo shard ranges and Lhotse Shar directories)."""
+    if corpora.is_nemo_range(source):
+        return [(p, True) for p in corpora.expand_nemo(source)]
     if not any(ch in source for ch in discovery.GLOB_CHARS) and not storage.exists(source):
         idx = formats.megatron_prefix(source)  # PREFIX of PREFIX.idx + PREFIX.bin
         if idx is not None:
@@ -128,6 +131,9 @@ def _expand(source: str) -> list[tuple[str, bool]]:
         hf = _hf_dataset_files(source)
         if hf is not None:
             return [(p, True) for p in hf]
+        shar = corpora.shar_cuts(source)
+        if shar is not None:
+            return [(p, True) for p in shar]
         found = discovery.walk_directory(source, _is_data_file_name)
         if not found:
             raise InputError(f"no data files (Parquet, Arrow, JSONL, text) found in directory {source}")
@@ -147,12 +153,17 @@ def discover(sources: Sequence[str]) -> list[SourceFile]:
         raise InputError("no sources given")
     _FOOTERS.clear()  # a new run: footers are read (once) again
     explicit: dict[str, bool] = {}
+    order: dict[str, tuple] = {}  # a shard range keeps its order, placed where its first file sorts
     for s in sources:
-        for p, named in _expand(storage.local_path(str(s))):  # file:///x is the local path /x
-            path = p if storage.is_remote(p) else os.path.abspath(p)
+        expanded = [(p if storage.is_remote(p) else os.path.abspath(p), named)
+                    for p, named in _expand(storage.local_path(str(s)))]  # file:///x is the local path /x
+        if corpora.is_nemo_range(storage.local_path(str(s))):
+            first = min(p for p, _ in expanded)
+            order.update({p: (first, k) for k, (p, _) in enumerate(expanded) if p not in order})
+        for path, named in expanded:
             explicit[path] = explicit.get(path, False) or named
     files = []
-    for path in sorted(explicit):
+    for path in sorted(explicit, key=lambda p: order.get(p, (p, 0))):
         fmt, compression = file_format(path)
         if fmt is None:
             raise InputError(
