@@ -31,7 +31,7 @@ from ..runtime.choices import (
 from ..runtime.dist import Dist, fault_point
 from ..runtime.executor import execute
 from ..runtime.progress import JobProgress
-from . import formats, hf_tokenizer, paths
+from . import formats, hf_tokenizer, memory, paths
 from .chat import chat_lengths, check_special_tokens, is_chat_target
 from .chat import check_tokenizer as check_chat_tokenizer
 from .difficulty import call_function, load_function, parse_difficulty, rarity
@@ -118,6 +118,13 @@ def analyze(config: AnalyzeConfig) -> AnalyzeResult | None:
     return execute(run_in_group, config)
 
 
+def analyze_dataset(dataset, output: str, **options) -> AnalyzeResult | None:
+    """``varlen analyze`` of an in-memory ``datasets.Dataset``: sample_id ``i`` is ``dataset[i]``; writes
+    the metrics directory ``output``. ``options``: :class:`AnalyzeConfig`'s fields (``length``,
+    ``target_length``, ``tokenizer``, ``nproc``...). See :mod:`.memory`."""
+    return analyze(AnalyzeConfig(sources=(memory.DatasetSource(dataset),), output=str(output), **options))
+
+
 def check(config: AnalyzeConfig) -> None:
     """Refuse bad options before any worker starts."""
     check_choices(config)
@@ -155,11 +162,14 @@ def check_sources(sources) -> None:
     items = list(sources) if isinstance(sources, (list, tuple)) else [sources]
     if not items:
         raise UsageError("give at least one SOURCE")
+    if len(items) == 1 and memory.is_source(items[0]):  # analyze_dataset's
+        return
     for item in items:
         if not isinstance(item, (str, os.PathLike)):
             kind = f"{type(item).__module__.partition('.')[0]}.{type(item).__name__}"
             raise UsageError(f"analyze reads sources from files, local or remote (paths or URLs), not an in-memory "
-                             f"{kind}: write it out first (a datasets.Dataset: ds.save_to_disk(DIR), then analyze DIR)")
+                             f"{kind}: a datasets.Dataset is measured by varlen_cli.analyze.analyze_dataset(dataset, "
+                             f"output, ...)")
 
 
 class _Work:
@@ -331,6 +341,8 @@ def schema_of(f: SourceFile):
         return open_arrow(f.path)[0].schema
     if f.format in formats.NAMES:
         return formats.schema(f.path, f.format, f.size)
+    if f.format == memory.FORMAT:
+        return memory.schema(f.path)
     # JSONL: the first rows tell the columns.
     import pyarrow as pa
 

@@ -30,7 +30,7 @@ from .. import format, storage
 from ..errors import InputError
 from ..runtime.freshness import footer_hash
 from ..storage.files import check_regular, open_regular
-from . import corpora, discovery, formats, remote
+from . import corpora, discovery, formats, memory, remote
 
 PARQUET_EXT = (".parquet", ".pq")
 ARROW_EXT = (".arrow", ".feather", ".ipc")
@@ -134,6 +134,9 @@ def _expand(source: str) -> list[tuple[str, bool]]:
         shar = corpora.shar_cuts(source)
         if shar is not None:
             return [(p, True) for p in shar]
+        manifest = formats.dataset_manifest(source)  # a Lance dataset: its latest version
+        if manifest is not None:
+            return [(manifest, True)]
         found = discovery.walk_directory(source, _is_data_file_name)
         if not found:
             raise InputError(f"no data files (Parquet, Arrow, JSONL, text) found in directory {source}")
@@ -151,6 +154,9 @@ def discover(sources: Sequence[str]) -> list[SourceFile]:
     """Resolve files, directories and globs into data files in sorted path order."""
     if not sources:
         raise InputError("no sources given")
+    if any(memory.is_source(s) for s in sources):  # analyze_dataset: one in-memory datasets.Dataset
+        src = memory.register(sources[0])
+        return [SourceFile(src.path, memory.FORMAT, src.nbytes, None, src.rows)]
     _FOOTERS.clear()  # a new run: footers are read (once) again
     explicit: dict[str, bool] = {}
     order: dict[str, tuple] = {}  # a shard range keeps its order, placed where its first file sorts
@@ -168,8 +174,10 @@ def discover(sources: Sequence[str]) -> list[SourceFile]:
         if fmt is None:
             raise InputError(
                 f"unsupported source file {path}: expected .parquet, .arrow/.feather, .jsonl[.gz], .txt[.gz], "
-                "a Megatron .idx, an MDS index.json or WebDataset .tar shards"
+                "a Megatron .idx, an MDS or LitData index.json, WebDataset .tar shards or a Lance dataset"
             )
+        if fmt == "mds":
+            fmt = formats.index_format(path)  # an index.json: MDS's or LitData's
         if storage.is_remote(path):
             info = storage.stat(path)
             size, mtime_ns, etag, version = info.size, 0, info.etag, info.version
@@ -302,6 +310,10 @@ def make_units(files: Sequence[SourceFile], chunk_bytes: int = DEFAULT_CHUNK_BYT
             units.extend(_row_units(i, [f.rows], whole_file=True))
         elif f.format in formats.NAMES:
             units.extend(Unit(i, *u) for u in formats.units(f.path, f.format, f.size, chunk_bytes))
+        elif f.format == memory.FORMAT:
+            step = memory.unit_rows(f.rows, f.size, chunk_bytes, MAX_UNIT_ROWS)
+            units.extend(Unit(i, -1, a, min(a + step, f.rows), min(step, f.rows - a), min(step, f.rows - a))
+                         for a in range(0, max(f.rows, 1), step))
         elif f.compression is not None:
             units.append(Unit(i, -1, 0, f.size, -1, max(1, _estimate_rows(f.path, f.size, compressed=True))))
         else:
@@ -421,6 +433,8 @@ class Reader:
                 table = self._open(f).slice(unit.start, unit.stop - unit.start)
             elif f.format in formats.NAMES:
                 table = self._shards.read(f.path, f.format, f.size, unit, columns)
+            elif f.format == memory.FORMAT:
+                table = memory.read(f.path, unit.start, unit.stop, columns)
             elif f.format == "jsonl":
                 table = _read_jsonl(f, unit)
             else:
@@ -539,6 +553,11 @@ def fingerprint(files: Sequence[SourceFile], rows_per_file: Sequence[int]) -> di
     """Identity of the dataset: file names relative to their common folder, sizes and row counts."""
     from ..runtime.artifacts import digest
 
+    if files and files[0].format == memory.FORMAT:  # analyze_dataset: the dataset's own fingerprint
+        src = memory.lookup(files[0].path)
+        entry = {"path": src.path, "size": src.nbytes, "rows": int(rows_per_file[0]), "format": memory.FORMAT,
+                 "fingerprint": src.fingerprint}
+        return {"digest": digest([entry]), "root": "", "num_files": 1, "num_rows": entry["rows"], "files": [entry]}
     root = storage.common_root([f.path for f in files])
     entries = [
         {"path": storage.relpath(f.path, root) if root else f.path, "size": f.size, "rows": int(n),
@@ -553,6 +572,12 @@ def fingerprint(files: Sequence[SourceFile], rows_per_file: Sequence[int]) -> di
                                                                  mtime_ns=f.mtime_ns)))
         if f.footer is not None:
             entry["footer"] = f.footer
+        if f.format in formats.NAMES:  # the files the samples are read from (Lance fragments, LitData chunks)
+            entry["companions"] = [{"path": storage.relpath(c.path, root) if root else c.path, "size": c.size,
+                                    **storage.fingerprint_fields(c)} for c in formats.companions(f.path, f.format,
+                                                                                                 f.size)]
+            if not entry["companions"]:
+                del entry["companions"]
     return {
         "digest": ident,
         "root": root,

@@ -157,6 +157,9 @@ for _fmt, _blocks in (("arrow", _arrow_blocks), ("jsonl", _line_blocks), ("text"
 # sample ranges (Megatron sequences, MDS samples); WebDataset: the byte chunks analyze recorded
 for _fmt, _blocks in (("megatron", _any_blocks), ("mds", _any_blocks), ("webdataset", _line_blocks)):
     register_format(_fmt, _blocks, _shard_read)
+for _fmt in ("lance", "litdata"):  # fragments' and chunks' row ranges
+    register_format(_fmt, _any_blocks, _shard_read)
+register_format("dataset", _any_blocks, _reader_read)  # an in-memory datasets.Dataset (SourceDataset(dataset=...))
 
 
 # -- the manifest ------------------------------------------------------------------------------------
@@ -185,6 +188,23 @@ def _source_files(manifest: dict, where: str) -> tuple[list, list[dict]]:
     return files, entries
 
 
+def _in_memory(dataset: Any, entries: list[dict], where: str):
+    """The in-memory dataset of metrics made by ``analyze_dataset`` (registered, checked), else None."""
+    from ..analyze import memory
+
+    measured = [e for e in entries if e.get("format") == memory.FORMAT]
+    if dataset is None:
+        if measured:
+            memory.lookup(str(measured[0]["path"]))  # registered in this process (analyze_dataset ran here) or refused
+        return None
+    if not measured:
+        raise UsageError(f"dataset= is for metrics of an in-memory datasets.Dataset (analyze_dataset); {where} was "
+                         "measured on files")
+    source = memory.DatasetSource(dataset)
+    memory.check_same(source, measured[0], where)
+    return memory.register(source)
+
+
 def _check_fresh(manifest: dict, where: str) -> None:
     from ..runtime import freshness
 
@@ -203,12 +223,13 @@ class SourceDataset:
     analyze measured into ``input_ids``. ``cache_bytes``: decoded blocks kept per process.
     ``threads``: background readers of :meth:`prefetch`. ``storage_options``: for object storage
     (as ``--storage-option``; the standard environment otherwise). ``allow_stale``: skip the check
-    that the sources are unchanged since analyze.
+    that the sources are unchanged since analyze. ``dataset``: the in-memory ``datasets.Dataset``
+    that :func:`varlen_cli.analyze.analyze_dataset` measured (checked: its fingerprint and length).
     """
 
     def __init__(self, metrics_dir: str | os.PathLike, columns: Sequence[str] | None = None, tokenizer: Any = None,
                  *, cache_bytes: int = DEFAULT_CACHE_BYTES, threads: int = DEFAULT_THREADS,
-                 storage_options: Any = None, allow_stale: bool = False):
+                 storage_options: Any = None, allow_stale: bool = False, dataset: Any = None):
         from .. import storage
 
         self.metrics_dir = str(metrics_dir)
@@ -219,6 +240,7 @@ class SourceDataset:
         if not allow_stale:
             _check_fresh(manifest, self.metrics_dir)
         self.files, self._entries = _source_files(manifest, self.metrics_dir)
+        self._in_memory = _in_memory(dataset, self._entries, self.metrics_dir)
         self.columns = list(columns) if columns is not None else None
         self._selection = _Selection(self.columns, self.files) if self.columns is not None else None
         self.cache_bytes = int(cache_bytes)
@@ -251,6 +273,10 @@ class SourceDataset:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        if self._in_memory is not None:  # a DataLoader worker: the dataset came pickled with us
+            from ..analyze import memory
+
+            memory.register(self._in_memory)
         if self.storage_options is not None:
             from .. import storage
 

@@ -5,7 +5,9 @@ Parquet, a hash of the footer (``dataset.files`` in the manifest; a sorted direc
 block). :func:`check_inputs` is the one check ``sort``, ``plan`` and ``validate --metrics`` run
 before trusting a metrics or sorted directory:
 
-* every recorded source must still exist with the same size and ``mtime_ns`` (and footer hash);
+* every recorded source must still exist with the same size and ``mtime_ns`` (and footer hash), and
+  so must its ``companions``, the files its samples are read from (a Lance version's data files, a
+  LitData index's chunks);
 * a sorted directory's metrics directory must not have been rebuilt since
   (:func:`varlen_cli.runtime.artifacts.check_fresh`).
 
@@ -48,13 +50,16 @@ def stale_source(manifest: dict) -> tuple[str, str] | None:
     if not isinstance(dataset, dict):
         return None
     root = dataset.get("root") or ""
-    for entry in dataset.get("files") or []:
-        if not isinstance(entry, dict) or not ({"mtime_ns", "etag", "version"} & entry.keys()):
-            continue  # recorded before varlen kept mtimes (or a hand-made manifest): cannot tell
-        source = storage.under(str(entry.get("path")), root)
-        why = _remote_difference(source, entry) if storage.is_remote(source) else _difference(source, entry)
-        if why is not None:
-            return source, why
+    for file_entry in dataset.get("files") or []:
+        companions = file_entry.get("companions") if isinstance(file_entry, dict) else None
+        # a source file, then the files its samples are read from (Lance fragments, LitData chunks)
+        for entry in [file_entry, *(companions if isinstance(companions, list) else [])]:
+            if not isinstance(entry, dict) or not ({"mtime_ns", "etag", "version"} & entry.keys()):
+                continue  # recorded before varlen kept mtimes (or a hand-made manifest): cannot tell
+            source = storage.under(str(entry.get("path")), root)
+            why = _remote_difference(source, entry) if storage.is_remote(source) else _difference(source, entry)
+            if why is not None:
+                return source, why
     return None
 
 

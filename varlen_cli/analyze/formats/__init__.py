@@ -7,6 +7,10 @@ megatron   ``PREFIX.idx`` (or ``PREFIX``) beside         a sequence of the index
            ``PREFIX.bin``                                only read for ``input_ids``)
 mds        a folder with an MDS ``index.json``           a sample, shards in ``index.json`` order
 webdataset ``.tar`` shards (a file, folder or glob)      a key group, shards in path order
+lance      a ``DIR.lance`` folder (its latest version)   a row in Lance's order (``dataset.take``):
+           or ``DIR/_versions/N.manifest``               fragments in manifest order, deletions skipped
+litdata    a folder with a LitData ``index.json``        an item, chunks in ``index.json`` order
+           (``optimize()`` output)
 ========== ============================================= ============================================
 
 :mod:`varlen_cli.analyze.sources` calls :func:`format_of` (names), :func:`describe` (rows known
@@ -21,9 +25,9 @@ from __future__ import annotations
 import numpy as np
 
 from ... import storage
-from . import mds, megatron, webdataset
+from . import lance, litdata, mds, megatron, webdataset
 
-NAMES = ("megatron", "mds", "webdataset")
+NAMES = ("megatron", "mds", "webdataset", "lance", "litdata")
 EXTENSIONS = {".idx": "megatron", ".tar": "webdataset"}
 
 
@@ -31,12 +35,34 @@ def format_of(path: str) -> str | None:
     """The shard format a file name says, or None."""
     name = storage.name(path)
     if name == mds.INDEX_NAME:
-        return "mds"
+        return "mds"  # or litdata: :func:`index_format` tells them apart by content
+    if lance.is_manifest(path):
+        return "lance"
     lower = name.lower()
     for ext, fmt in EXTENSIONS.items():
         if lower.endswith(ext):
             return fmt
     return None
+
+
+def index_format(path: str) -> str:
+    """``mds`` or ``litdata``: the format of an ``index.json`` (LitData's has ``chunks`` and ``config``)."""
+    return "litdata" if litdata.is_index(path) else "mds"
+
+
+def dataset_manifest(directory: str) -> str | None:
+    """The file that stands for a dataset folder of a format that is a folder (a Lance dataset: its
+    latest version's manifest), or None."""
+    return lance.latest_manifest(directory)
+
+
+_VERSIONS: dict[str, lance.Version] = {}  # Lance versions opened by this process (immutable once written)
+
+
+def lance_version(path: str) -> lance.Version:
+    if path not in _VERSIONS:
+        _VERSIONS[path] = lance.open_version(path)
+    return _VERSIONS[path]
 
 
 def megatron_prefix(source: str) -> str | None:
@@ -52,6 +78,11 @@ def describe(path: str, fmt: str, size: int) -> int:
         return megatron.read_index(path, size).sequences
     if fmt == "mds":
         return sum(s.samples for s in mds.read_index(path))
+    if fmt == "lance":
+        _VERSIONS.pop(path, None)  # a new run opens and checks it again
+        return sum(lance_version(path).rows)
+    if fmt == "litdata":
+        return sum(c.items for c in litdata.read_index(path).chunks)
     return -1
 
 
@@ -64,6 +95,10 @@ def units(path: str, fmt: str, size: int, chunk_bytes: int) -> list[tuple[int, i
         return [(-1, a, b, b - a, b - a) for a, b in zip(bounds[:-1], bounds[1:])]
     if fmt == "mds":
         return mds.units(mds.read_index(path), chunk_bytes)
+    if fmt == "lance":
+        return lance.units(lance_version(path), chunk_bytes)
+    if fmt == "litdata":
+        return litdata.units(litdata.read_index(path), chunk_bytes)
     return webdataset.units(size, chunk_bytes)
 
 
@@ -72,6 +107,10 @@ def schema(path: str, fmt: str, size: int):
         return megatron.schema(megatron.read_index(path, size))
     if fmt == "mds":
         return mds.schema(mds.read_index(path))
+    if fmt == "lance":
+        return lance_version(path).dataset.schema
+    if fmt == "litdata":
+        return litdata.schema(litdata.read_index(path))
     return webdataset.schema(path)
 
 
@@ -81,6 +120,7 @@ class Reader:
     def __init__(self):
         self._mds = mds.ShardReader()
         self._wds = webdataset.ShardReader()
+        self._litdata = litdata.ChunkReader()
         self._index: megatron.Index | None = None  # the last Megatron index read (its header, checked)
 
     def read(self, path: str, fmt: str, size: int, unit, columns):
@@ -91,6 +131,10 @@ class Reader:
             return megatron.table(self._index, unit.start, unit.stop, columns)
         if fmt == "mds":
             return self._mds.read(path, unit.part, unit.start, unit.stop, columns)
+        if fmt == "lance":
+            return lance.read(lance_version(path), unit.part, unit.start, unit.stop, columns)
+        if fmt == "litdata":
+            return self._litdata.read(path, unit.part, unit.start, unit.stop, columns)
         return self._wds.read(path, unit.start, unit.stop, columns)
 
 
@@ -100,6 +144,16 @@ def document_offsets(paths: list[str], formats: list[str], sizes: list[int]) -> 
         return None
     counts = [megatron.read_index(p, s).num_documents for p, s in zip(paths, sizes)]
     return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+
+
+def companions(path: str, fmt: str, size: int) -> list[storage.FileInfo]:
+    """The files beside ``path`` (a Lance manifest, a LitData ``index.json``) that its samples are read
+    from, as found when the index was read: the dataset fingerprint records them."""
+    if fmt == "lance":
+        return lance_version(path).data
+    if fmt == "litdata":
+        return [c.info for c in litdata.read_index(path).chunks]
+    return []
 
 
 #: an item's columns when a reader of single samples (``varlen_cli.loader.SourceDataset``) asks for
