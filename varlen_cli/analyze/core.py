@@ -478,7 +478,7 @@ def _run_streaming(config: AnalyzeConfig, d: Dist, out: artifacts.AtomicDir, t0:
     first_id = int(rows_all[:lo].sum())
     length_stats, diff_stats = LengthStats(), FloatSummary(total_rows)
     extra_stats = {name: LengthStats() for name in work.extra_names() if name == "target_length"}
-    writer = _PartWriter(out.file(artifacts.part_name(d.rank)), first_id)
+    writer = _PartWriter(out.file(artifacts.part_name(d.rank)), first_id, work.extra_names())
     with JobProgress(d, int(sum(u.weight for u in units)), "analyze", show=config.progress) as bar, writer:
         for unit in units[lo:hi]:
             lengths, _, table, extras = work.lengths_and_ids(unit, want_ids=False)
@@ -519,11 +519,11 @@ class _PartWriter:
     """A part file written row group by row group (:data:`PART_ROW_GROUP` rows each), as
     :func:`_write_part` writes it whole."""
 
-    def __init__(self, path: str, first_id: int):
+    def __init__(self, path: str, first_id: int, extra_names: list[str]):
         self.path, self.next_id, self.rows = path, first_id, 0
-        self.lengths: list = []
-        self.difficulty: list = []
-        self.extras: dict = {}
+        self.lengths: list = [np.zeros(0, np.int64)]  # a worker with no unit writes an empty part
+        self.difficulty: list = [np.zeros(0, np.float64)]
+        self.extras: dict = {name: [np.zeros(0, np.int64)] for name in extra_names}
         self.buffered = 0
         self._writer = None
 

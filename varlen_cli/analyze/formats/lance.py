@@ -76,8 +76,9 @@ def open_version(manifest: str) -> Version:
     if storage.is_remote(manifest):
         raise InputError(f"{manifest}: varlen reads local Lance datasets only")
     folder = os.path.dirname(os.path.dirname(manifest))
+    lance = _lance()
     try:
-        dataset = _lance().dataset(folder, version=version_of(manifest))
+        dataset = lance.dataset(folder, version=version_of(manifest))
         fragments = dataset.get_fragments()
         rows = [f.count_rows() for f in fragments]
     except Exception as exc:  # lance's errors (OSError, ValueError, its own)
