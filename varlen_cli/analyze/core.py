@@ -88,7 +88,7 @@ class AnalyzeConfig:
     frames_per_second: float | None = doc(None, "With --length value:PATH in seconds: frames = ceil(seconds x F).")
     target_frames_per_second: float | None = doc(None, "With --target-length value:PATH in seconds: frames = "
                                                        "ceil(seconds x F).")
-    difficulty: str = doc("length", "Curriculum key: length, value:COLUMN, vocab-rarity, or MODULE:FUNCTION "
+    difficulty: str = doc("length", "Curriculum key: length, value:PATH, vocab-rarity, or MODULE:FUNCTION "
                                     "(RecordBatch -> one value per row).")
     storage_options: tuple = doc((), STORAGE_OPTION_HELP)
     nproc: int = doc(1, NPROC_HELP)
