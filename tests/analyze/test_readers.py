@@ -197,7 +197,7 @@ def _memory_dataset():
 
 
 def test_analyze_dataset_lengths_and_items_equal_the_dataset(tmp_path):
-    from varlen_cli.analyze import AnalyzeConfig, analyze, analyze_dataset
+    from varlen_cli.analyze import analyze_dataset
 
     ds = _memory_dataset()
     res = analyze_dataset(ds, tmp_path / "m", length="chars:text", target_length="chars:segs[0].t", chunk_bytes=300,
@@ -214,11 +214,6 @@ def test_analyze_dataset_lengths_and_items_equal_the_dataset(tmp_path):
     assert info.value.message == (f"{tmp_path / 'm'} measured the datasets.Dataset datasets.Dataset:{ds._fingerprint} "
                                   f"({len(ds)} rows), not datasets.Dataset:{other._fingerprint} (3 rows): pass the "
                                   "dataset analyze_dataset was given")
-    with pytest.raises(UsageError) as info:
-        analyze(AnalyzeConfig(sources=(ds,), output=str(tmp_path / "m2")))
-    assert info.value.message == ("analyze reads sources from files, local or remote (paths or URLs), not an in-memory "
-                                  "datasets.Dataset: a datasets.Dataset is measured by "
-                                  "varlen_cli.analyze.analyze_dataset(dataset, output, ...)")
 
 
 # -- any worker count ---------------------------------------------------------------------------------------

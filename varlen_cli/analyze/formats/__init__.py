@@ -22,6 +22,8 @@ This package imports nothing from ``sources`` (units are returned as plain tuple
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from ... import storage
@@ -56,13 +58,16 @@ def dataset_manifest(directory: str) -> str | None:
     return lance.latest_manifest(directory)
 
 
-_VERSIONS: dict[str, lance.Version] = {}  # Lance versions opened by this process (immutable once written)
+_VERSIONS: dict[tuple, lance.Version] = {}  # Lance versions opened, per process (immutable once written)
 
 
 def lance_version(path: str) -> lance.Version:
-    if path not in _VERSIONS:
-        _VERSIONS[path] = lance.open_version(path)
-    return _VERSIONS[path]
+    """The Lance version ``path`` names, opened once per process (a forked DataLoader worker opens its
+    own: Lance's runtime threads do not survive a fork)."""
+    key = (os.getpid(), path)
+    if key not in _VERSIONS:
+        _VERSIONS[key] = lance.open_version(path)
+    return _VERSIONS[key]
 
 
 def megatron_prefix(source: str) -> str | None:
@@ -79,7 +84,7 @@ def describe(path: str, fmt: str, size: int) -> int:
     if fmt == "mds":
         return sum(s.samples for s in mds.read_index(path))
     if fmt == "lance":
-        _VERSIONS.pop(path, None)  # a new run opens and checks it again
+        _VERSIONS.pop((os.getpid(), path), None)  # a new run opens and checks it again
         return sum(lance_version(path).rows)
     if fmt == "litdata":
         return sum(c.items for c in litdata.read_index(path).chunks)
