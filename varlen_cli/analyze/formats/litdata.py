@@ -343,8 +343,6 @@ def decode(buf: bytes, offsets: np.ndarray, index: Index, columns, where: str):
     """The items at ``offsets`` (n + 1 bounds in ``buf``) as an Arrow table of ``columns`` (None: all)."""
     import pyarrow as pa
 
-    from .mds import gather
-
     view = np.frombuffer(buf, np.uint8)
     starts, n_leaves = offsets[:-1], len(index.leaves)
     if len(starts) and np.any(offsets[1:] - starts < 4 * n_leaves):
@@ -363,8 +361,33 @@ def decode(buf: bytes, offsets: np.ndarray, index: Index, columns, where: str):
             raise InputError(f"column '{name}' not found in {where} (columns: {', '.join(names)})")
     for j, (steps, fmt) in enumerate(index.leaves):
         if steps[0] in wanted:
-            _nest(fields, steps, _leaf(view, leaf_start[:, j], sizes[:, j], fmt, where, gather))
+            _nest(fields, steps, _leaf(view, leaf_start[:, j], sizes[:, j], fmt, where))
     return pa.table({name: _struct_array(fields[name]) for name in wanted})
+
+
+def gather(view: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The bytes ``view[starts[i]:starts[i]+sizes[i]]`` of every i (ascending, disjoint spans), concatenated,
+    and their offsets. Few bytes (a number per item): indexed; most of the range (an array per item):
+    the range copied without the gaps between the spans (a mask, one byte a byte)."""
+    offsets = np.zeros(len(starts) + 1, np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    if not len(starts):
+        return np.zeros(0, np.uint8), offsets
+    lo, hi = int(starts[0]), int(starts[-1] + sizes[-1])
+    if 2 * offsets[-1] < hi - lo:
+        return view[_spans(starts, sizes, offsets)], offsets
+    gap_starts = starts[:-1] + sizes[:-1]
+    gap_sizes = starts[1:] - gap_starts
+    gap_offsets = np.zeros(len(gap_sizes) + 1, np.int64)
+    np.cumsum(gap_sizes, out=gap_offsets[1:])
+    keep = np.ones(hi - lo, bool)
+    keep[_spans(gap_starts - lo, gap_sizes, gap_offsets)] = False
+    return view[lo:hi][keep], offsets
+
+
+def _spans(starts: np.ndarray, sizes: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Every index of the spans ``[starts[i], starts[i] + sizes[i])`` (``offsets``: their running sizes)."""
+    return np.repeat(starts - offsets[:-1], sizes) + np.arange(offsets[-1])
 
 
 def _struct_array(value):
@@ -375,7 +398,7 @@ def _struct_array(value):
     return value
 
 
-def _leaf(view, starts, sizes, fmt: str, where: str, gather):
+def _leaf(view, starts, sizes, fmt: str, where: str):
     import pyarrow as pa
 
     kind, _, code = fmt.partition(":")
@@ -395,10 +418,10 @@ def _leaf(view, starts, sizes, fmt: str, where: str, gather):
             return binary.cast(pa.large_string())
         except pa.ArrowInvalid:
             raise InputError(f"a text leaf of LitData chunk {where} is not valid UTF-8") from None
-    return read_array(view, starts, sizes, kind, code, where, gather)
+    return read_array(view, starts, sizes, kind, code, where)
 
 
-def read_array(view, starts, sizes, kind: str, code: str, where: str, gather):
+def read_array(view, starts, sizes, kind: str, code: str, where: str):
     """An array leaf as a large_list of its elements (flattened)."""
     import pyarrow as pa
 
