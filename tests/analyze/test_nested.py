@@ -224,3 +224,28 @@ def test_nemo_manifest_range_sample_ids_follow_the_range(tmp_path):
     assert result.stderr.strip() == (f"varlen: error: {tmp_path}/manifest_12.json does not exist: file 13 of the 13 "
                                      f"that the shard range {tmp_path}/manifest__OP_0..12_CL_.json names "
                                      f"({tmp_path}/manifest_{{0..12}}.json)")
+
+
+def test_targets_longer_than_their_samples_plan_and_validate(tmp_path):
+    """A seq2seq target_length is counted apart from the source: a microbatch's targets may outnumber its
+    tokens (translation into a longer language). Padded and packed plans count them as the loss tokens and
+    pass validate (the planner stored tokens-without-a-target unsigned: -7 became 249)."""
+    rng = np.random.default_rng(5)
+    rows = [{"src": {"ids": rng.integers(0, 9, int(rng.integers(1, 8))).tolist()},
+             "tgt": rng.integers(0, 9, int(rng.integers(1, 30))).tolist()} for _ in range(60)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "pairs.parquet")
+    _, got = run(tmp_path / "m", tmp_path / "pairs.parquet", length="list:src.ids", target_length="list:tgt")
+    targets = got.column("target_length").to_numpy()
+    assert (targets > got.column("length").to_numpy()).any()
+    runner = CliRunner()
+    for extra in ([], ["--packing", "--seq-len", "16"]):
+        plan = str(tmp_path / f"plan{len(extra)}.parquet")
+        result = runner.invoke(app, ["plan", str(tmp_path / "m"), "-o", plan, "--max-tokens", "32", "--dp", "2",
+                                     "--no-progress", *extra])
+        assert result.exit_code == 0, result.output
+        assert runner.invoke(app, ["validate", plan, "--metrics", str(tmp_path / "m")]).exit_code == 0
+        table = pq.read_table(plan)
+        per_step = {}
+        for step, ids, loss in zip(*(table.column(c).to_pylist() for c in ("step", "sample_ids", "step_loss_tokens"))):
+            per_step.setdefault(step, [0, loss])[0] += int(targets[ids].sum())
+        assert all(want == loss for want, loss in per_step.values())
