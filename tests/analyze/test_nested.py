@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -15,6 +16,7 @@ from typer.testing import CliRunner
 
 from tests.analyze_helpers import read_metrics, run, write_jsonl
 from varlen_cli.cli import app
+from varlen_cli.errors import UsageError
 from varlen_cli.loader import SourceDataset
 
 TOKENIZER = "sample_data/tokenizer.json"
@@ -184,7 +186,7 @@ NEMO_EXAMPLES = ["manifest__OP_0..11_CL_.json", "manifest_{0..11}.json", "manife
                  "manifest__OP_0..11..4_CL_.json"]
 
 
-def test_nemo_shard_ranges_expand_as_nemo_does(tmp_path):
+def test_nemo_shard_ranges_expand_as_nemo_does(tmp_path, monkeypatch):
     """NeMo's rule on the forms its docs use (``_OP_``/``_CL_`` for config files, ``{}``, ``()``, ``[]``, ``<>``),
     against ``braceexpand`` after NeMo's replacements, which is what ``expand_sharded_filepaths`` runs."""
     import braceexpand
@@ -201,6 +203,11 @@ def test_nemo_shard_ranges_expand_as_nemo_does(tmp_path):
         assert expand_nemo(str(tmp_path / example)) == expected, example
     assert expand_nemo(str(tmp_path / "manifest__OP_0..11_CL_.json"))[:3] == [str(tmp_path / f"manifest_{k}.json")
                                                                             for k in (0, 1, 2)]
+    monkeypatch.setitem(sys.modules, "braceexpand", None)  # not installed: the extra named
+    with pytest.raises(UsageError) as info:
+        expand_nemo(str(tmp_path / "manifest__OP_0..11_CL_.json"))
+    assert info.value.message == (f"{tmp_path}/manifest__OP_0..11_CL_.json is a brace-expanded shard range (NeMo's), "
+                                  "which needs the 'braceexpand' package: pip install 'varlen-cli[nemo]'")
 
 
 def test_nemo_manifest_range_sample_ids_follow_the_range(tmp_path):

@@ -10,8 +10,12 @@ Formats (by extension; ``.gz`` allowed on the line formats):
 * Plain text (``.txt``, ``.text``): one sample per ``\\n``-terminated line, column ``text``
   (``\\r\\n`` accepted); byte-range chunks like JSONL.
 
-``sample_id`` is the row index over all files in sorted path order, rows in file order; that is the
-index of a map-style dataset built over the same files.
+* Shard formats (:mod:`.formats`): Megatron, MDS, WebDataset, LitData, Lance; speech manifests
+  (:mod:`.corpora`): NeMo shard ranges, Lhotse Shar folders; an in-memory ``datasets.Dataset``
+  (:mod:`.memory`, through ``analyze_dataset``).
+
+``sample_id`` is the row index over all files in sorted path order (a NeMo shard range in its own
+order), rows in file order; that is the index of a map-style dataset built over the same files.
 
 Sources may be URLs (``s3://``, ``gs://``, ``hf://``...): every read goes through
 :mod:`varlen_cli.storage` (range requests; prefixes and globs through :mod:`.remote`).
