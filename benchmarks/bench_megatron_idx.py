@@ -1,7 +1,7 @@
 """Megatron ``.idx`` lengths per second, one worker: varlen's reader against ``np.fromfile``.
 
-Writes an index of ``--sequences`` sequences (the index alone: no ``.bin``; lengths 1..4096, one
-to four sequences a document) with :func:`varlen_cli.analyze.formats.megatron.write_index`, then
+Writes an index of ``--sequences`` sequences (and a sparse all-zero ``.bin`` of the size it needs;
+lengths 1..4096, one to four sequences a document) with :func:`varlen_cli.analyze.formats.megatron.write_index`, then
 times, in one process, alternating, ``--repeats`` times each (medians reported):
 
 * ``np.fromfile``: the reference, the lengths' bytes read into an int32 array (what any reader

@@ -86,26 +86,26 @@ def main(argv=None):
     args, rest = ap.parse_known_args(argv)
 
     from varlen_cli.plan import config as pc
-    from varlen_cli.plan.chunked import emit, epoch, run, spill, tail
-    from varlen_cli.plan.chunked.chunks import ChunkSpec, InputRows
+    from varlen_cli.plan import tail
+    from varlen_cli.plan.chunked import emit, epoch, run, spill
+    from varlen_cli.plan.chunked.chunks import ChunkSpec
     from varlen_cli.plan.chunked.output import PlanOutput
     from varlen_cli.plan.progress import PlanProgress
-    from varlen_cli.runtime import artifacts
     from varlen_cli.runtime.dist import Dist
 
     c = pc.PlanConfig(input=args.input, output=args.output, overwrite=True, progress=False,
                       **_options(rest))
     pc.check(c)
-    manifest = artifacts.read_manifest(c.input, what="metrics")
-    rows = InputRows(c.input, manifest)
-    spec = ChunkSpec(rows.num_rows, int(c.chunk_samples))
+    plan_input = run.FRESH.open(c)
+    spec = ChunkSpec(plan_input.num_rows, int(c.chunk_samples))
     d = Dist()
     t0 = time.perf_counter()
-    ctx = run.context(c, manifest, rows, spec, d)
+    ctx = run.context(c, plan_input, spec, d)
     with PlanProgress(False, c.epochs) as bar:
         if not os.path.exists(os.path.join(args.spill, "done")):
             os.makedirs(args.spill, exist_ok=True)
-            run._phase1(c, ctx, rows, spec, d, args.spill, manifest.get("kind", "metrics"), bar)
+            plan_input.prepare(spec, args.spill, d, c.order not in ("curriculum", "reverse"))
+            run._phase1(c, ctx, plan_input, spec, d, args.spill, bar)
             open(os.path.join(args.spill, "done"), "w").close()
             print(f"phase 1: {time.perf_counter() - t0:.1f} s into {args.spill}", flush=True)
         run._trim()
@@ -126,7 +126,7 @@ def main(argv=None):
 
         wrap(checks.PlanChecks, "results", s, "write: plan check results")
         t1 = time.perf_counter()
-        run._phase23(c, ctx, manifest, rows, spec, args.spill, PlanOutput(c.output, True), t0, bar)
+        run._phase23(c, ctx, plan_input, spec, args.spill, PlanOutput(c.output, True), t0, bar)
         s.stop()
         heap.__exit__(None, None, None)
     total = time.perf_counter() - t1

@@ -135,24 +135,3 @@ def epoch_ids(d, epoch):
         if e == epoch:
             out.extend(ids)
     return out
-
-
-def plan_whole(config):
-    """The single-process pipeline on the whole input at once (the planner before chunks, which
-    ``--mix``, replan and ``--extend`` still run): what a one-chunk plan must equal."""
-    import time
-
-    from varlen_cli.plan.assemble import assemble_columns, finish, input_info
-    from varlen_cli.plan.cost_model import resolve_budget
-    from varlen_cli.plan.pipeline import Rows, epoch_inputs, plan_epochs
-    from varlen_cli.plan.reader import read_input, read_targets
-
-    t0 = time.perf_counter()
-    budget = resolve_budget(config)
-    manifest, sample_id, length = read_input(config.input, config.allow_stale)
-    rows = Rows(sample_id, length, target=read_targets(config, config.input, manifest))
-    inputs, long_pos = epoch_inputs(config, rows, budget)
-    epochs, fixed_batch = plan_epochs(config, inputs)
-    cols, items = assemble_columns(config, rows, epochs, inputs.slots)
-    return finish(config, rows, epochs, cols, items, long_pos, inputs, fixed_batch, t0,
-                  source={"input": input_info(config, manifest, len(sample_id))})

@@ -182,18 +182,8 @@ def test_formats_md_lists_every_plan_metadata_key(tmp_path):
 
 
 # -- every name a docstring or a doc cites exists (tests/doc_cites.py) ---------------------------------
-# Stale cites in plan/, left to the planner branch (issue 30, one planner: plan/ docstrings are its);
-# each must still be stale (remove it when fixed).
-ALLOWED_STALE_CITES = {
-    ("varlen_cli.plan.assemble", "varlen_cli.plan_checks"),
-    ("varlen_cli.plan.chunked", "core.finish"),
-    ("varlen_cli.plan.chunked.finish", "core.finish"),
-    ("varlen_cli.plan.chunked.finish", "core._budget_tokens"),
-    ("varlen_cli.plan.chunked.segments", "varlen_cli.plan_checks.PlanChecks"),
-    ("varlen_cli.plan.extend", "varlen_cli.plan_checks"),
-    ("varlen_cli.plan.mixture", "varlen_cli.plan_checks.mixture_copies"),
-    ("varlen_cli.plan.mixture", "varlen_cli.plan_checks.mixture_extra"),
-}
+# Stale cites allowed for a reason (each must still be stale; remove it when fixed).
+ALLOWED_STALE_CITES: set = set()
 
 
 def test_the_cite_checker_finds_stale_cites():

@@ -33,15 +33,9 @@ FLOORS = (
 MAX_TOP_LEVEL = 8  # top-level modules in varlen_cli/, __init__ and __main__ not counted
 MAX_FUNCTION_LINES = 80
 
-# Left for the planner branch (issue 30, one planner), which deletes plan/pipeline.py and plan/assemble.py:
-# each entry must still occur (remove it with the code).
-ALLOWED_PRIVATE_IMPORTS = {
-    ("varlen_cli.plan.chunked.run", "varlen_cli.plan.pipeline", "_available_memory"),
-    ("varlen_cli.plan.chunked.run", "varlen_cli.plan.pipeline", "_check_cost_range"),
-    ("varlen_cli.plan.chunked.run", "varlen_cli.plan.pipeline", "_longest_fitting"),
-    ("varlen_cli.plan.chunked.run", "varlen_cli.plan.pipeline", "_rows_per_microbatch"),
-}
-ALLOWED_LONG_FUNCTIONS = {("varlen_cli.plan.assemble", "finish")}
+# Exceptions, each with its reason; each entry must still occur (remove it with the code).
+ALLOWED_PRIVATE_IMPORTS: set = set()
+ALLOWED_LONG_FUNCTIONS: set = set()
 
 
 @cache

@@ -195,6 +195,23 @@ def _fifo(t):
 FIFO = "is a FIFO (named pipe), not a regular file"
 
 
+def _fifo_in_directory(t):
+    """A FIFO with a data file's name inside a source directory: refused as a glob refuses it (was skipped)."""
+    d = make_data(t)
+    os.mkfifo(d / "c.jsonl")
+    return ["analyze", d, "-o", t / "m", "--length", "chars:text"], 3, f"source {d / 'c.jsonl'} {FIFO}"
+
+
+def _socket_in_directory(t):
+    import socket
+
+    d = make_data(t)
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(d / "c.jsonl"))
+    return (["analyze", d, "-o", t / "m", "--length", "chars:text"], 3,
+            f"source {d / 'c.jsonl'} is a socket, not a regular file")
+
+
 def _fifo_plan(command, *extra):
     def case(t):
         os.mkfifo(t / "pipe.parquet")
@@ -467,6 +484,8 @@ BAD_INPUTS = {
         "plan", lambda x: x["dataset"]["files"][0].update(mtime_ns="yesterday"), "dataset.files[0].mtime_ns",
         "a non-negative integer, got 'yesterday'"),
     "manifest format_version is text (validate --metrics)": _manifest_for_validate,
+    "FIFO inside a source directory": _fifo_in_directory,
+    "socket inside a source directory": _socket_in_directory,
 }
 
 
@@ -665,3 +684,44 @@ def test_discovery_takes_exactly_the_data_files(tmp_path, entries):
             with pytest.raises(InputError, match="no data files"):
                 discover([source])
     shutil.rmtree(root)
+
+
+# -- freshness of every source kind (issue 31) ------------------------------------------------------
+def keep_stat(path, write) -> None:
+    """``write()`` new content of the same size into ``path``, then its old mtime put back."""
+    st = path.stat()
+    write()
+    assert path.stat().st_size == st.st_size
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _stale(m, source, why: str = "was rewritten (its sampled content differs)") -> str:
+    return f"{m} is stale: source {source} {why} since `varlen analyze` read it; {STALE_HINT}"
+
+
+def test_parquet_without_statistics_rewritten_at_the_same_size_and_mtime(tmp_path):
+    """write_statistics=False: other values at the same size and mtime leave the footer byte-identical;
+    the sampled column chunks tell. plan, sort, validate --metrics and SourceDataset all refuse."""
+    from varlen_cli.errors import InputError
+    from varlen_cli.loader import SourceDataset
+
+    d = tmp_path / "tok"
+    d.mkdir()
+    path = d / "n.parquet"
+    pq.write_table(pa.table({"num_tokens": pa.array(np.arange(1, 201), pa.int64())}), str(path), write_statistics=False)
+    m = analyzed(tmp_path, d, "m", "--length", "value:num_tokens")
+    p = planned(tmp_path, m)
+    raw = path.read_bytes()
+    footer = raw[-8 - int.from_bytes(raw[-8:-4], "little"):]
+    keep_stat(path, lambda: pq.write_table(pa.table({"num_tokens": pa.array(np.arange(2, 202), pa.int64())}),
+                                            str(path), write_statistics=False))
+    new = path.read_bytes()
+    assert new.endswith(footer) and new != raw  # the footer alone cannot tell
+    for argv in (["plan", m, "-o", tmp_path / "p2.parquet", "--max-tokens", 4096], ["sort", m, "-o", tmp_path / "s"],
+                 ["validate", p, "--metrics", m]):
+        assert_user_error(cli(*argv), 3, _stale(m, path))
+    with pytest.raises(InputError, match=re.escape(f"{m} is stale: source {path} was rewritten (its sampled content "
+                                                   "differs)")):
+        SourceDataset(str(m))
+    keep_stat(path, lambda: path.write_bytes(raw))  # the old bytes back: fresh again
+    ok("sort", m, "-o", tmp_path / "s", "--no-progress")

@@ -7,11 +7,14 @@ rows; a peer that fails, exits early or stalls; and torch never imported by the 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from varlen_cli.errors import InputError, UsageError, WorkerError
 from varlen_cli.runtime.dist import launch
@@ -171,3 +174,130 @@ def test_bad_launcher_settings(env, message, monkeypatch):
     with pytest.raises(UsageError) as info:
         launch(_fails_on, SimpleNamespace(device=env.get("DEVICE", "cpu")), 2)
     assert info.value.message == message
+
+
+# -- any worker count on any input (issue 31) -------------------------------------------------------
+def _source(folder, fmt: str, units: int) -> tuple[list[str], list[int], int]:
+    """A source of ``fmt`` in ``units`` work units (at the chunk bytes returned), and its lengths."""
+    from tests.analyze_helpers import write_jsonl
+    from tests.formats_helpers import wds_samples, write_webdataset
+
+    rng = np.random.default_rng(units)
+    sizes = rng.integers(1, 6, units).tolist()
+    lengths = rng.integers(0, 50, sum(sizes)).tolist()
+    cuts = np.cumsum([0, *sizes]).tolist()
+    if fmt == "parquet":  # a row group a unit
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path = str(folder / "a.parquet")
+        with pq.ParquetWriter(path, pa.schema([("n", pa.int64())])) as w:
+            for a, b in zip(cuts[:-1], cuts[1:]):
+                w.write_table(pa.table({"n": pa.array(lengths[a:b], pa.int64())}))
+        return [path], lengths, 32 << 20
+    if fmt == "jsonl":  # a file a unit
+        import pyarrow as pa
+
+        for k, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
+            write_jsonl(pa.table({"n": lengths[a:b]}), folder / f"{k}.jsonl")
+        return [str(folder)], lengths, 32 << 20
+    if fmt == "webdataset":  # a shard a unit
+        for k, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
+            samples = wds_samples(b - a, seed=k, first=a)
+            write_webdataset(str(folder / f"{k}.tar"), samples)
+            lengths[a:b] = [s["json"]["num_tokens"] for s in samples]
+        return [str(folder)], lengths, 32 << 20
+    # megatron (varlen's writer of the layout: megatron-core would import torch into the forked workers):
+    # 4 bytes of lengths (one sequence) a unit, as many units as sequences
+    from varlen_cli.analyze.formats.megatron import write_index
+
+    write_index(str(folder / "c.idx"), lengths[:units], np.arange(units + 1), np.uint16)
+    return [str(folder / "c.idx")], lengths[:units], 4
+
+
+@pytest.mark.slow
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(fmt=st.sampled_from(["parquet", "jsonl", "webdataset", "megatron"]), units=st.integers(1, 3),
+       workers=st.integers(1, 5))
+@example(fmt="parquet", units=1, workers=3)  # the issue's case: one row group, more workers
+@example(fmt="megatron", units=2, workers=4)
+@example(fmt="jsonl", units=3, workers=1)
+def test_any_worker_count_gives_the_same_metrics(tmp_path_factory, monkeypatch, fmt, units, workers):
+    """Any number of workers, 1 to more than the work units, on any source: the metrics of the data
+    (workers without a unit write an empty part), and sorted by as many workers. The executor runs the
+    count asked for (the --nproc cap is the stages' choice: a torchrun world larger than the units gets
+    the same)."""
+    from tests.analyze_helpers import read_metrics
+    from varlen_cli.analyze import AnalyzeConfig, run_in_group
+    from varlen_cli.runtime import artifacts
+    from varlen_cli.runtime.executor import execute
+
+    monkeypatch.setenv("VARLEN_START_METHOD", "fork")
+    folder, out = tmp_path_factory.mktemp(fmt), tmp_path_factory.mktemp("out") / "m"
+    sources, lengths, chunk = _source(folder, fmt, units)
+    length = "value:json.num_tokens" if fmt == "webdataset" else "value:length" if fmt == "megatron" else "value:n"
+    config = AnalyzeConfig(sources=tuple(sources), output=str(out), length=length, nproc=workers,
+                           chunk_bytes=chunk, progress=False)
+    res = execute(run_in_group, config)
+    got = read_metrics(out)
+    assert got.column("length").to_pylist() == lengths and got.column("sample_id").to_pylist() == list(
+        range(len(lengths)))
+    manifest = artifacts.read_manifest(str(out))
+    assert manifest["world_size"] == workers and res.num_parts == workers
+    assert sum(p["rows"] for p in manifest["parts"]) == len(lengths)
+    # sort on as many workers (more than the rows, some examples): the rows by (length, sample_id)
+    from varlen_cli.sort import SortConfig
+    from varlen_cli.sort.core import run_in_group as sort_in_group
+
+    execute(sort_in_group, SortConfig(metrics_dir=str(out), output=str(out) + "-sorted", by=("length",),
+                                      nproc=workers, progress=False))
+    order = read_metrics(str(out) + "-sorted").column("sample_id").to_pylist()
+    assert order == sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    nproc: int
+
+
+def test_nproc_is_capped_by_the_units_and_the_cores(monkeypatch):
+    """--nproc above the work units or the cores: capped, with one note saying why; within both: as asked."""
+    from varlen_cli.runtime import dist, notes
+
+    monkeypatch.setattr(dist, "available_cores", lambda: 4)
+    notes.start()
+    assert dist.cap_workers(_Config(1000), lambda: (2, "work unit")).nproc == 2
+    assert dist.cap_workers(_Config(6), lambda: (10, "row")).nproc == 4
+    assert dist.cap_workers(_Config(3), lambda: (1, "chunk job")).nproc == 1
+    assert dist.cap_workers(_Config(3), lambda: (3, "row")).nproc == 3
+    assert dist.cap_workers(_Config(1), lambda: 1 / 0).nproc == 1  # one worker: nothing counted
+    assert notes.current() == ["--nproc 1000 capped to 2 workers: 2 work units, 4 cores",
+                               "--nproc 6 capped to 4 workers: 10 rows, 4 cores",
+                               "--nproc 3 capped to 1 worker: 1 chunk job, 4 cores"]
+
+
+def test_nproc_1000_on_one_row_group_is_one_worker_and_says_so(tmp_path, monkeypatch):
+    """`analyze --nproc 1000` of a one-row-group Parquet file (the issue's case, exit 5 before): one
+    worker, the note on stderr as it is decided and in --json; sort and plan the same way (on one
+    core here, so that all three run in this process)."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from typer.testing import CliRunner
+
+    from varlen_cli.cli import app
+    from varlen_cli.runtime import dist
+
+    monkeypatch.setattr(dist, "available_cores", lambda: 1)
+    pq.write_table(pa.table({"num_tokens": list(range(1, 201))}), tmp_path / "one.parquet")
+    runner = CliRunner()
+    cases = [(["analyze", str(tmp_path / "one.parquet"), "-o", str(tmp_path / "m")], "1 work unit"),
+             (["sort", str(tmp_path / "m"), "-o", str(tmp_path / "s")], "200 rows"),
+             (["plan", str(tmp_path / "m"), "-o", str(tmp_path / "p.parquet"), "--max-tokens", "1000"], "1 chunk job")]
+    for args, why in cases:
+        result = runner.invoke(app, [*args, "--nproc", "1000", "--json", "--no-progress"])
+        assert result.exit_code == 0, result.output
+        note = f"--nproc 1000 capped to 1 worker: {why}, 1 core"
+        assert result.stderr.splitlines() == [f"varlen: note: {note}"]
+        assert json.loads(result.stdout)["notes"] == [note]

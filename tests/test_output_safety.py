@@ -226,7 +226,7 @@ def _overwrite_varlen_dir_with_user_files(ws):
     (ws / "m" / "notes.txt").write_text("keep")
     os.makedirs("m/mine")
     return (["analyze", "src", "-o", "m", "--length", "words:text", "--overwrite"], 4,
-            "output m holds files varlen did not write (mine, notes.txt); --overwrite replaces only what varlen made: "
+            "output m holds files varlen did not write (mine/, notes.txt); --overwrite replaces only what varlen made: "
             "move them out first", ["m"])
 
 
@@ -251,6 +251,12 @@ def _overwrite_foreign_file(ws):
     (ws / "notes.parquet").write_text("not a plan")
     return (["plan", "m", "-o", "notes.parquet", "--max-tokens", "256", "--overwrite"], 4,
             "output notes.parquet is not a varlen plan; --overwrite replaces only varlen outputs", ["notes.parquet"])
+
+
+def _plan_output_named_like_folder(ws):
+    return (["plan", "m", "-o", "newdir/", "--max-tokens", "256"], 4,
+            "output newdir/ ends with '/', which names a folder; give a file name such as newdir/plan.parquet",
+            ["newdir"])
 
 
 def _dir_output_is_file(ws):
@@ -381,6 +387,7 @@ CASES = [
     ("sort --overwrite, a part the manifest does not list", _sort_overwrite_with_user_file),
     ("run --overwrite, user files in the run and its metrics", _run_overwrite_with_user_files),
     ("directory output is a plan file", _dir_output_is_file),
+    ("plan output named like a folder", _plan_output_named_like_folder),
     ("plan output is a directory", _plan_output_is_dir),
     ("output locked by a live process", _live_lock),
     ("disk full while writing the manifest", _full_disk),
@@ -604,6 +611,8 @@ def test_signal_to_the_launcher_after_a_worker_swapped(ws):
         return pq.read_table("m").column("length").to_numpy()  # every part, in name order
 
     old = lengths()
+    shutil.copy("src/a.jsonl", "src/b.jsonl")  # two work units: two workers (--nproc is capped by the units)
+    old = np.concatenate([old, old])
     code, err = _signal_after_the_swap(ws, ["analyze", "src", "-o", "m", "--nproc", "2", "--overwrite",
                                             "--length", "chars:text"], "m")
     assert code == 0 and err.splitlines()[-1] == "varlen: terminated after m was written; it is complete", err
@@ -628,6 +637,7 @@ def test_sigterm_while_printing_the_gantt_chart(ws):
 def test_killed_worker_leaves_old_output_and_next_run_cleans(ws):
     """SIGKILL (no cleanup possible): the old output stays; the next run removes the temporary."""
     before = tree_hash("m")
+    shutil.copy("src/a.jsonl", "src/b.jsonl")  # two work units: two workers (--nproc is capped by the units)
     env = dict(ENV, VARLEN_FAULT="analyze.unit:1")
     proc = cli("analyze", "src", "-o", "m", "--overwrite", "--nproc", "2", env=env)
     assert proc.returncode == 5, proc.stderr
@@ -706,15 +716,16 @@ def test_no_assert_in_the_package():
 
 
 def test_budget_check_raises_an_internal_consistency_error():
+    from types import SimpleNamespace
+
     from varlen_cli.errors import InternalConsistencyError
-    from varlen_cli.plan.assemble import _budget_tokens
+    from varlen_cli.plan.chunked.finish import check_budget
     from varlen_cli.plan.config import PlanConfig
-    from varlen_cli.plan.shapes import Budget
 
     c = PlanConfig(input="m", output="p", max_tokens=100)
-    b, t = np.array([2, 3]), np.array([50, 50])
+    ctx = SimpleNamespace(packing=False, budget=SimpleNamespace(max_tokens=100))
     with pytest.raises(InternalConsistencyError, match="1 microbatches over budget"):
-        _budget_tokens(c, Budget(100, None, 0.0), None, b, t, np.array([90, 120]))
+        check_budget(c, ctx, [SimpleNamespace(over=1, t_max=50)])
 
 
 # -- format ----------------------------------------------------------------------------------------

@@ -412,11 +412,24 @@ def _check_manifest_dataset(dataset: dict, bad) -> None:
     if not isinstance(files, list):
         raise bad("dataset.files", "a list", files)
     for i, entry in enumerate(files):
-        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
-            raise bad(f"dataset.files[{i}]", "an object with a 'path'", entry)
-        for key in ("size", "rows", "mtime_ns"):
-            if key in entry and not _is_manifest_count(entry[key]):
-                raise bad(f"dataset.files[{i}].{key}", "a non-negative integer", entry[key])
+        _check_file_entry(entry, f"dataset.files[{i}]", bad)
+        companions = entry.get("companions", [])
+        if not isinstance(companions, list):
+            raise bad(f"dataset.files[{i}].companions", "a list", companions)
+        for j, companion in enumerate(companions):
+            _check_file_entry(companion, f"dataset.files[{i}].companions[{j}]", bad)
+
+
+def _check_file_entry(entry, where: str, bad) -> None:
+    """One file's fingerprint (runtime.freshness.record): a path, counts, hashes as strings."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
+        raise bad(where, "an object with a 'path'", entry)
+    for key in ("size", "rows", "mtime_ns"):
+        if key in entry and not _is_manifest_count(entry[key]):
+            raise bad(f"{where}.{key}", "a non-negative integer", entry[key])
+    for key in ("footer", "sample", "etag", "version"):
+        if entry.get(key) is not None and not isinstance(entry[key], str):
+            raise bad(f"{where}.{key}", "a string", entry[key])
 
 
 def _is_manifest_count(value) -> bool:

@@ -14,6 +14,7 @@ succeeded: a failed or killed run leaves an existing OUT_DIR as it was.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass, field, fields, replace
@@ -25,7 +26,7 @@ from .analyze import AnalyzeConfig
 from .errors import UsageError
 from .runtime import artifacts, safety
 from .runtime.choices import Device, check_choices, doc
-from .runtime.dist import run_distributed, session
+from .runtime.dist import cap_workers, run_distributed, session
 from .runtime.executor import run_in_session
 
 SORTED_ORDERS = ("curriculum", "reverse")
@@ -120,6 +121,7 @@ def run(config: RunConfig) -> RunResult | None:
     out = os.path.abspath(config.output)
     safety.check_no_overlap(config.output, safety.stage_inputs(config))
     safety.check_replaceable(config.output, config.overwrite, "dir")
+    config = cap_workers(config, functools.partial(analyze_stage.count_units, a))  # analyze's units
     if config.nproc == 1:  # in this process, or one rank of torchrun: rank 0 locks in _run_worker
         return run_distributed(_run_worker, config, 1)
     with safety.output_lock(out, config.output):  # the launcher holds the lock; its workers inherit it

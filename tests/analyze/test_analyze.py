@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from tests.analyze_helpers import ipc_bytes, read_metrics, run, text_table, write_arrow_file, write_jsonl, write_parquet
 from tests.conftest import sample
 from varlen_cli.cli import app
-from varlen_cli.runtime import artifacts
+from varlen_cli.runtime import artifacts, freshness
 
 TOKENIZER = sample("tokenizer.json")
 
@@ -173,7 +173,8 @@ def test_manifest_and_overwrite(tmp_path):
     footer = raw[-8 - int.from_bytes(raw[-8:-4], "little"):-8]
     assert f == {"path": "text.parquet", "size": len(raw), "rows": 2000, "format": "parquet",
                  "mtime_ns": os.stat(sample("text.parquet")).st_mtime_ns,
-                 "footer": hashlib.sha256(footer).hexdigest()[:16]}
+                 "footer": hashlib.sha256(footer).hexdigest()[:16],
+                 "sample": freshness.content_fields(sample("text.parquet"), len(raw), "parquet")["sample"]}
     lengths = np.array(got.column("length").to_pylist())
     s = m["stats"]["length"]
     assert (s["count"], s["total"], s["min"], s["max"]) == (2000, lengths.sum(), lengths.min(), lengths.max())

@@ -6,6 +6,7 @@ Each launch costs a few seconds (process start + torch import), so each test che
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -75,13 +76,15 @@ def test_nproc_launcher_from_the_command_line(tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == (
         f"varlen: error: column 'duration' not found in {sample('text.jsonl')} (columns: id, text)")
     assert leftovers(tmp_path) == []
-    cmd.remove(sample("text.jsonl"))
+    shutil.copy(sample("audio_manifest.jsonl"), tmp_path / "b.jsonl")  # two files: two work units, two workers
+    cmd[cmd.index(sample("text.jsonl"))] = str(tmp_path / "b.jsonl")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr
-    assert "1,000" in proc.stdout and "value:duration" in proc.stdout and "parts" in proc.stdout
+    assert "2,000" in proc.stdout and "value:duration" in proc.stdout and "parts" in proc.stdout
     m = artifacts.read_manifest(str(out))
     assert m["world_size"] == 2 and len(m["parts"]) == 2
-    _, ref = run(tmp_path / "ref", sample("audio_manifest.jsonl"), length="value:duration", frames_per_second=50.0)
+    _, ref = run(tmp_path / "ref", sample("audio_manifest.jsonl"), str(tmp_path / "b.jsonl"), length="value:duration",
+                 frames_per_second=50.0)
     assert ipc_bytes(read_metrics(out)) == ipc_bytes(ref)
 
 

@@ -35,6 +35,7 @@ from tests.formats_helpers import (
 )
 from varlen_cli.analyze.formats import megatron
 from varlen_cli.cli import app
+from varlen_cli.errors import InputError
 from varlen_cli.loader import SourceDataset
 
 
@@ -49,10 +50,9 @@ def test_megatron_index_lengths_documents_and_prefix(tmp_path):
     docs = random_docs(60, seed=1)
     write_megatron(str(tmp_path / "corpus"), docs)
     lengths, document = _megatron_expected(docs)
-    # PREFIX (no extension) and PREFIX.idx give the same; the .bin is not read (removed here)
-    os.remove(tmp_path / "corpus.bin")
+    # PREFIX (no extension) and PREFIX.idx give the same (the .bin is checked against the index, not read)
     shutil.copy(tmp_path / "corpus.idx", tmp_path / "copy.idx")
-    (tmp_path / "copy.bin").write_bytes(b"")
+    shutil.copy(tmp_path / "corpus.bin", tmp_path / "copy.bin")
     res, got = run(tmp_path / "out", str(tmp_path / "copy"))
     assert res.length == "value:length"
     assert got.column("length").to_pylist() == lengths
@@ -426,3 +426,240 @@ def test_plan_counts_assistant_targets(tmp_path):
     with pytest.raises(Exception, match="--split-long cannot tell"):
         plan(PlanConfig(input=str(tmp_path / "m"), output=str(tmp_path / "p2.parquet"), packing=True, seq_len=64,
                         split_long=True, progress=False))
+
+
+# -- damaged shards (issue 31): refused in one line, never read in part -----------------------------------
+def _tar_layout(path) -> tuple[bytes, list]:
+    """A TarWriter shard's bytes and its members (header offset, data offset, size), from tarfile."""
+    import tarfile
+
+    with tarfile.open(path) as tar:
+        members = [(m.offset, m.offset_data, m.size) for m in tar.getmembers()]
+    return open(path, "rb").read(), members
+
+
+def _flip_checksum(data, members, k):
+    header = members[k][0]
+    return data[:header + 148] + bytes([data[header + 148] ^ 1]) + data[header + 149:], header
+
+
+def _zero_header(data, members, k):
+    header = members[k][0]
+    return data[:header] + bytes(512) + data[header + 512:], header
+
+
+# damage at member k (of 120: 40 key groups of json, npy, txt), the expected message from the damage's byte
+TAR_DAMAGE = {
+    "flipped header checksum byte": (_flip_checksum, "{path} is damaged: invalid tar header at byte {at:,} (bad "
+                                                     "checksum); the members after it cannot be read"),
+    "zeroed header": (_zero_header, "{path} is damaged: an empty (zeroed) tar header at byte {at:,} is followed by "
+                                    "data at byte {next:,}"),
+    "cut inside a header": (lambda d, m, k: (d[:m[k][0] + 100], m[k][0] + 100),
+                            "{path} is truncated: it ends at byte {at:,}, inside a tar header"),
+    "cut at a member boundary": (lambda d, m, k: (d[:m[k][0]], m[k][0]),
+                                 "{path} is truncated: it ends at byte {at:,}, right after a tar member, without the "
+                                 "end-of-archive blocks"),
+    "cut inside a key group": (lambda d, m, k: (d[:m[k + 1][0] + 512 + 3], m[k + 1][0] + 512 + 3),
+                               "{path} is truncated: it ends at byte {at:,}, inside a tar member"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TAR_DAMAGE))
+def test_damaged_webdataset_shard_is_refused(tmp_path, case):
+    """A TarWriter shard of 40 samples damaged at its 21st sample (where tarfile alone would stop, 20
+    samples read and exit 0): exit 3, one line naming the byte, no output. The intact shard gives all 40."""
+    damage, message = TAR_DAMAGE[case]
+    folder, samples = _shards(tmp_path, sizes=(40,))
+    path = folder / "shard-000.tar"
+    data, members = _tar_layout(path)
+    k = 3 * 20  # the first member of the 21st key group
+    damaged, at = damage(data, members, k)
+    path.write_bytes(damaged)
+    result = CliRunner().invoke(app, ["analyze", str(folder), "-o", str(tmp_path / "out"), "--length",
+                                      "value:json.num_tokens", "--no-progress"])
+    assert_user_error(result, 3, message.format(path=path, at=at, next=members[k][1]))
+    assert leftovers(tmp_path) == []
+    path.write_bytes(data)  # nothing lost when intact: every sample, also read in many units by 2 workers
+    _, got = run(tmp_path / "out", str(folder), length="value:json.num_tokens", chunk_bytes=4096)
+    assert got.column("length").to_pylist() == [s["json"]["num_tokens"] for s in samples]
+
+
+@pytest.mark.slow
+def test_damage_in_any_unit_is_refused_by_whichever_unit_walks_past_it(tmp_path):
+    """Byte-range units: damage far before a shard's last unit is found by the units after it (each
+    walks from the shard's start) and, with 2 workers, by whichever worker walks past it."""
+    folder, _ = _shards(tmp_path, sizes=(40,))
+    path = folder / "shard-000.tar"
+    data, members = _tar_layout(path)
+    damaged, at = _flip_checksum(data, members, 3 * 5)
+    path.write_bytes(damaged)
+    with pytest.raises(InputError) as err:
+        run(tmp_path / "out", str(folder), length="value:json.num_tokens", chunk_bytes=2048, nproc=2)
+    assert err.value.message == (f"{path} is damaged: invalid tar header at byte {at:,} (bad checksum); the members "
+                                 "after it cannot be read")
+
+
+def _mds_copy(tmp_path, kind: str = "raw"):
+    folder = tmp_path / "mds"
+    shutil.copytree(os.path.join(MDS_FIXTURES, kind), folder)
+    return folder
+
+
+def _edit_index(folder, change) -> None:
+    index = json.loads((folder / "index.json").read_text())
+    text = change(index)
+    (folder / "index.json").write_text(text if isinstance(text, str) else json.dumps(index))
+
+
+def _shard0(key, value):
+    return lambda index: index["shards"][0].update({key: value})
+
+
+def _raw_text(old: str, new: str):
+    return lambda index: json.dumps(index).replace(old, new, 1)
+
+
+# (kind, change of index.json or shard file, message): MDSWriter's fixtures (shard 0: 7 samples, 2,041 bytes)
+MDS_DAMAGE = {
+    "samples -5": ("raw", _shard0("samples", -5), "{i}: shard 0 has samples -5; an integer of 0 or more is needed"),
+    "samples 10**15": ("raw", _shard0("samples", 10**15), "{i}: shard 0 declares 1,000,000,000,000,000 samples in "
+                       "2,041 raw bytes: a raw MDS shard (uint32 offsets) cannot hold that; the index is corrupt"),
+    "samples 2**70": ("raw", _raw_text('"samples": 7', f'"samples": {2**70}'), "{i}: shard 0 declares "
+                      f"{2**70:,} samples in 2,041 raw bytes: a raw MDS shard (uint32 offsets) cannot hold that; the "
+                      "index is corrupt"),
+    "samples 1e30": ("raw", _raw_text('"samples": 7', '"samples": 1e30'),
+                     "{i}: shard 0 has samples 1e+30; an integer of 0 or more is needed"),
+    "samples 6 (one fewer)": ("raw", _shard0("samples", 6), "MDS shard {d}/shard.00000.mds holds 7 samples; "
+                              "index.json says 6 (the index or the shard is corrupt)"),
+    "compressed samples 8": ("zstd", _shard0("samples", 8), "MDS shard {d}/shard.00000.mds.zstd holds 7 samples; "
+                             "index.json says 8 (the index or the shard is corrupt)"),
+    "compressed raw bytes 10**9": ("gz", lambda x: x["shards"][0]["raw_data"].update(bytes=10**9),
+                                   "MDS shard {d}/shard.00000.mds.gz decompresses to 2041 bytes; index.json says "
+                                   "1000000000"),
+    "shards null": ("raw", lambda x: x.update(shards=None),
+                    "{i} is not an MDS index: 'shards' is null, not a list of shard entries"),
+    "shards 5": ("raw", lambda x: x.update(shards=5), "{i} is not an MDS index: 'shards' is 5, not a list of shard "
+                 "entries"),
+    "shard truncated": ("raw", "truncate", "MDS shard {d}/shard.00003.mds has 1,800 bytes; {i} says 1,862 "
+                        "(truncated or replaced)"),
+    "shard outside the folder": ("raw", lambda x: x["shards"][0]["raw_data"].update(basename="../x.mds"),
+                                 "{i}: shard 0 names the shard file '../x.mds'; it must lie in the index's folder"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MDS_DAMAGE))
+def test_corrupt_mds_index_or_shard_is_refused(tmp_path, case):
+    """Counts the shards cannot back are refused before anything is allocated from them (10**15 grew
+    memory without bound; 2**70 and 1e30 were internal errors; -5 read 27 of 40 samples, ids shifted)."""
+    kind, change, message = MDS_DAMAGE[case]
+    folder = _mds_copy(tmp_path, kind)
+    if change == "truncate":
+        shard = folder / "shard.00003.mds"
+        shard.write_bytes(shard.read_bytes()[:1800])
+    else:
+        _edit_index(folder, change)
+    result = CliRunner().invoke(app, ["analyze", str(folder), "-o", str(tmp_path / "out"), "--length", "list:tokens",
+                                      "--no-progress"])
+    assert_user_error(result, 3, message.format(i=folder / "index.json", d=folder))
+    assert leftovers(tmp_path) == []
+
+
+def test_intact_mds_loses_nothing(tmp_path):
+    """The fixtures as MDSWriter wrote them: every sample, raw and compressed alike."""
+    want = [len(s["tokens"]) for s in mds_samples()]
+    for kind in ("raw", "zstd"):
+        _, got = run(tmp_path / f"out-{kind}", os.path.join(MDS_FIXTURES, kind), length="list:tokens", chunk_bytes=300)
+        assert got.column("length").to_pylist() == want
+
+
+MEGATRON_DOCS = [[[1, 2, 3]], [[4]], [[5, 6], [7]]]  # sequences of 3, 1, 2, 1 tokens; boundaries [0, 1, 2, 4]
+
+
+def _megatron_pair(tmp_path):
+    """IndexedDatasetBuilder's c.idx / c.bin of MEGATRON_DOCS (uint16 tokens), and the index's layout."""
+    write_megatron(str(tmp_path / "c"), MEGATRON_DOCS)
+    idx = megatron.read_index(str(tmp_path / "c.idx"), os.path.getsize(tmp_path / "c.idx"))
+    megatron.clear_cache()
+    return tmp_path / "c.idx", tmp_path / "c.bin", idx
+
+
+def _poke(path, at: int, value: int, size: int = 8) -> None:
+    data = bytearray(path.read_bytes())
+    data[at:at + size] = value.to_bytes(size, "little", signed=True)
+    path.write_bytes(bytes(data))
+
+
+MEGATRON_DAMAGE = {
+    "boundaries [0,-1,2,4]": (lambda i, b, x: _poke(i, x.documents_at + 8, -1),
+                              "corrupt Megatron index {i}: document boundaries must not decrease and must lie in 0..4 "
+                              "(the sequence count)"),
+    "a length changed": (lambda i, b, x: _poke(i, 34 + 4, 5, 4),  # sequence 1: 1 -> 5 tokens
+                         "corrupt Megatron index {i}: sequences 0-4 have 11 tokens, but their pointers span 14 bytes "
+                         "of {b}"),
+    "a negative length": (lambda i, b, x: _poke(i, 34 + 4, -1, 4),
+                          "corrupt Megatron index {i}: negative sequence lengths (sequences 0-4)"),
+    ".bin truncated": (lambda i, b, x: b.write_bytes(b.read_bytes()[:10]),
+                       "Megatron data {b} has 10 bytes, but its index {i} ends its last sequence at byte 14 "
+                       "(truncated, or not the index's data)"),
+    ".bin missing": (lambda i, b, x: os.remove(b),
+                     "Megatron data {b} (beside its index) cannot be read: {b} does not exist"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MEGATRON_DAMAGE))
+def test_megatron_index_and_data_checked_against_each_other(tmp_path, case):
+    """The index's counts against the .bin's size and its pointers: boundaries [0,-1,2,4] gave documents
+    [1,1,2,2] with exit 0; a changed length or a truncated .bin was read as if whole."""
+    damage, message = MEGATRON_DAMAGE[case]
+    idx, data, layout = _megatron_pair(tmp_path)
+    damage(idx, data, layout)
+    result = CliRunner().invoke(app, ["analyze", str(idx), "-o", str(tmp_path / "out"), "--no-progress"])
+    assert_user_error(result, 3, message.format(i=idx, b=data))
+    assert leftovers(tmp_path) == []
+
+
+def test_intact_megatron_pair_loses_nothing(tmp_path):
+    idx, _, _ = _megatron_pair(tmp_path)
+    _, got = run(tmp_path / "out", str(idx), chunk_bytes=4)  # a unit a sequence: every unit's pointers checked
+    assert got.column("length").to_pylist() == [3, 1, 2, 1] and got.column("document").to_pylist() == [0, 1, 2, 2]
+
+
+def _keep_stat(path, write) -> None:
+    """``write()`` new content of the same size into ``path``, then its old mtime put back."""
+    st = path.stat()
+    write()
+    assert path.stat().st_size == st.st_size
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _refused_as_stale(args, metrics, source, why: str = "was rewritten (its sampled content differs)") -> None:
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    assert_user_error(result, 3, f"{metrics} is stale: source {source} {why} since `varlen analyze` read it; re-run "
+                                 "`varlen analyze`, or pass --allow-stale if the data was moved or copied on purpose")
+
+
+def test_megatron_bin_and_mds_shards_are_fingerprinted(tmp_path):
+    """A rewritten Megatron .bin (same size and mtime) was served by SourceDataset; a replaced MDS shard
+    was accepted by plan. Both are recorded as companions of their index and refused now."""
+    (tmp_path / "meg").mkdir()
+    write_megatron(str(tmp_path / "meg" / "c"), random_docs(20, seed=3))
+    m = tmp_path / "m"
+    run(m, tmp_path / "meg" / "c")
+    entry = json.loads((m / "_manifest.json").read_text())["dataset"]["files"][0]
+    assert [c["path"] for c in entry["companions"]] == ["c.bin"]
+    binary = tmp_path / "meg" / "c.bin"
+    _keep_stat(binary, lambda: binary.write_bytes(bytes(b ^ 0xFF for b in binary.read_bytes())))
+    with pytest.raises(InputError, match=re.escape(f"source {binary} was rewritten (its sampled content differs)")):
+        SourceDataset(str(m))
+    _refused_as_stale(["plan", m, "-o", tmp_path / "p.parquet", "--max-tokens", 4096], m, binary)
+
+    shutil.copytree(os.path.join(MDS_FIXTURES, "raw"), tmp_path / "mds")
+    m2 = tmp_path / "m2"
+    run(m2, tmp_path / "mds", length="list:tokens")
+    shard = tmp_path / "mds" / "shard.00002.mds"
+    mine, other = shard.read_bytes(), (tmp_path / "mds" / "shard.00004.mds").read_bytes()
+    _keep_stat(shard, lambda: shard.write_bytes(other[:len(mine)].ljust(len(mine), b"\0")))
+    _refused_as_stale(["plan", m2, "-o", tmp_path / "p2.parquet", "--max-tokens", 4096], m2, shard)
+    _keep_stat(shard, lambda: shard.write_bytes(mine))
+    os.remove(tmp_path / "mds" / "shard.00005.mds")
+    _refused_as_stale(["sort", m2, "-o", tmp_path / "s"], m2, shard.parent / "shard.00005.mds", "is missing")

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import ROOT
-from tests.plan_helpers import check_plan, epoch_ids, plan_whole, write_metrics
+from tests.plan_helpers import check_plan, epoch_ids, write_metrics
 from varlen_cli.plan.core import PlanConfig, plan
 from varlen_cli.validate import ValidateConfig, validate
 
@@ -92,15 +92,6 @@ def test_chunked_plans_keep_the_invariants(dirs, tmp_path, name):
         if not options.get("split_long"):
             assert len(seen) == len(set(seen))
         assert set(seen) | dropped == set(range(N))
-
-
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_one_chunk_is_the_single_process_plan(dirs, tmp_path, name):
-    """A plan of one chunk is exactly what the planner wrote before chunks existed."""
-    options = CASES[name]
-    plan(_config(dirs, tmp_path / "a.parquet", options))
-    plan_whole(_config(dirs, tmp_path / "b.parquet", options))
-    assert pq.read_table(tmp_path / "a.parquet").equals(pq.read_table(tmp_path / "b.parquet"))
 
 
 def test_chunked_quality_close_to_one_chunk(tmp_path):
@@ -247,10 +238,8 @@ def test_chunked_target_length_loss_tokens(tmp_path, monkeypatch, order):
        slots=st.integers(1, 9))
 def test_table_tail_is_the_single_process_tail(counts, chunks, slots):
     """Splitting the fullest units of a chunked table (their candidates, or every splittable one with
-    its lengths) gives the microbatches ``layout.fix_tail_padded`` gives on the whole epoch."""
-    from varlen_cli.plan import batching, layout
-    from varlen_cli.plan.chunked import tail
-    from varlen_cli.plan.chunked.form import top_candidates
+    its lengths) gives the microbatches the rule gives on the whole epoch (``tail.fix_padded``)."""
+    from varlen_cli.plan import batching, tail
     from varlen_cli.plan.shapes import Budget, ShapeMap
 
     counts = np.array(counts, np.int64)
@@ -266,7 +255,7 @@ def test_table_tail_is_the_single_process_tail(counts, chunks, slots):
         return batching.finalize_padded(samples, off, lengths, shape, budget, False)
 
     whole = batching.finalize_padded(np.arange(n), offsets, lengths, shape, budget, False)
-    want, _ = layout.fix_tail_padded(whole, slots, slots, 1, "split", refinalize)
+    want, _ = tail.fix_padded(whole, slots, slots, 1, "split", refinalize)
     # the same units cut into chunks (consecutive units), each reporting its candidates
     cut = np.linspace(0, m, chunks + 1).astype(int)
     tables = []
@@ -274,7 +263,7 @@ def test_table_tail_is_the_single_process_tail(counts, chunks, slots):
         sub = dataclasses.replace(whole, samples=whole.samples[offsets[a]:offsets[b]],
                                   offsets=offsets[a:b + 1] - offsets[a], seqlen=whole.seqlen[a:b],
                                   batch_size=whole.batch_size[a:b], tokens=whole.tokens[a:b])
-        pick, complete = top_candidates(np.diff(sub.offsets), slots)
+        pick, complete = tail.top_candidates(np.diff(sub.offsets), slots)
         cand = {"index": pick, "complete": complete}
         if len(pick):
             s2 = sub.take(pick)
@@ -327,8 +316,10 @@ def small_segments(monkeypatch):
     layout in several blocks."""
     from varlen_cli.plan import writer
     from varlen_cli.plan.chunked import epoch, segments
+    from varlen_cli.runtime import dist
 
     monkeypatch.setenv("VARLEN_START_METHOD", "fork")
+    monkeypatch.setattr(dist, "available_cores", lambda: 8)  # --nproc 4 is 4 workers on a 2-core machine too
     monkeypatch.setattr(writer, "ROW_GROUP_TARGET", 8)
     monkeypatch.setattr(segments, "SEGMENT_GROUPS", 3)
     monkeypatch.setattr(epoch, "BLOCK_ROWS", 16)

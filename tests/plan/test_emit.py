@@ -1,7 +1,8 @@
 """Phase 3's readers and lookups (issue 25): a row group's items read from the chunk files by runs are
-the rows' item ranges in row order, whatever the rows, chunks and run gap; the shape ids looked up in a
-table are the binary search's; the seqlens the plan's check counts are the distinct values it was fed,
-split among checkers and merged in any order."""
+the rows' item ranges in row order, whatever the rows, chunks and run gap; the spill's item dtype holds
+every value (uint16 up to 65,535 exactly), and a chunked plan holding a 65,536-token sample validates;
+the shape ids looked up in a table are the binary search's; the seqlens the plan's check counts are the
+distinct values it was fed, split among checkers and merged in any order."""
 
 from __future__ import annotations
 
@@ -9,13 +10,15 @@ import pickle
 from types import SimpleNamespace
 
 import numpy as np
+import pyarrow.parquet as pq
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from varlen_cli.checks import DENSE_SEQLEN, Shapes
 from varlen_cli.plan.chunked import emit
 from varlen_cli.plan.chunked.finish import Finished
-from varlen_cli.plan.chunked.spill import ItemReader, job_name
+from varlen_cli.plan.chunked.spill import ItemReader, job_name, stored_dtype
 
 
 def _chunk_files(directory, k: int, ids: np.ndarray, lengths: np.ndarray, base: int) -> ItemReader:
@@ -23,7 +26,7 @@ def _chunk_files(directory, k: int, ids: np.ndarray, lengths: np.ndarray, base: 
     uint16 where they fit), and its reader."""
     name = directory / job_name(0, k)
     (ids - base).astype(np.uint32).tofile(f"{name}.ids.bin")
-    stored = np.uint16 if lengths.max(initial=0) < 1 << 16 else np.int32
+    stored = stored_dtype(lengths)
     lengths.astype(stored).tofile(f"{name}.sample_length.bin")
     header = {"epoch": 0, "chunk": k, "ids_base": base, "ids_dtype": "uint32", "item_arrays": ["ids", "sample_length"],
               "item_dtypes": {"sample_length": np.dtype(stored).name}}
@@ -66,6 +69,38 @@ def test_group_items_are_the_rows_item_ranges_in_row_order(tmp_path_factory, cas
     assert got["ids"].dtype == np.int64 and got["sample_length"].dtype == np.int32
     assert got["ids"].tolist() == (np.concatenate(want_ids).tolist() if rows else [])
     assert got["sample_length"].tolist() == (np.concatenate(want_len).tolist() if rows else [])
+
+
+@pytest.mark.parametrize("top, dtype", [(0, np.uint16), (65_535, np.uint16), (65_536, np.int32), (65_537, np.int32),
+                                        (-1, np.int32)])
+def test_spill_item_dtype_holds_every_value(tmp_path, top, dtype):
+    """The spill's rule, called: uint16 exactly while every value is in 0..65,535; the values read back."""
+    values = np.array([5, top, 0], np.int64)
+    assert stored_dtype(values) == np.dtype(dtype)
+    reader = _chunk_files(tmp_path, 0, np.arange(3, dtype=np.int64), values, 0)
+    try:
+        assert reader.read("sample_length", 0, 3).tolist() == values.tolist()
+    finally:
+        reader.close()
+
+
+def test_a_chunked_plan_of_a_65536_token_sample_validates(tmp_path):
+    """Samples of 65,535, 65,536 and 65,537 tokens among short ones, in a packed plan of three chunks: the
+    plan's lengths are the samples' (none stored as 0 by a uint16 spill) and it passes validate."""
+    from tests.plan_helpers import write_metrics
+    from varlen_cli.plan import PlanConfig, plan
+    from varlen_cli.validate import ValidateConfig, validate
+
+    lengths = np.random.default_rng(0).integers(1, 3000, 60)
+    lengths[[7, 29, 50]] = [65_535, 65_536, 65_537]
+    metrics = write_metrics(tmp_path / "m", lengths)
+    out = str(tmp_path / "p.parquet")
+    plan(PlanConfig(input=metrics, output=out, packing=True, seq_len=70_000, chunk_samples=20, dp=2,
+                    progress=False))
+    t = pq.read_table(out, columns=["sample_ids", "sample_lengths"]).to_pydict()
+    got = {i: n for ids, ns in zip(t["sample_ids"], t["sample_lengths"]) for i, n in zip(ids, ns)}
+    assert got == {i: int(n) for i, n in enumerate(lengths)}
+    assert validate(ValidateConfig(plan=out, metrics=metrics)).ok
 
 
 def _finished(keys: np.ndarray, fixed_b: bool) -> Finished:

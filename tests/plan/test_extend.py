@@ -111,6 +111,24 @@ def test_bad_inputs(dirs, tmp_path):
                       "missing INPUT_DIR: the metrics or sorted directory to plan (or --extend PLAN)")
 
 
+def test_an_invalid_parent_is_refused_as_validate_refuses_it(dirs, tmp_path):
+    """A parent with a NaN lr_scale: validate finds the violation (exit 6); --extend, whose output keeps the
+    parent's rows, refuses it with validate's verdict (exit 6, one line, no output), not as its own bug."""
+    import pyarrow as pa
+
+    table = pq.read_table(dirs["parent"])
+    lr = table.column("lr_scale").to_numpy().copy()
+    lr[3] = np.nan
+    bad = str(tmp_path / "bad.parquet")
+    pq.write_table(table.set_column(table.schema.get_field_index("lr_scale"), "lr_scale", pa.array(lr)), bad)
+    assert runner.invoke(app, ["validate", bad]).exit_code == 6
+    out = str(tmp_path / "e.parquet")
+    assert_user_error(runner.invoke(app, ["plan", "--extend", bad, "--epochs", "3", "-o", out]), 6,
+                      f"{bad} is not a valid plan, so neither would its extension be: violation: lr_scale: 1 rows "
+                      f"whose lr_scale is not finite (see `varlen validate {bad}`)")
+    assert not (tmp_path / "e.parquet").exists()
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(dp=st.integers(1, 3), new_dp=st.integers(1, 4), accum=st.integers(1, 2), frac=st.floats(0, 0.99),
        order=st.sampled_from(["bucket-shuffle", "random", "curriculum"]), seed=st.integers(0, 3))

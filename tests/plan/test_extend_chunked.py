@@ -3,7 +3,7 @@
 Parents of several chunks (``chunk_samples`` 700 over 3,000 samples): the extended plan passes
 ``varlen validate``, begins with the parent's row groups byte for byte, holds the new epochs a fresh
 plan of as many epochs plans (multi-chunk seed streams numbered from the parent's epochs), and its
-metadata statistics are those recomputed from the whole file; the single-process planner never runs;
+metadata statistics are those recomputed from the whole file;
 1 and 2 workers write the same file; a failure keeps an existing output; a parent written with
 another Parquet schema has its row groups re-encoded.
 """
@@ -26,9 +26,6 @@ from tests.conftest import ROOT
 from tests.plan_helpers import write_metrics
 from varlen_cli import format
 from varlen_cli.errors import OutputError
-from varlen_cli.plan import extend as extend_module
-from varlen_cli.plan import parent as parent_module
-from varlen_cli.plan import pipeline
 from varlen_cli.plan.core import PlanConfig, plan
 from varlen_cli.plan.replan import ExtendConfig, extend
 from varlen_cli.runtime import safety
@@ -48,18 +45,6 @@ def metrics(tmp_path_factory):
     root = tmp_path_factory.mktemp("extend-chunked")
     lengths = np.clip(np.random.default_rng(7).lognormal(5.0, 1.0, N), 1, 3000).astype(np.int64)
     return write_metrics(root / "m", lengths)
-
-
-@pytest.fixture(autouse=True)
-def no_single_process_planner(monkeypatch):
-    """What ran: the single-process planner (every sample in one process) and merge must not."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("the single-process planner ran")
-
-    for module in (parent_module, pipeline):
-        monkeypatch.setattr(module, "plan_epochs", refuse)
-    monkeypatch.setattr(parent_module, "read_input", refuse)
-    monkeypatch.setattr(extend_module, "merge", refuse)  # the in-memory join of both plans' columns
 
 
 def _parent(metrics, path, case, epochs=2, **more):

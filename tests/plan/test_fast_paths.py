@@ -63,13 +63,13 @@ def test_int32_paths_keep_values():
        pad=st.sampled_from([1, 8, 64, 1000]), attention=st.sampled_from([0.0, 1e-4, 0.01]),
        max_samples=st.sampled_from([None, 1, 4]))
 def test_too_long_threshold_matches_the_per_sample_test(lengths, budget, pad, attention, max_samples):
-    from varlen_cli.plan.pipeline import _longest_fitting
+    from varlen_cli.plan.cost_model import longest_fitting
     from varlen_cli.plan.shapes import ShapeMap
 
     length = np.array(lengths, dtype=np.int64)
     b, shape = Budget(budget, max_samples, attention), ShapeMap(pad)
     want = ~b.fits(1, shape.pad(length))
-    assert np.array_equal(length > _longest_fitting(length, b, shape), want)
+    assert np.array_equal(length > longest_fitting(length, b, shape), want)
 
 
 @settings(max_examples=40, deadline=None)
@@ -119,7 +119,7 @@ def test_a_missing_length_is_an_input_error(tmp_path):
 
     from tests.plan_helpers import write_metrics
     from varlen_cli.errors import InputError
-    from varlen_cli.plan.reader import read_input
+    from varlen_cli.plan.chunked.chunks import InputRows
     from varlen_cli.runtime import artifacts
 
     d = write_metrics(tmp_path / "m", [3, 4, 5])
@@ -127,7 +127,7 @@ def test_a_missing_length_is_an_input_error(tmp_path):
     pq.write_table(pa.table({"sample_id": pa.array([0, 1, 2], pa.int64()), "length": pa.array([3, None, 5], pa.int64()),
                              "difficulty": pa.array([3.0, 4.0, 5.0])}), part)
     with pytest.raises(InputError, match=r"has missing values in column 'length'$"):
-        read_input(d, allow_stale=True)
+        InputRows(d, artifacts.read_manifest(d)).read(0, 3)
 
 
 def test_freed_memory_reuse_is_scoped():

@@ -16,6 +16,7 @@ from varlen_cli.cli import app
 from varlen_cli.loader import Plan, PlanBatchSampler, PlanError
 from varlen_cli.plan import PlanConfig, plan
 from varlen_cli.plan.replan import ReplanConfig, replan
+from varlen_cli.validate import ValidateConfig, validate
 
 runner = CliRunner()
 N = 600
@@ -258,14 +259,30 @@ def test_every_planner_option_replans_exactly_once(dirs, tmp_path, options):
     assert m["orders"] == pm["orders"][1:]  # the same order policy per epoch (curriculum switch included)
 
 
+def test_replan_lists_what_the_parents_tail_dropped(dirs, tmp_path):
+    """A parent whose epoch in progress left samples out (--tail drop): they are in neither plan, so the
+    replan's first epoch lists them as dropped too, and it passes its own check and validate."""
+    parent = str(tmp_path / "p.parquet")
+    plan(PlanConfig(input=dirs["metrics"], output=parent, max_tokens=512, dp=7, grad_accum=2, epochs=2,
+                    same_shape_per_step=True, tail="drop", progress=False))
+    pm = json.loads(pq.read_schema(parent).metadata[b"varlen"])
+    gone = [t["sample_ids"] for t in pm["dropped"]["tail"] if t["epoch"] == 0][0]
+    out = str(tmp_path / "r.parquet")
+    replan(ReplanConfig(plan=parent, output=out, dp=3, from_step=pm["steps_per_epoch"][0] // 2, progress=False))
+    t, m = rows(out)
+    assert set(gone) <= set(next(e["sample_ids"] for e in m["dropped"]["tail"] if e["epoch"] == 0))
+    assert not set(gone) & set(epoch_ids(t, 0))
+    assert validate(ValidateConfig(plan=out, metrics=dirs["metrics"])).ok
+
+
 def test_replan_is_bounded_by_its_epochs_and_a_chunk(dirs, tmp_path, monkeypatch):
     """replan plans with the chunked planner (the consumed samples a bitmap): its memory is the microbatch
     tables of the epochs it plans and one chunk, never the parent's samples; when even that does not fit,
     it is refused in one line before any work (here: 1,000 bytes available)."""
-    from varlen_cli.plan import pipeline
+    from varlen_cli.plan import cost_model
     from varlen_cli.plan.chunked import run
 
-    monkeypatch.setattr(pipeline, "_available_memory", lambda: 1000)
+    monkeypatch.setattr(cost_model, "available_memory", lambda: 1000)
     out = str(tmp_path / "new.parquet")
     args = ["replan", dirs["parent"], "-o", out, "--dp", "3", "--from-step", "2"]
     need = (N * 2 * run.TABLE_BYTES_PER_ENTRY + run.CHUNK_BYTES_PER_SAMPLE * N) / 2**30
@@ -281,10 +298,10 @@ def test_extend_is_bounded_by_the_new_epochs_and_a_chunk(dirs, tmp_path, monkeyp
     """--extend plans the new epochs with the chunked planner: its memory is the new epochs' microbatch
     tables and one chunk, never the parent's samples; when even that does not fit, it is refused in one
     line that says to extend by fewer epochs (here: 1,000 bytes available)."""
-    from varlen_cli.plan import pipeline
+    from varlen_cli.plan import cost_model
     from varlen_cli.plan.chunked import run
 
-    monkeypatch.setattr(pipeline, "_available_memory", lambda: 1000)
+    monkeypatch.setattr(cost_model, "available_memory", lambda: 1000)
     out = str(tmp_path / "new.parquet")
     need = (N * run.TABLE_BYTES_PER_ENTRY + run.CHUNK_BYTES_PER_SAMPLE * N) / 2**30
     assert_user_error(runner.invoke(app, ["plan", "--extend", dirs["parent"], "-o", out, "--epochs", "3"]), 2,

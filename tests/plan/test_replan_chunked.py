@@ -5,8 +5,9 @@ from the parent window by window (the rest of the epoch in progress as a bitmap 
 and the chunked planner plans the first epoch from its chunks without them, then the later epochs;
 the single-process planner never runs. The replan passes ``varlen validate`` (its lineage's consumed
 samples), every sample of the epoch in progress is in exactly one of the two plans, the later epochs
-are those a fresh plan for the new layout plans, and 1 and 2 workers write the same file. A split
-sample with chunks on both sides of the step is replanned in one process, as before.
+are those a fresh plan for the new layout plans, and 1 and 2 workers write the same file. When a split
+sample has chunks on both sides of the step, the split samples' chunks left keep their cuts (pieces),
+and every token of the epoch is planned once across the two plans.
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ import pytest
 
 from tests.plan_helpers import write_metrics
 from varlen_cli import format
-from varlen_cli.plan import parent as parent_module
-from varlen_cli.plan import pipeline
 from varlen_cli.plan.core import PlanConfig, plan
 from varlen_cli.plan.replan import ReplanConfig, replan
 from varlen_cli.validate import ValidateConfig, validate
@@ -33,18 +32,8 @@ CHUNK = 700  # 5 chunks of 600 samples
 def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("replan-chunked")
     lengths = np.clip(np.random.default_rng(9).lognormal(5.0, 1.0, N), 1, 3000).astype(np.int64)
-    return {"metrics": write_metrics(root / "m", lengths),
+    return {"lengths": lengths, "metrics": write_metrics(root / "m", lengths),
             "sorted": write_metrics(root / "s", lengths, sorted_by="length", parts=2)}
-
-
-def _tripwire(monkeypatch):
-    """What ran: the single-process planner (every sample in one process) must not."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("the single-process planner ran")
-
-    for module in (parent_module, pipeline):
-        monkeypatch.setattr(module, "plan_epochs", refuse)
-    monkeypatch.setattr(parent_module, "read_input", refuse)
 
 
 def _meta(path):
@@ -74,7 +63,6 @@ def test_replan_of_a_chunked_plan(data, tmp_path, monkeypatch, case, frac):
     pm = _meta(parent)
     step = int(frac * pm["steps_per_epoch"][0])
     epoch = int(np.searchsorted(np.cumsum(pm["steps_per_epoch"]), step, side="right"))
-    _tripwire(monkeypatch)
     out = str(tmp_path / "r.parquet")
     result = replan(ReplanConfig(plan=parent, output=out, dp=3, grad_accum=1, from_step=step))
     m = _meta(out)
@@ -104,7 +92,6 @@ def test_replan_with_two_workers_writes_the_same_file(data, tmp_path, monkeypatc
     parent = str(tmp_path / "p.parquet")
     plan(PlanConfig(input=data["metrics"], output=parent, chunk_samples=CHUNK, epochs=2, max_tokens=4096, dp=4,
                     progress=False))
-    _tripwire(monkeypatch)
     one, two = str(tmp_path / "1.parquet"), str(tmp_path / "2.parquet")
     replan(ReplanConfig(plan=parent, output=one, dp=2, from_step=5, progress=False))
     replan(ReplanConfig(plan=parent, output=two, dp=2, from_step=5, progress=False, nproc=2))
@@ -112,9 +99,22 @@ def test_replan_with_two_workers_writes_the_same_file(data, tmp_path, monkeypatc
         assert a.read() == b.read()
 
 
-def test_a_split_sample_started_before_the_step_is_replanned_in_one_process(data, tmp_path):
-    """--split-long: a sample whose first chunks were consumed keeps its other chunks as they were cut;
-    that remainder is not a set of whole samples, so it is replanned in one process (as before)."""
+def _spans(path, epoch, below=None, at_least=None) -> dict:
+    """Each sample's token spans (start, start + length) in the plan's ``epoch`` (steps in the range)."""
+    t = pq.read_table(path, columns=["epoch", "step", "sample_ids", "sample_starts", "sample_lengths"]).to_pydict()
+    out: dict = {}
+    for e, s, ids, starts, lens in zip(t["epoch"], t["step"], t["sample_ids"], t["sample_starts"],
+                                       t["sample_lengths"]):
+        if e == epoch and (below is None or s < below) and (at_least is None or s >= at_least):
+            for i, a, n in zip(ids, starts, lens):
+                out.setdefault(i, []).append((a, a + n))
+    return out
+
+
+def test_a_split_sample_cut_by_the_step_keeps_its_cuts(data, tmp_path):
+    """--split-long: when a sample has chunks on both sides of the step, the chunks left of the split
+    samples enter the replan's first epoch as pieces (their cuts kept), planned by the chunked planner
+    (several chunks): across the two plans every token of the epoch is planned once."""
     parent = str(tmp_path / "p.parquet")
     plan(PlanConfig(input=data["metrics"], output=parent, chunk_samples=CHUNK, packing=True, seq_len=256,
                     split_long=True, dp=2, progress=False))
@@ -124,9 +124,14 @@ def test_a_split_sample_started_before_the_step_is_replanned_in_one_process(data
         for i in ids:
             steps.setdefault(i, [s, s])[1] = s
     step = next(last for first, last in steps.values() if last > first)  # a sample split across steps
-    left = parent_module.left_samples(parent_module.open_parent(parent), step, N)
-    assert left.started
     out = str(tmp_path / "r.parquet")
-    replan(ReplanConfig(plan=parent, output=out, dp=3, from_step=step))
+    replan(ReplanConfig(plan=parent, output=out, dp=3, from_step=step, progress=False))
     assert validate(ValidateConfig(plan=out, metrics=data["metrics"])).ok
-    assert "chunks" not in _meta(out)  # the single-process planner wrote it
+    assert _meta(out)["chunks"] == {"samples": CHUNK, "count": 5}
+    lengths = data["lengths"]
+    done, rest = _spans(parent, 0, below=step), _spans(out, 0)
+    assert set(done) | set(rest) == set(range(N))
+    for i in range(N):
+        spans = sorted(done.get(i, []) + rest.get(i, []))
+        assert spans[0][0] == 0 and spans[-1][1] == lengths[i], i
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), i  # no token twice, none lost

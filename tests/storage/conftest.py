@@ -82,3 +82,31 @@ def s3(s3_server):
     storage.clear_cache()  # a filesystem built under another environment is not reused
     storage.configure(None)
     return s3_server
+
+
+@pytest.fixture
+def iam_auth(s3):
+    """Make the server check signatures (unknown keys are refused), as a real S3 does."""
+    import urllib.request
+
+    def reset(count: str) -> None:
+        req = urllib.request.Request(f"{s3.endpoint}/moto-api/reset-auth", data=count.encode(), method="POST",
+                                     headers={"Content-Type": "text/plain"})
+        urllib.request.urlopen(req, timeout=10).read()
+
+    reset("0")
+    try:
+        yield
+    finally:
+        reset("inf")
+
+
+@pytest.fixture
+def closed_port():
+    """A port of 127.0.0.1 that refuses connections: bound (never listening) for the whole test, so no
+    other process, such as a test server of the other xdist worker, can take it meanwhile."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]

@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
-import urllib.request
 
 import pyarrow as pa
 import pytest
@@ -94,28 +92,7 @@ def test_prefix_source_and_freshness(tmp_path, s3):
     assert runner.invoke(app, [*plan_args, "--overwrite", "--allow-stale"]).exit_code == 0
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def iam_auth(s3):
-    """Make the server check signatures (unknown keys are refused), as a real S3 does."""
-    def reset(count: str) -> None:
-        req = urllib.request.Request(f"{s3.endpoint}/moto-api/reset-auth", data=count.encode(), method="POST",
-                                     headers={"Content-Type": "text/plain"})
-        urllib.request.urlopen(req, timeout=10).read()
-
-    reset("0")
-    try:
-        yield
-    finally:
-        reset("inf")
-
-
-def _bad_cases(s3, bucket):
+def _bad_cases(s3, bucket, closed_port: int):
     return {
         "missing key": ([f"s3://{bucket}/nope.parquet"], rf"source s3://{bucket}/nope\.parquet does not exist.*", {}),
         "missing bucket": (["s3://no-such-bucket-x/d/"], r"source s3://no-such-bucket-x/d/ does not exist.*", {}),
@@ -123,7 +100,7 @@ def _bad_cases(s3, bucket):
                                  rf"no data files \(Parquet, Arrow, JSONL, text\) match s3://{bucket}/d/\*\.jsonl",
                                  {}),
         "unreachable endpoint": ([f"s3://{bucket}/d/a.parquet"], rf"cannot reach s3://{bucket}/d/a\.parquet: .*",
-                                 {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{_closed_port()}"}),
+                                 {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{closed_port}"}),
         "bad storage option": ([f"s3://{bucket}/d/a.parquet", "--storage-option", "novalue"],
                                r"--storage-option expects key=value, got 'novalue'", {}),
     }
@@ -131,11 +108,11 @@ def _bad_cases(s3, bucket):
 
 @pytest.mark.parametrize("case", ["missing key", "missing bucket", "glob matches nothing", "unreachable endpoint",
                                   "bad storage option"])
-def test_bad_input(tmp_path, s3, monkeypatch, case):
+def test_bad_input(tmp_path, s3, monkeypatch, closed_port, case):
     bucket = s3.bucket()
     write_parquet(text_table(20), tmp_path / "a.parquet")
     s3.client.upload_file(str(tmp_path / "a.parquet"), bucket, "d/a.parquet")
-    args, message, env = _bad_cases(s3, bucket)[case]
+    args, message, env = _bad_cases(s3, bucket, closed_port)[case]
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     result = CliRunner().invoke(app, ["analyze", *args, "-o", str(tmp_path / "out"), "--no-progress"])
@@ -221,7 +198,7 @@ def test_output_inside_an_input_prefix_is_refused(tmp_path, s3):
     write_parquet(text_table(10), tmp_path / "a.parquet")
     s3.client.upload_file(str(tmp_path / "a.parquet"), bucket, "d/a.parquet")
     result = CliRunner().invoke(app, ["analyze", f"s3://{bucket}/d", "-o", f"s3://{bucket}/d/metrics"])
-    assert_user_error(result, 4, f"output s3://{bucket}/d/metrics overlaps the input s3://{bucket}/d; write the "
+    assert_user_error(result, 4, f"output s3://{bucket}/d/metrics lies inside the input s3://{bucket}/d; write the "
                                  "output elsewhere")
 
 

@@ -11,6 +11,6 @@ stage: :func:`check`, :func:`run_in_group`, :func:`analyze`).
 
 from __future__ import annotations
 
-from .core import AnalyzeConfig, AnalyzeResult, analyze, analyze_dataset, check, run_in_group
+from .core import AnalyzeConfig, AnalyzeResult, analyze, analyze_dataset, check, count_units, run_in_group
 
-__all__ = ["AnalyzeConfig", "AnalyzeResult", "analyze", "analyze_dataset", "check", "run_in_group"]
+__all__ = ["AnalyzeConfig", "AnalyzeResult", "analyze", "analyze_dataset", "check", "count_units", "run_in_group"]

@@ -9,6 +9,7 @@ number of workers.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass, field
@@ -115,7 +116,13 @@ class AnalyzeResult:
 def analyze(config: AnalyzeConfig) -> AnalyzeResult | None:
     """Run ``varlen analyze``; returns the result on rank 0 (None on other ranks)."""
     check(config)
-    return execute(run_in_group, config)
+    return execute(run_in_group, config, functools.partial(count_units, config))
+
+
+def count_units(config: AnalyzeConfig) -> tuple[int, str]:
+    """The work units of the sources (what ``--nproc`` is capped by)."""
+    storage.configure(config.storage_options)
+    return len(make_units(discover(config.sources), config.chunk_bytes)), "work unit"
 
 
 def analyze_dataset(dataset, output: str, **options) -> AnalyzeResult | None:

@@ -98,21 +98,16 @@ def walk_directory(top: str, is_candidate: Callable[[str], bool]) -> list[str]:
                     raise InputError(f"symlink loop: {entry.path} leads back to {real}")
                 if artifact_kind(entry.path) is None:
                     stack.append((entry.path, (*ancestors, real)))
-            elif is_candidate(entry.name) and (entry.is_symlink() or _is_file(entry)):
-                found.append(entry.path)  # a broken link is kept: discover reports it
+            elif is_candidate(entry.name):
+                # anything else with a data file's name is kept, as a glob keeps it: discover refuses a
+                # FIFO, socket or device in one line (and reports a broken link)
+                found.append(entry.path)
     return found
 
 
 def _is_dir(entry: os.DirEntry) -> bool:
     try:
         return entry.is_dir()  # follows symlinks
-    except OSError:
-        return False
-
-
-def _is_file(entry: os.DirEntry) -> bool:
-    try:
-        return entry.is_file()
     except OSError:
         return False
 

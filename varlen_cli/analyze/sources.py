@@ -32,7 +32,7 @@ import numpy as np
 
 from .. import format, storage
 from ..errors import InputError
-from ..runtime.freshness import footer_hash
+from ..runtime import freshness
 from ..storage.files import check_regular, open_regular
 from . import corpora, discovery, formats, memory, remote
 
@@ -55,7 +55,6 @@ class SourceFile:
     compression: str | None = None
     rows: int = -1  # known from metadata for parquet and arrow, -1 for line formats
     mtime_ns: int = 0  # when discovered: with size, what staleness checks compare
-    footer: str | None = None  # Parquet: hash of the footer (runtime.freshness.footer_hash)
     etag: str | None = None  # object storage: what staleness checks compare instead of mtime_ns
     version: str | None = None
 
@@ -162,6 +161,7 @@ def discover(sources: Sequence[str]) -> list[SourceFile]:
         src = memory.register(sources[0])
         return [SourceFile(src.path, memory.FORMAT, src.nbytes, None, src.rows)]
     _FOOTERS.clear()  # a new run: footers are read (once) again
+    formats.clear_cache()  # and shard indexes
     explicit: dict[str, bool] = {}
     order: dict[str, tuple] = {}  # a shard range keeps its order, placed where its first file sorts
     for s in sources:
@@ -188,9 +188,9 @@ def discover(sources: Sequence[str]) -> list[SourceFile]:
         else:
             st = _stat_readable(path)
             size, mtime_ns, etag, version = st.st_size, st.st_mtime_ns, None, None
-        rows, footer = -1, None
+        rows = -1
         if fmt == "parquet":
-            metadata, footer = _footer(path, size, (path, size, mtime_ns, etag, version))
+            metadata = _footer(path, size, (path, size, mtime_ns, etag, version))
             schema = metadata.schema.to_arrow_schema()
             if format.is_plan_schema(schema):
                 if explicit[path]:
@@ -202,7 +202,7 @@ def discover(sources: Sequence[str]) -> list[SourceFile]:
             rows = sum(n for n in _arrow_batch_rows(path))
         elif fmt in formats.NAMES:
             rows = formats.describe(path, fmt, size)
-        files.append(SourceFile(path, fmt, size, compression, rows, mtime_ns, footer, etag, version))
+        files.append(SourceFile(path, fmt, size, compression, rows, mtime_ns, etag, version))
     if not files:
         raise InputError(f"no data files (Parquet, Arrow, JSONL, text) in {', '.join(map(str, sources))}")
     return files
@@ -215,6 +215,7 @@ def _stat_readable(path: str) -> os.stat_result:
         st = os.stat(path)
     except OSError as exc:
         raise InputError(f"source {path} is not readable: {exc.strerror}") from None
+    check_regular(path, "source")  # a socket cannot even be opened: say what it is
     try:
         with open_regular(path, "rb", what="source"):
             pass
@@ -238,7 +239,7 @@ def _check_unique_columns(schema, path: str) -> None:
 
 
 # Parquet footers of the files being analysed, read once per run (discovery, unit planning and the
-# reader all need them): (path, size, mtime_ns, etag, version) -> (FileMetaData, footer hash).
+# reader all need them): (path, size, mtime_ns, etag, version) -> FileMetaData.
 # Cleared when a run discovers its files; the key changes with any change freshness would see.
 _FOOTERS: dict[tuple, tuple] = {}
 
@@ -246,8 +247,7 @@ _FOOTERS: dict[tuple, tuple] = {}
 def _footer(path: str, size: int, key: tuple) -> tuple:
     hit = _FOOTERS.get(key)
     if hit is None:
-        footer, metadata = storage.parquet_footer(path, size)
-        hit = _FOOTERS[key] = (metadata, footer_hash(footer))
+        hit = _FOOTERS[key] = storage.parquet_footer(path, size)[1]
     return hit
 
 
@@ -260,7 +260,7 @@ def parquet_file(path: str, size: int | None = None, key: tuple | None = None):
     comes from this run's cache (read by one tail request the first time)."""
     import pyarrow.parquet as pq
 
-    metadata = _footer(path, size, key)[0] if key is not None and size is not None else None
+    metadata = _footer(path, size, key) if key is not None and size is not None else None
     if storage.is_remote(path):
         return storage.parquet_file(path, size=size, metadata=metadata)
     check_regular(path, "source")
@@ -306,7 +306,7 @@ def make_units(files: Sequence[SourceFile], chunk_bytes: int = DEFAULT_CHUNK_BYT
     units: list[Unit] = []
     for i, f in enumerate(files):
         if f.format == "parquet":
-            md = _footer(f.path, f.size, footer_key(f))[0]
+            md = _footer(f.path, f.size, footer_key(f))
             units.extend(_row_units(i, [md.row_group(g).num_rows for g in range(md.num_row_groups)]))
         elif f.format == "arrow":
             # Record batches are often small (Hugging Face writes 1,000 rows each): one unit is a
@@ -569,19 +569,15 @@ def fingerprint(files: Sequence[SourceFile], rows_per_file: Sequence[int]) -> di
         for f, n in zip(files, rows_per_file)
     ]
     ident = digest(entries)
-    # When each file was seen (not part of the identity: a copied dataset is the same dataset), so
+    # When and what each file was (not part of the identity: a copied dataset is the same dataset), so
     # that sort, plan and validate can refuse metrics of a source rewritten since (runtime.freshness).
     for entry, f in zip(entries, files):
-        entry.update(storage.fingerprint_fields(storage.FileInfo(f.path, f.size, etag=f.etag, version=f.version,
-                                                                 mtime_ns=f.mtime_ns)))
-        if f.footer is not None:
-            entry["footer"] = f.footer
-        if f.format in formats.NAMES:  # the files the samples are read from (Lance fragments, LitData chunks)
-            entry["companions"] = [{"path": storage.relpath(c.path, root) if root else c.path, "size": c.size,
-                                    **storage.fingerprint_fields(c)} for c in formats.companions(f.path, f.format,
-                                                                                                 f.size)]
-            if not entry["companions"]:
-                del entry["companions"]
+        info = storage.FileInfo(f.path, f.size, etag=f.etag, version=f.version, mtime_ns=f.mtime_ns)
+        entry.update(freshness.record(info, f.format))
+        companions = formats.companions(f.path, f.format, f.size) if f.format in formats.NAMES else []
+        if companions:
+            entry["companions"] = [{"path": storage.relpath(c.path, root) if root else c.path,
+                                    **freshness.record(c, "data")} for c in companions]
     return {
         "digest": ident,
         "root": root,

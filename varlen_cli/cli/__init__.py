@@ -93,9 +93,11 @@ def _signalled(what: str, code: int) -> int:
 def run_command(fn: Callable[[Any], Any], config: Any) -> Any:
     """Call a stage; a user error becomes one line on stderr and its documented exit code."""
     from varlen_cli.errors import VarlenError
+    from varlen_cli.runtime import notes
     from varlen_cli.runtime.safety import Terminated, identity, install_sigterm_handler
 
     debug = bool(os.environ.get("VARLEN_DEBUG"))
+    notes.start(echo=True)  # e.g. a capped --nproc: on stderr when decided, and in --json
     install_sigterm_handler()  # SIGTERM raises, so temporaries are removed on the way out
     output = getattr(config, "output", None)
     _OUTPUT.update(path=output, before=identity(output))

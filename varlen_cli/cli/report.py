@@ -26,6 +26,10 @@ def print_json(summary: dict) -> None:
     import json
     import sys
 
+    from varlen_cli.runtime import notes
+
+    if notes.current():
+        summary = {**summary, "notes": notes.current()}
     sys.stdout.write(json.dumps(summary, default=_json_default) + "\n")
     sys.stdout.flush()
 

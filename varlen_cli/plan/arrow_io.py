@@ -43,3 +43,14 @@ def to_numpy(chunk: pa.Array) -> np.ndarray:
     if dtype is None or chunk.null_count:
         return chunk.to_numpy(zero_copy_only=False)
     return np.frombuffer(chunk.buffers()[1], dtype=dtype, count=len(chunk), offset=chunk.offset * dtype.itemsize)
+
+
+def flat_list(column) -> tuple[np.ndarray, np.ndarray]:
+    """A list column (an array or a chunked array) as CSR: its offsets (int64, from 0) and its values."""
+    import pyarrow.compute as pc
+
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if isinstance(array, pa.ChunkedArray):  # an empty chunked array
+        array = pa.array([], type=array.type)
+    offsets = array.offsets.to_numpy().astype(np.int64)
+    return offsets - offsets[0], pc.list_flatten(array).to_numpy(zero_copy_only=False)

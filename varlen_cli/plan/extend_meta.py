@@ -1,6 +1,5 @@
 """The metadata entries of an extended plan (``varlen plan --extend``) from its two parts': the
-parent's, then the new epochs' (numbered after the parent's). Shared by the in-memory merge of
-mixtures (:mod:`.extend`) and the streamed one (:mod:`.extend_stream`)."""
+parent's, then the new epochs' (numbered after the parent's), as :mod:`.extend_stream` joins them."""
 
 from __future__ import annotations
 

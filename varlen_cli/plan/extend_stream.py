@@ -34,7 +34,7 @@ import numpy as np
 
 from .. import format
 from ..budget import Budget
-from ..errors import InternalConsistencyError, OutputError
+from ..errors import InternalConsistencyError, OutputError, PlanError
 from ..runtime import parquet_concat, safety
 from ..runtime.faults import fault_point
 from . import writer
@@ -49,20 +49,21 @@ TOO_BIG = "extend the plan by fewer epochs at a time (a smaller --epochs, then e
 
 
 def extend_streamed(parent: Parent, c: PlanConfig, budget: Budget, record: dict, lineage: dict, first_epoch: int,
-                    t0: float) -> PlanResult:
+                    t0: float, mixture: tuple | None = None, recorded: tuple | None = None) -> PlanResult:
     """Write ``c.output``: ``parent``'s rows, then ``c.epochs`` epochs numbered from ``first_epoch``
-    planned by the chunked planner (``c.nproc`` workers) with ``budget``, as one plan."""
+    planned by the chunked planner (``c.nproc`` workers) with ``budget``, as one plan (a mixture's:
+    its ``mixture`` sources, the parent's ``recorded`` entries of them)."""
     from .chunked.run import Continuation, plan_chunked
 
+    cont = Continuation(first_epoch, budget, REPLAN_REMEDIES, too_big=TOO_BIG, mixture=mixture, recorded=recorded)
     out = PlanOutput(c.output, c.overwrite)
-    out.check([parent.path, c.input])
+    out.check([parent.path] + cont.inputs(c))
     held: dict = {}
     with out.locked():
         work = _work_dir(out)
         try:
             epochs = os.path.join(work, "epochs.parquet")
-            more = plan_chunked(dataclasses.replace(c, output=epochs, overwrite=False), t0,
-                                Continuation(first_epoch, budget, REPLAN_REMEDIES, too_big=TOO_BIG))
+            more = plan_chunked(dataclasses.replace(c, output=epochs, overwrite=False), t0, cont)
             t1 = time.perf_counter()
             out.write(lambda tmp: held.update(result=join(parent, epochs, c, record, lineage, tmp, work, t0)),
                       before_commit=lambda: fault_point("extend.write"))
@@ -111,7 +112,7 @@ def join(parent: Parent, epochs: str, c: PlanConfig, record: dict, lineage: dict
         parquet_concat.concat([parent.path, rows], tmp, what=c.output, footer=footer)
     else:  # a parent written with another Parquet schema: its row groups re-encoded, one at a time
         _rewrite([parent.path, rows], tmp, full, c.output)
-    _check(tmp)
+    _check(tmp, parent.path)
     summary["seconds"] = time.perf_counter() - t0
     ids = np.asarray(meta["dropped"].get("sample_ids", []), np.int64)
     return PlanResult(output=whole.output, order=c.order, num_steps=summary["steps"],
@@ -144,15 +145,14 @@ def _write_rows(epochs: str, path: str, schema, parent: Parent, remap: np.ndarra
 def _groups(pf, lengths: bool, slots: int, keep):
     """Per row group of ``pf`` (whole steps, as plans are written): its :data:`ROW_COLUMNS` as numpy,
     its ``sample_lengths`` as CSR (``lengths``), and the group's table of the columns ``keep``."""
-    from ..checks.scan import flatten
-    from .arrow_io import to_numpy
+    from .arrow_io import flat_list, to_numpy
 
     for g in range(pf.metadata.num_row_groups):
         table = pf.read_row_group(g, columns=list(keep))
         if table.num_rows % slots:  # pragma: no cover - the chunked writer writes whole steps a group
             raise InternalConsistencyError(f"row group {g} of the new epochs does not hold whole steps")
         cols = {name: to_numpy(table.column(name).combine_chunks()) for name in ROW_COLUMNS}
-        off, values = flatten(table.column("sample_lengths")) if lengths else (None, None)
+        off, values = flat_list(table.column("sample_lengths")) if lengths else (None, None)
         yield cols, values, off, table
 
 
@@ -202,12 +202,18 @@ def _rewrite(paths: list[str], tmp: str, schema, what: str) -> None:
         raise OutputError(f"cannot write {what}: {exc.strerror or exc}") from None
 
 
-def _check(path: str) -> None:
-    """The plan's own check (``varlen validate``'s, window by window) on the written file: a violation
-    is a varlen bug, and the file is not swapped in."""
+def _check(path: str, parent: str) -> None:
+    """The plan's own check (``varlen validate``'s, window by window) on the written file, which is not
+    swapped in when it fails: a parent that fails it too is refused (exit 6, ``varlen validate``'s
+    verdict: its rows are the extended plan's), else the violation is a varlen bug."""
     from ..validate import check_file
 
     bad = [check for check in check_file(path) if not check.ok]
-    if bad:
-        raise InternalConsistencyError("the extended plan fails its own check: " + "; ".join(
-            f"{x.name}: {x.detail}" for x in bad))
+    if not bad:
+        return
+    inherited = [check for check in check_file(parent) if not check.ok]
+    if inherited:
+        raise PlanError(f"{parent} is not a valid plan, so neither would its extension be: violation: " + "; ".join(
+            f"{x.name}: {x.detail}" for x in inherited) + f" (see `varlen validate {parent}`)")
+    raise InternalConsistencyError("the extended plan fails its own check: " + "; ".join(
+        f"{x.name}: {x.detail}" for x in bad))

@@ -1,15 +1,15 @@
-"""Steps x ranks x micro: tail splitting, compile warm-up, same shape per step, and balancing the
-microbatches of each step across data-parallel ranks."""
+"""Steps x ranks x micro: compile warm-up, same shape per step, and balancing the microbatches of each
+step across data-parallel ranks (the tail rule that makes an epoch whole steps is :mod:`.tail`); and
+what the planner's refusals suggest (:class:`Remedies`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import InputError, InternalConsistencyError
-from .batching import Microbatches, packed_microbatches, stable_argsort_int
+from ..errors import InternalConsistencyError
+from .batching import Microbatches, stable_argsort_int
 from .shapes import pair_ids
 
 LPT_MAX_DP = 64  # above this many ranks, deal serpentine instead of LPT (cost O(M * dp))
@@ -44,89 +44,6 @@ def tail_message(num: int, slots: int, dp: int, grad_accum: int, what: str = "sa
                  remedies: Remedies = PLAN_REMEDIES) -> str:
     return (f"{num:,} {what} cannot fill {slots:,} microbatch slots ({slots // (dp * grad_accum):,} step(s) x dp {dp} "
             f"x grad-accum {grad_accum}) without duplicating samples; {remedies.fewer_slots}")
-
-
-def fix_tail_padded(mb: Microbatches, slots: int, dp: int, grad_accum: int, tail: str,
-                    refinalize: Callable[[np.ndarray, np.ndarray], Microbatches],
-                    remedies: Remedies = PLAN_REMEDIES) -> tuple[Microbatches, np.ndarray]:
-    """Make the microbatch count a multiple of ``slots`` = dp x grad_accum by splitting the fullest
-    microbatches in two (never duplicating, never dropping). Only when there are fewer samples than
-    slots: ``tail="drop"`` drops the smallest microbatches (returned), else an InputError."""
-    m = mb.count
-    target = slots * -(-m // slots)
-    if target == m:
-        return mb, np.zeros(0, np.int64)
-    n = len(mb.samples)
-    offsets = mb.offsets
-    if n >= target:
-        extra = target - m
-        while extra > 0:
-            counts = np.diff(offsets)
-            cand = np.flatnonzero(counts >= 2)
-            pick = cand[np.argsort(-counts[cand], kind="stable")[:extra]]
-            mids = offsets[pick] + counts[pick] // 2
-            offsets = np.sort(np.concatenate([offsets, mids]))
-            extra -= len(pick)
-        return refinalize(mb.samples, offsets), np.zeros(0, np.int64)
-    keep_count = slots * (m // slots)
-    if tail != "drop" or keep_count == 0:
-        raise InputError(tail_message(n, target, dp, grad_accum, remedies=remedies) if tail != "drop" else
-                         f"{n:,} samples are fewer than the {slots:,} microbatches of one step (dp x grad-accum); "
-                         "nothing would be left after --tail drop: lower --dp/--grad-accum")
-    counts = np.diff(offsets)
-    # drop the microbatches with the fewest samples (the latest among equals)
-    rank = np.lexsort((-np.arange(m), counts))
-    drop = np.sort(rank[: m - keep_count])
-    mask = np.ones(m, dtype=bool)
-    mask[drop] = False
-    keep = np.flatnonzero(mask)
-    dropped = np.concatenate([mb.samples[offsets[k]:offsets[k + 1]] for k in drop.tolist()])
-    kept = mb.take(keep)
-    return refinalize(kept.samples, kept.offsets), dropped
-
-
-def fix_tail_packed(samples: np.ndarray, start: np.ndarray, length: np.ndarray, item_row: np.ndarray, num_rows: int,
-                    rows_per_mb: int, seq_len: int, slots: int, dp: int, grad_accum: int,
-                    tail: str, remedies: Remedies = PLAN_REMEDIES) -> tuple[Microbatches, np.ndarray]:
-    """Packed plans: spread the rows (items sorted by global row) over a multiple of ``slots``
-    microbatches of at most R rows (the rest are padding rows), splitting the fullest rows when
-    there are fewer rows than microbatches."""
-    m = -(-num_rows // rows_per_mb)
-    target = slots * -(-m // slots)
-    dropped = np.zeros(0, np.int64)
-    items = len(samples)
-    if items < target:
-        keep_mbs = slots * (m // slots)
-        if tail != "drop" or keep_mbs == 0:
-            raise InputError(tail_message(items, target, dp, grad_accum, "packed samples", remedies)
-                             if tail != "drop" else f"{items:,} packed samples are fewer than the {slots:,} "
-                             "microbatches of one step (dp x grad-accum); nothing would be left after --tail drop: "
-                             "lower --dp/--grad-accum")
-        keep_rows = min(num_rows, keep_mbs * rows_per_mb)
-        cut = int(np.searchsorted(item_row, keep_rows, side="left"))
-        dropped = samples[cut:]
-        keep = np.arange(len(samples)) < cut
-        keep &= ~np.isin(samples, dropped)  # a split sample goes whole: no half-dropped samples
-        dropped = np.unique(dropped)
-        samples, start, length, item_row = samples[keep], start[keep], length[keep], item_row[keep]
-        flag = np.ones(len(item_row), dtype=bool)
-        flag[1:] = item_row[1:] != item_row[:-1]
-        item_row = np.cumsum(flag) - 1
-        num_rows, target = int(flag.sum()), keep_mbs
-        if len(samples) < target:
-            raise InputError(tail_message(len(samples), target, dp, grad_accum, "packed samples", remedies))
-    while num_rows < target:  # split the fullest rows in two
-        row_off = np.searchsorted(item_row, np.arange(num_rows + 1), side="left")
-        cnt = np.diff(row_off)
-        cand = np.flatnonzero(cnt >= 2)
-        pick = cand[np.argsort(-cnt[cand], kind="stable")[: target - num_rows]]
-        flag = np.ones(len(item_row), dtype=bool)
-        flag[1:] = item_row[1:] != item_row[:-1]
-        flag[row_off[pick] + cnt[pick] // 2] = True
-        item_row = np.cumsum(flag) - 1
-        num_rows += len(pick)
-    out = packed_microbatches(samples, start, length, item_row, num_rows, seq_len, rows_per_mb, target)
-    return out, dropped
 
 
 def balanced_shuffle(cost: np.ndarray, slots: int, rng: np.random.Generator, window_steps: int = 64) -> np.ndarray:

@@ -25,12 +25,20 @@ import numpy as np
 
 from ..budget import Budget
 from ..errors import InputError
-from . import balance, batching, layout
+from . import balance, batching, layout, tail
 from .batching import Microbatches
 from .config import PlanConfig
 from .shapes import ShapeMap
 
 CURRICULAR = ("curriculum", "reverse")
+
+
+def epoch_mode(c: PlanConfig, epoch: int) -> str:
+    """The order epoch ``epoch`` (of the job: a continued plan's are numbered after its parent's) is
+    planned in: the plan's order, bucket-shuffle after ``--curriculum-epochs``."""
+    if c.curriculum_epochs is not None and epoch >= c.curriculum_epochs:
+        return "bucket-shuffle"
+    return c.order
 
 
 @dataclass
@@ -79,7 +87,7 @@ def _finish_padded(inputs: EpochInputs, mb: Microbatches, mode: str, rng: np.ran
         return batching.finalize_padded(samples, offsets, length, shape, budget, c.static_shapes, fixed_batch,
                                         lens=lens if same else None, padded=padded if same else None)
 
-    mb, dropped = layout.fix_tail_padded(mb, inputs.slots, c.dp, c.grad_accum, c.tail, refinalize, inputs.remedies)
+    mb, dropped = tail.fix_padded(mb, inputs.slots, c.dp, c.grad_accum, c.tail, refinalize, inputs.remedies)
     if mode == "bucket-shuffle":
         cost = np.asarray(budget.cost(mb.batch_size, mb.seqlen), dtype=np.float64)
         # the samples move once, with the layout's order (plan_epochs takes the final order)
@@ -164,10 +172,10 @@ def same_shape_steps(seq: np.ndarray, length: np.ndarray, shape: ShapeMap, budge
                      rng: np.random.Generator) -> tuple[Microbatches, np.ndarray]:
     """Whole steps of one (B, T) shape from the samples ``seq`` (in order), the steps kept in curriculum
     order (by their samples' mean position) or shuffled; and the ids left over (``tail``: drop, or refused).
-    The one definition for the single-process planner and the chunked one."""
-    dp, grad_accum, tail = layout_of
+    The one definition for an epoch formed whole and a chunk's steps."""
+    dp, grad_accum, tail_mode = layout_of
     mb, dropped = batching.form_same_shape(seq, length, shape, budget, static, slots)
-    if len(dropped) and tail != "drop":
+    if len(dropped) and tail_mode != "drop":
         raise InputError(layout.tail_message(len(seq), mb.count + slots, dp, grad_accum, remedies=remedies))
     if mb.count == 0:
         raise InputError(f"{len(seq):,} samples are fewer than the {slots:,} microbatches of one step "
@@ -195,9 +203,9 @@ class PackingFormer:
         p = pack(inputs.length[seq], c.seq_len, max_per_row=c.max_per_row,
                  order="curriculum" if mode in CURRICULAR else "shuffle",
                  seed=int(rng.integers(1 << 62)), split_long=c.split_long)
-        mb, dropped = layout.fix_tail_packed(seq[p.item_sample], p.item_start, p.item_length, p.item_row,
-                                             p.num_rows, inputs.rows_per_mb, c.seq_len, inputs.slots, c.dp,
-                                             c.grad_accum, c.tail, inputs.remedies)
+        mb, dropped = tail.fix_packed(seq[p.item_sample], p.item_start, p.item_length, p.item_row, p.num_rows,
+                                      inputs.rows_per_mb, c.seq_len, inputs.slots, c.dp, c.grad_accum, c.tail,
+                                      inputs.remedies)
         if inputs.budget.attention_cost > 0:  # rows dealt so microbatches of a step cost alike (balance.py)
             mb = balance.balance_rows(mb, inputs.budget, c.dp, c.grad_accum,
                                       keep_order=mode in CURRICULAR, rng=rng)

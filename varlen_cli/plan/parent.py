@@ -1,7 +1,7 @@
 """What ``varlen replan`` and ``varlen plan --extend`` start from: the parent plan (its metadata,
-options and budget as recorded), the rows it was planned from (its input, or a mixture's virtual
-rows), the entries of an epoch left after a step (:func:`remaining_rows`), and planning epochs from
-there (:func:`plan_epochs_from`), with the ordinary planner's pipeline."""
+options and budget as recorded, :func:`open_parent`, :func:`parent_config`), the input it was planned
+from (refused if it changed), and what its epoch in progress has left after a step
+(:func:`left_samples`), which the chunked planner plans the replan's first epoch from."""
 
 from __future__ import annotations
 
@@ -15,12 +15,9 @@ from .. import format, storage
 from ..budget import Budget
 from ..errors import InputError
 from ..runtime import artifacts
-from .assemble import assemble_columns, finish, input_info
-from .config import PlanConfig, PlanResult, check
+from .chunked.sources import Left, MixSource
+from .config import PlanConfig, check
 from .layout import Remedies
-from .orders import EpochInputs
-from .pipeline import PlannedEpoch, Rows, check_plan_size, epoch_inputs, plan_epochs
-from .reader import read_input, read_targets
 
 REPLAN_REMEDIES = Remedies(tail=False, drop_long=False)  # replan keeps the parent's --tail and --drop-long
 
@@ -134,33 +131,6 @@ def parent_config(parent: Parent, **overrides) -> PlanConfig:
     return c
 
 
-def check_parent_size(parent: Parent, epochs: int, command: str) -> None:
-    """Refuse, before reading any sample, a replan/extension planned in one process that would not fit
-    in memory (a replan of a split sample started before the step, the extension of a mixture, which
-    its caller sizes once its sources are read): it holds every sample of the parent's input, so a
-    plan of a billion samples is refused in one line instead of an out-of-memory kill. Every other
-    replan and extension uses the chunked planner's bounded memory."""
-    n = parent.input.get("num_rows")
-    if parent.mixture or n is None:
-        return  # a mixture's rows are counted (and checked) once its sources are read
-    check_plan_size(int(n), epochs, bool(parent.meta.get("packing")), f"{int(n):,} samples",
-                    remedy=f"`{command}` plans in one process (unlike `varlen plan --nproc`): run it on a machine "
-                           "with more memory, or plan the rest afresh with `varlen plan`")
-
-
-def parent_rows(parent: Parent, c: PlanConfig) -> tuple[Rows, dict, list | None]:
-    """The rows the parent was planned from: ``(rows, its input's manifest or {}, a mixture's source
-    entries or None)``; refused if the input is not the one the parent was planned from."""
-    if parent.mixture:
-        from .mixture import rows_of
-
-        rows, info = rows_of(c, parent.meta, parent.path)
-        return rows, {}, info
-    manifest, sample_id, length = read_input(c.input, c.allow_stale)
-    _same_input(parent, c.input, manifest, len(sample_id))
-    return Rows(sample_id, length, target=read_targets(c, c.input, manifest)), manifest, None
-
-
 def check_same_input(parent: Parent, path: str, allow_stale: bool) -> int:
     """Refuse (from its manifest, reading no sample) an input other than the one the parent was planned
     from; its number of samples."""
@@ -184,149 +154,10 @@ def _same_input(parent: Parent, path: str, manifest: dict, num_rows: int) -> Non
                          f"{manifest.get('artifact_id')}, the plan was made from {recorded['artifact_id']})")
 
 
-# -- what an epoch has left after a step -------------------------------------------------------------
-@dataclass
-class Remaining:
-    """The entries of the parent's epoch ``epoch`` in steps >= the resume step, as rows: ``keep``
-    marks the input rows left whole; ``pieces`` are the chunks left of split samples; ``consumed``
-    counts the samples (first chunks) done before the step."""
-
-    epoch: int
-    keep: np.ndarray
-    pieces: Rows | None
-    piece_base: np.ndarray | None  # the input row of each piece's sample
-    consumed: int
-
-
-def row_keys(rows: Rows, num_sources: int) -> tuple[np.ndarray, int]:
-    """A key per input row, ``source * (max id + 1) + id``, and the key space's size."""
-    base = rows.base
-    ids = rows.sample_id[:base].astype(np.int64)
-    span = int(ids.max()) + 1 if base else 1
-    src = rows.source[:base].astype(np.int64) if rows.source is not None else 0
-    return src * span + ids, span * max(num_sources, 1)
-
-
-def remaining_rows(parent: Parent, step: int, rows: Rows) -> Remaining:
-    """The parent's entries of the epoch of ``step`` in steps >= ``step`` (:class:`Remaining`)."""
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    epoch = parent.epoch_of(step)
-    cols = ["step", "sample_ids"] + [c for c in ("source", "sample_starts", "sample_lengths")
-                                     if c in pq.read_schema(parent.path).names]
-    table = pq.read_table(parent.path, columns=cols, filters=[("epoch", "=", epoch)])
-    later = pc.greater_equal(table.column("step"), step)
-
-    def flat(t, name):
-        return pc.list_flatten(t.column(name)).to_numpy(zero_copy_only=False).astype(np.int64) if name in cols else None
-
-    done, rest = table.filter(pc.invert(later)), table.filter(later)
-    starts_done = flat(done, "sample_starts")
-    consumed = int(np.count_nonzero(starts_done == 0)) if starts_done is not None else \
-        int(pc.sum(pc.list_value_length(done.column("sample_ids"))).as_py() or 0)
-    ids, src = flat(rest, "sample_ids"), flat(rest, "source")
-    starts, lens = flat(rest, "sample_starts"), flat(rest, "sample_lengths")
-    keys, size = row_keys(rows, len(parent.mixture["sources"]) if parent.mixture else 1)
-    span = int(rows.sample_id[:rows.base].max()) + 1 if rows.base else 1
-    if len(ids) and (ids.min() < 0 or ids.max() >= span):
-        raise InputError(f"{parent.path} holds sample ids its input does not have; re-plan from the input")
-    entry_key = (src if src is not None else 0) * span + ids
-    row_of_key = np.full(size, -1, np.int64)
-    row_of_key[keys] = np.arange(rows.base)
-    if (row_of_key[entry_key] < 0).any():
-        raise InputError(f"{parent.path} holds sample ids its input does not have; re-plan from the input")
-    whole = np.ones(len(ids), bool)
-    if starts is not None:
-        whole = (starts == 0) & (lens == rows.length[row_of_key[entry_key]])
-    keep = _rows_for_keys(keys, entry_key[whole], size)
-    pieces = piece_base = None
-    if not whole.all():
-        piece_base = row_of_key[entry_key[~whole]]
-        pieces = Rows(ids[~whole], lens[~whole], rows.source[piece_base] if rows.source is not None else None,
-                      starts[~whole], rows.length[piece_base])
-    return Remaining(epoch, keep, pieces, piece_base, consumed)
-
-
-def _rows_for_keys(keys: np.ndarray, wanted: np.ndarray, size: int) -> np.ndarray:
-    """Mask of the input rows to keep: for each key, as many of its rows (copies) as ``wanted`` names it."""
-    want = np.bincount(wanted, minlength=size)
-    order = np.argsort(keys, kind="stable")
-    sk = keys[order]
-    rank = np.arange(len(sk)) - np.searchsorted(sk, sk, side="left")  # copy number within the key
-    keep = np.zeros(len(keys), bool)
-    keep[order] = rank < want[sk]
-    return keep
-
-
-# -- planning from a parent ---------------------------------------------------------------------------
-def first_epoch_inputs(inputs: EpochInputs, rows: Rows, left: Remaining) -> EpochInputs:
-    """The first epoch's inputs: the input rows left whole, in the inputs' orders, and the pieces left
-    of split samples next to their sample's place."""
-    def restrict(seq: np.ndarray | None) -> np.ndarray | None:
-        if seq is None:
-            return None
-        kept = seq[left.keep[seq]]
-        if left.pieces is None:
-            return kept
-        place = np.full(rows.base, len(seq), np.int64)
-        place[seq] = np.arange(len(seq))
-        piece_pos = rows.base + np.arange(len(left.pieces))
-        where = np.concatenate([place[kept], place[left.piece_base]])
-        start = np.concatenate([np.zeros(len(kept), np.int64), left.pieces.start + 1])
-        return np.concatenate([kept, piece_pos])[np.lexsort((start, where))]
-
-    return dataclasses.replace(inputs, ordered=restrict(inputs.ordered), canon=restrict(inputs.canon))
-
-
-def with_pieces(rows: Rows, left: Remaining | None) -> Rows:
-    """``rows`` with a replan's pieces appended (rows ``[base, len)``), or ``rows`` itself."""
-    if left is None or left.pieces is None:
-        return rows
-    p = left.pieces
-    n = rows.base
-
-    def cat(a, b, fill):
-        return np.concatenate([a if a is not None else fill(n), b])
-
-    return Rows(np.concatenate([rows.sample_id, p.sample_id]), np.concatenate([rows.length, p.length]),
-                None if rows.source is None else np.concatenate([rows.source, p.source]),
-                cat(rows.start, p.start, lambda k: np.zeros(k, np.int64)),
-                cat(rows.full_length, p.full_length, lambda k: rows.length), base=n)
-
-
-def plan_epochs_from(c: PlanConfig, parent: Parent, rows: Rows, budget: Budget, *, first_epoch: int,
-                     left: Remaining | None, manifest: dict, mixture_info: list | None, config_record: dict,
-                     lineage: dict | None, t0: float) -> PlanResult:
-    """Plan ``c.epochs`` epochs numbered from ``first_epoch`` (seed streams, curriculum switch); the first
-    one holds only what ``left`` names (if given). Writes ``c.output``."""
-    rows = with_pieces(rows, left)
-    inputs, long_pos = epoch_inputs(c, rows, budget, REPLAN_REMEDIES)
-    epochs: list[PlannedEpoch] = []
-    fixed_batch = None
-    if left is not None:
-        epochs, fixed_batch = plan_epochs(dataclasses.replace(c, epochs=1), first_epoch_inputs(inputs, rows, left),
-                                          first_epoch)
-    if c.epochs > len(epochs):
-        more, fixed_more = plan_epochs(dataclasses.replace(c, epochs=c.epochs - len(epochs)), inputs,
-                                       first_epoch + len(epochs))
-        epochs += more
-        fixed_batch = fixed_batch if fixed_batch is not None else fixed_more
-    if mixture_info is not None:
-        from .mixture import finish_mixture
-
-        return finish_mixture(c, config_record, rows, mixture_info, epochs, inputs, long_pos, fixed_batch, t0,
-                              lineage)
-    cols, items = assemble_columns(c, rows, epochs, inputs.slots)
-    source = {"input": input_info(c, manifest, rows.base), "config": config_record}
-    return finish(c, rows, epochs, cols, items, long_pos, inputs, fixed_batch, t0, source=source,
-                  extra_metadata={"lineage": lineage} if lineage is not None else None)
-
-
 def config_record(c: PlanConfig, budget: Budget) -> dict:
     """The options a derived plan records: ``c``'s (as a fresh plan records them: no output path or worker
     count), with the budget's own options where it changed."""
-    from .assemble import recorded_config
+    from .writer import recorded_config
 
     values = recorded_config(c)  # what the plan computed from, not how this run ran (output, --nproc, ...)
     if budget.source == "memory" and budget.memory is not None:
@@ -338,51 +169,148 @@ def config_record(c: PlanConfig, budget: Budget) -> dict:
     return values
 
 
-# -- what an epoch has left, streamed (the chunked replan) ------------------------------------------
+def continued_input(parent: Parent, c: PlanConfig) -> tuple[list[int], dict]:
+    """The parent's input, refused if it changed since (from its manifests, reading no sample): the
+    samples of each source (one for a directory), and the :class:`~.chunked.run.Continuation` entries
+    that name a mixture's sources."""
+    if not parent.mixture:
+        return [check_same_input(parent, c.input, c.allow_stale)], {}
+    from .chunked.sources import check_same_source, open_manifest
+
+    sources, recorded, sizes = recorded_sources(parent), parent.mixture["sources"], []
+    for s, entry in zip(sources, recorded):
+        manifest = open_manifest(s.path, c.allow_stale)
+        sizes.append(sum(int(p["rows"]) for p in manifest.get("parts", [])))
+        check_same_source(s, entry, manifest, sizes[-1])
+    return sizes, {"mixture": tuple(sources), "recorded": tuple(recorded)}
+
+
+def recorded_sources(parent: Parent) -> list[MixSource]:
+    """A mixture plan's sources as it recorded them (a moved source found beside the plan, as the input is)."""
+    out = []
+    for entry in parent.mixture["sources"]:
+        path, relative = entry.get("path"), entry.get("relative_path")
+        if not (path and os.path.exists(path)) and relative:
+            moved = os.path.join(os.path.dirname(os.path.abspath(parent.path)), relative)
+            path = moved if os.path.exists(moved) else path
+        out.append(MixSource(entry["name"], path, float(entry["weight"])))
+    return out
+
+
+# -- what an epoch has left -----------------------------------------------------------------------------
+def left_samples(parent: Parent, step: int, sizes: list[int]) -> Left:
+    """What the parent's epoch in progress has left at ``step`` (:class:`~.chunked.sources.Left`), read
+    from the parent window by window: a bitmap (a mixture: a count per sample) of what is left whole,
+    and, when a ``--split-long`` sample has chunks on both sides of the step (or the epoch is a
+    replan's first, which may hold such chunks already), the chunks left of every split sample as
+    pieces, which keep their cuts. ``sizes``: the samples of the input (of each mixture source)."""
+    import pyarrow.parquet as pq
+
+    epoch = parent.epoch_of(step)
+    names = pq.read_schema(parent.path).names
+    split = "sample_starts" in names
+    keys = _Keys(parent, sizes)
+    scan = _scan(parent, epoch, step, keys, split, pieces=False)
+    started = split and bool(np.any(scan.before.bits & scan.after.bits))
+    if split and (started or (epoch == 0 and parent.lineage.get("kind") == "replan")):
+        scan = _scan(parent, epoch, step, keys, split, pieces=True)
+    return Left(epoch, scan.consumed, scan.whole if keys.offsets is None else None,
+                scan.whole if keys.offsets is not None else None, keys.offsets, scan.pieces,
+                _tail_dropped(parent, epoch))
+
+
+def _tail_dropped(parent: Parent, epoch: int) -> dict | None:
+    """What the parent's ``--tail drop`` left out of epoch ``epoch`` (ids, a mixture's sources): never in
+    the epoch, so the replan's first epoch lists them as dropped too."""
+    for entry in (parent.meta.get("dropped") or {}).get("tail", []):
+        if int(entry.get("epoch", -1)) == epoch and entry.get("sample_ids"):
+            sources = entry.get("sources")
+            return {"ids": np.asarray(entry["sample_ids"], np.int64),
+                    "sources": np.asarray(sources, np.int64) if sources is not None else None}
+    return None
+
+
+class _Keys:
+    """A sample's key: its id (one input), or ``offsets[source] + id`` (a mixture's sources)."""
+
+    def __init__(self, parent: Parent, sizes: list[int]):
+        self.path = parent.path
+        self.sizes = np.asarray(sizes, np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]) if parent.mixture else None
+        self.size = int(self.sizes.sum())
+        self.seq_len = int(parent.packing.get("seq_len") or 0)
+
+    def of(self, ids: np.ndarray, source: np.ndarray | None) -> np.ndarray:
+        bad = len(ids) and (int(ids.min()) < 0 or
+                            (self.offsets is None and int(ids.max()) >= self.size))
+        if self.offsets is not None and not bad and len(ids):
+            src = source.astype(np.int64)
+            bad = int(src.min()) < 0 or int(src.max()) >= len(self.sizes) or bool(np.any(ids >= self.sizes[src]))
+        if bad:
+            raise InputError(f"{self.path} holds sample ids its input does not have; re-plan from the input")
+        return ids if self.offsets is None else self.offsets[source.astype(np.int64)] + ids
+
+
 @dataclass
-class Left:
-    """The parent's epoch ``epoch`` at the resume step: the samples its steps >= the step hold, one
-    bit per sample id (``bits``: what the replan's first epoch holds, as :func:`remaining_rows` keeps
-    them), ``consumed`` (the first chunks of steps < the step, as :class:`Remaining` counts them), and
-    whether a split sample has chunks on both sides of the step (``started``: such a remainder is
-    replanned in one process, :func:`remaining_rows`)."""
-
-    epoch: int
-    bits: object  # plan_checks.Bitmap
-    consumed: int
-    started: bool
+class _Scan:
+    consumed: int = 0
+    before: object = None  # Bitmap of keys with an entry before the step (split plans)
+    after: object = None  # ... after the step
+    whole: object = None  # Bitmap (one input) or counts (a mixture) of the copies left whole
+    pieces: dict | None = None  # the chunks left of split samples: ids, source, start, length
 
 
-def left_samples(parent: Parent, step: int, num_rows: int) -> Left:
-    """:class:`Left`, read from the parent window by window (bounded: a window and two bitmaps of
-    ``num_rows`` bits, the ids of a metrics or sorted directory of ``num_rows`` samples)."""
+def _scan(parent: Parent, epoch: int, step: int, keys: _Keys, split: bool, pieces: bool) -> _Scan:
+    """One pass over the parent's epoch ``epoch``: what it holds before and after ``step``. ``pieces``:
+    the entries of split samples (a start inside the sample, or a first chunk: a length of at least
+    ``--seq-len``) are kept as pieces, not counted as whole copies."""
     import pyarrow.parquet as pq
 
     from ..checks import Bitmap, scan
 
-    epoch = parent.epoch_of(step)
     pf = pq.ParquetFile(parent.path)
-    split = "sample_starts" in pf.schema_arrow.names
-    before, after, consumed = Bitmap(num_rows) if split else None, Bitmap(num_rows), 0
-    lists = ["sample_ids"] + (["sample_starts"] if split else [])
+    mixture = keys.offsets is not None
+    out = _Scan(before=Bitmap(keys.size) if split else None, after=Bitmap(keys.size) if split else None,
+                whole=np.zeros(keys.size, _count_dtype(parent)) if mixture else Bitmap(keys.size))
+    found: dict = {name: [] for name in ("ids", "source", "start", "length")}
+    lists = ["sample_ids"] + (["source"] if mixture else []) + (["sample_starts", "sample_lengths"] if split else [])
     for w in scan.windows(pf, ["epoch", "step"], lists, parent.dp * parent.grad_accum):
         e = w.cols["epoch"]
         if int(e[0]) > epoch:
             break
         if int(e[-1]) < epoch:
             continue
-        row_step = np.repeat(w.cols["step"].astype(np.int64), np.diff(w.offsets()))
-        entry_epoch = np.repeat(e.astype(np.int64), np.diff(w.offsets()))
+        counts = np.diff(w.offsets())
+        row_step = np.repeat(w.cols["step"].astype(np.int64), counts)
+        mine = np.repeat(e.astype(np.int64), counts) == epoch
         ids = w.values("sample_ids").astype(np.int64)
-        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= num_rows):
-            raise InputError(f"{parent.path} holds sample ids its input does not have; re-plan from the input")
-        mine = entry_epoch == epoch
+        source = w.values("source") if mixture else None
+        key = keys.of(ids, source)
+        start = w.values("sample_starts").astype(np.int64) if split else np.zeros(len(ids), np.int64)
         done, rest = mine & (row_step < step), mine & (row_step >= step)
-        after.set(ids[rest])
+        out.consumed += int(np.count_nonzero(done & (start == 0)))
         if split:
-            before.set(ids[done])
-            consumed += int(np.count_nonzero(w.values("sample_starts")[done] == 0))
-        else:
-            consumed += int(np.count_nonzero(done))
-    started = bool(split and np.any(before.bits & after.bits))
-    return Left(epoch, after, consumed, started)
+            out.before.set(key[done])
+            out.after.set(key[rest])
+        length = w.values("sample_lengths").astype(np.int64) if split else None
+        piece = (start > 0) | (length >= keys.seq_len) if pieces else np.zeros(len(ids), bool)
+        _count_whole(out.whole, key[rest & (start == 0) & ~piece])
+        take = rest & piece
+        for name, values in (("ids", ids), ("source", source), ("start", start), ("length", length)):
+            if values is not None and pieces:
+                found[name].append(values[take].astype(np.int64))
+    if pieces:
+        out.pieces = {name: np.concatenate(v) if v else np.zeros(0, np.int64) for name, v in found.items() if v}
+    return out
+
+
+def _count_dtype(parent: Parent):
+    top = max(int(np.ceil(float(s["weight"]))) for s in parent.mixture["sources"])
+    return np.uint8 if top < 1 << 8 else np.uint16 if top < 1 << 16 else np.int64
+
+
+def _count_whole(whole, keys: np.ndarray) -> None:
+    if isinstance(whole, np.ndarray):
+        np.add.at(whole, keys, 1)
+    else:
+        whole.set(keys)

@@ -6,11 +6,11 @@ the chunks left of samples a ``--split-long`` plan had started), formed by the p
 strategy (curriculum continues where it stopped, bucket-shuffle reshuffles the remainder); the
 parent's later epochs follow, planned afresh for the new layout. LR scales keep the parent's
 ``base_batch_size``; the budget is the parent's (:mod:`.cost_model`, :func:`rebudget`), with a
-``--max-memory`` limit re-checked. Works for every plan ``varlen plan`` writes, mixtures included
-(:mod:`.parent`). A plan of one metrics or sorted directory is replanned in bounded memory: the
-epoch in progress's rest read as a bitmap (:func:`.parent.left_samples`), the chunked planner
-(``--nproc`` workers) planning from its chunks (:class:`.chunked.run.Continuation`); a mixture, or a
-``--split-long`` sample split across step N, in one process (:func:`.parent.plan_epochs_from`).
+``--max-memory`` limit re-checked. Works for every plan ``varlen plan`` writes, mixtures included,
+in bounded memory: the epoch in progress's rest is read window by window (:func:`.parent.left_samples`:
+a bitmap of the samples left whole, a count per sample for a mixture's copies, and the chunks left of
+``--split-long`` samples cut across step N, which keep their cuts), and the chunked planner
+(``--nproc`` workers) plans from its chunks (:class:`.chunked.run.Continuation`).
 ``varlen plan --extend`` is :mod:`.extend`. Both record where they come from in
 the metadata's ``lineage`` (docs/plan.md, "Re-planning a running job").
 """
@@ -38,21 +38,18 @@ from ..runtime.choices import (
 )
 from ..storage.files import open_regular
 from . import writer
+from .chunked.run import Continuation, plan_chunked
 from .config import PlanResult
 from .cost_model import rebudget
 from .extend import ExtendConfig, extend
 from .parent import (
     REPLAN_REMEDIES,
     Parent,
-    check_parent_size,
-    check_same_input,
     config_record,
+    continued_input,
     left_samples,
     open_parent,
     parent_config,
-    parent_rows,
-    plan_epochs_from,
-    remaining_rows,
 )
 
 __all__ = ["ExtendConfig", "ReplanConfig", "extend", "replan"]
@@ -160,19 +157,13 @@ def replan(config: ReplanConfig) -> PlanResult:
     inputs = [c.input] if not parent.mixture else [s["path"] for s in parent.mixture["sources"] if s.get("path")]
     safety.check_no_overlap(c.output, inputs)
     writer.check_output(c.output, c.overwrite)
-    if not parent.mixture:  # bounded: the chunked planner, the consumed samples a bitmap (unless a split started)
-        num_rows = check_same_input(parent, c.input, c.allow_stale)
-        left = left_samples(parent, step, num_rows)
-        if not left.started:
-            return _replan_chunked(config, parent, c, budget, step, left, t0)
-    check_parent_size(parent, parent.epochs, "varlen replan")
-    rows, manifest, mixture_info = parent_rows(parent, c)
-    left = remaining_rows(parent, step, rows)
+    sizes, mixture = continued_input(parent, c)  # the parent's input, unchanged (from the manifests)
+    left = left_samples(parent, step, sizes)
     lineage = _lineage(parent, step, left.epoch, left.consumed)
-    c = dataclasses.replace(c, epochs=parent.epochs - left.epoch)
-    return plan_epochs_from(c, parent, rows, budget, first_epoch=lineage["first_epoch"], left=left,
-                            manifest=manifest, mixture_info=mixture_info, config_record=config_record(c, budget),
-                            lineage=lineage, t0=t0)
+    c = dataclasses.replace(c, epochs=parent.epochs - left.epoch, nproc=config.nproc, progress=config.progress)
+    cont = Continuation(lineage["first_epoch"], budget, REPLAN_REMEDIES, too_big=TOO_BIG, first=left,
+                        metadata={"lineage": lineage, "config": config_record(c, budget)}, **mixture)
+    return plan_chunked(c, t0, cont)
 
 
 def _lineage(parent: Parent, step: int, epoch: int, consumed: int) -> dict:
@@ -185,15 +176,3 @@ def _lineage(parent: Parent, step: int, epoch: int, consumed: int) -> dict:
             "first_step": int(before.get("first_step", 0)) + step,
             "first_epoch": int(before.get("first_epoch", 0)) + epoch,
             "parent_dp": parent.dp, "parent_grad_accum": parent.grad_accum}
-
-
-def _replan_chunked(config: ReplanConfig, parent: Parent, c, budget, step: int, left, t0: float) -> PlanResult:
-    """The replan by the chunked planner (``config.nproc`` workers): its first epoch the chunks of the
-    epoch in progress holding only what the parent's steps >= N hold, then the parent's later epochs."""
-    from .chunked.run import Continuation, plan_chunked
-
-    lineage = _lineage(parent, step, left.epoch, left.consumed)
-    c = dataclasses.replace(c, epochs=parent.epochs - left.epoch, nproc=config.nproc, progress=config.progress)
-    cont = Continuation(lineage["first_epoch"], budget, REPLAN_REMEDIES, too_big=TOO_BIG, first_samples=left.bits,
-                        metadata={"lineage": lineage, "config": config_record(c, budget)})
-    return plan_chunked(c, t0, cont)

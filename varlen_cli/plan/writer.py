@@ -1,21 +1,22 @@
-"""Writing the plan: one Parquet file per docs/formats.md, row groups of whole steps, schema
-metadata under the key ``varlen``, written to a temporary file then renamed (atomic)."""
+"""Writing the plan: a plan file's Parquet settings, row groups of whole steps and schema metadata
+under the key ``varlen`` (docs/formats.md; the chunked planner streams the file, :mod:`.chunked.emit`),
+and the metadata's entries: :func:`build_metadata` (what the plan records of its options, input,
+budget, layout and statistics), :func:`memory_entry` (its predicted peaks under a memory limit)."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
-from .. import format
-from ..errors import OutputError
+from .. import __version__, format, storage
+from ..errors import UsageError
 from ..runtime import artifacts
 
-PLAN_FORMAT = format.PLAN_FORMAT  # the names the planner uses; format.py defines them
-PLAN_FORMAT_VERSION = format.PLAN_FORMAT_VERSION
 ROW_GROUP_TARGET = 4096  # microbatches per row group (rounded to whole steps)
 # dictionary-encode the low-cardinality columns only (trying it on sample ids costs 2x the write)
 DICTIONARY_COLUMNS = frozenset({"epoch", "rank", "micro", "num_samples", "seqlen", "batch_size", "lr_scale", "shape_id",
                                 "step_samples", "step_tokens"})
-plan_schema = format.plan_schema
 
 
 def rows_per_group(slots: int) -> int:
@@ -32,43 +33,6 @@ def check_output(path: str, overwrite: bool) -> None:
     artifacts.AtomicFile(path, overwrite).check()
 
 
-def write_plan(path: str, overwrite: bool, cols: dict, offsets: np.ndarray, items: dict, metadata: dict,
-               slots: int) -> None:
-    """``cols``: per-row numpy arrays; ``offsets`` (rows + 1) and ``items`` (``sample_ids`` and, for
-    packed plans, ``sample_lengths``/``sample_rows``/``sample_starts``) the list columns as CSR."""
-    packed = "sample_lengths" in items
-    schema = format.plan_schema(packed, plan_metadata(metadata), mixture="source" in items)
-    n = len(offsets) - 1
-    group = rows_per_group(slots)
-    types = {f.name: f.type for f in schema}
-    with artifacts.atomic_file(path, overwrite) as out:
-        _write_rows(out.tmp, path, schema, types, cols, offsets, items, n, group)
-
-
-def _write_rows(tmp: str, path: str, schema, types: dict, cols: dict, offsets: np.ndarray, items: dict, n: int,
-                group: int) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from .arrow_io import list_array, to_arrow
-
-    try:
-        with pq.ParquetWriter(tmp, schema, **parquet_options(schema)) as w:
-            for lo in range(0, max(n, 1), group):
-                hi = min(n, lo + group)
-                a, b = int(offsets[lo]), int(offsets[hi])
-                local = (offsets[lo:hi + 1] - a).astype(np.int32)
-                arrays = []
-                for name in schema.names:
-                    if name in items:
-                        arrays.append(list_array(local, items[name][a:b], types[name]))
-                    else:
-                        arrays.append(to_arrow(cols[name][lo:hi], types[name]))
-                w.write_table(pa.Table.from_arrays(arrays, schema=schema))
-    except OSError as exc:
-        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
-
-
 def parquet_options(schema) -> dict:
     """Writer settings: the low-cardinality columns dictionary-encoded and zstd-compressed; the list
     columns' values (sample ids: 10M+ per plan) delta-encoded and not compressed, which bit-packs
@@ -81,3 +45,58 @@ def parquet_options(schema) -> dict:
     return {"compression": {**{c: "zstd" for c in zstd}, **{leaf: "none" for leaf in leaves}},
             "compression_level": {c: 1 for c in zstd}, "use_dictionary": dict_cols,
             "column_encoding": {leaf: "DELTA_BINARY_PACKED" for leaf in leaves}}
+
+
+# -- the metadata --------------------------------------------------------------------------------------
+def location_record(path: str, output: str) -> dict:
+    """An input of the plan ``output`` as its metadata records it: ``path``, absolute (a URL as given),
+    and ``relative_path``, the input as seen from the plan's folder: still right after a move of both
+    (varlen run's swap); null when the input or the plan is in object storage."""
+    where = storage.absolute(path)
+    if storage.is_remote(path) or storage.is_remote(output):
+        return {"path": where, "relative_path": None}
+    return {"path": where, "relative_path": os.path.relpath(where, os.path.dirname(os.path.abspath(output)))}
+
+
+def recorded_config(c) -> dict:
+    """The options a plan records: what it is made of, not how the command ran (no output, overwrite,
+    progress, nproc, allow_stale: ``artifacts.RUNTIME_FIELDS``), so the same input and options give
+    the same file, whatever the number of workers and wherever it is written."""
+    return {k: v for k, v in artifacts.config_dict(c).items() if k not in artifacts.RUNTIME_FIELDS}
+
+
+def build_metadata(c, *, config: dict, input: dict, num_steps: int, num_microbatches: int, steps_per_epoch: list,
+                   orders: list, shapes: list, warmup_steps: int, base_batch_size, budget, shape_map: dict,
+                   fixed_batch: int | None, packing: dict | None, dropped: dict, summary: dict) -> dict:
+    """The plan's key-value metadata (see docs/formats.md): ``config`` the options it records
+    (:func:`recorded_config`, or a derived plan's), ``input`` what it was planned from."""
+    return {
+        "format": format.PLAN_FORMAT, "format_version": format.PLAN_FORMAT_VERSION,
+        "varlen_version": __version__,
+        "config": config, "input": input,
+        "dp": c.dp, "grad_accum": c.grad_accum, "epochs": c.epochs, "num_steps": num_steps,
+        "steps_per_epoch": steps_per_epoch, "num_microbatches": num_microbatches,
+        "orders": orders,
+        "shapes": shapes, "warmup_steps": warmup_steps,
+        "base_batch_size": base_batch_size, "lr_scaling": c.lr_scaling, "lr_scale_by": c.lr_scale_by,
+        "budget": budget.to_metadata(),
+        "shape_map": shape_map, "fixed_batch_size": fixed_batch,
+        "packing": packing,
+        "dropped": dropped,
+        "stats": {key: value for key, value in summary.items() if key != "seconds"},
+    }
+
+
+def memory_entry(c, budget, b: np.ndarray, t: np.ndarray, shape_id: np.ndarray, num_shapes: int,
+                 sum_squares=None) -> dict:
+    """The ``memory`` entry of a plan kept under a memory limit; refused (one line) when a microbatch's
+    predicted peak exceeds it (a replan given another --max-tokens than the limit allows)."""
+    from ..memory.budget import over_limit, plan_memory_metadata
+    from ..memory.sizes import format_size
+
+    over, worst = over_limit(budget.memory, b, t, bool(c.packing))
+    if over:
+        raise UsageError(f"{over:,} microbatches are predicted above the plan's --max-memory "
+                         f"{format_size(budget.memory['max_memory'])} (up to {format_size(worst)}) with "
+                         f"{budget.describe()}; give a smaller --max-tokens, or --max-memory for a new limit")
+    return plan_memory_metadata(budget.memory, b, t, shape_id, num_shapes, bool(c.packing), None, None, sum_squares)

@@ -140,7 +140,8 @@ class AtomicFile(_AtomicOutput):
         if storage.is_remote(self.given):
             from .remote_output import check_file
 
-            return check_file(self.given, self.overwrite)
+            return check_file(self.given, self.overwrite, self.json_format)
+        safety.check_file_name(self.given, "plan.parquet" if self.json_format is None else "profile.json")
         parent = os.path.dirname(self.path)
         if os.path.isdir(self.path) and not os.path.islink(self.path):
             name = "plan.parquet" if self.json_format is None else "profile.json"
@@ -171,13 +172,13 @@ def atomic_file(path: str, overwrite: bool, inputs: Sequence[str] = (),
     profile) instead of a plan."""
     from .. import storage
 
+    safety.check_no_overlap(path, inputs)
     if storage.is_remote(path):
         from .remote_output import remote_atomic_file
 
-        with remote_atomic_file(path, overwrite) as remote_out:
+        with remote_atomic_file(path, overwrite, json_format) as remote_out:
             yield remote_out
         return
-    safety.check_no_overlap(path, inputs)
     out = AtomicFile(path, overwrite)
     out.json_format = json_format
     out.check()

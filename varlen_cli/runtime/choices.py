@@ -77,7 +77,8 @@ ALLOW_MEMORY_EXTRAPOLATION_HELP = ("Plan with a memory limit beyond the peaks th
 PROGRESS_HELP = "Show a progress bar on rank 0 (only on a terminal)."
 DEVICE_HELP = "cpu (--nproc: local group; torchrun: gloo) or cuda (nccl)."
 NPROC_HELP = ("Local worker processes to launch (on the CPU a torch-free local group; with --device cuda torch's "
-              "elastic launcher); under torchrun leave at 1.")
+              "elastic launcher), capped by the work units and the cores (a note says so); under torchrun leave "
+              "at 1.")
 #: ``--storage-option``: one help text for every command that reads or writes object storage (a
 #: ``storage_options: tuple = doc((), STORAGE_OPTION_HELP)`` field of its config).
 STORAGE_OPTION_HELP = ("KEY=VALUE passed to the object-storage filesystem of s3://, gs://, hf://... inputs and "

@@ -16,6 +16,7 @@ Collectives also carry a timeout (``VARLEN_TIMEOUT`` seconds, default 1800) as a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -33,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ERROR_CLASSES, UsageError, VarlenError, WorkerError
-from . import local_group
+from . import local_group, notes
 from .faults import fault_point  # noqa: F401 - the stages import it from here
 
 DEFAULT_TIMEOUT_S = 1800.0
@@ -311,6 +312,39 @@ def _set_cuda_device(local_rank: int) -> None:
 
 
 # -- local launcher (--nproc) ----------------------------------------------------------------------
+def available_cores() -> int:
+    """The CPUs this process may run on (its affinity mask: taskset, a container's cpuset)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def cap_workers(config: Any, count_units: Callable[[], tuple[int, str]]) -> Any:
+    """``config`` with its ``nproc`` capped by the work units and the cores, with a note saying so.
+
+    ``count_units()`` gives the stage's work units and what one is (``(12, "work unit")``): a
+    worker beyond them would have nothing to do, and one beyond the cores only shares them. It is
+    called only for ``nproc > 1``, in the launcher. (Under torchrun the world is the launcher's: a
+    rank beyond the units works on an empty share, which every stage supports.)"""
+    nproc = int(config.nproc)
+    if nproc <= 1:
+        return config
+    check_nproc(nproc)
+    units, what = count_units()
+    cores = available_cores()
+    capped = max(1, min(nproc, units, cores))
+    if capped == nproc:
+        return config
+    notes.add(f"--nproc {nproc} capped to {_count(capped, 'worker')}: {_count(units, what)}, "
+              f"{_count(cores, 'core')}")
+    return dataclasses.replace(config, nproc=capped)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
 def check_nproc(nproc: int) -> None:
     if nproc < 1:
         raise UsageError(f"--nproc must be at least 1, got {nproc}")

@@ -22,7 +22,7 @@ from typing import Any
 
 from .. import storage
 from . import artifacts, remote_output, safety
-from .dist import run_distributed, session
+from .dist import cap_workers, run_distributed, session
 
 RunInGroup = Callable[[Any, Any, artifacts.AtomicDir, float], Any]
 
@@ -36,9 +36,14 @@ def run_in_session(run_in_group: RunInGroup, config: Any) -> Any:
         return run_in_group(config, d, out, t0)
 
 
-def execute(run_in_group: RunInGroup, config: Any) -> Any:
-    """Run a (checked) stage on ``config.nproc`` workers; the result on rank 0, None elsewhere."""
+def execute(run_in_group: RunInGroup, config: Any, count_units: Callable[[], tuple[int, str]] | None = None) -> Any:
+    """Run a (checked) stage on ``config.nproc`` workers; the result on rank 0, None elsewhere.
+
+    ``count_units()``: the stage's work units and what one is; ``nproc`` is capped by them and the
+    cores (:func:`~varlen_cli.runtime.dist.cap_workers`)."""
     entry = functools.partial(run_in_session, run_in_group)
+    if count_units is not None:
+        config = cap_workers(config, count_units)
     if storage.is_remote(config.output):  # object storage: no lock, no rename (see remote_output)
         if hasattr(config, "storage_options"):
             storage.configure(config.storage_options)

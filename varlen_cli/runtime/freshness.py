@@ -1,21 +1,38 @@
 """Stale inputs: refuse metrics whose sources changed after ``varlen analyze`` read them.
 
-``varlen analyze`` records, per source file, its size, modification time (``mtime_ns``) and, for
-Parquet, a hash of the footer (``dataset.files`` in the manifest; a sorted directory copies the
-block). :func:`check_inputs` is the one check ``sort``, ``plan`` and ``validate --metrics`` run
-before trusting a metrics or sorted directory:
+``varlen analyze`` records one fingerprint per source file (``dataset.files`` in the manifest; a
+sorted directory copies the block), the same for every kind of source, made by :func:`record`:
 
-* every recorded source must still exist with the same size and ``mtime_ns`` (and footer hash), and
-  so must its ``companions``, the files its samples are read from (a Lance version's data files, a
-  LitData index's chunks);
+============================ ===========================================================================
+what                         recorded
+============================ ===========================================================================
+every file                   ``size``; local: ``mtime_ns`` and ``sample``, a hash of sampled blocks
+                             (16 blocks of 4 KiB spread from its first byte to its last: the whole file
+                             when it is at most 64 KiB); object storage: ``etag`` and ``version``
+Parquet (local)              also ``footer`` (a hash of the footer: schema, row groups, statistics), and
+                             the sample also covers the first 4 KiB of up to 32 column chunks (the
+                             dictionary or first data page: the values the lengths come from)
+Megatron ``.idx``, MDS       also ``companions``: the same record for each file the samples are read
+``index.json``               from (the ``.bin``; every shard), paths relative to the dataset's root
+============================ ===========================================================================
+
+:func:`check_inputs` is the one check ``sort``, ``plan`` and ``validate --metrics`` run before
+trusting a metrics or sorted directory (``SourceDataset`` calls :func:`stale_source`):
+
+* every recorded file and companion must still exist with the same size and ``mtime_ns`` (object
+  storage: ETag and version id, never a time), then the same footer and sample hashes (read only
+  when the cheap fields match);
 * a sorted directory's metrics directory must not have been rebuilt since
   (:func:`varlen_cli.runtime.artifacts.check_fresh`).
 
-A source in object storage (``s3://``...) is compared on its size and the ETag and version id
-recorded by ``analyze`` (:func:`varlen_cli.storage.fingerprint_fields`), never on a modification time.
+What is not detected: a local file rewritten with the same size and ``mtime_ns`` (put back with
+``touch -r`` or ``os.utime``) whose changes all lie outside the sampled blocks (and, for Parquet,
+leave the footer alone: only possible without statistics, at the same compressed sizes); an object
+rewritten where the store keeps no ETag or version (a plain ``https://`` server: the size alone).
 
 ``--allow-stale`` (``allow_stale=True``) skips both, for data moved or copied on purpose (a copy
-gets a new mtime). Manifests written before varlen recorded ``mtime_ns`` are not checked.
+gets a new mtime). Manifests written before varlen recorded ``mtime_ns`` are not checked, and
+fields a manifest lacks (``sample``, ``companions`` before this version) are not compared.
 """
 
 from __future__ import annotations
@@ -24,6 +41,7 @@ import os
 
 from .. import storage
 from ..errors import InputError
+from ..storage.files import open_regular
 from . import artifacts
 
 ALLOW_STALE_HINT = "pass --allow-stale if the data was moved or copied on purpose"
@@ -45,22 +63,38 @@ def check_inputs(path: str, manifest: dict, allow_stale: bool = False, rerun: st
 
 
 def stale_source(manifest: dict) -> tuple[str, str] | None:
-    """The first source file (path, what changed) that differs from its record, or None."""
+    """The first source file or companion (path, what changed) that differs from its record, or None."""
     dataset = manifest.get("dataset")
     if not isinstance(dataset, dict):
         return None
     root = dataset.get("root") or ""
-    for file_entry in dataset.get("files") or []:
-        companions = file_entry.get("companions") if isinstance(file_entry, dict) else None
-        # a source file, then the files its samples are read from (Lance fragments, LitData chunks)
-        for entry in [file_entry, *(companions if isinstance(companions, list) else [])]:
-            if not isinstance(entry, dict) or not ({"mtime_ns", "etag", "version"} & entry.keys()):
+    for entry in dataset.get("files") or []:
+        if not isinstance(entry, dict):
+            continue
+        kind = str(entry.get("format"))
+        for record_, what in [(entry, kind), *((c, "data") for c in entry.get("companions") or [])]:
+            if not isinstance(record_, dict) or not ({"mtime_ns", "etag", "version"} & record_.keys()):
                 continue  # recorded before varlen kept mtimes (or a hand-made manifest): cannot tell
-            source = storage.under(str(entry.get("path")), root)
-            why = _remote_difference(source, entry) if storage.is_remote(source) else _difference(source, entry)
+            source = storage.under(str(record_.get("path")), root)
+            why = (_remote_difference(source, record_) if storage.is_remote(source)
+                   else _difference(source, record_, what))
             if why is not None:
                 return source, why
     return None
+
+
+def record(info: storage.FileInfo, kind: str) -> dict:
+    """What ``varlen analyze`` records for one file ``info`` (its :func:`varlen_cli.storage.stat` when
+    discovered) of a source of ``kind`` (``parquet``, or any other: ``data``): see the module doc. A
+    local file must still be as discovered (else it changed while analyze read it)."""
+    out = {"size": int(info.size), **storage.fingerprint_fields(info)}
+    if storage.is_remote(info.path):
+        return out
+    why = _difference(info.path, out, kind)
+    if why is not None:
+        raise InputError(f"source {info.path} {why} while `varlen analyze` read it; run analyze again")
+    out.update(content_fields(info.path, int(info.size), kind))
+    return out
 
 
 def _remote_difference(source: str, entry: dict) -> str | None:
@@ -79,7 +113,7 @@ def _remote_difference(source: str, entry: dict) -> str | None:
     return None
 
 
-def _difference(source: str, entry: dict) -> str | None:
+def _difference(source: str, entry: dict, kind: str) -> str | None:
     try:
         st = os.stat(source)
     except OSError:
@@ -88,20 +122,67 @@ def _difference(source: str, entry: dict) -> str | None:
         return f"changed size ({entry.get('size')} -> {st.st_size} bytes)"
     if st.st_mtime_ns != entry.get("mtime_ns"):
         return "was modified"
-    if entry.get("footer") is not None:
-        if footer_digest(source, st.st_size) != entry["footer"]:
-            return "was rewritten (its Parquet footer differs)"
+    if entry.get("footer") is None and entry.get("sample") is None:
+        return None
+    try:
+        now = content_fields(source, st.st_size, kind)
+    except (OSError, InputError):
+        return "is no longer readable"
+    if entry.get("footer") is not None and now.get("footer") != entry["footer"]:
+        return "was rewritten (its Parquet footer differs)"
+    if entry.get("sample") is not None and now["sample"] != entry["sample"]:
+        return "was rewritten (its sampled content differs)"
     return None
 
 
-def footer_digest(path: str, size: int) -> str | None:
-    """A hash of the Parquet footer (schema, row groups, statistics): changes when the content is
-    rewritten even where size and mtime do not. One small read at the end of the file (one range
-    request for an object in storage: :func:`varlen_cli.storage.parquet_footer`)."""
-    try:
-        return footer_hash(storage.parquet_footer(path, size)[0])
-    except (OSError, InputError):
-        return None
+SAMPLE_BLOCK = 4 << 10
+SPREAD_BLOCKS = 16
+PARQUET_CHUNKS = 32
+
+
+def content_fields(path: str, size: int, kind: str) -> dict:
+    """``sample`` (and, for Parquet, ``footer``) of a local file: see the module doc. One footer read
+    and at most 48 reads of 4 KiB."""
+    offsets = _spread(size)
+    out = {}
+    if kind == "parquet":
+        footer, metadata = storage.parquet_footer(path, size)
+        out["footer"] = footer_hash(footer)
+        offsets += _chunk_heads(metadata)
+    out["sample"] = _sample_hash(path, size, offsets)
+    return out
+
+
+def _spread(size: int) -> list[int]:
+    """Starts of :data:`SPREAD_BLOCKS` blocks from the first byte to the last (every block of a small file)."""
+    if size <= SPREAD_BLOCKS * SAMPLE_BLOCK:
+        return list(range(0, size, SAMPLE_BLOCK))
+    return [(size - SAMPLE_BLOCK) * i // (SPREAD_BLOCKS - 1) for i in range(SPREAD_BLOCKS)]
+
+
+def _chunk_heads(metadata) -> list[int]:
+    """The first byte of up to :data:`PARQUET_CHUNKS` column chunks, evenly chosen over row groups and columns."""
+    total = metadata.num_row_groups * metadata.num_columns
+    picks = sorted({total * i // PARQUET_CHUNKS for i in range(PARQUET_CHUNKS)}) if total > PARQUET_CHUNKS \
+        else range(total)
+    heads = []
+    for k in picks:
+        column = metadata.row_group(k // metadata.num_columns).column(k % metadata.num_columns)
+        first = column.dictionary_page_offset if column.has_dictionary_page else column.data_page_offset
+        heads.append(int(first or 0))
+    return heads
+
+
+def _sample_hash(path: str, size: int, offsets: list[int]) -> str:
+    """16 hex digits of the SHA-256 of the blocks of :data:`SAMPLE_BLOCK` bytes at ``offsets``."""
+    import hashlib
+
+    digest = hashlib.sha256(size.to_bytes(8, "little"))
+    with open_regular(path, "rb", what="source") as fh:
+        for start in sorted({min(max(0, o), size) for o in offsets}):
+            fh.seek(start)
+            digest.update(start.to_bytes(8, "little") + fh.read(min(SAMPLE_BLOCK, size - start)))
+    return digest.hexdigest()[:16]
 
 
 def footer_hash(footer: bytes) -> str:

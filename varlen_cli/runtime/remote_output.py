@@ -1,33 +1,44 @@
-"""Output directories in object storage (``-o s3://bucket/metrics``): nothing half-written is visible.
+"""Output directories in object storage (``-o s3://bucket/metrics``): nothing half-written is visible,
+nothing varlen did not write is replaced.
 
 Object stores have no rename, so the local swap of :mod:`.safety` cannot be used. Instead:
 
-1. every rank writes its files into a local staging folder (``out.file(name)``, as for a local
-   output), then uploads them to a hidden temporary prefix beside the output,
-   ``.NAME.varlen-tmp-<random>/``;
-2. once every rank has uploaded (a barrier) and rank 0 has called ``out.commit()``, rank 0 copies
-   the objects into the output prefix, the ``_manifest.json`` **last**: the manifest is the commit
-   marker. varlen (and anything that reads the manifest) sees a complete output or none.
-   While the copy runs, ``NAME/_varlen_commit.json`` marks the prefix as varlen's, so that a run
-   killed in that window leaves an output that ``--overwrite`` may replace;
-3. an existing output is replaced only with ``--overwrite`` and only when varlen made it (its
-   ``_manifest.json`` or ``_run.json`` is varlen's, or the commit marker is there); its manifest is
-   deleted first, so during the copy the output is incomplete (refused), never a mix;
+1. rank 0 checks the output with the rules of a local output (:func:`.safety.check_replaceable`: a
+   prefix varlen did not make, or one holding objects varlen did not write, is refused with
+   ``--overwrite`` too, naming them), removes stale temporaries of killed runs
+   (:func:`clean_stale_temporaries`) and starts a hidden temporary prefix beside the output,
+   ``.NAME.varlen-tmp-<random>/``, with its owner record (``_varlen_tmp.json``: host, pid, time);
+2. every rank writes its files into a local staging folder (``out.file(name)``, as for a local
+   output), then uploads them to the temporary prefix (each upload read back: its size);
+3. once every rank has uploaded (a barrier) and rank 0 has called ``out.commit()``, rank 0 checks the
+   output again and publishes (:meth:`RemoteAtomicDir.publish`): it writes the commit marker
+   ``NAME/_varlen_commit.json``, which lists the objects being written and those of the old output
+   being replaced (what a run killed in this window leaves is then still provably varlen's), deletes
+   the old output's manifest, then its other objects, copies the new objects in, the
+   ``_manifest.json`` **last** (the manifest is the commit marker readers go by: varlen, and anything
+   that reads the manifest, sees a complete output or none), reads the listing back (every object,
+   its size), and deletes the marker and the temporary prefix;
 4. on failure the temporary prefix and the staging folders are removed; the output is untouched.
 
+Only the objects the old output's manifests list are ever deleted, one by one, by their exact key.
+
 A single file (a plan, ``-o s3://bucket/plan.parquet``) is written locally and uploaded with one PUT,
-which object stores make visible whole or not at all (:func:`remote_atomic_file`).
+which object stores make visible whole or not at all, then read back (:func:`remote_atomic_file`).
+A bucket root (``-o s3://bucket``) is refused (:func:`.safety.check_remote_place`).
 
 Limits: there is no lock (two runs writing one prefix at once are not detected), and a run
-killed during step 2 leaves the output without its manifest (refused until replaced).
+killed during step 3 leaves the output without its manifest (refused until replaced).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import platform
+import re
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -36,59 +47,29 @@ from .. import format, storage
 from ..errors import OutputError
 from . import safety
 
-COMMIT_MARKER = "_varlen_commit.json"
-TMP_TAG = ".varlen-tmp"
+COMMIT_MARKER = safety.COMMIT_MARKER
+TMP_TAG = safety.TMP_TAG
+OWNER_NAME = "_varlen_tmp.json"  # in a temporary prefix: who made it, and when
+STALE_TMP_S = 24 * 3600.0  # a temporary of another host (or without an owner record) is stale after this
+_TMP_FILES = re.compile(rf"^({re.escape(OWNER_NAME)}|{re.escape(format.MANIFEST_NAME)}|part-\d{{5,}}\.parquet)$")
 
 
 def _tmp_prefix(path: str) -> str:
     return storage.join(storage.parent(path), f".{storage.name(path)}{TMP_TAG}-{uuid.uuid4().hex[:12]}")
 
 
-def _varlen_made(path: str, objects: list[str]) -> bool:
-    names = {storage.relpath(o, path) for o in objects}
-    if COMMIT_MARKER in names:
-        return True
-    for name, fmt in ((format.MANIFEST_NAME, format.METRICS_FORMAT), (format.RUN_MANIFEST_NAME, format.RUN_FORMAT)):
-        if name in names:
-            try:
-                if json.loads(storage.read_bytes(storage.join(path, name))).get("format") == fmt:
-                    return True
-            except (ValueError, AttributeError):
-                continue
-    return False
-
-
-def check(path: str, overwrite: bool, inputs: Iterable[str] = ()) -> None:
-    """Refuse an output that overlaps an input, exists without ``--overwrite``, or (with it) was not
-    made by varlen (OutputError, exit 4); an unreachable store is an OutputError too."""
-    path = path.rstrip("/")
+def check(path: str, overwrite: bool, inputs: Iterable[str] = ()) -> safety.RemoteTree:
+    """Refuse an output that overlaps an input, is a bucket root, exists without ``--overwrite``, or
+    (with it) holds anything varlen did not write (OutputError, exit 4, like a local output; an
+    unreachable store is an OutputError too). Returns what is there now (all varlen's)."""
     safety.check_no_overlap(path, inputs)
-    with storage.translate_errors(path, write=True):
-        if storage.isfile(path):
-            raise OutputError(f"output {path} exists and is not a directory")
-        objects = storage.find(path + "/")
-    if objects and not overwrite:
-        raise OutputError(f"output {path} already exists; pass --overwrite to replace it")
-    if objects and not _varlen_made(path, objects):
-        raise OutputError(f"output {path} is a prefix varlen did not make (no varlen _manifest.json or _run.json); "
-                          "--overwrite replaces only varlen outputs")
+    return safety.check_replaceable(path, overwrite, "dir")
 
 
-def check_file(path: str, overwrite: bool) -> None:
-    """Refuse a file output that exists without ``--overwrite``, or (with it) is not a varlen plan."""
-    with storage.translate_errors(path, write=True):
-        if storage.isdir(path):
-            raise OutputError(f"output {path} is a directory; give a file name such as plan.parquet")
-        if not storage.isfile(path):
-            return
-    if not overwrite:
-        raise OutputError(f"output {path} already exists; pass --overwrite to replace it")
-    try:
-        is_plan = format.is_plan_schema(storage.parquet_file(path).schema_arrow)
-    except Exception:  # noqa: BLE001 - an object that is no Parquet at all is simply not a plan
-        is_plan = False
-    if not is_plan:
-        raise OutputError(f"output {path} is not a varlen plan; --overwrite replaces only varlen outputs")
+def check_file(path: str, overwrite: bool, json_format: str | None = None) -> None:
+    """Refuse a file output that is a bucket or a prefix, exists without ``--overwrite``, or (with it)
+    is not a varlen plan (``json_format``: not a JSON file of that format)."""
+    safety.check_replaceable(path, overwrite, "file" if json_format is None else "json", json_format)
 
 
 class _LocalFile:
@@ -98,15 +79,15 @@ class _LocalFile:
 
 
 @contextmanager
-def remote_atomic_file(path: str, overwrite: bool) -> Iterator[_LocalFile]:
+def remote_atomic_file(path: str, overwrite: bool, json_format: str | None = None) -> Iterator[_LocalFile]:
     """Yield an object whose ``tmp`` is a local file to write; on success it is uploaded to ``path``
-    in one PUT (visible whole or not at all); on failure nothing is uploaded."""
-    check_file(path, overwrite)
+    in one PUT (visible whole or not at all) and read back; on failure nothing is uploaded."""
+    check_file(path, overwrite, json_format)
     fd, tmp = tempfile.mkstemp(prefix="varlen-remote-file-", suffix=".parquet")
     os.close(fd)
     try:
         yield _LocalFile(path, tmp)
-        check_file(path, overwrite)  # still ours to replace
+        check_file(path, overwrite, json_format)  # still ours to replace
         storage.put_file(tmp, path)
     finally:
         os.remove(tmp)
@@ -123,9 +104,18 @@ class RemoteAtomicDir:
         self.tmp = _tmp_prefix(self.path)  # rank 0's name is shared with every rank
         self._staging: str | None = None
         self.commit_requested = False
+        self.created = False  # rank 0 started the temporary prefix (abort removes it)
 
-    def check(self) -> None:
-        check(self.path, self.overwrite)
+    def check(self) -> safety.RemoteTree:
+        return check(self.path, self.overwrite)
+
+    def create(self) -> None:
+        """Rank 0: remove stale temporaries of killed runs, then start ours with its owner record."""
+        with storage.translate_errors(self.path, write=True):
+            clean_stale_temporaries(self.path)
+            self.created = True
+            owner = {"pid": os.getpid(), "host": platform.node(), "time": time.time()}
+            storage.write_bytes(storage.join(self.tmp, OWNER_NAME), json.dumps(owner).encode())
 
     def file(self, name: str) -> str:
         """A local path to write ``name`` to; uploaded to the temporary prefix by :meth:`upload`."""
@@ -142,27 +132,43 @@ class RemoteAtomicDir:
         if self._staging is None:
             return
         try:
-            for name in sorted(os.listdir(self._staging)):
-                if ".tmp-" not in name:  # atomic_write_json's own temporaries
-                    storage.put_file(os.path.join(self._staging, name), storage.join(self.tmp, name))
+            with storage.translate_errors(self.path, write=True):
+                for name in sorted(os.listdir(self._staging)):
+                    if ".tmp-" not in name:  # atomic_write_json's own temporaries
+                        storage.put_file(os.path.join(self._staging, name), storage.join(self.tmp, name))
         finally:
             self.discard_staging()
 
     def publish(self) -> None:
-        """Rank 0: copy the temporary prefix into place, manifest last; remove the temporary."""
-        fs, _ = storage.filesystem(self.path)
-        new = sorted(storage.find(self.tmp + "/"), key=lambda o: storage.name(o) == format.MANIFEST_NAME)
-        marker = storage.join(self.path, COMMIT_MARKER)
+        """Rank 0: replace what varlen wrote at the output by the temporary prefix's objects (the
+        module docstring, step 3); remove the temporary."""
         with storage.translate_errors(self.path, write=True):
-            storage.write_bytes(marker, json.dumps({"from": self.tmp}).encode())
-            old = [o for o in storage.find(self.path + "/") if o != marker]
-            old.sort(key=lambda o: storage.name(o) != format.MANIFEST_NAME)  # the old manifest goes first
-            for o in old:
-                storage.remove(o)
-            for o in new:
-                fs.copy(storage.filesystem(o)[1], storage.filesystem(storage.join(self.path, storage.name(o)))[1])
-            storage.remove(marker)
+            old = self.check().names  # checked again: nothing but varlen's own is there now
+            listed = {storage.relpath(o, self.tmp): info.size for o, info in storage.find_info(self.tmp + "/").items()}
+            new = {n: size for n, size in listed.items() if _TMP_FILES.match(n) and n != OWNER_NAME}
+            if format.MANIFEST_NAME not in new:
+                raise OutputError(f"cannot write {self.path}: {self.tmp} holds no {format.MANIFEST_NAME}")
+            marker = storage.join(self.path, COMMIT_MARKER)
+            record = {"format": safety.COMMIT_FORMAT, "from": self.tmp, "files": sorted(new), "replaces": old}
+            storage.write_bytes(marker, json.dumps(record).encode())
+            # the old manifest first (the output reads as incomplete from then on), then its other objects
+            gone = [n for n in old if n != COMMIT_MARKER and (n not in new or n == format.MANIFEST_NAME)]
+            gone.sort(key=lambda n: n != format.MANIFEST_NAME)
+            storage.remove_many([storage.join(self.path, n) for n in gone])
+            for name in sorted(new, key=lambda n: n == format.MANIFEST_NAME):  # the manifest last
+                storage.copy(storage.join(self.tmp, name), storage.join(self.path, name))
+            self._check_published(new)
+            storage.remove_many([marker])
         self.abort()
+
+    def _check_published(self, new: dict[str, int]) -> None:
+        """Read the output back: every object written, with its size (a store that answers and keeps
+        nothing is an OutputError, not a success)."""
+        have = {storage.relpath(o, self.path): info.size for o, info in storage.find_info(self.path + "/").items()}
+        lost = [n for n, size in sorted(new.items()) if have.get(n) != size]
+        if lost:
+            raise OutputError(f"the store did not keep {self.path}: reading it back, {safety.listed(lost)} "
+                              "missing or of another size")
 
     def discard_staging(self) -> None:
         if self._staging is not None:
@@ -171,10 +177,52 @@ class RemoteAtomicDir:
 
     def abort(self) -> None:
         self.discard_staging()
+        if not self.created:
+            return
         try:
-            storage.remove(self.tmp + "/", recursive=True)
+            remove_temporary(self.tmp)
         except OutputError:
-            pass  # best effort: a hidden prefix, never read as data
+            pass  # best effort: a hidden prefix, never read as data; the next run removes it when stale
+
+
+def remove_temporary(tmp: str, listed: Iterable[str] | None = None) -> None:
+    """Delete the objects of the temporary prefix ``tmp`` that varlen writes there (its owner record,
+    parts and manifest), by their exact keys; anything else stays."""
+    names = [storage.relpath(o, tmp) for o in storage.find(tmp + "/")] if listed is None else list(listed)
+    storage.remove_many([storage.join(tmp, n) for n in names if _TMP_FILES.match(n)])
+
+
+def clean_stale_temporaries(path: str, now: float | None = None) -> list[str]:
+    """Remove the temporaries ``.NAME.varlen-tmp-<12 hex>/`` beside ``path`` that killed runs left
+    (returns them). Stale: its owner record names a process of this host that no longer runs, or its
+    newest object is older than :data:`STALE_TMP_S` (a run of another host, or of a varlen without
+    owner records). Only varlen's own objects in them are deleted (:func:`remove_temporary`)."""
+    parent, name = storage.parent(path), storage.name(path)
+    pattern = re.compile(rf"^\.{re.escape(name)}{re.escape(TMP_TAG)}-[0-9a-f]{{12}}$")
+    groups: dict[str, dict[str, float]] = {}
+    for loc, info in storage.find_info(parent, start=f".{name}{TMP_TAG}-").items():
+        head, sep, rest = storage.relpath(loc, parent).partition("/")
+        if sep and pattern.match(head):
+            groups.setdefault(head, {})[rest] = info.mtime_ns / 1e9
+    now = time.time() if now is None else now
+    stale = [head for head, files in sorted(groups.items())
+             if _stale_temporary(storage.join(parent, head), files, now)]
+    for head in stale:
+        remove_temporary(storage.join(parent, head), groups[head])
+    return [storage.join(parent, head) for head in stale]
+
+
+def _stale_temporary(tmp: str, files: dict[str, float], now: float) -> bool:
+    if now - max(files.values()) > STALE_TMP_S:
+        return True
+    if OWNER_NAME not in files:
+        return False
+    try:
+        owner = json.loads(storage.read_bytes(storage.join(tmp, OWNER_NAME)))
+        pid, host = int(owner["pid"]), str(owner["host"])
+    except (ValueError, KeyError, TypeError):
+        return False
+    return host == platform.node() and pid != os.getpid() and not safety.pid_alive(pid)
 
 
 @contextmanager
@@ -182,12 +230,13 @@ def remote_dir_for_group(d, path: str, overwrite: bool) -> Iterator[RemoteAtomic
     """The remote counterpart of :func:`~.artifacts.atomic_dir_for_group`: every rank stages and
     uploads; after a barrier rank 0 publishes, if the stage called ``commit()``."""
     out = RemoteAtomicDir(path, overwrite)
-    if d.is_main:
-        out.check()
-    if d.distributed:
-        out.tmp = d.all_gather_object(out.tmp if d.is_main else None)[0]
-    d.barrier()
     try:
+        if d.is_main:
+            out.check()
+            out.create()
+        if d.distributed:
+            out.tmp = d.all_gather_object(out.tmp if d.is_main else None)[0]
+        d.barrier()
         yield out
         out.upload()
         d.barrier()  # every rank's files are in the temporary prefix

@@ -39,46 +39,47 @@ def sibling(path: str, tag: str, unique: bool = False) -> str:
 
 # -- inputs and outputs must not overlap -------------------------------------------------------------
 def _source_root(source: str) -> str:
-    """The directory part of a source before any glob wildcard (the source itself if it has none)."""
+    """The folder part of a source before any glob wildcard (``*``, ``?``, ``[``), local or in object
+    storage; the source itself if it has none."""
+    from .. import storage
+
     for i, ch in enumerate(source):
         if ch in "*?[":
-            return os.path.dirname(source[:i]) or "."
+            head = source[:i]
+            if not storage.is_remote(source):
+                return os.path.dirname(head) or "."
+            cut = head.rfind("/")
+            return head[:cut] if cut >= head.find("://") + 3 else head
     return source
 
 
-def _inside(child: str, parent: str) -> bool:
-    return child != parent and child.startswith(parent.rstrip(os.sep) + os.sep)
+def _inside(child: str, parent: str, sep: str = os.sep) -> bool:
+    return child != parent and child.startswith(parent.rstrip(sep) + sep)
 
 
 def check_no_overlap(output: str, inputs: Iterable[str]) -> None:
     """Refuse an output that is, contains, or lies inside one of ``inputs`` (OutputError, exit 4).
-    An object-storage output is compared with the inputs in the same store by key prefix."""
+    An object-storage output is compared with the inputs in the same store by key prefix, by the
+    same rules (an input's glob counts from its folder)."""
     from .. import storage
 
-    if storage.is_remote(output):
-        return _check_no_remote_overlap(output, [str(g) for g in inputs if g and storage.is_remote(str(g))])
-    out = os.path.realpath(output)
+    remote = storage.is_remote(output)
+    sep = "/" if remote else os.sep
+    out = output.rstrip("/") if remote else os.path.realpath(output)
     for given in inputs:
-        if not given or storage.is_remote(str(given)):
-            continue  # an object-storage input cannot overlap a local output
-        inp = os.path.realpath(_source_root(str(given)))
+        if not given or storage.is_remote(str(given)) != remote:
+            continue  # a local path and an object cannot overlap
+        root = _source_root(str(given))
+        inp = root.rstrip("/") if remote else os.path.realpath(root)
         if out == inp:
             how = "is"
-        elif _inside(inp, out):
+        elif _inside(inp, out, sep):
             how = "contains"
-        elif _inside(out, inp) and os.path.isdir(inp):
+        elif _inside(out, inp, sep) and (remote or os.path.isdir(inp)):
             how = "lies inside"
         else:
             continue
         raise OutputError(f"output {output} {how} the input {given}; write the output elsewhere")
-
-
-def _check_no_remote_overlap(output: str, inputs: list[str]) -> None:
-    path = output.rstrip("/")
-    for given in inputs:
-        root = given.split("*", 1)[0].rstrip("/")
-        if path == root or path.startswith(root + "/") or root.startswith(path + "/"):
-            raise OutputError(f"output {path} overlaps the input {given}; write the output elsewhere")
 
 
 # Config fields that name input paths, and fields that name user code as MODULE:FUNCTION (its file
@@ -125,6 +126,16 @@ def stage_inputs(config) -> list[str]:
 
 
 # -- what --overwrite may replace ---------------------------------------------------------------------
+# What varlen wrote in an output directory is decided by its manifests, which list exactly that: a
+# metrics/sorted directory's _manifest.json (itself and its parts), a run's _run.json (its plan and its
+# metrics/sorted directories, each checked the same way), and, while an object-storage output is being
+# published, the commit marker (the names being written and those being replaced). Anything else is
+# the user's: --overwrite refuses, naming it. One rule for local directories and object-storage prefixes
+# (a tree: LocalTree, RemoteTree).
+COMMIT_MARKER = "_varlen_commit.json"
+COMMIT_FORMAT = "varlen-commit"
+
+
 def _json(path: str) -> dict | None:
     try:
         with open_regular(path) as fh:
@@ -139,45 +150,143 @@ def _json_format(path: str) -> str | None:
     return data.get("format") if data is not None else None
 
 
-def made_by_varlen_dir(path: str) -> bool:
-    """A varlen metrics/sorted directory (``_manifest.json``), a ``varlen run`` output (``_run.json``),
-    or an empty directory (nothing to lose)."""
-    if not os.listdir(path):
-        return True
+class LocalTree:
+    """The entries of a local output directory, for the ownership rules."""
+
+    def __init__(self, root: str):
+        self.root = root
+
+    def entries(self, sub: str = "") -> dict[str, bool]:
+        """``{name: is a directory}`` of the folder ``sub`` (links are no directories)."""
+        folder = os.path.join(self.root, sub)
+        return {n: os.path.isdir(os.path.join(folder, n)) and not os.path.islink(os.path.join(folder, n))
+                for n in os.listdir(folder)}
+
+    def read_json(self, rel: str) -> dict | None:
+        return _json(os.path.join(self.root, rel))
+
+    @staticmethod
+    def join(sub: str, name: str) -> str:
+        return os.path.join(sub, name) if sub else name
+
+
+class RemoteTree:
+    """The objects below an object-storage prefix (one listing), for the ownership rules; a key with
+    keys below it (``a`` and ``a/b``) is a directory."""
+
+    def __init__(self, root: str, objects: Iterable[str]):
+        from .. import storage
+
+        self.root = root.rstrip("/")
+        self.names = sorted(storage.relpath(o, self.root) for o in objects)
+
+    def entries(self, sub: str = "") -> dict[str, bool]:
+        prefix = sub + "/" if sub else ""
+        out: dict[str, bool] = {}
+        for rel in self.names:
+            if rel.startswith(prefix):
+                head, sep, _ = rel[len(prefix):].partition("/")
+                out[head] = out.get(head, False) or bool(sep)
+        return out
+
+    def read_json(self, rel: str) -> dict | None:
+        """The JSON object ``rel`` holds (None when it is missing or no JSON object); a store that
+        fails to answer raises (OutputError on the output side)."""
+        from .. import storage
+
+        if rel not in self.names:
+            return None
+        try:
+            data = json.loads(storage.read_bytes(storage.join(self.root, rel)))
+        except ValueError:
+            return None
+        return data if isinstance(data, dict) else None
+
+    @staticmethod
+    def join(sub: str, name: str) -> str:
+        return f"{sub}/{name}" if sub else name
+
+
+def _listed_by_manifest(tree, sub: str) -> set[str]:
+    """What a varlen ``_manifest.json`` in ``sub`` says varlen wrote there (itself and its parts)."""
     from .. import format
 
-    return (_json_format(os.path.join(path, format.MANIFEST_NAME)) == format.METRICS_FORMAT
-            or _json_format(os.path.join(path, format.RUN_MANIFEST_NAME)) == format.RUN_FORMAT)
-
-
-def foreign_entries(path: str) -> list[str]:
-    """What a varlen directory holds that varlen did not write there, as paths relative to ``path``:
-    anything but the manifest and the parts it lists (metrics/sorted), or, in a ``varlen run``
-    output, anything but ``_run.json``, ``plan.parquet`` and the ``metrics``/``sorted`` directories
-    (checked the same way)."""
-    from .. import format
-
-    names = set(os.listdir(path))
-    run = _json(os.path.join(path, format.RUN_MANIFEST_NAME))
-    if run is not None and run.get("format") == format.RUN_FORMAT:
-        ours = {format.RUN_MANIFEST_NAME, "plan.parquet"}
-        foreign = sorted(names - ours - {"metrics", "sorted"})
-        for sub in sorted(names & {"metrics", "sorted"}):
-            inner = os.path.join(path, sub)
-            if os.path.isdir(inner) and not os.path.islink(inner) and made_by_varlen_dir(inner):
-                foreign += [os.path.join(sub, name) for name in foreign_entries(inner)]
-            else:
-                foreign.append(sub)
-        return foreign
-    manifest = _json(os.path.join(path, format.MANIFEST_NAME)) or {}
+    manifest = tree.read_json(tree.join(sub, format.MANIFEST_NAME))
+    if manifest is None or manifest.get("format") != format.METRICS_FORMAT:
+        return set()
     parts = manifest.get("parts") if isinstance(manifest.get("parts"), list) else []
-    ours = {format.MANIFEST_NAME} | {str(p.get("file")) for p in parts if isinstance(p, dict)}
-    return sorted(names - ours)
+    return {format.MANIFEST_NAME} | {str(p.get("file")) for p in parts if isinstance(p, dict)}
 
 
-def _listed(names: list[str], limit: int = 5) -> str:
+def _listed_by_marker(tree, sub: str) -> set[str]:
+    """What a commit marker in ``sub`` says varlen was writing and replacing there (and the marker).
+    A marker of an older varlen (no ``files``) vouches for itself only."""
+    marker = tree.read_json(tree.join(sub, COMMIT_MARKER))
+    if marker is None:
+        return set()
+    if marker.get("format") == COMMIT_FORMAT:
+        listed = [n for key in ("files", "replaces") for n in marker.get(key) or [] if isinstance(n, str)]
+        return {COMMIT_MARKER, *listed}
+    return {COMMIT_MARKER} if TMP_TAG in str(marker.get("from", "")) else set()
+
+
+def _run_record(tree, sub: str = "") -> bool:
+    from .. import format
+
+    run = tree.read_json(tree.join(sub, format.RUN_MANIFEST_NAME))
+    return run is not None and run.get("format") == format.RUN_FORMAT
+
+
+def made_by_varlen_dir(path_or_tree, sub: str = "") -> bool:
+    """A varlen metrics/sorted directory (``_manifest.json``), a ``varlen run`` output (``_run.json``),
+    a prefix a varlen commit marker vouches for, or an empty directory (nothing to lose)."""
+    tree = LocalTree(path_or_tree) if isinstance(path_or_tree, str) else path_or_tree
+    if not tree.entries(sub):
+        return True
+    return bool(_listed_by_manifest(tree, sub) or _listed_by_marker(tree, sub)) or _run_record(tree, sub)
+
+
+def foreign_entries(path_or_tree, sub: str = "") -> list[str]:
+    """What a varlen directory holds that varlen did not write there, relative to it (a directory
+    with a trailing ``/``): anything its manifests do not list (:func:`made_by_varlen_dir`); in a
+    ``varlen run`` output anything but ``_run.json``, ``plan.parquet`` and the ``metrics``/``sorted``
+    directories, which are checked the same way. A listed name that is a directory is foreign."""
+    from .. import format
+
+    tree = LocalTree(path_or_tree) if isinstance(path_or_tree, str) else path_or_tree
+    names = tree.entries(sub)
+    shown = {n: n + "/" if is_dir else n for n, is_dir in names.items()}
+    if _run_record(tree, sub):
+        ours = {format.RUN_MANIFEST_NAME, "plan.parquet"}
+        foreign = sorted(shown[n] for n in names if n not in ours | {"metrics", "sorted"} or names[n] and n in ours)
+        for inner in sorted(set(names) & {"metrics", "sorted"}):
+            inner_sub = tree.join(sub, inner)
+            if names[inner] and made_by_varlen_dir(tree, inner_sub):
+                foreign += [tree.join(inner, n) for n in foreign_entries(tree, inner_sub)]
+            else:
+                foreign.append(shown[inner])
+        return foreign
+    ours = _listed_by_manifest(tree, sub) | _listed_by_marker(tree, sub)
+    return sorted(shown[n] for n in names if n not in ours or names[n])
+
+
+def listed(names: list[str], limit: int = 5) -> str:
+    """``a, b, c, d, e and 3 more``."""
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def check_dir_ours(given: str, tree, noun: str = "directory") -> None:
+    """Refuse to replace the existing output directory (``noun``: or prefix) ``given`` unless varlen
+    made it and it holds nothing else (OutputError, exit 4)."""
+    if not made_by_varlen_dir(tree):
+        raise OutputError(f"output {given} is a {noun} varlen did not make (no varlen _manifest.json or "
+                          "_run.json); --overwrite replaces only varlen outputs")
+    foreign = foreign_entries(tree)
+    if foreign:
+        what = "objects" if isinstance(tree, RemoteTree) else "files"
+        raise OutputError(f"output {given} holds {what} varlen did not write ({listed(foreign)}); --overwrite "
+                          "replaces only what varlen made: move them out first")
 
 
 def made_by_varlen_file(path: str) -> bool:
@@ -202,13 +311,26 @@ def _regular_file(path: str) -> bool:
         return False
 
 
-def check_replaceable(path: str, overwrite: bool, kind: str, json_format: str | None = None) -> None:
+def check_file_name(path: str, example: str = "plan.parquet") -> None:
+    """Refuse a file output named like a folder (``out/``, local or in object storage): it would be
+    written as a file named ``out``."""
+    if str(path).endswith(("/", os.sep)):
+        raise OutputError(f"output {path} ends with '/', which names a folder; give a file name such as "
+                          f"{path}{example}")
+
+
+def check_replaceable(path: str, overwrite: bool, kind: str, json_format: str | None = None):
     """Refuse to replace an existing ``path`` unless ``--overwrite`` and varlen made it and holds
     nothing else: ``kind`` ``dir`` (a metrics, sorted or run directory, without files varlen did not
     write there), ``file`` (a plan) or ``json`` (a JSON file whose ``format`` is ``json_format``, such
-    as a memory profile). Symbolic links are never replaced (nor their targets)."""
+    as a memory profile). Symbolic links are never replaced (nor their targets). An object-storage
+    ``path`` follows the same rules (:func:`check_remote_replaceable`), whose result it returns."""
+    from .. import storage
+
+    if storage.is_remote(path):
+        return check_remote_replaceable(path, overwrite, kind, json_format)
     if not os.path.lexists(path):
-        return
+        return None
     if not overwrite:
         raise OutputError(f"output {path} already exists; pass --overwrite to replace it")
     if os.path.islink(path):
@@ -217,13 +339,7 @@ def check_replaceable(path: str, overwrite: bool, kind: str, json_format: str | 
     if kind == "dir":
         if not os.path.isdir(path):
             raise OutputError(f"output {path} exists and is not a directory")
-        if not made_by_varlen_dir(path):
-            raise OutputError(f"output {path} is a directory varlen did not make (no varlen _manifest.json or "
-                              "_run.json); --overwrite replaces only varlen outputs")
-        foreign = foreign_entries(path)
-        if foreign:
-            raise OutputError(f"output {path} holds files varlen did not write ({_listed(foreign)}); --overwrite "
-                              "replaces only what varlen made: move them out first")
+        check_dir_ours(path, LocalTree(path))
     elif kind == "json":
         if os.path.isdir(path):
             raise OutputError(f"output {path} is a directory; give a file name")
@@ -235,6 +351,72 @@ def check_replaceable(path: str, overwrite: bool, kind: str, json_format: str | 
             raise OutputError(f"output {path} is a directory; give a file name such as plan.parquet")
         if not made_by_varlen_file(path):
             raise OutputError(f"output {path} is not a varlen plan; --overwrite replaces only varlen outputs")
+    return None
+
+
+def check_remote_place(path: str, kind: str) -> None:
+    """Refuse an object-storage output at a bucket's root (``s3://B``): the output's temporary goes
+    beside the output, and a bucket has no beside (inside it, the whole bucket would be the output);
+    and a file output named like a prefix (``s3://B/dir/``)."""
+    from .. import storage
+
+    root = path.rstrip("/")
+    if storage.parent(root) == root:
+        example = "a prefix such as {}/metrics" if kind == "dir" else "a key such as {}/plan.parquet"
+        raise OutputError(f"output {path} is a whole bucket: varlen writes an output beside its temporary, inside "
+                          f"a bucket, and replaces only what it wrote; give {example.format(root)}")
+    if kind != "dir":
+        check_file_name(path)
+
+
+def check_remote_replaceable(path: str, overwrite: bool, kind: str, json_format: str | None = None):
+    """:func:`check_replaceable` in object storage: the same rules, decided from one listing (every
+    error, the store's own included, is an OutputError). A directory output returns the
+    :class:`RemoteTree` of what is there now (empty for a new output): all varlen's to replace."""
+    from .. import storage
+
+    check_remote_place(path, kind)
+    with storage.translate_errors(path, write=True):
+        if kind == "dir":
+            return _check_remote_dir(path.rstrip("/"), overwrite)
+        if storage.isdir(path):
+            raise OutputError(f"output {path} is a directory; give a file name such as plan.parquet")
+        if not storage.isfile(path):
+            return None
+        if not overwrite:
+            raise OutputError(f"output {path} already exists; pass --overwrite to replace it")
+        if not _remote_file_ours(path, kind, json_format):
+            what = "varlen plan" if kind == "file" else json_format.replace("-", " ")
+            raise OutputError(f"output {path} is not a {what}; --overwrite replaces only varlen outputs")
+    return None
+
+
+def _check_remote_dir(path: str, overwrite: bool) -> RemoteTree:
+    from .. import storage
+
+    if storage.isfile(path):
+        raise OutputError(f"output {path} exists and is not a directory")
+    tree = RemoteTree(path, storage.find(path + "/"))
+    if tree.names:
+        if not overwrite:
+            raise OutputError(f"output {path} already exists; pass --overwrite to replace it")
+        check_dir_ours(path, tree, "prefix")
+    return tree
+
+
+def _remote_file_ours(path: str, kind: str, json_format: str | None) -> bool:
+    from .. import format, storage
+
+    if kind == "json":
+        try:
+            return json.loads(storage.read_bytes(path)).get("format") == json_format
+        except (ValueError, AttributeError):
+            return False
+    try:  # the footer alone (one read): a store that fails is an OutputError here, bad bytes an InputError
+        _, metadata = storage.parquet_footer(path, storage.stat(path).size)
+        return format.is_plan_schema(metadata.schema.to_arrow_schema())
+    except InputError:
+        return False  # no Parquet at all: not a plan
 
 
 # -- output locks --------------------------------------------------------------------------------------
@@ -242,7 +424,7 @@ def _held() -> list[str]:
     return [p for p in os.environ.get(_HELD_ENV, "").split(os.pathsep) if p]
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -263,7 +445,7 @@ def _stale(lock: str) -> bool:
             return time.time() - os.path.getmtime(lock) > STALE_UNREADABLE_LOCK_S
         except OSError:
             return True
-    return host == platform.node() and not _pid_alive(pid)
+    return host == platform.node() and not pid_alive(pid)
 
 
 def _owner(lock: str) -> str:
@@ -364,7 +546,7 @@ def clean_launcher_dirs() -> None:
     """Remove launcher directories of processes that no longer run."""
     for d in glob.glob(os.path.join(glob.escape(tempfile.gettempdir()), f"{LAUNCH_PREFIX}*")):
         pid = os.path.basename(d)[len(LAUNCH_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             shutil.rmtree(d, ignore_errors=True)
 
 

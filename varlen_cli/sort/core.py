@@ -16,6 +16,7 @@ one row group.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -104,7 +105,12 @@ def sort(config: SortConfig) -> SortResult | None:
     check(config)
     storage.configure(config.storage_options)  # the input may be in object storage (workers: the executor)
     check_input(config)
-    return execute(run_in_group, config)
+    return execute(run_in_group, config, functools.partial(_count_rows, config))
+
+
+def _count_rows(config: SortConfig) -> tuple[int, str]:
+    """The rows to sort: ``--nproc`` is capped by them (a worker with no row has no work)."""
+    return max(1, int(_read_input(config.metrics_dir).get("num_rows", 0))), "row"
 
 
 def parse_by(by) -> tuple:

@@ -20,8 +20,10 @@ the extra, e.g. ``reading s3://b/x needs s3fs: pip install "varlen-cli[s3]"`` (:
 ``GOOGLE_APPLICATION_CREDENTIALS``, ``HF_TOKEN``...). ``--storage-option key=value`` passes anything
 else to the filesystem's constructor: :func:`parse_options` turns the pairs into a dict (values
 are JSON when they parse as JSON: ``anon=true``, ``client_kwargs={"region_name": "eu-west-1"}``,
-else strings). For ``s3://``, varlen sets short connect timeouts and few retries unless the options
-say otherwise, so an unreachable endpoint fails in seconds (:data:`S3_DEFAULTS`).
+else strings), checked first (:mod:`varlen_cli.storage.options`: a bad value is one UsageError line
+naming the option). For ``s3://`` and ``http(s)://`` every request has a connect and a read timeout
+(``connect_timeout``/``read_timeout`` options, seconds; defaults 5 and 10) and few retries, so an
+unreachable or silent endpoint fails in seconds, never hangs (docs/analyze.md, "Timeouts").
 
 **API** (module functions; ``options`` is a dict from :func:`parse_options`, a sequence of
 ``key=value`` strings, or None for the process's defaults set by :func:`configure`, which
@@ -41,6 +43,7 @@ cached per scheme and options):
 ``exists(loc)``, ``isdir(loc)``,        cheap probes (errors other than "not found" still raise)
 ``isfile(loc)``
 ``find(prefix, options)``               every file below a folder/prefix, recursively, as sorted locations
+``find_info(prefix, start, options)``   ``{location: FileInfo}`` below a remote prefix (names starting ``start``)
 ``glob(pattern, options)``              the matches of a glob (``**`` recursive), sorted
 ``open_input(loc, options)``            a seekable binary file; remote: HTTP range requests, no download
 ``read_range(loc, start, stop)``        bytes ``[start, stop)`` (one range request remotely)
@@ -52,14 +55,18 @@ cached per scheme and options):
                                         ``metadata`` the footer's)
 ``parquet_footer(loc, size, options)``  ``(footer bytes, FileMetaData)`` from one tail read (64 KiB)
 ``filesystem(loc, options)``            ``(fsspec filesystem, path in it)``: anything not covered above
-``write_bytes(loc, data)``,             outputs (used by :mod:`varlen_cli.runtime.remote_output`)
-``remove(loc, recursive)``
+``write_bytes(loc, data)``,             outputs (used by :mod:`varlen_cli.runtime.remote_output`): every
+``put_file(local, loc)``,               upload is read back (``check_written``: the object's size); deletes
+``copy(src, dst)``, ``remove(loc,``      are by exact key, never a pattern
+``recursive)``, ``remove_many(locs)``
 ``fingerprint_fields(info)``            what freshness records for a file (size + etag/version or mtime)
 ======================================  ====================================================================
 
 Every function raises :class:`~varlen_cli.errors.InputError` (exit 3) with one line for a missing
-file, bucket or key, bad credentials, an unreachable endpoint or a missing client package
-(:func:`translate_errors`); write failures are :class:`~varlen_cli.errors.OutputError` (exit 4).
+file, bucket or key, bad credentials, an unreachable or silent endpoint or a missing client package
+(:func:`translate_errors`), also from a file :func:`open_input` or :func:`parquet_file` returned, read
+later (a store that dies under a reader); write failures, and any failure inside an output's checks
+(``translate_errors(loc, write=True)``), are :class:`~varlen_cli.errors.OutputError` (exit 4).
 """
 
 from __future__ import annotations
@@ -69,6 +76,7 @@ import os
 import stat as stat_mod
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,11 +90,6 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "hf": ("huggingface_hub", "hf"),
     "http": ("aiohttp", "http"), "https": ("aiohttp", "http"),
 }
-# Fail fast against an unreachable or misconfigured endpoint (the user's options win).
-S3_DEFAULTS: dict[str, Any] = {
-    "config_kwargs": {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 2, "mode": "standard"}},
-}
-S3_CLIENT_RETRIES = 2  # s3fs's own retry loop (its default is 5, with back-off)
 Options = Mapping[str, Any] | Sequence[str] | None
 
 
@@ -257,24 +260,28 @@ def filesystem(loc: str, options: Options = None) -> tuple[Any, str]:
 def _make_fs(loc: str, s: str, opts: dict) -> Any:
     import fsspec
 
-    if s in ("s3", "s3a"):
-        merged = {**S3_DEFAULTS, **opts}
-        merged["config_kwargs"] = {**S3_DEFAULTS["config_kwargs"], **opts.get("config_kwargs", {})}
-        opts = merged
+    from . import options as storage_options
+
     try:
         fsspec.get_filesystem_class(s)
     except (ImportError, ValueError):
         return _arrow_fs_wrapper(loc, opts)
+    timeouts, opts = storage_options.split_timeouts(s, opts)
+    if s in ("s3", "s3a"):
+        opts = storage_options.s3_kwargs(opts, timeouts)
+    elif s in ("http", "https"):
+        opts = storage_options.http_kwargs(opts, timeouts)
     try:
         fs = fsspec.filesystem(s, skip_instance_cache=True, **opts)
+        if s in ("s3", "s3a"):
+            fs.retries = storage_options.S3_CLIENT_RETRIES
+            fs.connect()  # the client now: a bad value in the options is refused here, not at the first request
     except ImportError as exc:
         extra = EXTRAS.get(s, (None, None))[1]
         hint = f': pip install "varlen-cli[{extra}]"' if extra else ""
         raise InputError(f"reading {loc} needs a package that is not installed ({_first_line(exc)}){hint}") from None
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:
         raise UsageError(f"bad --storage-option for {s}://: {_first_line(exc)}") from None
-    if s in ("s3", "s3a"):
-        fs.retries = S3_CLIENT_RETRIES
     return fs
 
 
@@ -304,35 +311,99 @@ _UNREACHABLE_WORDS = ("connect", "timeout", "timed out", "name or service not kn
                       "connection refused", "could not resolve", "nodename nor servname")
 
 
-def describe_error(loc: str, exc: BaseException) -> str:
-    """One line saying what went wrong reaching ``loc`` (missing, denied, unreachable...)."""
+_TIMEOUT_HINTS = {"connect": "no connection within the connect timeout; --storage-option connect_timeout=SECONDS "
+                              "sets it", "read": "the store did not answer within the read timeout; --storage-option "
+                                                 "read_timeout=SECONDS sets it"}
+_OUTPUT_SIDE: ContextVar[bool] = ContextVar("varlen_storage_output_side", default=False)
+
+
+def describe_error(loc: str, exc: BaseException, write: bool = False) -> str:
+    """One line saying what went wrong reaching ``loc`` (missing, denied, unreachable...); ``write``:
+    ``loc`` is (in) an output."""
     text = _first_line(exc)
     low = f"{type(exc).__name__} {text}".lower()
     if isinstance(exc, FileNotFoundError) or "nosuchbucket" in low or "nosuchkey" in low or "404" in low:
         what = "bucket" if "nosuchbucket" in low or "bucket" in low and "not exist" in low else "object"
-        return f"{loc} does not exist (no such {what})"
+        return f"cannot write {loc}: no such {what}" if write else f"{loc} does not exist (no such {what})"
+    if "profilenotfound" in low:
+        return f"no credentials for {loc}: {text}"
     if "nocredentials" in low or "unable to locate credentials" in low:
         return (f"no credentials for {loc}: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or the store's own "
                 "variables), or pass --storage-option")
     if isinstance(exc, PermissionError) or any(w in low for w in _CREDENTIAL_WORDS):
         return f"access to {loc} was denied (check the credentials and permissions): {text}"
+    kind = _timeout_kind(exc, low)
+    if kind:
+        return f"cannot reach {loc}: {text} ({_TIMEOUT_HINTS[kind]})"
     if any(w in low for w in _UNREACHABLE_WORDS):
         return f"cannot reach {loc}: {text}"
-    return f"cannot read {loc}: {text}"
+    return f"cannot {'write' if write else 'read'} {loc}: {text}"
+
+
+def _timeout_kind(exc: BaseException, low: str) -> str | None:
+    """``connect`` or ``read`` for a client's timeout (botocore, aiohttp, asyncio), else None."""
+    if "connecttimeout" in low or "connect timeout" in low or "serverconnectiontimeout" in low:
+        return "connect"
+    if "readtimeout" in low or "read timeout" in low or "timeout" in type(exc).__name__.lower():
+        return "read"
+    return None
 
 
 @contextmanager
 def translate_errors(loc: str, write: bool = False) -> Iterator[None]:
-    """Turn a client's exception for ``loc`` into one InputError (OutputError when ``write``) line."""
+    """Turn a client's exception for ``loc`` into one InputError (OutputError when ``write``) line.
+    Inside a block with ``write`` (an output's checks and uploads), every storage call is on the
+    output side: its errors are OutputError (exit 4) too, whatever the call."""
+    write = write or _OUTPUT_SIDE.get()
+    token = _OUTPUT_SIDE.set(write)
     try:
         yield
     except VarlenError:
         raise
     except Exception as exc:  # noqa: BLE001 - clients raise botocore/aiohttp/OSError types; one line each
-        message = describe_error(loc, exc)
-        if write:
-            raise OutputError(message.replace("cannot read", "cannot write")) from None
-        raise InputError(message) from None
+        message = describe_error(loc, exc, write)
+        raise (OutputError if write else InputError)(message) from None
+    finally:
+        _OUTPUT_SIDE.reset(token)
+
+
+class _Translated:
+    """A remote file whose reads raise one InputError line (a store that dies while a reader, such as
+    pyarrow or ``SourceDataset``, reads from it), not the client's exception."""
+
+    def __init__(self, fh, loc: str):
+        self._fh, self._loc = fh, loc
+
+    def _call(self, name: str, *args, **kwargs):
+        with translate_errors(self._loc):
+            return getattr(self._fh, name)(*args, **kwargs)
+
+    def read(self, *args, **kwargs):
+        return self._call("read", *args, **kwargs)
+
+    def readinto(self, *args, **kwargs):
+        return self._call("readinto", *args, **kwargs)
+
+    def read1(self, *args, **kwargs):
+        return self._call("read1", *args, **kwargs)
+
+    def readline(self, *args, **kwargs):
+        return self._call("readline", *args, **kwargs)
+
+    def seek(self, *args, **kwargs):
+        return self._call("seek", *args, **kwargs)
+
+    def __iter__(self):
+        return iter(self.readline, b"")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __getattr__(self, name: str):
+        return getattr(self._fh, name)
 
 
 # -- reading -----------------------------------------------------------------------------------------
@@ -371,34 +442,44 @@ def stat(loc: str, options: Options = None) -> FileInfo:
         except OSError as exc:
             raise InputError(f"{loc} is not readable: {exc.strerror}") from None
         return FileInfo(loc, st.st_size, stat_mod.S_ISDIR(st.st_mode), mtime_ns=st.st_mtime_ns)
-    fs, path = filesystem(loc, options)
     with translate_errors(loc):
+        fs, path = filesystem(loc, options)
         fs.invalidate_cache(path)  # what the store says now, not a listing cached earlier
         return _info_from_fsspec(loc, fs.info(path))
+
+
+def _info_or_none(loc: str, options: Options) -> dict | None:
+    """The store's entry for ``loc`` now (None when there is none); any other failure is raised (a
+    store that does not answer is never taken for a missing object)."""
+    with translate_errors(loc):
+        fs, path = filesystem(loc, options)
+        fs.invalidate_cache(path)
+        try:
+            return fs.info(path)
+        except FileNotFoundError:
+            return None
 
 
 def exists(loc: str, options: Options = None) -> bool:
     if not is_remote(loc):
         return os.path.lexists(local_path(loc))
-    fs, path = filesystem(loc, options)
-    with translate_errors(loc):
-        return bool(fs.exists(path)) or bool(fs.isdir(path))
+    return _info_or_none(loc, options) is not None
 
 
 def isdir(loc: str, options: Options = None) -> bool:
     if not is_remote(loc):
         return os.path.isdir(local_path(loc))
-    fs, path = filesystem(loc, options)
     with translate_errors(loc):
+        fs, path = filesystem(loc, options)
+        fs.invalidate_cache(path)
         return bool(fs.isdir(path))
 
 
 def isfile(loc: str, options: Options = None) -> bool:
     if not is_remote(loc):
         return os.path.isfile(local_path(loc))
-    fs, path = filesystem(loc, options)
-    with translate_errors(loc):
-        return bool(fs.isfile(path))
+    info = _info_or_none(loc, options)
+    return info is not None and info.get("type") == "file"
 
 
 def _as_loc(loc: str, fs: Any, path: str) -> str:
@@ -412,10 +493,26 @@ def find(prefix: str, options: Options = None) -> list[str]:
     if not is_remote(prefix):
         root = local_path(prefix)
         return sorted(os.path.join(d, f) for d, _, files in os.walk(root, followlinks=True) for f in files)
-    fs, path = filesystem(prefix, options)
     with translate_errors(prefix):
+        fs, path = filesystem(prefix, options)
+        fs.invalidate_cache(path.rstrip("/"))
         found = fs.find(path.rstrip("/"), withdirs=False)
     return sorted(_as_loc(prefix, fs, p) for p in found)
+
+
+def find_info(prefix: str, start: str = "", options: Options = None) -> dict[str, FileInfo]:
+    """``{location: FileInfo}`` of every object below the remote folder ``prefix`` (one listing);
+    ``start``: only those whose path below it starts with ``start`` (``s3://`` lists just those)."""
+    with translate_errors(prefix):
+        fs, path = filesystem(prefix, options)
+        path = path.rstrip("/")
+        fs.invalidate_cache(path)
+        if start and scheme(prefix) in ("s3", "s3a"):
+            found = fs.find(path, withdirs=False, detail=True, prefix=start)
+        else:
+            found = fs.find(path, withdirs=False, detail=True)
+    out = {_as_loc(prefix, fs, p): _info_from_fsspec(_as_loc(prefix, fs, p), d) for p, d in found.items()}
+    return {loc: info for loc, info in out.items() if relpath(loc, prefix).startswith(start)}
 
 
 def glob(pattern: str, options: Options = None) -> list[str]:
@@ -424,8 +521,8 @@ def glob(pattern: str, options: Options = None) -> list[str]:
         import glob as glob_mod
 
         return sorted(glob_mod.glob(local_path(pattern), recursive=True))
-    fs, path = filesystem(pattern, options)
     with translate_errors(pattern):
+        fs, path = filesystem(pattern, options)
         found = fs.glob(path)
     return sorted(_as_loc(pattern, fs, p) for p in found)
 
@@ -437,9 +534,9 @@ def open_input(loc: str, options: Options = None, block_size: int = 1 << 20):
             return open_regular(local_path(loc), "rb")  # a FIFO or a device is refused, never read
         except OSError as exc:
             raise InputError(f"{loc} is not readable: {exc.strerror}") from None
-    fs, path = filesystem(loc, options)
     with translate_errors(loc):
-        return fs.open(path, "rb", block_size=block_size, cache_type="readahead")
+        fs, path = filesystem(loc, options)
+        return _Translated(fs.open(path, "rb", block_size=block_size, cache_type="readahead"), loc)
 
 
 def read_range(loc: str, start: int, stop: int, options: Options = None) -> bytes:
@@ -453,8 +550,8 @@ def read_range(loc: str, start: int, stop: int, options: Options = None) -> byte
                 return fh.read(stop - start)
         except OSError as exc:
             raise InputError(f"{loc} is not readable: {exc.strerror}") from None
-    fs, path = filesystem(loc, options)
     with translate_errors(loc):
+        fs, path = filesystem(loc, options)
         return fs.cat_file(path, start=start, end=stop)
 
 
@@ -466,8 +563,8 @@ def read_bytes(loc: str, options: Options = None) -> bytes:
                 return fh.read()
         except OSError as exc:
             raise InputError(f"{loc} is not readable: {exc.strerror}") from None
-    fs, path = filesystem(loc, options)
     with translate_errors(loc):
+        fs, path = filesystem(loc, options)
         return fs.cat_file(path)
 
 
@@ -477,7 +574,8 @@ def arrow_filesystem(loc: str, options: Options = None) -> tuple[Any, str]:
 
     if not is_remote(loc):
         return pafs.LocalFileSystem(), os.path.abspath(local_path(loc))
-    fs, path = filesystem(loc, options)
+    with translate_errors(loc):
+        fs, path = filesystem(loc, options)
     return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path
 
 
@@ -489,12 +587,13 @@ def parquet_file(loc: str, options: Options = None, size: int | None = None, met
     if not is_remote(loc):
         check_regular(local_path(loc))
         return pq.ParquetFile(local_path(loc), metadata=metadata)
-    fs, path = filesystem(loc, options)
     with translate_errors(loc):
+        fs, path = filesystem(loc, options)
         # No read-ahead cache: pyarrow asks for exactly the footer and the column chunks it needs,
-        # each one range request (s3fs's default 50 MB read-ahead would fetch whole files).
+        # each one range request (s3fs's default 50 MB read-ahead would fetch whole files). Reads
+        # after this (row groups) go through _Translated: a store that dies then is one InputError.
         kwargs = {"size": size} if size is not None and scheme(loc) in ("s3", "s3a") else {}
-        return pq.ParquetFile(fs.open(path, "rb", cache_type="none", **kwargs), metadata=metadata)
+        return pq.ParquetFile(_Translated(fs.open(path, "rb", cache_type="none", **kwargs), loc), metadata=metadata)
 
 
 PARQUET_TAIL = 64 << 10  # bytes of a Parquet file's end read at once: the footer of almost every file
@@ -533,24 +632,50 @@ def fingerprint_fields(info: FileInfo) -> dict[str, Any]:
 
 # -- writing (outputs) -------------------------------------------------------------------------------
 def write_bytes(loc: str, data: bytes, options: Options = None) -> None:
-    fs, path = filesystem(loc, options)
+    """Write ``data`` to the object ``loc``; it is read back (its size) before this returns."""
     with translate_errors(loc, write=True):
+        fs, path = filesystem(loc, options)
         fs.pipe_file(path, data)
+    check_written(loc, len(data), options)
 
 
 def put_file(local: str, loc: str, options: Options = None) -> None:
-    """Upload the local file ``local`` to ``loc``."""
-    fs, path = filesystem(loc, options)
+    """Upload the local file ``local`` to ``loc``; the object is read back (its size) before this returns."""
     with translate_errors(loc, write=True):
+        fs, path = filesystem(loc, options)
         fs.put_file(local, path)
+    check_written(loc, os.path.getsize(local), options)
+
+
+def copy(src: str, dst: str, options: Options = None) -> None:
+    """A server-side copy of the object ``src`` to ``dst`` (in the same store)."""
+    with translate_errors(dst, write=True):
+        fs, src_path = filesystem(src, options)
+        fs.copy(src_path, filesystem(dst, options)[1])
+
+
+def check_written(loc: str, size: int, options: Options = None) -> None:
+    """Refuse (OutputError) an object the store said it wrote but does not hold, or holds with another
+    size: a store that answers 200 and keeps nothing (ETags are not compared: with server-side
+    encryption such as SSE-KMS an ETag is no checksum of the bytes)."""
+    with translate_errors(loc, write=True):
+        info = _info_or_none(loc, options)
+    have = None if info is None or info.get("type") != "file" else int(info.get("size") or 0)
+    if have != size:
+        found = "nothing there" if have is None else f"{have} bytes there"
+        raise OutputError(f"the store did not keep {loc}: it accepted {size} bytes, reading it back finds {found}")
 
 
 def remove(loc: str, recursive: bool = False, options: Options = None) -> None:
-    fs, path = filesystem(loc, options)
+    """Delete the object ``loc`` (``recursive``: every object below the prefix ``loc``)."""
     with translate_errors(loc, write=True):
-        if recursive:
-            found = fs.find(path.rstrip("/"), withdirs=False)
-            if found:
-                fs.rm(found)
-        else:
+        remove_many(find(loc, options) if recursive else [loc], options)
+
+
+def remove_many(locs: Sequence[str], options: Options = None) -> None:
+    """Delete exactly the objects ``locs``, one by one: never a pattern (``fs.rm`` would expand a name
+    holding ``*``, ``?`` or ``[`` as a glob, which could match objects varlen did not write)."""
+    for loc in locs:
+        with translate_errors(loc, write=True):
+            fs, path = filesystem(loc, options)
             fs.rm_file(path)

@@ -18,6 +18,35 @@ up front), :func:`units`, :func:`schema`, and a :class:`Reader` per worker (whic
 ``varlen_cli.loader.SourceDataset`` also reads items with; :data:`ITEM_COLUMNS`). Every
 byte is read through :mod:`varlen_cli.storage`, so local paths and object-storage URLs both work.
 This package imports nothing from ``sources`` (units are returned as plain tuples).
+
+**The reader contract** (every format keeps it: a damaged, truncated or changed shard is refused in
+one line, never read in part):
+
+1. A count the files declare is checked against the container's own sizes before anything is
+   allocated from it: MDS ``samples`` and byte counts are integers of 0 or more, each shard file
+   has the size ``index.json`` gives it, and a raw shard's size can hold its samples' offsets
+   (compressed shards are decompressed a step at a time, never past the declared size); Megatron's
+   sequence and document counts fill the ``.idx`` exactly; LitData's ``chunk_size`` and ``chunk_bytes``
+   are integers of 0 or more and each chunk file has exactly its ``chunk_bytes`` (decompressed, for
+   zstd); each Lance data file has the size its version's manifest records. Tar shards declare no count.
+2. Where reading ends, the container's own end marker must be there: a tar walk ends at the two
+   zero blocks of end-of-archive, followed by zeros only (``tarfile`` itself takes a damaged header
+   for the end); an MDS shard's first 4 bytes hold the index's sample count and its last sample ends
+   at its last byte; a Megatron ``.bin`` ends where the last sequence does (the first starts at 0); a
+   LitData chunk's first 4 bytes hold its item count, its last item ends at its last byte (or where
+   its Arrow footer starts, which fills the rest exactly); a Lance unit returns the rows its manifest
+   counts.
+3. What is read is checked on the way: MDS and LitData offsets non-decreasing (LitData items hold
+   their leaves' sizes); Megatron pointers at each
+   unit's ends spanning exactly its sequences' tokens (so the lengths add up to the ``.bin``'s
+   contents; inner pointers are checked where tokens are read), document boundaries
+   non-decreasing within 0..sequences.
+4. :func:`companions` names the files beside the one discovered that the samples come from (a
+   Megatron ``.bin``, MDS shards, LitData chunks, a Lance version's data files): the dataset
+   fingerprint records them, so a rewritten one makes
+   the metrics stale (:mod:`varlen_cli.runtime.freshness`).
+
+Indexes are read once per run (:func:`clear_cache` when a run discovers its sources).
 """
 
 from __future__ import annotations
@@ -77,6 +106,28 @@ def megatron_prefix(source: str) -> str | None:
     return source + ".idx"
 
 
+def clear_cache() -> None:
+    """Forget the indexes read so far: a new run reads and checks them again."""
+    megatron.clear_cache()
+    mds.clear_cache()
+    litdata.clear_cache()
+    _VERSIONS.clear()
+
+
+def companions(path: str, fmt: str, size: int) -> list[storage.FileInfo]:
+    """The files beside ``path`` (an ``.idx``, an ``index.json``) that its samples are read from, as
+    stat'ed when the index was read and checked against them."""
+    if fmt == "megatron":
+        return [megatron.read_index(path, size).data]
+    if fmt == "mds":
+        return [s.info for s in mds.read_index(path)]
+    if fmt == "lance":  # the version's data files
+        return lance_version(path).data
+    if fmt == "litdata":  # the chunks
+        return [c.info for c in litdata.read_index(path).chunks]
+    return []
+
+
 def describe(path: str, fmt: str, size: int) -> int:
     """The file's samples when known without reading the data (-1 otherwise); checks the header."""
     if fmt == "megatron":
@@ -84,7 +135,6 @@ def describe(path: str, fmt: str, size: int) -> int:
     if fmt == "mds":
         return sum(s.samples for s in mds.read_index(path))
     if fmt == "lance":
-        _VERSIONS.pop((os.getpid(), path), None)  # a new run opens and checks it again
         return sum(lance_version(path).rows)
     if fmt == "litdata":
         return sum(c.items for c in litdata.read_index(path).chunks)
@@ -116,7 +166,7 @@ def schema(path: str, fmt: str, size: int):
         return lance_version(path).dataset.schema
     if fmt == "litdata":
         return litdata.schema(litdata.read_index(path))
-    return webdataset.schema(path)
+    return webdataset.schema(path, size)
 
 
 class Reader:
@@ -140,7 +190,7 @@ class Reader:
             return lance.read(lance_version(path), unit.part, unit.start, unit.stop, columns)
         if fmt == "litdata":
             return self._litdata.read(path, unit.part, unit.start, unit.stop, columns)
-        return self._wds.read(path, unit.start, unit.stop, columns)
+        return self._wds.read(path, size, unit.start, unit.stop, columns)
 
 
 def document_offsets(paths: list[str], formats: list[str], sizes: list[int]) -> np.ndarray | None:
@@ -149,16 +199,6 @@ def document_offsets(paths: list[str], formats: list[str], sizes: list[int]) -> 
         return None
     counts = [megatron.read_index(p, s).num_documents for p, s in zip(paths, sizes)]
     return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-
-
-def companions(path: str, fmt: str, size: int) -> list[storage.FileInfo]:
-    """The files beside ``path`` (a Lance manifest, a LitData ``index.json``) that its samples are read
-    from, as found when the index was read: the dataset fingerprint records them."""
-    if fmt == "lance":
-        return lance_version(path).data
-    if fmt == "litdata":
-        return [c.info for c in litdata.read_index(path).chunks]
-    return []
 
 
 #: an item's columns when a reader of single samples (``varlen_cli.loader.SourceDataset``) asks for

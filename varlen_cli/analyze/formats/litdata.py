@@ -79,6 +79,10 @@ def is_index(path: str) -> bool:
 _INDEXES: dict[tuple, Index] = {}
 
 
+def clear_cache() -> None:
+    _INDEXES.clear()
+
+
 def read_index(path: str) -> Index:
     """The index (checked against its chunk files), read once per version of the file."""
     st = os.stat(path) if not storage.is_remote(path) else None

@@ -31,6 +31,7 @@ import numpy as np
 
 from ... import storage
 from ...errors import InputError
+from ...storage.files import check_regular
 
 INDEX_NAME = "index.json"
 SCALARS = {"uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32, "uint64": np.uint64, "int8": np.int8,
@@ -53,32 +54,87 @@ class Shard:
     encodings: tuple
     sizes: tuple  # fixed size in bytes, or None (stored per sample)
     compression: str | None
+    info: storage.FileInfo | None = None  # the shard file when the index was read (freshness records it)
+
+
+MAX_RAW_BYTES = (1 << 32) - 1  # a raw shard's offsets are uint32: no shard is longer
 
 
 def read_index(index_path: str) -> list[Shard]:
-    """The shards listed by an MDS ``index.json``, checked."""
+    """The shards listed by an MDS ``index.json``, checked: every count is a non-negative integer,
+    every shard file exists with the size the index gives it, and a raw shard's size can hold the
+    samples it declares (a 4-byte count and 4-byte offsets), so nothing is allocated from a count
+    the files cannot back. Read once per run (:func:`clear_cache`)."""
+    hit = _INDEXES.get(index_path)
+    if hit is None:
+        hit = _INDEXES[index_path] = _read_index(index_path)
+    return hit
+
+
+_INDEXES: dict[str, list[Shard]] = {}
+
+
+def clear_cache() -> None:
+    """Forget the indexes read so far (a new run reads them, and stats their shards, again)."""
+    _INDEXES.clear()
+
+
+def _read_index(index_path: str) -> list[Shard]:
     try:
         obj = json.loads(storage.read_bytes(index_path))
-        shards = obj["shards"]
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, UnicodeDecodeError) as exc:
         raise InputError(f"{index_path} is not an MDS index: {exc}") from None
+    if not isinstance(obj, dict) or "shards" not in obj:
+        raise InputError(f"{index_path} is not an MDS index: 'shards'")
+    shards = obj["shards"]
+    if not isinstance(shards, list):
+        raise InputError(f"{index_path} is not an MDS index: 'shards' is {json.dumps(shards)[:40]}, not a list of "
+                         "shard entries")
     folder = storage.parent(index_path)
-    out = []
-    for k, s in enumerate(shards):
-        try:
-            if s.get("format") != "mds":
-                raise InputError(f"{index_path}: shard {k} has format {s.get('format')!r}; only 'mds' shards are "
-                                 "read (not xsv/json)")
-            compression = s.get("compression")
-            data = s["zip_data"] if compression else s["raw_data"]
-            if compression and compression.split(":")[0] not in CODECS:
-                raise InputError(f"{index_path}: shard {k} has unknown compression {compression!r}")
-            out.append(Shard(storage.join(folder, data["basename"]), int(s["samples"]), int(s["raw_data"]["bytes"]),
-                             tuple(s["column_names"]), tuple(s["column_encodings"]), tuple(s["column_sizes"]),
-                             compression.split(":")[0] if compression else None))
-        except (KeyError, TypeError, AttributeError, ValueError) as exc:
-            raise InputError(f"{index_path}: shard {k} is not a valid MDS shard entry ({exc})") from None
-    return out
+    return [_shard(index_path, folder, k, s) for k, s in enumerate(shards)]
+
+
+def _shard(index_path: str, folder: str, k: int, s) -> Shard:
+    """Entry ``k`` of the index, checked against its shard file."""
+    where = f"{index_path}: shard {k}"
+    if not isinstance(s, dict):
+        raise InputError(f"{where} is not a valid MDS shard entry ({json.dumps(s)[:40]}, not an object)")
+    try:
+        if s.get("format") != "mds":
+            raise InputError(f"{where} has format {s.get('format')!r}; only 'mds' shards are read (not xsv/json)")
+        compression = s.get("compression")
+        data = s["zip_data"] if compression else s["raw_data"]
+        if compression and compression.split(":")[0] not in CODECS:
+            raise InputError(f"{where} has unknown compression {compression!r}")
+        names, encodings, sizes = (tuple(s[key]) for key in ("column_names", "column_encodings", "column_sizes"))
+        samples, raw_bytes = _count(s["samples"], where, "samples"), _count(s["raw_data"]["bytes"], where, "raw bytes")
+        file_bytes, basename = _count(data["bytes"], where, "bytes"), data["basename"]
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        raise InputError(f"{where} is not a valid MDS shard entry ({exc})") from None
+    if not len(names) == len(encodings) == len(sizes) or not all(isinstance(n, str) for n in names):
+        raise InputError(f"{where} is not a valid MDS shard entry (column names, encodings and sizes differ in number)")
+    if not isinstance(basename, str) or not basename or basename.startswith("/") or ".." in basename.split("/"):
+        raise InputError(f"{where} names the shard file {basename!r}; it must lie in the index's folder")
+    if raw_bytes > MAX_RAW_BYTES or 4 * (samples + 2) > raw_bytes:
+        raise InputError(f"{where} declares {samples:,} samples in {raw_bytes:,} raw bytes: a raw MDS shard (uint32 "
+                         "offsets) cannot hold that; the index is corrupt")
+    path = storage.join(folder, basename)
+    if not storage.is_remote(path):
+        check_regular(storage.local_path(path), "MDS shard")
+    info = storage.stat(path)
+    size = info.size
+    if size != file_bytes:
+        raise InputError(f"MDS shard {path} has {size:,} bytes; {index_path} says {file_bytes:,} (truncated or "
+                         "replaced)")
+    return Shard(path, samples, raw_bytes, names, encodings, sizes, compression.split(":")[0] if compression else None,
+                 info)
+
+
+def _count(value, where: str, what: str) -> int:
+    """A count of the index: a JSON integer of 0 or more (not a float, a bool or a string)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InputError(f"{where} has {what} {json.dumps(value)[:40]}; an integer of 0 or more is needed")
+    return value
 
 
 def units(shards: list[Shard], chunk_bytes: int) -> list[tuple[int, int, int, int, int]]:
@@ -138,10 +194,14 @@ class ShardReader:
         shard = self.shards(index_path)[part]
         if shard.compression:
             buf = self._whole(shard)
-            offsets = _offsets(buf[4: 4 * (shard.samples + 2)], shard, 0, shard.samples)[start: stop + 1]
+            offsets = _offsets(buf[4 * (start + 1): 4 * (stop + 2)], shard, start, stop)
             base = 0
-        else:
-            offsets = _offsets(storage.read_range(shard.path, 4 * (start + 1), 4 * (stop + 2)), shard, start, stop)
+        else:  # the first unit also reads the shard's own sample count (its first 4 bytes)
+            head = storage.read_range(shard.path, 4 * (start + 1) if start else 0, 4 * (stop + 2))
+            if not start:
+                _check_count(head[:4], shard)
+                head = head[4:]
+            offsets = _offsets(head, shard, start, stop)
             base = int(offsets[0])
             buf = storage.read_range(shard.path, base, int(offsets[-1]))
             if len(buf) != int(offsets[-1]) - base:
@@ -152,34 +212,78 @@ class ShardReader:
     def _whole(self, shard: Shard) -> bytes:
         if self._decompressed is None or self._decompressed[0] != shard.path:
             self._decompressed = None
-            self._decompressed = (shard.path, decompress(storage.read_bytes(shard.path), shard))
+            buf = decompress(storage.read_bytes(shard.path), shard)
+            _check_count(buf[:4], shard)
+            self._decompressed = (shard.path, buf)
         return self._decompressed[1]
 
 
+DECOMPRESS_STEP = 8 << 20
+
+
 def decompress(data: bytes, shard: Shard) -> bytes:
+    """The raw shard, decompressed a step at a time: never more than the ``raw_bytes`` the index
+    declares is produced (a corrupt count cannot make varlen allocate what the data does not hold)."""
     import bz2
-    import gzip
+    import zlib
 
     import pyarrow as pa
 
+    limit, parts, total = shard.raw_bytes + 1, [], 0
     try:
-        if shard.compression == "gz":
-            out = gzip.decompress(data)
-        elif shard.compression == "bz2":
-            out = bz2.decompress(data)
+        if shard.compression in ("gz", "bz2"):
+            d = zlib.decompressobj(wbits=31) if shard.compression == "gz" else bz2.BZ2Decompressor()
+            chunk = d.decompress(data, limit)
+            parts, total = [chunk], len(chunk)
+        elif shard.compression == "snappy":  # a raw snappy block starts with its decompressed size (a varint)
+            size = _varint(data)
+            if size != shard.raw_bytes:
+                raise InputError(f"MDS shard {shard.path} decompresses to {size} bytes; index.json says "
+                                 f"{shard.raw_bytes}")
+            parts, total = [pa.decompress(data, decompressed_size=size, codec="snappy").to_pybytes()], size
         else:
-            codec = {"zstd": "zstd", "br": "brotli", "snappy": "snappy"}[shard.compression]
-            out = pa.decompress(data, decompressed_size=shard.raw_bytes, codec=codec).to_pybytes()
-    except (OSError, ValueError, EOFError, pa.ArrowException) as exc:
+            codec = {"zstd": "zstd", "br": "brotli"}[shard.compression]
+            with pa.CompressedInputStream(pa.BufferReader(data), codec) as stream:
+                while total < limit:
+                    chunk = stream.read(min(DECOMPRESS_STEP, limit - total))
+                    if not chunk:
+                        break
+                    parts.append(chunk)
+                    total += len(chunk)
+    except (OSError, ValueError, EOFError, zlib.error, pa.ArrowException) as exc:
         raise InputError(f"cannot decompress MDS shard {shard.path} ({shard.compression}): {exc}") from None
-    if len(out) != shard.raw_bytes:
-        raise InputError(f"MDS shard {shard.path} decompresses to {len(out)} bytes; index.json says {shard.raw_bytes}")
-    return out
+    if total != shard.raw_bytes:
+        got = f"more than {shard.raw_bytes}" if total > shard.raw_bytes else str(total)
+        raise InputError(f"MDS shard {shard.path} decompresses to {got} bytes; index.json says {shard.raw_bytes}")
+    return b"".join(parts)
+
+
+def _varint(data: bytes) -> int:
+    value = 0
+    for i, byte in enumerate(data[:10]):
+        value |= (byte & 0x7F) << (7 * i)
+        if not byte & 0x80:
+            return value
+    return -1
+
+
+def _check_count(head: bytes, shard: Shard) -> None:
+    """The shard's own sample count (its first 4 bytes) must be the one the index declares."""
+    n = int.from_bytes(head, "little") if len(head) == 4 else -1
+    if n != shard.samples:
+        raise InputError(f"MDS shard {shard.path} holds {n:,} samples; index.json says {shard.samples:,} (the index "
+                         "or the shard is corrupt)" if n >= 0 else f"MDS shard {shard.path} is truncated")
 
 
 def _offsets(data: bytes, shard: Shard, start: int, stop: int) -> np.ndarray:
+    """Sample offsets ``start..stop`` (inclusive), checked: non-decreasing, after the offsets table,
+    within the shard, and the last sample's end at the shard's end (its own end marker)."""
     offsets = np.frombuffer(data, np.uint32)
-    if len(offsets) != stop - start + 1 or np.any(np.diff(offsets.astype(np.int64)) < 0):
+    bad = len(offsets) != stop - start + 1 or np.any(np.diff(offsets.astype(np.int64)) < 0)
+    if not bad and len(offsets):
+        bad = offsets[0] < 4 * (shard.samples + 2) or offsets[-1] > shard.raw_bytes or (
+            stop == shard.samples and offsets[-1] != shard.raw_bytes)
+    if bad:
         raise InputError(f"MDS shard {shard.path} is corrupt or truncated (sample offsets {start}-{stop})")
     return offsets
 

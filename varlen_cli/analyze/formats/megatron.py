@@ -23,6 +23,8 @@ only when named. Every read is a range read (a local file or an object-storage U
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import struct
 from dataclasses import dataclass
 
@@ -30,7 +32,7 @@ import numpy as np
 
 from ... import storage
 from ...errors import InputError
-from ...storage.files import open_regular
+from ...storage.files import check_regular, open_regular
 
 MAGIC = b"MMIDIDX\x00\x00"
 HEADER_BYTES = 34  # magic 9 + version 8 + dtype 1 + sequences 8 + doc entries 8
@@ -50,6 +52,7 @@ class Index:
     dtype: type
     multimodal: bool
     size: int = 0  # of the file, in bytes
+    data: storage.FileInfo | None = None  # the .bin, as checked when the index was read (check_bin)
 
     @property
     def pointers_at(self) -> int:
@@ -77,7 +80,49 @@ def _read(path: str, start: int, stop: int) -> bytes:
 
 
 def read_index(path: str, size: int) -> Index:
-    """The checked header of ``path`` (``size``: the file's size in bytes)."""
+    """The checked header of ``path`` (``size``: the file's size in bytes), and the ``.bin`` beside it
+    checked against it (:func:`check_bin`). Read once per run (:func:`clear_cache`)."""
+    hit = _INDEXES.get((path, size))
+    if hit is None:
+        hit = _read_index(path, size)
+        hit = _INDEXES[(path, size)] = dataclasses.replace(hit, data=check_bin(hit))
+    return hit
+
+
+_INDEXES: dict[tuple, Index] = {}
+
+
+def clear_cache() -> None:
+    """Forget the indexes read so far (a new run reads and checks them again)."""
+    _INDEXES.clear()
+
+
+def check_bin(index: Index) -> storage.FileInfo:
+    """The ``.bin`` must exist and end where the index's last sequence ends: the index's counts
+    checked against the data file's size (its own end marker). The first sequence starts at byte 0."""
+    data = bin_path(index.path)
+    if not storage.is_remote(data):
+        check_regular(storage.local_path(data), "Megatron data")
+    try:
+        info = storage.stat(data)
+    except InputError as exc:
+        raise InputError(f"Megatron data {data} (beside its index) cannot be read: {exc.message}") from None
+    end = 0
+    if index.sequences:
+        first = int(_array(index.path, index.pointers_at, 1, np.int64)[0])
+        last = int(_array(index.path, index.pointers_at + 8 * (index.sequences - 1), 1, np.int64)[0])
+        length = int(lengths(index, index.sequences - 1, index.sequences)[0])
+        if first != 0 or length < 0:
+            raise InputError(f"corrupt Megatron index {index.path}: the first sequence starts at byte {first} of "
+                             f"{data}, the last has length {length}")
+        end = last + length * np.dtype(index.dtype).itemsize
+    if info.size != end:
+        raise InputError(f"Megatron data {data} has {info.size:,} bytes, but its index {index.path} ends its last "
+                         f"sequence at byte {end:,} (truncated, or not the index's data)")
+    return info
+
+
+def _read_index(path: str, size: int) -> Index:
     if size < HEADER_BYTES:
         raise InputError(f"corrupt Megatron index {path}: {size} bytes, shorter than the {HEADER_BYTES}-byte header")
     head = _read(path, 0, HEADER_BYTES)
@@ -158,6 +203,7 @@ def _boundaries(index: Index, start: int, stop: int) -> tuple[int, np.ndarray]:
     slack = 4096 + (guess_hi - guess_lo) // 32
     a, b = max(0, guess_lo - slack), min(d, guess_hi + slack + 1)
     window = _array(index.path, index.documents_at + 8 * a, b - a, np.int64)
+    _check_boundaries(index, window)
     if window[0] <= start and window[-1] > stop - 1:  # documents[d - 1] == n > stop - 1 closes the last one
         k0 = int(np.searchsorted(window, start, "right")) - 1
         k1 = int(np.searchsorted(window, stop - 1, "right")) - 1
@@ -165,7 +211,16 @@ def _boundaries(index: Index, start: int, stop: int) -> tuple[int, np.ndarray]:
     with storage.open_input(index.path, block_size=1 << 16) as fh:
         k0 = _last_boundary_at_or_below(index, start, fh)
         k1 = _last_boundary_at_or_below(index, stop - 1, fh)
-    return k0, _array(index.path, index.documents_at + 8 * k0, k1 - k0 + 1, np.int64)
+    bounds = _array(index.path, index.documents_at + 8 * k0, k1 - k0 + 1, np.int64)
+    _check_boundaries(index, bounds)
+    return k0, bounds
+
+
+def _check_boundaries(index: Index, bounds: np.ndarray) -> None:
+    """Document boundaries read must be non-decreasing sequence indexes (0 to the sequence count)."""
+    if len(bounds) and (np.any(bounds[1:] < bounds[:-1]) or bounds[0] < 0 or bounds[-1] > index.sequences):
+        raise InputError(f"corrupt Megatron index {index.path}: document boundaries must not decrease and must lie "
+                         f"in 0..{index.sequences} (the sequence count)")
 
 
 def documents(index: Index, start: int, stop: int) -> np.ndarray:
@@ -177,8 +232,6 @@ def documents(index: Index, start: int, stop: int) -> np.ndarray:
     if stop <= start:
         return np.zeros(0, np.int64)
     k0, bounds = _boundaries(index, start, stop)
-    if np.any(bounds[1:] < bounds[:-1]):
-        raise InputError(f"corrupt Megatron index {index.path}: document boundaries decrease")
     m = stop - start
     if len(bounds) == m and (m == 1 or (bounds[1] == start + 1 and not np.any(bounds[2:] == bounds[1:-1]))):
         # a document starts at every sequence (one sequence a document, Megatron's usual layout)
@@ -211,12 +264,42 @@ def tokens(index: Index, start: int, stop: int, lens: np.ndarray | None = None):
     return pa.LargeListArray.from_arrays(pa.array(offsets), values)
 
 
+def check_sequences(index: Index, start: int, stop: int, lens: np.ndarray) -> None:
+    """Sequences [start, stop) fill the ``.bin`` bytes their pointers say: the pointer of ``stop``
+    (the next unit's first; the ``.bin``'s end for the last unit) is the pointer of ``start`` plus
+    the unit's bytes. With :func:`check_bin` (the first pointer 0, the last sequence ending at the
+    file's end) every unit of a file checked means the lengths add up to exactly the ``.bin``'s
+    contents, unit by unit: a changed or negative length, a count that does not match the data, a
+    pointer out of order at a unit's end are refused. Two reads of 8 bytes a unit (reading every
+    pointer would cost 8x the lengths' read); pointers inside a unit are checked where tokens are
+    read (:func:`tokens`)."""
+    if stop <= start:
+        return
+    item = np.dtype(index.dtype).itemsize
+    first = int(_array(index.path, index.pointers_at + 8 * start, 1, np.int64)[0])
+    if stop < index.sequences:
+        end = int(_array(index.path, index.pointers_at + 8 * stop, 1, np.int64)[0])
+    else:  # check_bin: the last sequence ends at the .bin's end
+        end = int(_array(index.path, index.pointers_at + 8 * (stop - 1), 1, np.int64)[0]) + int(lens[-1]) * item
+    # an int32 sum (wrapping) is 4x faster than an int64 one: equal modulo 2**32 tokens
+    span, rest = divmod(end - first, item)
+    if rest or (span - int(lens.sum(dtype=np.int32))) % (1 << 32) or span < 0:
+        if np.any(lens < 0):
+            raise InputError(f"corrupt Megatron index {index.path}: negative sequence lengths (sequences "
+                             f"{start}-{stop})")
+        raise InputError(f"corrupt Megatron index {index.path}: sequences {start}-{stop} have "
+                         f"{int(lens.sum(dtype=np.int64)):,} tokens, but their pointers span {end - first:,} bytes of "
+                         f"{bin_path(index.path)}")
+
+
 def table(index: Index, start: int, stop: int, columns) -> object:
-    """Sequences [start, stop) as an Arrow table of ``columns`` (None: length and document)."""
+    """Sequences [start, stop) as an Arrow table of ``columns`` (None: length and document), checked
+    (:func:`check_sequences`)."""
     import pyarrow as pa
 
     wanted = list(COLUMNS) if columns is None else list(columns)
     lens = lengths(index, start, stop)
+    check_sequences(index, start, stop, lens)
     out = {}
     for c in wanted:
         if c == "length":
@@ -239,7 +322,8 @@ def schema(index: Index):
 
 
 def write_index(path: str, sequence_lengths, document_starts, dtype=np.int32, modes=None) -> None:
-    """Write an ``.idx`` (the inverse of :func:`read_index`; benchmarks and tests build big ones)."""
+    """Write an ``.idx`` (the inverse of :func:`read_index`; benchmarks and tests build big ones), and
+    where there is no ``.bin`` beside it, an all-zero (sparse) one of the size the index needs."""
     lens = np.asarray(sequence_lengths, np.int32)
     item = np.dtype(dtype).itemsize
     pointers = np.zeros(len(lens), np.int64)
@@ -254,3 +338,6 @@ def write_index(path: str, sequence_lengths, document_starts, dtype=np.int32, mo
         fh.write(docs.tobytes())
         if modes is not None:
             fh.write(np.asarray(modes, np.int8).tobytes())
+    if not os.path.exists(bin_path(path)):
+        with open(bin_path(path), "wb") as fh:
+            fh.truncate(int(lens.astype(np.int64).sum()) * item)

@@ -71,10 +71,12 @@ class _Member:
 class Walker:
     """The members of one shard in order, walking headers only (data is skipped by seeking).
 
-    Keeps its place, so a worker reading consecutive units of a shard walks it once."""
+    Keeps its place, so a worker reading consecutive units of a shard walks it once. Where the walk
+    ends, the shard's own end marker is checked (:func:`check_end`): ``tarfile`` takes an invalid
+    header for the end of the archive, which would silently drop every member after it."""
 
-    def __init__(self, path: str):
-        self.path = path
+    def __init__(self, path: str, size: int):
+        self.path, self.size = path, size
         self._fh = storage.open_input(path)
         try:
             self._tar = tarfile.open(fileobj=self._fh, mode="r:")
@@ -91,8 +93,12 @@ class Walker:
             try:
                 info = self._tar.next()
             except tarfile.TarError as exc:
+                if "unexpected end of data" in str(exc):  # skipping a member's data ran past the end
+                    raise InputError(f"{self.path} is truncated: it ends at byte {self.size:,}, inside a tar "
+                                     "member") from None
                 raise InputError(f"{self.path} is not a valid tar file: {exc}") from None
             if info is None:
+                check_end(self._fh, self.path, self._tar.offset, self.size)
                 return None
             self._tar.members = []  # no list of every member kept
             if not info.isreg():
@@ -135,23 +141,66 @@ class Walker:
         self._fh.close()
 
 
+END_BLOCKS = 2  # a tar archive ends with two zero blocks of 512 bytes (TarWriter pads to 10 KiB with more)
+TAIL_READ = 1 << 20
+
+
+def check_end(fh, path: str, offset: int, size: int) -> None:
+    """Refuse a shard whose member walk stopped at byte ``offset`` anywhere but at its end-of-archive
+    blocks: from ``offset`` to the end of the file (``size`` bytes) there must be zeros only, at
+    least two blocks of them. A damaged header, a zeroed header and a cut (inside a header, at a
+    member boundary, inside a member) are all refused here, in one line."""
+    if offset > size:
+        raise InputError(f"{path} is truncated: it ends at byte {size:,}, inside a tar member that runs to byte "
+                         f"{offset:,}")
+    fh.seek(offset)
+    first = fh.read(min(tarfile.BLOCKSIZE, size - offset))
+    if first.strip(b"\0") and len(first) < tarfile.BLOCKSIZE:
+        raise InputError(f"{path} is truncated: it ends at byte {size:,}, inside a tar header")
+    if first.strip(b"\0"):
+        raise InputError(f"{path} is damaged: invalid tar header at byte {offset:,} ({_header_problem(first)}); the "
+                         "members after it cannot be read")
+    at = offset + len(first)
+    while at < size:
+        block = fh.read(min(TAIL_READ, size - at))
+        if not block:
+            break
+        nonzero = block.lstrip(b"\0")
+        if nonzero:
+            raise InputError(f"{path} is damaged: an empty (zeroed) tar header at byte {offset:,} is followed by data "
+                             f"at byte {at + len(block) - len(nonzero):,}")
+        at += len(block)
+    if at - offset < END_BLOCKS * tarfile.BLOCKSIZE:
+        where = "right after a tar member" if at == offset else f"{at - offset:,} zero bytes after a tar member"
+        raise InputError(f"{path} is truncated: it ends at byte {at:,}, {where}, without the end-of-archive blocks")
+
+
+def _header_problem(block: bytes) -> str:
+    """What ``tarfile`` finds wrong with a header block (a bad checksum, a truncated header)."""
+    try:
+        tarfile.TarInfo.frombuf(block, tarfile.ENCODING, "surrogateescape")
+    except tarfile.HeaderError as exc:
+        return str(exc)
+    return "not a header"
+
+
 class ShardReader:
     """Reads units of WebDataset shards, keeping one shard's walker between units."""
 
     def __init__(self):
         self._walker: Walker | None = None
 
-    def walker(self, path: str, start: int) -> Walker:
+    def walker(self, path: str, size: int, start: int) -> Walker:
         w = self._walker
         # going on is right while everything consumed belongs to groups that start before ``start``
         if w is None or w.path != path or w.group_start >= start:
             if w is not None:
                 w.close()
-            w = self._walker = Walker(path)
+            w = self._walker = Walker(path, size)
         return w
 
-    def read(self, path: str, start: int, stop: int, columns):
-        w = self.walker(path, start)
+    def read(self, path: str, size: int, start: int, stop: int, columns):
+        w = self.walker(path, size, start)
         groups = w.groups(start, stop)
         return build_table(w, groups, columns)
 
@@ -254,11 +303,11 @@ def _npy_array(w: Walker, members: list[_Member]):
     return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))
 
 
-def schema(path: str):
+def schema(path: str, size: int):
     """Columns of the first key group (``__key__`` and one per member extension)."""
     import pyarrow as pa
 
-    w = Walker(path)
+    w = Walker(path, size)
     try:
         groups = w.groups(0, 1)
     finally:

@@ -1,4 +1,6 @@
-"""Chunked planning: plans beyond one machine's memory, the same bytes for any worker count (issue 25).
+"""The planner: every plan, beyond one machine's memory, the same bytes for any worker count (issues
+25, 30): a metrics or sorted directory, a mixture (``--mix``), a replan's epochs and the epochs an
+extension appends.
 
 Design
 ======
@@ -6,7 +8,9 @@ Design
 The planner's unit of work is a **chunk**: a fixed set of input samples that does not depend on
 the number of workers. A plan is a function of its chunks, so 1, 2 or 4 workers (``--nproc`` or
 torchrun ranks) that share the chunks out write the same file; world size 1 is the same algorithm
-run by one worker.
+run by one worker. What the chunks are cut from is a **chunk source** (:mod:`.sources`): the rows
+of a metrics or sorted directory, or a mixture's *virtual rows* (one per copy of a sample), each a
+sequence read by ranges.
 
 Chunks
 ------
@@ -17,11 +21,15 @@ Chunks
   ranges: chunk ``k`` holds the ids ``[N k / K, N (k+1) / K)`` (the canonical order, so the plan
   does not depend on whether the input is a metrics or a sorted directory);
 * ``curriculum`` / ``reverse``: ranges of the sorted input's rows (sorted runs of ``varlen sort``),
-  read in (reversed) order.
+  read in (reversed) order;
+* a mixture: ranges of its virtual rows, for every order: source after source, each its rows
+  ``floor(w)`` times then its seeded extra subset; or, for a curriculum, sorted by (difficulty,
+  source, id) over the union, merged from sorted runs of each source's rows written once in a phase 0
+  (:class:`.sources.MixtureInput`).
 
 Chunk ``k`` of epoch ``e`` draws from its own seeded stream ``(seed, e, k)`` (``(seed, e)`` for
-``k = 0``, so a one-chunk plan draws exactly what the single-process planner drew); the steps
-formed across chunks draw from ``(seed, e, 0, 1)``.
+``k = 0``, so a one-chunk plan draws what an epoch formed whole draws); the steps formed across
+chunks draw from ``(seed, e, 0, 1)``.
 
 Phase 1: forming (parallel, memory bounded by the chunk)
 --------------------------------------------------------
@@ -52,9 +60,9 @@ benchmarks/scale.md, "Rank 0 memory"):
 
 * **Tail**: the epoch's microbatch count must be a multiple of ``dp x grad_accum``: the fullest
   units are split in two, chosen globally by (most samples, chunk, position) among the chunks'
-  candidates, which is what the single-process rule picks; the halves take the unit's place. (If
-  fewer units than needed have two samples, the chunks report all such units with their lengths
-  and the single-process loop runs on them.) Packed plans spread each chunk's rows over its
+  candidates, which is what the rule picks on the whole sequence (:mod:`varlen_cli.plan.tail`); the
+  halves take the unit's place. (If fewer units than needed have two samples, the chunks report all
+  such units with their lengths and the rule's rounds run on them.) Packed plans spread each chunk's rows over its
   microbatches; the extra microbatches go to the last chunks that have rows to spare, else rows
   are split the same way.
 * **Order**: curriculum/reverse keep the chunks' sequences one after the other; every other order
@@ -68,7 +76,7 @@ benchmarks/scale.md, "Rank 0 memory"):
   already random), so the step order stays random while every window reads a contiguous run of
   each chunk's sequence.
 * **Ranks**: ``layout.layout_epoch`` (LPT per step, compile warm-up, ``--schedule``) on the table,
-  unchanged; LR scales, statistics and metadata from the table (``core.finish``'s formulas).
+  unchanged; LR scales, statistics and metadata from the table (:mod:`.finish`).
 * **Shared by W > 1 workers** (``epoch.lay_out``'s ``share``): once the units, their tail and the
   blocks' label counts are drawn, the epoch's positions fall into independent blocks (the rank
   layout's blocks of whole steps, bucket-shuffle's blocks of whole windows: ``epoch.split_block``).
@@ -91,7 +99,7 @@ benchmarks/scale.md, "Rank 0 memory"):
 Phase 3: writing (every worker, bounded buffers)
 ------------------------------------------------
 The plan is written row group by row group (``writer``'s Parquet settings, ~4096 microbatches a
-group), each checked on the way by the planner's own check (``plan_checks``, what ``varlen
+group), each checked on the way by the planner's own check (:mod:`varlen_cli.checks`, what ``varlen
 validate`` runs). For each group the writer knows, per chunk, which units it needs; they lie in a
 short run of the chunk's items file (the interleaving takes each chunk's units in order; warm-up and
 schedule reorders are within a step or a handful of units), read with ``pread`` of that run only
@@ -113,7 +121,7 @@ Chunks change the plan only at their edges: per chunk, at most one partly filled
 greedy sequence's last) or a few packed rows above the chunk's lower bound; the tail splits and
 the step layout are global. With chunks of >= 4M samples (~130k microbatches at 30 samples each)
 that is < 0.001 points of budget fill per chunk edge, far inside the 0.05-point target between a
-1B plan and a 10M single-process plan; straggler is the same computation on the same table.
+1B plan and a 10M one-chunk plan; straggler is the same computation on the same table.
 Packed curriculum plans pack each sorted run separately: when difficulty is the length, a run
 of similar lengths packs worse than the whole data set would (documented in docs/plan.md).
 
@@ -129,10 +137,13 @@ Continuations: ``--extend`` and ``replan``
 A plan may continue another (``run.Continuation``): its epochs are numbered from the parent's
 (``first_epoch``: the seed streams ``(seed, first_epoch + e, k)``, the curriculum switch, no compile
 warm-up after epoch 0), use the parent's recorded budget, and for ``varlen replan`` the first epoch's
-chunks hold only the samples the parent's epoch in progress had left (a bitmap of one bit per sample
-id, read from the parent window by window). The chunks are the parent's (its ``--chunk-samples``), so
-a continued epoch is the epoch a fresh plan of the same options plans. ``plan --extend`` then joins
-the parent's row groups and the new ones (``plan/extend_stream.py``).
+chunks hold only what the parent's epoch in progress had left (``sources.Left``, read from the parent
+window by window: a bitmap of one bit per sample id left whole; for a mixture, the copies of each
+sample left; and, when a ``--split-long`` sample has chunks on both sides of the step, the chunks left
+of the split samples as *pieces*, which keep their cuts and are placed right after their sample's
+place in its chunk). The chunks are the parent's (its ``--chunk-samples``), so a continued epoch is
+the epoch a fresh plan of the same options plans. ``plan --extend`` then joins the parent's row groups
+and the new ones (``plan/extend_stream.py``).
 
 Failure
 -------

@@ -55,17 +55,44 @@ def global_rng(seed: int, epoch: int) -> np.random.Generator:
 # -- reading ---------------------------------------------------------------------------------------
 @dataclass
 class ChunkData:
-    """A chunk's samples: ids and lengths per local position, and the sequences epochs start from."""
+    """A chunk's samples: ids and lengths per local position, and the sequences epochs start from.
+
+    A mixture's chunk (:mod:`.sources`) also names each position's ``source`` and which ``copy`` of its
+    sample it is; a replan's first epoch may hold ``pieces``: the chunks left of samples split across
+    the step, each with its ``start`` inside its sample and the sample's ``full`` length (a whole
+    sample: start 0, full = length)."""
 
     index: int
     ids: np.ndarray  # int64 sample id per local position
     length: np.ndarray  # int64 per local position
     first_id: int | None  # ids == first_id + arange(n) (canonical chunks of a metrics directory), else None
     target: np.ndarray | None = None  # per local position, the tokens that carry loss (target_length)
+    source: np.ndarray | None = None  # a mixture: each position's source (its index in the metadata's list)
+    copy: np.ndarray | None = None  # a mixture: each position's copy of its sample (0 .. ceil(weight) - 1)
+    last: np.ndarray | None = None  # a mixture: whether each position is its sample's last copy
+    start: np.ndarray | None = None  # pieces: where each position starts in its sample
+    full: np.ndarray | None = None  # pieces: each position's whole sample length
+    in_order: bool = False  # the positions are in the epoch's canonical order already (a mixture's sequence)
 
     @property
     def n(self) -> int:
         return len(self.length)
+
+    def take(self, idx: np.ndarray) -> ChunkData:
+        """The positions ``idx`` (an index or a mask), in that order."""
+        def part(a):
+            return a[idx] if a is not None else None
+
+        return ChunkData(self.index, self.ids[idx], self.length[idx], None, part(self.target), part(self.source),
+                         part(self.copy), part(self.last), part(self.start), part(self.full), self.in_order)
+
+    def whole_length(self, positions: np.ndarray) -> np.ndarray:
+        """The whole length of the samples at ``positions`` (a piece's sample's, not the piece's)."""
+        return (self.full if self.full is not None else self.length)[positions]
+
+    def starts(self, positions: np.ndarray, within: np.ndarray) -> np.ndarray:
+        """Where items starting at ``within`` of the positions ``positions`` start in their samples."""
+        return within if self.start is None else within + self.start[positions]
 
 
 class InputRows:
@@ -86,11 +113,11 @@ class InputRows:
         return TARGET_COLUMN in self.columns
 
     def read(self, lo: int, hi: int, columns=None) -> dict[str, np.ndarray]:
-        """Rows ``[lo, hi)`` as int64 numpy arrays, checked (no nulls, lengths >= 0)."""
+        """Rows ``[lo, hi)`` as int64 numpy arrays (``difficulty``: float64), checked (no nulls, lengths >= 0)."""
         from ..arrow_io import to_numpy
 
         columns = self.columns if columns is None else columns
-        out = {c: np.empty(hi - lo, np.int64) for c in columns}
+        out = {c: np.empty(hi - lo, np.float64 if c == "difficulty" else np.int64) for c in columns}
         at, offset = 0, 0
         for path, rows in self.parts:
             a, b = max(lo, offset), min(hi, offset + rows)

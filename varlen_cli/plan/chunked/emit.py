@@ -1,8 +1,8 @@
 """Phase 3: the plan file written row group by row group from the epochs' rows and the chunk files.
 
-A row group holds ``writer.rows_per_group(slots)`` consecutive plan rows (as the single-process
-writer groups them). For each group, the items of its rows are read from the chunk files: the rows
-of one chunk are sorted by their first item and merged into runs (rows whose items lie within
+A row group holds ``writer.rows_per_group(slots)`` consecutive plan rows (whole steps). For each group,
+the items of its rows are read from the chunk files: the rows of one chunk are sorted by their first
+item and merged into runs (rows whose items lie within
 :data:`GAP` items of each other), and each run is read with one ``pread``; then one gather puts the
 items in row order. Bucket-shuffle windows and the interleaving take each chunk's units in sequence,
 so a group reads one short run per chunk; the warm-up's few moved microbatches cost a read each.
@@ -156,13 +156,16 @@ class RowGroups:
         return list(range(0, max(self.total, 1), self.group))
 
     def schema(self):
-        return format.plan_schema(self.packed, writer.plan_metadata(self.fin.metadata))
+        return format.plan_schema(self.packed, writer.plan_metadata(self.fin.metadata),
+                                  mixture="source" in self.names)
 
 
 def row_groups_of(epochs: list[EpochRows], fin: Finished, dp: int, grad_accum: int, packed: bool) -> RowGroups:
     names = ("ids", "sample_length", "item_length", "item_start") if packed else ("ids", "sample_length")
     if fin.metadata.get("loss_tokens") == format.TARGET_LENGTH_COLUMN:  # the check counts the metrics' targets
         names += ("sample_target",)
+    if "mixture" in fin.metadata:  # each entry's source
+        names += ("source",)
     return RowGroups(fin, names, packed, [bool(ep.item_rows) for ep in epochs], dp, grad_accum,
                   sum(ep.count for ep in epochs))
 
@@ -218,7 +221,7 @@ def write_groups(path: str, tmp_path: str, rg: RowGroups, readers: list[list[Ite
                 nxt = next(groups, None)
                 pending = pool.submit(prepare, nxt) if nxt is not None else None
                 checks.update(PlanArrays(cols, offsets, items["sample_ids"], items.get("sample_lengths"),
-                                         items.get("sample_rows"), items.get("sample_starts"), None,
+                                         items.get("sample_rows"), items.get("sample_starts"), items.get("source"),
                                          items.pop("sample_length"), sample_target=items.pop("sample_target", None),
                                          first_row=first_row))
                 local = offsets.astype(np.int32)
@@ -254,6 +257,8 @@ def _group(rg: RowGroups, readers, specs: list[RowSpec]):
         items = {"sample_ids": got["ids"], "sample_length": got["sample_length"].astype(np.int64)}
         if "sample_target" in got:
             items["sample_target"] = got["sample_target"].astype(np.int64)
+        if "source" in got:
+            items["source"] = got["source"]
         if rg.packed:
             items["sample_lengths"] = got["item_length"]
             items["sample_starts"] = got["item_start"]

@@ -1,10 +1,10 @@
 """Phase 2: one epoch's steps and ranks, from its chunks' unit tables (rank 0; no sample is read).
 
 :func:`lay_out` puts the chunks' units in one sequence (:class:`Units`, chunk after chunk), fixes
-the tail (:mod:`.tail`), groups packed rows into microbatches, orders the units across chunks
-(:func:`cross_chunk_order`) and hands the microbatches, a block of whole steps at a time, to the
-single-process layout (``layout.layout_epoch``: ranks by LPT; compile warm-up and ``--schedule`` on
-the whole epoch). The result, :class:`EpochRows`, is the unit of every plan row in (step, rank,
+the tail (the rule of :mod:`varlen_cli.plan.tail`), groups packed rows into microbatches, orders the
+units across chunks (:func:`cross_chunk_order`) and hands the microbatches, a block of whole steps at a
+time, to the layout (``layout.layout_epoch``: ranks by LPT; compile warm-up and ``--schedule`` on the
+whole epoch). The result, :class:`EpochRows`, is the unit of every plan row in (step, rank,
 micro) order: 4-8 bytes a row besides the units' own columns (12-16 bytes a unit in the dtypes
 their values need, :class:`Units`), so 100M+ microbatches fit in a few GB.
 """
@@ -17,10 +17,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...budget import segment_sum_squares
-from .. import batching, layout
+from .. import batching, layout, tail
 from ..batching import Microbatches
 from ..orders import CURRICULAR
-from . import tail
 from .form import PlanContext
 
 WINDOW_STEPS = 64  # bucket-shuffle: microbatches sorted by cost inside windows of this many steps
@@ -256,7 +255,7 @@ def interleave(per_chunk: np.ndarray, rng: np.random.Generator, lo: int = 0, hi:
     hi = total if hi is None else hi
     starts = list(range(0, total, BLOCK_ROWS))
     counts = np.zeros((len(starts), k), np.int64)
-    if k == 1:  # one chunk: its sequence (no draws: the single-process planner's order)
+    if k == 1:  # one chunk: its sequence (no draws: the order of the epoch formed whole)
         counts[:, 0] = [min(BLOCK_ROWS, total - a) for a in starts]
         seeds = np.zeros(len(starts), np.int64)
     else:

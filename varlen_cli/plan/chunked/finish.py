@@ -1,8 +1,10 @@
 """After phase 2: step totals, LR scales, shape ids, statistics and metadata of a chunked plan.
 
-The same formulas as the single-process planner (``core.finish``), computed epoch by epoch on the
-microbatch tables (rows in (step, rank, micro) order, so step, rank and micro follow from the row
-position and are never stored).
+Computed epoch by epoch on the microbatch tables (rows in (step, rank, micro) order, so step, rank and
+micro follow from the row position and are never stored): each epoch's rows are tallied
+(:class:`Tally`, by the ranks of a shared layout), and :func:`finish` turns the tallies and what the
+chunks reported (:class:`LaidOut`: too-long and dropped samples, packing and per-source statistics)
+into the plan's columns per step and its metadata (:func:`varlen_cli.plan.writer.build_metadata`).
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -150,8 +151,8 @@ def _straggler(tallies: list[Tally]) -> tuple[np.ndarray, float]:
     return strag, (top / mean - 1.0 if mean > 0 else 0.0)
 
 
-def _check_budget(c, ctx: PlanContext, tallies: list[Tally]) -> float:
-    """The per-microbatch token budget; no microbatch over it, every T within int32 (``core._budget_tokens``)."""
+def check_budget(c, ctx: PlanContext, tallies: list[Tally]) -> float:
+    """The per-microbatch token budget; no microbatch over it, every T within int32."""
     over = sum(t.over for t in tallies)
     t_max = max((t.t_max for t in tallies), default=0)
     if over:
@@ -173,7 +174,8 @@ def _shapes(c, tallies: list[Tally]) -> tuple[list, np.ndarray, bool]:
     return shapes, shape_keys.astype(np.int64), fixed_b
 
 
-def _packing_info(c, ctx: PlanContext, tallies: list[Tally], packing_stats: list[dict]) -> dict:
+def packing_info(c, ctx: PlanContext, tallies: list[Tally], packing_stats: list[dict]) -> dict:
+    """The metadata's ``packing``: row length and count, efficiency, split samples, samples per row."""
     tokens = sum(t.token_sum for t in tallies)
     rows_used = sum(t.rows for t in tallies)
     return {"seq_len": int(c.seq_len), "rows_per_microbatch": int(ctx.rows_per_mb), "max_per_row": c.max_per_row,
@@ -184,40 +186,68 @@ def _packing_info(c, ctx: PlanContext, tallies: list[Tally], packing_stats: list
 
 
 @dataclass
-class _Dropped:
-    """Samples the plan leaves out (``assemble.Dropped``'s entries, from sample ids): too long (every
-    epoch) or dropped by ``--tail drop`` (per epoch)."""
+class Dropped:
+    """Samples the plan leaves out: too long for any microbatch (every epoch; ``num_long`` of them, listed
+    up to :data:`~.form.LIST_LIMIT`, beyond which only counted) or dropped by ``--tail drop`` (per
+    epoch). A mixture's entries are copies: its lists name each copy with its source, and every
+    too-long copy is listed (``varlen validate`` counts a mixture's copies per sample)."""
 
     long_ids: np.ndarray
-    tail_ids: list
+    tail_ids: list  # per epoch
     epochs: int
+    num_long: int
+    long_sources: np.ndarray | None = None  # a mixture: the source of each long id
+    tail_sources: list | None = None  # a mixture: per epoch, the source of each tail id
+
+    @property
+    def listed(self) -> bool:  # more are counted, not listed: the rule that drops them is recorded
+        return self.num_long <= LIST_LIMIT or self.long_sources is not None
 
     @property
     def tail_count(self) -> int:
         return int(sum(len(x) for x in self.tail_ids))
 
+    @property
+    def count(self) -> int:
+        return self.num_long * self.epochs + self.tail_count
+
     def all_ids(self) -> np.ndarray:
-        return np.unique(np.concatenate([self.long_ids] + self.tail_ids)) if len(self.long_ids) or self.tail_count \
+        long_ids = self.long_ids if self.listed else np.zeros(0, np.int64)
+        return np.unique(np.concatenate([long_ids] + self.tail_ids)) if len(long_ids) or self.tail_count \
             else np.zeros(0, np.int64)
 
-    def to_dict(self, all_ids: np.ndarray) -> dict:
-        return {"count": len(self.long_ids) * self.epochs + self.tail_count,
-                "reason": {"too_long": len(self.long_ids) * self.epochs, "tail": self.tail_count},
-                "sample_ids": all_ids.tolist(), "too_long_ids": self.long_ids.tolist(),
-                "tail": [{"epoch": e, "sample_ids": ids.tolist()} for e, ids in enumerate(self.tail_ids) if len(ids)]}
+    def to_dict(self, all_ids: np.ndarray, longest_fitting: int) -> dict:
+        long_ids = self.long_ids if self.listed else np.zeros(0, np.int64)
+        out = {"count": self.count, "reason": {"too_long": self.num_long * self.epochs, "tail": self.tail_count},
+               "sample_ids": all_ids.tolist(), "too_long_ids": long_ids.tolist(),
+               "tail": [{"epoch": e, "sample_ids": ids.tolist()} for e, ids in enumerate(self.tail_ids) if len(ids)]}
+        if self.long_sources is not None:  # mixtures: the source of each listed copy
+            out["too_long_sources"] = (self.long_sources if self.listed else long_ids).tolist()
+            for entry, sources in zip(out["tail"], [s for s in self.tail_sources if len(s)]):
+                entry["sources"] = sources.tolist()
+        if not self.listed:
+            out.update(too_long_listed=False, too_long_count=int(self.num_long), too_long_over=int(longest_fitting))
+        return out
 
 
-def finish(c, ctx: PlanContext, manifest: dict, num_rows: int, epochs: list[EpochRows], *, long_ids: np.ndarray,
-           num_long: int, packing_stats: list[dict], fixed_batch: int | None, t0: float,
-           trained_only: bool = False, tallies: list[Tally] | None = None) -> Finished:
-    """Step columns, LR, shapes, statistics and metadata (``assemble.finish``'s, epoch by epoch), from
-    each epoch's :class:`Tally` (``tallies``: made by the ranks of a shared layout; default: here)."""
-    from ..assemble import build_metadata, input_info, memory_entry
+@dataclass
+class LaidOut:
+    """Phase 2 up to the columns: the epochs laid out, their chunk files' readers, and what ``finish``
+    needs from the chunks' tables besides the rows."""
 
-    slots = ctx.slots
-    tallies = [tally(c, ctx, ep) for ep in epochs] if tallies is None else tallies
+    epochs: list
+    readers: list
+    packing_stats: list  # per epoch (packing)
+    dropped: Dropped
+    fixed_batch: int | None
+    source_tokens: list | None = None  # a mixture: per epoch, each source's tokens
+    tallies: list | None = None  # per epoch, each rank's Tally of its rows (a shared layout), rank order
+
+
+def _step_columns(c, epochs: list[EpochRows], tallies: list[Tally], slots: int, trained_only: bool):
+    """Each epoch's first global step, and per step: samples, tokens, loss tokens and LR scale (and the
+    base batch size)."""
     step_start = list(np.concatenate([[0], np.cumsum([ep.count // slots for ep in epochs])]).astype(int))
-    num_steps = int(step_start[-1])
     step_samples = np.concatenate([t.completed for t in tallies])
     step_tokens = np.concatenate([t.tokens for t in tallies])
     step_targets = step_tokens - np.concatenate([t.lost for t in tallies])
@@ -227,22 +257,21 @@ def finish(c, ctx: PlanContext, manifest: dict, num_rows: int, epochs: list[Epoc
     if not np.all(np.isfinite(scales)):
         raise UsageError(f"--base-batch-size {c.base_batch_size} gives a non-finite lr_scale; give a larger base "
                          "batch size")
-    shapes, shape_keys, fixed_b = _shapes(c, tallies)
-    budget_tokens = _check_budget(c, ctx, tallies)
+    return step_start, step_samples, step_tokens, step_targets, scales, base
+
+
+def _summary(c, ctx: PlanContext, laid: LaidOut, tallies: list[Tally], cols: tuple, num_shapes: int,
+             t0: float) -> dict:
+    """The plan's statistics (``stats.summary``) from the tallies and the step columns."""
+    epochs, (step_start, step_samples, step_tokens, step_targets, scales, _) = laid.epochs, cols
     strag, overhead = _straggler(tallies)
-    tail_ids = [np.asarray(ep.tail_ids, np.int64) for ep in epochs]
-    listed = num_long <= LIST_LIMIT  # more are counted, not listed: the rule that drops them is recorded
-    dropped = _Dropped(np.asarray(long_ids if listed else [], np.int64), tail_ids, c.epochs)
-    dropped_all = dropped.all_ids()
-    count = sum(ep.count for ep in epochs)
-    tokens = int(step_tokens.sum())
-    padded = sum(t.padded for t in tallies)
     per_epoch = [t.count for t in tallies]
     summary = stats.summary(
-        num_steps=num_steps, num_microbatches=count, samples=sum(per_epoch), tokens=tokens, padded_tokens=padded,
-        budget_tokens=budget_tokens, strag=strag, shapes=len(shapes), lr=scales,
-        dropped=num_long * c.epochs + dropped.tail_count, over_budget=0, warmup_steps=epochs[0].warmup_steps,
-        epochs=c.epochs, samples_per_epoch=per_epoch, seconds=time.perf_counter() - t0)
+        num_steps=int(step_start[-1]), num_microbatches=sum(ep.count for ep in epochs), samples=sum(per_epoch),
+        tokens=int(step_tokens.sum()), padded_tokens=sum(t.padded for t in tallies),
+        budget_tokens=check_budget(c, ctx, tallies), strag=strag, shapes=num_shapes, lr=scales,
+        dropped=laid.dropped.count, over_budget=0, warmup_steps=epochs[0].warmup_steps, epochs=c.epochs,
+        samples_per_epoch=per_epoch, seconds=time.perf_counter() - t0)
     summary["straggler_overhead"] = overhead
     if epochs[0].warmup_missing:
         summary["warmup_missing"] = int(epochs[0].warmup_missing)
@@ -250,25 +279,53 @@ def finish(c, ctx: PlanContext, manifest: dict, num_rows: int, epochs: list[Epoc
     if zero_loss:
         summary["zero_loss_steps"] = zero_loss
     if c.lr_scaling != "none" and c.lr_scale_by == "samples":
+        # steps of non-final --split-long chunks only: they complete no sample, so their lr_scale is 0
         idle = int(np.count_nonzero((step_samples == 0) & (step_tokens > 0)))
         if idle:
             summary["zero_lr_scale_steps"] = idle
-    packing = _packing_info(c, ctx, tallies, packing_stats) if c.packing else None
-    adapters = [SimpleNamespace(mb=SimpleNamespace(count=ep.count), mode=ep.mode,
-                                layout=SimpleNamespace(warmup_steps=ep.warmup_steps)) for ep in epochs]
-    inputs = SimpleNamespace(budget=ctx.budget, slots=slots, shape=ctx.shape)
-    dropped_meta = dropped.to_dict(dropped_all)
-    if not listed:
-        dropped_meta.update(count=dropped.tail_count + num_long * c.epochs,
-                            reason={"too_long": num_long * c.epochs, "tail": dropped.tail_count},
-                            too_long_listed=False, too_long_count=int(num_long),
-                            too_long_over=int(ctx.longest_fitting))
-    metadata = build_metadata(c, adapters, source={"input": input_info(c, manifest, num_rows)}, num_steps=num_steps,
-                              num_microbatches=count, shapes=shapes, base_batch_size=base, inputs=inputs,
-                              fixed_batch=fixed_batch, packing=packing, dropped=dropped_meta, summary=summary)
+    return summary
+
+
+def finish(c, ctx: PlanContext, plan_input, laid: LaidOut, t0: float, *, trained_only: bool = False,
+           config: dict | None = None) -> Finished:
+    """Step columns, LR, shapes, statistics and metadata of the epochs ``laid`` out, from each epoch's
+    :class:`Tally` (made by the ranks of a shared layout, or here). ``plan_input``: what the plan was
+    planned from (``.sources``); ``config``: the options a derived plan records (default: ``c``'s)."""
+    from ..writer import build_metadata, recorded_config
+
+    epochs, slots = laid.epochs, ctx.slots
+    tallies = [tally(c, ctx, ep) for ep in epochs] if laid.tallies is None else \
+        [merge_tallies(parts) for parts in laid.tallies]
+    cols = _step_columns(c, epochs, tallies, slots, trained_only)
+    shapes, shape_keys, fixed_b = _shapes(c, tallies)
+    summary = _summary(c, ctx, laid, tallies, cols, len(shapes), t0)
+    dropped_all = laid.dropped.all_ids()
+    metadata = build_metadata(
+        c, config=config or recorded_config(c), input=plan_input.record(c), num_steps=int(cols[0][-1]),
+        num_microbatches=sum(ep.count for ep in epochs), steps_per_epoch=[ep.count // slots for ep in epochs],
+        orders=[ep.mode for ep in epochs], shapes=shapes, warmup_steps=epochs[0].warmup_steps,
+        base_batch_size=cols[5], budget=ctx.budget, shape_map=ctx.shape.to_dict(), fixed_batch=laid.fixed_batch,
+        packing=packing_info(c, ctx, tallies, laid.packing_stats) if c.packing else None,
+        dropped=laid.dropped.to_dict(dropped_all, ctx.longest_fitting), summary=summary)
     if trained_only:
         metadata["loss_tokens"] = format.TARGET_LENGTH_COLUMN
     metadata["chunks"] = {"samples": int(c.chunk_samples), "count": None}
+    if laid.source_tokens is not None:  # a mixture: its sources and their tokens per epoch
+        sources = [{**entry, "tokens_per_epoch": [int(t[k]) for t in laid.source_tokens]}
+                   for k, entry in enumerate(plan_input.sources_record(c))]
+        metadata["mixture"] = {"sources": sources, "seed": c.seed}
+        summary["tokens_per_source_per_epoch"] = {e["name"]: e["tokens_per_epoch"] for e in sources}
+    _schedule_and_memory(c, ctx, epochs, metadata, summary, shape_keys, fixed_b, len(shapes))
+    if len(dropped_all) > LIST_LIMIT:
+        dropped_all = dropped_all[:LIST_LIMIT]
+    return Finished(cols[0], cols[4], cols[1], cols[2], cols[3], shape_keys, fixed_b, metadata, summary, dropped_all)
+
+
+def _schedule_and_memory(c, ctx: PlanContext, epochs: list[EpochRows], metadata: dict, summary: dict,
+                         shape_keys: np.ndarray, fixed_b: bool, num_shapes: int) -> None:
+    """The metadata's ``schedule`` report (``--schedule``) and ``memory`` entry (a memory budget)."""
+    from ..writer import memory_entry
+
     if c.schedule is not None:
         from ...schedule.order import combined_report
 
@@ -278,9 +335,5 @@ def finish(c, ctx: PlanContext, manifest: dict, num_rows: int, epochs: list[Epoc
         t = np.concatenate([ep.column("seqlen").astype(np.int64) for ep in epochs])
         sid = np.searchsorted(shape_keys, (b if fixed_b else np.zeros(len(t), np.int64)) << 32 | t)
         sumsq = np.concatenate([ep.column("sumsq") for ep in epochs]) if c.packing else None
-        metadata["memory"] = memory_entry(c, ctx.budget, b, t, sid, len(shapes), sum_squares=sumsq)
+        metadata["memory"] = memory_entry(c, ctx.budget, b, t, sid, num_shapes, sum_squares=sumsq)
         summary["predicted_peak_max"] = metadata["memory"]["predicted_peak_max"]
-    if len(dropped_all) > LIST_LIMIT:
-        dropped_all = dropped_all[:LIST_LIMIT]
-    return Finished(step_start, scales, step_samples, step_tokens, step_targets, shape_keys, fixed_b, metadata,
-                    summary, dropped_all)

@@ -3,14 +3,15 @@
 :func:`form_chunk` turns a :class:`~.chunks.ChunkData` into :class:`ChunkUnits`: a table of units in
 the chunk's sequence order, their items (sample ids and, packed, the per-sample columns) in the same
 order, and the tail candidates (the fullest units with their halves' statistics). It uses the
-formation functions of the single-process planner (``batching``, ``packing.pack``, ``balance``) and
-leaves to phase 2 what spans chunks: the tail, the order of the units, the ranks.
+planner's formers (``orders``, ``batching``, ``packing.pack``, ``balance``) and leaves to phase 2 what
+spans chunks: the tail, the order of the units, the ranks. A mixture's items also name each entry's
+source; a replan's pieces (:class:`~.chunks.ChunkData`) start inside their samples.
 
 Unit levels:
 
-* ``epoch``: the chunk is the whole epoch (one chunk): the single-process former runs unchanged
-  (its tail, its shuffle), so a plan of one chunk is exactly the plan one process made before
-  chunks existed; phase 2 only lays it out;
+* ``epoch``: the chunk is the whole epoch (one chunk): the formers of :mod:`varlen_cli.plan.orders`
+  form it whole (its tail, its shuffle), the plan varlen made before chunks existed; phase 2 only
+  lays it out;
 * ``unit``: padded microbatches (curriculum, reverse, bucket-shuffle, random) and packed rows;
   phase 2 splits the tail, orders them across chunks and cuts steps;
 * ``step``: whole steps formed inside the chunk (``--same-shape-per-step``; packed plans with an
@@ -27,7 +28,7 @@ import numpy as np
 from ... import format
 from ...budget import Budget, segment_sum_squares
 from ...errors import UsageError
-from .. import balance, batching, layout
+from .. import balance, batching, tail
 from ..batching import Microbatches
 from ..layout import PLAN_REMEDIES, Remedies
 from ..orders import CURRICULAR, padded_lengths, same_shape_steps
@@ -59,6 +60,7 @@ class PlanContext:
     longest_fitting: int  # samples longer than this fit no microbatch (packing: seq_len; split-long: no limit)
     fixed_batch: int | None = None  # random order: B of every microbatch (from the longest kept sample)
     remedies: Remedies = PLAN_REMEDIES  # what refusals suggest
+    num_sources: int = 0  # a mixture's sources (0: one input): the items name each entry's source
 
     @property
     def slots(self) -> int:
@@ -88,10 +90,13 @@ class ChunkUnits:
     id_base: int | None = None  # items["ids"] are positions: the sample id is id_base + position
     candidates: dict = field(default_factory=dict)
     long_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    long_sources: np.ndarray | None = None  # a mixture: the source of each listed long id
     num_long: int = 0
     longest: int = 0
     shortest: int = 0
     tail_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    tail_sources: np.ndarray | None = None  # a mixture: the source of each tail id
+    source_tokens: list | None = None  # a mixture: the tokens of each source's entries in the chunk's units
     packing: dict | None = None
     ranked: bool = False  # (step, rank, micro) order already: the layout keeps the ranks
     fixed_batch: int | None = None  # random order: the batch size the former chose
@@ -105,8 +110,8 @@ def _kept(chunk: ChunkData, ctx: PlanContext, mode: str) -> tuple[np.ndarray, np
     """Local positions the epoch starts from (canonical or (reversed) sorted order), long ones out,
     and the mask of the long ones."""
     too_long = chunk.length > ctx.longest_fitting
-    if mode in CURRICULAR or chunk.first_id is not None:
-        seq = np.arange(chunk.n, dtype=np.int64)  # rows already in the epoch's order (chunks.ChunkSource)
+    if mode in CURRICULAR or chunk.first_id is not None or chunk.in_order:
+        seq = np.arange(chunk.n, dtype=np.int64)  # rows already in the epoch's order (chunks.ChunkSource, sources)
     else:
         from ..reader import canonical_order
 
@@ -119,10 +124,10 @@ def _kept(chunk: ChunkData, ctx: PlanContext, mode: str) -> tuple[np.ndarray, np
 def form_chunk(chunk: ChunkData, ctx: PlanContext, mode: str, epoch: int, rng: np.random.Generator,
                whole: bool, config=None) -> ChunkUnits:
     """The chunk's units for an epoch planned in ``mode`` (see the module docstring); ``whole``: the
-    chunk is the whole epoch (``config``: the plan's PlanConfig, for the single-process former)."""
+    chunk is the whole epoch (``config``: the plan's PlanConfig, for the formers of an epoch formed whole)."""
     seq, too_long = _kept(chunk, ctx, mode)
     if whole:  # the whole input: its too-long samples are the plan's (the error before any forming)
-        from ..pipeline import too_long_error
+        from ..cost_model import too_long_error
 
         error = too_long_error(config, ctx.budget, ctx.remedies, len(chunk.length) - len(seq), chunk.n,
                                int(chunk.length.max()), int(chunk.length.min()))
@@ -142,9 +147,22 @@ def form_chunk(chunk: ChunkData, ctx: PlanContext, mode: str, epoch: int, rng: n
     out.num_long = int(np.count_nonzero(too_long))
     out.longest = int(chunk.length.max()) if chunk.n else 0
     out.shortest = int(chunk.length.min()) if chunk.n else 0
-    if out.num_long:
-        out.long_ids = chunk.ids[np.flatnonzero(too_long)][:LIST_LIMIT]
+    if out.num_long:  # listed up to LIST_LIMIT; a mixture's all (the check of its copies counts each)
+        limit = None if ctx.num_sources else LIST_LIMIT
+        out.long_ids = chunk.ids[np.flatnonzero(too_long)][:limit]
+        if chunk.source is not None:
+            out.long_sources = chunk.source[np.flatnonzero(too_long)][:limit]
+    if ctx.num_sources:
+        _source_totals(out, chunk, ctx)
     return out
+
+
+def _source_totals(out: ChunkUnits, chunk: ChunkData, ctx: PlanContext) -> None:
+    """A mixture chunk's tokens per source (its units' entries)."""
+    items = out.items
+    tokens = items["item_length"] if ctx.packing else items["sample_length"]
+    per_source = np.bincount(items["source"], weights=tokens, minlength=ctx.num_sources)
+    out.source_tokens = per_source.astype(np.int64).tolist()
 
 
 def _empty(ctx: PlanContext, mode: str) -> ChunkUnits:
@@ -160,6 +178,8 @@ def _empty(ctx: PlanContext, mode: str) -> ChunkUnits:
         if ctx.packing:
             items.update(item_length=np.zeros(0, np.int32), item_start=np.zeros(0, np.int32),
                          item_row=np.zeros(0, np.int32))
+    if ctx.num_sources:
+        items["source"] = np.zeros(0, np.int32)
     units = {name: np.zeros(0, np.float64 if name == "sumsq" else np.int64) for name in cols}
     out = ChunkUnits(0, 0, ctx.level(mode), units, np.zeros(1, np.int64), items,
                      candidates={"index": np.zeros(0, np.int64), "complete": True})
@@ -169,9 +189,9 @@ def _empty(ctx: PlanContext, mode: str) -> ChunkUnits:
     return out
 
 
-# -- one chunk: the single-process former ------------------------------------------------------------
+# -- one chunk: the epoch formed whole -----------------------------------------------------------------
 def _whole_epoch(chunk: ChunkData, ctx: PlanContext, mode: str, seq: np.ndarray, rng, config) -> ChunkUnits:
-    """The epoch formed by ``orders.Formers`` exactly as one process forms it (tail and shuffle included)."""
+    """The epoch formed whole by ``orders.Formers`` (tail and shuffle included)."""
     from ..orders import EpochInputs, Formers
 
     ordered = seq if mode in CURRICULAR else None
@@ -184,23 +204,32 @@ def _whole_epoch(chunk: ChunkData, ctx: PlanContext, mode: str, seq: np.ndarray,
         mb = mb.take(np.arange(mb.count))
     items, id_base = _ids(chunk, mb.samples)
     if ctx.packing:
-        units = _packed_mb_units(mb, chunk.length, chunk.target)
-        items.update(item_length=mb.item_length.astype(np.int32), item_start=mb.item_start.astype(np.int32),
+        units = _packed_mb_units(mb, chunk)
+        items.update(item_length=mb.item_length.astype(np.int32),
+                     item_start=chunk.starts(mb.samples, mb.item_start).astype(np.int32),
                      item_row=mb.item_row.astype(np.int32))
         info = dict(formed.packing_stats or {})
     else:
         units = _padded_units(mb, chunk.length, chunk.n > 0 and int(chunk.length.min()) > 0, chunk.target)
         info = None
     out = ChunkUnits(0, 0, "epoch", units, mb.offsets, items, id_base, packing=info)
-    out.tail_ids = chunk.ids[formed.dropped] if len(formed.dropped) else np.zeros(0, np.int64)
+    _tail(out, chunk, formed.dropped)
     out.ranked = bool(formed.ranked)
     out.fixed_batch = formers.random.fixed_batch
     return out
 
 
-def _packed_mb_units(mb: Microbatches, length: np.ndarray, target: np.ndarray | None = None) -> dict:
+def _tail(out: ChunkUnits, chunk: ChunkData, dropped: np.ndarray) -> None:
+    """The ids (and a mixture's sources) of the positions the chunk's own tail dropped."""
+    out.tail_ids = chunk.ids[dropped] if len(dropped) else np.zeros(0, np.int64)
+    if chunk.source is not None:
+        out.tail_sources = chunk.source[dropped] if len(dropped) else np.zeros(0, np.int32)
+
+
+def _packed_mb_units(mb: Microbatches, chunk: ChunkData) -> dict:
     """Per packed microbatch: samples, shape, tokens, completed samples, loss-less tokens, rows, sum of l^2."""
-    final = mb.item_start + mb.item_length == length[mb.samples]
+    target = chunk.target
+    final = chunk.starts(mb.samples, mb.item_start) + mb.item_length == chunk.whole_length(mb.samples)
     empty = not len(mb.samples)
     return {"count": np.diff(mb.offsets).astype(np.int32), "seqlen": mb.seqlen.astype(np.int32),
             "batch": mb.batch_size.astype(np.int32), "tokens": mb.tokens.astype(np.int64),
@@ -234,9 +263,11 @@ def _padded(chunk: ChunkData, ctx: PlanContext, mode: str, seq: np.ndarray, rng)
 def _ids(chunk: ChunkData, positions: np.ndarray) -> tuple[dict, int | None]:
     """The items' sample ids (the positions themselves, and the chunk's first id, when the chunk's ids
     are a range: no gather), whole sample lengths and target lengths (for the plan's own check)."""
-    items = {"sample_length": chunk.length[positions].astype(np.int32)}
+    items = {"sample_length": chunk.whole_length(positions).astype(np.int32)}
     if chunk.target is not None:  # analyze --target-length: the loss tokens, for the plan's own check
         items["sample_target"] = chunk.target[positions].astype(np.int32)
+    if chunk.source is not None:  # a mixture: each entry's source
+        items["source"] = chunk.source[positions].astype(np.int32)
     if chunk.first_id is not None:
         return {"ids": positions, **items}, chunk.first_id
     return {"ids": chunk.ids[positions], **items}, None
@@ -272,19 +303,11 @@ def _padded_units(mb: Microbatches, length: np.ndarray, all_nonempty: bool = Fal
             "lost": np.asarray(lost).astype(np.int32)}
 
 
-def top_candidates(counts: np.ndarray, slots: int) -> tuple[np.ndarray, bool]:
-    """The (up to) ``slots`` units with the most items (at least 2), most first, ties by position;
-    and whether they are all the units with >= 2 items."""
-    cand = np.flatnonzero(counts >= 2)
-    pick = cand[np.argsort(-counts[cand], kind="stable")[:slots]]
-    return pick.astype(np.int64), len(pick) == len(cand)
-
-
 def _padded_candidates(mb: Microbatches, length: np.ndarray, ctx: PlanContext,
                        target: np.ndarray | None = None) -> dict:
     """The chunk's tail candidates with the statistics of their halves (what a split makes)."""
     counts = np.diff(mb.offsets)
-    pick, complete = top_candidates(counts, ctx.slots)
+    pick, complete = tail.top_candidates(counts, ctx.slots)
     out = {"index": pick, "complete": complete}
     if not len(pick):
         return out
@@ -315,7 +338,7 @@ def _same_shape(chunk: ChunkData, ctx: PlanContext, mode: str, seq: np.ndarray, 
                                    (ctx.dp, ctx.grad_accum, ctx.tail), ctx.remedies, mode, rng)
     out = ChunkUnits(0, 0, "step", _padded_units(mb, length, target=chunk.target), mb.offsets,
                      *_ids(chunk, mb.samples))
-    out.tail_ids = chunk.ids[dropped]
+    _tail(out, chunk, dropped)
     return out
 
 
@@ -333,7 +356,8 @@ def _packed(chunk: ChunkData, ctx: PlanContext, mode: str, seq: np.ndarray, rng)
     if ctx.ranked:
         return _packed_ranked(chunk, ctx, mode, p, samples, rng, info)
     row_off = p.row_offsets()
-    final = p.item_start + p.item_length == chunk.length[samples]
+    item_start = chunk.starts(samples, p.item_start)
+    final = item_start + p.item_length == chunk.whole_length(samples)
     tokens = p.row_tokens().astype(np.int64)
     lost = (batching.segment_sum(((p.item_length > 0) & final).astype(np.int32), row_off) if chunk.target is None
             else tokens - batching.segment_sum(chunk.target[samples], row_off))
@@ -342,7 +366,7 @@ def _packed(chunk: ChunkData, ctx: PlanContext, mode: str, seq: np.ndarray, rng)
              "lost": lost.astype(np.int32),
              "sumsq": segment_sum_squares(p.item_length, row_off)}
     items, id_base = _ids(chunk, samples)
-    items.update(item_length=p.item_length.astype(np.int32), item_start=p.item_start.astype(np.int32), final=final)
+    items.update(item_length=p.item_length.astype(np.int32), item_start=item_start.astype(np.int32), final=final)
     if chunk.target is not None:
         items["target"] = chunk.target[samples]
     out = ChunkUnits(0, 0, "unit", units, row_off, items, id_base, packing=info)
@@ -355,7 +379,7 @@ def _packed(chunk: ChunkData, ctx: PlanContext, mode: str, seq: np.ndarray, rng)
 def _packed_candidates(units: dict, row_off: np.ndarray, items: dict, ctx: PlanContext) -> dict:
     """The fullest rows with their halves' tokens, completed samples and loss targets."""
     counts = units["count"].astype(np.int64)
-    pick, complete = top_candidates(counts, ctx.slots)
+    pick, complete = tail.top_candidates(counts, ctx.slots)
     out = {"index": pick, "complete": complete}
     if not len(pick):
         return out
@@ -385,14 +409,14 @@ def _packed_candidates(units: dict, row_off: np.ndarray, items: dict, ctx: PlanC
 def _packed_ranked(chunk: ChunkData, ctx: PlanContext, mode: str, p, samples: np.ndarray, rng,
                    info: dict) -> ChunkUnits:
     """Attention-balanced packing: the chunk's rows spread over whole steps and dealt over rank-steps."""
-    mb, dropped = layout.fix_tail_packed(samples, p.item_start, p.item_length, p.item_row, p.num_rows,
-                                         ctx.rows_per_mb, ctx.seq_len, ctx.slots, ctx.dp, ctx.grad_accum, ctx.tail,
-                                         ctx.remedies)
+    mb, dropped = tail.fix_packed(samples, p.item_start, p.item_length, p.item_row, p.num_rows, ctx.rows_per_mb,
+                                  ctx.seq_len, ctx.slots, ctx.dp, ctx.grad_accum, ctx.tail, ctx.remedies)
     mb = balance.balance_rows(mb, ctx.budget, ctx.dp, ctx.grad_accum, keep_order=mode in CURRICULAR, rng=rng)
-    units = _packed_mb_units(mb, chunk.length, chunk.target)
+    units = _packed_mb_units(mb, chunk)
     items, id_base = _ids(chunk, mb.samples)
-    items.update(item_length=mb.item_length.astype(np.int32), item_start=mb.item_start.astype(np.int32),
+    items.update(item_length=mb.item_length.astype(np.int32),
+                 item_start=chunk.starts(mb.samples, mb.item_start).astype(np.int32),
                  item_row=mb.item_row.astype(np.int32))
     out = ChunkUnits(0, 0, "step", units, mb.offsets, items, id_base, packing=info, ranked=True)
-    out.tail_ids = chunk.ids[dropped] if len(dropped) else np.zeros(0, np.int64)
+    _tail(out, chunk, dropped)
     return out

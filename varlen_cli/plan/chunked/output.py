@@ -36,12 +36,12 @@ class PlanOutput:
 
     def check(self, inputs=()) -> None:
         """Refuse an output that exists without ``--overwrite`` (or is not a plan), lies in an input, ..."""
+        safety.check_no_overlap(self.given, inputs)
         if self.remote:
             from ...runtime.remote_output import check_file
 
             check_file(self.given, self.overwrite)
             return
-        safety.check_no_overlap(self.given, inputs)
         self.local.check()
 
     @contextlib.contextmanager

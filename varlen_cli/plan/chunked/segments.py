@@ -13,7 +13,7 @@ on ``W``):
    failure leaves ``specs.failed``, which stops the workers waiting for a spec);
 2. every worker (rank 0 after its last spec) claims segments (an atomic create of ``seg-S.claim``:
    whoever comes first), waits for the segment's spec, reads its items, checks each row group with its own
-   :class:`~varlen_cli.plan_checks.PlanChecks` and writes the segment's row groups into
+   :class:`~varlen_cli.checks.PlanChecks` and writes the segment's row groups into
    ``seg-S.parquet`` with the plan's schema and writer settings; then it pickles its checks
    (``checks-R.pkl``);
 3. rank 0 concatenates the segments in order into the plan's temporary file

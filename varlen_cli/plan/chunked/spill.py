@@ -31,12 +31,13 @@ from ...errors import OutputError
 from .form import ChunkUnits
 
 ITEM_DTYPES = {"item_length": np.int32, "item_start": np.int32, "item_row": np.int32, "sample_length": np.int32,
-               "sample_target": np.int32}  # what the readers hand out; stored as uint16 where a chunk's values fit
+               "sample_target": np.int32, "source": np.int32}  # what the readers hand out; stored as uint16 where
+# a chunk's values fit
 
 
-def _stored_dtype(values) -> np.dtype:
-    """How an item array is written: uint16 when every value fits (lengths under a 16k budget: half the
-    bytes to write and read back), else int32."""
+def stored_dtype(values) -> np.dtype:
+    """How an item array is written: uint16 when every value fits (0..65,535: lengths under 64k tokens,
+    half the bytes to write and read back), else int32."""
     values = np.asarray(values)
     if not len(values) or (int(values.min()) >= 0 and int(values.max()) <= np.iinfo(np.uint16).max):
         return np.dtype(np.uint16)
@@ -111,14 +112,18 @@ def write(directory: str, cu: ChunkUnits) -> None:
               "ids_base": base if small else 0, "ids_dtype": "uint32" if small else "int64", "num_long": cu.num_long,
               "longest": cu.longest, "shortest": cu.shortest, "packing": cu.packing, "item_arrays": sorted(cu.items),
               "complete": bool(cu.candidates.get("complete", True)),
-              "ranked": cu.ranked, "fixed_batch": cu.fixed_batch,
+              "ranked": cu.ranked, "fixed_batch": cu.fixed_batch, "source_tokens": cu.source_tokens,
               "max": {k: _largest(v) for k, v in cu.units.items()}}
-    stored = {item: _stored_dtype(values) for item, values in cu.items.items() if item != "ids"}
+    stored = {item: stored_dtype(values) for item, values in cu.items.items() if item != "ids"}
     header["item_dtypes"] = {item: dtype.name for item, dtype in stored.items()}
     arrays = {f"unit_{k}": v for k, v in cu.units.items()}
     arrays.update({f"cand_{k}": np.asarray(v) for k, v in cu.candidates.items() if k != "complete"})
     arrays.update(offsets=cu.offsets, long_ids=cu.long_ids, tail_ids=cu.tail_ids,
                   header=np.frombuffer(json.dumps(header).encode(), np.uint8))
+    if cu.long_sources is not None:  # a mixture: the sources of the listed ids
+        arrays["long_sources"] = cu.long_sources
+    if cu.tail_sources is not None:
+        arrays["tail_sources"] = cu.tail_sources
     try:
         for item, values in cu.items.items():  # one converted array at a time
             _write_raw(f"{name}.{item}.bin", ids_out if item == "ids" else np.asarray(values, stored[item]))
@@ -140,6 +145,8 @@ class ChunkTable:
     candidates: dict
     long_ids: np.ndarray
     tail_ids: np.ndarray
+    long_sources: np.ndarray | None = None  # a mixture: the source of each listed long id
+    tail_sources: np.ndarray | None = None  # a mixture: the source of each tail id
 
     @property
     def count(self) -> int:
@@ -171,7 +178,9 @@ def read_table(directory: str, epoch: int, chunk: int) -> ChunkTable:
         header = json.loads(bytes(z["header"]).decode())
         cands = {k[5:]: z[k] for k in z.files if k.startswith("cand_")}
         cands["complete"] = header["complete"]
-        return ChunkTable(path, header, cands, z["long_ids"], z["tail_ids"])
+        return ChunkTable(path, header, cands, z["long_ids"], z["tail_ids"],
+                          z["long_sources"] if "long_sources" in z.files else None,
+                          z["tail_sources"] if "tail_sources" in z.files else None)
 
 
 class ItemReader:
