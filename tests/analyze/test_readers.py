@@ -13,7 +13,7 @@ import pyarrow as pa
 import pytest
 from typer.testing import CliRunner
 
-from tests.analyze_helpers import read_metrics, run, write_jsonl
+from tests.analyze_helpers import read_metrics, run
 from varlen_cli.cli import app
 from varlen_cli.errors import InputError, UsageError
 from varlen_cli.loader import SourceDataset
@@ -225,22 +225,16 @@ def _source(fmt: str, folder) -> tuple[object, dict, list]:
     if fmt == "lance":
         ds = _lance_dataset(folder)
         return str(folder), {"length": "chars:text"}, [len(t) for t in ds.to_table().column("text").to_pylist()]
-    if fmt == "dataset":
-        ds = _memory_dataset()
-        return ds, {"length": "chars:text"}, [len(t) for t in ds["text"]]
-    lengths = []
-    os.makedirs(folder)
-    for k in range(8, 11):  # a NeMo range of 3 shards: sorted paths would put shard 10 first
-        rows = [{"duration": float(k * 10 + i)} for i in range(3)]
-        write_jsonl(pa.Table.from_pylist(rows), os.path.join(folder, f"m_{k}.json"))
-        lengths += [k * 10 + i for i in range(3)]
-    return os.path.join(folder, "m__OP_8..10_CL_.json"), {"length": "value:duration"}, lengths
+    assert fmt == "dataset"  # (a NeMo range: tests/test_local_group.py's worker-count property)
+    ds = _memory_dataset()
+    return ds, {"length": "chars:text"}, [len(t) for t in ds["text"]]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt,workers", [("litdata", 2), ("lance", 6), ("dataset", 4), ("nemo", 4)])
+@pytest.mark.parametrize("fmt,workers", [("litdata", 2), ("lance", 6), ("dataset", 4)])
 def test_any_worker_count_gives_the_same_metrics(tmp_path, monkeypatch, fmt, workers):
-    """1 worker, 2, and more workers than work units (workers without a unit write an empty part)."""
+    """1 worker, 2, and more workers than work units (workers without a unit write an empty part); the
+    other formats (a NeMo range too) are in tests/test_local_group.py's worker-count property."""
     from varlen_cli.analyze import AnalyzeConfig, run_in_group
     from varlen_cli.analyze.memory import DatasetSource
     from varlen_cli.analyze.sources import discover, make_units
