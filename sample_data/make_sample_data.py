@@ -8,6 +8,8 @@ Writes:
   tokenized.parquet    the same rows tokenised: {"id", "input_ids": list<int32>}
   audio_manifest.jsonl 1,000 utterances {"path", "duration" (seconds), "speaker"}
   tokenizer.json       a 2,000-token BPE tokenizer trained on text.jsonl (needs `tokenizers`)
+  cuts.jsonl.gz        a Lhotse CutSet of 200 of the utterances, each with its recording and a supervision
+                       whose text is a sentence of text.jsonl (written by lhotse: `pip install lhotse`)
 """
 
 from __future__ import annotations
@@ -82,7 +84,27 @@ def main() -> None:
     pq.write_table(pa.table({"id": pa.array(range(len(texts)), pa.int64()),
                              "input_ids": pa.array(ids, pa.list_(pa.int32()))}),
                    os.path.join(HERE, "tokenized.parquet"), row_group_size=500)
+    make_cuts(durations[:200], texts[:200])
     print("wrote", ", ".join(sorted(f for f in os.listdir(HERE) if not f.endswith(".py"))))
+
+
+def make_cuts(durations, texts) -> None:
+    """cuts.jsonl.gz: speech-recognition cuts (audio in, transcript out) as lhotse writes them."""
+    try:
+        from lhotse import AudioSource, CutSet, MonoCut, Recording, SupervisionSegment
+    except ImportError:
+        print("lhotse is not installed: skipping cuts.jsonl.gz")
+        return
+    cuts = []
+    for i, (seconds, text) in enumerate(zip(durations, texts)):
+        rec = Recording(id=f"utt{i:05d}", sources=[AudioSource(type="file", channels=[0],
+                                                               source=f"clips/{i:05d}.flac")],
+                        sampling_rate=16000, num_samples=int(round(seconds * 16000)), duration=float(seconds))
+        sup = SupervisionSegment(id=f"utt{i:05d}-0", recording_id=rec.id, start=0.0, duration=float(seconds),
+                                 text=text, speaker=f"spk{i % 37}")
+        cuts.append(MonoCut(id=rec.id, start=0.0, duration=float(seconds), channel=0, recording=rec,
+                            supervisions=[sup]))
+    CutSet.from_cuts(cuts).to_file(os.path.join(HERE, "cuts.jsonl.gz"))
 
 
 if __name__ == "__main__":

@@ -120,7 +120,7 @@ def test_usage_errors_are_one_line_with_exit_code_2(tmp_path):
         (["analyze", sample("text.parquet")], "Missing option '-o' / '--output'"),
         (["plan", "x", "-o", "y", "--bogus"], "No such option: --bogus"),
         (["analyze", sample("text.parquet"), "-o", str(tmp_path / "m"), "--length", "nope"], "--length must be "
-                                                                                             "KIND:COLUMN"),
+                                                                                             "KIND:PATH"),
         (["plan", "x", "-o", "y", "--max-tokens", "10", "--dp", "0"], "--dp must be >= 1"),
     ]:
         proc = subprocess.run([sys.executable, "-m", "varlen_cli", *args], capture_output=True, text=True, env=env)

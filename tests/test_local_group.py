@@ -201,6 +201,12 @@ def _source(folder, fmt: str, units: int) -> tuple[list[str], list[int], int]:
         for k, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
             write_jsonl(pa.table({"n": lengths[a:b]}), folder / f"{k}.jsonl")
         return [str(folder)], lengths, 32 << 20
+    if fmt == "nemo":  # a NeMo shard range of a file a unit, 8..: sorted paths would put shard 10 first
+        import pyarrow as pa
+
+        for k, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
+            write_jsonl(pa.table({"n": lengths[a:b]}), folder / f"m_{8 + k}.json")
+        return [str(folder / f"m__OP_8..{7 + units}_CL_.json")], lengths, 32 << 20
     if fmt == "webdataset":  # a shard a unit
         for k, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
             samples = wds_samples(b - a, seed=k, first=a)
@@ -217,11 +223,12 @@ def _source(folder, fmt: str, units: int) -> tuple[list[str], list[int], int]:
 
 @pytest.mark.slow
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(fmt=st.sampled_from(["parquet", "jsonl", "webdataset", "megatron"]), units=st.integers(1, 3),
+@given(fmt=st.sampled_from(["parquet", "jsonl", "webdataset", "megatron", "nemo"]), units=st.integers(1, 3),
        workers=st.integers(1, 5))
 @example(fmt="parquet", units=1, workers=3)  # the issue's case: one row group, more workers
 @example(fmt="megatron", units=2, workers=4)
 @example(fmt="jsonl", units=3, workers=1)
+@example(fmt="nemo", units=3, workers=5)  # issue 36: a shard range in its own order
 def test_any_worker_count_gives_the_same_metrics(tmp_path_factory, monkeypatch, fmt, units, workers):
     """Any number of workers, 1 to more than the work units, on any source: the metrics of the data
     (workers without a unit write an empty part), and sorted by as many workers. The executor runs the

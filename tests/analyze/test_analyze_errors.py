@@ -46,7 +46,7 @@ CASES = {
     "unsupported file": lambda t: (
         [str((t / "x.csv").write_text("a,b\n") and t / "x.csv")],
         f"unsupported source file {t / 'x.csv'}: expected .parquet, .arrow/.feather, .jsonl[.gz], .txt[.gz], a "
-        "Megatron .idx, an MDS index.json or WebDataset .tar shards", 3),
+        "Megatron .idx, an MDS or LitData index.json, WebDataset .tar shards or a Lance dataset", 3),
     "corrupt parquet": lambda t: (
         [str((t / "bad.parquet").write_bytes(b"not parquet at all") and t / "bad.parquet")],
         re.compile(re.escape(f"cannot read Parquet file {t / 'bad.parquet'}: ") + r".+"), 3),
@@ -114,7 +114,7 @@ CASES = {
         "--length list:COLUMN on a column of token ids", 2),
     "bad --length": lambda t: (
         [sample("text.parquet"), "--length", "tokens"],
-        "--length must be KIND:COLUMN with KIND one of list, tokens, chars, bytes, words, value, chat; "
+        "--length must be KIND:PATH with KIND one of list, tokens, chars, bytes, words, value, chat; "
         "got 'tokens'", 2),
     "bad --difficulty": lambda t: (
         [sample("text.parquet"), "--difficulty", "hardness"],
@@ -271,7 +271,7 @@ def test_an_in_memory_dataset_is_refused(tmp_path):
 
     ds = datasets.Dataset.from_dict({"text": ["a", "bb"]})
     message = ("analyze reads sources from files, local or remote (paths or URLs), not an in-memory datasets.Dataset: "
-               "write it out first (a datasets.Dataset: ds.save_to_disk(DIR), then analyze DIR)")
+               "a datasets.Dataset is measured by varlen_cli.analyze.analyze_dataset(dataset, output, ...)")
     for sources in ((ds,), ds):
         with pytest.raises(UsageError, match="^" + re.escape(message) + "$"):
             analyze(AnalyzeConfig(sources=sources, output=str(tmp_path / "m")))

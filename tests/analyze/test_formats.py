@@ -338,10 +338,12 @@ def test_chat_lengths_and_assistant_targets_equal_apply_chat_template(tmp_path, 
 
 CHAT_ERRORS = {
     "target without chat": (["--length", "chars:text", "--target-length", "assistant"],
-                            "--target-length needs --length chat:COLUMN (the loss mask comes from the chat template)",
+                            "--target-length assistant needs --length chat:COLUMN (the loss mask comes from the chat "
+                            "template)",
                             2),
     "bad target": (["--length", "chat:messages", "--target-length", "all"],
-                   "--target-length must be one of assistant; got 'all'", 2),
+                   "--target-length must be KIND:PATH with KIND one of list, tokens, chars, bytes, words, value, or "
+                   "assistant (with --length chat:COLUMN); got 'all'", 2),
     "no generation markers": (["--length", "chat:messages", "--target-length", "assistant", "--tokenizer", "{plain}"],
                               "--target-length assistant needs a chat template with {% generation %} markers around "
                               "the assistant turns; the template of {plain} has none", 2),

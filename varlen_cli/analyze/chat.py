@@ -24,9 +24,9 @@ BATCH = 512  # conversations per apply_chat_template call
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
-def check_target(target: str | None) -> None:
-    if target is not None and target not in TARGETS:
-        raise UsageError(f"--target-length must be one of {', '.join(TARGETS)}; got {target!r}")
+def is_chat_target(target: str | None) -> bool:
+    """``--target-length assistant`` (the chat mask), as opposed to ``KIND:PATH`` (:mod:`.lengths`)."""
+    return target in TARGETS
 
 
 def check_special_tokens(length: str, special_tokens: bool) -> None:

@@ -32,8 +32,8 @@ from ..runtime.choices import (
 from ..runtime.dist import Dist, fault_point
 from ..runtime.executor import execute
 from ..runtime.progress import JobProgress
-from . import formats, hf_tokenizer
-from .chat import chat_lengths, check_special_tokens, check_target
+from . import formats, hf_tokenizer, memory, paths
+from .chat import chat_lengths, check_special_tokens, is_chat_target
 from .chat import check_tokenizer as check_chat_tokenizer
 from .difficulty import call_function, load_function, parse_difficulty, rarity
 from .lengths import (
@@ -44,19 +44,31 @@ from .lengths import (
     load_tokenizer,
     numeric_values,
     parse_length,
+    parse_target,
     token_lengths,
 )
-from .sources import DEFAULT_CHUNK_BYTES, Reader, SourceFile, Unit, assign, discover, fingerprint, make_units
+from .sources import (
+    DEFAULT_CHUNK_BYTES,
+    TEXT_COLUMN,
+    Reader,
+    SourceFile,
+    Unit,
+    assign,
+    discover,
+    fingerprint,
+    make_units,
+)
 from .stats import FloatSummary, LengthStats, distribution, float_summary
 
-LENGTH_HELP = ("KIND:COLUMN with KIND list, tokens, chars, bytes, words, value or chat; 'auto' picks a list column "
-               "input_ids/tokens/token_ids, then text (tokens with --tokenizer, else chars), then "
-               "num_tokens/length/duration.")
+LENGTH_HELP = ("KIND:PATH with KIND list, tokens, chars, bytes, words, value or chat; " + paths.SYNTAX + " "
+               "(supervisions[0].text); 'auto' picks a list column input_ids/tokens/token_ids, then text (tokens with "
+               "--tokenizer, else chars), then num_tokens/length/duration.")
 TOKENIZER_HELP = ("A tokenizer.json file, or a directory transformers.AutoTokenizer loads (sentencepiece and tiktoken "
                   "models too), for --length tokens:COLUMN and chat:COLUMN (truncation and padding are switched off).")
-TARGET_LENGTH_HELP = ("With --length chat:COLUMN: 'assistant' also stores target_length, the tokens that carry loss "
-                      "under assistant-only training (the chat template's {% generation %} mask); plans then count "
-                      "those as loss tokens.")
+TARGET_LENGTH_HELP = ("A second count per sample, stored as target_length: KIND:PATH as --length (any format: the "
+                      "tokens of a transcript, a list's length, a value), the decoder length of a seq2seq sample; or "
+                      "'assistant' with --length chat:COLUMN (the chat template's {% generation %} mask). Plans count "
+                      "target_length as the sample's loss tokens.")
 RARITY_CACHE_BYTES = 512 << 20  # token ids a worker keeps between the two vocab-rarity passes
 
 
@@ -74,8 +86,10 @@ class AnalyzeConfig:
     tokenizer: str | None = doc(None, TOKENIZER_HELP)
     special_tokens: bool = doc(True, "Count the tokenizer's special tokens (BOS/EOS, CLS/SEP).")
     target_length: str | None = doc(None, TARGET_LENGTH_HELP)
-    frames_per_second: float | None = doc(None, "With --length value:COLUMN in seconds: frames = ceil(seconds x F).")
-    difficulty: str = doc("length", "Curriculum key: length, value:COLUMN, vocab-rarity, or MODULE:FUNCTION "
+    frames_per_second: float | None = doc(None, "With --length value:PATH in seconds: frames = ceil(seconds x F).")
+    target_frames_per_second: float | None = doc(None, "With --target-length value:PATH in seconds: frames = "
+                                                       "ceil(seconds x F).")
+    difficulty: str = doc("length", "Curriculum key: length, value:PATH, vocab-rarity, or MODULE:FUNCTION "
                                     "(RecordBatch -> one value per row).")
     storage_options: tuple = doc((), STORAGE_OPTION_HELP)
     nproc: int = doc(1, NPROC_HELP)
@@ -111,21 +125,43 @@ def count_units(config: AnalyzeConfig) -> tuple[int, str]:
     return len(make_units(discover(config.sources), config.chunk_bytes)), "work unit"
 
 
+def analyze_dataset(dataset, output: str, **options) -> AnalyzeResult | None:
+    """``varlen analyze`` of an in-memory ``datasets.Dataset``: sample_id ``i`` is ``dataset[i]``; writes
+    the metrics directory ``output``. ``options``: :class:`AnalyzeConfig`'s fields (``length``,
+    ``target_length``, ``tokenizer``, ``nproc``...). See :mod:`.memory`."""
+    return analyze(AnalyzeConfig(sources=(memory.DatasetSource(dataset),), output=str(output), **options))
+
+
 def check(config: AnalyzeConfig) -> None:
     """Refuse bad options before any worker starts."""
     check_choices(config)
     check_sources(config.sources)
     if config.length != "auto":
         parse_length(config.length)
-    check_target(config.target_length)
+    check_target(config)
     check_special_tokens(config.length, config.special_tokens)
-    if config.target_length is not None and not config.length.startswith("chat:"):
-        raise UsageError("--target-length needs --length chat:COLUMN (the loss mask comes from the chat template)")
-    parse_difficulty(config.difficulty)
+    difficulty = parse_difficulty(config.difficulty)
+    if difficulty.kind == "value":
+        paths.parse(difficulty.column, f"--difficulty {config.difficulty}")
     check_frames_per_second(config.frames_per_second)
+    check_frames_per_second(config.target_frames_per_second, "--target-frames-per-second")
     if config.chunk_bytes < 1:
         raise UsageError("chunk_bytes must be positive")
     storage.parse_options(config.storage_options)
+
+
+def check_target(config: AnalyzeConfig) -> None:
+    """``--target-length``: ``assistant`` with chat lengths, or ``KIND:PATH`` (seconds converted only by
+    ``--target-frames-per-second``)."""
+    target = config.target_length
+    if target is not None and is_chat_target(target):
+        if not config.length.startswith("chat:"):
+            raise UsageError("--target-length assistant needs --length chat:COLUMN (the loss mask comes from the chat "
+                             "template)")
+    elif target is not None:
+        parse_target(target)
+    if config.target_frames_per_second is not None and (target is None or not target.startswith("value:")):
+        raise UsageError("--target-frames-per-second needs --target-length value:PATH (seconds to turn into frames)")
 
 
 def check_sources(sources) -> None:
@@ -133,11 +169,14 @@ def check_sources(sources) -> None:
     items = list(sources) if isinstance(sources, (list, tuple)) else [sources]
     if not items:
         raise UsageError("give at least one SOURCE")
+    if len(items) == 1 and memory.is_source(items[0]):  # analyze_dataset's
+        return
     for item in items:
         if not isinstance(item, (str, os.PathLike)):
             kind = f"{type(item).__module__.partition('.')[0]}.{type(item).__name__}"
             raise UsageError(f"analyze reads sources from files, local or remote (paths or URLs), not an in-memory "
-                             f"{kind}: write it out first (a datasets.Dataset: ds.save_to_disk(DIR), then analyze DIR)")
+                             f"{kind}: a datasets.Dataset is measured by varlen_cli.analyze.analyze_dataset(dataset, "
+                             f"output, ...)")
 
 
 class _Work:
@@ -153,6 +192,10 @@ class _Work:
             self.length = self._auto_length()
         if self.length.kind == "tokens" and self.tokenizer is None:
             raise UsageError(f"--length {self.length} needs --tokenizer FILE")
+        self.chat_target = is_chat_target(config.target_length)
+        self.target = parse_target(config.target_length) if config.target_length and not self.chat_target else None
+        if self.target is not None and self.target.kind == "tokens" and self.tokenizer is None:
+            raise UsageError(f"--target-length {self.target} needs --tokenizer FILE")
         # every source with documents (Megatron indexes): the global document number of each sample
         self.doc_offsets = formats.document_offsets([f.path for f in files], [f.format for f in files],
                                                     [f.size for f in files])
@@ -162,22 +205,38 @@ class _Work:
                 "or --length list:COLUMN on a column of token ids"
             )
         self.function = load_function(self.difficulty) if self.difficulty.kind == "function" else None
-        columns = [self.length.column]
-        if self.difficulty.kind == "value" and self.difficulty.column not in columns:
-            columns.append(self.difficulty.column)
-        if self.doc_offsets is not None and "document" not in columns:
+        self.length_at = self._split(self.length.column)  # (the column read, the steps inside it)
+        self.target_at = self._split(self.target.column) if self.target is not None else None
+        self.difficulty_at = self._split(self.difficulty.column) if self.difficulty.kind == "value" else None
+        columns = [at[0] for at in (self.length_at, self.target_at, self.difficulty_at) if at is not None]
+        if self.doc_offsets is not None:
             columns.append("document")
-        self.columns = columns
+        self.columns = list(dict.fromkeys(columns))
         self.reader = Reader()
 
-    def _auto_length(self) -> LengthSpec:
-        from .sources import TEXT_COLUMN
+    def _split(self, text: str) -> tuple[str, tuple]:
+        return split_path(text, self.files)
 
+
+    def values(self, table, at: tuple[str, tuple], text: str, where: str):
+        """The values of PATH ``text`` (split as ``at``) in a table read with :attr:`columns`."""
+        column = table.column(at[0])
+        return paths.extract(column, at[1], text, where) if at[1] and len(column) else column
+
+    def target_lengths(self, table, where: str) -> np.ndarray | None:
+        """``--target-length KIND:PATH`` of the table's rows (None without one)."""
+        if self.target is None:
+            return None
+        return compute_lengths(self.values(table, self.target_at, self.target.column, where), self.target, where,
+                               self.tokenizer, self.config.special_tokens, self.config.target_frames_per_second,
+                               target=True)
+
+    def _auto_length(self) -> LengthSpec:
         # The first file that has columns tells (empty JSONL files have none).
         for f in self.files:
             if f.format == "text":
                 return auto_length([TEXT_COLUMN], {}, self.tokenizer is not None)
-            schema = _schema_of(f)
+            schema = schema_of(f)
             if schema.names:
                 return auto_length(schema.names, {n: schema.field(n).type for n in schema.names},
                                    self.tokenizer is not None)
@@ -209,18 +268,18 @@ class _Work:
         """Lengths of the unit's rows (and flat token ids when ``want_ids``), the table read, and the
         unit's extra metrics columns."""
         table = self.read(unit, all_columns=self.function is not None)
-        column = table.column(self.length.column)
         where = self.where(unit)
+        column = self.values(table, self.length_at, self.length.column, where)
+        target = self.target_lengths(table, where)
         if self.length.kind == "chat":
-            lengths, target = chat_lengths(self.hf, column, self.length.column, where,
-                                           self.config.target_length is not None)
-            return lengths, None, table, self.extra_columns(unit, table, target)
+            lengths, chat_target = chat_lengths(self.hf, column, self.length.column, where, self.chat_target)
+            return lengths, None, table, self.extra_columns(unit, table, target if target is not None else chat_target)
         if want_ids and self.length.kind == "tokens":
             if len(column) and column.null_count:
                 raise InputError(f"column '{self.length.column}' has {column.null_count} null values in {where}")
             lengths, ids = token_lengths(self.tokenizer, column.combine_chunks() if len(column) else column,
                                          self.config.special_tokens, with_ids=True)
-            return lengths, ids, table, self.extra_columns(unit, table, None)
+            return lengths, ids, table, self.extra_columns(unit, table, target)
         lengths = compute_lengths(column, self.length, where, self.tokenizer, self.config.special_tokens,
                                   self.config.frames_per_second)
         ids = None
@@ -236,7 +295,7 @@ class _Work:
                 ids = ids.astype(np.int64)
             if len(ids) and ids.min() < 0:
                 raise InputError(f"column '{self.length.column}' has negative token ids in {where}")
-        return lengths, ids, table, self.extra_columns(unit, table, None)
+        return lengths, ids, table, self.extra_columns(unit, table, target)
 
     def difficulty_values(self, unit: Unit, lengths: np.ndarray, table) -> np.ndarray:
         kind = self.difficulty.kind
@@ -245,8 +304,9 @@ class _Work:
         if kind == "value":
             if len(table) == 0:
                 return np.zeros(0)
-            return numeric_values(table.column(self.difficulty.column), self.difficulty.column, self.where(unit),
-                                  "difficulty column")
+            where = self.where(unit)
+            return numeric_values(self.values(table, self.difficulty_at, self.difficulty.column, where),
+                                  self.difficulty.column, where, "difficulty column")
         if kind == "function":
             import pyarrow as pa
 
@@ -256,7 +316,30 @@ class _Work:
         raise AssertionError(kind)
 
 
-def _schema_of(f: SourceFile):
+def split_path(text: str, files: list[SourceFile]) -> tuple[str, tuple]:
+    """(the column to read, the steps inside it) of a PATH over these sources (:func:`.paths.split`:
+    their column names are read only for a dotted path, which may name a column with dots; WebDataset
+    resolves ``EXT.FIELD`` itself)."""
+    path = paths.parse(text)
+    first = files[0].format if files else None
+    if first == "webdataset" or not path.nested or isinstance(path.steps[1], int):
+        return paths.split(path, (), joined=first == "webdataset")
+    return paths.split(path, column_names(files))
+
+
+def column_names(files: list[SourceFile]) -> list[str]:
+    """The columns of the first file that has any (what a dotted PATH is split against: :func:`.paths.split`)."""
+    for f in files:
+        if f.format == "text":
+            return [TEXT_COLUMN]
+        names = schema_of(f).names
+        if names:
+            return names
+    return []
+
+
+def schema_of(f: SourceFile):
+    """The Arrow schema of a source file (JSONL: of its first rows)."""
     from .sources import footer_key, open_arrow, parquet_file
 
     if f.format == "parquet":
@@ -265,6 +348,8 @@ def _schema_of(f: SourceFile):
         return open_arrow(f.path)[0].schema
     if f.format in formats.NAMES:
         return formats.schema(f.path, f.format, f.size)
+    if f.format == memory.FORMAT:
+        return memory.schema(f.path)
     # JSONL: the first rows tell the columns.
     import pyarrow as pa
 
@@ -578,7 +663,7 @@ def _load_tokenizers(config: AnalyzeConfig, length: LengthSpec | None):
         return None, load_tokenizer(config.tokenizer)
     hf = hf_tokenizer.load_auto(config.tokenizer)
     if length is not None and length.kind == "chat":
-        check_chat_tokenizer(hf, config.tokenizer, config.target_length is not None)
+        check_chat_tokenizer(hf, config.tokenizer, is_chat_target(config.target_length))
     return hf, hf_tokenizer.counter(hf)
 
 

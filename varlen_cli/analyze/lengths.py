@@ -1,4 +1,5 @@
-"""Per-sample lengths (``--length KIND:COLUMN``) computed with Arrow compute and numpy.
+"""Per-sample lengths (``--length KIND:PATH``, ``--target-length KIND:PATH``) computed with Arrow
+compute and numpy. PATH is a column or a field nested in struct and list columns (:mod:`.paths`).
 
 Kinds:
 
@@ -27,6 +28,8 @@ import numpy as np
 
 from ..errors import InputError, UsageError
 from ..storage.files import check_regular
+from .paths import FieldPath
+from .paths import parse as parse_path
 
 LENGTH_KINDS = ("list", "tokens", "chars", "bytes", "words", "value", "chat")
 TEXT_KINDS = ("tokens", "chars", "bytes", "words")
@@ -38,17 +41,25 @@ WORD_PATTERN = r"[^\s\x{0b}\x{1c}-\x{1f}\x{85}\p{Z}]+"
 
 @dataclass(frozen=True)
 class LengthSpec:
+    """``KIND:PATH``: ``column`` is the PATH's text (a column, or a nested field: :mod:`.paths`)."""
+
     kind: str
     column: str
 
     def __str__(self) -> str:
         return f"{self.kind}:{self.column}"
 
+    @property
+    def path(self) -> FieldPath:
+        return parse_path(self.column)
 
-def parse_length(text: str) -> LengthSpec:
+
+def parse_length(text: str, option: str = "--length") -> LengthSpec:
+    """``KIND:PATH`` of ``option``, checked (the kind, the path's syntax)."""
     kind, sep, column = text.partition(":")
     if not sep or not column or kind not in LENGTH_KINDS:
-        raise UsageError(f"--length must be KIND:COLUMN with KIND one of {', '.join(LENGTH_KINDS)}; got {text!r}")
+        raise UsageError(f"{option} must be KIND:PATH with KIND one of {', '.join(LENGTH_KINDS)}; got {text!r}")
+    parse_path(column, f"{option} {text}")
     return LengthSpec(kind, column)
 
 
@@ -138,8 +149,10 @@ def token_lengths(tokenizer, column, add_special_tokens: bool = True, with_ids: 
 
 
 def compute_lengths(column, spec: LengthSpec, where: str, tokenizer=None, add_special_tokens: bool = True,
-                    frames_per_second: float | None = None) -> np.ndarray:
-    """Lengths (int64) of one Arrow column; ``where`` names the file in error messages."""
+                    frames_per_second: float | None = None, target: bool = False) -> np.ndarray:
+    """Lengths (int64) of one Arrow column; ``where`` names the file in error messages; ``target``:
+    ``spec`` is ``--target-length`` (whose seconds ``--target-frames-per-second`` converts)."""
+    option = "--target-length" if target else "--length"
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -153,16 +166,17 @@ def compute_lengths(column, spec: LengthSpec, where: str, tokenizer=None, add_sp
     kind = spec.kind
     if kind == "list":
         if not _is_list(t):
-            raise InputError(f"--length list:{spec.column} needs a list column, but '{spec.column}' is {t} in {where}")
+            raise InputError(f"{option} list:{spec.column} needs a list column, but '{spec.column}' is {t} in {where}")
         return pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
     if kind == "value":
-        return value_lengths(column, spec.column, where, frames_per_second)
+        return value_lengths(column, spec.column, where, frames_per_second,
+                             "--target-frames-per-second" if target else "--frames-per-second")
     if kind == "chat":
         raise UsageError("--length chat:COLUMN needs --tokenizer DIR (a tokenizer with a chat template)")
     if kind == "bytes" and (pa.types.is_binary(t) or pa.types.is_large_binary(t)):
         return pc.binary_length(column).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
     if not _is_text(t):
-        raise InputError(f"--length {kind}:{spec.column} needs a text column, but '{spec.column}' is {t} in {where}")
+        raise InputError(f"{option} {kind}:{spec.column} needs a text column, but '{spec.column}' is {t} in {where}")
     if kind == "chars":
         out = pc.utf8_length(column)
     elif kind == "bytes":
@@ -205,18 +219,19 @@ def numeric_values(column, name: str, where: str, what: str, as_float: bool = Tr
 INT64_MAX = np.iinfo(np.int64).max
 
 
-def value_lengths(column, name: str, where: str, frames_per_second: float | None) -> np.ndarray:
+def value_lengths(column, name: str, where: str, frames_per_second: float | None,
+                  fps_option: str = "--frames-per-second") -> np.ndarray:
     values = numeric_values(column, name, where, "length column", as_float=False)
     if frames_per_second is not None:
         values = np.ceil(values * frames_per_second - 1e-9)
-        _check_fits_int64(values, name, where, f" after --frames-per-second {frames_per_second:g}")
+        _check_fits_int64(values, name, where, f" after {fps_option} {frames_per_second:g}")
         return values.astype(np.int64)
     _check_fits_int64(values, name, where)
     if values.dtype.kind in "iu":
         return values.astype(np.int64, copy=False)
     if not np.all(np.isfinite(values)) or np.any(values != np.floor(values)):
         raise InputError(
-            f"length column '{name}' has fractional values in {where}; pass --frames-per-second F "
+            f"length column '{name}' has fractional values in {where}; pass {fps_option} F "
             "to turn seconds into frames"
         )
     return values.astype(np.int64)
@@ -232,6 +247,18 @@ def _check_fits_int64(values: np.ndarray, name: str, where: str, how: str = "") 
                          f"(first: {values[big][0]:.0f}); lengths must fit int64")
 
 
-def check_frames_per_second(fps: float | None) -> None:
+def check_frames_per_second(fps: float | None, option: str = "--frames-per-second") -> None:
     if fps is not None and (not math.isfinite(fps) or fps <= 0):
-        raise UsageError(f"--frames-per-second must be a positive number, got {fps}")
+        raise UsageError(f"{option} must be a positive number, got {fps}")
+
+
+TARGET_KINDS = tuple(k for k in LENGTH_KINDS if k != "chat")
+
+
+def parse_target(text: str) -> LengthSpec:
+    """``--target-length KIND:PATH`` (any kind but chat: ``assistant`` is the chat target, :mod:`.chat`)."""
+    kind, sep, column = text.partition(":")
+    if not sep or not column or kind not in TARGET_KINDS:
+        raise UsageError(f"--target-length must be KIND:PATH with KIND one of {', '.join(TARGET_KINDS)}, or assistant "
+                         f"(with --length chat:COLUMN); got {text!r}")
+    return parse_length(text, "--target-length")

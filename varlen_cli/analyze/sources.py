@@ -10,8 +10,12 @@ Formats (by extension; ``.gz`` allowed on the line formats):
 * Plain text (``.txt``, ``.text``): one sample per ``\\n``-terminated line, column ``text``
   (``\\r\\n`` accepted); byte-range chunks like JSONL.
 
-``sample_id`` is the row index over all files in sorted path order, rows in file order; that is the
-index of a map-style dataset built over the same files.
+* Shard formats (:mod:`.formats`): Megatron, MDS, WebDataset, LitData, Lance; speech manifests
+  (:mod:`.corpora`): NeMo shard ranges, Lhotse Shar folders; an in-memory ``datasets.Dataset``
+  (:mod:`.memory`, through ``analyze_dataset``).
+
+``sample_id`` is the row index over all files in sorted path order (a NeMo shard range in its own
+order), rows in file order; that is the index of a map-style dataset built over the same files.
 
 Sources may be URLs (``s3://``, ``gs://``, ``hf://``...): every read goes through
 :mod:`varlen_cli.storage` (range requests; prefixes and globs through :mod:`.remote`).
@@ -30,7 +34,7 @@ from .. import format, storage
 from ..errors import InputError
 from ..runtime import freshness
 from ..storage.files import check_regular, open_regular
-from . import discovery, formats, remote
+from . import corpora, discovery, formats, memory, remote
 
 PARQUET_EXT = (".parquet", ".pq")
 ARROW_EXT = (".arrow", ".feather", ".ipc")
@@ -108,7 +112,10 @@ def _is_data_file_name(name: str) -> bool:
 
 def _expand(source: str) -> list[tuple[str, bool]]:
     """The data-file candidates of one SOURCE, each with whether the user named it explicitly
-    (see :mod:`varlen_cli.analyze.discovery` for what a directory or glob takes)."""
+    (see :mod:`varlen_cli.analyze.discovery` for what a directory or glob takes; :mod:`.corpora` for
+    NeMo shard ranges and Lhotse Shar directories)."""
+    if corpora.is_nemo_range(source):
+        return [(p, True) for p in corpora.expand_nemo(source)]
     if not any(ch in source for ch in discovery.GLOB_CHARS) and not storage.exists(source):
         idx = formats.megatron_prefix(source)  # PREFIX of PREFIX.idx + PREFIX.bin
         if idx is not None:
@@ -127,6 +134,12 @@ def _expand(source: str) -> list[tuple[str, bool]]:
         hf = _hf_dataset_files(source)
         if hf is not None:
             return [(p, True) for p in hf]
+        shar = corpora.shar_cuts(source)
+        if shar is not None:
+            return [(p, True) for p in shar]
+        manifest = formats.dataset_manifest(source)  # a Lance dataset: its latest version
+        if manifest is not None:
+            return [(manifest, True)]
         found = discovery.walk_directory(source, _is_data_file_name)
         if not found:
             raise InputError(f"no data files (Parquet, Arrow, JSONL, text) found in directory {source}")
@@ -144,21 +157,31 @@ def discover(sources: Sequence[str]) -> list[SourceFile]:
     """Resolve files, directories and globs into data files in sorted path order."""
     if not sources:
         raise InputError("no sources given")
+    if any(memory.is_source(s) for s in sources):  # analyze_dataset: one in-memory datasets.Dataset
+        src = memory.register(sources[0])
+        return [SourceFile(src.path, memory.FORMAT, src.nbytes, None, src.rows)]
     _FOOTERS.clear()  # a new run: footers are read (once) again
     formats.clear_cache()  # and shard indexes
     explicit: dict[str, bool] = {}
+    order: dict[str, tuple] = {}  # a shard range keeps its order, placed where its first file sorts
     for s in sources:
-        for p, named in _expand(storage.local_path(str(s))):  # file:///x is the local path /x
-            path = p if storage.is_remote(p) else os.path.abspath(p)
+        expanded = [(p if storage.is_remote(p) else os.path.abspath(p), named)
+                    for p, named in _expand(storage.local_path(str(s)))]  # file:///x is the local path /x
+        if corpora.is_nemo_range(storage.local_path(str(s))):
+            first = min(p for p, _ in expanded)
+            order.update({p: (first, k) for k, (p, _) in enumerate(expanded) if p not in order})
+        for path, named in expanded:
             explicit[path] = explicit.get(path, False) or named
     files = []
-    for path in sorted(explicit):
+    for path in sorted(explicit, key=lambda p: order.get(p, (p, 0))):
         fmt, compression = file_format(path)
         if fmt is None:
             raise InputError(
                 f"unsupported source file {path}: expected .parquet, .arrow/.feather, .jsonl[.gz], .txt[.gz], "
-                "a Megatron .idx, an MDS index.json or WebDataset .tar shards"
+                "a Megatron .idx, an MDS or LitData index.json, WebDataset .tar shards or a Lance dataset"
             )
+        if fmt == "mds":
+            fmt = formats.index_format(path)  # an index.json: MDS's or LitData's
         if storage.is_remote(path):
             info = storage.stat(path)
             size, mtime_ns, etag, version = info.size, 0, info.etag, info.version
@@ -291,6 +314,10 @@ def make_units(files: Sequence[SourceFile], chunk_bytes: int = DEFAULT_CHUNK_BYT
             units.extend(_row_units(i, [f.rows], whole_file=True))
         elif f.format in formats.NAMES:
             units.extend(Unit(i, *u) for u in formats.units(f.path, f.format, f.size, chunk_bytes))
+        elif f.format == memory.FORMAT:
+            step = memory.unit_rows(f.rows, f.size, chunk_bytes, MAX_UNIT_ROWS)
+            units.extend(Unit(i, -1, a, min(a + step, f.rows), min(step, f.rows - a), min(step, f.rows - a))
+                         for a in range(0, max(f.rows, 1), step))
         elif f.compression is not None:
             units.append(Unit(i, -1, 0, f.size, -1, max(1, _estimate_rows(f.path, f.size, compressed=True))))
         else:
@@ -410,6 +437,8 @@ class Reader:
                 table = self._open(f).slice(unit.start, unit.stop - unit.start)
             elif f.format in formats.NAMES:
                 table = self._shards.read(f.path, f.format, f.size, unit, columns)
+            elif f.format == memory.FORMAT:
+                table = memory.read(f.path, unit.start, unit.stop, columns)
             elif f.format == "jsonl":
                 table = _read_jsonl(f, unit)
             else:
@@ -528,6 +557,11 @@ def fingerprint(files: Sequence[SourceFile], rows_per_file: Sequence[int]) -> di
     """Identity of the dataset: file names relative to their common folder, sizes and row counts."""
     from ..runtime.artifacts import digest
 
+    if files and files[0].format == memory.FORMAT:  # analyze_dataset: the dataset's own fingerprint
+        src = memory.lookup(files[0].path)
+        entry = {"path": src.path, "size": src.nbytes, "rows": int(rows_per_file[0]), "format": memory.FORMAT,
+                 "fingerprint": src.fingerprint}
+        return {"digest": digest([entry]), "root": "", "num_files": 1, "num_rows": entry["rows"], "files": [entry]}
     root = storage.common_root([f.path for f in files])
     entries = [
         {"path": storage.relpath(f.path, root) if root else f.path, "size": f.size, "rows": int(n),

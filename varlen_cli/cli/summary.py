@@ -71,8 +71,19 @@ def analyze_rows(result) -> list:
         _row("samples", result.num_samples), _row("files", result.num_files), _row("parts", result.num_parts),
         _row("length", result.length), _row("difficulty", result.difficulty), _row("total length", s["total"]),
         _row("min / p50 / p90 / p99 / max", q, " / ".join(f"{v:,}" for v in q)),
-        _row("mean length", s["mean"]), _row("seconds", result.seconds),
+        _row("mean length", s["mean"]), *_target_rows(result), _row("seconds", result.seconds),
     ]
+
+
+def _target_rows(result) -> list:
+    """With ``--target-length``: what it counted and its distribution (the ``target_length`` column)."""
+    t = (result.manifest.get("stats") or {}).get("target_length")
+    if not t:
+        return []
+    q = [t["min"], t["p50"], t["p90"], t["p99"], t["max"]]
+    return [_row("target length", result.manifest["config"].get("target_length")),
+            _row("total target length", t["total"]),
+            _row("target min / p50 / p90 / p99 / max", q, " / ".join(f"{v:,}" for v in q))]
 
 
 def analyze_json(result) -> dict:

@@ -45,7 +45,7 @@ class ItemTokenizer:
         """Put each item's token ids (an int64 array) under ``input_ids``."""
         if not items:
             return
-        values = [item[self.column] for item in items]
+        values = [_measured(item, self.column) for item in items]
         if self.kind == "chat":
             from ..analyze.chat import encode, parse_conversations
 
@@ -61,6 +61,20 @@ class ItemTokenizer:
             ids = np.split(flat, np.cumsum(lengths)[:-1])
         for item, tokens in zip(items, ids):
             item["input_ids"] = tokens
+
+
+def _measured(item: dict, path: str):
+    """The value analyze measured: the item's key ``path`` (``columns=[path]``), or the nested field the
+    PATH names inside the column the item holds whole."""
+    if path in item:
+        return item[path]
+    from ..analyze.paths import parse, value
+
+    steps = parse(path).steps
+    for k in range(len(steps), 0, -1):  # the longest dotted prefix the item holds
+        if all(isinstance(x, str) for x in steps[:k]) and ".".join(steps[:k]) in item:
+            return value(item[".".join(steps[:k])], steps[k:])
+    return None
 
 
 def _token_counter(tokenizer: Any):

@@ -157,6 +157,9 @@ for _fmt, _blocks in (("arrow", _arrow_blocks), ("jsonl", _line_blocks), ("text"
 # sample ranges (Megatron sequences, MDS samples); WebDataset: the byte chunks analyze recorded
 for _fmt, _blocks in (("megatron", _any_blocks), ("mds", _any_blocks), ("webdataset", _line_blocks)):
     register_format(_fmt, _blocks, _shard_read)
+for _fmt in ("lance", "litdata"):  # fragments' and chunks' row ranges
+    register_format(_fmt, _any_blocks, _shard_read)
+register_format("dataset", _any_blocks, _reader_read)  # an in-memory datasets.Dataset (SourceDataset(dataset=...))
 
 
 # -- the manifest ------------------------------------------------------------------------------------
@@ -185,6 +188,23 @@ def _source_files(manifest: dict, where: str) -> tuple[list, list[dict]]:
     return files, entries
 
 
+def _in_memory(dataset: Any, entries: list[dict], where: str):
+    """The in-memory dataset of metrics made by ``analyze_dataset`` (registered, checked), else None."""
+    from ..analyze import memory
+
+    measured = [e for e in entries if e.get("format") == memory.FORMAT]
+    if dataset is None:
+        if measured:
+            memory.lookup(str(measured[0]["path"]))  # registered in this process (analyze_dataset ran here) or refused
+        return None
+    if not measured:
+        raise UsageError(f"dataset= is for metrics of an in-memory datasets.Dataset (analyze_dataset); {where} was "
+                         "measured on files")
+    source = memory.DatasetSource(dataset)
+    memory.check_same(source, measured[0], where)
+    return memory.register(source)
+
+
 def _check_fresh(manifest: dict, where: str) -> None:
     from ..runtime import freshness
 
@@ -203,12 +223,13 @@ class SourceDataset:
     analyze measured into ``input_ids``. ``cache_bytes``: decoded blocks kept per process.
     ``threads``: background readers of :meth:`prefetch`. ``storage_options``: for object storage
     (as ``--storage-option``; the standard environment otherwise). ``allow_stale``: skip the check
-    that the sources are unchanged since analyze.
+    that the sources are unchanged since analyze. ``dataset``: the in-memory ``datasets.Dataset``
+    that :func:`varlen_cli.analyze.analyze_dataset` measured (checked: its fingerprint and length).
     """
 
     def __init__(self, metrics_dir: str | os.PathLike, columns: Sequence[str] | None = None, tokenizer: Any = None,
                  *, cache_bytes: int = DEFAULT_CACHE_BYTES, threads: int = DEFAULT_THREADS,
-                 storage_options: Any = None, allow_stale: bool = False):
+                 storage_options: Any = None, allow_stale: bool = False, dataset: Any = None):
         from .. import storage
 
         self.metrics_dir = str(metrics_dir)
@@ -219,12 +240,15 @@ class SourceDataset:
         if not allow_stale:
             _check_fresh(manifest, self.metrics_dir)
         self.files, self._entries = _source_files(manifest, self.metrics_dir)
+        self._in_memory = _in_memory(dataset, self._entries, self.metrics_dir)
         self.columns = list(columns) if columns is not None else None
+        self._selection = _Selection(self.columns, self.files) if self.columns is not None else None
         self.cache_bytes = int(cache_bytes)
         self.threads = max(1, int(threads))
         self.tokenizer = ItemTokenizer(tokenizer, manifest.get("config") or {}, self.metrics_dir) \
             if tokenizer is not None else None
-        if self.tokenizer is not None and self.columns is not None and self.tokenizer.column not in self.columns:
+        if self.tokenizer is not None and self.columns is not None and not self._selection.holds(
+                self.tokenizer.column, self.files):
             raise UsageError(f"tokenizer= tokenizes column '{self.tokenizer.column}' (what analyze measured): add it "
                              f"to columns={self.columns}")
         self._num_rows = int(sum(f.rows for f in self.files))
@@ -249,6 +273,10 @@ class SourceDataset:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        if self._in_memory is not None:  # a DataLoader worker: the dataset came pickled with us
+            from ..analyze import memory
+
+            memory.register(self._in_memory)
         if self.storage_options is not None:
             from .. import storage
 
@@ -346,7 +374,11 @@ class SourceDataset:
         try:
             b = self._blocks[block]
             f = self.files[b.file]
-            table = _FORMATS.get(f.format, (None, _reader_read))[1](f, b.unit, self.columns)
+            read = _FORMATS.get(f.format, (None, _reader_read))[1]
+            if self._selection is None:
+                table = read(f, b.unit, None)
+            else:
+                table = self._selection.table(read(f, b.unit, self._selection.read), f.path)
             if table.num_rows != b.rows:
                 raise InputError(f"{f.path} changed since analyze (a block holds {table.num_rows} rows, not "
                                  f"{b.rows}); re-run `varlen analyze`")
@@ -361,6 +393,34 @@ class SourceDataset:
         finally:
             with self._lock:
                 self._inflight.pop(block, None)
+
+
+class _Selection:
+    """``columns=`` as PATHs (:mod:`varlen_cli.analyze.paths`): the columns read, and each item key's
+    values taken from them (vectorised over a block)."""
+
+    def __init__(self, columns: list[str], files: list):
+        from ..analyze.core import split_path
+
+        self.keys = columns
+        self.at = [split_path(text, files) for text in columns]  # (column, steps) per key
+        self.read = list(dict.fromkeys(column for column, _ in self.at))
+
+    def holds(self, text: str, files: list) -> bool:
+        """Whether the items hold PATH ``text`` (as a key, or inside a column they hold whole)."""
+        from ..analyze.core import split_path
+
+        return text in self.keys or split_path(text, files)[0] in self.keys
+
+    def table(self, table, where: str):
+        import pyarrow as pa
+
+        from ..analyze.paths import extract
+
+        if all(not steps and column == key for key, (column, steps) in zip(self.keys, self.at)):
+            return table
+        return pa.table({key: extract(table.column(column), steps, key, where) if steps and table.num_rows
+                         else table.column(column) for key, (column, steps) in zip(self.keys, self.at)})
 
 
 class _Decoded:

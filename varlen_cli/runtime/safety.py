@@ -107,7 +107,7 @@ def stage_inputs(config) -> list[str]:
         if isinstance(value, str):
             found.append(value)
         elif isinstance(value, (list, tuple)):
-            found += [str(v) for v in value]
+            found += [str(v) for v in value if isinstance(v, (str, os.PathLike))]  # not an in-memory dataset
     for name in CODE_FIELDS:
         value = get(name)
         path = module_path(value) if isinstance(value, str) else None

@@ -30,6 +30,11 @@ def _index_dtype(n: int):
     return np.int32 if n < 1 << 31 else np.int64
 
 
+# tokens without a loss target: below 0 where a microbatch's targets outnumber its tokens (a seq2seq
+# target_length, the decoder's tokens, counted apart from the source's length)
+SIGNED_COLUMNS = ("lost",)
+
+
 def _storage_dtype(top) -> np.dtype:
     """The smallest dtype that holds a non-negative column whose largest value is ``top``."""
     if isinstance(top, float):
@@ -217,7 +222,8 @@ def _concat(tables: list, columns, const: dict | None = None) -> tuple[Units, np
     for name in columns:
         top = max((_column_max(t, name) for t in tables if t.count), default=0)
         logical[name] = _logical_dtype(name, top)
-        cols[name] = np.empty(m, _storage_dtype(top) if logical[name].kind != "f" else logical[name])
+        narrow = logical[name].kind != "f" and name not in SIGNED_COLUMNS
+        cols[name] = np.empty(m, _storage_dtype(top) if narrow else logical[name])
     last_lo = max((int(t.header["items"]) if hasattr(t, "header") else int(t.offsets[-1]) for t in tables), default=0)
     cols["item_lo"] = np.empty(m, _index_dtype(last_lo + 1))
     for k, t in enumerate(tables):
