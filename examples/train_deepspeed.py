@@ -61,6 +61,8 @@ def parse_args(argv=None):
     p.add_argument("--save-at", type=int, default=None, help="checkpoint after this global step")
     p.add_argument("--resume", action="store_true", help="load the checkpoint in --ckpt first")
     p.add_argument("--log-dir", default=None)
+    p.add_argument("--tensorboard", default=None, help="DeepSpeed's TensorBoard monitor writes here (the plan's "
+                   "varlen/* figures of every step among them)")
     return p.parse_args(argv)
 
 
@@ -77,6 +79,8 @@ def ds_config(args) -> dict:
     config = {"zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
     if args.bf16:
         config["bf16"] = {"enabled": True}
+    if args.tensorboard:
+        config["tensorboard"] = {"enabled": True, "output_path": args.tensorboard, "job_name": "varlen"}
     return config
 
 

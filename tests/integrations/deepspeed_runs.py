@@ -46,10 +46,12 @@ def runs(folder: str, data: str) -> None:
     for stage in (0, 1, 2, 3):
         save = ["--ckpt", os.path.join(folder, f"ckpt-z{stage}"), "--save-at", str(SAVE_AT[stage])] \
             if stage in SAVE_AT else []
-        train(folder, data, f"z{stage}", "padded.parquet", "--zero", str(stage), *save)
+        monitor = ["--tensorboard", os.path.join(folder, "tb-z2")] if stage == 2 else []  # engine.monitor
+        train(folder, data, f"z{stage}", "padded.parquet", "--zero", str(stage), *save, *monitor)
     for stage in (2, 3):
+        monitor = ["--tensorboard", os.path.join(folder, "tb-z2-resumed")] if stage == 2 else []
         train(folder, data, f"z{stage}-resumed", "padded.parquet", "--zero", str(stage), "--resume", "--ckpt",
-              os.path.join(folder, f"ckpt-z{stage}"))
+              os.path.join(folder, f"ckpt-z{stage}"), *monitor)
     train(folder, data, "bf16", "padded.parquet", "--zero", "2", "--bf16", "--max-steps", "4", hook=overflow)
 
 

@@ -28,6 +28,7 @@ from tests.integration_helpers import (  # noqa: E402
     assert_grads_close,
     check_lr,
     check_stream,
+    check_tracker_figures,
     hf_cosine,
     load_example,
     logs,
@@ -103,6 +104,9 @@ def test_resume_from_deepspeeds_checkpoint_is_bit_exact(ds, stage):
         assert resumed["steps"] == full["steps"][k:]
         assert resumed["lr"] == full["lr"][k:]
         assert resumed["micro"] == full["micro"][k * plan.grad_accum:]
+    if stage == 2:  # DeepSpeed's TensorBoard monitor got the plan's figures of every step, at global_steps
+        check_tracker_figures(plan.path, folder / "tb-z2" / "varlen", "", 1, range(plan.num_steps))
+        check_tracker_figures(plan.path, folder / "tb-z2-resumed" / "varlen", "", 1, range(k, plan.num_steps))
 
 
 @pytest.mark.slow

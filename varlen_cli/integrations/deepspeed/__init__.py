@@ -31,9 +31,11 @@ What the plain setup gets wrong, and what each name does instead (docs/integrati
   inside a step is refused (``--same-shape-per-step``), and :class:`PipeLoader` re-sizes the buffers
   between steps of different shapes; :func:`pipe_loss` is the matching ``loss_fn``.
 
-Per-step tracker figures (``engine.monitor``) are not written here yet: the hook point is
-:func:`~.binding.sync_lr`'s callers (one call per microbatch, with the batch) in :func:`backward`
-and :meth:`PipeLoader._before`.
+Per-step tracker figures: with a monitor in the DeepSpeed config (``tensorboard``, ``wandb``,
+``csv_monitor``, ``comet``), :func:`backward` (and :class:`PipeLoader`) write the plan's figures of
+every optimizer step (``varlen/tokens``, ``varlen/padding_pct``, ``varlen/straggler``, verl's
+``global_seqlen/*``, ...) through ``engine.monitor`` at DeepSpeed's step axis
+(:func:`~.binding.write_step_figures`).
 """
 
 from __future__ import annotations

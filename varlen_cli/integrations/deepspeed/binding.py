@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ...loader import VariableBatchSizeLR
+from ...loader import VariableBatchSizeLR, plan_metric_events
 from ...loader.plan_file import Plan, PlanError
 from ...loader.position import batch_position, describe
 from ...loader.replan import first_step
@@ -103,3 +103,16 @@ def follow_skipped_steps(engine, binding: PlanBinding) -> None:
             sync_lr(ref(), binding)
 
     optimizer.register_step_pre_hook(before_update)
+
+
+def write_step_figures(engine, binding: PlanBinding, batch: Any) -> None:
+    """The plan's figures of the batch's optimizer step (``varlen/*`` and ``global_seqlen/*``:
+    :func:`varlen_cli.loader.plan_metric_events`) to DeepSpeed's monitor when its config enables one
+    (TensorBoard, W&B, CSV, Comet; DeepSpeed writes on rank 0): once per step, at the step's last
+    microbatch, at x = ``engine.global_steps`` once the step's update is applied (DeepSpeed's own axis:
+    the plan's step + 1, counting the steps before a replanned plan)."""
+    monitor = getattr(engine, "monitor", None)
+    info = batch.get("info") if isinstance(batch, dict) else None
+    if monitor is None or not monitor.enabled or info is None or info.micro != binding.plan.grad_accum - 1:
+        return
+    monitor.write_events(plan_metric_events(batch, engine.global_steps + 1))

@@ -13,7 +13,7 @@ from ...loader import VariableBatchSizeLR, dataloader_for_plan
 from ...loader.plan_file import Plan, PlanError
 from ...loader.replan import first_step
 from .. import open_plan
-from .binding import TRAINING_DATA, PlanBinding, bind, binding_of, check_position, sync_lr
+from .binding import TRAINING_DATA, PlanBinding, bind, binding_of, check_position, sync_lr, write_step_figures
 from .config import check_engine, engine_config
 from .pipe import PipeLoader, check_pipe_plan
 
@@ -93,6 +93,8 @@ def backward(engine, loss_sum: torch.Tensor, batch: dict):
     check_position(engine, binding, batch, micro=True)
     sync_lr(engine, binding)
     targets = max(int(batch["step_loss_tokens"]), 1)  # a step without targets: loss_sum is 0
-    return engine.backward(loss_sum * (binding.dp / targets), scale_wrt_gas=False)
+    out = engine.backward(loss_sum * (binding.dp / targets), scale_wrt_gas=False)
+    write_step_figures(engine, binding, batch)
+    return out
 
 

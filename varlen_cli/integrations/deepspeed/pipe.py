@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ...loader.plan_file import Plan, PlanError
-from .binding import check_position, sync_lr
+from .binding import check_position, sync_lr, write_step_figures
 from .config import plan_columns
 
 
@@ -110,6 +110,7 @@ class PipeLoader:
         engine = self._engine
         _, step, _, micro = check_position(engine, self._binding, batch, micro=False)
         sync_lr(engine, self._binding)
+        write_step_figures(engine, self._binding, batch)
         if self._dynamic:
             return
         shape = tuple(self._shapes[step])
