@@ -34,7 +34,7 @@ What the plain setup gets wrong, and what each name does instead (docs/integrati
 Per-step tracker figures: with a monitor in the DeepSpeed config (``tensorboard``, ``wandb``,
 ``csv_monitor``, ``comet``), :func:`backward` (and :class:`PipeLoader`) write the plan's figures of
 every optimizer step (``varlen/tokens``, ``varlen/padding_pct``, ``varlen/straggler``, verl's
-``global_seqlen/*``, ...) through ``engine.monitor`` at DeepSpeed's step axis
+``global_seqlen/*``, ...) through the engine's ``monitor`` at DeepSpeed's step axis
 (:func:`~.binding.write_step_figures`).
 """
 
