@@ -26,7 +26,7 @@ FLOORS = (
     ("runtime",),  # the shared runtime: workers, artifacts, output safety, progress
     ("memory", "schedule"),  # the models the planner and the checks consult
     ("checks",),  # a plan's invariants: what validate and the planner's own check run
-    ("analyze", "sort", "plan", "loader", "inspect", "validate", "report"),  # the stages (report: over inspect)
+    ("analyze", "sort", "plan", "loader", "inspect", "validate", "report", "export"),  # the stages
     ("integrations",),  # the frameworks' adapters over the loader
     ("run", "cli", "__main__"),  # the pipeline and the command line
 )

@@ -192,7 +192,7 @@ class DeepSpeedExport:
 
 def read_deepspeed_export(path: str) -> DeepSpeedExport:
     """Read a ``varlen export deepspeed`` directory; a damaged or inconsistent one is refused."""
-    from .runtime.files import open_regular
+    from .storage.files import open_regular
 
     try:
         with open_regular(os.path.join(path, MANIFEST), what="export manifest", error=InputError) as fh:

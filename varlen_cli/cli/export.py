@@ -16,7 +16,7 @@ def export_command(config: ExportConfig, json_output: bool = common.JSON) -> Non
 
     deepspeed: DeepSpeed's (microbatch_ids, batch_sizes, batch_max_seqlens) (docs/integrations.md).
     """
-    from varlen_cli.cli import report
+    from varlen_cli.cli import summary
     from varlen_cli.export import export
 
     result = common.run(export, config)
@@ -36,7 +36,7 @@ def export_command(config: ExportConfig, json_output: bool = common.JSON) -> Non
     table = Table(title=f"varlen export {config.target} → {result.output}", show_header=False)
     for label, value in rows:
         table.add_row(label, f"{value:,}" if isinstance(value, int) else str(value))
-    report.console().print(table)
+    summary.console().print(table)
 
 
 def register(app: typer.Typer) -> None:
