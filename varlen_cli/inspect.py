@@ -87,6 +87,7 @@ def plan_series(pf, meta: dict) -> dict:
     budget = format.plan_budget(meta)
     lists = ["sample_lengths"] if budget.needs_segment_lengths else []
     cols = ["step", "rank", "num_samples", "lr_scale", "tokens", "batch_size", "seqlen"]
+    cols += [format.TARGET_SEQLEN_COLUMN] if budget.two_sided else []
     series = _SeriesSums(max(int(meta.get("dp", 1)), 1))
     slots = max(series.ranks * int(meta.get("grad_accum", 1)), 1)
     for w in scan.windows(pf, cols, lists, slots):
@@ -118,7 +119,7 @@ class _SeriesSums:
         steps = int(local.max()) + 1
         sums = (segment_sum_squares(w.values("sample_lengths"), w.offsets("sample_lengths"))
                 if budget.needs_segment_lengths else None)
-        cost = budget.microbatch_cost(c["tokens"], c["batch_size"], c["seqlen"], sums)
+        cost = budget.microbatch_cost(c["tokens"], c["batch_size"], c["seqlen"], sums, c.get(format.TARGET_SEQLEN_COLUMN))
         tokens = c["tokens"].astype(np.float64)
         self.tokens.append(np.bincount(local, weights=tokens, minlength=steps))
         self.samples.append(np.bincount(local, weights=c["num_samples"].astype(np.float64), minlength=steps))
