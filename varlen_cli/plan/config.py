@@ -39,9 +39,9 @@ class PlanConfig:
     output: str = doc(help="Plan file to write (Parquet, one row per microbatch); local or an s3://... object.")
     max_tokens: int | None = doc(None, "Hard budget: padded B x T of every microbatch (plus A x B x T^2 with "
                                        "--attention-cost). Required unless --packing or --max-memory.")
-    max_target_tokens: int | None = doc(None, "Second budget, for encoder-decoder models: padded B x T_target of every "
-                                              "microbatch (T_target: the longest target_length of `varlen analyze "
-                                              "--target-length`, padded like T; plan column target_seqlen).")
+    max_target_tokens: int | None = doc(None, "Second budget (encoder-decoder): padded B x T_target of every "
+                                              "microbatch; T_target: the longest target_length (analyze "
+                                              "--target-length), column target_seqlen.")
     dp: int = doc(1, "Data-parallel ranks: every step has dp x grad-accum microbatches.")
     grad_accum: int = doc(1, "Microbatches per rank per optimizer step.")
     order: Order = doc("bucket-shuffle", "curriculum (sorted input's order), reverse, bucket-shuffle (near-equal "
