@@ -119,7 +119,8 @@ class _SeriesSums:
         steps = int(local.max()) + 1
         sums = (segment_sum_squares(w.values("sample_lengths"), w.offsets("sample_lengths"))
                 if budget.needs_segment_lengths else None)
-        cost = budget.microbatch_cost(c["tokens"], c["batch_size"], c["seqlen"], sums, c.get(format.TARGET_SEQLEN_COLUMN))
+        cost = budget.microbatch_cost(c["tokens"], c["batch_size"], c["seqlen"], sums,
+                                      c.get(format.TARGET_SEQLEN_COLUMN))
         tokens = c["tokens"].astype(np.float64)
         self.tokens.append(np.bincount(local, weights=tokens, minlength=steps))
         self.samples.append(np.bincount(local, weights=c["num_samples"].astype(np.float64), minlength=steps))
