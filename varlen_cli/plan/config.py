@@ -194,7 +194,8 @@ TARGET_EXCLUDES = (
 
 
 def _check_target(c: PlanConfig) -> None:
-    """``--max-target-tokens``: an integer in range, beside ``--max-tokens``, and none of :data:`TARGET_EXCLUDES`."""
+    """``--max-target-tokens``: an integer in range (beside ``--max-tokens``, which :func:`check` requires
+    without ``--packing``/``--max-memory``), and none of :data:`TARGET_EXCLUDES`."""
     if c.max_target_tokens is None:
         return
     for name, option, why in TARGET_EXCLUDES:
@@ -203,8 +204,6 @@ def _check_target(c: PlanConfig) -> None:
     _positive("--max-target-tokens", c.max_target_tokens)
     if c.max_target_tokens > MAX_TOKENS_LIMIT:
         raise UsageError(f"--max-target-tokens must be at most 2^53 (got {c.max_target_tokens})")
-    if c.max_tokens is None:
-        raise UsageError("--max-target-tokens needs --max-tokens (the budget of the source side)")
 
 
 def _check_attention(c: PlanConfig) -> None:
