@@ -155,6 +155,9 @@ def test_inputs_and_continuations_that_do_not_apply_refuse_in_one_line(corpus, t
                       "or pass --drop-long")
     assert runner.invoke(app, ["plan", corpus["metrics"], "-o", out, *BASE, "--drop-long", "--no-progress"]) \
         .exit_code == 0
+    assert_user_error(runner.invoke(app, ["calibrate", "--verify", out, "--model", "tests.memory_models:ballast"]), 2,
+                      f"--verify does not apply to {out}: it has two budgets (--max-target-tokens), and a memory "
+                      "profile's model runs one sequence of B x T")
     assert_user_error(runner.invoke(app, ["replan", out, "--from-step", "1", "--dp", "1", "-o", str(tmp_path / "r"),
                                           "--max-memory", "1GiB", "--memory-profile", str(tmp_path / "x.json")]),
                       2, "--max-memory does not apply to a plan with --max-target-tokens (a memory profile is measured "
