@@ -341,7 +341,8 @@ def rank_cost_chart(loads: list, cost_spec: dict) -> TextTable:
     mean = arr.mean(axis=1, keepdims=True)
     ratio = np.where(mean > 0, arr / np.where(mean > 0, mean, 1.0), 1.0)
     kind = cost_spec.get("kind", "tokens")
-    what = {"tokens": "tokens", "packed": "tokens + A sum(l^2)", "padded": "B T + A B T^2"}.get(kind, kind)
+    what = {"tokens": "tokens", "packed": "tokens + A sum(l^2)", "padded": "B T + A B T^2",
+            "seq2seq": "B (T + T_t) + A B (T^2 + T_t^2 + T T_t)"}.get(kind, kind)
     lo, hi = CHART_SCALE
     t = TextTable(f"per-rank cost ({what}) / step mean, steps 0..{len(arr) - 1}: ▁ <= {lo}, █ >= {hi}",
                   [("rank", "right"), ("cost per step", "left"), ("max / mean", "right")])
@@ -355,6 +356,8 @@ def rank_cost_chart(loads: list, cost_spec: dict) -> TextTable:
 def _step_table(step_rows: list) -> TextTable:
 
     names = ("rank", "micro", "num_samples", "batch_size", "seqlen", "tokens", "lr_scale")
+    if step_rows and format.TARGET_SEQLEN_COLUMN in step_rows[0]:  # two budgets
+        names = names[:5] + (format.TARGET_SEQLEN_COLUMN,) + names[5:]
     stt = TextTable("microbatches of the step", [(c, "right") for c in names + ("sample_ids",)])
     for row in step_rows:
         ids = row["sample_ids"]
