@@ -172,6 +172,8 @@ def test_formats_md_lists_every_plan_metadata_key(tmp_path):
     assert json.loads(pq.read_schema(mixed).metadata[b"varlen"])["dropped"]["tail"][0]["sources"]
     make("memory", memory_profile=str(profile), max_memory="64MiB", packing=True, seq_len=256, split_long=True)
     make("schedule", max_tokens=512, drop_long=True, dp=2, grad_accum=2, schedule="1f1b", stages=2)
+    make("two budgets", input=write_metrics(tmp_path / "t", lengths, targets=lengths // 2), max_tokens=512,
+         max_target_tokens=300, drop_long=True, dp=2, num_shapes=3)
     made.append(replan(ReplanConfig(plan=padded, output=str(tmp_path / "r.parquet"), dp=3, from_step=1)).output)
     made.append(extend(ExtendConfig(plan=made[-1], output=str(tmp_path / "e.parquet"), epochs=3)).output)
     section = _formats_metadata_section()

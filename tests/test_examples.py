@@ -147,3 +147,56 @@ def test_a_replanned_plan_without_the_parents_checkpoint_is_refused(tmp_path, mo
             f"this loader starts fresh: load the checkpoint the plan was made from (loader.load_state_dict(its loader "
             f"state)) before iterating, or a new model trains on the rest of the data only") + "$"):
         example.train(example.parse_args(["--plan", child, "--d-model", "16", "--layers", "1"]))
+
+
+SEQ2SEQ = os.path.join(ROOT, "examples", "train_seq2seq.py")
+
+
+@pytest.mark.slow
+def test_seq2seq_two_ranks_exact_stream_target_padding_lr_and_loss(tmp_path):
+    """examples/train_seq2seq.py on a two-budget plan (issue 36), 2 gloo ranks: each rank runs exactly its
+    plan rows in order, every pair once; the encoder side is B x seqlen, the decoder inputs and labels
+    B x target_seqlen; each microbatch's loss targets are its targets' tokens and each step's the plan's
+    step_loss_tokens (the sum of its target_length), which lr_scale follows (--lr-scale-by tokens)."""
+    from typer.testing import CliRunner
+
+    from varlen_cli.cli import app
+
+    spec = importlib.util.spec_from_file_location("train_seq2seq", SEQ2SEQ)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    data, metrics, plan_path = str(tmp_path / "pairs.parquet"), str(tmp_path / "m"), str(tmp_path / "plan.parquet")
+    example.make_data(data, n=240)
+    runner = CliRunner()
+    for args in (["analyze", data, "-o", metrics, "--length", "list:input_ids", "--target-length", "list:labels"],
+                 ["plan", metrics, "-o", plan_path, "--max-tokens", "384", "--max-target-tokens", "256", "--dp", "2",
+                  "--grad-accum", "2", "--lr-scale-by", "tokens", "--pad-multiple", "8"]):
+        result = runner.invoke(app, [*args, "--no-progress"])
+        assert result.exit_code == 0, result.output
+    proc = launch(SEQ2SEQ, "--plan", plan_path, "--data", data, "--log-dir", str(tmp_path / "log"),
+                  imports=("torch.nn.parallel",), timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    plan, logs = Plan.open(plan_path), _logs(tmp_path / "log", 2)
+    targets = [len(r["labels"]) for r in example.PairDataset(data).rows]
+    base = plan.meta["base_batch_size"]
+    for rank, log in enumerate(logs):
+        rows = list(plan.microbatches(rank))
+        assert [mb["ids"][:row.num_samples] for mb, row in zip(log["microbatches"], rows)] == \
+            [row.sample_ids.tolist() for row in rows] and len(log["microbatches"]) == len(rows)
+        for mb, row in zip(log["microbatches"], rows):
+            assert mb["encoder_shape"] == [row.batch_size, row.seqlen]
+            assert mb["decoder_shape"] == mb["labels_shape"] == [row.batch_size, row.target_seqlen]
+            assert max(targets[i] for i in row.sample_ids) <= row.target_seqlen
+            assert row.target_seqlen * row.batch_size <= 256 and row.seqlen * row.batch_size <= 384
+            assert mb["loss_tokens"] == sum(targets[i] for i in row.sample_ids)
+        steps = {row.step: row for row in rows}
+        for step, ids, lr, scale in zip(log["steps"], log["samples"], log["lr"], log["lr_scale"]):
+            step_ids = [i for row in plan.step(step) for i in row.sample_ids]
+            assert ids == [i for row in plan.step(step) if row.rank == rank for i in row.sample_ids]
+            assert steps[step].step_loss_tokens == sum(targets[i] for i in step_ids)
+            assert scale == pytest.approx(steps[step].step_loss_tokens / base)
+            assert lr == pytest.approx(3e-3 * scale)
+    seen = [i for log in logs for step in log["samples"] for i in step]
+    assert sorted(seen) == list(range(240))
+    loss = np.add(logs[0]["loss"], logs[1]["loss"])  # each step's mean target-token loss, over both ranks
+    assert loss[-1] < loss[0]  # it learns

@@ -7,6 +7,10 @@
   is a sample of T tokens for the memory it takes); its compute, which the planner balances across
   ranks, is its tokens plus ``A x sum(l_i^2)`` over its segments (:func:`packed_cost`; a split
   chunk counts its own length).
+* Two budgets (``--max-target-tokens``, encoder-decoder models): a microbatch also has a padded target
+  side B x T_target (the decoder's tokens, the metrics' ``target_length``), bounded the same way
+  (``B*T_target + A*B*T_target^2 <= max_target_tokens``, :meth:`Budget.fits`, :meth:`Budget.cap`);
+  its compute, which ranks are balanced on and ``varlen simulate`` runs, is :func:`seq2seq_cost`.
 
 :class:`Budget` holds the resolved values; it is built once from the options
 (:func:`varlen_cli.plan.cost_model.resolve_budget`), stored once in the plan's metadata under
@@ -57,6 +61,20 @@ def padded_cost(batch, seqlen, attention_cost: float = 0.0) -> np.ndarray:
     return b * t
 
 
+def seq2seq_cost(batch, seqlen, target_seqlen, attention_cost: float = 0.0) -> np.ndarray:
+    """An encoder-decoder microbatch's compute, float64: ``B*(T + T_tgt) + A*B*(T^2 + T_tgt^2 + T*T_tgt)``.
+
+    Each token goes once through its own stack (encoder tokens T, decoder tokens T_tgt: the linear
+    part, one unit a token); attention costs A per query-key pair: the encoder's self-attention T^2,
+    the decoder's T_tgt^2 and its cross-attention to the encoder's output T*T_tgt (docs/plan.md, "Two
+    budgets": the same A and width on both sides, the model's FLOPs up to a constant)."""
+    b = np.asarray(batch, dtype=np.float64)
+    t, u = np.asarray(seqlen, dtype=np.float64), np.asarray(target_seqlen, dtype=np.float64)
+    with np.errstate(over="ignore"):
+        linear = b * (t + u)
+        return linear + attention_cost * b * (t * t + u * u + t * u) if attention_cost else linear
+
+
 def packed_cost(tokens, sum_squares, attention_cost: float = 0.0) -> np.ndarray:
     """Tokens + ``A x sum(l_i^2)`` per packed microbatch, as float64 (tokens alone when ``A`` is 0)."""
     if not attention_cost:
@@ -83,7 +101,8 @@ class Budget:
     ``source``: where A and ``max_tokens`` came from (``given``, ``flops`` for ``auto``, ``memory``
     for ``--max-memory``); ``model``: ``auto``'s model shape; ``memory``: the memory limit a
     ``--max-memory`` plan keeps (``max_memory`` bytes, ``margin``, ``profile``: the profile's
-    provenance and fit), stored under the metadata's own ``memory`` key."""
+    provenance and fit), stored under the metadata's own ``memory`` key; ``max_target_tokens``: the
+    bound on the target side's padded cost (None: one budget, the source's)."""
 
     max_tokens: int | None
     max_samples: int | None = None
@@ -92,22 +111,38 @@ class Budget:
     source: str = "given"
     model: dict | None = None
     memory: dict | None = field(default=None, compare=False)
+    max_target_tokens: int | None = None
 
     # -- the padded cost the budget bounds ----------------------------------------------------
+    @property
+    def two_sided(self) -> bool:
+        """Whether the plan has a target budget too (``--max-target-tokens``)."""
+        return self.max_target_tokens is not None
+
+    def target_side(self) -> Budget:
+        """The target side's budget alone: ``max_target_tokens`` with the same A and ``max_samples``."""
+        return Budget(self.max_target_tokens, self.max_samples, self.attention_cost)
+
     def cost(self, batch, seqlen) -> np.ndarray:
         return padded_cost(batch, seqlen, self.attention_cost)
 
-    def fits(self, batch, seqlen) -> np.ndarray:
+    def fits(self, batch, seqlen, target_seqlen=None) -> np.ndarray:
+        """Whether B x T (and, given ``target_seqlen`` under two budgets, B x T_target) is within budget."""
         if self.max_tokens is None:
             ok = np.ones(np.broadcast(np.asarray(batch), np.asarray(seqlen)).shape, dtype=bool)
         else:
             ok = self.cost(batch, seqlen) <= self.max_tokens
         if self.max_samples is not None:
             ok &= np.asarray(batch) <= self.max_samples
+        if self.two_sided and target_seqlen is not None:
+            ok &= self.cost(batch, target_seqlen) <= self.max_target_tokens
         return ok
 
-    def cap(self, seqlen) -> np.ndarray:
-        """The most samples a microbatch of seqlen T may hold (0: not even one fits)."""
+    def cap(self, seqlen, target_seqlen=None) -> np.ndarray:
+        """The most samples a microbatch of seqlen T (and, given ``target_seqlen`` under two budgets,
+        target seqlen T_target) may hold (0: not even one fits)."""
+        if self.two_sided and target_seqlen is not None:
+            return np.minimum(self.cap(seqlen), self.target_side().cap(target_seqlen))
         t = np.asarray(seqlen)
         if t.ndim == 1 and len(t) > 4096 and t.dtype.kind in "iu":
             hi = int(t.max()) if len(t) else 0
@@ -141,9 +176,14 @@ class Budget:
         """Whether :meth:`microbatch_cost` needs the per-microbatch sum of squared segment lengths."""
         return self.packed and bool(self.attention_cost)
 
-    def microbatch_cost(self, tokens, batch, seqlen, sum_squares=None) -> np.ndarray:
+    def microbatch_cost(self, tokens, batch, seqlen, sum_squares=None, target_seqlen=None) -> np.ndarray:
         """Per microbatch, float64: packed plans :func:`packed_cost` (``sum_squares`` needed when
-        :attr:`needs_segment_lengths`), padded plans :func:`padded_cost`."""
+        :attr:`needs_segment_lengths`), padded plans :func:`padded_cost`, two budgets :func:`seq2seq_cost`
+        (``target_seqlen`` needed)."""
+        if self.two_sided:
+            if target_seqlen is None:
+                raise ValueError("a two-budget cost needs the microbatches' target_seqlen")
+            return seq2seq_cost(batch, seqlen, target_seqlen, self.attention_cost)
         if self.packed:
             if self.needs_segment_lengths and sum_squares is None:
                 raise ValueError("a packed attention cost needs the per-microbatch sum of squared segment lengths")
@@ -159,6 +199,8 @@ class Budget:
     def straggler_spec(self) -> dict:
         """The cost as ``{"kind": "padded" | "packed" | "tokens", "attention_cost": A}`` (what
         ``varlen inspect`` shows and older plans recorded as ``straggler_cost``)."""
+        if self.two_sided:
+            return {"kind": "seq2seq", "attention_cost": self.attention_cost}
         if self.packed:
             return {"kind": "packed", "attention_cost": self.attention_cost} if self.attention_cost else {"kind":
                                                                                                           "tokens"}
@@ -169,6 +211,8 @@ class Budget:
         if self.source == "memory" and self.memory:
             given = self.memory.get("given") or f"{int(self.memory.get('max_memory', 0)) / 2**20:.2f}MiB"
             return f"--max-memory {given} (max_tokens {self.max_tokens:,} from the profile)"
+        if self.two_sided:
+            return f"--max-tokens {self.max_tokens:,} and --max-target-tokens {self.max_target_tokens:,}"
         return f"--max-tokens {self.max_tokens:,}" if self.max_tokens is not None else "the packed rows"
 
     # -- metadata ---------------------------------------------------------------------------------
@@ -179,6 +223,8 @@ class Budget:
                "source": self.source}
         if self.model is not None:
             out["model"] = dict(self.model)
+        if self.two_sided:  # only then: a one-budget plan's entry is what it always was
+            out["max_target_tokens"] = self.max_target_tokens
         return out
 
     @classmethod
@@ -196,7 +242,7 @@ class Budget:
         cost = entry.get("cost", "packed" if meta.get("packing") else "padded")
         if cost not in COST_KINDS:
             raise ValueError(f"'budget.cost' is {cost!r}, expected one of {', '.join(COST_KINDS)}")
-        for key in ("max_tokens", "max_samples"):
+        for key in ("max_tokens", "max_samples", "max_target_tokens"):
             v = entry.get(key)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"'budget.{key}' is {v!r}, expected an integer >= 1 or null")
@@ -204,4 +250,4 @@ class Budget:
         memory = meta.get("memory") if isinstance(meta.get("memory"), dict) else None
         model = entry.get("model") if isinstance(entry.get("model"), dict) else None
         return cls(entry.get("max_tokens"), entry.get("max_samples"), float(a or 0.0), cost == "packed",
-                   source if source in SOURCES else "given", model, memory)
+                   source if source in SOURCES else "given", model, memory, entry.get("max_target_tokens"))

@@ -73,6 +73,11 @@ PACKED_PLAN_COLUMNS = (
 #: Extra column of mixture plans (metadata ``mixture`` is not null, ``varlen plan --mix``): the source of each
 #: entry of ``sample_ids``, an index into the metadata's ``mixture.sources``.
 MIXTURE_PLAN_COLUMNS = (("source", pa.list_(pa.int32())),)
+#: Extra column of two-budget plans (metadata ``budget.max_target_tokens`` is not null, ``varlen plan
+#: --max-target-tokens``): each microbatch's padded target length T_target, the length its decoder inputs
+#: and labels are padded to (``B x target_seqlen`` is within ``max_target_tokens``).
+TARGET_SEQLEN_COLUMN = "target_seqlen"
+TARGET_PLAN_COLUMNS = ((TARGET_SEQLEN_COLUMN, pa.int32()),)
 #: Columns new plans write after those above, which readers use when present (older plans lack them):
 #: ``step_loss_tokens``, the loss targets of the whole step with shifted labels, counted from the
 #: lengths: ``max(l - 1, 0)`` per sample, ``l`` for a non-final chunk of a split sample.
@@ -91,14 +96,23 @@ class FormatError(ValueError):
     """A file is not the artifact it should be (one line; callers turn it into their error type)."""
 
 
-def plan_columns(packed: bool, mixture: bool = False) -> tuple:
-    """``(name, type)`` of every column a plan has (packed or padded; a mixture plan adds ``source``)."""
-    return PLAN_COLUMNS + (PACKED_PLAN_COLUMNS if packed else ()) + (MIXTURE_PLAN_COLUMNS if mixture else ())
+def plan_columns(packed: bool, mixture: bool = False, target: bool = False) -> tuple:
+    """``(name, type)`` of every column a plan has (packed or padded; a mixture plan adds ``source``, a
+    two-budget plan ``target_seqlen``)."""
+    return (PLAN_COLUMNS + (PACKED_PLAN_COLUMNS if packed else ()) + (MIXTURE_PLAN_COLUMNS if mixture else ())
+            + (TARGET_PLAN_COLUMNS if target else ()))
 
 
-def plan_schema(packed: bool, metadata: dict | None = None, mixture: bool = False) -> pa.Schema:
+def has_target_budget(meta: dict) -> bool:
+    """Whether a plan's metadata says it has two budgets (``budget.max_target_tokens``: ``target_seqlen``)."""
+    budget = meta.get("budget")
+    return isinstance(budget, dict) and budget.get("max_target_tokens") is not None
+
+
+def plan_schema(packed: bool, metadata: dict | None = None, mixture: bool = False,
+                target: bool = False) -> pa.Schema:
     """The schema the plan writer writes, with ``metadata`` encoded under :data:`PLAN_METADATA_KEY`."""
-    schema = pa.schema(list(plan_columns(packed, mixture) + PLAN_OPTIONAL_COLUMNS))
+    schema = pa.schema(list(plan_columns(packed, mixture, target) + PLAN_OPTIONAL_COLUMNS))
     if metadata is not None:
         schema = schema.with_metadata(encode_plan_metadata(metadata))
     return schema
@@ -173,8 +187,8 @@ _METADATA_TYPES = {
                                                 and np.isfinite(v)), "a finite number or null"),
     "config": (lambda v: isinstance(v, dict), "an object"),
     "input": (lambda v: isinstance(v, dict), "an object"),
-    "budget": (lambda v: isinstance(v, dict) and _budget_ok(v), "an object with integer max_tokens/max_samples "
-               "(or null) and a finite attention_cost >= 0"),
+    "budget": (lambda v: isinstance(v, dict) and _budget_ok(v), "an object with integer max_tokens/max_samples/"
+               "max_target_tokens (or null) and a finite attention_cost >= 0"),
     "memory": (lambda v: v is None or _memory_ok(v), "null or an object with an integer max_memory, a margin in "
                "[0, 1), predicted peaks and a profile fit of finite c0, c1, c2 >= 0"),
     "mixture": (lambda v: v is None or _mixture_ok(v), "null or an object with sources of a name, integer num_rows "
@@ -197,7 +211,8 @@ def _number(value, low: float = 0.0) -> bool:
 
 
 def _budget_ok(v: dict) -> bool:
-    ints = all(v.get(k) is None or (_is_int(v[k]) and v[k] >= 1) for k in ("max_tokens", "max_samples"))
+    ints = all(v.get(k) is None or (_is_int(v[k]) and v[k] >= 1) for k in ("max_tokens", "max_samples",
+                                                                            "max_target_tokens"))
     return ints and _number(v.get("attention_cost", 0.0)) and v.get("cost", "padded") in ("padded", "packed")
 
 
@@ -286,7 +301,7 @@ def plan_schema_problems(schema: pa.Schema, meta: dict) -> list[str]:
     (``f"{path} {problem}"``); empty when every required column and key is there with its type."""
     packed = bool(meta.get("packing"))
     names = set(schema.names)
-    columns = plan_columns(packed, bool(meta.get("mixture")))
+    columns = plan_columns(packed, bool(meta.get("mixture")), has_target_budget(meta))
     missing = [name for name, _ in columns if name not in names]
     problems = []
     if missing:
@@ -318,7 +333,8 @@ def plan_straggler_cost(meta: dict) -> dict:
 
 def plan_cost_columns(budget) -> list[str]:
     """The plan columns :func:`table_cost` reads under ``budget``."""
-    return ["tokens", "batch_size", "seqlen"] + (["sample_lengths"] if budget.needs_segment_lengths else [])
+    return (["tokens", "batch_size", "seqlen"] + (["sample_lengths"] if budget.needs_segment_lengths else [])
+            + ([TARGET_SEQLEN_COLUMN] if budget.two_sided else []))
 
 
 def table_cost(table: pa.Table, budget) -> np.ndarray:
@@ -335,8 +351,9 @@ def table_cost(table: pa.Table, budget) -> np.ndarray:
         offsets = np.zeros(len(tokens) + 1, np.int64)
         np.cumsum(pc.list_value_length(col).to_numpy(zero_copy_only=False), out=offsets[1:])
         sum_squares = segment_sum_squares(flat, offsets)
+    target = table.column(TARGET_SEQLEN_COLUMN).to_numpy() if budget.two_sided else None
     return budget.microbatch_cost(tokens, table.column("batch_size").to_numpy(), table.column("seqlen").to_numpy(),
-                                  sum_squares)
+                                  sum_squares, target)
 
 
 def loss_targets(entry_length, final=None, target=None) -> np.ndarray:

@@ -141,6 +141,7 @@ def plan_series(pf, meta: dict, difficulty: np.ndarray | None = None) -> dict:
     lists += (["source"] if meta.get("mixture") and "source" in names else [])
     lists += (["sample_ids"] if difficulty is not None else [])
     cols = ["step", "rank", "num_samples", "lr_scale", "tokens", "batch_size", "seqlen"]
+    cols += [format.TARGET_SEQLEN_COLUMN] if budget.two_sided else []
     ranks = max(int(meta.get("dp", 1)), 1)
     slots = max(ranks * int(meta.get("grad_accum", 1)), 1)
     series = _SeriesSums(ranks, -(-pf.metadata.num_rows // slots), meta, packed, difficulty)
@@ -186,7 +187,7 @@ class _SeriesSums:
         sums = (segment_sum_squares(w.values("sample_lengths"), w.offsets("sample_lengths"))
                 if budget.needs_segment_lengths else None)
         fig = format.step_figures(local, rank, c, budget.microbatch_cost(c["tokens"], c["batch_size"], c["seqlen"],
-                                                                         sums), self.ranks)
+                                                                         sums, c.get(format.TARGET_SEQLEN_COLUMN)), self.ranks)
         positions = self.seen + np.arange(len(fig["tokens"]))
         for name, values in _step_values(fig, local, c["lr_scale"]).items():
             ok = np.isfinite(values) | (name != "mean_sample_length")  # a step without samples has no mean
@@ -491,7 +492,8 @@ def rank_cost_chart(loads: list, cost_spec: dict) -> TextTable:
     mean = arr.mean(axis=1, keepdims=True)
     ratio = np.where(mean > 0, arr / np.where(mean > 0, mean, 1.0), 1.0)
     kind = cost_spec.get("kind", "tokens")
-    what = {"tokens": "tokens", "packed": "tokens + A sum(l^2)", "padded": "B T + A B T^2"}.get(kind, kind)
+    what = {"tokens": "tokens", "packed": "tokens + A sum(l^2)", "padded": "B T + A B T^2",
+            "seq2seq": "B (T + T_t) + A B (T^2 + T_t^2 + T T_t)"}.get(kind, kind)
     lo, hi = CHART_SCALE
     t = TextTable(f"per-rank cost ({what}) / step mean, steps 0..{len(arr) - 1}: ▁ <= {lo}, █ >= {hi}",
                   [("rank", "right"), ("cost per step", "left"), ("max / mean", "right")])
@@ -505,6 +507,8 @@ def rank_cost_chart(loads: list, cost_spec: dict) -> TextTable:
 def _step_table(step_rows: list) -> TextTable:
 
     names = ("rank", "micro", "num_samples", "batch_size", "seqlen", "tokens", "lr_scale")
+    if step_rows and format.TARGET_SEQLEN_COLUMN in step_rows[0]:  # two budgets
+        names = names[:5] + (format.TARGET_SEQLEN_COLUMN,) + names[5:]
     stt = TextTable("microbatches of the step", [(c, "right") for c in names + ("sample_ids",)])
     for row in step_rows:
         ids = row["sample_ids"]

@@ -144,7 +144,7 @@ def _scan(config: ValidateConfig, pf, meta: dict, per_id: dict | None) -> list[C
             try:
                 over = (meta.get("dropped") or {}).get("too_long_over")
                 if per_id is not None and over is not None and checks.error is None:  # too-long: counted, not listed
-                    checks.coverage.long_samples(np.flatnonzero(per_id["length"] > int(over)))
+                    checks.coverage.long_samples(np.flatnonzero(_too_long(per_id, meta["dropped"])))
                 for a in arrays():
                     checks.update(a)
                 return checks.results()
@@ -153,6 +153,15 @@ def _scan(config: ValidateConfig, pf, meta: dict, per_id: dict | None) -> list[C
     except (OSError, pa.ArrowException) as exc:  # corrupted pages: the file, not varlen
         raise InputError(f"cannot read plan {config.plan}: {str(exc).strip().splitlines()[0] if str(exc) else exc}") \
             from None
+
+
+def _too_long(per_id: dict, dropped: dict) -> np.ndarray:
+    """The samples the plan counted as too long (``dropped.too_long_over``; two budgets: or a target longer
+    than ``too_long_target_over``)."""
+    out = per_id["length"] > int(dropped["too_long_over"])
+    if dropped.get("too_long_target_over") is not None and TARGET_COLUMN in per_id:
+        out |= per_id[TARGET_COLUMN] > int(dropped["too_long_target_over"])
+    return out
 
 
 def window_arrays(w, per_id: dict | None) -> PlanArrays:

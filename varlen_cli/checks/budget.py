@@ -1,10 +1,12 @@
-"""The budget check (every microbatch within the token/sample budget, packed rows within
-``seq_len``, entries within their samples) and the shapes check (seqlens and shapes as configured)."""
+"""The budget check (every microbatch within the token/sample budget, and the target budget of a
+two-budget plan; packed rows within ``seq_len``, entries within their samples) and the shapes check
+(seqlens and shapes as configured)."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from .. import format
 from ..budget import Budget
 from .arrays import Check, Examples, PlanArrays, segment_reduce
 
@@ -29,8 +31,13 @@ class BudgetCheck:
     def update(self, a: PlanArrays) -> None:
         c, budget = a.cols, self.budget
         b, t = c["batch_size"].astype(np.int64), c["seqlen"].astype(np.int64)
+        target = c.get(format.TARGET_SEQLEN_COLUMN)
+        target = target.astype(np.int64) if target is not None else None
+        if budget.two_sided and target is None:
+            self._count(f"microbatches without {format.TARGET_SEQLEN_COLUMN}, which a plan with two budgets has",
+                        a.count, (a.first_row, -1))
         if budget.max_tokens is not None or budget.max_samples is not None:
-            over = ~budget.fits(b, t)
+            over = ~budget.fits(b, t, target)
             if not self.packing and budget.max_samples is not None:
                 over |= c["num_samples"] > budget.max_samples
             self.over += int(over.sum())
@@ -44,6 +51,11 @@ class BudgetCheck:
                 found += _packed_row_problems(a, b, seq, self.packing.get("max_per_row"))
         if a.sample_length is not None:
             found += _length_problems(a, self.packing)
+        if target is not None and a.sample_target is not None:
+            longest = segment_reduce(np.maximum, a.sample_target, a.offsets)
+            if (longest > target).any():
+                found.append(("microbatches have a sample whose target is longer than their target_seqlen",
+                              int((longest > target).sum())))
         for i, (message, n) in enumerate(found):
             self._count(message, n, (a.first_row, i))
 
@@ -60,8 +72,12 @@ class BudgetCheck:
             return Check("budget", False, "; ".join(problems))
         if self.packing:
             return Check("budget", True, f"every packed row <= {int(self.packing['seq_len'])} tokens")
-        return Check("budget", True, f"B x T{' + A x B x T^2' if self.budget.attention_cost else ''} <= "
-                     f"{self.budget.max_tokens} in every microbatch")
+        quadratic = " + A x B x T^2" if self.budget.attention_cost else ""
+        if self.budget.two_sided:
+            return Check("budget", True, f"B x T{quadratic} <= {self.budget.max_tokens} and B x T_target"
+                         f"{quadratic.replace('T^2', 'T_target^2')} <= {self.budget.max_target_tokens} in every "
+                         "microbatch")
+        return Check("budget", True, f"B x T{quadratic} <= {self.budget.max_tokens} in every microbatch")
 
 
 def _packed_row_problems(a: PlanArrays, b: np.ndarray, seq: int, cap) -> list[tuple[str, int]]:
@@ -130,11 +146,14 @@ class Shapes:
         self.pairs: set = set()
         self.outside = self.bad_b = self.mixed = False
         self.bad_t = 0
+        self.target_seqlens: set = set()  # two budgets: the distinct target_seqlen
 
     def update(self, a: PlanArrays) -> None:
         c = a.cols
         t = c["seqlen"].astype(np.int64)
         self._note_seqlens(t)
+        if format.TARGET_SEQLEN_COLUMN in c:
+            self.target_seqlens.update(np.unique(c[format.TARGET_SEQLEN_COLUMN]).tolist())
         sid = c["shape_id"].astype(np.int64)
         if len(sid) and (not self.shapes or sid.min() < 0 or sid.max() >= len(self.shapes)):
             self.outside = True
@@ -178,6 +197,7 @@ class Shapes:
         else:
             self.seqlens[:len(other.seqlens)] |= other.seqlens
         self.odd_seqlens |= other.odd_seqlens
+        self.target_seqlens |= other.target_seqlens
         self.pairs |= other.pairs
         self.outside |= other.outside
         self.bad_b |= other.bad_b
@@ -190,6 +210,8 @@ class Shapes:
         distinct_t = self.distinct_seqlens()
         if k and distinct_t > int(k):
             problems.append(f"{distinct_t} distinct seqlens, more than --num-shapes {k}")
+        if k and len(self.target_seqlens) > int(k):
+            problems.append(f"{len(self.target_seqlens)} distinct target_seqlens, more than --num-shapes {k}")
         if self.outside:
             problems.append("shape_id outside the metadata's shapes")
         else:
@@ -204,4 +226,5 @@ class Shapes:
             problems.append("a step mixes shapes" + which)
         if problems:
             return Check("shapes", False, "; ".join(problems))
-        return Check("shapes", True, f"{distinct_t} distinct seqlens, {len(self.shapes)} shapes")
+        targets = f", {len(self.target_seqlens)} distinct target_seqlens" if self.target_seqlens else ""
+        return Check("shapes", True, f"{distinct_t} distinct seqlens{targets}, {len(self.shapes)} shapes")

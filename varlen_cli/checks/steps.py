@@ -137,6 +137,9 @@ class Straggler:
         c = a.cols
         if not a.count:
             return
+        if self.budget.two_sided and format.TARGET_SEQLEN_COLUMN not in c:
+            self.missing_lengths = True  # the cost of two budgets needs target_seqlen
+            return
         sum_squares = None
         if self.budget.needs_segment_lengths:
             if a.lengths is None:
@@ -145,7 +148,8 @@ class Straggler:
             from ..budget import segment_sum_squares
 
             sum_squares = segment_sum_squares(a.lengths, a.offsets)
-        cost = self.budget.microbatch_cost(c["tokens"], c["batch_size"], c["seqlen"], sum_squares)
+        cost = self.budget.microbatch_cost(c["tokens"], c["batch_size"], c["seqlen"], sum_squares,
+                                           c.get(format.TARGET_SEQLEN_COLUMN))
         step = c["step"].astype(np.int64)
         step = step - step.min()
         rank = c["rank"].astype(np.int64)
@@ -159,7 +163,8 @@ class Straggler:
 
     def result(self) -> Check:
         if self.missing_lengths:
-            return Check("straggler", False, "a packed attention cost needs sample_lengths")
+            return Check("straggler", False, "a two-budget cost needs target_seqlen" if self.budget.two_sided
+                         else "a packed attention cost needs sample_lengths")
         if not self.parts:
             return Check("straggler", True, "no steps")
         parts = sorted(self.parts, key=lambda p: p[0])  # plan order: the sums as one pass adds them

@@ -177,6 +177,8 @@ def plan_rows(result) -> list:
     for src in (result.metadata.get("mixture") or {}).get("sources", []):  # varlen plan --mix
         rows.append(_row(f"tokens of {src['name']} (weight {src['weight']:g}) per epoch", src["tokens_per_epoch"],
                          " / ".join(f"{t:,}" for t in src["tokens_per_epoch"])))
+    if "target_padding_pct" in s:  # two budgets (--max-target-tokens): the target side
+        rows.append(_row("target padding %", s["target_padding_pct"], f"{s['target_padding_pct']:.2f}"))
     if s.get("warmup_steps"):
         rows.append(_row("compile warm-up steps", s["warmup_steps"]))
     if s.get("zero_lr_scale_steps"):

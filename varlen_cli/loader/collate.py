@@ -12,6 +12,8 @@ from ..errors import PlanError
 from .batch import IGNORE_INDEX, finish_batch, labels_mode
 from .fetch import FetchOrder
 from .microbatch import Microbatch
+from .seq2seq import LABEL_CONVENTION as SEQ2SEQ
+from .seq2seq import decoder_side, pad_rows, target_seqlen
 
 
 class Samples(list):
@@ -104,11 +106,20 @@ class PadCollate:
     :attr:`Microbatch.step_targets`:
     divide the summed token losses by it, times the world size under DDP's gradient averaging,
     to get the exact per-token mean of the step with no extra communication), plus ``info``.
+
+    Encoder-decoder batches (:mod:`varlen_cli.loader.seq2seq`): for a plan row with a
+    ``target_seqlen`` (``varlen plan --max-target-tokens``), or any batch with ``seq2seq=True``, each
+    item is a dict with the source under ``key`` and the target under ``target_key``; the source is
+    the encoder's ``input_ids``/``attention_mask`` (B x T), the target padded to ``target_seqlen``:
+    ``decoder_input_ids`` (``decoder_start_token_id``, default ``pad_id``, then the target shifted
+    right), ``decoder_attention_mask`` and ``labels`` (the target, -100 after it), all B x T_target;
+    ``loss_tokens`` counts the targets, ``step_loss_tokens`` those of the step.
     """
 
     def __init__(self, pad_id: int = 0, key: str = "input_ids", shift_labels: bool = True,
                  attention_mask_3d: bool = False, pad_multiple: int = 1, dtype: torch.dtype = torch.long,
-                 labels: str | None = None, model_shifts_labels: bool | None = None):
+                 labels: str | None = None, model_shifts_labels: bool | None = None, *, seq2seq: bool = False,
+                 target_key: str = "labels", decoder_start_token_id: int | None = None):
         if pad_multiple < 1:
             raise ValueError("pad_multiple must be >= 1")
         self.pad_id = pad_id
@@ -118,82 +129,92 @@ class PadCollate:
         self.attention_mask_3d = attention_mask_3d
         self.pad_multiple = pad_multiple
         self.dtype = dtype
+        self.seq2seq = seq2seq
+        self.target_key = target_key
+        self.decoder_start_token_id = pad_id if decoder_start_token_id is None else decoder_start_token_id
+
+    def _shape(self, info: Microbatch | None, lengths: np.ndarray) -> tuple[int, int]:
+        """``(T, B)`` of the batch: the plan row's (its samples checked against it), else the longest sample's."""
+        n = len(lengths)
+        longest = int(lengths.max()) if n else 0
+        if info is None:
+            return -(-longest // self.pad_multiple) * self.pad_multiple, n
+        if info.sample_rows is not None:
+            raise PlanError(f"step {info.step} comes from a packed plan (--packing): collate it with "
+                            f"varlen_cli.loader.packed.PackedCollate, not PadCollate")
+        if n != info.num_samples:
+            raise PlanError(f"step {info.step} micro {info.micro}: the plan has {info.num_samples} samples, "
+                            f"the collate received {n}")
+        if longest > info.seqlen:
+            i = int(np.argmax(lengths))
+            raise PlanError(f"sample {int(info.sample_ids[i])} has {longest} tokens but its microbatch "
+                            f"(step {info.step}) is planned at seqlen {info.seqlen}: the plan was made for "
+                            f"different lengths (another dataset, column or tokenizer)")
+        if int(lengths.sum()) != info.tokens:  # shorter items would make step_loss_tokens wrong
+            ids = ", ".join(str(int(i)) for i in info.sample_ids[:4]) + (", ..." if n > 4 else "")
+            raise PlanError(f"step {info.step} micro {info.micro}: the dataset items of samples {ids} hold "
+                            f"{int(lengths.sum())} tokens but the plan counted {info.tokens}: the plan was made "
+                            f"for different lengths (another dataset, column or tokenizer)")
+        return info.seqlen, max(info.batch_size, n)
 
     def __call__(self, samples: Sequence[Any]) -> dict:
         info: Microbatch | None = getattr(samples, "info", None)
         arrays = [sample_array(item, self.key) for item in samples]  # one per sample of the microbatch
         lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
         n = len(arrays)
-        longest = int(lengths.max()) if n else 0
-        if info is not None and info.sample_rows is not None:
-            raise PlanError(f"step {info.step} comes from a packed plan (--packing): collate it with "
-                            f"varlen_cli.loader.packed.PackedCollate, not PadCollate")
-        if info is not None:
-            seqlen, batch = info.seqlen, max(info.batch_size, n)
-            if n != info.num_samples:
-                raise PlanError(f"step {info.step} micro {info.micro}: the plan has {info.num_samples} samples, "
-                                f"the collate received {n}")
-            if longest > seqlen:
-                i = int(np.argmax(lengths))
-                raise PlanError(f"sample {int(info.sample_ids[i])} has {longest} tokens but its microbatch "
-                                f"(step {info.step}) is planned at seqlen {seqlen}: the plan was made for "
-                                f"different lengths (another dataset, column or tokenizer)")
-            if int(lengths.sum()) != info.tokens:  # shorter items would make step_loss_tokens wrong
-                ids = ", ".join(str(int(i)) for i in info.sample_ids[:4]) + (", ..." if n > 4 else "")
-                raise PlanError(f"step {info.step} micro {info.micro}: the dataset items of samples {ids} hold "
-                                f"{int(lengths.sum())} tokens but the plan counted {info.tokens}: the plan was made "
-                                f"for different lengths (another dataset, column or tokenizer)")
-        else:
-            seqlen = -(-longest // self.pad_multiple) * self.pad_multiple
-            batch = n
+        seqlen, batch = self._shape(info, lengths)
         total = int(lengths.sum())
-        flat = np.concatenate(arrays) if n else np.zeros(0, dtype=np.int64)
-        starts = np.cumsum(lengths) - lengths
-        # each token's index in the flattened B x T batch: row * T + position in its sample
-        where = np.arange(total) + np.repeat(np.arange(n) * seqlen - starts, lengths)
-        ids = np.full(batch * seqlen, self.pad_id, dtype=np.int64)
-        ids[where] = flat
-        ids = ids.reshape(batch, seqlen)
+        ids = pad_rows(arrays, lengths, batch, seqlen, self.pad_id)
         lengths_b = np.zeros(batch, dtype=np.int64)
         lengths_b[:n] = lengths
         pos = np.arange(seqlen)
         attention = pos[None, :] < lengths_b[:, None]
-        if self.shift_labels:
-            labels = np.full((batch, seqlen), IGNORE_INDEX, dtype=np.int64)
-            labels[:, :-1] = ids[:, 1:]
-            labels[pos[None, :] >= lengths_b[:, None] - 1] = IGNORE_INDEX
-            loss_tokens = total - int(np.count_nonzero(lengths))
-        else:  # unshifted (the model shifts): the first token of each sample is never a target
-            labels = np.where(attention, ids, IGNORE_INDEX)
-            labels[:, 0] = IGNORE_INDEX
-            loss_tokens = total - int(np.count_nonzero(lengths))
         sample_ids = np.full(batch, -1, dtype=np.int64)
         if info is not None:
             sample_ids[:n] = info.sample_ids
-        labels_t = torch.from_numpy(labels)
-        out = {
-            "input_ids": torch.from_numpy(ids) if self.dtype == torch.long else torch.from_numpy(ids).to(self.dtype),
-            "attention_mask": torch.from_numpy(attention),
-            "labels": labels_t,
-            "loss_mask": torch.from_numpy(labels != IGNORE_INDEX),
-            "position_ids": _positions(batch, seqlen),
-            "sample_ids": torch.from_numpy(sample_ids),
-            "num_samples": n,
-            "num_tokens": total,
-            "loss_tokens": loss_tokens,
-            "step_samples": None,
-            "step_tokens": None,
-            "step_loss_tokens": None,
-            "info": info,
-        }
+        out = {"input_ids": torch.from_numpy(ids) if self.dtype == torch.long else torch.from_numpy(ids).to(self.dtype),
+               "attention_mask": torch.from_numpy(attention), "position_ids": _positions(batch, seqlen),
+               "sample_ids": torch.from_numpy(sample_ids), "num_samples": n, "num_tokens": total, "info": info,
+               "step_samples": None, "step_tokens": None, "step_loss_tokens": None}
         if info is not None:
             out["step_samples"] = info.step_samples
             out["step_tokens"] = info.step_tokens
             # targets in the whole step, in either label convention (exact: counted from the lengths)
             out["step_loss_tokens"] = info.step_targets
+        if self.seq2seq or (info is not None and info.target_seqlen is not None):
+            return self._decoder(samples, info, batch, out)
+        if self.shift_labels:
+            labels = np.full((batch, seqlen), IGNORE_INDEX, dtype=np.int64)
+            labels[:, :-1] = ids[:, 1:]
+            labels[pos[None, :] >= lengths_b[:, None] - 1] = IGNORE_INDEX
+        else:  # unshifted (the model shifts): the first token of each sample is never a target
+            labels = np.where(attention, ids, IGNORE_INDEX)
+            labels[:, 0] = IGNORE_INDEX
+        out.update(labels=torch.from_numpy(labels), loss_mask=torch.from_numpy(labels != IGNORE_INDEX),
+                   loss_tokens=total - int(np.count_nonzero(lengths)))
         if self.attention_mask_3d:
             out["attention_mask_3d"] = causal_padding_mask(lengths, seqlen, batch)
         return finish_batch(out, info, self.labels)
+
+    def _decoder(self, samples: Sequence[Any], info: Microbatch | None, batch: int, out: dict) -> dict:
+        """The encoder-decoder batch's decoder side (:mod:`varlen_cli.loader.seq2seq`)."""
+        bad = next((i for i, item in enumerate(samples) if not isinstance(item, dict) or self.target_key not in item),
+                   None)
+        if bad is not None:
+            who = f"sample {int(info.sample_ids[bad])}" if info is not None else f"item {bad}"
+            raise PlanError(f"an encoder-decoder batch (a plan with target_seqlen, or seq2seq=True) needs dataset "
+                            f"items that are dicts holding the source under {self.key!r} and the target under "
+                            f"{self.target_key!r}; {who} has no {self.target_key!r}")
+        targets = [sample_array(item, self.target_key) for item in samples]
+        lengths = np.fromiter((len(a) for a in targets), dtype=np.int64, count=len(targets))
+        seqlen = target_seqlen(info, lengths, self.pad_multiple, required=self.seq2seq)
+        side = decoder_side(targets, lengths, batch, seqlen, self.pad_id, self.decoder_start_token_id)
+        out.update({name: torch.from_numpy(values) for name, values in side.items()})
+        out["loss_mask"] = out["decoder_attention_mask"].clone()
+        out["loss_tokens"] = int(lengths.sum())
+        if self.attention_mask_3d:
+            out["attention_mask_3d"] = causal_padding_mask(lengths, seqlen, batch)  # the decoder's self-attention
+        return finish_batch(out, info, SEQ2SEQ)
 
 
 _POSITIONS: dict = {}

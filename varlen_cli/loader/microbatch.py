@@ -30,6 +30,7 @@ class Microbatch:
     sample_starts: np.ndarray | None = None
     source: np.ndarray | None = None  # mixture plans: index of each sample's source (plan.meta["mixture"])
     step_loss_tokens: int | None = None  # loss targets of the whole step (plans written since the column exists)
+    target_seqlen: int | None = None  # two-budget plans: the padded target length T_target (decoder side)
     # the step's figures over all ranks (loader/step_figures.py: StepFigures), for the trackers
     figures: Any = field(default=None, compare=False, repr=False)
 

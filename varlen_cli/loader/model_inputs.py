@@ -7,6 +7,8 @@ Label conventions (``PadCollate(labels=...)``, ``PackedCollate(labels=...)``):
 * ``"unshifted"`` (``model_shifts_labels=True``): ``labels[t]`` is the token at ``t`` itself, for
   models that shift internally (Hugging Face ``*ForCausalLM(labels=...)``); the first token of
   every sample (every packed entry) is ``-100``, so no target crosses a sample boundary.
+* ``"seq2seq"`` (a two-budget plan's encoder-decoder batches, :mod:`varlen_cli.loader.seq2seq`):
+  ``labels[t]`` is the target the decoder predicts at ``t`` from ``decoder_input_ids[: t + 1]``.
 
 In both, ``loss_tokens`` and ``loss_mask`` count the real targets of the microbatch, and
 ``step_loss_tokens`` (also ``num_items_in_batch``) those of the whole step over all ranks and
@@ -55,7 +57,8 @@ def to_model_inputs(batch: dict, style: Style = "hf", *, labels: bool = True, ma
     used by transformers' causal LM loss instead of shifting, so targets across ``--split-long``
     chunks survive). ``labels=False`` leaves them out.
 
-    Padded batches: ``input_ids``, ``attention_mask`` (2D), labels, in every style.
+    Padded batches: ``input_ids``, ``attention_mask`` (2D), labels, in every style. Encoder-decoder
+    batches (label convention ``"seq2seq"``): those and ``decoder_input_ids``, ``decoder_attention_mask``.
 
     Packed batches never get the 2D mask (it would let samples in a row attend to each other):
 
@@ -71,6 +74,12 @@ def to_model_inputs(batch: dict, style: Style = "hf", *, labels: bool = True, ma
     if style not in ("hf", "flash", "sdpa"):
         raise ValueError(f"style must be 'hf', 'flash' or 'sdpa', not {style!r}")
     out = {"input_ids": batch["input_ids"]}
+    if batch.get("label_convention") == "seq2seq":  # encoder-decoder: the decoder's inputs, labels as they are
+        out.update(attention_mask=batch["attention_mask"], decoder_input_ids=batch["decoder_input_ids"],
+                   decoder_attention_mask=batch["decoder_attention_mask"])
+        if labels:
+            out["labels"] = batch["labels"]
+        return {**out, **{key: batch[key] for key in keep}}
     if labels and batch.get("labels") is not None:
         if batch.get("label_convention", "shifted") == "shifted":
             out["labels"] = _unshift(batch["labels"])

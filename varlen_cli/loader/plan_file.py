@@ -37,7 +37,7 @@ class _Group:
         self.first_row = first_row
         self.num_rows = table.num_rows
         self.scalars = {name: table.column(name).to_numpy() for name in format.PLAN_SCALAR_COLUMNS}
-        for name, _ in format.PLAN_OPTIONAL_COLUMNS:
+        for name, _ in format.PLAN_OPTIONAL_COLUMNS + format.TARGET_PLAN_COLUMNS:
             if name in table.column_names:
                 self.scalars[name] = table.column(name).to_numpy()
         self.lists = {}
@@ -63,6 +63,7 @@ class _Group:
             step_tokens=int(s["step_tokens"][i]), sample_lengths=lists.get("sample_lengths"),
             sample_rows=lists.get("sample_rows"), sample_starts=lists.get("sample_starts"), source=lists.get("source"),
             step_loss_tokens=int(s["step_loss_tokens"][i]) if "step_loss_tokens" in s else None, figures=figures,
+            target_seqlen=int(s["target_seqlen"][i]) if "target_seqlen" in s else None,
         )
 
 
@@ -315,7 +316,8 @@ class Plan:
         if g is not None and g.first_row <= row < g.first_row + g.num_rows:
             return g
         index = self._row_group_of(row)
-        optional = PACKED_COLUMNS + ("source",) + tuple(name for name, _ in format.PLAN_OPTIONAL_COLUMNS)
+        optional = PACKED_COLUMNS + ("source",) + tuple(name for name, _ in format.PLAN_OPTIONAL_COLUMNS
+                                                        + format.TARGET_PLAN_COLUMNS)
         columns = list(REQUIRED_COLUMNS) + [c for c in optional if c in self._pf.schema_arrow.names]
         table = self._pf.read_row_group(index, columns=columns)
         self.row_groups_read += 1

@@ -84,9 +84,13 @@ def verify_plan(config: CalibrateConfig) -> VerifyResult:
         raise UsageError("verify_plan() needs verify=PLAN")
     meta, cols = _read_plan(c.verify)
     try:
-        recorded = format.plan_budget(meta).memory or {}  # the one reader of a plan's budget
+        budget = format.plan_budget(meta)  # the one reader of a plan's budget
     except format.FormatError as exc:
         raise InputError(str(exc)) from None
+    if budget.two_sided:  # a model of (B, T) inputs would measure the source side only
+        raise UsageError(f"--verify does not apply to {c.verify}: it has two budgets (--max-target-tokens), and "
+                         "a memory profile's model runs one sequence of B x T")
+    recorded = budget.memory or {}
     limit = _limit(c, recorded)
     profile, source = _profile(c, recorded)
     if profile is not None:

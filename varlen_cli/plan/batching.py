@@ -14,6 +14,24 @@ import numpy as np
 from .shapes import Budget, ShapeMap
 
 
+@dataclass(frozen=True)
+class Targets:
+    """The target side of a two-budget plan (``--max-target-tokens``): each input position's target
+    length (the metrics' ``target_length``, aligned with the lengths) and the map to its padded T_target."""
+
+    length: np.ndarray
+    shape: ShapeMap
+
+    def padded(self, positions: np.ndarray) -> np.ndarray:
+        return self.shape(self.length[positions])
+
+    def seqlen(self, samples: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        """Per microbatch (CSR ``samples``/``offsets``), its padded T_target."""
+        if not len(samples):
+            return np.zeros(len(offsets) - 1, np.int64)
+        return self.shape(segment_max(self.length[samples], offsets))
+
+
 @dataclass
 class Microbatches:
     samples: np.ndarray  # int64 input positions, microbatch after microbatch
@@ -28,6 +46,7 @@ class Microbatches:
     # a deferred reorder (:meth:`reordered`): samples/offsets are None, ``base``'s microbatches in ``base_order``
     base: Microbatches | None = field(default=None, repr=False)
     base_order: np.ndarray | None = field(default=None, repr=False)
+    target_seqlen: np.ndarray | None = None  # two budgets: int64 padded T_target per microbatch
 
     @property
     def count(self) -> int:
@@ -46,7 +65,8 @@ class Microbatches:
             return None if a is None else a[idx]
 
         return Microbatches(src.samples[idx], new_off, self.seqlen[order], self.batch_size[order],
-                            self.tokens[order], g(src.item_length), g(src.item_start), g(src.item_row))
+                            self.tokens[order], g(src.item_length), g(src.item_start), g(src.item_row),
+                            target_seqlen=_pick(self.target_seqlen, order))
 
     def reordered(self, order: np.ndarray) -> Microbatches:
         """The microbatches in the given order, their samples not moved yet: only the per-microbatch
@@ -55,7 +75,11 @@ class Microbatches:
         order = np.asarray(order, dtype=np.int64)
         base, base_order = (self, order) if self.base is None else (self.base, self.base_order[order])
         return Microbatches(None, None, self.seqlen[order], self.batch_size[order], self.tokens[order],
-                            base=base, base_order=base_order)
+                            base=base, base_order=base_order, target_seqlen=_pick(self.target_seqlen, order))
+
+
+def _pick(values: np.ndarray | None, order: np.ndarray) -> np.ndarray | None:
+    return None if values is None else values[order]
 
 
 def segment_gather(starts: np.ndarray, counts: np.ndarray, new_offsets: np.ndarray) -> np.ndarray:
@@ -105,9 +129,11 @@ def stable_argsort_int(keys: np.ndarray) -> np.ndarray:
 
 def finalize_padded(samples: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, shape: ShapeMap,
                     budget: Budget, static: bool, fixed_batch: int | None = None, *,
-                    lens: np.ndarray | None = None, padded: np.ndarray | None = None) -> Microbatches:
-    """Seqlen, padded batch size and tokens of microbatches given by samples/offsets. ``lens``
-    (``lengths[samples]``) and ``padded`` (``shape(lens)``): when the caller has them (no gather)."""
+                    lens: np.ndarray | None = None, padded: np.ndarray | None = None,
+                    targets: Targets | None = None) -> Microbatches:
+    """Seqlen, padded batch size and tokens of microbatches given by samples/offsets (and their target
+    seqlen, under two budgets: ``targets``). ``lens`` (``lengths[samples]``) and ``padded``
+    (``shape(lens)``): when the caller has them (no gather)."""
     if lens is None:
         lens = lengths[samples]
     if not len(samples):
@@ -117,12 +143,14 @@ def finalize_padded(samples: np.ndarray, offsets: np.ndarray, lengths: np.ndarra
     else:
         seqlen = shape(segment_max(lens, offsets))
     counts = np.diff(offsets)
+    target_seqlen = targets.seqlen(samples, offsets) if targets is not None else None
     if static:
-        batch = budget.cap(seqlen) if fixed_batch is None else np.full(len(counts), fixed_batch, np.int64)
+        batch = budget.cap(seqlen, target_seqlen) if fixed_batch is None else np.full(len(counts), fixed_batch,
+                                                                                      np.int64)
     else:
         batch = counts.astype(np.int64)
     return Microbatches(samples, offsets, seqlen.astype(np.int64), batch.astype(np.int64),
-                        segment_sum(lens, offsets), item_length=narrow(lens))
+                        segment_sum(lens, offsets), item_length=narrow(lens), target_seqlen=target_seqlen)
 
 
 def narrow(lengths: np.ndarray) -> np.ndarray:
@@ -132,19 +160,20 @@ def narrow(lengths: np.ndarray) -> np.ndarray:
 
 
 # -- greedy consecutive microbatches ---------------------------------------------------------------
-def greedy_offsets(padded: np.ndarray, cap: np.ndarray, closed: bool = False) -> np.ndarray:
+def greedy_offsets(padded: np.ndarray, cap: np.ndarray, closed: bool = False, monotone: bool = True) -> np.ndarray:
     """Offsets of greedy consecutive microbatches: each takes as many next samples as fit, i.e. while
-    the count stays <= the smallest cap of its members (cap depends on the padded length only).
+    the count stays <= the smallest cap of its members (cap depends on the padded length only, or,
+    ``monotone=False``, also on something else: a two-budget plan's target side).
 
-    Non-decreasing ``padded`` (length-sorted sequences, buckets): a loop per run of equal cap with
-    ``arange``, O(N + runs). Otherwise a loop per microbatch over growing windows. ``closed``
-    (static shapes on sorted input): no microbatch spans two padded lengths, so every bucket keeps
-    its own (B, T) shape.
+    Non-decreasing ``padded`` (length-sorted sequences, buckets) with ``monotone`` caps: a loop per run
+    of equal cap with ``arange``, O(N + runs). Otherwise a loop per microbatch over growing windows.
+    ``closed`` (static shapes on sorted input): no microbatch spans two padded lengths, so every bucket
+    keeps its own (B, T) shape.
     """
     n = len(padded)
     if n == 0:
         return np.zeros(1, np.int64)
-    if n == 1 or bool(np.all(padded[1:] >= padded[:-1])):
+    if n == 1 or (monotone and bool(np.all(padded[1:] >= padded[:-1]))):
         return _greedy_sorted(cap, padded if closed else cap, closed)
     return _greedy_general(cap)
 
@@ -198,28 +227,38 @@ def _greedy_general(cap: np.ndarray) -> np.ndarray:
 
 
 def form_sequence(seq: np.ndarray, lengths: np.ndarray, shape: ShapeMap, budget: Budget, static: bool,
-                  padded: np.ndarray | None = None, lens: np.ndarray | None = None) -> Microbatches:
-    """Consecutive samples of ``seq`` (curriculum, reverse, bucket-shuffle) greedily under the budget;
-    ``lens`` (lengths[seq]) and ``padded`` (shape(lens)) when the caller has them already."""
+                  padded: np.ndarray | None = None, lens: np.ndarray | None = None,
+                  targets: Targets | None = None) -> Microbatches:
+    """Consecutive samples of ``seq`` (curriculum, reverse, bucket-shuffle) greedily under the budget
+    (both budgets, with ``targets``); ``lens`` (lengths[seq]) and ``padded`` (shape(lens)) when the
+    caller has them already."""
     if lens is None:
         lens = lengths[seq]
     if padded is None:
         padded = shape(lens)
+    cap = budget.cap(padded) if targets is None else budget.cap(padded, targets.padded(seq))
+    fin = dict(lens=lens, padded=padded, targets=targets)
     if len(padded) > 1 and bool(np.all(padded[1:] <= padded[:-1])) and not bool(np.all(padded[1:] == padded[:-1])):
         # non-increasing (reverse order): cut the ascending sequence, then map the cuts back, so the
         # samples inside each microbatch stay in sequence order too (a tail split keeps that order)
-        off = greedy_offsets(padded[::-1], budget.cap(padded[::-1]), static)
-        return finalize_padded(seq, len(seq) - off[::-1], lengths, shape, budget, static, lens=lens, padded=padded)
-    off = greedy_offsets(padded, budget.cap(padded), static)
-    return finalize_padded(seq, off, lengths, shape, budget, static, lens=lens, padded=padded)
+        off = greedy_offsets(padded[::-1], cap[::-1], static, targets is None)
+        return finalize_padded(seq, len(seq) - off[::-1], lengths, shape, budget, static, **fin)
+    off = greedy_offsets(padded, cap, static, targets is None)
+    return finalize_padded(seq, off, lengths, shape, budget, static, **fin)
 
 
-def bucket_sequence(canon: np.ndarray, padded: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """bucket-shuffle: samples grouped by padded length (``padded`` is aligned with ``canon``), in
-    random order inside each group. Returns the sequence and its padded lengths."""
+def bucket_sequence(canon: np.ndarray, padded: np.ndarray, rng: np.random.Generator,
+                    target_padded: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """bucket-shuffle: samples grouped by padded length (``padded`` is aligned with ``canon``; two
+    budgets: by (padded length, padded target length), ``target_padded``), in random order inside each
+    group. Returns the sequence and its padded lengths."""
     n = len(canon)
     perm = rng.permutation(n)
     hi = int(padded.max()) if n else 0
+    if target_padded is not None and n:
+        key = padded.astype(np.int64) * (int(target_padded.max()) + 1) + target_padded
+        order = perm[stable_argsort_int(key[perm])]
+        return canon[order], padded[order]
     if n >= 1 << 31 or hi >= 1 << 16 or int(padded.min()) < 0:
         order = perm[stable_argsort_int(padded[perm])]
         return canon[order], padded[order]
@@ -249,13 +288,25 @@ def is_identity(a: np.ndarray) -> bool:
 
 
 def form_random(canon: np.ndarray, lengths: np.ndarray, shape: ShapeMap, budget: Budget, static: bool,
-                rng: np.random.Generator) -> tuple[Microbatches, int]:
-    """The padded fixed-batch baseline: random order, a fixed B that fits the longest sample."""
+                rng: np.random.Generator, targets: Targets | None = None) -> tuple[Microbatches, int]:
+    """The padded fixed-batch baseline: random order, a fixed B that fits the longest sample (and the
+    longest target, under two budgets)."""
     perm = canon[rng.permutation(len(canon))]
     t_max = int(shape(lengths[canon]).max()) if len(canon) else 1
-    b = max(int(budget.cap(np.array([t_max]))[0]), 1)
+    b = max(int(fixed_cap(budget, t_max, targets, canon)), 1)
     off = np.append(np.arange(0, len(perm), b, dtype=np.int64), len(perm)).astype(np.int64)
-    return finalize_padded(perm, off, lengths, shape, budget, static, fixed_batch=b), b
+    return finalize_padded(perm, off, lengths, shape, budget, static, fixed_batch=b, targets=targets), b
+
+
+def fixed_cap(budget: Budget, t_max: int, targets: Targets | None = None, positions: np.ndarray | None = None,
+              target_max: int | None = None) -> int:
+    """The random order's fixed B: the cap of the longest padded T (and, under two budgets, of the longest
+    padded T_target: ``target_max``, else that of ``targets`` at ``positions``)."""
+    if targets is None and target_max is None:
+        return int(budget.cap(np.array([t_max]))[0])
+    if target_max is None:
+        target_max = int(targets.padded(positions).max()) if len(positions) else 1
+    return int(budget.cap(np.array([t_max]), np.array([target_max]))[0])
 
 
 # -- same shape per step ---------------------------------------------------------------------------

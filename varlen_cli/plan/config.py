@@ -39,6 +39,9 @@ class PlanConfig:
     output: str = doc(help="Plan file to write (Parquet, one row per microbatch); local or an s3://... object.")
     max_tokens: int | None = doc(None, "Hard budget: padded B x T of every microbatch (plus A x B x T^2 with "
                                        "--attention-cost). Required unless --packing or --max-memory.")
+    max_target_tokens: int | None = doc(None, "Second budget (encoder-decoder): padded B x T_target of every "
+                                              "microbatch; T_target: the longest target_length (analyze "
+                                              "--target-length), column target_seqlen.")
     dp: int = doc(1, "Data-parallel ranks: every step has dp x grad-accum microbatches.")
     grad_accum: int = doc(1, "Microbatches per rank per optimizer step.")
     order: Order = doc("bucket-shuffle", "curriculum (sorted input's order), reverse, bucket-shuffle (near-equal "
@@ -146,6 +149,7 @@ def check(c: PlanConfig) -> None:
     _positive("--max-samples", c.max_samples)
     _positive("--chunk-samples", c.chunk_samples, False)
     _check_ranges(c)
+    _check_target(c)
     if c.base_batch_size is not None and not c.base_batch_size > 0:
         raise UsageError(f"--base-batch-size must be > 0 (got {c.base_batch_size})")
     _check_attention(c)
@@ -176,6 +180,30 @@ def check(c: PlanConfig) -> None:
                 raise UsageError(f"{name} needs --packing")
         if c.split_long:
             raise UsageError("--split-long needs --packing (a padded microbatch cannot hold part of a sample)")
+
+
+TARGET_EXCLUDES = (
+    ("packing", "--packing", "a packed row has no target side; plan padded microbatches"),
+    ("max_memory", "--max-memory", "a memory profile is measured on one sequence; give --max-tokens"),
+    ("static_shapes", "--static-shapes", "a shape would be (B, T, T_target); --num-shapes and --pad-multiple apply "
+                                         "to both sides"),
+    ("compile_warmup", "--compile-warmup", "its warm-up covers the (B, T) shapes only"),
+    ("same_shape_per_step", "--same-shape-per-step", "a step would need one T_target too"),
+)
+"""The options ``--max-target-tokens`` refuses, each with why (docs/plan.md, "Two budgets")."""
+
+
+def _check_target(c: PlanConfig) -> None:
+    """``--max-target-tokens``: an integer in range (beside ``--max-tokens``, which :func:`check` requires
+    without ``--packing``/``--max-memory``), and none of :data:`TARGET_EXCLUDES`."""
+    if c.max_target_tokens is None:
+        return
+    for name, option, why in TARGET_EXCLUDES:
+        if getattr(c, name):
+            raise UsageError(f"--max-target-tokens does not apply with {option}: {why}")
+    _positive("--max-target-tokens", c.max_target_tokens)
+    if c.max_target_tokens > MAX_TOKENS_LIMIT:
+        raise UsageError(f"--max-target-tokens must be at most 2^53 (got {c.max_target_tokens})")
 
 
 def _check_attention(c: PlanConfig) -> None:

@@ -70,8 +70,10 @@ def resolve_budget(c: PlanConfig) -> Budget:
         model = {"model_dim": c.model_dim, "layers": c.layers, "vocab_size": c.vocab_size or 0,
                  "formula": FLOPS_FORMULA}
         a = flops_attention_cost(c.model_dim, c.layers, c.vocab_size or 0)
-        return Budget(c.max_tokens, c.max_samples, a, bool(c.packing), "flops", model)
-    return Budget(c.max_tokens, c.max_samples, attention_number(c.attention_cost) or 0.0, bool(c.packing))
+        return Budget(c.max_tokens, c.max_samples, a, bool(c.packing), "flops", model,
+                      max_target_tokens=c.max_target_tokens)
+    return Budget(c.max_tokens, c.max_samples, attention_number(c.attention_cost) or 0.0, bool(c.packing),
+                  max_target_tokens=c.max_target_tokens)
 
 
 def rebudget(parent: Budget, *, max_tokens: int | None = None, max_memory=None, memory_profile: str | None = None,
@@ -91,6 +93,9 @@ def rebudget(parent: Budget, *, max_tokens: int | None = None, max_memory=None, 
                                    source="given" if parent.source == "memory" else parent.source)
     if max_memory is None and memory_profile is None:
         return parent
+    if parent.two_sided:
+        raise UsageError("--max-memory does not apply to a plan with --max-target-tokens (a memory profile is "
+                         "measured on one sequence); give --max-tokens")
     from ..memory.budget import budget_for_memory, memory_limit
     from ..memory.sizes import parse_size
 
@@ -155,10 +160,16 @@ def longest_fitting(length: np.ndarray, budget: Budget, shape: ShapeMap) -> int:
 
 
 def too_long_error(c: PlanConfig, budget: Budget, remedies: Remedies, n_long: int, n: int, longest: int,
-                   shortest: int) -> InputError | None:
+                   shortest: int, longest_target: int = 0) -> InputError | None:
     """The error for ``n_long`` of ``n`` samples too long for any microbatch (None when that is fine:
-    none, or --drop-long and some fit); the chunked planner counts them chunk by chunk."""
+    none, or --drop-long and some fit); the chunked planner counts them chunk by chunk. Under two budgets
+    a sample is too long when either side fits no microbatch (``longest_target``: the longest target)."""
     budget_name = budget.describe()
+    if budget.two_sided and n_long and (n_long == n or not c.drop_long):
+        what = "none of the" if n_long == n else f"{n_long:,} of the"
+        return InputError(f"the budgets {budget_name} fit {what} {n:,} samples (the longest has {longest:,} tokens, "
+                          f"the longest target {longest_target:,}); raise --max-tokens or --max-target-tokens"
+                          + (remedies.or_drop_long if n_long < n else ""))
     if n_long and n_long == n:
         if c.packing:
             return InputError(f"--seq-len {c.seq_len:,} is below every sample: the shortest has {shortest:,} tokens")

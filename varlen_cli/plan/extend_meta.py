@@ -26,7 +26,7 @@ def merged_dropped(old: dict, new: dict, epochs_before: int) -> dict:
     tail = list(old.get("tail", [])) + [{**t, "epoch": t["epoch"] + epochs_before} for t in new.get("tail", [])]
     out = {"count": int(old.get("count", 0)) + int(new.get("count", 0)), "reason": reasons, "sample_ids": ids,
            "too_long_ids": old.get("too_long_ids", []), "tail": tail}
-    for key in ("too_long_sources", "too_long_listed", "too_long_count", "too_long_over"):
+    for key in ("too_long_sources", "too_long_listed", "too_long_count", "too_long_over", "too_long_target_over"):
         if key in old:
             out[key] = old[key]
     return out

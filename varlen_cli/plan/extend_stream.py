@@ -42,7 +42,7 @@ from .chunked.output import PlanOutput
 from .config import PlanConfig, PlanResult
 from .extend_meta import budget_tokens, merged_dropped, merged_metadata, merged_packing, merged_shapes
 from .parent import REPLAN_REMEDIES, Parent
-from .totals import ROW_COLUMNS, Totals
+from .totals import Totals
 
 WORK_TAG = safety.TMP_TAG + "-extend"  # .NAME.varlen-tmp-extend-<random>: a leftover the next run cleans
 TOO_BIG = "extend the plan by fewer epochs at a time (a smaller --epochs, then extend its output again)"
@@ -101,7 +101,7 @@ def join(parent: Parent, epochs: str, c: PlanConfig, record: dict, lineage: dict
     old, whole = totals(), dataclasses.replace(c, epochs=parent.epochs + c.epochs)
     try:
         new = _write_rows(epochs, rows, schema, parent, remap, totals())
-        for cols, lengths, offsets in _windows(parent.path, old.needs_lengths, c.dp * c.grad_accum):
+        for cols, lengths, offsets in _windows(parent.path, old, c.dp * c.grad_accum):
             old.update(cols, lengths, offsets)
         meta, summary = _metadata(old_meta, new_meta, old, new, shapes, whole, record, lineage, t0)
         full = schema.with_metadata(format.encode_plan_metadata(writer.plan_metadata(meta)))
@@ -131,7 +131,7 @@ def _write_rows(epochs: str, path: str, schema, parent: Parent, remap: np.ndarra
     pf = pq.ParquetFile(epochs)
     slots = parent.dp * parent.grad_accum
     with pq.ParquetWriter(path, schema, **writer.parquet_options(schema)) as w:
-        for cols, lengths, offsets, table in _groups(pf, totals.needs_lengths, slots, keep=schema.names):
+        for cols, lengths, offsets, table in _groups(pf, totals, slots, keep=schema.names):
             cols["step"] = cols["step"] + parent.num_steps
             cols["epoch"] = cols["epoch"] + parent.epochs
             cols["shape_id"] = remap[cols["shape_id"].astype(np.int64)]
@@ -142,28 +142,29 @@ def _write_rows(epochs: str, path: str, schema, parent: Parent, remap: np.ndarra
     return totals
 
 
-def _groups(pf, lengths: bool, slots: int, keep):
-    """Per row group of ``pf`` (whole steps, as plans are written): its :data:`ROW_COLUMNS` as numpy,
-    its ``sample_lengths`` as CSR (``lengths``), and the group's table of the columns ``keep``."""
+def _groups(pf, totals: Totals, slots: int, keep):
+    """Per row group of ``pf`` (whole steps, as plans are written): the columns ``totals`` reads as numpy,
+    its ``sample_lengths`` as CSR (when it needs them), and the group's table of the columns ``keep``."""
     from .arrow_io import flat_list, to_numpy
 
     for g in range(pf.metadata.num_row_groups):
         table = pf.read_row_group(g, columns=list(keep))
         if table.num_rows % slots:  # pragma: no cover - the chunked writer writes whole steps a group
             raise InternalConsistencyError(f"row group {g} of the new epochs does not hold whole steps")
-        cols = {name: to_numpy(table.column(name).combine_chunks()) for name in ROW_COLUMNS}
-        off, values = flat_list(table.column("sample_lengths")) if lengths else (None, None)
+        cols = {name: to_numpy(table.column(name).combine_chunks()) for name in totals.columns}
+        off, values = flat_list(table.column("sample_lengths")) if totals.needs_lengths else (None, None)
         yield cols, values, off, table
 
 
-def _windows(path: str, lengths: bool, slots: int):
-    """Windows of whole steps of the plan ``path``: :data:`ROW_COLUMNS`, and ``sample_lengths`` as CSR."""
+def _windows(path: str, totals: Totals, slots: int):
+    """Windows of whole steps of the plan ``path``: the columns ``totals`` reads, and ``sample_lengths`` as CSR."""
     import pyarrow.parquet as pq
 
     from ..checks import scan
 
     pf = pq.ParquetFile(path)
-    for w in scan.windows(pf, ROW_COLUMNS, ["sample_lengths"] if lengths else [], slots):
+    lengths = totals.needs_lengths
+    for w in scan.windows(pf, totals.columns, ["sample_lengths"] if lengths else [], slots):
         off, values = w.lists["sample_lengths"] if lengths else (None, None)
         yield w.cols, values, off
 

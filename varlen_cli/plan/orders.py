@@ -26,7 +26,7 @@ import numpy as np
 from ..budget import Budget
 from ..errors import InputError
 from . import balance, batching, layout, tail
-from .batching import Microbatches
+from .batching import Microbatches, Targets
 from .config import PlanConfig
 from .shapes import ShapeMap
 
@@ -54,6 +54,7 @@ class EpochInputs:
     canon: np.ndarray  # input positions in increasing sample_id, long ones removed
     rows_per_mb: int | None = None  # packing only
     remedies: layout.Remedies = layout.PLAN_REMEDIES  # what refusals suggest (plan or replan)
+    targets: Targets | None = None  # two budgets (--max-target-tokens): the target side
 
 
 @dataclass
@@ -85,11 +86,12 @@ def _finish_padded(inputs: EpochInputs, mb: Microbatches, mode: str, rng: np.ran
     def refinalize(samples, offsets):
         same = samples is formed_samples
         return batching.finalize_padded(samples, offsets, length, shape, budget, c.static_shapes, fixed_batch,
-                                        lens=lens if same else None, padded=padded if same else None)
+                                        lens=lens if same else None, padded=padded if same else None,
+                                        targets=inputs.targets)
 
     mb, dropped = tail.fix_padded(mb, inputs.slots, c.dp, c.grad_accum, c.tail, refinalize, inputs.remedies)
     if mode == "bucket-shuffle":
-        cost = np.asarray(budget.cost(mb.batch_size, mb.seqlen), dtype=np.float64)
+        cost = budget.microbatch_cost(mb.tokens, mb.batch_size, mb.seqlen, target_seqlen=mb.target_seqlen)
         # the samples move once, with the layout's order (plan_epochs takes the final order)
         mb = mb.reordered(layout.balanced_shuffle(cost, inputs.slots, rng))
     if c.same_shape_per_step:
@@ -105,7 +107,7 @@ class SequenceFormer:
         lens = inputs.length[inputs.ordered]
         padded = inputs.shape(lens)
         mb = batching.form_sequence(inputs.ordered, inputs.length, inputs.shape, inputs.budget, c.static_shapes,
-                                    padded, lens)
+                                    padded, lens, inputs.targets)
         return _finish_padded(inputs, mb, mode, rng, lens=lens, padded=padded)
 
 
@@ -122,11 +124,12 @@ class BucketShuffleFormer:
             self.canon_padded = padded_lengths(inputs.length, inputs.canon, inputs.shape)  # 2 or 4 bytes a sample
             plain = inputs.shape.pad_multiple == 1 and inputs.shape.edges is None
             self.lens_are_padded = plain and bool(len(inputs.length)) and int(inputs.length.min()) >= 1
-        seq, seq_padded = batching.bucket_sequence(inputs.canon, self.canon_padded, rng)
+        target_padded = inputs.targets.padded(inputs.canon) if inputs.targets is not None else None
+        seq, seq_padded = batching.bucket_sequence(inputs.canon, self.canon_padded, rng, target_padded)
         # the lengths in sequence order: the padded ones themselves where equal (no random gather)
         lens = seq_padded if self.lens_are_padded else inputs.length[seq]
         mb = batching.form_sequence(seq, inputs.length, inputs.shape, inputs.budget, c.static_shapes, seq_padded,
-                                    lens)
+                                    lens, inputs.targets)
         return _finish_padded(inputs, mb, mode, rng, lens=lens, padded=seq_padded)
 
 
@@ -153,7 +156,7 @@ class RandomFormer:
     def form(self, inputs: EpochInputs, mode: str, rng: np.random.Generator) -> Formed:
         c = inputs.config
         mb, self.fixed_batch = batching.form_random(inputs.canon, inputs.length, inputs.shape, inputs.budget,
-                                                    c.static_shapes, rng)
+                                                    c.static_shapes, rng, inputs.targets)
         return _finish_padded(inputs, mb, mode, rng, self.fixed_batch)
 
 

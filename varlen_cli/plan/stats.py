@@ -35,3 +35,9 @@ def summary(*, num_steps: int, num_microbatches: int, samples: int, tokens: int,
         "epochs": int(epochs),
         "seconds": float(seconds),
     }
+
+
+def target_summary(targets: int, target_padded: int) -> dict:
+    """A two-budget plan's target side in its summary: the padded B x T_target and the padding in it."""
+    return {"target_padded_tokens": int(target_padded),
+            "target_padding_pct": 100.0 * (1 - targets / target_padded) if target_padded else 0.0}

@@ -17,6 +17,7 @@ from ..budget import Budget, segment_sum_squares
 from . import stats
 
 ROW_COLUMNS = ("epoch", "step", "rank", "num_samples", "seqlen", "batch_size", "tokens", "lr_scale", "shape_id")
+TARGET_COLUMNS = (format.TARGET_SEQLEN_COLUMN, "step_loss_tokens")  # two budgets: the target side's sums
 
 
 class Totals:
@@ -33,6 +34,12 @@ class Totals:
         self.lr_min = self.lr_max = None
         self.peak_per_shape = np.zeros(num_shapes)
         self.peak_max = self.peak_max_per_segment = None
+        self.targets = self.target_padded = 0  # two budgets
+
+    @property
+    def columns(self) -> tuple:
+        """The row columns :meth:`update` reads (:data:`ROW_COLUMNS`; two budgets: :data:`TARGET_COLUMNS` too)."""
+        return ROW_COLUMNS + (TARGET_COLUMNS if self.budget.two_sided else ())
 
     @property
     def needs_lengths(self) -> bool:
@@ -48,7 +55,11 @@ class Totals:
         b, t = cols["batch_size"].astype(np.int64), cols["seqlen"].astype(np.int64)
         tokens = cols["tokens"].astype(np.int64)
         sumsq = segment_sum_squares(lengths, offsets) if lengths is not None else None
-        cost = self.budget.microbatch_cost(tokens, b, t, sumsq if self.budget.needs_segment_lengths else None)
+        target = cols[format.TARGET_SEQLEN_COLUMN].astype(np.int64) if self.budget.two_sided else None
+        cost = self.budget.microbatch_cost(tokens, b, t, sumsq if self.budget.needs_segment_lengths else None, target)
+        if target is not None:
+            self.target_padded += int((b * target).sum())
+            self.targets += int(cols["step_loss_tokens"][::self.slots].astype(np.int64).sum())
         self.microbatches += n
         self.samples += int(cols["num_samples"].astype(np.int64).sum())
         self.tokens += int(tokens.sum())
@@ -80,7 +91,8 @@ class Totals:
 
     def merge(self, other: Totals) -> None:
         """Add the rows ``other`` (same budget, layout and shapes) was fed."""
-        for name in ("microbatches", "samples", "tokens", "padded", "strag_sum", "strag_steps", "top", "mean"):
+        for name in ("microbatches", "samples", "tokens", "padded", "strag_sum", "strag_steps", "top", "mean",
+                     "targets", "target_padded"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name, pick in (("strag_max", _max), ("lr_min", _min), ("lr_max", _max), ("peak_max", _max),
                            ("peak_max_per_segment", _max)):
@@ -99,6 +111,8 @@ class Totals:
             over_budget=0, warmup_steps=warmup_steps, epochs=epochs, samples_per_epoch=samples_per_epoch,
             seconds=seconds)
         out["straggler_overhead"] = self.top / self.mean - 1.0 if self.mean > 0 else 0.0
+        if self.budget.two_sided:
+            out.update(stats.target_summary(self.targets, self.target_padded))
         return out
 
     def memory_entry(self) -> dict:

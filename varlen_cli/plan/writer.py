@@ -62,7 +62,12 @@ def recorded_config(c) -> dict:
     """The options a plan records: what it is made of, not how the command ran (no output, overwrite,
     progress, nproc, allow_stale: ``artifacts.RUNTIME_FIELDS``), so the same input and options give
     the same file, whatever the number of workers and wherever it is written."""
-    return {k: v for k, v in artifacts.config_dict(c).items() if k not in artifacts.RUNTIME_FIELDS}
+    return {k: v for k, v in artifacts.config_dict(c).items()
+            if k not in artifacts.RUNTIME_FIELDS and not (k in RECORDED_WHEN_SET and v is None)}
+
+
+RECORDED_WHEN_SET = ("max_target_tokens",)
+"""Options a plan records only when given: plans without them are the files they were before the option."""
 
 
 def build_metadata(c, *, config: dict, input: dict, num_steps: int, num_microbatches: int, steps_per_epoch: list,

@@ -160,6 +160,8 @@ def read_plan_costs(path: str, attention_cost: float | None = None) -> PlanCosts
                 or np.any(col["rank"] * accum + col["micro"] != position % per_step)):
             raise InputError(f"{path} rows are not in (step, rank, micro) order")
         b[position], t[position] = col["batch_size"], col["seqlen"]
+        if budget.two_sided:  # the activations of both sides: B x (T + T_target)
+            t[position] += table.column(format.TARGET_SEQLEN_COLUMN).to_numpy()
         cost[position] = format.table_cost(table, budget)  # the one cost formula
     if np.any(b * t <= 0):
         raise InputError(f"{path} has a microbatch with batch_size x seqlen <= 0")

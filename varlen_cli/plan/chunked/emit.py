@@ -90,6 +90,7 @@ class RowSpec:
     item_lo: np.ndarray
     nrows: np.ndarray | None = None
     per_row: np.ndarray | None = None
+    target_seqlen: np.ndarray | None = None  # two budgets: each row's padded T_target
 
 
 def row_specs(epochs: list[EpochRows], starts: np.ndarray, lo: int, hi: int) -> list[RowSpec]:
@@ -105,6 +106,8 @@ def row_specs(epochs: list[EpochRows], starts: np.ndarray, lo: int, hi: int) -> 
                        ep.column("chunk", lo_e, hi_e), ep.column("item_lo", lo_e, hi_e))
         if ep.rows is not None and not ep.item_rows:
             spec.nrows, spec.per_row = _chunk_rows(ep, lo_e, hi_e)
+        if ep.budget is not None and ep.budget.two_sided:
+            spec.target_seqlen = ep.column("tseqlen", lo_e, hi_e)
         out.append(spec)
     return out
 
@@ -157,7 +160,7 @@ class RowGroups:
 
     def schema(self):
         return format.plan_schema(self.packed, writer.plan_metadata(self.fin.metadata),
-                                  mixture="source" in self.names)
+                                  mixture="source" in self.names, target=format.has_target_budget(self.fin.metadata))
 
 
 def row_groups_of(epochs: list[EpochRows], fin: Finished, dp: int, grad_accum: int, packed: bool) -> RowGroups:
@@ -251,6 +254,8 @@ def _group(rg: RowGroups, readers, specs: list[RowSpec]):
                 "tokens": spec.tokens.astype(np.int64), "lr_scale": fin.scales[gstep],
                 "shape_id": fin.shape_id(batch, seqlen.astype(np.int64)), "step_samples": fin.step_samples[gstep],
                 "step_tokens": fin.step_tokens[gstep], "step_loss_tokens": fin.step_loss_tokens[gstep]}
+        if spec.target_seqlen is not None:
+            cols[format.TARGET_SEQLEN_COLUMN] = spec.target_seqlen.astype(np.int32)
         item_rows = rg.packed and rg.item_rows[e]
         got, offsets = GroupItems(readers[e], rg.names + (("item_row",) if item_rows else ())).read(
             spec.chunk, spec.item_lo, count)

@@ -194,6 +194,9 @@ class EpochRows:
 
 def _cost_of(units: Units, idx: np.ndarray, budget) -> np.ndarray:
     """The cost ranks are balanced on (``Budget.microbatch_cost``), of the units ``idx``."""
+    if budget.two_sided:
+        return budget.microbatch_cost(None, units.take("batch", idx), units.take("seqlen", idx),
+                                      target_seqlen=units.take("tseqlen", idx))
     if not budget.packed:
         return np.asarray(budget.cost(units.take("batch", idx), units.take("seqlen", idx)), dtype=np.float64)
     sumsq = units.take("sumsq", idx) if budget.needs_segment_lengths else None
@@ -360,14 +363,18 @@ def shares(n: int, block: int, world: int) -> list[tuple[int, int]]:
 # -- building the microbatch table -------------------------------------------------------------------
 def _padded_refinalize(ctx: PlanContext):
     def refinalize(lengths, offsets, extras):
+        targets = batching.Targets(extras["target"], ctx.target_shape) if ctx.two_sided else None
         mb = batching.finalize_padded(np.arange(len(lengths)), offsets, lengths, ctx.shape, ctx.budget, ctx.static,
-                                      ctx.fixed_batch)
+                                      ctx.fixed_batch, targets=targets)
         if "target" in extras:  # target_length: the tokens that carry loss
             lost = mb.tokens - batching.segment_sum(extras["target"], offsets)
         else:
             lost = batching.segment_sum((lengths > 0).astype(np.int32), offsets)
-        return {"count": np.diff(offsets).astype(np.int32), "seqlen": mb.seqlen.astype(np.int32),
-                "batch": mb.batch_size.astype(np.int32), "tokens": mb.tokens, "lost": lost.astype(np.int32)}
+        out = {"count": np.diff(offsets).astype(np.int32), "seqlen": mb.seqlen.astype(np.int32),
+               "batch": mb.batch_size.astype(np.int32), "tokens": mb.tokens, "lost": lost.astype(np.int32)}
+        if targets is not None:
+            out["tseqlen"] = mb.target_seqlen.astype(np.int32)
+        return out
     return refinalize
 
 
@@ -390,7 +397,7 @@ def _sumsq(ctx: PlanContext) -> tuple:
 
 def _padded_units(tables: list, ctx: PlanContext, unit_level: bool) -> tuple[Units, dict | None]:
     """The padded units of all chunks (their tail fixed) and the units ``--tail drop`` dropped."""
-    units, start = _concat(tables, ("count", "seqlen", "batch", "tokens", "lost"))  # lost: tokens without a target
+    units, start = _concat(tables, ctx.unit_columns)  # lost: tokens without a target
     dropped = None
     if unit_level:
         counts = units.cols["count"]
@@ -532,6 +539,8 @@ def _ranks(units: Units, seq: np.ndarray, cost_of, ctx: PlanContext, ranked: boo
             from ...schedule.order import reorder_layout
 
             padded = units.take("batch", part).astype(np.float64) * units.take("seqlen", part)
+            if ctx.two_sided:  # the activations of both sides
+                padded += units.take("batch", part).astype(np.float64) * units.take("tseqlen", part)
             lay, ordered = reorder_layout(lay, cost, padded, dp=ctx.dp, grad_accum=ctx.grad_accum, schedule=schedule,
                                           stages=stages)
         order[a:a + len(part)] = part[lay.order]

@@ -91,6 +91,7 @@ class Tally:
     count: int  # entries (samples or pieces)
     token_sum: int
     rows: int  # packed rows used (packing)
+    target_padded: int = 0  # two budgets: B x T_target summed
 
 
 def tally(c, ctx: PlanContext, ep: EpochRows, lo: int = 0, hi: int | None = None) -> Tally:
@@ -98,7 +99,7 @@ def tally(c, ctx: PlanContext, ep: EpochRows, lo: int = 0, hi: int | None = None
     slots, fixed_b = ctx.slots, bool(c.static_shapes or c.packing)
     sums: dict = {name: [] for name in ("completed", "tokens", "lost", "strag")}
     top, mean, keys = [], [], set()
-    over = t_max = padded = count = token_sum = rows = 0
+    over = t_max = padded = count = token_sum = rows = target_padded = 0
     for a, b in blocks(ep, slots, lo, hi):
         batch, seqlen = ep.column("batch", a, b).astype(np.int64), ep.column("seqlen", a, b).astype(np.int64)
         tokens = ep.column("tokens", a, b).astype(np.int64)
@@ -117,6 +118,10 @@ def tally(c, ctx: PlanContext, ep: EpochRows, lo: int = 0, hi: int | None = None
             if ctx.budget.max_tokens is not None:
                 over += int(np.count_nonzero(~ctx.budget.fits(batch, seqlen)))
             rows += int(ep.column("rows", a, b).astype(np.int64).sum())
+        elif ctx.two_sided:
+            tseqlen = ep.column("tseqlen", a, b).astype(np.int64)
+            over += int(np.count_nonzero(~ctx.budget.fits(batch, seqlen, tseqlen)))
+            target_padded += int((batch * tseqlen).sum())
         else:
             over += int(np.count_nonzero(~ctx.budget.fits(batch, seqlen)))
         t_max = max(t_max, int(seqlen.max()) if len(seqlen) else 0)
@@ -126,7 +131,7 @@ def tally(c, ctx: PlanContext, ep: EpochRows, lo: int = 0, hi: int | None = None
     per_step = {name: np.concatenate(v) if v else np.zeros(0, np.float64 if name == "strag" else np.int64)
                 for name, v in sums.items()}
     return Tally(per_step["completed"], per_step["tokens"], per_step["lost"], per_step["strag"], top, mean,
-                 np.array(sorted(keys), np.int64), over, t_max, padded, count, token_sum, rows)
+                 np.array(sorted(keys), np.int64), over, t_max, padded, count, token_sum, rows, target_padded)
 
 
 def merge_tallies(parts: list[Tally]) -> Tally:
@@ -137,7 +142,8 @@ def merge_tallies(parts: list[Tally]) -> Tally:
     return Tally(cat["completed"], cat["tokens"], cat["lost"], cat["strag"], [v for t in parts for v in t.top],
                  [v for t in parts for v in t.mean], np.unique(np.concatenate([t.keys for t in parts])),
                  sum(t.over for t in parts), max(t.t_max for t in parts), sum(t.padded for t in parts),
-                 sum(t.count for t in parts), sum(t.token_sum for t in parts), sum(t.rows for t in parts))
+                 sum(t.count for t in parts), sum(t.token_sum for t in parts), sum(t.rows for t in parts),
+                 sum(t.target_padded for t in parts))
 
 
 def _straggler(tallies: list[Tally]) -> tuple[np.ndarray, float]:
@@ -216,7 +222,7 @@ class Dropped:
         return np.unique(np.concatenate([long_ids] + self.tail_ids)) if len(long_ids) or self.tail_count \
             else np.zeros(0, np.int64)
 
-    def to_dict(self, all_ids: np.ndarray, longest_fitting: int) -> dict:
+    def to_dict(self, all_ids: np.ndarray, longest_fitting: int, longest_target_fitting: int | None = None) -> dict:
         long_ids = self.long_ids if self.listed else np.zeros(0, np.int64)
         out = {"count": self.count, "reason": {"too_long": self.num_long * self.epochs, "tail": self.tail_count},
                "sample_ids": all_ids.tolist(), "too_long_ids": long_ids.tolist(),
@@ -227,6 +233,8 @@ class Dropped:
                 entry["sources"] = sources.tolist()
         if not self.listed:
             out.update(too_long_listed=False, too_long_count=int(self.num_long), too_long_over=int(longest_fitting))
+            if longest_target_fitting is not None:  # two budgets: or a target longer than this
+                out["too_long_target_over"] = int(longest_target_fitting)
         return out
 
 
@@ -275,6 +283,8 @@ def _summary(c, ctx: PlanContext, laid: LaidOut, tallies: list[Tally], cols: tup
     summary["straggler_overhead"] = overhead
     if epochs[0].warmup_missing:
         summary["warmup_missing"] = int(epochs[0].warmup_missing)
+    if ctx.two_sided:  # the target side's padding: padded-but-empty target positions / all of them
+        summary.update(stats.target_summary(int(step_targets.sum()), sum(t.target_padded for t in tallies)))
     zero_loss = int(np.count_nonzero(step_targets == 0))  # steps whose loss is 0/0 (cli/summary.py warns)
     if zero_loss:
         summary["zero_loss_steps"] = zero_loss
@@ -306,9 +316,12 @@ def finish(c, ctx: PlanContext, plan_input, laid: LaidOut, t0: float, *, trained
         orders=[ep.mode for ep in epochs], shapes=shapes, warmup_steps=epochs[0].warmup_steps,
         base_batch_size=cols[5], budget=ctx.budget, shape_map=ctx.shape.to_dict(), fixed_batch=laid.fixed_batch,
         packing=packing_info(c, ctx, tallies, laid.packing_stats) if c.packing else None,
-        dropped=laid.dropped.to_dict(dropped_all, ctx.longest_fitting), summary=summary)
+        dropped=laid.dropped.to_dict(dropped_all, ctx.longest_fitting,
+                                     ctx.longest_target_fitting if ctx.two_sided else None), summary=summary)
     if trained_only:
         metadata["loss_tokens"] = format.TARGET_LENGTH_COLUMN
+    if ctx.two_sided:  # the target side's shape map (the source's is shape_map)
+        metadata["target_shape_map"] = ctx.target_shape.to_dict()
     metadata["chunks"] = {"samples": int(c.chunk_samples), "count": None}
     if laid.source_tokens is not None:  # a mixture: its sources and their tokens per epoch
         sources = [{**entry, "tokens_per_epoch": [int(t[k]) for t in laid.source_tokens]}

@@ -29,7 +29,7 @@ from ... import format
 from ...budget import Budget, segment_sum_squares
 from ...errors import UsageError
 from .. import balance, batching, tail
-from ..batching import Microbatches
+from ..batching import Microbatches, Targets
 from ..layout import PLAN_REMEDIES, Remedies
 from ..orders import CURRICULAR, padded_lengths, same_shape_steps
 from ..shapes import ShapeMap
@@ -61,10 +61,32 @@ class PlanContext:
     fixed_batch: int | None = None  # random order: B of every microbatch (from the longest kept sample)
     remedies: Remedies = PLAN_REMEDIES  # what refusals suggest
     num_sources: int = 0  # a mixture's sources (0: one input): the items name each entry's source
+    target_shape: ShapeMap | None = None  # two budgets (--max-target-tokens): the target side's shape map
+    longest_target_fitting: int = 1 << 62  # two budgets: samples whose target is longer fit no microbatch
 
     @property
     def slots(self) -> int:
         return self.dp * self.grad_accum
+
+    @property
+    def two_sided(self) -> bool:
+        return self.target_shape is not None
+
+    def targets(self, chunk: ChunkData) -> Targets | None:
+        """The chunk's target side (two budgets), else None."""
+        return Targets(chunk.target, self.target_shape) if self.two_sided else None
+
+    def too_long(self, chunk: ChunkData) -> np.ndarray:
+        """Mask of the chunk's samples that fit no microbatch (too long a source, or a target, under two budgets)."""
+        out = chunk.length > self.longest_fitting
+        if self.two_sided:
+            out |= chunk.target > self.longest_target_fitting
+        return out
+
+    @property
+    def unit_columns(self) -> tuple:
+        """The columns of a padded unit (two budgets: ``tseqlen``, the padded T_target, too)."""
+        return PADDED_UNIT_COLUMNS + (("tseqlen",) if self.two_sided else ())
 
     @property
     def ranked(self) -> bool:
@@ -94,6 +116,7 @@ class ChunkUnits:
     num_long: int = 0
     longest: int = 0
     shortest: int = 0
+    longest_target: int = 0
     tail_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     tail_sources: np.ndarray | None = None  # a mixture: the source of each tail id
     source_tokens: list | None = None  # a mixture: the tokens of each source's entries in the chunk's units
@@ -109,7 +132,7 @@ class ChunkUnits:
 def _kept(chunk: ChunkData, ctx: PlanContext, mode: str) -> tuple[np.ndarray, np.ndarray]:
     """Local positions the epoch starts from (canonical or (reversed) sorted order), long ones out,
     and the mask of the long ones."""
-    too_long = chunk.length > ctx.longest_fitting
+    too_long = ctx.too_long(chunk)
     if mode in CURRICULAR or chunk.first_id is not None or chunk.in_order:
         seq = np.arange(chunk.n, dtype=np.int64)  # rows already in the epoch's order (chunks.ChunkSource, sources)
     else:
@@ -130,7 +153,7 @@ def form_chunk(chunk: ChunkData, ctx: PlanContext, mode: str, epoch: int, rng: n
         from ..cost_model import too_long_error
 
         error = too_long_error(config, ctx.budget, ctx.remedies, len(chunk.length) - len(seq), chunk.n,
-                               int(chunk.length.max()), int(chunk.length.min()))
+                               int(chunk.length.max()), int(chunk.length.min()), _longest_target(chunk))
         if error is not None:
             raise error
     if not len(seq):
@@ -147,6 +170,7 @@ def form_chunk(chunk: ChunkData, ctx: PlanContext, mode: str, epoch: int, rng: n
     out.num_long = int(np.count_nonzero(too_long))
     out.longest = int(chunk.length.max()) if chunk.n else 0
     out.shortest = int(chunk.length.min()) if chunk.n else 0
+    out.longest_target = _longest_target(chunk)
     if out.num_long:  # listed up to LIST_LIMIT; a mixture's all (the check of its copies counts each)
         limit = None if ctx.num_sources else LIST_LIMIT
         out.long_ids = chunk.ids[np.flatnonzero(too_long)][:limit]
@@ -155,6 +179,10 @@ def form_chunk(chunk: ChunkData, ctx: PlanContext, mode: str, epoch: int, rng: n
     if ctx.num_sources:
         _source_totals(out, chunk, ctx)
     return out
+
+
+def _longest_target(chunk: ChunkData) -> int:
+    return int(chunk.target.max()) if chunk.target is not None and chunk.n else 0
 
 
 def _source_totals(out: ChunkUnits, chunk: ChunkData, ctx: PlanContext) -> None:
@@ -172,7 +200,7 @@ def _empty(ctx: PlanContext, mode: str) -> ChunkUnits:
         items = {"ids": np.zeros(0, np.int64), "sample_length": np.zeros(0, np.int32),
                  "item_length": np.zeros(0, np.int32), "item_start": np.zeros(0, np.int32)}
     else:
-        cols = PADDED_UNIT_COLUMNS if not ctx.packing else ("count", "seqlen", "batch", "tokens", "completed", "lost",
+        cols = ctx.unit_columns if not ctx.packing else ("count", "seqlen", "batch", "tokens", "completed", "lost",
                                                              "rows", "sumsq")
         items = {"ids": np.zeros(0, np.int64), "sample_length": np.zeros(0, np.int32)}
         if ctx.packing:
@@ -196,7 +224,7 @@ def _whole_epoch(chunk: ChunkData, ctx: PlanContext, mode: str, seq: np.ndarray,
 
     ordered = seq if mode in CURRICULAR else None
     inputs = EpochInputs(config, chunk.length, ctx.shape, ctx.budget, ctx.slots, ordered, seq, ctx.rows_per_mb,
-                         ctx.remedies)
+                         ctx.remedies, ctx.targets(chunk))
     formers = Formers()
     formed = formers.for_epoch(config, mode).form(inputs, mode, rng)
     mb = formed.mb
@@ -243,18 +271,19 @@ def _packed_mb_units(mb: Microbatches, chunk: ChunkData) -> dict:
 
 # -- padded ----------------------------------------------------------------------------------------
 def _padded(chunk: ChunkData, ctx: PlanContext, mode: str, seq: np.ndarray, rng) -> ChunkUnits:
-    length, shape, budget = chunk.length, ctx.shape, ctx.budget
+    length, shape, budget, targets = chunk.length, ctx.shape, ctx.budget, ctx.targets(chunk)
     if mode == "random":
-        mb = _random(seq, length, ctx, rng)
+        mb = _random(seq, length, ctx, rng, targets)
     elif mode == "bucket-shuffle":
-        bseq, bpadded = batching.bucket_sequence(seq, padded_lengths(length, seq, shape), rng)
+        bseq, bpadded = batching.bucket_sequence(seq, padded_lengths(length, seq, shape), rng,
+                                                 targets.padded(seq) if targets is not None else None)
         plain = shape.pad_multiple == 1 and shape.edges is None and len(seq) and int(length[seq].min()) >= 1
         lens = bpadded if plain else length[bseq]  # the padded lengths are the lengths: no random gather
-        mb = batching.form_sequence(bseq, length, shape, budget, ctx.static, bpadded, lens)
+        mb = batching.form_sequence(bseq, length, shape, budget, ctx.static, bpadded, lens, targets)
         mb = mb.take(rng.permutation(mb.count))  # the chunk's microbatches shuffled (phase 2 interleaves)
     else:
         lens = length[seq]
-        mb = batching.form_sequence(seq, length, shape, budget, ctx.static, shape(lens), lens)
+        mb = batching.form_sequence(seq, length, shape, budget, ctx.static, shape(lens), lens, targets)
     units = _padded_units(mb, length, chunk.n > 0 and int(length.min()) > 0, chunk.target)
     cands = _padded_candidates(mb, length, ctx, chunk.target)
     return ChunkUnits(0, 0, "unit", units, mb.offsets, *_ids(chunk, mb.samples), candidates=cands)
@@ -273,12 +302,13 @@ def _ids(chunk: ChunkData, positions: np.ndarray) -> tuple[dict, int | None]:
     return {"ids": chunk.ids[positions], **items}, None
 
 
-def _random(seq: np.ndarray, length: np.ndarray, ctx: PlanContext, rng) -> Microbatches:
+def _random(seq: np.ndarray, length: np.ndarray, ctx: PlanContext, rng, targets: Targets | None = None) -> Microbatches:
     """The random baseline inside a chunk: a random permutation cut into batches of the plan's fixed B."""
     perm = seq[rng.permutation(len(seq))]
     b = int(ctx.fixed_batch)
     off = np.append(np.arange(0, len(perm), b, dtype=np.int64), len(perm)).astype(np.int64)
-    return batching.finalize_padded(perm, off, length, ctx.shape, ctx.budget, ctx.static, fixed_batch=b)
+    return batching.finalize_padded(perm, off, length, ctx.shape, ctx.budget, ctx.static, fixed_batch=b,
+                                    targets=targets)
 
 
 def _padded_units(mb: Microbatches, length: np.ndarray, all_nonempty: bool = False,
@@ -298,9 +328,15 @@ def _padded_units(mb: Microbatches, length: np.ndarray, all_nonempty: bool = Fal
         lost = batching.segment_sum((length[mb.samples] > 0).astype(np.int32), mb.offsets)
     else:
         lost = np.zeros(mb.count, np.int64)
-    return {"count": counts.astype(np.int32), "seqlen": mb.seqlen.astype(np.int32),
-            "batch": mb.batch_size.astype(np.int32), "tokens": mb.tokens.astype(np.int64),
-            "lost": np.asarray(lost).astype(np.int32)}
+    out = {"count": counts.astype(np.int32), "seqlen": mb.seqlen.astype(np.int32),
+           "batch": mb.batch_size.astype(np.int32), "tokens": mb.tokens.astype(np.int64),
+           "lost": np.asarray(lost).astype(np.int32)}
+    if mb.target_seqlen is not None:  # two budgets: the padded T_target
+        if mb.count and int(mb.target_seqlen.max()) > format.INT32_MAX:
+            raise UsageError(f"a microbatch would have target_seqlen {int(mb.target_seqlen.max()):,}, more than plans "
+                             f"store ({format.INT32_MAX:,}, int32); lower --pad-multiple or --max-target-tokens")
+        out["tseqlen"] = mb.target_seqlen.astype(np.int32)
+    return out
 
 
 def _padded_candidates(mb: Microbatches, length: np.ndarray, ctx: PlanContext,
@@ -319,7 +355,8 @@ def _padded_candidates(mb: Microbatches, length: np.ndarray, ctx: PlanContext,
     halves_off[1::2] = mids
     halves_off[-1] = sub.offsets[-1]
     halves = batching.finalize_padded(sub.samples, halves_off, length, ctx.shape, ctx.budget, ctx.static,
-                                      ctx.fixed_batch)
+                                      ctx.fixed_batch, targets=Targets(target, ctx.target_shape) if ctx.two_sided
+                                      else None)
     for name, values in _padded_units(halves, length, target=target).items():
         out["half_" + name] = values
     if complete:  # the rare multi-round tail needs every splittable unit's lengths (phase 2)

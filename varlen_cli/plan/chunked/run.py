@@ -26,6 +26,7 @@ from ...errors import InputError, UsageError
 from ...runtime import artifacts, rank0, safety
 from ...runtime.dist import Dist, cap_workers, fault_point, run_distributed, session
 from .. import cost_model
+from ..batching import fixed_cap
 from ..cost_model import FEWER_EPOCHS, check_plan_size, resolve_budget
 from ..layout import PLAN_REMEDIES, Remedies
 from ..orders import CURRICULAR, epoch_mode
@@ -70,11 +71,11 @@ class Continuation:
         """The job's epoch number of the plan's epoch ``e``."""
         return self.first_epoch + e
 
-    def chunk(self, data: ChunkData, e: int, longest_fitting: int) -> ChunkData:
+    def chunk(self, data: ChunkData, e: int, ctx: PlanContext) -> ChunkData:
         """A chunk's samples in the plan's epoch ``e``: in a replan's first, what :attr:`first` holds."""
         if e or self.first is None:
             return data
-        return self.first.chunk(data, longest_fitting)
+        return self.first.chunk(data, ctx.too_long(data))
 
     def inputs(self, c) -> list[str]:
         """The directories the plan reads."""
@@ -170,6 +171,10 @@ def context(c, plan_input, spec: ChunkSpec, d: Dist, cont: Continuation = FRESH)
                       max_per_row=c.max_per_row, split_long=c.split_long, rows_per_mb=rows_per_mb, tail=c.tail,
                       longest_fitting=int(fit), remedies=cont.remedies,
                       num_sources=plan_input.num_sources if plan_input.mixture is not None else 0)
+    if budget.two_sided:  # the target side: padded like the source (--pad-multiple; --num-shapes: its own edges)
+        ctx.target_shape = ShapeMap(c.pad_multiple)
+        ctx.longest_target_fitting = cost_model.longest_fitting(np.array([np.iinfo(np.int32).max], np.int64),
+                                                                budget.target_side(), ctx.target_shape)
     if (c.num_shapes is not None and not c.packing) or (spec.count > 1 and c.order == "random"):
         _census(c, ctx, plan_input, spec, d)
     return ctx
@@ -177,28 +182,39 @@ def context(c, plan_input, spec: ChunkSpec, d: Dist, cont: Continuation = FRESH)
 
 def _census(c, ctx: PlanContext, plan_input, spec: ChunkSpec, d: Dist) -> None:
     """One pass over the lengths (shared out by rank): the bucket edges of ``--num-shapes`` and the
-    random order's fixed batch size, from the whole input (the samples that fit)."""
-    counts: dict = {}
-    longest = -1
+    random order's fixed batch size, from the whole input (the samples that fit); under two budgets
+    the target side's too."""
+    sides = [ctx.shape] + ([ctx.target_shape] if ctx.two_sided else [])
+    counts: list = [{} for _ in sides]
+    longest = [-1 for _ in sides]
     for k in range(d.rank, spec.count, d.world_size):
-        length = plan_input.lengths(spec, k)
-        length = length[length <= ctx.longest_fitting]
-        if len(length):
-            longest = max(longest, int(length.max()))
-            u, n = np.unique(ctx.shape.pad(length), return_counts=True)
-            for a, b in zip(u.tolist(), n.tolist()):
-                counts[a] = counts.get(a, 0) + b
-    merged: dict = {}
+        data = plan_input.census(spec, k, ctx.two_sided)
+        fit = ~ctx.too_long(data)
+        for s, values in enumerate((data.length, data.target)[:len(sides)]):
+            values = values[fit]
+            if len(values):
+                longest[s] = max(longest[s], int(values.max()))
+                u, n = np.unique(sides[s].pad(values), return_counts=True)
+                for a, b in zip(u.tolist(), n.tolist()):
+                    counts[s][a] = counts[s].get(a, 0) + b
+    merged: list = [{} for _ in sides]
     for part in d.all_gather_object((counts, longest)):
-        for a, b in part[0].items():
-            merged[a] = merged.get(a, 0) + b
-        longest = max(longest, part[1])
-    if c.num_shapes is not None and not c.packing and merged:
-        u = np.array(sorted(merged), np.int64)
-        ctx.shape = ShapeMap(c.pad_multiple, choose_edges(np.repeat(u, [merged[x] for x in u.tolist()]), c.num_shapes))
-    if c.order == "random" and longest >= 0:
-        t_max = int(ctx.shape(np.array([longest]))[0])
-        ctx.fixed_batch = max(int(ctx.budget.cap(np.array([t_max]))[0]), 1)
+        for s in range(len(sides)):
+            for a, b in part[0][s].items():
+                merged[s][a] = merged[s].get(a, 0) + b
+            longest[s] = max(longest[s], part[1][s])
+    if c.num_shapes is not None and not c.packing:
+        for s, m in enumerate(merged):
+            if m:
+                u = np.array(sorted(m), np.int64)
+                edges = choose_edges(np.repeat(u, [m[x] for x in u.tolist()]), c.num_shapes)
+                sides[s] = ShapeMap(c.pad_multiple, edges)
+        ctx.shape = sides[0]
+        ctx.target_shape = sides[1] if ctx.two_sided else None
+    if c.order == "random" and longest[0] >= 0:
+        t_max = int(ctx.shape(np.array([longest[0]]))[0])
+        target_max = int(ctx.target_shape(np.array([max(longest[1], 0)]))[0]) if ctx.two_sided else None
+        ctx.fixed_batch = max(fixed_cap(ctx.budget, t_max, target_max=target_max), 1)
 
 
 def _spill_dir(d: Dist, out: PlanOutput) -> str:
@@ -211,6 +227,12 @@ def run_in_group(c, d: Dist, t0: float, cont: Continuation = FRESH):
     if plan_input.has_target and c.packing and c.split_long:
         raise UsageError(f"--split-long cannot tell which chunk of a split sample holds its {TARGET_COLUMN} loss "
                          f"tokens (analyze --target-length); pack without --split-long")
+    if c.max_target_tokens is not None or (cont.budget is not None and cont.budget.two_sided):
+        missing = plan_input.missing_target()
+        if missing is not None:
+            raise InputError(f"--max-target-tokens bounds the target side, but {missing} has no {TARGET_COLUMN} "
+                             f"column: run `varlen analyze ... --target-length KIND:PATH` (docs/plan.md, \"Two "
+                             "budgets\")")
     n = plan_input.num_rows
     spec = ChunkSpec(n, int(c.chunk_samples))
     # rank 0 holds the microbatch tables of every epoch (~2-4 bytes a sample entry), each worker one chunk
@@ -258,7 +280,7 @@ def _phase1(c, ctx: PlanContext, plan_input, spec: ChunkSpec, d: Dist, directory
         key = (k, mode in CURRICULAR)
         if cached is None or cached[0] != key:
             cached = (key, plan_input.reader(spec, mode in CURRICULAR, mode == "reverse").read(k))
-        data = cont.chunk(cached[1], e, ctx.longest_fitting)
+        data = cont.chunk(cached[1], e, ctx)
         cu = form_chunk(data, ctx, mode, e, chunk_rng(c.seed, cont.epoch(e), k), whole=spec.count == 1, config=c)
         spill.write(directory, cu)
         del cu
@@ -280,7 +302,8 @@ def _dropped_long(c, ctx: PlanContext, tables: list, n: int) -> Dropped:
     if num_long:
         longest = max(int(t.header["longest"]) for t in tables)
         shortest = min((int(t.header.get("shortest", 0)) for t in tables), default=0)
-        error = cost_model.too_long_error(c, ctx.budget, ctx.remedies, num_long, n, longest, shortest)
+        longest_target = max(int(t.header.get("longest_target", 0)) for t in tables)
+        error = cost_model.too_long_error(c, ctx.budget, ctx.remedies, num_long, n, longest, shortest, longest_target)
         if error is not None:
             raise error
     long_ids = np.concatenate([np.asarray(t.long_ids, np.int64) for t in tables])

@@ -141,10 +141,16 @@ class DirectoryInput:
     def reader(self, spec: ChunkSpec, mode_curricular: bool, reverse: bool):
         return ChunkSource(self.rows, spec, curricular=mode_curricular, reverse=reverse, scatter=self.scatter)
 
-    def lengths(self, spec: ChunkSpec, k: int) -> np.ndarray:
-        """The lengths of rows ``bounds(k)`` (a share of the census: every row once over all ``k``)."""
+    def census(self, spec: ChunkSpec, k: int, target: bool = False) -> ChunkData:
+        """The lengths (and ``target``: the target lengths) of rows ``bounds(k)``: a share of the census,
+        every row once over all ``k``."""
         lo, hi = spec.bounds(k)
-        return self.rows.read(lo, hi, columns=("length",))["length"]
+        got = self.rows.read(lo, hi, columns=("length",) + ((TARGET_COLUMN,) if target else ()))
+        return ChunkData(k, np.zeros(0, np.int64), got["length"], None, got.get(TARGET_COLUMN))
+
+    def missing_target(self) -> str | None:
+        """The input without a ``target_length`` column (two budgets need one), or None."""
+        return None if self.has_target else self.rows.path
 
     def record(self, c) -> dict:
         """The metadata's ``input``."""
@@ -326,9 +332,14 @@ class MixtureInput:
     def reader(self, spec: ChunkSpec, mode_curricular: bool, reverse: bool):
         return _MixtureChunks(self, spec, reverse)
 
-    def lengths(self, spec: ChunkSpec, k: int) -> np.ndarray:
+    def census(self, spec: ChunkSpec, k: int, target: bool = False) -> ChunkData:
         lo, hi = spec.bounds(k)
-        return self.read(lo, hi).length
+        return self.read(lo, hi)
+
+    def missing_target(self) -> str | None:
+        """A source without a ``target_length`` column (two budgets need one in every source), or None."""
+        return next((f"source {s.name!r} ({s.path})" for s, r in zip(self.sources, self.rows) if not r.has_target),
+                    None)
 
     def read(self, lo: int, hi: int) -> ChunkData:
         """Virtual rows ``[lo, hi)`` of the sequence."""
@@ -544,9 +555,9 @@ class Left:
     pieces: dict | None = field(default=None, repr=False)
     dropped: dict | None = field(default=None, repr=False)
 
-    def chunk(self, data: ChunkData, longest_fitting: int) -> ChunkData:
+    def chunk(self, data: ChunkData, too_long: np.ndarray) -> ChunkData:
         """The positions of chunk ``data`` the first epoch holds: those left whole, and the samples
-        longer than ``longest_fitting`` (in no plan: counted and dropped as in every epoch), with the
+        that fit no microbatch, ``too_long`` (in no plan: counted and dropped as in every epoch), with the
         pieces of the samples whose (last) copy the chunk holds right after its place."""
         if not data.n:
             return data
@@ -557,7 +568,7 @@ class Left:
             left = data.copy < self.copies[key] + more
         else:
             left = self.whole.test(ids) | (more > 0)
-        left |= data.length > longest_fitting
+        left |= too_long
         if pieces is None:
             return data if left.all() else data.take(left)
         return self._with_pieces(data, key, np.flatnonzero(left), pieces)

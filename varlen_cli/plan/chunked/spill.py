@@ -110,7 +110,8 @@ def write(directory: str, cu: ChunkUnits) -> None:
         ids_out = (ids - base).astype(np.uint32) if small else ids
     header = {"epoch": cu.epoch, "chunk": cu.chunk, "level": cu.level, "count": cu.count, "items": int(len(ids)),
               "ids_base": base if small else 0, "ids_dtype": "uint32" if small else "int64", "num_long": cu.num_long,
-              "longest": cu.longest, "shortest": cu.shortest, "packing": cu.packing, "item_arrays": sorted(cu.items),
+              "longest": cu.longest, "shortest": cu.shortest,
+              "longest_target": cu.longest_target, "packing": cu.packing, "item_arrays": sorted(cu.items),
               "complete": bool(cu.candidates.get("complete", True)),
               "ranked": cu.ranked, "fixed_batch": cu.fixed_batch, "source_tokens": cu.source_tokens,
               "max": {k: _largest(v) for k, v in cu.units.items()}}
