@@ -186,8 +186,9 @@ class _SeriesSums:
         local = step - int(step.min())
         sums = (segment_sum_squares(w.values("sample_lengths"), w.offsets("sample_lengths"))
                 if budget.needs_segment_lengths else None)
-        fig = format.step_figures(local, rank, c, budget.microbatch_cost(c["tokens"], c["batch_size"], c["seqlen"],
-                                                                         sums, c.get(format.TARGET_SEQLEN_COLUMN)), self.ranks)
+        cost = budget.microbatch_cost(c["tokens"], c["batch_size"], c["seqlen"], sums,
+                                      c.get(format.TARGET_SEQLEN_COLUMN))
+        fig = format.step_figures(local, rank, c, cost, self.ranks)
         positions = self.seen + np.arange(len(fig["tokens"]))
         for name, values in _step_values(fig, local, c["lr_scale"]).items():
             ok = np.isfinite(values) | (name != "mean_sample_length")  # a step without samples has no mean
