@@ -17,6 +17,8 @@ the ``dp x G`` microbatches in (rank, micro) order.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +29,12 @@ from ..plan import balance, batching, layout, tail
 from ..plan.packing import pack, pack_into
 from .spec import StepSpec
 from .units import Units
+
+EVEN_MAX_PER_RANK = 64
+"""Padded steps of at most this many microbatches per rank even out their microbatches' costs first
+(:func:`_even_offsets`); with more, LPT alone balances the ranks."""
+EVEN_PRECISION = 0.002
+"""The evened budget's search stops within this fraction of the step's budget."""
 
 
 @dataclass
@@ -88,11 +96,11 @@ def form_padded(spec: StepSpec, lengths: np.ndarray, units: Units) -> Slots:
     bad = np.flatnonzero(weight > cap)
     if len(bad):  # the longest unit that fits no microbatch, named
         raise _too_long(spec, units, lengths, order[bad[::-1]], "raise max_tokens or leave it out of the step")
-    if units.ids is None:
-        off = batching.greedy_offsets(t_sorted, cap)
-    else:
-        off = batching.greedy_weighted_offsets(cap, weight)
+    grouped = units.ids is not None
+    off = _greedy(t_sorted, weight, cap, grouped)
     per_rank = microbatches_per_rank(spec, len(off) - 1, int(weight.sum()))
+    if spec.dp > 1 and 0 < per_rank <= EVEN_MAX_PER_RANK:
+        off = _even_offsets(spec, t_sorted, weight, grouped, spec.dp * per_rank, off)
     off = tail.split_rounds(off, spec.dp * per_rank - (len(off) - 1))
     prefix = np.zeros(len(order) + 1, np.int64)
     np.cumsum(weight, out=prefix[1:])
@@ -102,6 +110,36 @@ def form_padded(spec: StepSpec, lengths: np.ndarray, units: Units) -> Slots:
     batch = np.diff(sample_off)
     tokens = batching.segment_sum(lengths[samples], sample_off)
     return _deal(spec, samples, sample_off, seqlen, batch, tokens, per_rank)
+
+
+def _greedy(t_sorted: np.ndarray, weight: np.ndarray, cap: np.ndarray, grouped: bool) -> np.ndarray:
+    if grouped:
+        return batching.greedy_weighted_offsets(cap, weight)
+    return batching.greedy_offsets(t_sorted, cap)
+
+
+def _even_offsets(spec: StepSpec, t_sorted: np.ndarray, weight: np.ndarray, grouped: bool, slots: int,
+                  off: np.ndarray) -> np.ndarray:
+    """The greedy microbatches under the lowest budget that still forms at most ``slots`` of them
+    (a binary search to :data:`EVEN_PRECISION`): microbatch costs near the step's cost over ``slots``,
+    so a few microbatches per rank still add up to equal ranks. The former itself, under a tighter
+    budget; ``off`` (under the step's budget) when nothing lower works."""
+    change = np.flatnonzero(t_sorted[1:] != t_sorted[:-1]) + 1
+    distinct = t_sorted[np.concatenate([[0], change])] if len(t_sorted) else t_sorted
+    which = np.repeat(np.arange(len(distinct)), np.diff(np.concatenate([[0], change, [len(t_sorted)]])))
+    unit_cost = np.asarray(spec.budget.cost(weight, t_sorted), np.float64)
+    lo = int(max(math.ceil(float(unit_cost.sum()) / slots), math.ceil(float(unit_cost.max(initial=0)))))
+    hi = int(spec.budget.max_tokens)
+    best = off
+    while lo < hi and hi - lo > EVEN_PRECISION * hi:
+        mid = (lo + hi) // 2
+        cap = dataclasses.replace(spec.budget, max_tokens=mid).cap(distinct)[which]
+        trial = None if bool(np.any(weight > cap)) else _greedy(t_sorted, weight, cap, grouped)
+        if trial is not None and len(trial) - 1 <= slots:
+            hi, best = mid, trial
+        else:
+            lo = mid + 1
+    return best
 
 
 def _deal(spec: StepSpec, samples, offsets, seqlen, batch, tokens, per_rank: int) -> Slots:
@@ -141,7 +179,7 @@ def form_packed(spec: StepSpec, lengths: np.ndarray, units: Units) -> Slots:
         p = pack(total, spec.seq_len, max_per_row=spec.max_per_row, order="none", split_long=spec.split)
         per_rank = microbatches_per_rank(spec, -(-p.num_rows // spec.rows_per_mb), len(lengths))
     slots = spec.dp * per_rank
-    if p.num_items < slots:  # fewer items than microbatches: one item each, the rest empty
+    if p.num_items < slots or not slots:  # fewer items than microbatches: one item each, the rest empty
         item_mb = np.arange(p.num_items, dtype=np.int64)
         mb = batching.Microbatches(p.item_sample, np.arange(p.num_items + 1, dtype=np.int64),
                                    np.full(p.num_items, spec.seq_len, np.int64),

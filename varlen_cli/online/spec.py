@@ -101,6 +101,9 @@ def make_spec(*, dp, max_tokens=None, seq_len=None, num_microbatches=None, atten
                         max_samples=max_samples, attention_cost=float(attention_cost), packing=seq_len is not None,
                         seq_len=seq_len, pad_multiple=int(pad_multiple))
     budget = cost_model.resolve_budget(config)  # the planner's one budget
+    if seq_len is None and not bool(budget.fits(1, pad_multiple)):
+        raise UsageError(f"max_tokens {max_tokens:,} holds no microbatch: one row of pad_multiple {pad_multiple} "
+                         "tokens exceeds it")
     rows = 1
     if seq_len is not None:
         rows = cost_model.rows_per_microbatch(config, budget)
