@@ -75,8 +75,8 @@ class StreamLoader:
         for batches in self.steps():
             yield from batches
 
-    def steps(self) -> Iterator[Iterator[dict]]:
-        """One iterator of collated microbatches per step (its ``num_microbatches`` of them)."""
+    def steps(self) -> Iterator[StreamStep]:
+        """One :class:`StreamStep` per step: iterate it for the step's collated microbatches."""
         if self._source is None:  # the first iteration (or the first after a load_state_dict)
             self._source = iter(self.iterable)
             for _ in range(self._skip):
@@ -102,7 +102,7 @@ class StreamLoader:
                 self._held[sid] = item
                 continue
             self._begin(step, before)
-            yield self._microbatches(step)
+            yield StreamStep(step, self._microbatches(step))
             if self._micro < step.plan.num_microbatches:
                 return  # the consumer stopped inside the step: keep it for the next iteration or the state
             self._end(step)
@@ -180,6 +180,24 @@ class StreamLoader:
             self._micro = int(state["micro"])
         self._skip = self.planner.next_id if self.resume == "skip" else 0
         self._source = None
+
+
+class StreamStep:
+    """One step of the stream: ``step``, ``num_microbatches`` (this rank's, the same on every rank),
+    ``lr_scale``, ``loss_tokens`` (the step's loss targets over all ranks), ``samples`` (stream ids of
+    the whole step); iterating it yields this rank's collated microbatches (from the first not yet
+    handed out)."""
+
+    def __init__(self, step: Step, batches: Iterator[dict]):
+        self.step = step.step
+        self.num_microbatches = step.plan.num_microbatches
+        self.lr_scale = step.plan.lr_scale
+        self.loss_tokens = step.plan.loss_tokens
+        self.samples = step.ids
+        self._batches = batches
+
+    def __iter__(self) -> Iterator[dict]:
+        return self._batches
 
 
 class _Resumed:
