@@ -31,6 +31,7 @@ from ..loader.packed import PackedCollate
 from ..loader.plan_file import PlanError
 from ..loader.sampler import resolve_rank
 from .planner import OnlinePlanner, Step
+from .step import StepPlan
 
 RESUMES = ("skip", "continue")
 STATE_VERSION = 1
@@ -126,23 +127,11 @@ class StreamLoader:
         plan = step.plan
         while self._micro < plan.num_microbatches:
             m = self._micro
-            info = self._info(step, m)
+            info = microbatch_info(step.plan, self.rank, m, step=step.step, ids=step.ids)
             items = [self._held[int(sid)] for sid in info.sample_ids.tolist()]
             batch = self.collate(Samples(items, info))
             self._micro += 1
             yield batch
-
-    def _info(self, step: Step, m: int) -> Microbatch:
-        plan, r = step.plan, self.rank
-        where = plan.ranks[r][m]
-        packed = plan.packed
-        return Microbatch(
-            epoch=0, step=step.step, rank=r, micro=m, sample_ids=step.ids[where], num_samples=len(where),
-            seqlen=int(plan.seqlens[r, m]), batch_size=int(plan.batch_sizes[r, m]), tokens=int(plan.tokens[r, m]),
-            lr_scale=plan.lr_scale, shape_id=0, step_samples=plan.num_samples, step_tokens=plan.num_tokens,
-            sample_lengths=plan.entry_lengths[r][m] if packed else None,
-            sample_rows=plan.entry_rows[r][m] if packed else None,
-            sample_starts=plan.entry_starts[r][m] if packed else None, step_loss_tokens=plan.loss_tokens)
 
     # -- LR ----------------------------------------------------------------------------------------------
     def lr_scale(self, step: int) -> float:
@@ -180,6 +169,32 @@ class StreamLoader:
             self._micro = int(state["micro"])
         self._skip = self.planner.next_id if self.resume == "skip" else 0
         self._source = None
+
+
+def microbatch_info(plan: StepPlan, rank: int, micro: int, *, step: int = 0,
+                    ids: np.ndarray | None = None) -> Microbatch:
+    """The plan row of rank ``rank``'s microbatch ``micro`` of a step (what the collates read):
+    ``ids`` are the step's sample ids (default: the indices into its lengths)."""
+    where = plan.ranks[rank][micro]
+    packed = plan.packed
+    return Microbatch(
+        epoch=0, step=step, rank=rank, micro=micro, sample_ids=where if ids is None else ids[where],
+        num_samples=len(where), seqlen=int(plan.seqlens[rank, micro]), batch_size=int(plan.batch_sizes[rank, micro]),
+        tokens=int(plan.tokens[rank, micro]), lr_scale=plan.lr_scale, shape_id=0, step_samples=plan.num_samples,
+        step_tokens=plan.num_tokens, sample_lengths=plan.entry_lengths[rank][micro] if packed else None,
+        sample_rows=plan.entry_rows[rank][micro] if packed else None,
+        sample_starts=plan.entry_starts[rank][micro] if packed else None, step_loss_tokens=plan.loss_tokens)
+
+
+def rank_batches(plan: StepPlan, items, rank: int, collate: Callable | None = None, *, step: int = 0) -> Iterator[dict]:
+    """Rank ``rank``'s collated microbatches of a :func:`~varlen_cli.online.plan_step` plan over ``items``
+    (one per length it was planned on; the batches' ``sample_ids`` index them), with the plan loaders'
+    collates (padded or packed by default) and plan rows, so ``step_loss_tokens`` and ``lr_scale`` are
+    there as with a plan."""
+    collate = collate if collate is not None else (PackedCollate() if plan.packed else PadCollate())
+    for m in range(plan.num_microbatches):
+        info = microbatch_info(plan, rank, m, step=step)
+        yield collate(Samples([items[i] for i in info.sample_ids.tolist()], info))
 
 
 class StreamStep:
