@@ -10,6 +10,7 @@ import numpy as np
 from ..errors import InputError
 from ..plan.lr import lr_scales
 from .form import Slots, form_packed, form_padded
+from .refine import refine
 from .spec import StepSpec, make_spec
 from .units import units_of
 
@@ -112,6 +113,7 @@ def plan_with(spec: StepSpec, lengths, groups=None) -> StepPlan:
     lengths = check_lengths(lengths)
     units = units_of(len(lengths), groups)
     slots = form_packed(spec, lengths, units) if spec.packed else form_padded(spec, lengths, units)
+    slots = refine(spec, lengths, slots, units)
     return _step_plan(spec, lengths, slots)
 
 
