@@ -34,6 +34,9 @@ EVEN_MAX_PER_RANK = 64
 """Padded steps of at most this many microbatches per rank even out their microbatches' costs first
 (:func:`_even_offsets`); with more, LPT alone balances the ranks."""
 EVEN_PRECISION = 0.002
+EXACT_BELOW_PER_RANK = 100
+"""A packed step of fewer microbatches a rank than this, whose rows the deal cannot fit into the fewest
+microbatches, asks BFD (one microbatch more a rank would cost over 1% of the step)."""
 """The evened budget's search stops within this fraction of the step's budget."""
 
 
@@ -173,11 +176,7 @@ def form_packed(spec: StepSpec, lengths: np.ndarray, units: Units) -> Slots:
         raise _too_long(spec, units, lengths, longest, why)
     if units.ids is not None and spec.max_per_row is not None:
         raise InputError("max_per_row with groups: a packed row holds whole groups, so it cannot cap samples")
-    if spec.max_per_row is None:
-        p, per_rank = _pack_dealt(spec, total, len(lengths))
-    else:  # the cap: the planner's BFD packer and the tail rule's spread (rows split to fill every slot)
-        p = pack(total, spec.seq_len, max_per_row=spec.max_per_row, order="none", split_long=spec.split)
-        per_rank = microbatches_per_rank(spec, -(-p.num_rows // spec.rows_per_mb), len(lengths))
+    p, per_rank = _pack_rows(spec, total, len(lengths))
     slots = spec.dp * per_rank
     if p.num_items < slots or not slots:  # fewer items than microbatches: one item each, the rest empty
         item_mb = np.arange(p.num_items, dtype=np.int64)
@@ -187,34 +186,33 @@ def form_packed(spec: StepSpec, lengths: np.ndarray, units: Units) -> Slots:
                                    item_length=p.item_length, item_start=p.item_start,
                                    item_row=np.zeros(p.num_items, np.int64))
         return _expand_packed(spec, lengths, units, _deal_items(spec, mb, item_mb, per_rank))
-    if spec.max_per_row is None:
-        mb = batching.packed_microbatches(p.item_sample, p.item_start, p.item_length, p.item_row, p.num_rows,
-                                          spec.seq_len, spec.rows_per_mb, slots)
-    else:
-        mb, _ = tail.fix_packed(p.item_sample, p.item_start, p.item_length, p.item_row, p.num_rows,
-                                spec.rows_per_mb, spec.seq_len, slots, spec.dp, per_rank, "split")
+    # the rows spread over the microbatches, the fullest split where they are too few (the tail rule)
+    mb, _ = tail.fix_packed(p.item_sample, p.item_start, p.item_length, p.item_row, p.num_rows,
+                            spec.rows_per_mb, spec.seq_len, slots, spec.dp, per_rank, "split")
     mb = balance.balance_rows(mb, spec.budget, spec.dp, per_rank, keep_order=True)  # (rank, micro) order
     return _expand_packed(spec, lengths, units, mb)
 
 
-def _pack_dealt(spec: StepSpec, total: np.ndarray, samples: int):
-    """Items packed into ``dp x G x R`` rows (:func:`varlen_cli.plan.packing.pack_into`), G the fewest
-    the deal manages from the lower bound up (or ``num_microbatches``)."""
+def _pack_rows(spec: StepSpec, total: np.ndarray, samples: int):
+    """The step's rows and G: ``(packing, G)``. Rows dealt into the fewest microbatches the lower bound
+    allows (:func:`varlen_cli.plan.packing.pack_into`, milliseconds; G as many as its rows need), and
+    where one microbatch more a rank would cost over 1/:data:`EXACT_BELOW_PER_RANK` of the step, the
+    planner's BFD (:func:`varlen_cli.plan.packing.pack`: exact, slower) when it needs fewer.
+    ``max_per_row``: BFD, which honours it."""
+    r = spec.rows_per_mb
+    if spec.max_per_row is not None:
+        p = pack(total, spec.seq_len, max_per_row=spec.max_per_row, order="none", split_long=spec.split)
+        return p, microbatches_per_rank(spec, -(-p.num_rows // r), samples)
     items = np.where(total > spec.seq_len, -(-total // spec.seq_len), 1) if spec.split else np.ones(len(total))
     tokens, big = int(total.sum()), int(np.count_nonzero(2 * np.minimum(total, spec.seq_len) > spec.seq_len))
     bound_rows = max(-(-tokens // spec.seq_len), big + int(items.sum() - len(total)), 1 if len(total) else 0)
-    per_rank = microbatches_per_rank(spec, -(-bound_rows // spec.rows_per_mb), samples)
-    while True:
-        rows = spec.dp * per_rank * spec.rows_per_mb
-        p = pack_into(total, spec.seq_len, rows, split_long=spec.split, interleave=spec.dp * per_rank)
-        if p is not None:
-            return p, per_rank
-        if spec.num_microbatches is not None:
-            raise TooManyMicrobatches(
-                f"the step's {samples:,} samples do not fit dp {spec.dp} x num_microbatches {spec.num_microbatches} "
-                f"microbatches of {spec.rows_per_mb} row(s) of seq_len {spec.seq_len:,}; raise num_microbatches or "
-                "plan fewer samples per step", -(-rows * 101 // 100) // spec.rows_per_mb + 1)
-        per_rank += max(1, per_rank // 200)
+    fewest = -(-bound_rows // (r * spec.dp))  # G at the lower bound on rows
+    target = spec.num_microbatches if spec.num_microbatches is not None else fewest
+    p = pack_into(total, spec.seq_len, spec.dp * target * r, split_long=spec.split)
+    if -(-p.num_rows // (spec.dp * r)) > fewest and fewest < EXACT_BELOW_PER_RANK:
+        exact = pack(total, spec.seq_len, order="none", split_long=spec.split)
+        p = exact if exact.num_rows < p.num_rows else p
+    return p, microbatches_per_rank(spec, -(-p.num_rows // r), samples)
 
 
 def _deal_items(spec: StepSpec, mb: batching.Microbatches, item_mb: np.ndarray, per_rank: int):

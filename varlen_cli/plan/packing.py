@@ -501,40 +501,50 @@ def pack(lengths: np.ndarray, seq_len: int, *, max_per_row: int | None = None, o
 
 
 # ---- into a given number of rows --------------------------------------------------------------
-def pack_into(lengths: np.ndarray, seq_len: int, rows: int, *, split_long: bool = False,
-              interleave: int = 1) -> Packing | None:
-    """Pack into exactly ``rows`` rows of ``seq_len`` tokens, or None when the items do not fit them:
-    the per-step packer of :mod:`varlen_cli.online` (a step's microbatches are known, so are its rows;
-    about a millisecond for 8k samples, where BFD's loop per distinct length takes tens).
+def pack_into(lengths: np.ndarray, seq_len: int, rows: int, *, split_long: bool = False) -> Packing:
+    """Pack into ``rows`` rows of ``seq_len`` tokens where this packer can (else into as few more as it
+    needs): the per-step packer of :mod:`varlen_cli.online` (a step's microbatches are known, so are its rows; a
+    millisecond or a few for 8k samples, where BFD's loop per distinct length takes tens).
 
-    Items in decreasing length are dealt layer by layer: each layer's longest item to the least-loaded
-    row (a longest-processing-time deal on tokens), an item that does not fit its row going at the
-    head of the next layer; what is left after the last layer goes, longest first, to the rows with
-    the most space (:func:`_worst_fit_rounds`). Rows end with near-equal tokens. ``interleave``: the
-    first layer's items go to rows ``0, interleave, 2 interleave, ...`` first (microbatch ``m`` takes
-    rows ``m, m + M, ...``: items spread over microbatches before they fill one). Same arguments, same
-    packing. ``split_long`` as in :func:`pack` (no ``max_per_row``: :func:`pack` honours it)."""
+    First the items, in decreasing length, are dealt layer by layer into ``rows`` rows: each layer's
+    longest item to the least-loaded row (a longest-processing-time deal on tokens), an item that does
+    not fit its row going at the head of the next layer, what is left after the last layer to the
+    rows with the most space (:func:`_worst_fit_rounds`). Rows end with near-equal tokens, which leaves
+    no room for the last items when the rows are nearly full; then the last
+    :data:`BEST_FIT_LAYERS` layers go through BFD instead, into the space the dealt ones left
+    (:func:`~varlen_cli.plan.cap_repair.deal_then_bfd`), opening rows past ``rows`` only if they must.
+    Empty rows are left out; the same arguments
+    give the same packing. ``split_long`` as in :func:`pack` (no ``max_per_row``: :func:`pack` honours it)."""
     lens = _check_args(lengths, seq_len, None, "none", split_long, False, None)
     seq_len, rows = int(seq_len), int(rows)
     sample, start, ilen, dropped, num_split = _items(lens, seq_len, split_long, False)
     order = order_desc(ilen)
-    row_of = _deal_layers(ilen[order], seq_len, rows, interleave)
-    if row_of is None:
-        return None
+    row_of = _deal_layers(ilen[order], seq_len, rows)
+    if row_of is None:  # BFD for the last layers (on the positive lengths; empty items where rows have fewest)
+        positive = np.flatnonzero(ilen > 0)
+        layers = -(-len(positive) // max(rows, 1))
+        o, r, used = deal_then_bfd(ilen[positive], seq_len, NO_CAP, rows, max(layers - BEST_FIT_LAYERS, 0))
+        zeros = np.flatnonzero(ilen == 0)
+        zero_rows, _ = _place_zeros(np.bincount(r, minlength=used), len(zeros), NO_CAP)
+        order, row_of = np.concatenate([positive[o], zeros]), np.concatenate([r, zero_rows])
+    present, row_of = np.unique(row_of, return_inverse=True)  # empty rows out, the others in order
     srt = np.argsort(row_of, kind="stable")  # items by (row, placement order)
     items = order[srt]
     return Packing(item_sample=sample[items], item_start=start[items], item_length=ilen[items].astype(np.int64),
-                   item_row=row_of[srt], num_rows=rows, seq_len=seq_len, dropped=dropped, order="none",
-                   num_samples=len(lens), num_split=num_split)
+                   item_row=row_of[srt].astype(np.int64), num_rows=len(present), seq_len=seq_len, dropped=dropped,
+                   order="none", num_samples=len(lens), num_split=num_split)
 
 
-def _deal_layers(sl: np.ndarray, seq_len: int, rows: int, interleave: int) -> np.ndarray | None:
-    """Row of each item of ``sl`` (decreasing lengths) dealt into ``rows`` rows (see :func:`pack_into`)."""
+BEST_FIT_LAYERS = 2
+""":func:`pack_into`'s second try: the last this many layers of the deal go through BFD."""
+
+
+def _deal_layers(sl: np.ndarray, seq_len: int, rows: int) -> np.ndarray | None:
+    """Row of each item of ``sl`` (decreasing lengths) dealt into ``rows`` rows (see :func:`pack_into`),
+    None when some item finds no room."""
     n = len(sl)
     row_of = np.full(n, -1, np.int64)
     load = np.zeros(rows, np.int64)
-    # tie order of equal loads: rows m, m + M, ... of microbatch m come after one row of every microbatch
-    tie = np.argsort(np.arange(rows) % max(rows // max(interleave, 1), 1), kind="stable")
     pending = np.zeros(0, np.int64)
     j = 0
     while j < n:
@@ -543,24 +553,24 @@ def _deal_layers(sl: np.ndarray, seq_len: int, rows: int, interleave: int) -> np
         take = rows - len(pending)
         idx = np.concatenate([pending, np.arange(j, min(n, j + take), dtype=np.int64)])
         j = min(n, j + take)
-        target = tie[np.argsort(load[tie], kind="stable")[:len(idx)]]
+        target = np.argsort(load, kind="stable")[:len(idx)]
         ok = load[target] + sl[idx] <= seq_len
         row_of[idx[ok]] = target[ok]
         load[target[ok]] += sl[idx[ok]]
         pending = idx[~ok]
-    return row_of if _worst_fit_rounds(sl, pending, row_of, load, seq_len) else None
+    return None if len(_worst_fit_rounds(sl, pending, row_of, load, seq_len)) else row_of
 
 
 def _worst_fit_rounds(sl: np.ndarray, pending: np.ndarray, row_of: np.ndarray, load: np.ndarray,
-                      seq_len: int) -> bool:
+                      seq_len: int) -> np.ndarray:
     """Place ``pending`` items (decreasing), round by round, the longest into the row with the most
-    space, the next into the next... while a round places any; whether all found a row."""
+    space, the next into the next... while a round places any; returns those left."""
     while len(pending):
         target = np.argsort(load, kind="stable")[:len(pending)]
         ok = load[target] + sl[pending] <= seq_len
         if not ok.any():
-            return False
+            return pending
         row_of[pending[ok]] = target[ok]
         np.add.at(load, target[ok], sl[pending[ok]])
         pending = pending[~ok]
-    return True
+    return pending
