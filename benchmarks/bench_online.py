@@ -36,7 +36,8 @@ Inputs: RL rollouts (``grpo-8``, ``grpo-16``: groups of 8 / 16 responses sharing
 lognormal median 400 tokens, response lognormal median 900, sigma 1, capped at 16k) and the real
 corpora (``fortunes``, ``manpages``, ``manpages-paragraphs``: benchmarks/corpora.py tokenised with
 sample_data/tokenizer.json, tiled to N in a seeded random order); rollouts in generation order (a
-group's responses one after another), every length capped at B.
+group's responses one after another); every length capped where one sample alone fills a padded
+microbatch (l (1 + A l) <= B: 19,890 tokens at the defaults).
 
 ``--stream`` also compares the streaming planner with the offline plan on the same data: N samples
 through ``OnlinePlanner(step_samples=N/8)`` against ``varlen plan --packing --seq-len B`` (grad-accum
@@ -327,15 +328,21 @@ def main() -> None:
         print(f"# {peer}: {ns['__source__']}", flush=True)
     for peer, note in notes.items():
         print(f"# {peer}: {note}", flush=True)
+    a, b = args.attention_cost, args.budget  # every sample fits a padded microbatch alone: l (1 + A l) <= B
+    longest = int((-1 + np.sqrt(1 + 4 * a * b)) / (2 * a)) if a else b
+    while longest * (1 + a * longest) > b:
+        longest -= 1
+    print(f"# lengths capped at {longest:,} (one sample alone within B x T (1 + A T) <= {b:,})", flush=True)
     rows = []
     for n in (int(x) for x in args.sizes.split(",")):
         for name in args.inputs.split(","):
             lengths = input_lengths(name, n, args.work)
             if lengths is None:
                 continue
-            rows += run_input(name, np.minimum(lengths, args.budget), args, peers)
+            lengths = np.minimum(lengths, longest)
+            rows += run_input(name, lengths, args, peers)
             if args.stream and n == max(int(x) for x in args.sizes.split(",")):
-                rows.append(stream_vs_offline(name, np.minimum(lengths, args.budget), args))
+                rows.append(stream_vs_offline(name, lengths, args))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)

@@ -16,7 +16,7 @@ PACKAGE = "varlen_cli"
 
 # The stages. Everything else is the shared layer (varlen_cli.runtime and the top-level modules:
 # errors, format, storage, budget, ...), which may import only itself, never a stage.
-STAGE_PACKAGES = ("analyze", "sort", "plan", "loader", "memory", "schedule", "integrations", "cli")
+STAGE_PACKAGES = ("analyze", "sort", "plan", "loader", "memory", "schedule", "integrations", "cli", "online")
 STAGE_MODULES = ("inspect", "validate", "plan_checks", "run", "__main__")  # plan_checks: validate's checks
 
 

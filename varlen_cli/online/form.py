@@ -34,10 +34,13 @@ EVEN_MAX_PER_RANK = 64
 """Padded steps of at most this many microbatches per rank even out their microbatches' costs first
 (:func:`_even_offsets`); with more, LPT alone balances the ranks."""
 EVEN_PRECISION = 0.002
+"""The evened budget's search stops within this fraction of the step's budget."""
 EXACT_BELOW_PER_RANK = 100
 """A packed step of fewer microbatches a rank than this, whose rows the deal cannot fit into the fewest
 microbatches, asks BFD (one microbatch more a rank would cost over 1% of the step)."""
-"""The evened budget's search stops within this fraction of the step's budget."""
+DEALT_SLACK = 0.005
+"""With more microbatches a rank, the deal's extra microbatches are kept while they stay within this
+share of the fewest; past it, BFD runs on the deal's last layers too."""
 
 
 @dataclass
@@ -208,11 +211,30 @@ def _pack_rows(spec: StepSpec, total: np.ndarray, samples: int):
     bound_rows = max(-(-tokens // spec.seq_len), big + int(items.sum() - len(total)), 1 if len(total) else 0)
     fewest = -(-bound_rows // (r * spec.dp))  # G at the lower bound on rows
     target = spec.num_microbatches if spec.num_microbatches is not None else fewest
-    p = pack_into(total, spec.seq_len, spec.dp * target * r, split_long=spec.split)
-    if -(-p.num_rows // (spec.dp * r)) > fewest and fewest < EXACT_BELOW_PER_RANK:
+
+    p = pack_into(total, spec.seq_len, spec.dp * target * r, split_long=spec.split, best_fit=False)
+    if p is None:
+        p = _pack_harder(spec, total, target)
+    return p, microbatches_per_rank(spec, -(-p.num_rows // r), samples)
+
+
+def _pack_harder(spec: StepSpec, total: np.ndarray, target: int):
+    """Rows where the deal cannot fit ``target`` microbatches a rank: with many microbatches a rank, the
+    deal into a few more (kept within :data:`DEALT_SLACK`); else BFD on the deal's last layers, and
+    below :data:`EXACT_BELOW_PER_RANK` the planner's BFD; the fewest rows of those tried."""
+    rows_of = spec.dp * spec.rows_per_mb
+    dealt, g, step = None, target, 1
+    if spec.num_microbatches is None and target >= EXACT_BELOW_PER_RANK:
+        while dealt is None:  # one microbatch more a rank costs under 1%: more rows for the deal
+            g, step = g + step, step * 2
+            dealt = pack_into(total, spec.seq_len, rows_of * g, split_long=spec.split, best_fit=False)
+        if g <= target * (1 + DEALT_SLACK):
+            return dealt
+    p = pack_into(total, spec.seq_len, rows_of * target, split_long=spec.split)  # BFD for the last layers
+    if target < EXACT_BELOW_PER_RANK and p.num_rows > rows_of * target:
         exact = pack(total, spec.seq_len, order="none", split_long=spec.split)
         p = exact if exact.num_rows < p.num_rows else p
-    return p, microbatches_per_rank(spec, -(-p.num_rows // r), samples)
+    return dealt if dealt is not None and dealt.num_rows < p.num_rows else p
 
 
 def _deal_items(spec: StepSpec, mb: batching.Microbatches, item_mb: np.ndarray, per_rank: int):

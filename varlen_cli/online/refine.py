@@ -8,7 +8,7 @@ difference is nearest half their gap, among those where ``b``'s row has room for
 Rows keep their entry counts and stay within ``seq_len``; microbatches keep their rows, so counts,
 budget and ``max_per_row`` hold as formed. Each round is one vectorised search (a binary search of
 ``a``'s blocks among ``b``'s by cost); rounds stop when the gap is below :data:`TOLERANCE` of the
-mean rank cost, no swap narrows it, or after :data:`ROUNDS_PER_RANK` x dp rounds. Deterministic
+mean rank cost or one token's, no swap narrows it, or after :data:`ROUNDS_PER_RANK` x dp rounds. Deterministic
 (ties to the lowest index). Imports only numpy.
 """
 
@@ -21,9 +21,10 @@ from .form import Slots
 from .spec import StepSpec
 from .units import Units
 
-TOLERANCE = 1e-9
-ROUNDS_PER_RANK = 4
+TOLERANCE = 1e-7
+ROUNDS_PER_RANK = 2
 NEIGHBOURS = np.arange(-3, 3)  # candidates around the ideal cost, in b's sorted blocks
+CANDIDATES = 512  # the costliest rank's blocks a round tries at most
 PARTNERS = 3  # the cheapest ranks the costliest tries, in turn, when a swap with the cheapest cannot narrow
 
 
@@ -44,8 +45,9 @@ def refine(spec: StepSpec, lengths: np.ndarray, slots: Slots, units: Units) -> S
     row_load = np.bincount(block_row, weights=length, minlength=spec.dp * g * r).astype(np.int64)
     rank_load = np.bincount(rank, weights=cost, minlength=spec.dp)
     swapped = False
+    by_cost = np.argsort(cost, kind="stable")  # every rank's blocks in cost order, by one mask a round
     for _ in range(ROUNDS_PER_RANK * spec.dp):
-        pair = _best_swap(rank, cost, length, block_row, row_load, rank_load, spec.seq_len)
+        pair = _best_swap(rank, cost, length, block_row, row_load, rank_load, spec.seq_len, by_cost)
         if pair is None:
             break
         e, f = pair
@@ -71,21 +73,22 @@ def _blocks(slots: Slots, row: np.ndarray, units: Units) -> np.ndarray:
     return np.cumsum(new) - 1
 
 
-def _best_swap(rank, cost, length, block_row, row_load, rank_load, seq_len):
+def _best_swap(rank, cost, length, block_row, row_load, rank_load, seq_len, by_cost):
     """The swap between a block of the costliest rank and one of the cheapest rank with which one
     narrows their gap (the cheapest first), nearest half that gap; None when there is none."""
     a = int(np.argmax(rank_load))
-    if float(rank_load[a] - rank_load.min()) <= TOLERANCE * float(rank_load.mean()):
-        return None
-    mine = np.flatnonzero(rank == a)
+    if float(rank_load[a] - rank_load.min()) <= max(TOLERANCE * float(rank_load.mean()), 1.0):
+        return None  # (a swap moves at least one token: a gap of one cannot narrow)
+    mine = by_cost[rank[by_cost] == a]
+    if len(mine) > CANDIDATES:  # evenly spread over a's costs: enough to find a swap near any gap
+        mine = mine[np.linspace(0, len(mine) - 1, CANDIDATES).astype(np.int64)]
     for b in np.argsort(rank_load, kind="stable")[:PARTNERS].tolist():
         if b == a:
             break
         gap = float(rank_load[a] - rank_load[b])
-        theirs = np.flatnonzero(rank == b)
+        theirs = by_cost[rank[by_cost] == b]  # b's blocks, cheapest first
         if not len(theirs):
             continue
-        theirs = theirs[np.argsort(cost[theirs], kind="stable")]
         at = np.searchsorted(cost[theirs], cost[mine] - gap / 2)
         cand = np.clip(at[:, None] + NEIGHBOURS[None, :], 0, len(theirs) - 1)
         e = np.broadcast_to(mine[:, None], cand.shape).reshape(-1)

@@ -119,24 +119,20 @@ def plan_with(spec: StepSpec, lengths, groups=None) -> StepPlan:
 
 def _step_plan(spec: StepSpec, lengths: np.ndarray, slots: Slots) -> StepPlan:
     dp, g = spec.dp, slots.per_rank
-    cut = slots.offsets[1:-1]
-    per_mb = np.split(slots.entries, cut) if dp * g else []
-    ranks = [per_mb[r * g:(r + 1) * g] for r in range(dp)]
+    bounds = list(zip(slots.offsets[:-1].tolist(), slots.offsets[1:].tolist()))
+
+    def nested(a: np.ndarray | None) -> list | None:  # [rank][micro] views of a per-entry array
+        if a is None:
+            return None
+        parts = [a[lo:hi] for lo, hi in bounds]
+        return [parts[r * g:(r + 1) * g] for r in range(dp)]
+
     samples, tokens = len(lengths), int(lengths.sum())
     loss_tokens = tokens - int(np.count_nonzero(lengths))
     by = {"samples": samples, "tokens": tokens, "loss-tokens": loss_tokens}[spec.lr_scale_by]
     scale = lr_scales(np.array([by]), np.array([by]), spec.lr_scaling, "samples", spec.base_batch_size)[0]
-
-    def grid(a: np.ndarray) -> np.ndarray:
-        return a.reshape(dp, g)
-
-    def nested(a: np.ndarray | None) -> list | None:
-        if a is None:
-            return None
-        parts = np.split(a, cut) if dp * g else []
-        return [parts[r * g:(r + 1) * g] for r in range(dp)]
-
-    rank_cost = grid(slots.cost).sum(axis=1) if g else np.zeros(dp)
-    return StepPlan(ranks, grid(slots.seqlen), grid(slots.batch), grid(slots.tokens), rank_cost, loss_tokens,
-                    float(scale[0]) if len(scale) else 1.0, g, slots.empty, samples, tokens, spec.seq_len,
-                    nested(slots.entry_start), nested(slots.entry_length), nested(slots.entry_row))
+    rank_cost = slots.cost.reshape(dp, g).sum(axis=1) if g else np.zeros(dp)
+    return StepPlan(nested(slots.entries), slots.seqlen.reshape(dp, g), slots.batch.reshape(dp, g),
+                    slots.tokens.reshape(dp, g), rank_cost, loss_tokens, float(scale[0]), g, slots.empty, samples,
+                    tokens, spec.seq_len, nested(slots.entry_start), nested(slots.entry_length),
+                    nested(slots.entry_row))

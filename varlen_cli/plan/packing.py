@@ -501,10 +501,12 @@ def pack(lengths: np.ndarray, seq_len: int, *, max_per_row: int | None = None, o
 
 
 # ---- into a given number of rows --------------------------------------------------------------
-def pack_into(lengths: np.ndarray, seq_len: int, rows: int, *, split_long: bool = False) -> Packing:
+def pack_into(lengths: np.ndarray, seq_len: int, rows: int, *, split_long: bool = False,
+              best_fit: bool = True) -> Packing | None:
     """Pack into ``rows`` rows of ``seq_len`` tokens where this packer can (else into as few more as it
-    needs): the per-step packer of :mod:`varlen_cli.online` (a step's microbatches are known, so are its rows; a
-    millisecond or a few for 8k samples, where BFD's loop per distinct length takes tens).
+    needs, or None without ``best_fit``): the per-step packer of :mod:`varlen_cli.online` (a step's
+    microbatches are known, so are its rows; a millisecond or a few for 8k samples, where BFD's loop
+    per distinct length takes tens).
 
     First the items, in decreasing length, are dealt layer by layer into ``rows`` rows: each layer's
     longest item to the least-loaded row (a longest-processing-time deal on tokens), an item that does
@@ -512,14 +514,17 @@ def pack_into(lengths: np.ndarray, seq_len: int, rows: int, *, split_long: bool 
     rows with the most space (:func:`_worst_fit_rounds`). Rows end with near-equal tokens, which leaves
     no room for the last items when the rows are nearly full; then the last
     :data:`BEST_FIT_LAYERS` layers go through BFD instead, into the space the dealt ones left
-    (:func:`~varlen_cli.plan.cap_repair.deal_then_bfd`), opening rows past ``rows`` only if they must.
-    Empty rows are left out; the same arguments
+    (:func:`~varlen_cli.plan.cap_repair.deal_then_bfd`), opening rows past ``rows`` only if they must
+    (``best_fit=False``: None instead, for a caller that would rather try more rows). Empty rows are
+    left out; the same arguments
     give the same packing. ``split_long`` as in :func:`pack` (no ``max_per_row``: :func:`pack` honours it)."""
     lens = _check_args(lengths, seq_len, None, "none", split_long, False, None)
     seq_len, rows = int(seq_len), int(rows)
     sample, start, ilen, dropped, num_split = _items(lens, seq_len, split_long, False)
     order = order_desc(ilen)
     row_of = _deal_layers(ilen[order], seq_len, rows)
+    if row_of is None and not best_fit:
+        return None
     if row_of is None:  # BFD for the last layers (on the positive lengths; empty items where rows have fewest)
         positive = np.flatnonzero(ilen > 0)
         layers = -(-len(positive) // max(rows, 1))
