@@ -22,8 +22,9 @@ from tests.online_helpers import (
 )
 from varlen_cli.errors import InputError, UsageError
 from varlen_cli.online import plan_step
+from varlen_cli.plan.packing import pack
 
-SETTINGS = settings(max_examples=int(os.environ.get("ONLINE_EXAMPLES", "150")), deadline=None,
+SETTINGS = settings(max_examples=int(os.environ.get("ONLINE_EXAMPLES", "100")), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -136,6 +137,22 @@ def test_padded_fewest_microbatches(case):
             j += 1
         count, i = count + 1, j
     assert plan.num_microbatches == -(-count // kw["dp"])
+
+
+@SETTINGS
+@given(packed_case())
+def test_packed_fewest_microbatches(case):
+    """Without num_microbatches, G is at most what the planner's exact BFD packing needs: ceil(rows /
+    (dp x R)), R the rows a microbatch (steps of under 100 microbatches a rank)."""
+    lengths, kw, groups = case
+    kw = dict(kw, num_microbatches=None)
+    plan = _plan_or_refusal(lengths, kw, groups)
+    assume(plan.num_microbatches < 100)
+    total = lengths if groups is None else np.bincount(np.unique(groups, return_inverse=True)[1], weights=lengths)
+    rows = pack(total.astype(np.int64), kw["seq_len"], max_per_row=kw["max_per_row"], order="none",
+                split_long=kw["split"]).num_rows
+    r = int(plan.batch_sizes.max()) if plan.num_microbatches else 1
+    assert plan.num_microbatches <= -(-rows // (kw["dp"] * r))
 
 
 def test_groups_never_split_and_empty_only_when_unavoidable():

@@ -206,9 +206,9 @@ def _pack_rows(spec: StepSpec, total: np.ndarray, samples: int):
     if spec.max_per_row is not None:
         p = pack(total, spec.seq_len, max_per_row=spec.max_per_row, order="none", split_long=spec.split)
         return p, microbatches_per_rank(spec, -(-p.num_rows // r), samples)
-    items = np.where(total > spec.seq_len, -(-total // spec.seq_len), 1) if spec.split else np.ones(len(total))
-    tokens, big = int(total.sum()), int(np.count_nonzero(2 * np.minimum(total, spec.seq_len) > spec.seq_len))
-    bound_rows = max(-(-tokens // spec.seq_len), big + int(items.sum() - len(total)), 1 if len(total) else 0)
+    full, rest = np.divmod(total, spec.seq_len)  # (split) full rows and the rest of each sample: the items
+    big = int(full.sum()) + int(np.count_nonzero(2 * rest > spec.seq_len))  # items no row shares
+    bound_rows = max(-(-int(total.sum()) // spec.seq_len), big, 1 if len(total) else 0)
     fewest = -(-bound_rows // (r * spec.dp))  # G at the lower bound on rows
     target = spec.num_microbatches if spec.num_microbatches is not None else fewest
 
