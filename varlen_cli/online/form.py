@@ -225,9 +225,14 @@ def _pack_harder(spec: StepSpec, total: np.ndarray, target: int):
     rows_of = spec.dp * spec.rows_per_mb
     dealt, g, step = None, target, 1
     if spec.num_microbatches is None and target >= EXACT_BELOW_PER_RANK:
-        while dealt is None:  # one microbatch more a rank costs under 1%: more rows for the deal
-            g, step = g + step, step * 2
+        low = target  # the deal fails at low: more rows for it (one microbatch more a rank costs under 1%)
+        while dealt is None:
+            low, g, step = g, g + step, step * 2
             dealt = pack_into(total, spec.seq_len, rows_of * g, split_long=spec.split, best_fit=False)
+        while g - low > 1:  # the fewest between the last failure and g
+            mid = (low + g) // 2
+            trial = pack_into(total, spec.seq_len, rows_of * mid, split_long=spec.split, best_fit=False)
+            low, g, dealt = (low, mid, trial) if trial is not None else (mid, g, dealt)
         if g <= target * (1 + DEALT_SLACK):
             return dealt
     p = pack_into(total, spec.seq_len, rows_of * target, split_long=spec.split)  # BFD for the last layers
