@@ -112,9 +112,21 @@ def test_target_and_group_runs():
     assert [s.ids.tolist() for s in planner.flush()] == [[3]]
 
 
+def test_steps_over_items_carry_them():
+    items = [{"input_ids": [1] * n, "g": i // 2} for i, n in enumerate([5, 7, 3, 9, 4, 4, 8])]
+    steps = list(OnlinePlanner(dp=2, max_tokens=64, step_tokens=20).steps(iter(items), group=lambda x: x["g"]))
+    assert [i for s in steps for i in s.ids.tolist()] == list(range(7))
+    assert all(s.items == [items[i] for i in s.ids.tolist()] for s in steps)
+    assert [len(s.ids) for s in steps] == [2, 4, 1]  # group runs whole, <= 20 tokens: 12, 20, then the flush
+
+
 def test_planner_refusals():
-    with pytest.raises(UsageError, match="^OnlinePlanner needs exactly one step target: step_tokens or step_samples$"):
+    with pytest.raises(UsageError, match=r"^OnlinePlanner needs a step target: step_tokens or step_samples \(or a "):
         OnlinePlanner(dp=1, max_tokens=10)
+    with pytest.raises(UsageError, match="^OnlinePlanner takes one step target: step_tokens or step_samples, not"):
+        OnlinePlanner(dp=1, max_tokens=10, step_tokens=5, step_samples=5)
+    assert OnlinePlanner(dp=2, max_tokens=10, num_microbatches=3).target == 60  # every microbatch full
+    assert OnlinePlanner(dp=2, max_tokens=10, buffer_tokens=50).target == 50
     planner = OnlinePlanner(dp=1, max_tokens=100, step_samples=10, buffer_samples=2)
     planner.add(5, 1)
     planner.add(5, 1)

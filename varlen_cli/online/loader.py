@@ -30,16 +30,11 @@ from ..loader.microbatch import Microbatch
 from ..loader.packed import PackedCollate
 from ..loader.plan_file import PlanError
 from ..loader.sampler import resolve_rank
-from .planner import OnlinePlanner, Step
+from .planner import OnlinePlanner, Step, item_length
 from .step import StepPlan
 
 RESUMES = ("skip", "continue")
 STATE_VERSION = 1
-
-
-def item_length(item: Any, key: str = "input_ids") -> int:
-    """Tokens of one stream item: ``len(item[key])`` for a dict, else ``len(item)``."""
-    return len(item[key]) if isinstance(item, dict) else len(item)
 
 
 class StreamLoader:

@@ -20,9 +20,11 @@ it the same samples plans the same steps. Imports only numpy.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -43,10 +45,23 @@ class Step:
     ids: np.ndarray  # int64 stream ids of the step's samples
     lengths: np.ndarray  # int64, aligned with ids
     plan: StepPlan
+    items: list | None = None  # the samples themselves, aligned with ids (steps() over items)
 
     def rank_ids(self, rank: int) -> list[np.ndarray]:
         """Stream ids of rank ``rank``'s microbatches (a split sample once per entry)."""
         return [self.ids[m] for m in self.plan.ranks[rank]]
+
+
+def item_length(item: Any, key: str = "input_ids") -> int:
+    """Tokens of one stream item: ``len(item[key])`` for a dict, else ``len(item)``."""
+    return len(item[key]) if isinstance(item, dict) else len(item)
+
+
+def _with_items(step: Step, held: dict) -> Step:
+    """``step`` with its items (taken out of ``held``) when the stream gave items."""
+    if not held:
+        return step
+    return dataclasses.replace(step, items=[held.pop(i) for i in step.ids.tolist()])
 
 
 class OnlinePlanner:
@@ -64,8 +79,10 @@ class OnlinePlanner:
             dp=dp, max_tokens=max_tokens, seq_len=seq_len, num_microbatches=num_microbatches,
             attention_cost=attention_cost, max_samples=max_samples, pad_multiple=pad_multiple, lr_scaling=lr_scaling,
             base_batch_size=base_batch_size, lr_scale_by=lr_scale_by, split=split, max_per_row=max_per_row)
-        if (step_tokens is None) == (step_samples is None):
-            raise UsageError("OnlinePlanner needs exactly one step target: step_tokens or step_samples")
+        if step_tokens is not None and step_samples is not None:
+            raise UsageError("OnlinePlanner takes one step target: step_tokens or step_samples, not both")
+        if step_tokens is None and step_samples is None:  # the buffer's bound, or the step's microbatches full
+            step_tokens, step_samples = self._default_target(buffer_tokens, buffer_samples)
         for name, value in (("step_tokens", step_tokens), ("step_samples", step_samples),
                             ("buffer_samples", buffer_samples), ("buffer_tokens", buffer_tokens)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
@@ -82,6 +99,18 @@ class OnlinePlanner:
         self._groups: list = []  # group id per buffered sample (grouped streams)
         self._tokens = 0  # tokens buffered
         self._open, self._open_tokens = 0, 0  # the last group run (it may go on): samples and tokens
+
+    def _default_target(self, buffer_tokens, buffer_samples) -> tuple:
+        """Without a step target: the buffer's bound (a step as soon as the buffer is full), else with
+        ``num_microbatches`` every microbatch of the step full; else refused in one line."""
+        if buffer_tokens is not None:
+            return buffer_tokens, None
+        if buffer_samples is not None:
+            return None, buffer_samples
+        if self.spec.num_microbatches is not None:
+            return self.spec.dp * self.spec.num_microbatches * self.spec.microbatch_tokens, None
+        raise UsageError("OnlinePlanner needs a step target: step_tokens or step_samples (or a buffer bound, "
+                         "buffer_tokens / buffer_samples, or num_microbatches)")
 
     # -- feeding --------------------------------------------------------------------------------------
     @property
@@ -182,16 +211,25 @@ class OnlinePlanner:
             fewer = int(np.searchsorted(runs, runs[fewer], side="left")) if fewer < take else fewer
         return max(fewer, 1 if runs is None else int(np.searchsorted(runs, 0, side="right")))
 
-    def steps(self, lengths: Iterable, groups: Iterable | None = None, flush: bool = True) -> Iterator[Step]:
-        """Feed ``lengths`` (and their ``groups``) and yield every step as soon as it is whole; then,
-        with ``flush``, the rest."""
+    def steps(self, stream: Iterable, groups: Iterable | None = None, flush: bool = True, *,
+              length: Callable[[Any], int] | None = None, group: Callable[[Any], Any] | None = None) -> Iterator[Step]:
+        """Feed ``stream`` and yield every step as soon as it is whole; then, with ``flush``, the rest.
+        ``stream`` yields lengths, or items (an iterator, an ``IterableDataset``) whose tokens
+        ``length(item)`` counts (default: ``len(item["input_ids"])`` or ``len(item)``); the steps then
+        carry their items. Group ids come from ``groups`` (aligned with the stream) or ``group(item)``."""
         group_iter = iter(groups) if groups is not None else None
-        for length in lengths:
-            self.add(length, None if group_iter is None else next(group_iter))
+        held: dict[int, Any] = {}
+        for element in stream:
+            counted = length is None and isinstance(element, (int, np.integer))
+            g = next(group_iter) if group_iter is not None else (None if group is None else group(element))
+            sid = self.add(element if counted else (length or item_length)(element), g)
+            if not counted:
+                held[sid] = element
             while (step := self.next_step()) is not None:
-                yield step
+                yield _with_items(step, held)
         if flush:
-            yield from self.flush()
+            for step in self.flush():
+                yield _with_items(step, held)
 
     def flush(self) -> Iterator[Step]:
         """Plan what is left in the buffer (the stream ended)."""
