@@ -34,6 +34,10 @@ from .spec import StepSpec, make_spec
 from .step import StepPlan, plan_with
 
 STATE_VERSION = 1
+ROUND_SPILL = 0.5
+"""A packed step passing whole rounds of microbatches by less than this share of one is cut back."""
+ROUND_FILL = 0.99
+"""... to this share of its whole rounds' tokens (the packer fills rows to about 99.5%)."""
 
 
 @dataclass(frozen=True)
@@ -165,17 +169,37 @@ class OnlinePlanner:
         change = np.fromiter((a != b for a, b in zip(g[1:], g[:-1])), dtype=bool, count=max(k - 1, 0))
         return np.concatenate([[0], np.cumsum(change)]).astype(np.int64) if k else np.zeros(0, np.int64)
 
-    def _head(self, k: int, runs: np.ndarray | None) -> int:
-        """How many of the first ``k`` samples the next step takes: whole runs up to the target."""
+    def _head(self, k: int, runs: np.ndarray | None, flush: bool = False) -> int:
+        """How many of the first ``k`` samples the next step takes: whole runs up to the target; for
+        packed rows (not at the flush) cut back to whole rounds of microbatches (:meth:`_whole_rounds`)."""
         lengths = np.asarray(self._lengths[:k], np.int64)
         weight = lengths if self.by_tokens else np.ones(k, np.int64)
-        cum = np.cumsum(weight)
-        take = int(np.searchsorted(cum, self.target, side="right"))
+        take = self._cut(np.cumsum(weight), self.target, runs, k)
+        if self.spec.packed and not flush and self.spec.num_microbatches is None:
+            take = self._whole_rounds(np.cumsum(lengths), take, runs, k)
+        return take
+
+    @staticmethod
+    def _cut(cum: np.ndarray, limit: float, runs: np.ndarray | None, k: int) -> int:
+        """The most of the first ``k`` samples, whole runs, whose ``cum`` stays within ``limit`` (at
+        least the first run: a unit over the limit is a step of its own)."""
+        take = int(np.searchsorted(cum, limit, side="right"))
         if runs is not None and 0 < take < k and runs[take] == runs[take - 1]:
             take = int(np.searchsorted(runs, runs[take], side="left"))  # back to the run's start
-        if take == 0:  # the first unit alone exceeds the target: it is a step of its own
+        if take == 0:
             take = int(np.searchsorted(runs, 0, side="right")) if runs is not None else 1
         return take
+
+    def _whole_rounds(self, cum_tokens: np.ndarray, take: int, runs: np.ndarray | None, k: int) -> int:
+        """A step's microbatches come in rounds of dp (one a rank): a step whose tokens pass a whole
+        number of rounds by less than :data:`ROUND_SPILL` of one would spend a round mostly empty, so it
+        stops at :data:`ROUND_FILL` of the whole rounds and the rest waits for the next step."""
+        per_round = self.spec.dp * self.spec.microbatch_tokens
+        tokens = int(cum_tokens[take - 1]) if take else 0
+        rounds, spill = divmod(tokens, per_round)
+        if rounds < 1 or spill >= ROUND_SPILL * per_round:
+            return take
+        return min(take, self._cut(cum_tokens, rounds * per_round * ROUND_FILL, runs, k))
 
     def next_step(self, flush: bool = False) -> Step | None:
         """The next step when the buffer holds one (``flush``: also a last, smaller one), else None."""
@@ -183,7 +207,7 @@ class OnlinePlanner:
         if not k or (not flush and not self.ready()):
             return None
         runs = self._runs(k)
-        take = self._head(k, runs)
+        take = self._head(k, runs, flush)
         while True:
             lengths = np.asarray(self._lengths[:take], np.int64)
             try:
