@@ -200,3 +200,41 @@ def test_seq2seq_two_ranks_exact_stream_target_padding_lr_and_loss(tmp_path):
     assert sorted(seen) == list(range(240))
     loss = np.add(logs[0]["loss"], logs[1]["loss"])  # each step's mean target-token loss, over both ranks
     assert loss[-1] < loss[0]  # it learns
+RL_SCRIPT = os.path.join(ROOT, "examples", "train_rl_stream.py")
+
+
+def _rl_logs(log_dir, world):
+    return [json.load(open(os.path.join(log_dir, f"rank-{r}.json"))) for r in range(world)]
+
+
+def _check_rl(logs, world, base_lr=0.5):
+    for it in range(len(logs[0])):
+        rows = [log[it] for log in logs]
+        trained = sorted(i for row in rows for i in row["ids"])
+        assert trained == list(range(rows[0]["buffer"]))  # every rollout of the iteration once, over the ranks
+        assert len({row["microbatches"] for row in rows}) == 1  # the same microbatch count on every rank
+        owner = {}
+        for r, row in enumerate(rows):
+            for g in row["groups"]:
+                owner.setdefault(g, set()).add(r)
+        assert all(len(ranks) == 1 for ranks in owner.values())  # a GRPO group never split (one microbatch)
+        assert rows[0]["lr"] != base_lr and all(np.isfinite(row["loss"]) for row in rows)
+
+
+@pytest.mark.slow
+def test_rl_stream_two_ranks(tmp_path):
+    """examples/train_rl_stream.py on 2 gloo ranks (as torchrun starts them): each rank generates its
+    own rollouts, they are gathered and planned with plan_step on every rank, trained under DDP."""
+    proc = launch(RL_SCRIPT, "--iterations", "3", "--log-dir", str(tmp_path / "padded"),
+                  imports=("torch.nn.parallel",), timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "microbatch(es) a rank" in proc.stdout
+    _check_rl(_rl_logs(tmp_path / "padded", 2), 2)
+
+
+def test_rl_stream_packed_one_process(tmp_path):
+    spec = importlib.util.spec_from_file_location("train_rl_stream", RL_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    logs = module.train(module.parse_args(["--iterations", "2", "--seq-len", "256", "--log-dir", str(tmp_path)]))
+    _check_rl([logs], 1)

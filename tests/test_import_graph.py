@@ -27,7 +27,7 @@ FLOORS = (
     ("memory", "schedule"),  # the models the planner and the checks consult
     ("checks",),  # a plan's invariants: what validate and the planner's own check run
     ("analyze", "sort", "plan", "loader", "inspect", "validate", "report", "export"),  # the stages
-    ("integrations",),  # the frameworks' adapters over the loader
+    ("integrations", "online"),  # the frameworks' adapters over the loader; the in-process step planner
     ("run", "cli", "__main__"),  # the pipeline and the command line
 )
 MAX_TOP_LEVEL = 8  # top-level modules in varlen_cli/, __init__ and __main__ not counted

@@ -205,6 +205,25 @@ def _greedy_sorted(cap: np.ndarray, run_key: np.ndarray, closed: bool) -> np.nda
     return np.concatenate(pieces)
 
 
+def greedy_weighted_offsets(cap: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """:func:`greedy_offsets` for units of ``weight`` samples each (a group kept whole: a DPO pair, a
+    GRPO group), in non-decreasing padded length, so ``cap`` (samples at the unit's T) never rises:
+    each microbatch takes as many next units as fit, i.e. while its samples stay <= the cap of its
+    last unit. Every unit must fit alone (``weight <= cap``). One binary search per microbatch."""
+    n = len(cap)
+    prefix = np.zeros(n + 1, np.int64)
+    np.cumsum(weight, out=prefix[1:])
+    # units i..j fit iff prefix[j + 1] - prefix[i] <= cap[j]: strictly increasing in j (weights >= 1)
+    earliest = prefix[1:] - np.asarray(cap, np.int64)
+    starts = []
+    i = 0
+    while i < n:
+        starts.append(i)
+        i = max(i + 1, int(np.searchsorted(earliest, prefix[i], side="right")))
+    starts.append(n)
+    return np.array(starts, dtype=np.int64)
+
+
 def _greedy_general(cap: np.ndarray) -> np.ndarray:
     n = len(cap)
     starts = []

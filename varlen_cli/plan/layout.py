@@ -4,6 +4,7 @@ what the planner's refusals suggest (:class:`Remedies`)."""
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,6 +14,7 @@ from .batching import Microbatches, stable_argsort_int
 from .shapes import pair_ids
 
 LPT_MAX_DP = 64  # above this many ranks, deal serpentine instead of LPT (cost O(M * dp))
+LPT_HEAP_MAX_STEPS = 8  # up to this many steps, LPT runs step by step on a heap (one numpy pass per slot beyond)
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,10 @@ def assign_ranks(cost: np.ndarray, dp: int, grad_accum: int) -> np.ndarray:
         deal = np.where(rnd % 2 == 0, within, dp - 1 - within)
         rank[rows[:, None], order] = deal[None, :]
         return rank
+    if steps <= LPT_HEAP_MAX_STEPS:  # a step or a few (varlen_cli.online): a heap per step, the same ranks
+        for s in range(steps):
+            rank[s] = _lpt_heap(cost[s], order[s], dp, grad_accum)
+        return rank
     load = np.zeros((steps, dp), np.float64)
     used = np.zeros((steps, dp), np.int64)
     for j in range(slots):
@@ -87,6 +93,22 @@ def assign_ranks(cost: np.ndarray, dp: int, grad_accum: int) -> np.ndarray:
         rank[rows, idx] = r
         load[rows, r] += c
         used[rows, r] += 1
+    return rank
+
+
+def _lpt_heap(cost: np.ndarray, order: np.ndarray, dp: int, grad_accum: int) -> np.ndarray:
+    """One step of :func:`assign_ranks`'s LPT with a heap of (load, rank): the least-loaded rank with a
+    free slot, the lowest rank among equal loads (as the vectorised argmin picks), in O(slots log dp)."""
+    heap = [(0.0, r) for r in range(dp)]
+    used = [0] * dp
+    rank = np.empty(len(cost), np.int64)
+    values = cost.tolist()
+    for idx in order.tolist():
+        load, r = heapq.heappop(heap)
+        rank[idx] = r
+        used[r] += 1
+        if used[r] < grad_accum:
+            heapq.heappush(heap, (load + values[idx], r))
     return rank
 
 

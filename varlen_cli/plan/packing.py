@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import InputError, UsageError
-from .bfd import NO_CAP, bfd, min_rows
+from .bfd import NO_CAP, bfd, min_rows, order_desc
 from .cap_repair import cap_aware, deal_then_bfd, repair_cap, spill, uncrowd
 
 ORDERS = ("shuffle", "curriculum", "none")
@@ -412,24 +412,10 @@ def default_window(lengths: np.ndarray, seq_len: int) -> int:
     return max(1, int(math.ceil(CURRICULUM_WINDOW_ROWS * seq_len / max(mean, 1.0))))
 
 
-def pack(lengths: np.ndarray, seq_len: int, *, max_per_row: int | None = None, order: str = "shuffle",
-         seed: int = 0, split_long: bool = False, drop_long: bool = False,
-         window: int | None = None) -> Packing:
-    """Pack samples of the given lengths into rows of ``seq_len`` tokens (see the module docstring).
-
-    ``lengths[i]`` is the length of input position ``i``; with ``order="curriculum"`` the input is
-    already in difficulty order. ``max_per_row`` caps the samples (items) per row. Samples longer
-    than ``seq_len`` raise :class:`InputError` unless ``split_long`` (cut into chunks of at most
-    ``seq_len``: full rows plus one remainder chunk) or ``drop_long`` (listed in ``dropped``).
-    ``window`` (curriculum only) is the number of consecutive samples packed together.
-    The same arguments always give the same packing.
-    """
-    import time
-
-    t0 = time.perf_counter()
-    lens = _check_args(lengths, seq_len, max_per_row, order, split_long, drop_long, window)
-    seq_len = int(seq_len)
-    cap = int(max_per_row) if max_per_row is not None else NO_CAP
+def _items(lens: np.ndarray, seq_len: int, split_long: bool, drop_long: bool):
+    """The items to pack: (input position, first token, length) of each, the dropped positions and the
+    number of samples split. A sample longer than ``seq_len`` is refused (:class:`InputError`), dropped
+    (``drop_long``) or cut into chunks of ``seq_len`` and a remainder (``split_long``)."""
     n = len(lens)
     long_mask = lens > seq_len
     num_long = int(np.count_nonzero(long_mask))
@@ -456,6 +442,29 @@ def pack(lengths: np.ndarray, seq_len: int, *, max_per_row: int | None = None, o
         sample = np.arange(n, dtype=np.int64)
         start = np.zeros(n, dtype=np.int64)
         ilen = lens
+    return sample, start, ilen, dropped, num_split
+
+
+def pack(lengths: np.ndarray, seq_len: int, *, max_per_row: int | None = None, order: str = "shuffle",
+         seed: int = 0, split_long: bool = False, drop_long: bool = False,
+         window: int | None = None) -> Packing:
+    """Pack samples of the given lengths into rows of ``seq_len`` tokens (see the module docstring).
+
+    ``lengths[i]`` is the length of input position ``i``; with ``order="curriculum"`` the input is
+    already in difficulty order. ``max_per_row`` caps the samples (items) per row. Samples longer
+    than ``seq_len`` raise :class:`InputError` unless ``split_long`` (cut into chunks of at most
+    ``seq_len``: full rows plus one remainder chunk) or ``drop_long`` (listed in ``dropped``).
+    ``window`` (curriculum only) is the number of consecutive samples packed together.
+    The same arguments always give the same packing.
+    """
+    import time
+
+    t0 = time.perf_counter()
+    lens = _check_args(lengths, seq_len, max_per_row, order, split_long, drop_long, window)
+    seq_len = int(seq_len)
+    cap = int(max_per_row) if max_per_row is not None else NO_CAP
+    n = len(lens)
+    sample, start, ilen, dropped, num_split = _items(lens, seq_len, split_long, drop_long)
     positive = ilen[ilen > 0]
     bound = min_rows(positive, seq_len, cap)
     if order == "curriculum":
@@ -489,3 +498,84 @@ def pack(lengths: np.ndarray, seq_len: int, *, max_per_row: int | None = None, o
         max_per_row=int(max_per_row) if max_per_row is not None else None, order=order, num_samples=n,
         num_split=num_split, window=int(window) if order == "curriculum" else None,
         seconds=time.perf_counter() - t0)
+
+
+# ---- into a given number of rows --------------------------------------------------------------
+def pack_into(lengths: np.ndarray, seq_len: int, rows: int, *, split_long: bool = False,
+              best_fit: bool = True) -> Packing | None:
+    """Pack into ``rows`` rows of ``seq_len`` tokens where this packer can (else into as few more as it
+    needs, or None without ``best_fit``): the per-step packer of :mod:`varlen_cli.online` (a step's
+    microbatches are known, so are its rows; a millisecond or a few for 8k samples, where BFD's loop
+    per distinct length takes tens).
+
+    First the items, in decreasing length, are dealt layer by layer into ``rows`` rows: each layer's
+    longest item to the least-loaded row (a longest-processing-time deal on tokens), an item that does
+    not fit its row going at the head of the next layer, what is left after the last layer to the
+    rows with the most space (:func:`_worst_fit_rounds`). Rows end with near-equal tokens, which leaves
+    no room for the last items when the rows are nearly full; then the last
+    :data:`BEST_FIT_LAYERS` layers go through BFD instead, into the space the dealt ones left
+    (:func:`~varlen_cli.plan.cap_repair.deal_then_bfd`), opening rows past ``rows`` only if they must
+    (``best_fit=False``: None instead, for a caller that would rather try more rows). Empty rows are
+    left out; the same arguments
+    give the same packing. ``split_long`` as in :func:`pack` (no ``max_per_row``: :func:`pack` honours it)."""
+    lens = _check_args(lengths, seq_len, None, "none", split_long, False, None)
+    seq_len, rows = int(seq_len), int(rows)
+    sample, start, ilen, dropped, num_split = _items(lens, seq_len, split_long, False)
+    order = order_desc(ilen)
+    row_of = _deal_layers(ilen[order], seq_len, rows)
+    if row_of is None and not best_fit:
+        return None
+    if row_of is None:  # BFD for the last layers (on the positive lengths; empty items where rows have fewest)
+        positive = np.flatnonzero(ilen > 0)
+        layers = -(-len(positive) // max(rows, 1))
+        o, r, used = deal_then_bfd(ilen[positive], seq_len, NO_CAP, rows, max(layers - BEST_FIT_LAYERS, 0))
+        zeros = np.flatnonzero(ilen == 0)
+        zero_rows, _ = _place_zeros(np.bincount(r, minlength=used), len(zeros), NO_CAP)
+        order, row_of = np.concatenate([positive[o], zeros]), np.concatenate([r, zero_rows])
+    present, row_of = np.unique(row_of, return_inverse=True)  # empty rows out, the others in order
+    srt = np.argsort(row_of, kind="stable")  # items by (row, placement order)
+    items = order[srt]
+    return Packing(item_sample=sample[items], item_start=start[items], item_length=ilen[items].astype(np.int64),
+                   item_row=row_of[srt].astype(np.int64), num_rows=len(present), seq_len=seq_len, dropped=dropped,
+                   order="none", num_samples=len(lens), num_split=num_split)
+
+
+BEST_FIT_LAYERS = 2
+""":func:`pack_into`'s second try: the last this many layers of the deal go through BFD."""
+
+
+def _deal_layers(sl: np.ndarray, seq_len: int, rows: int) -> np.ndarray | None:
+    """Row of each item of ``sl`` (decreasing lengths) dealt into ``rows`` rows (see :func:`pack_into`),
+    None when some item finds no room."""
+    n = len(sl)
+    row_of = np.full(n, -1, np.int64)
+    load = np.zeros(rows, np.int64)
+    pending = np.zeros(0, np.int64)
+    j = 0
+    while j < n:
+        if len(pending) >= rows:
+            return None
+        take = rows - len(pending)
+        idx = np.concatenate([pending, np.arange(j, min(n, j + take), dtype=np.int64)])
+        j = min(n, j + take)
+        target = np.argsort(load, kind="stable")[:len(idx)]
+        ok = load[target] + sl[idx] <= seq_len
+        row_of[idx[ok]] = target[ok]
+        load[target[ok]] += sl[idx[ok]]
+        pending = idx[~ok]
+    return None if len(_worst_fit_rounds(sl, pending, row_of, load, seq_len)) else row_of
+
+
+def _worst_fit_rounds(sl: np.ndarray, pending: np.ndarray, row_of: np.ndarray, load: np.ndarray,
+                      seq_len: int) -> np.ndarray:
+    """Place ``pending`` items (decreasing), round by round, the longest into the row with the most
+    space, the next into the next... while a round places any; returns those left."""
+    while len(pending):
+        target = np.argsort(load, kind="stable")[:len(pending)]
+        ok = load[target] + sl[pending] <= seq_len
+        if not ok.any():
+            return pending
+        row_of[pending[ok]] = target[ok]
+        np.add.at(load, target[ok], sl[pending[ok]])
+        pending = pending[~ok]
+    return pending
