@@ -51,14 +51,47 @@ def test_lightning_two_ranks_exact_stream_lr_gradient_and_mid_epoch_resume(setup
     assert_grads_close(torch.load(os.path.join(folder / "full", "grad0.pt")), reference_grads(model, plan, data_tokens))
     # a checkpoint strictly inside an epoch (Lightning's own file, saved after optimizer step k)
     start1 = plan.epoch_start(1)
-    k = next(s for s in range(every, plan.num_steps, every)
-             if s not in (start1, plan.num_steps) and s % plan.steps_per_epoch[0] != 0)
-    torchrun("train_lightning.py", *common, "--resume", folder / "ck" / f"step={k}.ckpt", "--log-dir",
+    k = next(s for s in range(every, plan.num_steps - 2, every) if s != start1 and s % plan.steps_per_epoch[0] != 0)
+    source = folder / "ck" / f"step={k}.ckpt"
+    source_bytes = source.read_bytes()
+    # crash twice between saves, in the middle of a step, with Lightning's OnExceptionCheckpoint: the source
+    # is never re-saved, and each crash's checkpoint resumes exactly
+    for crash, resume_from in ((k + 1, source), (k + 2, folder / "ck" / "on-exception.ckpt")):
+        proc = torchrun("train_lightning.py", *common, "--ckpt-dir", folder / "ck", "--save-every", every,
+                        "--resume", resume_from, "--crash-at-step", crash, "--save-on-crash", expect_ok=False)
+        assert proc.returncode != 0 and f"a crash in the middle of optimizer step {crash}" in proc.stderr
+        assert source.read_bytes() == source_bytes
+        assert sorted(os.listdir(folder / "ck")) == sorted(
+            ["on-exception.ckpt"] + [f"step={s}.ckpt" for s in range(every, plan.num_steps + 1, every)])
+    torchrun("train_lightning.py", *common, "--resume", folder / "ck" / "on-exception.ckpt", "--log-dir",
              folder / "resumed")
     resumed = logs(folder / "resumed")
     for a, b in zip(full, resumed):
-        assert b["steps"] == a["steps"][k:] and b["lr"] == a["lr"][k:]
-        assert b["micro"] == a["micro"][k * plan.grad_accum:]  # positions, samples, losses: bit-identical
+        assert b["steps"] == a["steps"][k + 2:] and b["lr"] == a["lr"][k + 2:]
+        assert b["micro"] == a["micro"][(k + 2) * plan.grad_accum:]  # positions, samples, losses: bit-identical
+
+
+def test_a_checkpoint_saved_in_the_middle_of_a_step_without_its_start_is_refused(setup, tmp_path, monkeypatch):
+    """A mid-step checkpoint that holds its mid-step position (one varlen did not rewind: written by an
+    older varlen) is refused in one line that names the cause, not gradient accumulation."""
+    from varlen_cli.integrations import lightning as plan_lightning
+
+    folder, data, _ = setup
+    one = make_plan(folder, data, "dp1", max_tokens=512, dp=1, grad_accum=2, epochs=2)
+    example = load_example("train_lightning")
+    common = ["--plan", one, "--data", data, "--ckpt-dir", str(tmp_path), "--max-steps", "3"]
+    monkeypatch.setattr(plan_lightning.StepStart, "rewind", lambda *args: None)
+    with pytest.raises(RuntimeError, match="a crash in the middle of optimizer step 1"):
+        example.main([*common, "--crash-at-step", "1", "--save-on-crash"])
+    monkeypatch.undo()
+    ckpt = tmp_path / "on-exception.ckpt"
+    with pytest.raises(PlanError) as error:
+        example.main([*common, "--resume", str(ckpt)])
+    assert str(error.value) == (
+        f"{ckpt} was saved in the middle of optimizer step 1 (2 of its 2 microbatches trained, the optimizer not yet "
+        f"stepped) and a Lightning checkpoint does not hold the gradient they accumulated, so training cannot "
+        f"continue exactly from it (checkpoints written under PlanDataModule by this varlen hold the step's start): "
+        f"resume from an earlier checkpoint")
 
 
 def test_batches_survive_lightning_transfer_and_set_epoch_reaches_the_plan(setup):
