@@ -245,8 +245,8 @@ def finish(c: PlanConfig, rows: Rows, epochs: list[PlannedEpoch], col: dict, it:
     step_tokens = np.bincount(step, weights=col["tokens"], minlength=num_steps).astype(np.int64)
     step_loss_tokens = np.bincount(step, weights=col["targets"], minlength=num_steps).astype(np.int64)
     trained_only = rows.target is not None  # tokens: those that carry loss (target_length)
-    scales, base = lr.lr_scales(step_samples, step_loss_tokens if trained_only else step_tokens, c.lr_scaling,
-                                c.lr_scale_by, c.base_batch_size)
+    scales, base = lr.lr_scales(step_samples, step_loss_tokens if trained_only else step_tokens, step_loss_tokens,
+                                c.lr_scaling, c.lr_scale_by, c.base_batch_size)
     if not np.all(np.isfinite(scales)):
         raise UsageError(f"--base-batch-size {c.base_batch_size} gives a non-finite lr_scale; give a larger base "
                          "batch size")
