@@ -37,6 +37,7 @@ from varlen_cli.integrations.lightning import PlanDataModule, plan_loss, plan_lr
 from varlen_cli.loader import Plan, to_model_inputs  # noqa: E402
 from varlen_cli.loader.replan import first_step  # noqa: E402
 from varlen_cli.runtime.dist import collective_timeout  # noqa: E402
+from varlen_cli.runtime.entry import exit_on_error  # noqa: E402
 
 
 class TinyLlamaModule(L.LightningModule):
@@ -148,4 +149,4 @@ def end_group() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_error(main)  # a PlanError: its one line (also in torchrun's summary), not a traceback per rank

@@ -43,6 +43,7 @@ from tiny_lm import TinyGPT, TokenDataset, loss_sum, warmup_cosine  # noqa: E402
 
 from varlen_cli.loader import PadCollate, Plan, VariableBatchSizeLR, dataloader_for_plan  # noqa: E402
 from varlen_cli.loader.replan import first_step  # noqa: E402
+from varlen_cli.runtime.entry import exit_on_error  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -246,7 +247,7 @@ def _train(args, rank, world, device, dist) -> dict:
 
 
 def _worker(argv) -> dict:
-    return train(parse_args(argv))
+    return exit_on_error(train, parse_args(argv))  # --nproc: the launcher shows a worker's PlanError line
 
 
 def launch_local(nproc: int, argv) -> None:
@@ -274,4 +275,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_error(main)  # a PlanError: its one line (also in torchrun's summary), not a traceback per rank

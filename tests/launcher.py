@@ -193,7 +193,6 @@ def _rank_main(req: dict, rank: int, env: dict, reply_fd: int) -> None:
         sys.argv = [script, *req["argv"]]
         sys.path.insert(0, os.getcwd() if req["module"] else os.path.dirname(script))
         import runpy
-        import traceback
 
         try:
             if req["module"]:
@@ -208,7 +207,7 @@ def _rank_main(req: dict, rank: int, env: dict, reply_fd: int) -> None:
                 print(exc.code, file=sys.stderr)
                 code = 1
         except BaseException:
-            traceback.print_exc()
+            sys.excepthook(*sys.exc_info())  # as an uncaught exception in a real process (varlen's hook: one line)
             code = 1
         atexit._run_exitfuncs()
     finally:

@@ -148,10 +148,11 @@ def run_command(fn: Callable[[Any], Any], config: Any) -> Any:
             worker_tb = getattr(exc, "worker_traceback", None)
             if worker_tb:
                 sys.stderr.write("worker traceback:\n" + worker_tb)
-        # Under torchrun every rank runs this; say which one failed (the others may only be its victims).
-        rank = f"[rank {os.environ.get('RANK')}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-        sys.stderr.write(f"varlen: error: {rank}{exc.message}\n")
-        raise typer.Exit(exc.exit_code) from None
+        # Under torchrun every rank runs this; the line says which one failed (the others may only be its
+        # victims) and is recorded as the rank's error, so torchrun's summary ends with it
+        from varlen_cli.runtime.entry import report
+
+        raise typer.Exit(report(exc)) from None
     except KeyboardInterrupt:
         raise typer.Exit(_signalled("interrupted", 130)) from None
     except Terminated:
