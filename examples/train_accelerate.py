@@ -67,7 +67,7 @@ def main(argv=None) -> None:
                                                                                                 plan.num_steps)), plan)
     accelerator.register_for_checkpointing(scheduler)
     if args.prepare_directly:
-        loader = accelerator.prepare(loader)  # re-shards the per-rank stream: the guard stops it
+        loader = accelerator.prepare(loader)  # would re-shard the per-rank stream: refused in one line
     else:
         loader = prepare_plan_dataloader(accelerator, loader)
     if args.resume:
