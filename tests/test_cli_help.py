@@ -22,7 +22,7 @@ click = click_module()
 # options of the command line alone (how the result is shown), declared in varlen_cli/cli/*.py
 CLI_ONLY = {"json_output", "width", "help"}
 # config fields each command does not offer (library tuning knobs), and fields `run` sets itself
-LIBRARY_ONLY = {"analyze": {"chunk_bytes"}, "sort": {"row_group_size", "engine"},
+LIBRARY_ONLY = {"analyze": {"chunk_bytes"}, "sort": {"row_group_size", "engine"}, "plan": {"recorded_input"},
                 "run": {"analyze", "sort", "plan"}}
 
 

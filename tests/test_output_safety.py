@@ -354,8 +354,11 @@ def _corrupted_pages_inspect(ws):
 
 
 def _overwrite_output_missing_parent(ws):
-    return (["plan", "m", "-o", "no/such/p.parquet", "--max-tokens", "256"], 4,
-            f"cannot write no/such/p.parquet: directory {ws / 'no' / 'such'} does not exist", ["m"])
+    """A missing parent is created (test_missing_output_parents_are_created); one that is a file cannot be."""
+    (ws / "afile").write_text("user data\n")
+    return (["plan", "m", "-o", "afile/such/p.parquet", "--max-tokens", "256"], 4,
+            f"cannot create the directory {ws / 'afile' / 'such'} of output afile/such/p.parquet: Not a directory",
+            ["m", "afile"])
 
 
 CASES = [
@@ -415,6 +418,25 @@ def test_bad_input_or_fault_is_one_line_and_loses_nothing(ws, setup):
     assert_user_error(result, code, message)
     assert {p: tree_hash(p) for p in paths} == before
     assert leftovers(str(ws)) == lock_before  # no temporary, old output or lock left (a planted lock stays)
+
+
+def test_missing_output_parents_are_created(ws):
+    """Every command writes into directories that do not exist yet (they were refused: "directory ...
+    does not exist"), through the output lock's one path; nothing else is left beside the outputs."""
+    commands = [
+        (["analyze", "src", "-o", "new/a/metrics", "--length", "words:text"], "new/a/metrics/_manifest.json"),
+        (["sort", "m", "-o", "new/s/sorted"], "new/s/sorted/_manifest.json"),
+        (["plan", "m", "-o", "new/p/plan.parquet", "--max-tokens", "256"], "new/p/plan.parquet"),
+        (["replan", "p.parquet", "--from-step", "1", "--dp", "1", "-o", "new/r/plan.parquet"], "new/r/plan.parquet"),
+        (["run", "src", "-o", "new/run/out", "--length", "words:text", "--max-tokens", "256"],
+         "new/run/out/plan.parquet"),
+    ]
+    for args, made in commands:
+        result = runner.invoke(app, [*args, "--no-progress"] + (["--json"] if args[0] != "replan" else []))
+        assert result.exit_code == 0, (args, result.output)
+        assert os.path.exists(made), args
+        assert leftovers(os.path.dirname(os.path.dirname(made)) or ".") == [] and leftovers(str(ws)) == []
+    assert runner.invoke(app, ["validate", "new/p/plan.parquet", "--metrics", "m"]).exit_code == 0
 
 
 # -- validate: violations, not crashes ----------------------------------------------------------------

@@ -45,6 +45,15 @@ class LengthSpec:
         return f"{self.kind}:{self.column}"
 
 
+NOT_TOKENS = {"chars": "characters", "bytes": "bytes", "words": "words"}  # text lengths that are not tokens
+
+
+def not_tokens(length: str) -> str | None:
+    """What a metrics directory's lengths count when they are not tokens (``chars:text`` ->
+    "characters"), else None: ``varlen plan --max-tokens N`` then budgets N of those."""
+    return NOT_TOKENS.get(str(length).partition(":")[0])
+
+
 def parse_length(text: str) -> LengthSpec:
     kind, sep, column = text.partition(":")
     if not sep or not column or kind not in LENGTH_KINDS:

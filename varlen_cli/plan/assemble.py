@@ -178,7 +178,10 @@ def location_record(path: str, output: str) -> dict:
 
 def input_info(c: PlanConfig, manifest: dict, num_rows: int) -> dict:
     """The metadata's ``input``: the metrics or sorted directory the plan was made from."""
-    return {**location_record(c.input, c.output),
+    where = location_record(c.input, c.output)  # relative_path: input and plan move together (varlen run)
+    if c.recorded_input:
+        where["path"] = storage.absolute(c.recorded_input)
+    return {**where,
             "kind": manifest.get("kind"),
             "artifact_id": manifest.get("artifact_id"), "num_rows": int(num_rows),
             "dataset_digest": (manifest.get("dataset") or {}).get("digest")}
@@ -210,7 +213,10 @@ def recorded_config(c: PlanConfig) -> dict:
     """The options a plan records: what it is made of, not how the command ran (no output, overwrite,
     progress, nproc, allow_stale: ``artifacts.RUNTIME_FIELDS``), so the same input and options give
     the same file, whatever the number of workers and wherever it is written."""
-    return {k: v for k, v in artifacts.config_dict(c).items() if k not in artifacts.RUNTIME_FIELDS}
+    recorded = {k: v for k, v in artifacts.config_dict(c).items() if k not in artifacts.RUNTIME_FIELDS}
+    if c.recorded_input:
+        recorded["input"] = storage.absolute(c.recorded_input)
+    return recorded
 
 
 def memory_entry(c: PlanConfig, budget: Budget, b: np.ndarray, t: np.ndarray, shape_id: np.ndarray, num_shapes: int,

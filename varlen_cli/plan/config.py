@@ -112,6 +112,9 @@ class PlanConfig:
                                             "so memory per worker is bounded by it; chunks, not workers, define the "
                                             "plan (docs/plan.md, \"Plans at scale\").", panel=PANEL_RUN)
     storage_options: tuple = doc((), STORAGE_OPTION_HELP, panel=PANEL_RUN)
+    recorded_input: str | None = doc(None, "Library only: the input path the plan's metadata records, when the "
+                                           "input is built somewhere else first (varlen run: in a temporary "
+                                           "directory, swapped in afterwards).")
 
 
 @dataclass
