@@ -95,7 +95,11 @@ def launch(script: str, *args, nproc: int = 2, timeout: float = 420, cwd: str = 
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # a free port, no race
     run_id = uuid.uuid4().hex[:12]
-    log_dir = tempfile.mkdtemp(prefix="varlen-launch-")
+    # named as varlen's own --nproc launcher names its directories (varlen-launch-<pid>-...): varlen removes
+    # those of processes that no longer run (safety.clean_launcher_dirs, in every output lock), and this test
+    # process runs. (Named varlen-launch-<random>, a random part of digits only read as a dead pid: a varlen
+    # run in a concurrent test removed the directory while the ranks wrote to it, FileNotFoundError rank-0.out)
+    log_dir = tempfile.mkdtemp(prefix=f"varlen-launch-{os.getpid()}-")
     base = dict(os.environ if env is None else env, **STATIC_ENV)
     ranks = []
     for rank in range(nproc):
@@ -112,8 +116,8 @@ def launch(script: str, *args, nproc: int = 2, timeout: float = 420, cwd: str = 
         result = _get_zygote().request(req, timeout + 2 * FAILURE_GRACE + 30)
     finally:
         del store
-    out = "".join(_read(os.path.join(log_dir, f"rank-{r}.out")) for r in range(nproc))
-    err = "".join(_read(os.path.join(log_dir, f"rank-{r}.err")) for r in range(nproc))
+    out = "".join(read_log(log_dir, r, "out") for r in range(nproc))
+    err = "".join(read_log(log_dir, r, "err") for r in range(nproc))
     shutil.rmtree(log_dir, ignore_errors=True)
     if result["timed_out"]:
         raise subprocess.TimeoutExpired([script, *map(str, args)], timeout, out, err)
@@ -121,9 +125,14 @@ def launch(script: str, *args, nproc: int = 2, timeout: float = 420, cwd: str = 
     return subprocess.CompletedProcess([script, *map(str, args)], failed[0] if failed else 0, out, err)
 
 
-def _read(path: str) -> str:
-    with open(path, errors="replace") as fh:
-        return fh.read()
+def read_log(log_dir: str, rank: int, name: str) -> str:
+    """A rank's stdout or stderr; a rank killed before it opened them (a launch past its timeout, or a
+    peer's failure under heavy load) says so instead of failing the test with FileNotFoundError."""
+    try:
+        with open(os.path.join(log_dir, f"rank-{rank}.{name}"), errors="replace") as fh:
+            return fh.read()
+    except FileNotFoundError:
+        return f"[tests/launcher.py: rank {rank} wrote no std{name}: it was stopped before it started]\n"
 
 
 # -- the zygote ----------------------------------------------------------------------------------------

@@ -43,6 +43,10 @@ PRELOAD = {"hf": IMPORTS["train_hf_trainer.py"], "trl": IMPORTS["train_trl.py"],
 
 def test_the_docs_hold_every_recipe():
     assert sorted(RECIPES) == sorted(NEEDS)
+    for name, (_, code) in RECIPES.items():  # seeded before the model is made: a resumed run compares with a fresh one
+        seed = re.search(r"^(torch\.manual_seed|set_seed|L\.seed_everything)\(0\)", code, re.M)
+        model = re.search(r"^\S.*(LlamaForCausalLM\(config\)|Module\(config\)|DistributedDataParallel\()", code, re.M)
+        assert seed and model and seed.start() < model.start(), name
 
 
 @pytest.fixture(scope="module")
