@@ -251,7 +251,9 @@ def _worker(argv) -> dict:
 
 
 def launch_local(nproc: int, argv) -> None:
-    """Start ``nproc`` workers with torch's elastic launcher (what torchrun uses) on a free port."""
+    """Start ``nproc`` workers with torch's elastic launcher (what torchrun uses) on a free port; forked on
+    Linux (this process has imported torch but run nothing on it yet: no threads, no CUDA context), which
+    spares each worker the interpreter start and imports a spawned one repeats."""
     import uuid
 
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -259,7 +261,8 @@ def launch_local(nproc: int, argv) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"tiny-lm-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
-                          start_method="spawn", local_addr="127.0.0.1")
+                          start_method="fork" if sys.platform.startswith("linux") else "spawn",
+                          local_addr="127.0.0.1")
     elastic_launch(config, _worker)(argv)
 
 

@@ -38,6 +38,7 @@ STATIC_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB
               "TRANSFORMERS_VERBOSITY": "error", "PYTHONWARNINGS": "ignore", "PYTHONPATH": ROOT}
 BASE_IMPORTS = ("torch", "torch.distributed", "numpy", "pyarrow.parquet", "varlen_cli.loader")
 FAILURE_GRACE = 10.0  # seconds the other ranks get to finish (and print their own error) after one fails
+SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's default (--signals-to-handle)
 
 
 # -- the test side -----------------------------------------------------------------------------------
@@ -108,7 +109,8 @@ def launch(script: str, *args, nproc: int = 2, timeout: float = 420, cwd: str = 
                           GROUP_WORLD_SIZE="1", ROLE_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(store.port), TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
                           TORCHELASTIC_RUN_ID=run_id, TORCHELASTIC_USE_AGENT_STORE="True",
-                          TORCH_NCCL_ASYNC_ERROR_HANDLING="1"))
+                          TORCH_NCCL_ASYNC_ERROR_HANDLING="1", TORCHELASTIC_SIGNALS_TO_HANDLE=SIGNALS_TO_HANDLE,
+                          TORCHELASTIC_ERROR_FILE=os.path.join(log_dir, f"rank-{rank}.error.json")))
     req = {"script": str(script) if module else os.path.abspath(str(script)), "module": module,
            "argv": [str(a) for a in args], "cwd": str(cwd), "envs": ranks, "imports": list(imports),
            "timeout": timeout, "log_dir": log_dir}

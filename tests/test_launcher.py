@@ -8,8 +8,11 @@ dead process, and the directory went while the ranks wrote into it."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
+
+import pytest
 
 from tests import launcher
 from varlen_cli.runtime import safety
@@ -33,3 +36,46 @@ def test_a_rank_that_never_started_is_reported_not_a_file_not_found(tmp_path):
     (tmp_path / "rank-0.out").write_text("started\n")
     assert launcher.read_log(str(tmp_path), 0, "out") == "started\n"
     assert "rank 1 wrote no stdout: it was stopped before it started" in launcher.read_log(str(tmp_path), 1, "out")
+
+
+ENV_SCRIPT = """
+import json, os, sys
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+total = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(total)
+seen = {"env": dict(os.environ), "rank": dist.get_rank(), "world": dist.get_world_size(), "sum": float(total)}
+with open(os.path.join(sys.argv[1], f"rank-{dist.get_rank()}.json"), "w") as fh:
+    json.dump(seen, fh)
+dist.destroy_process_group()
+"""
+# what may differ between two launches, or between torchrun --standalone and tests/launcher.py: the port,
+# the run id and error file path of each launch; MASTER_ADDR localhost (torchrun) vs 127.0.0.1 (the same host)
+PER_LAUNCH = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "MASTER_ADDR"}
+
+
+@pytest.mark.slow
+def test_the_launcher_gives_every_rank_torchruns_environment(tmp_path):
+    """The check of tests/launcher.py against the real torchrun (the framework tests run their ranks under
+    the launcher; test_hf's padded run under the real torchrun too): every variable torchrun gives its
+    workers, the same values, and a process group that joins and reduces the same way."""
+    from tests.integration_helpers import real_torchrun
+
+    script = tmp_path / "env.py"
+    script.write_text(ENV_SCRIPT)
+    seen = {}
+    for how in ("torchrun", "launcher"):
+        (tmp_path / how).mkdir()
+        run = real_torchrun if how == "torchrun" else launcher.launch
+        proc = run(str(script), str(tmp_path / how))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        seen[how] = [json.loads((tmp_path / how / f"rank-{r}.json").read_text()) for r in range(2)]
+    own = dict(os.environ, **launcher.STATIC_ENV)
+    for rank, (real, ours) in enumerate(zip(seen["torchrun"], seen["launcher"])):
+        added = {k: v for k, v in real["env"].items() if own.get(k) != v}  # what torchrun gives a worker
+        assert {"RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_ERROR_FILE"} <= set(added)
+        assert set(added) <= set(ours["env"]), set(added) - set(ours["env"])
+        assert {k: v for k, v in added.items() if k not in PER_LAUNCH} == \
+            {k: ours["env"][k] for k in added if k not in PER_LAUNCH}
+        assert (real["rank"], real["world"], real["sum"]) == (ours["rank"], ours["world"], ours["sum"]) == (rank, 2, 3)

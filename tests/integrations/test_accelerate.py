@@ -40,8 +40,8 @@ def test_accelerate_two_ranks_exact_stream_lr_gradient_and_resume(setup):
     plan = Plan.open(plan_path)
     save_at = plan.num_steps // 2 - 1
     common = ["--plan", plan_path, "--data", data, "--lr", "3e-3", "--warmup-steps", "2", "--ckpt", folder / "ckpt"]
-    torchrun("train_accelerate.py", *common, "--save-at", save_at, "--log-dir", folder / "full",
-             real=True)  # the real torchrun; the resume under tests/launcher.py
+    # ranks under tests/launcher.py, checked against the real torchrun in tests/test_launcher.py
+    torchrun("train_accelerate.py", *common, "--save-at", save_at, "--log-dir", folder / "full")
     full = logs(folder / "full")
     check_stream(plan, full)
     tiny_lm = load_example("tiny_lm")

@@ -41,7 +41,7 @@ def test_lightning_two_ranks_exact_stream_lr_gradient_and_mid_epoch_resume(setup
     every = 3
     common = ["--plan", plan_path, "--data", data, "--lr", "3e-3", "--warmup-steps", "2"]
     torchrun("train_lightning.py", *common, "--ckpt-dir", folder / "ck", "--save-every", every, "--log-dir",
-             folder / "full", real=True)  # the real torchrun; the resume under tests/launcher.py
+             folder / "full")  # tests/launcher.py, checked against the real torchrun (tests/test_launcher.py)
     full = logs(folder / "full")
     check_stream(plan, full)
     check_lr(plan, full, 3e-3, load_example("tiny_lm").warmup_cosine(2, plan.num_steps))

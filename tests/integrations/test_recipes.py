@@ -1,10 +1,9 @@
 """The recipes of docs/loader.md and docs/integrations.md run as written: each ```python block that
 starts with ``# recipe: NAME (FILE)`` is saved as FILE and started with 2 CPU processes (gloo) as the
-command the docs give under it starts them, on a plan of a slice of sample_data/tokenized.parquet.
-The plain DDP and torchdata recipes run under the real ``torchrun`` command (the ddp recipe's second run,
-its resume, under tests/launcher.py); the other framework recipes under tests/launcher.py, which starts
-each rank as torchrun does from a process that imported the frameworks once (their frameworks' 2-rank
-tests run under the real torchrun)."""
+command the docs give under it starts them, on a plan of a slice of sample_data/tokenized.parquet,
+under tests/launcher.py, which starts each rank as torchrun does (its environment is checked against
+the real torchrun's in tests/test_launcher.py) from a process that imported the frameworks once
+(VARLEN_TEST_REAL_TORCHRUN=1: under the real command)."""
 
 import os
 import re
@@ -33,9 +32,6 @@ def _recipes() -> dict:
 RECIPES = _recipes()
 NEEDS = {"hf": ["transformers"], "trl": ["trl", "datasets"], "accelerate": ["accelerate", "transformers"],
          "lightning": ["lightning", "transformers"], "torchdata": ["torchdata"], "ddp": []}
-# the recipes whose framework has no other launch under the real torchrun (the others' 2-rank tests run
-# their full run under it: tests/integrations/test_{hf,trl,accelerate,lightning,fsdp2}.py)
-REAL = ("ddp", "torchdata")
 PRELOAD = {"hf": IMPORTS["train_hf_trainer.py"], "trl": IMPORTS["train_trl.py"],
            "accelerate": IMPORTS["train_accelerate.py"], "lightning": IMPORTS["train_lightning.py"],
            "torchdata": ("torchdata.stateful_dataloader",), "ddp": ("torch.nn.parallel",)}
@@ -57,10 +53,10 @@ def plan(tmp_path_factory):
     return make_plan(folder, data, "plan", max_tokens=512, dp=2, grad_accum=2, epochs=2), data
 
 
-def _run(folder, name: str, file: str, *args, real: bool = False) -> subprocess.CompletedProcess:
-    """``torchrun --nproc-per-node 2 FILE ARGS`` in ``folder``: the real command (``real``), else
-    tests/launcher.py with the recipe's framework imported once."""
-    if real:
+def _run(folder, name: str, file: str, *args) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node 2 FILE ARGS`` in ``folder``: tests/launcher.py with the recipe's framework
+    imported once (VARLEN_TEST_REAL_TORCHRUN=1: the real command)."""
+    if os.environ.get("VARLEN_TEST_REAL_TORCHRUN") == "1":
         proc = real_torchrun(file, *args, cwd=folder)
     else:
         proc = launch(os.path.join(str(folder), file), *args, cwd=folder, imports=PRELOAD.get(name, ()))
@@ -78,7 +74,7 @@ def test_recipe_runs_as_written_on_two_processes(plan, tmp_path, name):
     (tmp_path / file).write_text(code)
     args = [plan_path, data] + ([TOKENIZER] if name == "trl" else [])
     steps = Plan.open(plan_path).num_steps
-    out = _run(tmp_path, name, file, *args, real=name in REAL).stdout
+    out = _run(tmp_path, name, file, *args).stdout
     if name in ("ddp", "torchdata", "accelerate"):
         assert f"trained to step {steps}" in out, out[-2000:]
     if name == "ddp":  # run again: it resumes from its last checkpoint and trains the rest

@@ -36,7 +36,7 @@ def test_sft_trainer_two_ranks_exact_stream_lr_gradient_and_resume(tmp_path):
     save_at = plan.epoch_start(1) + 1  # inside epoch 1
     common = ["--plan", plan.path, "--data", data, "--lr", "3e-3", "--warmup-steps", "2"]
     torchrun("train_trl.py", *common, "--out", tmp_path / "out", "--log-dir", tmp_path / "full",
-             "--save-steps", save_at, real=True)  # the real torchrun; the resume under tests/launcher.py
+             "--save-steps", save_at)  # tests/launcher.py, checked against the real torchrun (tests/test_launcher.py)
     full = logs(tmp_path / "full")
     check_stream(plan, full)
     check_lr(plan, full, 3e-3, hf_cosine(2, plan.num_steps))
