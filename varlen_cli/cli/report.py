@@ -173,6 +173,11 @@ def print_sort(result) -> None:
     c.print(p)
 
 
+def lr_unit(metadata: dict) -> str:
+    """What the plan's lr_scale follows: ``loss-tokens``, ``tokens``, ``samples``, or ``none``."""
+    return "none" if metadata.get("lr_scaling") == "none" else metadata.get("lr_scale_by", "samples")
+
+
 def plan_rows(result) -> list:
     from varlen_cli import format
 
@@ -187,8 +192,8 @@ def plan_rows(result) -> list:
         _row("straggler mean / max", strag, f"{strag[0]:.3f} / {strag[1]:.3f}"),
         _row("straggler overhead %", s.get("straggler_overhead"), _overhead(s, result.metadata)),
         _row("distinct shapes", s["distinct_shapes"]),
-        _row(f"lr_scale min / max ({result.metadata.get('lr_scale_by', 'samples')})", lr,
-             f"{lr[0]:.3f} / {lr[1]:.3f}"),
+        _row("lr_scale min / max", lr, f"{lr[0]:.3f} / {lr[1]:.3f}"),
+        _row("lr_scale by", lr_unit(result.metadata)),
         _row("dropped samples", s["dropped"]),
     ]
     for src in (result.metadata.get("mixture") or {}).get("sources", []):  # varlen plan --mix
