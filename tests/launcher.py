@@ -10,10 +10,11 @@ LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_*, MASTER_ADDR/MASTER_PORT, TORCHELASTIC_*; t
 TCPStore is hosted by the launcher, as torchrun's agent hosts it), runs the script as ``__main__``
 with its argv, and joins torch.distributed (gloo) by itself exactly as under torchrun. As torchrun
 does, a launch whose rank fails stops the other ranks (after a short grace) and a launch past its
-timeout is killed. Each framework's 2-rank test (tests/integrations/test_{hf,trl,accelerate,lightning,
-fsdp2}.py) runs its full run under the real ``python -m torch.distributed.run`` and resumes from that
-run's checkpoint under this launcher, comparing the two bit for bit: the launcher is checked against
-torchrun there.
+timeout is killed. The launcher is checked against the real ``python -m torch.distributed.run``
+directly: tests/test_launcher.py runs one script under both and compares every variable torchrun gives
+its workers and the process group they join; tests/integrations/test_hf.py also runs its padded full
+run under the real torchrun and resumes under this launcher, bit for bit (VARLEN_TEST_REAL_TORCHRUN=1
+runs every framework launch under the real command).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """A varlen refusal is one line, also in a training script and under torchrun (varlen_cli/runtime/entry.py):
 an uncaught PlanError prints `varlen: error: [rank R] MESSAGE` instead of a traceback, the examples exit
 with its code, and under torchrun the line is the rank's recorded error, which torchrun's summary ends
-with (it used to say "To enable traceback see: ..." after a 44-97-line traceback per rank)."""
+with (it used to say "To enable traceback see: ..." after a 44-97-line traceback per rank: under the
+real torchrun in tests/test_launcher.py)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,9 @@ import sys
 
 import pytest
 
-from tests.integration_helpers import EXAMPLES, make_plan, real_torchrun, small_dataset
 from tests.launcher import ROOT
 from varlen_cli.errors import PlanError
 from varlen_cli.runtime.entry import error_line, exit_on_error, message_of
-
-MESSAGE = "the plan was made for 3 data-parallel rank(s) but the world size is 2: re-plan with --dp 2"
 
 
 def _python(code: str, **env) -> subprocess.CompletedProcess:
@@ -79,19 +77,3 @@ def test_a_dataloader_workers_error_is_its_last_line(monkeypatch):
     assert "Original Traceback" in str(caught.value)
     assert message_of(caught.value) == "cannot read row 0 of s3://bucket/data.parquet"
     assert error_line(caught.value) == "varlen: error: cannot read row 0 of s3://bucket/data.parquet"
-
-
-@pytest.mark.slow
-def test_an_example_refused_under_the_real_torchrun_ends_with_the_line(tmp_path):
-    """The plan's dp is not the world size: each rank prints the one line (no traceback), exit code 6,
-    and torchrun's summary ends with the root cause's line."""
-    data = small_dataset(tmp_path)
-    plan = make_plan(tmp_path, data, "dp3", max_tokens=512, dp=3)
-    proc = real_torchrun(os.path.join(EXAMPLES, "train_tiny_lm.py"), "--plan", plan, "--data", data)
-    assert proc.returncode != 0
-    ranks = [line for line in proc.stderr.splitlines() if line.startswith("varlen: error: ")]
-    assert sorted(ranks) == [f"varlen: error: [rank {r}] {MESSAGE} (with model parallelism, pass the data-parallel "
-                             f"rank and world size explicitly)" for r in (0, 1)]
-    assert "exitcode  : 6" in proc.stderr and 'File "' + os.path.join(EXAMPLES, "train_tiny_lm.py") not in proc.stderr
-    summary = [line for line in proc.stderr.splitlines() if line.strip("=- ")]
-    assert summary[-1].startswith("  traceback : varlen: error: [rank ") and MESSAGE in summary[-1], summary[-12:]

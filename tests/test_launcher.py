@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 
 import pytest
@@ -49,17 +50,23 @@ seen = {"env": dict(os.environ), "rank": dist.get_rank(), "world": dist.get_worl
 with open(os.path.join(sys.argv[1], f"rank-{dist.get_rank()}.json"), "w") as fh:
     json.dump(seen, fh)
 dist.destroy_process_group()
+from varlen_cli.errors import PlanError
+raise PlanError("the plan was made for 3 data-parallel rank(s) but the world size is 2: re-plan with --dp 2")
 """
+REFUSAL = "the plan was made for 3 data-parallel rank(s) but the world size is 2: re-plan with --dp 2"
 # what may differ between two launches, or between torchrun --standalone and tests/launcher.py: the port,
 # the run id and error file path of each launch; MASTER_ADDR localhost (torchrun) vs 127.0.0.1 (the same host)
 PER_LAUNCH = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "MASTER_ADDR"}
 
 
 @pytest.mark.slow
-def test_the_launcher_gives_every_rank_torchruns_environment(tmp_path):
+def test_the_launcher_gives_every_rank_torchruns_environment_and_a_refusal_is_one_line(tmp_path):
     """The check of tests/launcher.py against the real torchrun (the framework tests run their ranks under
     the launcher; test_hf's padded run under the real torchrun too): every variable torchrun gives its
-    workers, the same values, and a process group that joins and reduces the same way."""
+    workers, the same values, and a process group that joins and reduces the same way. The script then
+    lets a PlanError escape (as a training script's refusal): under both, each rank prints its one line
+    and no traceback, and torchrun's closing summary ends with the line (it used to end with "To enable
+    traceback see: ..." after a traceback per rank; varlen_cli/runtime/entry.py)."""
     from tests.integration_helpers import real_torchrun
 
     script = tmp_path / "env.py"
@@ -69,8 +76,18 @@ def test_the_launcher_gives_every_rank_torchruns_environment(tmp_path):
         (tmp_path / how).mkdir()
         run = real_torchrun if how == "torchrun" else launcher.launch
         proc = run(str(script), str(tmp_path / how))
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        ranks = sorted(line for line in proc.stderr.splitlines() if re.match(r"(\[rank\d\]: )?varlen: error: ", line))
+        # varlen's hook is torch's previous one in the launcher's ranks (the zygote imported varlen before the
+        # rank joined the group): torch then says the rank, "[rank0]: ", and varlen's line does not repeat it
+        said = ([f"varlen: error: [rank {r}] {REFUSAL}" for r in (0, 1)] if how == "torchrun" else
+                [f"[rank{r}]: varlen: error: {REFUSAL}" for r in (0, 1)])
+        assert proc.returncode != 0 and ranks == said, proc.stderr
+        assert 'File "' + str(script) not in proc.stderr, proc.stderr  # no worker traceback
         seen[how] = [json.loads((tmp_path / how / f"rank-{r}.json").read_text()) for r in range(2)]
+        if how == "torchrun":
+            summary = [line for line in proc.stderr.splitlines() if line.strip("=- ")]
+            assert summary[-1].startswith("  traceback : varlen: error: [rank ") and REFUSAL in summary[-1], \
+                summary[-12:]
     own = dict(os.environ, **launcher.STATIC_ENV)
     for rank, (real, ours) in enumerate(zip(seen["torchrun"], seen["launcher"])):
         added = {k: v for k, v in real["env"].items() if own.get(k) != v}  # what torchrun gives a worker

@@ -47,10 +47,11 @@ def message_of(exc) -> str:
     return " ".join(message.split())
 
 
-def error_line(exc) -> str:
+def error_line(exc, rank: bool = True) -> str:
     """``varlen: error: [rank R] MESSAGE`` (the rank only when there are several processes)."""
-    rank = f"[rank {os.environ.get('RANK')}] " if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 else ""
-    return f"{PREFIX}{rank}{message_of(exc)}"
+    several = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+    where = f"[rank {os.environ.get('RANK')}] " if rank and several else ""
+    return f"{PREFIX}{where}{message_of(exc)}"
 
 
 def record_for_torchrun(exc, line: str) -> None:
@@ -69,11 +70,12 @@ def record_for_torchrun(exc, line: str) -> None:
         pass  # the summary then says less; the line is on stderr anyway
 
 
-def report(exc) -> int:
-    """Print the error's one line on stderr, record it for torchrun; the exit code to use."""
+def report(exc, rank_shown: bool = False) -> int:
+    """Print the error's one line on stderr, record it for torchrun; the exit code to use.
+    ``rank_shown``: something else prefixes the line with the rank already (torch's hook, below)."""
     line = error_line(exc)
     sys.stdout.flush()
-    sys.stderr.write(line + "\n")
+    sys.stderr.write((error_line(exc, rank=False) if rank_shown else line) + "\n")
     sys.stderr.flush()
     record_for_torchrun(exc, line)
     return int(getattr(exc, "exit_code", 1))
@@ -112,7 +114,9 @@ def _excepthook(kind, value, tb, previous=None):
     error = varlen_error(value)
     if error is None or os.environ.get("VARLEN_DEBUG"):
         return (previous or sys.__excepthook__)(kind, value, tb)
-    report(error)
+    # torch.distributed.init_process_group wraps the hook it finds in one that prefixes "[rankR]: " to
+    # every line: the line then does not say the rank twice
+    report(error, rank_shown=getattr(sys.excepthook, "__name__", "") == "_distributed_excepthook")
 
 
 def install_excepthook() -> None:
