@@ -2,9 +2,9 @@
 
 Each framework test trains a tiny Llama built from a config on a 300-sample slice of
 sample_data/tokenized.parquet, with 2 processes (gloo, a free port each launch) under tests/launcher.py,
-which starts ranks as torchrun does (checked against the real torchrun in tests/test_launcher.py; the
-hf padded full run also runs under the real torchrun), and compares what ran with the plan and with
-single-process references computed here from the data and the model alone.
+which starts ranks as torchrun does (checked against the real torchrun in tests/test_launcher.py), and
+compares what ran with the plan and with single-process references computed here from the data and the
+model alone.
 """
 
 from __future__ import annotations

@@ -12,9 +12,8 @@ with its argv, and joins torch.distributed (gloo) by itself exactly as under tor
 does, a launch whose rank fails stops the other ranks (after a short grace) and a launch past its
 timeout is killed. The launcher is checked against the real ``python -m torch.distributed.run``
 directly: tests/test_launcher.py runs one script under both and compares every variable torchrun gives
-its workers and the process group they join; tests/integrations/test_hf.py also runs its padded full
-run under the real torchrun and resumes under this launcher, bit for bit (VARLEN_TEST_REAL_TORCHRUN=1
-runs every framework launch under the real command).
+its workers, the process group they join and how a refusal ends (VARLEN_TEST_REAL_TORCHRUN=1 runs every
+framework launch under the real command instead).
 """
 
 from __future__ import annotations

@@ -680,21 +680,20 @@ def test_concurrent_runs_to_one_output(ws):
 def test_plan_validate_inspect_under_torchrun(ws):
     """`torchrun --nproc-per-node 2 -m varlen_cli plan|validate|inspect|simulate|calibrate`: rank 0 works,
     writes and prints, rank 1 waits and exits 0; the plan equals a one-process plan byte for byte
-    (minus created_at). The first command runs under the real torchrun; the others under
-    tests/launcher.py (the same worker environment, ranks forked from a process that imported varlen)."""
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-                "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "varlen_cli"]
+    (minus created_at). Under tests/launcher.py (torchrun's worker environment, checked against the real
+    torchrun in tests/test_launcher.py; ranks forked from a process that imported varlen)."""
+
+    def two_ranks(args):
+        return launch("varlen_cli", *args, module=True, cwd=ws, env=ENV, timeout=300)
+
     plan_args = ["plan", "m", "-o", "t.parquet", "--max-tokens", "256", "--dp", "2", "--seed", "3"]
-    proc = subprocess.run(torchrun + plan_args, capture_output=True, text=True, env=ENV, cwd=ws, timeout=300)
+    proc = two_ranks(plan_args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert runner.invoke(app, ["plan", "m", "-o", "one.parquet", "--max-tokens", "256", "--dp", "2", "--seed",
                                "3"]).exit_code == 0
     assert pq.read_table(ws / "t.parquet").equals(pq.read_table(ws / "one.parquet"))
     (ws / "hf.json").write_text(json.dumps({"vocab_size": 100, "hidden_size": 32, "intermediate_size": 64,
                                             "num_hidden_layers": 2, "num_attention_heads": 4}))
-
-    def two_ranks(args):
-        return launch("varlen_cli", *args, module=True, cwd=ws, env=ENV, timeout=300)
 
     # only rank 0 prints: each --json is one document (every rank printed one before)
     for args in (["validate", "t.parquet", "--metrics", "m", "--json"], ["inspect", "t.parquet", "--json"],

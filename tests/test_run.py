@@ -71,16 +71,15 @@ def test_run_refuses_existing_output_and_unknown_stage_option(tmp_path):
 @pytest.mark.slow
 def test_stages_under_torchrun_match_one_process(tmp_path):
     """`torchrun -m varlen_cli STAGE`: the launcher's environment path (not --nproc) gives the same
-    artifacts as one in-process worker; a user error is reported with the failing rank. analyze runs
-    under the real torchrun; sort under tests/launcher.py (torchrun's worker environment, ranks forked
-    from a process that imported varlen once); the one-worker references in this process."""
+    artifacts as one in-process worker; a user error is reported with the failing rank. The stages run
+    under tests/launcher.py (torchrun's worker environment, checked against the real torchrun in
+    tests/test_launcher.py; ranks forked from a process that imported varlen once); the one-worker
+    references in this process."""
     env = dict(os.environ, VARLEN_NO_PROGRESS="1", OMP_NUM_THREADS="1")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                "-m", "varlen_cli"]
     src = sample("text.jsonl")
     analyze = ["analyze", src, "-o", str(tmp_path / "m2"), "--length", "words:text"]
     sort = ["sort", str(tmp_path / "m2"), "-o", str(tmp_path / "s2"), "--ties", "shuffle", "--seed", "3"]
-    proc = subprocess.run(torchrun + analyze, capture_output=True, text=True, env=env, timeout=300)
+    proc = launch("varlen_cli", *analyze, module=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     proc = launch("varlen_cli", *sort, module=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
