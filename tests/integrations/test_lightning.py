@@ -49,26 +49,31 @@ def test_lightning_two_ranks_exact_stream_lr_gradient_and_mid_epoch_resume(setup
     vocab = max(int(t.max()) for t in data_tokens) + 1
     model = load_example("train_hf_trainer").tiny_llama(vocab, max(t for _, t in plan.shapes))
     assert_grads_close(torch.load(os.path.join(folder / "full", "grad0.pt")), reference_grads(model, plan, data_tokens))
-    # a checkpoint strictly inside an epoch (Lightning's own file, saved after optimizer step k)
+    # a checkpoint strictly inside epoch 0 (Lightning's own file, saved after optimizer step k)
     start1 = plan.epoch_start(1)
-    k = next(s for s in range(every, plan.num_steps - 2, every) if s != start1 and s % plan.steps_per_epoch[0] != 0)
+    k = next(s for s in range(every, start1 - 1, every))
     source = folder / "ck" / f"step={k}.ckpt"
     source_bytes = source.read_bytes()
-    # crash twice between saves, in the middle of a step, with Lightning's OnExceptionCheckpoint: the source
-    # is never re-saved, and each crash's checkpoint resumes exactly
-    for crash, resume_from in ((k + 1, source), (k + 2, folder / "ck" / "on-exception.ckpt")):
+    # crash twice in the middle of a step, with Lightning's OnExceptionCheckpoint (written as of the step's
+    # start): inside epoch 0, then in the first step of epoch 1; the source is never re-saved, and each
+    # crash's checkpoint resumes exactly
+    crashes = (k + 1, start1)
+    for crash, resume_from in zip(crashes, (source, folder / "ck" / "on-exception.ckpt")):
         proc = torchrun("train_lightning.py", *common, "--ckpt-dir", folder / "ck", "--save-every", every,
                         "--resume", resume_from, "--crash-at-step", crash, "--save-on-crash", expect_ok=False)
         assert proc.returncode != 0 and f"a crash in the middle of optimizer step {crash}" in proc.stderr
         assert source.read_bytes() == source_bytes
-        assert sorted(os.listdir(folder / "ck")) == sorted(
+        files = os.listdir(folder / "ck")
+        assert sorted(f for f in files if "-v" not in f) == sorted(
             ["on-exception.ckpt"] + [f"step={s}.ckpt" for s in range(every, plan.num_steps + 1, every)])
+        # steps saved again after the resume get Lightning's own version suffix; never the source's step
+        assert all(int(f.split("=")[1].split("-")[0]) > k for f in files if "-v" in f), files
     torchrun("train_lightning.py", *common, "--resume", folder / "ck" / "on-exception.ckpt", "--log-dir",
              folder / "resumed")
     resumed = logs(folder / "resumed")
     for a, b in zip(full, resumed):
-        assert b["steps"] == a["steps"][k + 2:] and b["lr"] == a["lr"][k + 2:]
-        assert b["micro"] == a["micro"][(k + 2) * plan.grad_accum:]  # positions, samples, losses: bit-identical
+        assert b["steps"] == a["steps"][start1:] and b["lr"] == a["lr"][start1:]
+        assert b["micro"] == a["micro"][start1 * plan.grad_accum:]  # positions, samples, losses: bit-identical
 
 
 def test_a_checkpoint_saved_in_the_middle_of_a_step_without_its_start_is_refused(setup, tmp_path, monkeypatch):
