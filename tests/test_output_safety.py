@@ -357,7 +357,7 @@ def _overwrite_output_missing_parent(ws):
     """A missing parent is created (test_missing_output_parents_are_created); one that is a file cannot be."""
     (ws / "afile").write_text("user data\n")
     return (["plan", "m", "-o", "afile/such/p.parquet", "--max-tokens", "256"], 4,
-            f"cannot create the directory {ws / 'afile' / 'such'} of output afile/such/p.parquet: Not a directory",
+            f"cannot create output afile/such/p.parquet: {ws / 'afile'} is not a directory",
             ["m", "afile"])
 
 

@@ -339,10 +339,15 @@ def make_parent(path: str, shown: str) -> None:
     parent = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(parent):
         return
+    above = parent
+    while not os.path.lexists(above):
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        raise OutputError(f"cannot create output {shown}: {above} is not a directory")
     try:
         os.makedirs(parent, exist_ok=True)
     except OSError as exc:
-        raise OutputError(f"cannot create the directory {parent} of output {shown}: {exc.strerror}") from None
+        raise OutputError(f"cannot create output {shown}: cannot create directory {parent}: {exc.strerror}") from None
 
 
 def _remove(path: str) -> None:
