@@ -34,6 +34,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, Trainin
 
 from varlen_cli.integrations.hf import PlanTrainer  # noqa: E402
 from varlen_cli.runtime.dist import collective_timeout  # noqa: E402
+from varlen_cli.runtime.entry import exit_on_error  # noqa: E402
 
 
 def tiny_llama(vocab_size: int, max_len: int, seed: int = 0, hidden: int = 32, layers: int = 2,
@@ -188,4 +189,4 @@ def end_group(accelerator) -> None:
     accelerator.end_training()  # destroy_process_group
 
 if __name__ == "__main__":
-    main()
+    exit_on_error(main)  # a PlanError: its one line (also in torchrun's summary), not a traceback per rank
