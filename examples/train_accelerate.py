@@ -30,10 +30,10 @@ from accelerate.utils import InitProcessGroupKwargs  # noqa: E402
 from tiny_lm import TokenDataset, warmup_cosine  # noqa: E402
 from train_hf_trainer import tiny_llama  # noqa: E402
 
+from varlen_cli.errors.entry import exit_on_error  # noqa: E402
 from varlen_cli.integrations.accelerate import plan_loss, prepare_plan_dataloader  # noqa: E402
 from varlen_cli.loader import Plan, VariableBatchSizeLR, dataloader_for_plan, to_model_inputs  # noqa: E402
 from varlen_cli.runtime.dist import collective_timeout  # noqa: E402
-from varlen_cli.runtime.entry import exit_on_error  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -32,9 +32,9 @@ import torch  # noqa: E402
 from tiny_lm import TokenDataset  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments  # noqa: E402
 
+from varlen_cli.errors.entry import exit_on_error  # noqa: E402
 from varlen_cli.integrations.hf import PlanTrainer  # noqa: E402
 from varlen_cli.runtime.dist import collective_timeout  # noqa: E402
-from varlen_cli.runtime.entry import exit_on_error  # noqa: E402
 
 
 def tiny_llama(vocab_size: int, max_len: int, seed: int = 0, hidden: int = 32, layers: int = 2,

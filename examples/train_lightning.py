@@ -33,11 +33,11 @@ from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from tiny_lm import TokenDataset, warmup_cosine  # noqa: E402
 from train_hf_trainer import tiny_llama  # noqa: E402
 
+from varlen_cli.errors.entry import exit_on_error  # noqa: E402
 from varlen_cli.integrations.lightning import PlanDataModule, plan_loss, plan_lr_scheduler  # noqa: E402
 from varlen_cli.loader import Plan, to_model_inputs  # noqa: E402
 from varlen_cli.loader.replan import first_step  # noqa: E402
 from varlen_cli.runtime.dist import collective_timeout  # noqa: E402
-from varlen_cli.runtime.entry import exit_on_error  # noqa: E402
 
 
 class TinyLlamaModule(L.LightningModule):

@@ -39,8 +39,8 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from varlen_cli.errors.entry import exit_on_error  # noqa: E402
 from varlen_cli.loader import PadCollate, Plan, VariableBatchSizeLR, dataloader_for_plan  # noqa: E402
-from varlen_cli.runtime.entry import exit_on_error  # noqa: E402
 
 VOCAB = 32  # token ids 2..31; 0 pads and starts the decoder
 

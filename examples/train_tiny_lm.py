@@ -41,9 +41,9 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 from tiny_lm import TinyGPT, TokenDataset, loss_sum, warmup_cosine  # noqa: E402
 
+from varlen_cli.errors.entry import exit_on_error  # noqa: E402
 from varlen_cli.loader import PadCollate, Plan, VariableBatchSizeLR, dataloader_for_plan  # noqa: E402
 from varlen_cli.loader.replan import first_step  # noqa: E402
-from varlen_cli.runtime.entry import exit_on_error  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -30,10 +30,10 @@ from train_hf_trainer import MicrobatchRecorder, Recorder, end_group, tiny_llama
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 from trl import SFTConfig, SFTTrainer  # noqa: E402
 
+from varlen_cli.errors.entry import exit_on_error  # noqa: E402
 from varlen_cli.integrations.hf import PlanTrainerMixin  # noqa: E402
 from varlen_cli.loader import Plan  # noqa: E402
 from varlen_cli.runtime.dist import collective_timeout  # noqa: E402
-from varlen_cli.runtime.entry import exit_on_error  # noqa: E402
 
 
 class PlanSFTTrainer(MicrobatchRecorder, PlanTrainerMixin, SFTTrainer):

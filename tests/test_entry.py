@@ -1,4 +1,4 @@
-"""A varlen refusal is one line, also in a training script and under torchrun (varlen_cli/runtime/entry.py):
+"""A varlen refusal is one line, also in a training script and under torchrun (varlen_cli/errors/entry.py):
 an uncaught PlanError prints `varlen: error: [rank R] MESSAGE` instead of a traceback, the examples exit
 with its code, and under torchrun the line is the rank's recorded error, which torchrun's summary ends
 with (it used to say "To enable traceback see: ..." after a 44-97-line traceback per rank: under the
@@ -15,7 +15,7 @@ import pytest
 
 from tests.launcher import ROOT
 from varlen_cli.errors import PlanError
-from varlen_cli.runtime.entry import error_line, exit_on_error, message_of
+from varlen_cli.errors.entry import error_line, exit_on_error, message_of
 
 
 def _python(code: str, **env) -> subprocess.CompletedProcess:

@@ -66,7 +66,7 @@ def test_the_launcher_gives_every_rank_torchruns_environment_and_a_refusal_is_on
     workers, the same values, and a process group that joins and reduces the same way. The script then
     lets a PlanError escape (as a training script's refusal): under both, each rank prints its one line
     and no traceback, and torchrun's closing summary ends with the line (it used to end with "To enable
-    traceback see: ..." after a traceback per rank; varlen_cli/runtime/entry.py)."""
+    traceback see: ..." after a traceback per rank; varlen_cli/errors/entry.py)."""
     from tests.integration_helpers import real_torchrun
 
     script = tmp_path / "env.py"

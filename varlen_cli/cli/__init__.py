@@ -153,7 +153,7 @@ def run_command(fn: Callable[[Any], Any], config: Any) -> Any:
                 sys.stderr.write("worker traceback:\n" + worker_tb)
         # Under torchrun every rank runs this; the line says which one failed (the others may only be its
         # victims) and is recorded as the rank's error, so torchrun's summary ends with it
-        from varlen_cli.runtime.entry import report
+        from varlen_cli.errors.entry import report
 
         raise typer.Exit(report(exc)) from None
     except KeyboardInterrupt:

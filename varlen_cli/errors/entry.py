@@ -27,7 +27,7 @@ WRAPPED = "Original Traceback"  # a DataLoader worker's error re-raised in the t
 
 def varlen_error(exc: BaseException | None):
     """The varlen error ``exc`` is or was raised from (its cause or context), else None."""
-    from ..errors import VarlenError
+    from . import VarlenError
 
     seen = set()
     while exc is not None and id(exc) not in seen:
