@@ -16,23 +16,34 @@ import pytest
 _rows: list = []
 
 
-def _zygote_cpu() -> float:
-    """The zygote's own CPU and that of the ranks it reaped (/proc: utime, stime, cutime, cstime)."""
+def _live_children_cpu() -> float:
+    """CPU of this process's live child processes, with that of the children they reaped (/proc:
+    utime, stime, cutime, cstime): the test launcher's zygote (tests/launcher.py) and the ranks it
+    forked. Read from /proc, not from the launcher: benchmarks import nothing from tests/. A child
+    reaped during a test moves from here to RUSAGE_CHILDREN with its final CPU: counted once."""
+    ticks = 0
     try:
-        import tests.launcher as launcher
-
-        zygote = launcher._zygote
-        if zygote is None or zygote.proc.poll() is not None:
-            return 0.0
-        fields = open(f"/proc/{zygote.proc.pid}/stat").read().rsplit(")", 1)[1].split()
-        return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
-    except (ImportError, OSError, AttributeError):
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
         return 0.0
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/children") as fh:
+                pids = fh.read().split()
+        except OSError:
+            continue
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/stat") as fh:
+                    ticks += sum(int(x) for x in fh.read().rsplit(")", 1)[1].split()[11:15])
+            except OSError:  # gone meanwhile: reaped, so counted in RUSAGE_CHILDREN
+                pass
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _cpu() -> float:
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + _zygote_cpu()
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + _live_children_cpu()
 
 
 @pytest.hookimpl(hookwrapper=True)
