@@ -34,7 +34,7 @@ import numpy as np
 
 from . import format, storage
 from .errors import InputError, OutputError, UsageError
-from .runtime.choices import OVERWRITE_HELP, STORAGE_OPTION_HELP, doc
+from .runtime.choices import OVERWRITE_HELP, PANEL_RUN, STORAGE_OPTION_HELP, doc
 
 Target = Literal["deepspeed"]
 EXPORT_FORMAT = format.DEEPSPEED_EXPORT_FORMAT
@@ -54,8 +54,8 @@ class ExportConfig:
                               "batch_max_seqlens, for its dataloader_for_variable_batch_size and VariableBatchSizeLR).")
     plan: str = doc(help="The plan file (varlen plan; local or an s3://... object).")
     output: str = doc(help="Directory to write (local).")
-    overwrite: bool = doc(False, OVERWRITE_HELP)
-    storage_options: tuple = doc((), STORAGE_OPTION_HELP)
+    overwrite: bool = doc(False, OVERWRITE_HELP, panel=PANEL_RUN)
+    storage_options: tuple = doc((), STORAGE_OPTION_HELP, panel=PANEL_RUN)
 
 
 @dataclass

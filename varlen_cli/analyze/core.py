@@ -73,7 +73,9 @@ TARGET_LENGTH_HELP = ("A second count per sample, stored as target_length: KIND:
 RARITY_CACHE_BYTES = 512 << 20  # token ids a worker keeps between the two vocab-rarity passes
 
 
-LENGTH = "Tokens, chats and audio"  # the --help panel of the length options beyond --length and --tokenizer
+# the --help panels of the length options beyond --length and --tokenizer (two: --target-frames-per-second
+# beside --no-special-tokens would leave their help too narrow for the words of an 80-column terminal)
+LENGTH, FRAMES = "Tokens, targets and chats", "Seconds to frames (audio)"
 
 
 @dataclass(frozen=True)
@@ -91,9 +93,9 @@ class AnalyzeConfig:
     special_tokens: bool = doc(True, "Count the tokenizer's special tokens (BOS/EOS, CLS/SEP).", panel=LENGTH)
     target_length: str | None = doc(None, TARGET_LENGTH_HELP, panel=LENGTH)
     frames_per_second: float | None = doc(None, "With --length value:PATH in seconds: frames = ceil(seconds x F).",
-                                          panel=LENGTH)
+                                          panel=FRAMES)
     target_frames_per_second: float | None = doc(None, "With --target-length value:PATH in seconds: frames = "
-                                                       "ceil(seconds x F).", panel=LENGTH)
+                                                       "ceil(seconds x F).", panel=FRAMES)
     difficulty: str = doc("length", "Curriculum key: length, value:PATH, vocab-rarity, or MODULE:FUNCTION "
                                     "(RecordBatch -> one value per row).")
     storage_options: tuple = doc((), STORAGE_OPTION_HELP, panel=PANEL_RUN)
