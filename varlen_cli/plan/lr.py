@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import format
+
 SCALINGS = ("linear", "sqrt", "none")
 SCALE_BY = ("loss-tokens", "tokens", "samples")
 
@@ -33,6 +35,17 @@ def lr_scales(step_samples: np.ndarray, step_tokens: np.ndarray, step_loss_token
 
 
 UNITS = {"loss-tokens": "loss tokens", "tokens": "tokens", "samples": "samples"}
+STEP_COLUMNS = {"loss-tokens": "step_loss_tokens", "tokens": "step_tokens", "samples": "step_samples"}
+
+
+def step_column(meta: dict) -> str:
+    """The plan column that holds each step's b (what :func:`lr_scales` divided by the base) for a plan's
+    metadata ``meta``: ``--lr-scale-by tokens`` of an input with ``target_length`` counts the loss tokens;
+    plans made before ``lr_scale_by`` was recorded scale by samples."""
+    by = meta.get("lr_scale_by") or "samples"
+    if by == "tokens" and meta.get("loss_tokens") == format.TARGET_LENGTH_COLUMN:
+        return "step_loss_tokens"
+    return STEP_COLUMNS.get(by, "step_samples")
 
 
 def describe(meta: dict) -> str:
