@@ -30,6 +30,7 @@ from accelerate.utils import InitProcessGroupKwargs  # noqa: E402
 from tiny_lm import TokenDataset, warmup_cosine  # noqa: E402
 from train_hf_trainer import tiny_llama  # noqa: E402
 
+from varlen_cli.errors.entry import exit_on_error  # noqa: E402
 from varlen_cli.integrations.accelerate import plan_loss, prepare_plan_dataloader  # noqa: E402
 from varlen_cli.loader import Plan, VariableBatchSizeLR, dataloader_for_plan, to_model_inputs  # noqa: E402
 from varlen_cli.runtime.dist import collective_timeout  # noqa: E402
@@ -66,7 +67,7 @@ def main(argv=None) -> None:
                                                                                                 plan.num_steps)), plan)
     accelerator.register_for_checkpointing(scheduler)
     if args.prepare_directly:
-        loader = accelerator.prepare(loader)  # re-shards the per-rank stream: the guard stops it
+        loader = accelerator.prepare(loader)  # would re-shard the per-rank stream: refused in one line
     else:
         loader = prepare_plan_dataloader(accelerator, loader)
     if args.resume:
@@ -119,4 +120,4 @@ def end_group(accelerator) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_error(main)  # a PlanError: its one line (also in torchrun's summary), not a traceback per rank

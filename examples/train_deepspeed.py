@@ -40,6 +40,7 @@ from deepspeed.utils import safe_get_full_grad  # noqa: E402
 from tiny_lm import TokenDataset, warmup_cosine  # noqa: E402
 from train_hf_trainer import tiny_llama  # noqa: E402
 
+from varlen_cli.errors.entry import exit_on_error  # noqa: E402
 from varlen_cli.integrations import deepspeed as varlen_ds  # noqa: E402
 from varlen_cli.loader import Plan, to_model_inputs  # noqa: E402
 from varlen_cli.loader.replan import first_step  # noqa: E402
@@ -231,4 +232,4 @@ def end_group() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_error(main)  # a PlanError: its one line (also in torchrun's summary), not a traceback per rank

@@ -32,6 +32,7 @@ import torch  # noqa: E402
 from tiny_lm import TokenDataset  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments  # noqa: E402
 
+from varlen_cli.errors.entry import exit_on_error  # noqa: E402
 from varlen_cli.integrations.hf import PlanTrainer  # noqa: E402
 from varlen_cli.runtime.dist import collective_timeout  # noqa: E402
 
@@ -188,4 +189,4 @@ def end_group(accelerator) -> None:
     accelerator.end_training()  # destroy_process_group
 
 if __name__ == "__main__":
-    main()
+    exit_on_error(main)  # a PlanError: its one line (also in torchrun's summary), not a traceback per rank

@@ -7,7 +7,9 @@
 The recipe: ``PlanDataModule(dataset, plan)`` (it arms its own checks), ``use_distributed_sampler=False``,
 ``accumulate_grad_batches=plan.grad_accum``, ``max_epochs=dm.max_epochs``; ``plan_lr_scheduler`` in
 ``configure_optimizers``; ``plan_loss`` in ``training_step``. Resuming from Lightning's own mid-epoch
-checkpoint continues exactly, also on a plan `varlen replan` made for another number of processes.
+checkpoint continues exactly, also on a plan `varlen replan` made for another number of processes, and so
+does one saved in the middle of an optimizer step (``--crash-at-step N --save-on-crash``: Lightning's
+``OnExceptionCheckpoint``, which PlanDataModule writes as of the step's start).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from tiny_lm import TokenDataset, warmup_cosine  # noqa: E402
 from train_hf_trainer import tiny_llama  # noqa: E402
 
+from varlen_cli.errors.entry import exit_on_error  # noqa: E402
 from varlen_cli.integrations.lightning import PlanDataModule, plan_loss, plan_lr_scheduler  # noqa: E402
 from varlen_cli.loader import Plan, to_model_inputs  # noqa: E402
 from varlen_cli.loader.replan import first_step  # noqa: E402
@@ -39,14 +42,17 @@ from varlen_cli.runtime.dist import collective_timeout  # noqa: E402
 
 class TinyLlamaModule(L.LightningModule):
     def __init__(self, vocab_size: int, max_len: int, lr: float, warmup_steps: int, total_steps: int,
-                 log_dir: str | None = None):
+                 log_dir: str | None = None, crash_at_step: int | None = None):
         super().__init__()
         self.model = tiny_llama(vocab_size, max_len)
         self.lr, self.warmup_steps, self.total_steps = lr, warmup_steps, total_steps
-        self.log_dir = log_dir
+        self.log_dir, self.crash_at_step = log_dir, crash_at_step
         self.record = {"steps": [], "lr": [], "unscaled_lr": [], "lr_scale": [], "micro": []}
 
     def training_step(self, batch, batch_idx):
+        epoch, step, rank, micro = batch["plan_position"].tolist()
+        if step == self.crash_at_step and micro == 1:
+            raise RuntimeError(f"--crash-at-step {step}: a crash in the middle of optimizer step {step}")
         logits = self.model(**to_model_inputs(batch, labels=False)).logits
         loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), reduction="sum")
         self.record["micro"].append({"position": batch["plan_position"].tolist(),
@@ -83,6 +89,10 @@ def parse_args(argv=None):
     p.add_argument("--max-steps", type=int, default=-1, help="stop after this global step (default: the plan's end)")
     p.add_argument("--total-steps", type=int, default=None,
                    help="length of the base LR schedule (default: the job's last step, the plan's end)")
+    p.add_argument("--crash-at-step", type=int, default=None,
+                   help="raise in the second microbatch of this global step (to try a resume)")
+    p.add_argument("--save-on-crash", action="store_true",
+                   help="Lightning's OnExceptionCheckpoint: CKPT_DIR/on-exception.ckpt when training fails")
     p.add_argument("--distributed-sampler", action="store_true", help="the plain Trainer default (refused)")
     p.add_argument("--log-dir", default=None)
     p.add_argument("--tensorboard", default=None,
@@ -99,13 +109,17 @@ def main(argv=None) -> None:
     dm = PlanDataModule(dataset, plan)
     total = args.total_steps or first_step(plan) + plan.num_steps  # a replanned plan continues the job's steps
     module = TinyLlamaModule(dataset.vocab_size, max(t for _, t in plan.shapes), args.lr, args.warmup_steps,
-                             total, args.log_dir)
+                             total, args.log_dir, args.crash_at_step)
     callbacks = []  # PlanDataModule adds its own checks (PlanCallback)
     if args.save_every:
         from lightning.pytorch.callbacks import ModelCheckpoint
 
         callbacks.append(ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=args.save_every, save_top_k=-1,
                                          filename="{step}"))
+    if args.save_on_crash:
+        from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+        callbacks.append(OnExceptionCheckpoint(dirpath=args.ckpt_dir, filename="on-exception"))
     world = int(os.environ.get("WORLD_SIZE", 1))
     # a collective waits at most VARLEN_TIMEOUT seconds (default 1800) for a peer, then this rank fails
     strategy = DDPStrategy(timeout=datetime.timedelta(seconds=collective_timeout())) if world > 1 else "auto"
@@ -118,7 +132,7 @@ def main(argv=None) -> None:
                         max_epochs=dm.max_epochs, max_steps=args.max_steps, accumulate_grad_batches=plan.grad_accum,
                         use_distributed_sampler=args.distributed_sampler, reload_dataloaders_every_n_epochs=1,
                         callbacks=callbacks, logger=logger, enable_progress_bar=False, enable_model_summary=False,
-                        enable_checkpointing=bool(args.save_every), num_sanity_val_steps=0)
+                        enable_checkpointing=bool(args.save_every or args.save_on_crash), num_sanity_val_steps=0)
     trainer.fit(module, datamodule=dm, ckpt_path=args.resume)
     if args.log_dir:
         with open(os.path.join(args.log_dir, f"rank-{trainer.global_rank}.json"), "w") as fh:
@@ -142,4 +156,4 @@ def end_group() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_error(main)  # a PlanError: its one line (also in torchrun's summary), not a traceback per rank

@@ -39,6 +39,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from varlen_cli.errors.entry import exit_on_error  # noqa: E402
 from varlen_cli.loader import PadCollate, Plan, VariableBatchSizeLR, dataloader_for_plan  # noqa: E402
 
 VOCAB = 32  # token ids 2..31; 0 pads and starts the decoder
@@ -180,7 +181,7 @@ def launch_local(nproc: int, argv) -> None:
 
 
 def _worker(argv) -> dict:
-    return train(parse_args(argv))
+    return exit_on_error(train, parse_args(argv))  # --nproc: the launcher shows a worker's PlanError line
 
 
 def main(argv=None) -> None:
@@ -195,4 +196,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_error(main)  # a PlanError: its one line (also in torchrun's summary), not a traceback per rank

@@ -41,6 +41,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 from tiny_lm import TinyGPT, TokenDataset, loss_sum, warmup_cosine  # noqa: E402
 
+from varlen_cli.errors.entry import exit_on_error  # noqa: E402
 from varlen_cli.loader import PadCollate, Plan, VariableBatchSizeLR, dataloader_for_plan  # noqa: E402
 from varlen_cli.loader.replan import first_step  # noqa: E402
 
@@ -246,11 +247,13 @@ def _train(args, rank, world, device, dist) -> dict:
 
 
 def _worker(argv) -> dict:
-    return train(parse_args(argv))
+    return exit_on_error(train, parse_args(argv))  # --nproc: the launcher shows a worker's PlanError line
 
 
 def launch_local(nproc: int, argv) -> None:
-    """Start ``nproc`` workers with torch's elastic launcher (what torchrun uses) on a free port."""
+    """Start ``nproc`` workers with torch's elastic launcher (what torchrun uses) on a free port; forked on
+    Linux (this process has imported torch but run nothing on it yet: no threads, no CUDA context), which
+    spares each worker the interpreter start and imports a spawned one repeats."""
     import uuid
 
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -258,7 +261,8 @@ def launch_local(nproc: int, argv) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"tiny-lm-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
-                          start_method="spawn", local_addr="127.0.0.1")
+                          start_method="fork" if sys.platform.startswith("linux") else "spawn",
+                          local_addr="127.0.0.1")
     elastic_launch(config, _worker)(argv)
 
 
@@ -274,4 +278,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_error(main)  # a PlanError: its one line (also in torchrun's summary), not a traceback per rank

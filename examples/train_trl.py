@@ -30,6 +30,7 @@ from train_hf_trainer import MicrobatchRecorder, Recorder, end_group, tiny_llama
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 from trl import SFTConfig, SFTTrainer  # noqa: E402
 
+from varlen_cli.errors.entry import exit_on_error  # noqa: E402
 from varlen_cli.integrations.hf import PlanTrainerMixin  # noqa: E402
 from varlen_cli.loader import Plan  # noqa: E402
 from varlen_cli.runtime.dist import collective_timeout  # noqa: E402
@@ -94,4 +95,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_error(main)  # a PlanError: its one line (also in torchrun's summary), not a traceback per rank

@@ -1,9 +1,10 @@
 """Shared checks of the framework integrations (tests/integrations/test_*.py).
 
 Each framework test trains a tiny Llama built from a config on a 300-sample slice of
-sample_data/tokenized.parquet, with 2 processes (gloo, a free port each launch; the full run under the real
-torchrun, the resume under tests/launcher.py, which starts ranks as torchrun does), and compares what
-ran with the plan and with single-process references computed here from the data and the model alone.
+sample_data/tokenized.parquet, with 2 processes (gloo, a free port each launch) under tests/launcher.py,
+which starts ranks as torchrun does (checked against the real torchrun in tests/test_launcher.py), and
+compares what ran with the plan and with single-process references computed here from the data and the
+model alone.
 """
 
 from __future__ import annotations

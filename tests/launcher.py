@@ -10,10 +10,10 @@ LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_*, MASTER_ADDR/MASTER_PORT, TORCHELASTIC_*; t
 TCPStore is hosted by the launcher, as torchrun's agent hosts it), runs the script as ``__main__``
 with its argv, and joins torch.distributed (gloo) by itself exactly as under torchrun. As torchrun
 does, a launch whose rank fails stops the other ranks (after a short grace) and a launch past its
-timeout is killed. Each framework's 2-rank test (tests/integrations/test_{hf,trl,accelerate,lightning,
-fsdp2}.py) runs its full run under the real ``python -m torch.distributed.run`` and resumes from that
-run's checkpoint under this launcher, comparing the two bit for bit: the launcher is checked against
-torchrun there.
+timeout is killed. The launcher is checked against the real ``python -m torch.distributed.run``
+directly: tests/test_launcher.py runs one script under both and compares every variable torchrun gives
+its workers, the process group they join and how a refusal ends (VARLEN_TEST_REAL_TORCHRUN=1 runs every
+framework launch under the real command instead).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ STATIC_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB
               "TRANSFORMERS_VERBOSITY": "error", "PYTHONWARNINGS": "ignore", "PYTHONPATH": ROOT}
 BASE_IMPORTS = ("torch", "torch.distributed", "numpy", "pyarrow.parquet", "varlen_cli.loader")
 FAILURE_GRACE = 10.0  # seconds the other ranks get to finish (and print their own error) after one fails
+SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's default (--signals-to-handle)
 
 
 # -- the test side -----------------------------------------------------------------------------------
@@ -95,7 +96,11 @@ def launch(script: str, *args, nproc: int = 2, timeout: float = 420, cwd: str = 
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # a free port, no race
     run_id = uuid.uuid4().hex[:12]
-    log_dir = tempfile.mkdtemp(prefix="varlen-launch-")
+    # named as varlen's own --nproc launcher names its directories (varlen-launch-<pid>-...): varlen removes
+    # those of processes that no longer run (safety.clean_launcher_dirs, in every output lock), and this test
+    # process runs. (Named varlen-launch-<random>, a random part of digits only read as a dead pid: a varlen
+    # run in a concurrent test removed the directory while the ranks wrote to it, FileNotFoundError rank-0.out)
+    log_dir = tempfile.mkdtemp(prefix=f"varlen-launch-{os.getpid()}-")
     base = dict(os.environ if env is None else env, **STATIC_ENV)
     ranks = []
     for rank in range(nproc):
@@ -104,7 +109,8 @@ def launch(script: str, *args, nproc: int = 2, timeout: float = 420, cwd: str = 
                           GROUP_WORLD_SIZE="1", ROLE_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(store.port), TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
                           TORCHELASTIC_RUN_ID=run_id, TORCHELASTIC_USE_AGENT_STORE="True",
-                          TORCH_NCCL_ASYNC_ERROR_HANDLING="1"))
+                          TORCH_NCCL_ASYNC_ERROR_HANDLING="1", TORCHELASTIC_SIGNALS_TO_HANDLE=SIGNALS_TO_HANDLE,
+                          TORCHELASTIC_ERROR_FILE=os.path.join(log_dir, f"rank-{rank}.error.json")))
     req = {"script": str(script) if module else os.path.abspath(str(script)), "module": module,
            "argv": [str(a) for a in args], "cwd": str(cwd), "envs": ranks, "imports": list(imports),
            "timeout": timeout, "log_dir": log_dir}
@@ -112,8 +118,8 @@ def launch(script: str, *args, nproc: int = 2, timeout: float = 420, cwd: str = 
         result = _get_zygote().request(req, timeout + 2 * FAILURE_GRACE + 30)
     finally:
         del store
-    out = "".join(_read(os.path.join(log_dir, f"rank-{r}.out")) for r in range(nproc))
-    err = "".join(_read(os.path.join(log_dir, f"rank-{r}.err")) for r in range(nproc))
+    out = "".join(read_log(log_dir, r, "out") for r in range(nproc))
+    err = "".join(read_log(log_dir, r, "err") for r in range(nproc))
     shutil.rmtree(log_dir, ignore_errors=True)
     if result["timed_out"]:
         raise subprocess.TimeoutExpired([script, *map(str, args)], timeout, out, err)
@@ -121,9 +127,14 @@ def launch(script: str, *args, nproc: int = 2, timeout: float = 420, cwd: str = 
     return subprocess.CompletedProcess([script, *map(str, args)], failed[0] if failed else 0, out, err)
 
 
-def _read(path: str) -> str:
-    with open(path, errors="replace") as fh:
-        return fh.read()
+def read_log(log_dir: str, rank: int, name: str) -> str:
+    """A rank's stdout or stderr; a rank killed before it opened them (a launch past its timeout, or a
+    peer's failure under heavy load) says so instead of failing the test with FileNotFoundError."""
+    try:
+        with open(os.path.join(log_dir, f"rank-{rank}.{name}"), errors="replace") as fh:
+            return fh.read()
+    except FileNotFoundError:
+        return f"[tests/launcher.py: rank {rank} wrote no std{name}: it was stopped before it started]\n"
 
 
 # -- the zygote ----------------------------------------------------------------------------------------
@@ -193,7 +204,6 @@ def _rank_main(req: dict, rank: int, env: dict, reply_fd: int) -> None:
         sys.argv = [script, *req["argv"]]
         sys.path.insert(0, os.getcwd() if req["module"] else os.path.dirname(script))
         import runpy
-        import traceback
 
         try:
             if req["module"]:
@@ -208,7 +218,7 @@ def _rank_main(req: dict, rank: int, env: dict, reply_fd: int) -> None:
                 print(exc.code, file=sys.stderr)
                 code = 1
         except BaseException:
-            traceback.print_exc()
+            sys.excepthook(*sys.exc_info())  # as an uncaught exception in a real process (varlen's hook: one line)
             code = 1
         atexit._run_exitfuncs()
     finally:

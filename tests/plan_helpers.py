@@ -115,7 +115,9 @@ def check_plan(path, lengths, *, max_tokens=None, dp=1, grad_accum=1, attention_
         assert d["step_samples"][k] == s[0] and d["step_tokens"][k] == s[1] and len(s[2]) == 1
     base = md["base_batch_size"]
     for k in range(m):
-        bb = d["step_tokens"][k] if md["lr_scale_by"] == "tokens" else d["step_samples"][k]
+        # step_loss_tokens is checked against the lengths in tests/plan/test_loss_tokens.py
+        bb = {"tokens": d["step_tokens"], "loss-tokens": d["step_loss_tokens"]}.get(md["lr_scale_by"],
+                                                                                   d["step_samples"])[k]
         if base == 0:
             assert d["lr_scale"][k] == 1.0
             continue

@@ -14,7 +14,7 @@ import typer
 from typer.testing import CliRunner
 
 from varlen_cli.cli import COMMANDS, app, click_module, load_command
-from varlen_cli.cli.options import Cli, config_command
+from varlen_cli.cli.options import Cli, choices_metavar, config_command
 from varlen_cli.runtime.choices import check_choices, doc
 
 click = click_module()
@@ -22,7 +22,7 @@ click = click_module()
 # options of the command line alone (how the result is shown), declared in varlen_cli/cli/*.py
 CLI_ONLY = {"json_output", "width", "help"}
 # config fields each command does not offer (library tuning knobs), and fields `run` sets itself
-LIBRARY_ONLY = {"analyze": {"chunk_bytes"}, "sort": {"row_group_size", "engine"},
+LIBRARY_ONLY = {"analyze": {"chunk_bytes"}, "sort": {"row_group_size", "engine"}, "plan": {"recorded_input"},
                 "run": {"analyze", "sort", "plan"}}
 
 
@@ -60,7 +60,7 @@ def test_every_config_field_is_an_option_with_its_doc(name):
         assert f.metadata.get("help"), f"{name}: config field {f.name} is undocumented"
         assert params.pop(f.name).help == f.metadata["help"], (name, f.name)
         if typing.get_origin(hints[f.name]) is Literal:  # --help lists the choices
-            assert "<" + "|".join(typing.get_args(hints[f.name])) + ">" in text, (name, f.name)
+            assert choices_metavar(typing.get_args(hints[f.name])) in text, (name, f.name)
     assert set(params) <= CLI_ONLY, f"{name}: options without a config field: {set(params) - CLI_ONLY}"
 
 
@@ -74,7 +74,7 @@ def test_run_takes_every_stage_option_once():
                 continue
             assert p.help in run_params[pname].help, (stage, pname)  # shared --seed: "sort: ... plan: ..."
             if pname in hints and typing.get_origin(hints[pname]) is Literal:
-                assert "<" + "|".join(typing.get_args(hints[pname])) + ">" in text, (stage, pname)
+                assert choices_metavar(typing.get_args(hints[pname])) in text, (stage, pname)
 
 
 def test_library_rejects_a_bad_choice_in_one_line():
@@ -135,7 +135,7 @@ def test_generated_options_refuse_what_the_field_refuses():
 def test_generated_help_shows_the_field_docs():
     res = CliRunner().invoke(_demo_app([]), ["--help"], env={"COLUMNS": "400"})
     text = re.sub(r"\s+", " ", res.output)
-    for needle in ("A path.", "How many. [default: 3]", "<fast|slow>", "--colour --no-colour", "An optional cap.",
+    for needle in ("A path.", "How many. [default: 3]", "<fast | slow>", "--colour --no-colour", "An optional cap.",
                    "Shout."):
         assert needle in text, needle
     assert "An optional cap. [default" not in text and "knob" not in text

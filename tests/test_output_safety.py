@@ -360,8 +360,11 @@ def _corrupted_pages_inspect(ws):
 
 
 def _overwrite_output_missing_parent(ws):
-    return (["plan", "m", "-o", "no/such/p.parquet", "--max-tokens", "256"], 4,
-            f"cannot write no/such/p.parquet: directory {ws / 'no' / 'such'} does not exist", ["m"])
+    """A missing parent is created (test_missing_output_parents_are_created); one that is a file cannot be."""
+    (ws / "afile").write_text("user data\n")
+    return (["plan", "m", "-o", "afile/such/p.parquet", "--max-tokens", "256"], 4,
+            f"cannot create output afile/such/p.parquet: {ws / 'afile'} is not a directory",
+            ["m", "afile"])
 
 
 CASES = [
@@ -422,6 +425,25 @@ def test_bad_input_or_fault_is_one_line_and_loses_nothing(ws, setup):
     assert_user_error(result, code, message)
     assert {p: tree_hash(p) for p in paths} == before
     assert leftovers(str(ws)) == lock_before  # no temporary, old output or lock left (a planted lock stays)
+
+
+def test_missing_output_parents_are_created(ws):
+    """Every command writes into directories that do not exist yet (they were refused: "directory ...
+    does not exist"), through the output lock's one path; nothing else is left beside the outputs."""
+    commands = [
+        (["analyze", "src", "-o", "new/a/metrics", "--length", "words:text"], "new/a/metrics/_manifest.json"),
+        (["sort", "m", "-o", "new/s/sorted"], "new/s/sorted/_manifest.json"),
+        (["plan", "m", "-o", "new/p/plan.parquet", "--max-tokens", "256"], "new/p/plan.parquet"),
+        (["replan", "p.parquet", "--from-step", "1", "--dp", "1", "-o", "new/r/plan.parquet"], "new/r/plan.parquet"),
+        (["run", "src", "-o", "new/run/out", "--length", "words:text", "--max-tokens", "256"],
+         "new/run/out/plan.parquet"),
+    ]
+    for args, made in commands:
+        result = runner.invoke(app, [*args, "--no-progress"] + (["--json"] if args[0] != "replan" else []))
+        assert result.exit_code == 0, (args, result.output)
+        assert os.path.exists(made), args
+        assert leftovers(os.path.dirname(os.path.dirname(made)) or ".") == [] and leftovers(str(ws)) == []
+    assert runner.invoke(app, ["validate", "new/p/plan.parquet", "--metrics", "m"]).exit_code == 0
 
 
 # -- validate: violations, not crashes ----------------------------------------------------------------
@@ -668,21 +690,20 @@ def test_concurrent_runs_to_one_output(ws):
 def test_plan_validate_inspect_under_torchrun(ws):
     """`torchrun --nproc-per-node 2 -m varlen_cli plan|validate|inspect|simulate|calibrate`: rank 0 works,
     writes and prints, rank 1 waits and exits 0; the plan equals a one-process plan byte for byte
-    (minus created_at). The first command runs under the real torchrun; the others under
-    tests/launcher.py (the same worker environment, ranks forked from a process that imported varlen)."""
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-                "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "varlen_cli"]
+    (minus created_at). Under tests/launcher.py (torchrun's worker environment, checked against the real
+    torchrun in tests/test_launcher.py; ranks forked from a process that imported varlen)."""
+
+    def two_ranks(args):
+        return launch("varlen_cli", *args, module=True, cwd=ws, env=ENV, timeout=300)
+
     plan_args = ["plan", "m", "-o", "t.parquet", "--max-tokens", "256", "--dp", "2", "--seed", "3"]
-    proc = subprocess.run(torchrun + plan_args, capture_output=True, text=True, env=ENV, cwd=ws, timeout=300)
+    proc = two_ranks(plan_args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert runner.invoke(app, ["plan", "m", "-o", "one.parquet", "--max-tokens", "256", "--dp", "2", "--seed",
                                "3"]).exit_code == 0
     assert pq.read_table(ws / "t.parquet").equals(pq.read_table(ws / "one.parquet"))
     (ws / "hf.json").write_text(json.dumps({"vocab_size": 100, "hidden_size": 32, "intermediate_size": 64,
                                             "num_hidden_layers": 2, "num_attention_heads": 4}))
-
-    def two_ranks(args):
-        return launch("varlen_cli", *args, module=True, cwd=ws, env=ENV, timeout=300)
 
     # only rank 0 prints: each --json is one document (every rank printed one before)
     for args in (["validate", "t.parquet", "--metrics", "m", "--json"], ["inspect", "t.parquet", "--json"],

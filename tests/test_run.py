@@ -71,16 +71,15 @@ def test_run_refuses_existing_output_and_unknown_stage_option(tmp_path):
 @pytest.mark.slow
 def test_stages_under_torchrun_match_one_process(tmp_path):
     """`torchrun -m varlen_cli STAGE`: the launcher's environment path (not --nproc) gives the same
-    artifacts as one in-process worker; a user error is reported with the failing rank. analyze runs
-    under the real torchrun; sort under tests/launcher.py (torchrun's worker environment, ranks forked
-    from a process that imported varlen once); the one-worker references in this process."""
+    artifacts as one in-process worker; a user error is reported with the failing rank. The stages run
+    under tests/launcher.py (torchrun's worker environment, checked against the real torchrun in
+    tests/test_launcher.py; ranks forked from a process that imported varlen once); the one-worker
+    references in this process."""
     env = dict(os.environ, VARLEN_NO_PROGRESS="1", OMP_NUM_THREADS="1")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                "-m", "varlen_cli"]
     src = sample("text.jsonl")
     analyze = ["analyze", src, "-o", str(tmp_path / "m2"), "--length", "words:text"]
     sort = ["sort", str(tmp_path / "m2"), "-o", str(tmp_path / "s2"), "--ties", "shuffle", "--seed", "3"]
-    proc = subprocess.run(torchrun + analyze, capture_output=True, text=True, env=env, timeout=300)
+    proc = launch("varlen_cli", *analyze, module=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     proc = launch("varlen_cli", *sort, module=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -99,19 +98,50 @@ def test_stages_under_torchrun_match_one_process(tmp_path):
         proc.stderr[-2000:]
 
 
-def test_plan_of_a_run_finds_its_metrics_after_the_swap(tmp_path):
-    """`varlen run` builds OUT in a temporary sibling and renames it: the plan's recorded input path is
-    then gone, and replan/extend find the metrics through the path relative to the plan instead."""
+def test_plan_of_a_run_records_its_final_paths_and_finds_its_metrics_after_a_move(tmp_path):
+    """`varlen run` builds OUT in a temporary sibling and renames it: what its artifacts record (the
+    plan's input, the manifests' paths) is where they end up, never the temporary (`varlen inspect`
+    showed the deleted `.OUT.varlen-tmp-...` as the plan's input); moved elsewhere, replan finds the
+    metrics through the path relative to the plan."""
     out = tmp_path / "out"
     result = run(RunConfig(sources=(sample("tokenized.parquet"),), output=str(out), plan={"dp": 2, "epochs": 2},
                            progress=False))
     meta = json.loads(pq.read_schema(out / "plan.parquet").metadata[b"varlen"])
-    assert not os.path.exists(meta["input"]["path"]) and meta["input"]["relative_path"] == "metrics"
-    assert result.plan.output == str(out / "plan.parquet")
-    proc = _cli("replan", str(out / "plan.parquet"), "--from-step", "1", "--dp", "3", "-o", str(tmp_path / "r.parquet"))
+    assert meta["input"]["path"] == meta["config"]["input"] == str(out / "metrics")
+    assert meta["input"]["relative_path"] == "metrics" and result.plan.output == str(out / "plan.parquet")
+    assert ".varlen-tmp" not in (out / "metrics" / "_manifest.json").read_text() + (out / "_run.json").read_text()
+    shown = CliRunner().invoke(app, ["inspect", str(out / "plan.parquet")], env={"COLUMNS": "200"}).output
+    assert f"{out / 'metrics'} (metrics" in shown and ".varlen-tmp" not in shown
+    assert validate(ValidateConfig(str(out / "plan.parquet"), metrics=str(out / "metrics"))).ok
+    moved = tmp_path / "moved"
+    os.rename(out, moved)
+    proc = _cli("replan", str(moved / "plan.parquet"), "--from-step", "1", "--dp", "3", "-o",
+                str(tmp_path / "r.parquet"))
     assert proc.returncode == 0, proc.stderr
     replanned = json.loads(pq.read_schema(tmp_path / "r.parquet").metadata[b"varlen"])
-    assert replanned["input"]["path"] == str(out / "metrics") and replanned["dp"] == 3
+    assert replanned["input"]["path"] == str(moved / "metrics") and replanned["dp"] == 3
+
+
+def test_lengths_in_characters_are_said_so(tmp_path):
+    """analyze without --tokenizer on a text column measures characters: its summary and stderr say so,
+    and `varlen plan --max-tokens` of those metrics says it budgets characters (it did so silently)."""
+    runner = CliRunner()
+    res = runner.invoke(app, ["analyze", sample("text.parquet"), "-o", str(tmp_path / "m"), "--no-progress"],
+                        env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert "chars:text (characters, not tokens)" in res.stdout
+    assert res.stderr == ("varlen: warning: the lengths are characters (chars:text), not tokens: `varlen plan "
+                          "--max-tokens N` budgets N characters per microbatch (pass --tokenizer FILE_OR_DIR to "
+                          "measure tokens)\n")
+    res = runner.invoke(app, ["plan", str(tmp_path / "m"), "-o", str(tmp_path / "p.parquet"), "--max-tokens", "4096",
+                              "--json"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["output"], res.output
+    assert res.stderr == ("varlen: warning: the metrics' lengths are characters (chars:text), not tokens: "
+                          "--max-tokens 4096 budgets 4,096 characters per microbatch (analyze with --tokenizer "
+                          "FILE_OR_DIR for token lengths)\n")
+    tokens = runner.invoke(app, ["analyze", sample("text.parquet"), "-o", str(tmp_path / "t"), "--no-progress",
+                                 "--tokenizer", sample("tokenizer.json"), "--json"])
+    assert tokens.exit_code == 0 and tokens.stderr == "" and json.loads(tokens.stdout)["length"] == "tokens:text"
 
 
 def test_run_counts_assistant_tokens_with_target_length(tmp_path):

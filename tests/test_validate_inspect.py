@@ -253,3 +253,31 @@ def test_inspect_tables_are_text(made):
         out = tables(info)
         assert out and all(isinstance(cell, str) for t in out for row in t.rows for cell in row)
         assert all(len(row) == len(t.columns) for t in out for row in t.rows)
+
+
+def test_inspect_says_what_the_lr_scale_range_means(made, tmp_path):
+    """The default scales the LR by the step's loss tokens (about 1 under a token budget); inspect says
+    so, with the base and the range, derived here from the plan's own columns; by samples it says the
+    LR swings with the samples per step."""
+    import re
+
+    from varlen_cli.plan.lr import describe
+
+    _, metrics, plan_path = made
+    by_samples = str(tmp_path / "samples.parquet")
+    plan(PlanConfig(input=metrics, output=by_samples, max_tokens=1024, dp=2, grad_accum=2, epochs=2, num_shapes=4,
+                    lr_scale_by="samples"))
+    for path, column, unit in ((plan_path, "step_loss_tokens", "loss tokens"), (by_samples, "step_samples", "samples")):
+        t = pq.read_table(path, columns=["step", column, "lr_scale"]).to_pydict()
+        per_step = dict(zip(t["step"], t[column]))
+        base = float(np.mean(list(per_step.values())))
+        lr = np.array(t["lr_scale"])
+        meta = inspect_artifact(InspectConfig(path))["metadata"]
+        assert meta["base_batch_size"] == pytest.approx(base)
+        said = describe(meta)
+        assert said.startswith(f"your LR x {unit} of the step / {base:,.6g} (1 at a step of {base:,.6g} {unit}")
+        assert said.endswith(f"{lr.min():.3g} to {lr.max():.3g} in this plan")
+        out = runner.invoke(app, ["inspect", path], env={"COLUMNS": "200"})
+        assert re.sub(r"[\s│]+", " ", said) in re.sub(r"[\s│]+", " ", out.output)
+    assert "about 1 under a token budget" in describe(inspect_artifact(InspectConfig(plan_path))["metadata"])
+    assert "swings with the samples per step" in describe(inspect_artifact(InspectConfig(by_samples))["metadata"])

@@ -11,9 +11,9 @@ the plan's microbatches, on the plan's ranks, at the plan's LR scale:
 
 * item ``j = (step * grad_accum + micro) * dp + rank`` is the plan row ``(step, rank, micro)``,
   ``batch_id`` the step (global over epochs);
-* ``batch_sizes[step]`` is the step's sample count (token count for ``--lr-scale-by tokens``) and the
-  manifest holds the plan's ``base_batch_size`` and ``lr_scaling`` (DeepSpeed's ``scale_lr`` then
-  gives the plan's ``lr_scale``);
+* ``batch_sizes[step]`` is what the step's ``lr_scale`` is linear in: its loss tokens (``--lr-scale-by
+  loss-tokens``, the default), tokens or samples; the manifest holds the plan's ``base_batch_size`` and
+  ``lr_scaling`` (DeepSpeed's ``scale_lr`` then gives the plan's ``lr_scale``);
 * ``batch_max_seqlens[step]`` is the largest padded length ``T`` of the step's microbatches.
 
 The directory holds ``sample_ids.npy``, ``microbatch_offsets.npy``, ``batch_ids.npy``,
@@ -34,14 +34,14 @@ import numpy as np
 
 from . import format, storage
 from .errors import InputError, OutputError, UsageError
-from .runtime.choices import OVERWRITE_HELP, STORAGE_OPTION_HELP, doc
+from .runtime.choices import OVERWRITE_HELP, PANEL_RUN, STORAGE_OPTION_HELP, doc
 
 Target = Literal["deepspeed"]
 EXPORT_FORMAT = format.DEEPSPEED_EXPORT_FORMAT
 EXPORT_VERSION = 1
 MANIFEST = format.EXPORT_MANIFEST_NAME
 FILES = ("sample_ids.npy", "microbatch_offsets.npy", "batch_ids.npy", "batch_sizes.npy", "batch_max_seqlens.npy")
-_COLUMNS = ("step", "rank", "micro", "sample_ids", "seqlen", "step_samples", "step_tokens")
+_COLUMNS = ("step", "rank", "micro", "sample_ids", "seqlen")
 
 __all__ = ["DeepSpeedExport", "ExportConfig", "ExportResult", "export", "read_deepspeed_export"]
 
@@ -54,8 +54,8 @@ class ExportConfig:
                               "batch_max_seqlens, for its dataloader_for_variable_batch_size and VariableBatchSizeLR).")
     plan: str = doc(help="The plan file (varlen plan; local or an s3://... object).")
     output: str = doc(help="Directory to write (local).")
-    overwrite: bool = doc(False, OVERWRITE_HELP)
-    storage_options: tuple = doc((), STORAGE_OPTION_HELP)
+    overwrite: bool = doc(False, OVERWRITE_HELP, panel=PANEL_RUN)
+    storage_options: tuple = doc((), STORAGE_OPTION_HELP, panel=PANEL_RUN)
 
 
 @dataclass
@@ -111,8 +111,12 @@ def _save(path: str, values: np.ndarray) -> None:
 
 # -- the plan as DeepSpeed's arrays --------------------------------------------------------------------
 def plan_table(path: str, columns=_COLUMNS):
-    """The plan's ``columns`` (a pyarrow table), metadata and fingerprint, checked: a varlen plan whose
-    rows are ``num_steps x dp x grad_accum`` (at least one step) in ``(step, rank, micro)`` order."""
+    """The plan's ``columns`` and last the step column its ``lr_scale`` is linear in (``step_samples``,
+    ``step_tokens`` or ``step_loss_tokens``: :func:`~varlen_cli.plan.lr.step_column`), as a pyarrow table,
+    its metadata and fingerprint, checked: a varlen plan whose rows are ``num_steps x dp x grad_accum``
+    (at least one step) in ``(step, rank, micro)`` order."""
+    from .plan.lr import step_column
+
     try:
         pf, meta = format.open_plan_file(path)
     except format.FormatError as exc:
@@ -120,8 +124,12 @@ def plan_table(path: str, columns=_COLUMNS):
     problems = format.plan_schema_problems(pf.schema_arrow, meta)
     if problems:
         raise InputError(f"{path} {problems[0]}")
+    column = step_column(meta)
+    if column not in pf.schema_arrow.names:  # an optional column (format.PLAN_OPTIONAL_COLUMNS)
+        raise InputError(f"{path} has no {column} column, which its lr_scale (--lr-scale-by "
+                         f"{meta.get('lr_scale_by')}) follows: plan it again with this varlen")
     with storage.translate_errors(path):
-        table = pf.read(columns=list(columns))
+        table = pf.read(columns=[*columns, column])
     dp, ga, steps = int(meta["dp"]), int(meta["grad_accum"]), int(meta["num_steps"])
     rows = np.arange(table.num_rows, dtype=np.int64)
     want = {"step": rows // (dp * ga), "rank": rows // ga % dp, "micro": rows % ga}
@@ -152,7 +160,7 @@ def deepspeed_arrays(path: str) -> tuple[dict[str, np.ndarray], dict]:
     sample_ids = pc.list_flatten(ids).to_numpy().astype(np.int64)
     unit = meta.get("lr_scale_by") or "samples"
     first = np.arange(steps, dtype=np.int64) * dp * ga
-    sizes = table.column("step_tokens" if unit == "tokens" else "step_samples").to_numpy()[first]
+    sizes = table.column(table.column_names[-1]).to_numpy()[first]  # the step column lr_scale follows
     seqlens = table.column("seqlen").to_numpy().astype(np.int64).reshape(steps, dp * ga).max(axis=1)
     base = meta.get("base_batch_size")
     arrays = {"sample_ids.npy": sample_ids, "microbatch_offsets.npy": offsets - offsets[0], "batch_ids.npy": step,

@@ -416,8 +416,11 @@ def _plan_tables(info: dict) -> list[TextTable]:
     meta = info["metadata"]
     t = _key_value(f"plan {info['path']}")
     for key in ("varlen_version", "dp", "grad_accum", "epochs", "num_steps", "num_microbatches",
-                "warmup_steps", "base_batch_size", "lr_scaling"):
+                "warmup_steps", "base_batch_size", "lr_scaling", "lr_scale_by"):
         t.rows.append((key, fmt(meta.get(key))))
+    from .plan.lr import describe
+
+    t.rows.append(("lr_scale", describe(meta)))
     inp = meta.get("input", {})
     t.rows.append(("input", f"{inp.get('path')} ({inp.get('kind')}, {inp.get('num_rows')} rows, "
                             f"dataset {inp.get('dataset_digest')})"))

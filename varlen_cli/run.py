@@ -15,6 +15,7 @@ succeeded: a failed or killed run leaves an existing OUT_DIR as it was.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import time
 from dataclasses import dataclass, field, fields, replace
@@ -139,11 +140,31 @@ def _run_worker(config: RunConfig) -> RunResult | None:
     with session(config.device) as d, artifacts.atomic_dir_for_group(d, config.output, config.overwrite) as tmp:
         result = _run_stages(replace(config, output=tmp.tmp), d, t0, final=out)
         if d.is_main:
+            relocate_manifests(tmp.tmp, out)
             tmp.commit()
             moved = {k: _moved(getattr(result, k), tmp.tmp, out) for k in ("analyze", "sort", "plan")}
             result = replace(result, output=out, seconds=time.perf_counter() - t0, **moved)
         d.barrier()
         return result
+
+
+def relocate_manifests(tmp: str, out: str) -> None:
+    """The stages' manifests record paths inside the temporary directory (their outputs, the sorted
+    directory's input): made the paths they will have once it is swapped in (artifact ids hold no
+    paths). The plan records its input's final path itself (``PlanConfig.recorded_input``)."""
+    def moved(value):
+        if isinstance(value, str) and (value == tmp or value.startswith(tmp + os.sep)):
+            return out + value[len(tmp):]
+        if isinstance(value, dict):
+            return {k: moved(v) for k, v in value.items()}
+        return [moved(v) for v in value] if isinstance(value, list) else value
+
+    for stage in ("metrics", "sorted"):
+        path = os.path.join(tmp, stage, artifacts.MANIFEST_NAME)
+        if os.path.exists(path):
+            with open(path) as fh:
+                manifest = json.load(fh)
+            artifacts.atomic_write_json(path, moved(manifest))
 
 
 def _moved(stage_result, tmp: str, out: str):
@@ -160,6 +181,7 @@ def _run_stages(config: RunConfig, d, t0: float, final: str) -> RunResult | None
     from .plan.core import plan_in_group
 
     a, s, p = stage_configs(config)
+    p = replace(p, recorded_input=os.path.join(final, os.path.relpath(p.input, config.output)))  # where it ends up
     analyzed = run_in_session(analyze_stage.run_in_group, a)
     sorted_ = run_in_session(sort_stage.run_in_group, s) if s is not None else None
     auto = None

@@ -19,7 +19,7 @@ from . import format, storage
 from .checks import Check, PlanArrays
 from .errors import InputError, UsageError
 from .runtime import artifacts, freshness, rank0
-from .runtime.choices import ALLOW_STALE_HELP, STORAGE_OPTION_HELP, doc
+from .runtime.choices import ALLOW_STALE_HELP, PANEL_RUN, STORAGE_OPTION_HELP, doc
 
 TARGET_COLUMN = format.TARGET_LENGTH_COLUMN
 
@@ -37,8 +37,8 @@ class ValidateConfig:
                                        "default: the plan's own --max-memory).")
     memory_profile: str | None = doc(None, "Memory profile for --max-memory (default: the one the plan was made "
                                            "with).")
-    allow_stale: bool = doc(False, ALLOW_STALE_HELP)
-    storage_options: tuple = doc((), STORAGE_OPTION_HELP)
+    allow_stale: bool = doc(False, ALLOW_STALE_HELP, panel=PANEL_RUN)
+    storage_options: tuple = doc((), STORAGE_OPTION_HELP, panel=PANEL_RUN)
 
 
 @dataclass

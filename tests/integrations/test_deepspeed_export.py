@@ -22,8 +22,9 @@ def plans(tmp_path_factory):
     folder = tmp_path_factory.mktemp("export")
     data = small_dataset(folder)
     common = dict(max_tokens=512, dp=2, grad_accum=2, epochs=2, lr_scaling="linear")
-    return folder, {"samples": make_plan(folder, data, "samples", **common),
+    return folder, {"samples": make_plan(folder, data, "samples", lr_scale_by="samples", **common),
                     "tokens": make_plan(folder, data, "tokens", lr_scale_by="tokens", **common),
+                    "loss-tokens": make_plan(folder, data, "loss-tokens", **common),  # the default
                     "packed": make_plan(folder, data, "packed", packing=True, seq_len=512, dp=2, grad_accum=2)}
 
 
@@ -31,7 +32,7 @@ def export(*args):
     return CliRunner().invoke(app, ["export", "deepspeed", *map(str, args)])
 
 
-@pytest.mark.parametrize("unit", ["samples", "tokens"])
+@pytest.mark.parametrize("unit", ["samples", "tokens", "loss-tokens"])
 @pytest.mark.filterwarnings("ignore::UserWarning")  # DeepSpeed's VariableBatchSizeLR calls step(epoch) at start
 def test_deepspeeds_own_loader_and_lr_consume_the_export(plans, tmp_path, unit):
     sampling = pytest.importorskip("deepspeed.runtime.data_pipeline.data_sampling.variable_batch_size_and_lr")
@@ -45,6 +46,7 @@ def test_deepspeeds_own_loader_and_lr_consume_the_export(plans, tmp_path, unit):
     assert (summary["microbatches"], summary["steps"], summary["dp"]) == (plan.num_microbatches, plan.num_steps, 2)
     ex = read_deepspeed_export(str(tmp_path / "ds"))
     assert (ex.dp, ex.grad_accum, ex.lr_scaling_method) == (2, 2, "linear")
+    assert ex.manifest["batch_size_unit"] == unit
     ids = list(range(int(plan.input["num_rows"])))  # dataset[i] = i: the loader yields sample ids
     for rank in range(plan.dp):
         loader, _ = sampling.dataloader_for_variable_batch_size(
@@ -100,3 +102,29 @@ def test_a_damaged_export_is_refused(plans, tmp_path):
     with pytest.raises(InputError, match=r"is not a varlen export directory \(its _export\.json is not a "
                                          r"varlen-deepspeed-export manifest\)$"):
         read_deepspeed_export(str(out))
+
+
+def test_the_step_column_is_what_lr_scale_follows_and_an_older_plan_without_it_is_refused(plans, tmp_path):
+    """batch_sizes come from the column lr_scale is linear in (plan/lr.py's step_column, read straight from
+    each plan's columns here: lr_scale = column / base_batch_size); a plan whose lr_scale follows the loss
+    tokens but lacks the optional step_loss_tokens column is refused in one line, not exported wrong."""
+    import pyarrow.parquet as pq
+
+    from varlen_cli.plan.lr import step_column
+
+    folder, paths = plans
+    for unit, column in (("samples", "step_samples"), ("tokens", "step_tokens"), ("loss-tokens", "step_loss_tokens")):
+        meta = json.loads(pq.read_schema(paths[unit]).metadata[b"varlen"])
+        assert step_column(meta) == column
+        t = pq.read_table(paths[unit], columns=[column, "lr_scale"])
+        assert np.allclose(t.column("lr_scale").to_numpy(), t.column(column).to_numpy() / meta["base_batch_size"])
+    assert step_column({"lr_scale_by": "tokens", "loss_tokens": "target_length"}) == "step_loss_tokens"
+    assert step_column({}) == "step_samples"  # plans made before lr_scale_by was recorded
+    table = pq.read_table(paths["loss-tokens"])
+    old = tmp_path / "old.parquet"
+    pq.write_table(table.drop_columns(["step_loss_tokens"]), old)
+    res = export(old, "-o", tmp_path / "ds")
+    assert res.exit_code == 3, res.output
+    assert (f"{old} has no step_loss_tokens column, which its lr_scale (--lr-scale-by loss-tokens) follows: plan it "
+            f"again with this varlen") in " ".join(res.output.split())
+    assert not os.path.exists(tmp_path / "ds")

@@ -30,8 +30,8 @@ def test_fsdp2_two_ranks_exact_stream_lr_gradient_and_resume(tmp_path):
     plan = Plan.open(plan_path)
     save_at = plan.epoch_start(1) + 2  # mid-epoch 1
     common = ["--plan", plan_path, "--data", data, "--lr", "3e-3", "--warmup-steps", "2", "--ckpt", tmp_path / "ck"]
-    torchrun("train_fsdp2.py", *common, "--save-at", save_at, "--log-dir", tmp_path / "full",
-             real=True)  # the real torchrun; the resume under tests/launcher.py
+    # ranks under tests/launcher.py, checked against the real torchrun in tests/test_launcher.py
+    torchrun("train_fsdp2.py", *common, "--save-at", save_at, "--log-dir", tmp_path / "full")
     full = logs(tmp_path / "full")
     check_stream(plan, full)
     check_lr(plan, full, 3e-3, load_example("tiny_lm").warmup_cosine(2, plan.num_steps))

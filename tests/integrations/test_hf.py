@@ -55,9 +55,10 @@ def test_trainer_two_ranks_exact_stream_lr_gradient_and_resume(setup, kind):
     save_at = plan.num_steps // 2 - 1  # mid-way through epoch 0 or 1
     out, log_dir = folder / f"out-{kind}", folder / f"log-{kind}"
     common = ["--plan", plan_path, "--data", data, "--lr", "3e-3", "--warmup-steps", "2", "--max-grad-norm", "0"]
+    # ranks under tests/launcher.py (checked against the real torchrun in tests/test_launcher.py)
     torchrun("train_hf_trainer.py", *common, "--out", out, "--log-dir", log_dir, "--save-steps", save_at + 1,
-             "--tensorboard", folder / f"tb-{kind}", real=kind == "padded")  # the real torchrun; the resume under
-    full = logs(log_dir)  # tests/launcher.py
+             "--tensorboard", folder / f"tb-{kind}")
+    full = logs(log_dir)
     check_stream(plan, full)
     # report_to=["tensorboard"]: the plan's figures of every step, at Trainer's global_step (step + 1)
     check_tracker_figures(plan_path, folder / f"tb-{kind}", "train/", 1, range(plan.num_steps))

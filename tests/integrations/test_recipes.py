@@ -1,11 +1,11 @@
 """The recipes of docs/loader.md and docs/integrations.md run as written: each ```python block that
 starts with ``# recipe: NAME (FILE)`` is saved as FILE and started with 2 CPU processes (gloo) as the
 command the docs give under it starts them, on a plan of a slice of sample_data/tokenized.parquet
-(torchtitan: a packed plan of it; Megatron: the slice written as a Megatron corpus by megatron-core).
-The plain DDP, torchdata, torchtitan and DeepSpeed recipes run under the real ``torchrun`` command (the ddp
-recipe's second run, its resume, under tests/launcher.py); the other framework recipes under
-tests/launcher.py, which starts each rank as torchrun does from a process that imported the frameworks
-once (their frameworks' 2-rank tests run under the real torchrun; Megatron's tests run in one process)."""
+(torchtitan: a packed plan of it; Megatron: the slice written as a Megatron corpus by megatron-core),
+under tests/launcher.py, which starts each rank as torchrun does (its environment is checked against
+the real torchrun's in tests/test_launcher.py) from a process that imported the frameworks once
+(VARLEN_TEST_REAL_TORCHRUN=1: under the real command); the torchtitan and DeepSpeed recipes under the
+real ``torchrun`` command."""
 
 import os
 import re
@@ -36,10 +36,9 @@ NEEDS = {"hf": ["transformers"], "trl": ["trl", "datasets"], "accelerate": ["acc
          "lightning": ["lightning", "transformers"], "torchdata": ["torchdata"], "ddp": [],
          "torchtitan": ["torchtitan.components.checkpoint"], "megatron": ["megatron.core"],
          "deepspeed": ["deepspeed", "transformers"]}
-# the recipes whose framework has no other launch under the real torchrun (the others' 2-rank tests run
-# their full run under it: tests/integrations/test_{hf,trl,accelerate,lightning,fsdp2}.py; DeepSpeed's
-# tests run under tests/launcher.py, its recipe under the real torchrun)
-REAL = ("ddp", "torchdata", "torchtitan", "deepspeed")
+# the recipes run under the real torchrun command (their frameworks' own 2-rank tests run under
+# tests/launcher.py)
+REAL = ("torchtitan", "deepspeed")
 PRELOAD = {"hf": IMPORTS["train_hf_trainer.py"], "trl": IMPORTS["train_trl.py"],
            "accelerate": IMPORTS["train_accelerate.py"], "lightning": IMPORTS["train_lightning.py"],
            "torchdata": ("torchdata.stateful_dataloader",), "ddp": ("torch.nn.parallel",),
@@ -50,6 +49,10 @@ PRELOAD = {"hf": IMPORTS["train_hf_trainer.py"], "trl": IMPORTS["train_trl.py"],
 
 def test_the_docs_hold_every_recipe():
     assert sorted(RECIPES) == sorted(NEEDS)
+    for name, (_, code) in RECIPES.items():  # seeded before the model is made: a resumed run compares with a fresh one
+        seed = re.search(r"^(torch\.manual_seed|set_seed|L\.seed_everything)\(0\)", code, re.M)
+        model = re.search(r"^\S.*(LlamaForCausalLM\(config\)|Module\(config\)|DistributedDataParallel\()", code, re.M)
+        assert seed and model and seed.start() < model.start(), name
 
 
 @pytest.fixture(scope="module")
@@ -87,9 +90,9 @@ PACKED = {"torchtitan": _titan_inputs, "megatron": _megatron_inputs}  # recipes 
 
 
 def _run(folder, name: str, file: str, *args, real: bool = False) -> subprocess.CompletedProcess:
-    """``torchrun --nproc-per-node 2 FILE ARGS`` in ``folder``: the real command (``real``), else
-    tests/launcher.py with the recipe's framework imported once."""
-    if real:
+    """``torchrun --nproc-per-node 2 FILE ARGS`` in ``folder``: the real command (``real``, or
+    VARLEN_TEST_REAL_TORCHRUN=1), else tests/launcher.py with the recipe's framework imported once."""
+    if real or os.environ.get("VARLEN_TEST_REAL_TORCHRUN") == "1":
         proc = real_torchrun(file, *args, cwd=folder)
     else:
         proc = launch(os.path.join(str(folder), file), *args, cwd=folder, imports=PRELOAD.get(name, ()))

@@ -137,7 +137,8 @@ def test_loader_imports_only_torch_numpy_pyarrow():
             "('typer', 'rich', 'click', 'transformers', 'accelerate', 'lightning', 'torchdata') or "
             "(m.startswith('varlen_cli.') and not m.startswith('varlen_cli.loader') "
             "and m not in ('varlen_cli.format', 'varlen_cli.errors', 'varlen_cli.storage', "
-            "'varlen_cli.storage.files'))); print(bad)")  # storage: stdlib only (fsspec lazily)
+            "'varlen_cli.storage.files', 'varlen_cli.errors.entry'))); print(bad)")
+    # storage: stdlib only (fsspec lazily); errors.entry: the stdlib-only one-line error hook
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

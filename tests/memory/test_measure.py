@@ -207,9 +207,10 @@ def test_calibrate_command_measures_and_prints(tmp_path):
     assert [p["heldout"] for p in profile["points"]] == [False, True, False, False]
 
 
-# The live tensors of one step, read from resident memory with glibc tuned so that freed memory leaves
-# at once (every allocation above 64 KiB its own mapping): parameters, gradients and optimizer states
-# counted from their storages, plus the resident growth over the step (high-water mark reset before).
+# The live tensors of one step per model, read from resident memory with glibc tuned so that freed memory
+# leaves at once (every allocation above 64 KiB its own mapping): parameters, gradients and optimizer states
+# counted from their storages, plus the resident growth over the step (high-water mark reset before). One
+# process for every model (torch and transformers imported once); each model's tensors freed before the next.
 LIVE_TENSORS_STEP = """
 import ctypes, gc, sys
 libc = ctypes.CDLL("libc.so.6")
@@ -217,37 +218,46 @@ libc.mallopt(-3, 1 << 16); libc.mallopt(-1, 1 << 16)  # M_MMAP_THRESHOLD, M_TRIM
 import torch
 from varlen_cli.memory.measure import MeasureSetup, build, status_bytes, tensor_bytes, training_step
 torch.set_num_threads(1)
-model, opt, vocab = build(MeasureSetup(model=sys.argv[1]))
-training_step(model, opt, torch.randint(0, vocab, (1, 8)))
-model.zero_grad(set_to_none=False)
-ids = torch.randint(0, vocab, (int(sys.argv[2]), int(sys.argv[3])))
-gc.collect(); libc.malloc_trim(0)
-static, before = tensor_bytes(model, opt), status_bytes("VmRSS")
-open("/proc/self/clear_refs", "w").write("5")
-training_step(model, opt, ids)
-print(static + status_bytes("VmHWM") - before)
+for spec in sys.argv[1:]:
+    name, b, t = spec.split(",")
+    model, opt, vocab = build(MeasureSetup(model=name))
+    training_step(model, opt, torch.randint(0, vocab, (1, 8)))
+    model.zero_grad(set_to_none=False)
+    ids = torch.randint(0, vocab, (int(b), int(t)))
+    gc.collect(); libc.malloc_trim(0)
+    static, before = tensor_bytes(model, opt), status_bytes("VmRSS")
+    open("/proc/self/clear_refs", "w").write("5")
+    training_step(model, opt, ids)
+    print(static + status_bytes("VmHWM") - before)
+    del model, opt, ids
+    gc.collect(); libc.malloc_trim(0)
 """
+SHAPES = [("small", 8, 256), ("medium", 2, 512)]
 
 
-@pytest.mark.parametrize("name, b, t", [("small", 8, 256), ("medium", 2, 512)])
-def test_analytic_profile_matches_live_tensors(name, b, t, tmp_path):
+def test_analytic_profile_matches_live_tensors(tmp_path):
     """The analytic profile of a config-built Llama (no weights, no torch) counts tensors: against the live
     tensors of the same model's step (parameters, gradients, states and what the step adds, read with an
-    allocator that frees at once), within 15%. (A training process peaks higher: docs/memory.md.)"""
+    allocator that frees at once), within 15%, for two models and shapes. (A training process peaks higher:
+    docs/memory.md.)"""
     pytest.importorskip("transformers")
     from tests import memory_llama
 
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps(memory_llama.config_json(getattr(memory_llama, name.upper()))))
-    out = tmp_path / "analytic.json"
-    result = runner.invoke(app, ["calibrate", "--hf-config", str(config), "--dtype", "fp32", "-o", str(out), "--json"])
-    assert result.exit_code == 0, result.output
-    fit = json.loads(out.read_text())["fit"]
-    run = subprocess.run([sys.executable, "-c", LIVE_TENSORS_STEP, f"tests.memory_llama:{name}_llama", str(b), str(t)],
-                         capture_output=True, text=True, timeout=300, check=True)
-    live = int(run.stdout.split()[-1])
-    predicted = fit["c0"] + fit["c1"] * b * t + fit["c2"] * b * t * t
-    assert abs(predicted / live - 1) <= 0.15, (b, t, live, predicted)
+    fits = []
+    for name, _, _ in SHAPES:
+        config = tmp_path / f"{name}.json"
+        config.write_text(json.dumps(memory_llama.config_json(getattr(memory_llama, name.upper()))))
+        out = tmp_path / f"{name}-analytic.json"
+        result = runner.invoke(app, ["calibrate", "--hf-config", str(config), "--dtype", "fp32", "-o", str(out),
+                                     "--json"])
+        assert result.exit_code == 0, result.output
+        fits.append(json.loads(out.read_text())["fit"])
+    specs = [f"tests.memory_llama:{name}_llama,{b},{t}" for name, b, t in SHAPES]
+    run = subprocess.run([sys.executable, "-c", LIVE_TENSORS_STEP, *specs], capture_output=True, text=True,
+                         timeout=300, check=True)
+    for (name, b, t), fit, live in zip(SHAPES, fits, map(int, run.stdout.split())):
+        predicted = fit["c0"] + fit["c1"] * b * t + fit["c2"] * b * t * t
+        assert abs(predicted / live - 1) <= 0.15, (name, b, t, live, predicted)
 
 
 @pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="needs a CUDA device")

@@ -42,7 +42,7 @@ def main() -> None:
             loader.batch_sampler.load_state_dict(json.load(f))  # a state of the parent plan
         with open(os.path.join(a.resume_from, "lr_state.json")) as f:
             sched.load_state_dict(lr_state_from_parent(plan, json.load(f)))
-    log = {"ids": [], "steps": [], "lr": [], "step_samples": []}
+    log = {"ids": [], "steps": [], "lr": [], "step_samples": [], "step_loss_tokens": []}
     for batch in loader:
         info = batch["info"]
         log["ids"] += batch["ids"]
@@ -53,6 +53,7 @@ def main() -> None:
         log["steps"].append(info.step)
         log["lr"].append(optimizer.param_groups[0]["lr"])
         log["step_samples"].append(info.step_samples)
+        log["step_loss_tokens"].append(info.step_targets)
         sched.step()
         if a.stop_step is not None and info.step + 1 == a.stop_step:
             if rank == 0:

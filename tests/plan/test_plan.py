@@ -71,7 +71,8 @@ def test_cli_end_to_end_from_analyze(tmp_path):
     assert md["config"]["max_tokens"] == 2048 and md["packing"] is None
     assert sum(md["steps_per_epoch"]) == md["num_steps"]
     assert md["stats"]["over_budget_microbatches"] == 0
-    assert abs(np.mean(d["step_samples"][:: 4]) - md["base_batch_size"]) < 1e-6
+    assert md["lr_scale_by"] == "loss-tokens"  # the default: the base is the mean step's loss tokens
+    assert abs(np.mean(d["step_loss_tokens"][:: 4]) - md["base_batch_size"]) < 1e-6
 
 
 def test_row_groups_hold_whole_steps(dirs, tmp_path, monkeypatch):
@@ -345,12 +346,14 @@ def test_steps_that_complete_no_sample_are_reported(dirs, tmp_path):
     samples its lr_scale is 0. The summary counts those steps (and says what to do), from the plan's
     own columns; the CLI table shows the row."""
     out = tmp_path / "p.parquet"
-    r = plan(PlanConfig(input=dirs["long"], output=str(out), packing=True, seq_len=256, split_long=True))
+    r = plan(PlanConfig(input=dirs["long"], output=str(out), packing=True, seq_len=256, split_long=True,
+                        lr_scale_by="samples"))
     t = pq.read_table(out).to_pydict()
     per_step = {s: (n, lr) for s, n, lr in zip(t["step"], t["step_samples"], t["lr_scale"])}
     idle = sorted(s for s, (n, lr) in per_step.items() if n == 0)
     assert idle and all(per_step[s][1] == 0 for s in idle)
     assert r.stats["zero_lr_scale_steps"] == len(idle)
-    by_tokens = plan(PlanConfig(input=dirs["long"], output=str(tmp_path / "q.parquet"), packing=True, seq_len=256,
-                                split_long=True, lr_scale_by="tokens"))
-    assert "zero_lr_scale_steps" not in by_tokens.stats
+    for by in ("tokens", "loss-tokens"):
+        by_tokens = plan(PlanConfig(input=dirs["long"], output=str(tmp_path / "q.parquet"), packing=True, seq_len=256,
+                                    split_long=True, lr_scale_by=by, overwrite=True))
+        assert "zero_lr_scale_steps" not in by_tokens.stats

@@ -37,7 +37,7 @@ def options(draw):
         attention_cost=draw(st.sampled_from([0.0, 0.0, 0.002])),
         epochs=draw(st.integers(1, 2)), seed=draw(st.integers(0, 3)),
         lr_scaling=draw(st.sampled_from(["linear", "sqrt", "none"])),
-        lr_scale_by=draw(st.sampled_from(["samples", "tokens"])),
+        lr_scale_by=draw(st.sampled_from(["loss-tokens", "samples", "tokens"])),
         drop_long=True, tail=draw(st.sampled_from(["split", "drop"])),
     )
     opts["static_shapes"] = opts["num_shapes"] is not None and draw(st.booleans())

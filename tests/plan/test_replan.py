@@ -37,7 +37,8 @@ def dirs(tmp_path_factory):
 
 
 def rows(path):
-    t = pq.read_table(path, columns=["epoch", "step", "rank", "sample_ids", "lr_scale", "step_samples"]).to_pydict()
+    t = pq.read_table(path, columns=["epoch", "step", "rank", "sample_ids", "lr_scale", "step_samples",
+                                     "step_loss_tokens"]).to_pydict()
     return t, json.loads(pq.read_schema(path).metadata[b"varlen"])
 
 
@@ -63,10 +64,10 @@ def test_exactly_once_across_the_two_plans(dirs, tmp_path, step_frac):
     lin = m["lineage"]
     assert lin["parent"] == parent.fingerprint and lin["from_step"] == step and lin["first_step"] == step
     assert lin["first_epoch"] == 0 and lin["consumed_samples"] == len(done)
-    # LR: same base batch size, so lr_scale / step_samples is the parent's constant (linear, by samples)
-    assert m["base_batch_size"] == pm["base_batch_size"]
+    # LR: same base batch size, so lr_scale / step_loss_tokens is the parent's constant (linear, by loss tokens)
+    assert m["base_batch_size"] == pm["base_batch_size"] and m["lr_scale_by"] == "loss-tokens"
     ratio = np.array(t["lr_scale"] + p["lr_scale"]) * pm["base_batch_size"]
-    assert np.allclose(ratio, np.array(t["step_samples"] + p["step_samples"]))
+    assert np.allclose(ratio, np.array(t["step_loss_tokens"] + p["step_loss_tokens"]))
     assert res.num_steps == sum(m["steps_per_epoch"])
 
 
@@ -156,10 +157,10 @@ def test_gloo_two_ranks_restart_on_three(dirs, tmp_path):
     assert sorted(seen) == list(range(N))  # over the epoch every sample exactly once
     assert logs1[0]["steps"] == list(range(stop))
     assert logs2[0]["steps"] == list(range(Plan.open(new).steps_per_epoch[0]))
-    # LR continuous: the optimizer's LR per sample is the same constant before and after the restart
+    # LR continuous: the optimizer's LR per loss token is the same constant before and after the restart
     lr = np.array(logs1[0]["lr"] + logs2[0]["lr"])
-    samples = np.array(logs1[0]["step_samples"] + logs2[0]["step_samples"])
-    assert np.allclose(lr / samples, 0.1 / parent.meta["base_batch_size"])
+    loss_tokens = np.array(logs1[0]["step_loss_tokens"] + logs2[0]["step_loss_tokens"])
+    assert np.allclose(lr / loss_tokens, 0.1 / parent.meta["base_batch_size"])
     assert logs2[0]["lr"] == logs2[2]["lr"]
 
 

@@ -30,6 +30,21 @@ def test_url_paths():
     assert storage.under("x.parquet", "/local") == "/local/x.parquet"
 
 
+@pytest.mark.parametrize("message, said", [
+    ('Read timeout on endpoint URL: "http://127.0.0.1:34011/b/k"', "cannot reach"),  # a port holding 401
+    ("Cannot connect to host 127.0.0.1:40312 ssl:default [Connection refused]", "cannot reach"),  # and 403
+    ("Could not connect to the endpoint URL: http://127.0.0.1:14040/b/k", "cannot reach"),  # and 404
+    ("An error occurred (403) when calling the PutObject operation: Forbidden", "was denied"),
+    ("An error occurred (401) when calling the HeadObject operation: Unauthorized", "was denied"),
+    ("Client error 403 for url", "was denied"),
+    ("An error occurred (404) when calling the HeadObject operation: Not Found", "does not exist"),
+])
+def test_an_http_status_is_a_word_of_the_message_not_digits_of_a_port(message, said):
+    """A store's error is named by its status (401/403: denied, 404: missing) only where the message
+    says the status; the random port of a URL (127.0.0.1:34011) made a read timeout 'access denied'."""
+    assert said in storage.describe_error("s3://b/k", OSError(message))
+
+
 def test_local_and_remote_alike(tmp_path, s3):
     bucket = s3.bucket()
     data = bytes(range(256)) * 10

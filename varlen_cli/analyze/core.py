@@ -23,6 +23,7 @@ from ..runtime.choices import (
     DEVICE_HELP,
     NPROC_HELP,
     OVERWRITE_HELP,
+    PANEL_RUN,
     PROGRESS_HELP,
     STORAGE_OPTION_HELP,
     Device,
@@ -72,6 +73,11 @@ TARGET_LENGTH_HELP = ("A second count per sample, stored as target_length: KIND:
 RARITY_CACHE_BYTES = 512 << 20  # token ids a worker keeps between the two vocab-rarity passes
 
 
+# the --help panels of the length options beyond --length and --tokenizer (two: --target-frames-per-second
+# beside --no-special-tokens would leave their help too narrow for the words of an 80-column terminal)
+LENGTH, FRAMES = "Tokens, targets and chats", "Seconds to frames (audio)"
+
+
 @dataclass(frozen=True)
 class AnalyzeConfig:
     """Options of ``varlen analyze`` (see ``varlen analyze --help``)."""
@@ -84,19 +90,20 @@ class AnalyzeConfig:
                            "s3://... prefix (published manifest last).")
     length: str = doc("auto", LENGTH_HELP)
     tokenizer: str | None = doc(None, TOKENIZER_HELP)
-    special_tokens: bool = doc(True, "Count the tokenizer's special tokens (BOS/EOS, CLS/SEP).")
-    target_length: str | None = doc(None, TARGET_LENGTH_HELP)
-    frames_per_second: float | None = doc(None, "With --length value:PATH in seconds: frames = ceil(seconds x F).")
+    special_tokens: bool = doc(True, "Count the tokenizer's special tokens (BOS/EOS, CLS/SEP).", panel=LENGTH)
+    target_length: str | None = doc(None, TARGET_LENGTH_HELP, panel=LENGTH)
+    frames_per_second: float | None = doc(None, "With --length value:PATH in seconds: frames = ceil(seconds x F).",
+                                          panel=FRAMES)
     target_frames_per_second: float | None = doc(None, "With --target-length value:PATH in seconds: frames = "
-                                                       "ceil(seconds x F).")
+                                                       "ceil(seconds x F).", panel=FRAMES)
     difficulty: str = doc("length", "Curriculum key: length, value:PATH, vocab-rarity, or MODULE:FUNCTION "
                                     "(RecordBatch -> one value per row).")
-    storage_options: tuple = doc((), STORAGE_OPTION_HELP)
-    nproc: int = doc(1, NPROC_HELP)
-    device: Device = doc("cpu", DEVICE_HELP)
-    overwrite: bool = doc(False, OVERWRITE_HELP)
+    storage_options: tuple = doc((), STORAGE_OPTION_HELP, panel=PANEL_RUN)
+    nproc: int = doc(1, NPROC_HELP, panel=PANEL_RUN)
+    device: Device = doc("cpu", DEVICE_HELP, panel=PANEL_RUN)
+    overwrite: bool = doc(False, OVERWRITE_HELP, panel=PANEL_RUN)
     chunk_bytes: int = doc(DEFAULT_CHUNK_BYTES, "Bytes of input a worker reads per chunk.")
-    progress: bool = doc(True, PROGRESS_HELP)
+    progress: bool = doc(True, PROGRESS_HELP, panel=PANEL_RUN)
 
 
 @dataclass

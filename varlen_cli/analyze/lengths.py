@@ -54,6 +54,15 @@ class LengthSpec:
         return parse_path(self.column)
 
 
+NOT_TOKENS = {"chars": "characters", "bytes": "bytes", "words": "words"}  # text lengths that are not tokens
+
+
+def not_tokens(length: str) -> str | None:
+    """What a metrics directory's lengths count when they are not tokens (``chars:text`` ->
+    "characters"), else None: ``varlen plan --max-tokens N`` then budgets N of those."""
+    return NOT_TOKENS.get(str(length).partition(":")[0])
+
+
 def parse_length(text: str, option: str = "--length") -> LengthSpec:
     """``KIND:PATH`` of ``option``, checked (the kind, the path's syntax)."""
     kind, sep, column = text.partition(":")

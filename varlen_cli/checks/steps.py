@@ -91,7 +91,9 @@ class Lr:
         elif (self.by == "samples" and self.unknowable) or not self._base_ok():
             return
         else:
-            if self.by == "tokens" and self.trained_only:  # tokens that carry loss (target_length)
+            if self.by == "loss-tokens" or (self.by == "tokens" and self.trained_only):  # plan/lr.py
+                if "step_loss_tokens" not in c:
+                    return
                 per_step = c["step_loss_tokens"].astype(np.float64)
             else:
                 per_step = _step_sums(step, c["tokens"] if self.by == "tokens" else done)

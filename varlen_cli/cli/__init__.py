@@ -24,6 +24,10 @@ class _LazyCommands(typer.core.TyperGroup):
     """The root group, loading a command's module (and so its stage config) only when that command
     runs: the options are generated from the configs, whose modules import numpy and pyarrow."""
 
+    def format_help(self, ctx, formatter) -> None:
+        narrow_help_columns()
+        return super().format_help(ctx, formatter)
+
     def list_commands(self, ctx) -> list[str]:
         return list(COMMANDS)
 
@@ -40,7 +44,42 @@ def load_command(name: str):
     module = importlib.import_module(f"varlen_cli.cli.{name}")
     single = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
     module.register(single)
-    return typer.main.get_command(single)
+    command = typer.main.get_command(single)
+    typer_format_help = command.format_help
+
+    def format_help(ctx, formatter) -> None:
+        narrow_help_columns()
+        return typer_format_help(ctx, formatter)
+
+    command.format_help = format_help
+    return command
+
+
+TYPE_COLUMN_WIDTH = 16  # --help's type column at 80 columns (a list of choices wraps between values)
+
+
+def narrow_help_columns() -> None:
+    """``--help`` fits 80 columns with every option name whole: in typer's options tables the names
+    keep their width, the type column wraps at :data:`TYPE_COLUMN_WIDTH` and the help text takes the
+    rest (rich would otherwise share the width out and cut names: ``--curriculum-ep…``); a wider
+    terminal widens the type column in proportion. Patched in
+    when help is shown, so a command that runs imports no help formatting."""
+    from rich.table import Table
+    from typer import rich_utils
+
+    if getattr(rich_utils.Table, "varlen_narrow", False):
+        return
+
+    class OptionsTable(Table):
+        varlen_narrow = True
+
+        def __rich_console__(self, console, options):
+            if len(self.columns) >= 5:  # an options panel: [required,] names x 4, type, help
+                self.columns[-1].ratio = 1
+                self.columns[-2].max_width = max(TYPE_COLUMN_WIDTH, options.max_width // 5)
+            return super().__rich_console__(console, options)
+
+    rich_utils.Table = OptionsTable
 
 
 app = typer.Typer(
@@ -112,10 +151,11 @@ def run_command(fn: Callable[[Any], Any], config: Any) -> Any:
             worker_tb = getattr(exc, "worker_traceback", None)
             if worker_tb:
                 sys.stderr.write("worker traceback:\n" + worker_tb)
-        # Under torchrun every rank runs this; say which one failed (the others may only be its victims).
-        rank = f"[rank {os.environ.get('RANK')}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-        sys.stderr.write(f"varlen: error: {rank}{exc.message}\n")
-        raise typer.Exit(exc.exit_code) from None
+        # Under torchrun every rank runs this; the line says which one failed (the others may only be its
+        # victims) and is recorded as the rank's error, so torchrun's summary ends with it
+        from varlen_cli.errors.entry import report
+
+        raise typer.Exit(report(exc)) from None
     except KeyboardInterrupt:
         raise typer.Exit(_signalled("interrupted", 130)) from None
     except Terminated:

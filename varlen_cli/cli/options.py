@@ -12,6 +12,9 @@ and :func:`config_command` turns them into the typer command's parameters:
   refuses other values), the default is the field's default (no default: a required option) and
   the help is the field's ``doc`` help;
 - a positional argument's metavar is the field's name in capitals (``plan`` -> ``PLAN``);
+- a ``Literal`` field's values are shown as ``<a | b | c>`` (wrapped between values at 80 columns);
+- the field's ``doc(..., panel=...)`` names the ``--help`` panel its option is listed in (options of
+  one concern together: "LR scaling", "Packing", ...; no panel: the first panel, "Options");
 - a ``bool`` field is a flag, ``--x`` when it defaults to False, ``--x/--no-x`` when it defaults to
   True; a default of None (or a required option) is not shown in ``--help``.
 
@@ -37,6 +40,8 @@ from collections.abc import Callable
 from typing import Any
 
 import typer
+
+from varlen_cli.runtime.choices import PANEL_RUN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,10 +103,14 @@ def _parameter(f: dataclasses.Field, hint: Any, cli: Cli) -> inspect.Parameter:
         default = None
     annotation = cli.type if cli.type is not None else hint
     extra: dict[str, Any] = {"help": f.metadata.get("help", "")}
+    if f.metadata.get("panel"):
+        extra["rich_help_panel"] = f.metadata["panel"]
     if default is None or default is ... or (isinstance(default, (list, tuple)) and not default):
         extra["show_default"] = False
     if cli.metavar is not None or cli.argument:
         extra["metavar"] = cli.metavar or f.name.upper()  # arguments in capitals, as in the usage lines of docs/
+    elif choices(annotation):
+        extra["metavar"] = choices_metavar(choices(annotation))
     if cli.argument:
         info = typer.Argument(default, **extra)
     else:
@@ -109,6 +118,20 @@ def _parameter(f: dataclasses.Field, hint: Any, cli: Cli) -> inspect.Parameter:
         flags = cli.flags or ((f"{dashed}/--no-{dashed[2:]}",) if annotation is bool and default is True else (dashed,))
         info = typer.Option(default, *flags, **extra)
     return inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=annotation)
+
+
+def choices(hint: Any) -> tuple[str, ...]:
+    """The values of a ``Literal`` hint (also inside ``X | None``); () for other hints."""
+    for candidate in (hint, *typing.get_args(hint)):
+        if typing.get_origin(candidate) is typing.Literal:
+            return tuple(str(v) for v in typing.get_args(candidate))
+    return ()
+
+
+def choices_metavar(values: tuple[str, ...]) -> str:
+    """``<a | b | c>``: a choice option's values in ``--help``, spaced so that a narrow terminal wraps
+    the list between values, never inside one."""
+    return "<" + " | ".join(values) + ">"
 
 
 def config_parameters(config_type: type, fields: dict[str, Cli] | None = None,
@@ -133,6 +156,13 @@ def config_parameters(config_type: type, fields: dict[str, Cli] | None = None,
     return ConfigParameters(config_type, tuple(params), converts)
 
 
+def last_panel_last(parameters: list[inspect.Parameter]) -> list[inspect.Parameter]:
+    """``parameters`` with those of the shared panel (workers, inputs and output) moved to the end: typer
+    lists the panels in the order their first option comes."""
+    shared = [p for p in parameters if getattr(p.default, "rich_help_panel", None) == PANEL_RUN]
+    return [p for p in parameters if p not in shared] + shared
+
+
 def config_command(config_type: type, fields: dict[str, Cli] | None = None,
                    library_only: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
     """Decorate ``fn(config, **cli_only)`` into a typer command whose options are ``config_type``'s fields
@@ -152,7 +182,7 @@ def config_command(config_type: type, fields: dict[str, Cli] | None = None,
             config = config_type(**generated.config_values(values))
             return fn(config, **{p.name: values[p.name] for p in own})
 
-        parameters = [*generated.parameters, *own]
+        parameters = last_panel_last([*generated.parameters, *own])
         command.__signature__ = inspect.Signature(parameters)
         command.__annotations__ = {p.name: p.annotation for p in parameters}
         del command.__wrapped__  # typer must read the generated signature, not fn's

@@ -24,6 +24,7 @@ def _attention_cost(value: str) -> float | str:
         "attention_cost": Cli(type=str, convert=_attention_cost, show=lambda a: f"{a:g}"),
         "storage_options": STORAGE_OPTION,
     },
+    library_only=("recorded_input",),
 )
 def plan_command(config: PlanConfig, json_output: bool = common.JSON) -> None:
     """Write a token-budget batch plan (Parquet): microbatches, ranks, steps, shapes and LR scales."""
@@ -38,6 +39,8 @@ def plan_command(config: PlanConfig, json_output: bool = common.JSON) -> None:
         summary.warn_zero_loss(result)
     elif result is not None:
         summary.print_plan(result)
+    if result is not None:
+        summary.warn_plan_units(result)
 
 
 def register(app: typer.Typer) -> None:

@@ -20,6 +20,7 @@ from varlen_cli.cli import plan as plan_cli
 from varlen_cli.cli import sort as sort_cli
 from varlen_cli.cli.options import OUTPUT, Cli, config_parameters
 from varlen_cli.run import RunConfig
+from varlen_cli.runtime.choices import PANEL_RUN
 
 # Positional inputs and outputs of the stages: `run` sets them itself.
 _NOT_FORWARDED = {"sources", "output", "metrics_dir", "input", "single_file"}
@@ -42,7 +43,7 @@ def _stage_params():
                 continue
             if name not in _RUN_LEVEL:
                 names.append(name)
-            merged.setdefault(name, param)
+            merged.setdefault(name, _in_panel(param, PANEL_RUN if name in _RUN_LEVEL else _stage_panel(stage, param)))
             helps.setdefault(name, {}).setdefault(param.default.help, []).append(stage)
         per_stage[stage] = names
     for name, by_help in helps.items():
@@ -50,7 +51,19 @@ def _stage_params():
             info = copy.copy(merged[name].default)
             info.help = " ".join(f"{' and '.join(stages)}: {text}" for text, stages in by_help.items())
             merged[name] = merged[name].replace(default=info)
-    return per_stage, merged
+    return per_stage, dict(sorted(merged.items(), key=lambda item: item[1].default.rich_help_panel == PANEL_RUN))
+
+
+def _stage_panel(stage: str, param) -> str:
+    """A stage option's --help panel under `run`: the stage's own panel, named after the stage."""
+    panel = param.default.rich_help_panel
+    return stage if panel is None else panel if panel == PANEL_RUN else f"{stage}: {panel}"
+
+
+def _in_panel(param, panel: str):
+    info = copy.copy(param.default)
+    info.rich_help_panel = panel
+    return param.replace(default=info)
 
 
 _PER_STAGE, _MERGED = _stage_params()

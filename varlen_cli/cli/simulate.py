@@ -10,13 +10,17 @@ from varlen_cli.cli.options import Cli, config_command
 from varlen_cli.schedule.simulate import SimulateConfig
 
 MAX_WIDTH = 4096  # a wider chart is no chart (and --width 100000000 would draw for minutes)
+PIPED_WIDTH = 96  # the chart's columns when stdout is not a terminal
+ROW_LABEL = 5  # "w12  " before a Gantt row
 
 
 # --stages is asked for on the command line (the library's default of 1 suits ddp/fsdp only)
 @config_command(SimulateConfig, fields={"plan": Cli(argument=True), "stages": Cli(required=True)})
 def simulate_command(
     config: SimulateConfig,
-    width: int = typer.Option(96, "--width", min=8, max=MAX_WIDTH, help="Columns of the Gantt chart."),
+    width: int | None = typer.Option(None, "--width", min=8, max=MAX_WIDTH, show_default=False,
+                                     help=f"Columns of the Gantt chart (default: what fits the terminal; "
+                                          f"{PIPED_WIDTH} when the output is not one)."),
     json_output: bool = typer.Option(False, "--json", help="Print JSON: one object, a list with --schedule all."),
 ) -> None:
     """Simulate the plan's steps under parallel schedules: makespan, bubble, peak activations, transfers."""
@@ -35,8 +39,11 @@ def simulate_command(
     from rich.console import Console
 
     console = Console()
-    if not console.is_terminal:  # piped: do not wrap the table and the chart at 80 columns
-        console = Console(width=max(120, width + 8))
+    if console.is_terminal:  # the chart fits the terminal (rows that wrap are no chart)
+        width = width or max(8, console.width - ROW_LABEL - 1)
+    else:  # piped: do not wrap the table and the chart at 80 columns
+        width = width or PIPED_WIDTH
+        console = Console(width=max(120, width + ROW_LABEL + 3))
     console.print(summary_table(result))
     if gantt_step is not None:
         for r in result.results:
@@ -47,17 +54,36 @@ def simulate_command(
 
 
 def summary_table(result):
+    from rich import box
     from rich.table import Table
 
-    t = Table(title=f"varlen simulate {result.plan}", caption=cost_caption(result.results[0].cost_model))
-    for name in ("schedule", "workers", "makespan", "utilization", "bubble", "peak act. (tokens)",
-                 "act. transfers (tokens)", "weight transfers (stages)"):
-        t.add_column(name, justify="left" if name == "schedule" else "right")
-    for r in result.results:
-        t.add_row(r.schedule, str(r.workers), f"{r.makespan:.4g}", f"{r.utilization:.1%}", f"{r.bubble:.1%}",
-                  f"{r.peak_activation.max():,.0f}", f"{r.activation_transfers.sum():,.0f}",
-                  f"{r.weight_transfers.sum():,.0f}")
+    # no inner borders, short headers (the caption says what they count), each column as wide as its
+    # longest value or header word: 80 columns hold every number whole
+    caption = "; ".join(filter(None, [UNITS, cost_caption(result.results[0].cost_model)]))
+    t = Table(title=f"varlen simulate {result.plan}", caption=caption, caption_justify="left", box=box.SIMPLE_HEAD)
+    names = ("schedule", "workers", "makespan", "util.", "bubble", "peak act.", "act. xfer", "weight xfer")
+    rows = [(r.schedule, str(r.workers), f"{r.makespan:.4g}", f"{r.utilization:.1%}", f"{r.bubble:.1%}",
+             count(r.peak_activation.max()), count(r.activation_transfers.sum()), count(r.weight_transfers.sum()))
+            for r in result.results]
+    for k, name in enumerate(names):
+        width = max([len(row[k]) for row in rows] + [len(word) for word in name.split()])
+        t.add_column(name, justify="left" if k == 0 else "right", width=width)
+    for row in rows:
+        t.add_row(*row)
     return t
+
+
+def count(value) -> str:
+    """A count in a few characters: 87,168; 1.226M; 4.59G (M = 10^6, G = 10^9, T = 10^12)."""
+    value = float(value)
+    for limit, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M")):
+        if abs(value) >= limit:
+            return f"{value / limit:.4g}{suffix}"
+    return f"{value:,.0f}"
+
+
+UNITS = ("util. = busy time / (workers x makespan); peak act. = the most activations a worker holds, act. xfer = "
+         "activations and gradients received, in padded tokens of a stage; weight xfer = stage weights fetched")
 
 
 def cost_caption(model: dict | None) -> str | None:

@@ -65,11 +65,15 @@ def print_tables(tables) -> None:
 
 
 def analyze_rows(result) -> list:
+    from varlen_cli.analyze.lengths import not_tokens
+
     s = result.stats
     q = [s["min"], s["p50"], s["p90"], s["p99"], s["max"]]
+    unit = not_tokens(result.length)
     return [
         _row("samples", result.num_samples), _row("files", result.num_files), _row("parts", result.num_parts),
-        _row("length", result.length), _row("difficulty", result.difficulty), _row("total length", s["total"]),
+        _row("length", result.length, f"{result.length} ({unit}, not tokens)" if unit else None),
+        _row("difficulty", result.difficulty), _row("total length", s["total"]),
         _row("min / p50 / p90 / p99 / max", q, " / ".join(f"{v:,}" for v in q)),
         _row("mean length", s["mean"]), *_target_rows(result), _row("seconds", result.seconds),
     ]
@@ -108,14 +112,41 @@ def print_analyze(result) -> None:
 
 
 def warn_empty(result) -> None:
-    """On stderr: samples of length 0 (analyze)."""
+    """On stderr: samples of length 0, and lengths that are not tokens (analyze)."""
+    import sys
+
+    from varlen_cli.analyze.lengths import not_tokens
+
     bins = result.stats["histogram"]["log2_bins"]
     empty = bins[0] if bins else 0
     if empty:
-        import sys
-
         sys.stderr.write(f"varlen: warning: {empty:,} samples have length 0; they are kept "
                          "(plans still schedule them; they add no tokens)\n")
+    unit = not_tokens(result.length)
+    if unit:
+        sys.stderr.write(f"varlen: warning: the lengths are {unit} ({result.length}), not tokens: `varlen plan "
+                         f"--max-tokens N` budgets N {unit} per microbatch (pass --tokenizer FILE_OR_DIR to measure "
+                         f"tokens)\n")
+
+
+def warn_plan_units(result) -> None:
+    """On stderr: a plan of metrics whose lengths are not tokens budgets those (characters, ...)."""
+    import sys
+
+    from varlen_cli.analyze.lengths import not_tokens
+    from varlen_cli.runtime import artifacts
+
+    path = (result.metadata.get("input") or {}).get("path")
+    try:
+        length = artifacts.read_manifest(path)["config"].get("length", "") if path else ""
+    except Exception:  # the plan is written: a gone or unreadable input only loses this note
+        return
+    unit = not_tokens(length)
+    budget = (result.metadata.get("config") or {}).get("max_tokens")
+    if unit and budget:
+        sys.stderr.write(f"varlen: warning: the metrics' lengths are {unit} ({length}), not tokens: --max-tokens "
+                         f"{budget} budgets {budget:,} {unit} per microbatch (analyze with --tokenizer FILE_OR_DIR "
+                         f"for token lengths)\n")
 
 
 def sort_rows(result) -> list:
@@ -157,6 +188,11 @@ def print_sort(result) -> None:
     c.print(p)
 
 
+def lr_unit(metadata: dict) -> str:
+    """What the plan's lr_scale follows: ``loss-tokens``, ``tokens``, ``samples``, or ``none``."""
+    return "none" if metadata.get("lr_scaling") == "none" else metadata.get("lr_scale_by", "samples")
+
+
 def plan_rows(result) -> list:
     from varlen_cli import format
 
@@ -172,6 +208,7 @@ def plan_rows(result) -> list:
         _row("straggler overhead %", s.get("straggler_overhead"), _overhead(s, result.metadata)),
         _row("distinct shapes", s["distinct_shapes"]),
         _row("lr_scale min / max", lr, f"{lr[0]:.3f} / {lr[1]:.3f}"),
+        _row("lr_scale by", lr_unit(result.metadata)),
         _row("dropped samples", s["dropped"]),
     ]
     for src in (result.metadata.get("mixture") or {}).get("sources", []):  # varlen plan --mix

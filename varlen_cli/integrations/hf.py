@@ -58,6 +58,7 @@ def _check_args(args, plan: Plan) -> None:
     if epochs not in (DEFAULT_EPOCHS, plan.epochs) and getattr(args, "max_steps", -1) <= 0:
         raise PlanError(f"num_train_epochs={epochs:g} but the plan has {plan.epochs} epoch(s): leave it out "
                         f"(PlanTrainer trains the plan's epochs), pass {plan.epochs}, or stop early with max_steps")
+    _check_trl_args(args)
     strategy = getattr(args, "train_sampling_strategy", "random")
     if getattr(args, "group_by_length", False) or strategy not in (None, "random"):
         raise PlanError(f"train_sampling_strategy={strategy!r} with a plan: the plan already makes and orders the "
@@ -65,6 +66,18 @@ def _check_args(args, plan: Plan) -> None:
     args.gradient_accumulation_steps = plan.grad_accum
     args.num_train_epochs = 1  # one Trainer epoch runs every epoch of the plan (the loader's all_epochs)
     args.ignore_data_skip = True  # resume seeks to the plan position instead of fast-forwarding
+
+
+def _check_trl_args(args) -> None:
+    """TRL's own batching options, which the plan's batches would silently replace."""
+    if getattr(args, "packing", False):
+        raise PlanError("SFTConfig(packing=True) with a plan: the plan makes the batches, so TRL's packing would be "
+                        "ignored; pack with `varlen plan --packing --seq-len T` (PlanTrainer trains the packed rows) "
+                        "and leave packing=False")
+    if getattr(args, "padding_free", False):
+        raise PlanError("SFTConfig(padding_free=True) with a plan: PlanTrainer collates the plan's batches itself, "
+                        "so TRL's padding-free collation would be ignored; a plan made with `varlen plan --packing` "
+                        "is padding-free: leave padding_free=False")
 
 
 def _check_world(args, plan: Plan) -> None:

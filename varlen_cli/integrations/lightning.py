@@ -54,6 +54,7 @@ class PlanCallback(L.Callback):
 
     def __init__(self, datamodule: PlanDataModule):
         self.datamodule = datamodule
+        self.step_start: StepStart | None = None  # where the optimizer step being trained began
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage == "fit":
@@ -77,9 +78,14 @@ class PlanCallback(L.Callback):
                             f"replan`) but the Trainer is at step {trainer.global_step}: resume from the checkpoint it "
                             f"was made from (trainer.fit(..., ckpt_path=...))")
 
+        refuse_mid_step_start(self.datamodule.loader, plan, trainer)
+        keep_resumed_checkpoint(trainer)
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         loader = self.datamodule.loader
         if loader is not None:
+            if int(batch["plan_position"][3]) == 0:  # a step starts: what a checkpoint saved in it holds
+                self.step_start = StepStart(loader.state_dict(), trainer)
             loader.mark_consumed(batch)  # Lightning fetched ahead: this is the batch being trained
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
@@ -92,6 +98,11 @@ class PlanCallback(L.Callback):
             return
         for name, value in plan_metrics(batch).items():
             pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=1)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        loader, start = self.datamodule.loader, self.step_start
+        if loader is not None and start is not None and trainer.global_step == start.global_step:
+            start.rewind(checkpoint, loader.state_dict())  # saved before the optimizer step: mid-step
 
 
 def check_trainer(trainer, plan: Plan) -> None:
@@ -194,3 +205,81 @@ def plan_loss(loss_sum, batch: dict, trainer) -> Any:
     accumulated gradient is exactly that of the mean token loss over the whole step.
     """
     return loss_sum * (trainer.world_size * trainer.accumulate_grad_batches / batch["step_loss_tokens"])
+
+
+# -- checkpoints: every one Lightning writes resumes exactly ------------------------------------------
+class StepStart:
+    """Where the optimizer step being trained began: the loader's state, Lightning's global step and
+    batch counts there. A checkpoint saved in the middle of a step (a time interval, a validation, an
+    exception, ``trainer.save_checkpoint``) holds weights, optimizer and LR schedulers as of the step's
+    start already (the optimizer has not stepped); only the gradient its first microbatches accumulated
+    is not saved. :meth:`rewind` puts the loader's state and Lightning's batch counters back to the
+    step's start too, so the resumed job trains that step's microbatches again: the checkpoint resumes
+    exactly, as one saved at the step's start would."""
+
+    def __init__(self, loader_state: dict, trainer):
+        loop = trainer.fit_loop.epoch_loop
+        progress = loop.batch_progress  # counted already for the step's first batch
+        self.loader_state = loader_state
+        self.global_step = int(trainer.global_step)
+        self.batches = {"total": int(progress.total.ready) - 1, "current": int(progress.current.ready) - 1}
+        # the optimizer's and schedulers' counters, untouched by the step's first batch so far
+        self.counters = {"epoch_loop.automatic_optimization.optim_progress":
+                         loop.automatic_optimization.optim_progress.state_dict(),
+                         "epoch_loop.scheduler_progress": loop.scheduler_progress.state_dict()}
+
+    def rewind(self, checkpoint: dict, loader_state_now: dict) -> None:
+        fit = checkpoint.get("loops", {}).get("fit_loop", {})
+        progress = fit.get("epoch_loop.batch_progress")
+        counters = fit.get("epoch_loop.state_dict")
+        states = fit.get("state_dict", {}).get("combined_loader")
+        if not (isinstance(progress, dict) and isinstance(counters, dict) and isinstance(states, list)):
+            import warnings
+
+            warnings.warn("varlen: this Lightning version's checkpoint layout is unknown: a checkpoint saved in the "
+                          "middle of an optimizer step keeps that position and cannot be resumed", stacklevel=2)
+            return
+        fit["state_dict"]["combined_loader"] = [self.loader_state if _same(s, loader_state_now) else s
+                                                for s in states]
+        after_a_batch = self.batches["current"] > 0
+        for part, done in self.batches.items():  # as saved at the end of the step's previous batch
+            progress[part] = {"ready": done, "started": done, "processed": done,
+                              "completed": done - 1 if after_a_batch else done}
+        progress["is_last_batch"] = False
+        fit.update((key, state) for key, state in self.counters.items() if key in fit)
+        # Lightning adds one optimizer step to this (logging) counter when it restarts after a batch's end
+        counters["_batches_that_stepped"] = self.global_step - (1 if after_a_batch else 0)
+
+
+def _same(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # values that do not compare (tensors)
+        return a is b
+
+
+def refuse_mid_step_start(loader, plan: Plan, trainer) -> None:
+    """A resumed loader must start where the restored optimizer step starts: a Lightning checkpoint
+    holds no accumulated gradient (the ones written under PlanDataModule hold the step's start)."""
+    if loader is None or trainer.ckpt_path is None:
+        return
+    step, micro, _ = loader.batch_sampler.bounds()
+    done = (first_step(plan) + step - trainer.global_step) * plan.grad_accum + micro  # microbatches of the step
+    if not 0 < done <= plan.grad_accum:
+        return  # at the step's start (or another desync, which the loader's guard names)
+    raise PlanError(f"{trainer.ckpt_path} was saved in the middle of optimizer step {trainer.global_step} ({done} of "
+                    f"its {plan.grad_accum} microbatches trained, the optimizer not yet stepped) and a Lightning "
+                    f"checkpoint does not hold the gradient they accumulated, so training cannot continue exactly "
+                    f"from it (checkpoints written under PlanDataModule by this varlen hold the step's start): resume "
+                    f"from an earlier checkpoint")
+
+
+def keep_resumed_checkpoint(trainer) -> None:
+    """A resumed job does not save its first global step again: that step's checkpoint is the one it
+    resumed from (Lightning's ModelCheckpoint forgets what it saved, and would overwrite the source with
+    a save taken after the first resumed microbatch)."""
+    if trainer.ckpt_path is None:
+        return
+    for callback in trainer.checkpoint_callbacks:
+        if hasattr(callback, "_last_global_step_saved"):
+            callback._last_global_step_saved = trainer.global_step

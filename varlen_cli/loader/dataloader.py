@@ -154,6 +154,15 @@ class PlanLoaderMixin:
         """Resume at ``state``'s position (seeks; refuses a state from another plan)."""
         self._restore_position(state)
 
+    @property
+    def _is_accelerate_prepared(self) -> bool:
+        """What ``accelerator.prepare(loader)`` asks first: refused in one line. accelerate would rebuild
+        the loader over a re-sharded batch sampler (each rank training every other microbatch of its
+        stream) as a plain DataLoader (``loader.epoch``: an AttributeError)."""
+        raise PlanError("accelerator.prepare(loader) would re-shard the plan's per-rank loader: use "
+                        "varlen_cli.integrations.accelerate.prepare_plan_dataloader(accelerator, loader) for it (and "
+                        "prepare the model and optimizer as usual)")
+
 
 class PlanDataLoader(PlanLoaderMixin, DataLoader):
     """A ``torch.utils.data.DataLoader`` over a plan (made by :func:`dataloader_for_plan`)."""
@@ -251,12 +260,23 @@ def stateful_loader_class():
                         self._restore_position(ours)
                     finally:
                         self.batch_sampler.ledger_in_state = False
-                    if ours.get("plan") != self.plan.fingerprint:
-                        state = {}  # a state of the plan's parent: torchdata's part indexes the parent
+                    other_workers = saved_workers(state) not in (None, self.num_workers)
+                    if ours.get("plan") != self.plan.fingerprint or other_workers:
+                        # a state of the plan's parent (torchdata's part indexes the parent), or of another number
+                        # of worker processes (torchdata's part cannot be restored: an AssertionError at the next
+                        # iteration): the loader's own position is exact, the sampler seeks to it
+                        state = {}
                 StatefulDataLoader.load_state_dict(self, state)
 
         _STATEFUL = PlanStatefulDataLoader
     return _STATEFUL
+
+
+def saved_workers(state: dict) -> int | None:
+    """The DataLoader worker processes a torchdata state was saved with (None: not a torchdata state)."""
+    if isinstance(state.get("_snapshot"), dict):
+        return len(state["_snapshot"].get("_worker_snapshots") or {})
+    return 0 if "_num_yielded" in state else None
 
 
 def _legacy_position(state: dict) -> dict | None:

@@ -14,6 +14,7 @@ from ..memory.sizes import parse_size
 from ..runtime.choices import (
     ALLOW_MEMORY_EXTRAPOLATION_HELP,
     NPROC_HELP,
+    PANEL_RUN,
     STORAGE_OPTION_HELP,
     LrScaleBy,
     LrScaling,
@@ -28,6 +29,10 @@ MAX_TOKENS_LIMIT = 2**53  # budgets are compared as float64: exact up to here
 CHUNK_SAMPLES = 1 << 23  # samples per chunk (varlen_cli/plan/chunked)
 ORDERS = values(Order)
 TAILS = values(Tail)
+# --help panels (varlen_cli/cli/options.py): the options of one concern together
+BATCHES, LR, SHAPES = "Order, tail and batch size", "LR scaling", "Shapes (compilers, pipelines)"
+ATTENTION, PACKING = "Attention cost", "Packing (padding-free rows)"
+MEMORY, SCHEDULE, DERIVED = "Budget from a memory limit", "Pipeline schedule", "Mixtures and longer plans"
 
 
 @dataclass(frozen=True)
@@ -49,61 +54,70 @@ class PlanConfig:
     seed: int = doc(0, "Seed of every shuffle (different per epoch, same plan for the same seed).")
     epochs: int = doc(1, "Epochs to plan; every sample once per epoch, steps counted across epochs.")
     curriculum_epochs: int | None = doc(None, "With --order curriculum/reverse: switch to bucket-shuffle after this "
-                                              "many epochs.")
-    lr_scaling: LrScaling = doc("linear", "Per-step LR scale: linear (b / base), sqrt, or none (1).")
-    lr_scale_by: LrScaleBy = doc("samples", "What b counts: samples or tokens of the step.")
+                                              "many epochs.", panel=BATCHES)
+    lr_scaling: LrScaling = doc("linear", "Per-step LR scale: linear (b / base), sqrt, or none (1).", panel=LR)
+    lr_scale_by: LrScaleBy = doc("loss-tokens", "What b counts: the step's loss tokens (the targets its mean loss "
+                                                "averages over: lr_scale about 1 under a token budget), its tokens, "
+                                                "or its samples.", panel=LR)
     base_batch_size: float | None = doc(None, "The b at which lr_scale is 1 (default: the plan's mean step size, "
-                                              "recorded in the metadata).")
-    pad_multiple: int = doc(1, "Round every padded T up to a multiple of M (8 or 64 suit GPUs).")
-    num_shapes: int | None = doc(None, "At most K distinct T, bucket edges chosen to minimise padding on this data.")
+                                              "recorded in the metadata).", panel=LR)
+    pad_multiple: int = doc(1, "Round every padded T up to a multiple of M (8 or 64 suit GPUs).", panel=SHAPES)
+    num_shapes: int | None = doc(None, "At most K distinct T, bucket edges chosen to minimise padding on this data.",
+                                 panel=SHAPES)
     static_shapes: bool = doc(False, "Also fix B per bucket (padding rows): exactly the K (B, T) shapes of "
-                                     "--num-shapes.")
+                                     "--num-shapes.", panel=SHAPES)
     compile_warmup: bool = doc(False, "Reorder the first steps so every rank meets every shape early (largest first); "
-                                      "recorded as warmup_steps.")
-    same_shape_per_step: bool = doc(False, "All microbatches of a step share one B x T (pipeline parallelism).")
-    max_samples: int | None = doc(None, "Cap on the samples (B) of a microbatch.")
+                                      "recorded as warmup_steps.", panel=SHAPES)
+    same_shape_per_step: bool = doc(False, "All microbatches of a step share one B x T (pipeline parallelism).",
+                                    panel=SHAPES)
+    max_samples: int | None = doc(None, "Cap on the samples (B) of a microbatch.", panel=BATCHES)
     attention_cost: float | str = doc(0.0, "A: a padded microbatch costs B*T + A*B*T^2 against --max-tokens; a packed "
                                            "row costs its tokens + A*sum(l_i^2) over its segments, and rows are "
                                            "dealt so ranks cost alike. 'auto': from --model-dim/--layers "
-                                           "(docs/packing.md).")
-    model_dim: int | None = doc(None, "With --attention-cost auto: the model's hidden size d.")
-    layers: int | None = doc(None, "With --attention-cost auto: the model's transformer layers L.")
-    vocab_size: int | None = doc(None, "With --attention-cost auto: vocabulary size V (LM head FLOPs; default 0).")
-    drop_long: bool = doc(False, "Drop samples that fit no microbatch (ids and count recorded) instead of failing.")
+                                           "(docs/packing.md).", panel=ATTENTION)
+    model_dim: int | None = doc(None, "With --attention-cost auto: the model's hidden size d.", panel=ATTENTION)
+    layers: int | None = doc(None, "With --attention-cost auto: the model's transformer layers L.", panel=ATTENTION)
+    vocab_size: int | None = doc(None, "With --attention-cost auto: vocabulary size V (LM head FLOPs; default 0).",
+                                 panel=ATTENTION)
+    drop_long: bool = doc(False, "Drop samples that fit no microbatch (ids and count recorded) instead of failing.",
+                          panel=BATCHES)
     tail: Tail = doc("split", "split: split microbatches so every rank gets grad-accum per step (fails only with "
                               "fewer samples than slots); drop: then drop the smallest tail microbatches (ids "
-                              "recorded).")
+                              "recorded).", panel=BATCHES)
     packing: bool = doc(False, "Padding-free plan: samples packed into rows of --seq-len tokens, R rows per "
-                               "microbatch.")
-    seq_len: int | None = doc(None, "Packed row length T (with --packing).")
+                               "microbatch.", panel=PACKING)
+    seq_len: int | None = doc(None, "Packed row length T (with --packing).", panel=PACKING)
     rows_per_microbatch: int | None = doc(None, "R packed rows per microbatch (default: --max-tokens // --seq-len, "
-                                                "else 1).")
-    max_per_row: int | None = doc(None, "Cap on the samples in one packed row.")
+                                                "else 1).", panel=PACKING)
+    max_per_row: int | None = doc(None, "Cap on the samples in one packed row.", panel=PACKING)
     split_long: bool = doc(False, "With --packing: cut samples longer than --seq-len into chunks (recorded as "
-                                  "start/length segments).")
+                                  "start/length segments).", panel=PACKING)
     memory_profile: str | None = doc(None, "Memory profile from `varlen calibrate`: with --max-memory, the budget "
-                                           "comes from it (instead of --max-tokens/--attention-cost).")
+                                           "comes from it (instead of --max-tokens/--attention-cost).", panel=MEMORY)
     max_memory: str | None = doc(None, "Peak memory per microbatch not to exceed, e.g. 70GiB, 512MB or bytes (needs "
-                                       "--memory-profile).")
-    memory_margin: float = doc(0.05, "Plan to a predicted peak of max-memory x (1 - margin).")
-    allow_memory_extrapolation: bool = doc(False, ALLOW_MEMORY_EXTRAPOLATION_HELP)
-    overwrite: bool = doc(False, "Replace an existing output (written atomically either way).")
+                                       "--memory-profile).", panel=MEMORY)
+    memory_margin: float = doc(0.05, "Plan to a predicted peak of max-memory x (1 - margin).", panel=MEMORY)
+    allow_memory_extrapolation: bool = doc(False, ALLOW_MEMORY_EXTRAPOLATION_HELP, panel=MEMORY)
+    overwrite: bool = doc(False, "Replace an existing output (written atomically either way).", panel=PANEL_RUN)
     allow_stale: bool = doc(False, "Use metrics even if their source files changed (size, mtime) since "
-                                   "`varlen analyze`: for data moved or copied on purpose.")
+                                   "`varlen analyze`: for data moved or copied on purpose.", panel=PANEL_RUN)
     schedule: str | None = doc(None, "Order each step's microbatches for this parallel schedule (ddp, fsdp, gpipe, "
                                      "1f1b, lpp, fslpp): the best simulated of a few orders per step "
-                                     "(docs/schedules.md).")
-    stages: int | None = doc(None, "Pipeline stages of --schedule.")
+                                     "(docs/schedules.md).", panel=SCHEDULE)
+    stages: int | None = doc(None, "Pipeline stages of --schedule.", panel=SCHEDULE)
     mix: str | None = doc(None, "Plan a mixture of sources: name=DIR:weight,... (weight 2: every sample twice per "
-                                "epoch, 0.5: a seeded half); the plan records each sample's source.")
+                                "epoch, 0.5: a seeded half); the plan records each sample's source.", panel=DERIVED)
     extend: str | None = doc(None, "Lengthen this plan to --epochs E: its steps unchanged, new epochs appended (its "
-                                   "other options kept; INPUT_DIR only if its input moved).")
-    progress: bool = doc(True, "Show a progress bar on rank 0 (only on a terminal).")
-    nproc: int = doc(1, NPROC_HELP)
+                                   "other options kept; INPUT_DIR only if its input moved).", panel=DERIVED)
+    progress: bool = doc(True, "Show a progress bar on rank 0 (only on a terminal).", panel=PANEL_RUN)
+    nproc: int = doc(1, NPROC_HELP, panel=PANEL_RUN)
     chunk_samples: int = doc(CHUNK_SAMPLES, "Samples planned together (a chunk): a worker holds one chunk at a time, "
                                             "so memory per worker is bounded by it; chunks, not workers, define the "
-                                            "plan (docs/plan.md, \"Plans at scale\").")
-    storage_options: tuple = doc((), STORAGE_OPTION_HELP)
+                                            "plan (docs/plan.md, \"Plans at scale\").", panel=PANEL_RUN)
+    storage_options: tuple = doc((), STORAGE_OPTION_HELP, panel=PANEL_RUN)
+    recorded_input: str | None = doc(None, "Library only: the input path the plan's metadata records, when the "
+                                           "input is built somewhere else first (varlen run: in a temporary "
+                                           "directory, swapped in afterwards).")
 
 
 @dataclass

@@ -33,13 +33,14 @@ from ..runtime.choices import (
     ALLOW_STALE_HELP,
     NPROC_HELP,
     OVERWRITE_HELP,
+    PANEL_RUN,
     STORAGE_OPTION_HELP,
     doc,
 )
 from ..storage.files import open_regular
 from . import writer
 from .chunked.run import Continuation, plan_chunked
-from .config import PlanResult
+from .config import MEMORY, PlanResult
 from .cost_model import rebudget
 from .extend import ExtendConfig, extend
 from .parent import (
@@ -71,14 +72,15 @@ class ReplanConfig:
     max_tokens: int | None = doc(None, "Budget of the new plan (default: the parent's; a parent's --max-memory limit "
                                        "is re-checked).")
     max_memory: str | None = doc(None, "New peak memory limit, e.g. 70GiB (default: the parent's); the budget comes "
-                                       "from --memory-profile or the profile the parent recorded.")
-    memory_profile: str | None = doc(None, "Memory profile for --max-memory (default: the one the parent recorded).")
-    allow_memory_extrapolation: bool = doc(False, ALLOW_MEMORY_EXTRAPOLATION_HELP)
-    overwrite: bool = doc(False, OVERWRITE_HELP)
-    allow_stale: bool = doc(False, ALLOW_STALE_HELP)
-    storage_options: tuple = doc((), STORAGE_OPTION_HELP)
-    nproc: int = doc(1, NPROC_HELP)
-    progress: bool = doc(True, "Show a progress bar on rank 0 (only on a terminal).")
+                                       "from --memory-profile or the profile the parent recorded.", panel=MEMORY)
+    memory_profile: str | None = doc(None, "Memory profile for --max-memory (default: the one the parent recorded).",
+                                     panel=MEMORY)
+    allow_memory_extrapolation: bool = doc(False, ALLOW_MEMORY_EXTRAPOLATION_HELP, panel=MEMORY)
+    overwrite: bool = doc(False, OVERWRITE_HELP, panel=PANEL_RUN)
+    allow_stale: bool = doc(False, ALLOW_STALE_HELP, panel=PANEL_RUN)
+    storage_options: tuple = doc((), STORAGE_OPTION_HELP, panel=PANEL_RUN)
+    nproc: int = doc(1, NPROC_HELP, panel=PANEL_RUN)
+    progress: bool = doc(True, "Show a progress bar on rank 0 (only on a terminal).", panel=PANEL_RUN)
 
 
 def resume_step(config: ReplanConfig, parent: Parent) -> int:

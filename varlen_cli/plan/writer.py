@@ -58,12 +58,25 @@ def location_record(path: str, output: str) -> dict:
     return {"path": where, "relative_path": os.path.relpath(where, os.path.dirname(os.path.abspath(output)))}
 
 
+def input_location(c) -> dict:
+    """:func:`location_record` of ``c.input`` as the plan records it: with ``PlanConfig.recorded_input``
+    (varlen run builds the input in a temporary directory) its final path; ``relative_path`` holds as
+    it is, since the input and the plan move together."""
+    where = location_record(c.input, c.output)
+    if getattr(c, "recorded_input", None):
+        where["path"] = storage.absolute(c.recorded_input)
+    return where
+
+
 def recorded_config(c) -> dict:
     """The options a plan records: what it is made of, not how the command ran (no output, overwrite,
     progress, nproc, allow_stale: ``artifacts.RUNTIME_FIELDS``), so the same input and options give
     the same file, whatever the number of workers and wherever it is written."""
-    return {k: v for k, v in artifacts.config_dict(c).items()
-            if k not in artifacts.RUNTIME_FIELDS and not (k in RECORDED_WHEN_SET and v is None)}
+    recorded = {k: v for k, v in artifacts.config_dict(c).items()
+                if k not in artifacts.RUNTIME_FIELDS and not (k in RECORDED_WHEN_SET and v is None)}
+    if getattr(c, "recorded_input", None):  # varlen run: the input's final path, not its temporary's
+        recorded["input"] = storage.absolute(c.recorded_input)
+    return recorded
 
 
 RECORDED_WHEN_SET = ("max_target_tokens",)

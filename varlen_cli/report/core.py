@@ -18,7 +18,7 @@ from typing import Literal
 from .. import storage
 from ..errors import InputError, OutputError, UsageError
 from ..runtime import artifacts, rank0
-from ..runtime.choices import STORAGE_OPTION_HELP, doc
+from ..runtime.choices import PANEL_RUN, STORAGE_OPTION_HELP, doc
 
 EXTENSIONS = {"html": (".html", ".htm"), "png": (".png",)}
 
@@ -34,8 +34,8 @@ class ReportConfig:
     format: Literal["html", "png"] = doc("html", "html: one self-contained page (inline SVG, opens offline); "
                                                  "png: every plot in one image (needs Pillow: the report extra of "
                                                  "varlen-cli).")
-    overwrite: bool = doc(False, "Replace an existing report (only one varlen wrote).")
-    storage_options: tuple = doc((), STORAGE_OPTION_HELP)
+    overwrite: bool = doc(False, "Replace an existing report (only one varlen wrote).", panel=PANEL_RUN)
+    storage_options: tuple = doc((), STORAGE_OPTION_HELP, panel=PANEL_RUN)
 
 
 @dataclass

@@ -232,7 +232,8 @@ _FIGURES = {
     "padding": ("Padding per step", "The share of each step's padded tokens that hold no sample; spikes are steps of "
                 "badly matched lengths (--num-shapes, --pad-multiple, --packing).", _draw_padding),
     "samples": ("Samples per step", "Under a token budget the sample count follows the lengths: short samples, big "
-                "steps; lr_scale follows it (--lr-scaling).", _draw_samples),
+                "steps; lr_scale follows it with --lr-scale-by samples (by default it follows the loss tokens).",
+                _draw_samples),
     "lr_scale": ("lr_scale per step", "The learning-rate multiplier of each step (--lr-scaling, --base-batch-size): a "
                  "jump here is a jump in the effective learning rate.", _draw_lr),
     "straggler": ("Straggler: busiest rank over the mean", _straggler_caption, _draw_straggler),

@@ -33,7 +33,7 @@ metrics_schema = format.metrics_schema
 # Config fields that say how a stage ran, not what it computed: left out of artifact ids. (An input
 # directory's path is too: its artifact id is part of the id, and `varlen run` builds in a temporary.)
 RUNTIME_FIELDS = frozenset({"nproc", "overwrite", "device", "progress", "output", "debug", "quiet", "allow_stale",
-                            "metrics_dir", "storage_options"})
+                            "metrics_dir", "storage_options", "recorded_input"})
 
 
 def config_dict(config: Any) -> dict:
@@ -143,7 +143,6 @@ class AtomicFile(_AtomicOutput):
 
             return check_file(self.given, self.overwrite, self.json_format)
         safety.check_file_name(self.given, "plan.parquet" if self.json_format is None else "profile.json")
-        parent = os.path.dirname(self.path)
         if os.path.isdir(self.path) and not os.path.islink(self.path):
             name = {"report": "report.html", "trace": "trace.json"}.get(
                 self.kind, "plan.parquet" if self.json_format is None else "profile.json")
@@ -152,8 +151,6 @@ class AtomicFile(_AtomicOutput):
             safety.check_replaceable(self.given, self.overwrite, self.kind)
         else:
             safety.check_replaceable(self.given, self.overwrite, "json", self.json_format)
-        if not os.path.isdir(parent):
-            raise OutputError(f"cannot write {self.given}: directory {parent} does not exist")
 
     def abort(self) -> None:
         try:

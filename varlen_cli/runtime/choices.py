@@ -21,7 +21,7 @@ Device = Literal["cpu", "cuda"]
 Order = Literal["curriculum", "reverse", "bucket-shuffle", "random"]
 Tail = Literal["split", "drop"]
 LrScaling = Literal["linear", "sqrt", "none"]
-LrScaleBy = Literal["samples", "tokens"]
+LrScaleBy = Literal["loss-tokens", "tokens", "samples"]
 Ties = Literal["id", "shuffle"]
 NanPolicy = Literal["error", "last"]
 Engine = Literal["auto", "numpy", "torch"]
@@ -32,9 +32,11 @@ def values(choice: Any) -> tuple[str, ...]:
     return tuple(typing.get_args(choice))
 
 
-def doc(default: Any = dataclasses.MISSING, help: str = "", **kwargs) -> Any:
-    """A dataclass field with its one documentation string (``metadata["help"]``)."""
-    return dataclasses.field(default=default, metadata={"help": help}, **kwargs)
+def doc(default: Any = dataclasses.MISSING, help: str = "", panel: str | None = None, **kwargs) -> Any:
+    """A dataclass field with its one documentation string (``metadata["help"]``) and the ``--help``
+    panel its option is listed in (``metadata["panel"]``; None: the command's first panel, "Options")."""
+    metadata = {"help": help} if panel is None else {"help": help, "panel": panel}
+    return dataclasses.field(default=default, metadata=metadata, **kwargs)
 
 
 def field_help(config_type: type, name: str) -> str:
@@ -67,6 +69,8 @@ def check_choices(config: Any) -> None:
         raise UsageError(f"{flag} must be one of {', '.join(allowed)} (got {value!r})")
 
 
+# The --help panel of the options every stage shares (workers, progress, inputs, outputs)
+PANEL_RUN = "Workers, inputs and output"
 # Help of options several commands share (each config declares its own field with these texts).
 OVERWRITE_HELP = "Replace an existing output (written atomically either way)."
 ALLOW_STALE_HELP = ("Use metrics even if their source files changed (size, mtime) since `varlen analyze`: for data "

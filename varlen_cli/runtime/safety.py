@@ -526,6 +526,7 @@ def output_lock(path: str, shown: str | None = None) -> Iterator[None]:
     """
     lock = sibling(path, LOCK_TAG)
     shown = shown or path  # the output as the user wrote it, for messages
+    make_parent(path, shown)
     if lock in _held():
         yield
         return
@@ -543,6 +544,22 @@ def output_lock(path: str, shown: str | None = None) -> Iterator[None]:
         else:
             os.environ[_HELD_ENV] = saved
         _remove(lock)
+
+
+def make_parent(path: str, shown: str) -> None:
+    """Create the missing directories above a local output, as most tools do (``-o new/dir/plan.parquet``)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(parent):
+        return
+    above = parent
+    while not os.path.lexists(above):
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        raise OutputError(f"cannot create output {shown}: {above} is not a directory")
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"cannot create output {shown}: cannot create directory {parent}: {exc.strerror}") from None
 
 
 def _remove(path: str) -> None:

@@ -25,6 +25,9 @@ MAX_JOBS_PER_STEP = 1 << 19
 MAX_STAGE_WORKER_CELLS = 1 << 24
 
 
+TRACE = "Chrome trace (--trace)"  # the --help panel of the trace file's options
+
+
 @dataclass(frozen=True)
 class SimulateConfig:
     """Options of ``varlen simulate``."""
@@ -44,9 +47,9 @@ class SimulateConfig:
     gantt_step: int | None = doc(None, "Draw step N as a Gantt chart: worker rows, time columns, microbatch ids.")
     trace: str | None = doc(None, "Write the simulated schedule as Chrome trace events to this JSON file (open it in "
                                   "Perfetto or chrome://tracing): a track per worker and stage, an event per forward "
-                                  "and backward, steps end to end.")
-    trace_steps: int | None = doc(None, "The steps --trace holds, from step 0 (default: every step).")
-    overwrite: bool = doc(False, "Replace an existing --trace file (only one varlen wrote).")
+                                  "and backward, steps end to end.", panel=TRACE)
+    trace_steps: int | None = doc(None, "The steps --trace holds, from step 0 (default: every step).", panel=TRACE)
+    overwrite: bool = doc(False, "Replace an existing --trace file (only one varlen wrote).", panel=TRACE)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from ..runtime.choices import (
     DEVICE_HELP,
     NPROC_HELP,
     OVERWRITE_HELP,
+    PANEL_RUN,
     PROGRESS_HELP,
     STORAGE_OPTION_HELP,
     Device,
@@ -72,16 +73,16 @@ class SortConfig:
     seed: int = doc(0, "Seed of --ties shuffle.")
     nan: NanPolicy = doc("error", "NaN keys: error (refuse) or last (after all other keys).")
     single_file: bool = doc(False, "Write one part-00000.parquet, streamed in rank order, instead of one part per "
-                                   "worker.")
-    nproc: int = doc(1, NPROC_HELP)
-    device: Device = doc("cpu", DEVICE_HELP)
-    overwrite: bool = doc(False, OVERWRITE_HELP)
-    progress: bool = doc(True, PROGRESS_HELP)
+                                   "worker.", panel=PANEL_RUN)
+    nproc: int = doc(1, NPROC_HELP, panel=PANEL_RUN)
+    device: Device = doc("cpu", DEVICE_HELP, panel=PANEL_RUN)
+    overwrite: bool = doc(False, OVERWRITE_HELP, panel=PANEL_RUN)
+    progress: bool = doc(True, PROGRESS_HELP, panel=PANEL_RUN)
     row_group_size: int = doc(1 << 20, "Rows per Parquet row group of the sorted parts.")
     engine: Engine = doc("auto", "numpy sorts on the CPU with numpy, torch with torch on device (auto: torch with "
                                  "--device cuda, numpy otherwise); the result is the same.")
-    allow_stale: bool = doc(False, ALLOW_STALE_HELP)
-    storage_options: tuple = doc((), STORAGE_OPTION_HELP)
+    allow_stale: bool = doc(False, ALLOW_STALE_HELP, panel=PANEL_RUN)
+    storage_options: tuple = doc((), STORAGE_OPTION_HELP, panel=PANEL_RUN)
 
 
 @dataclass

@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat as stat_mod
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -306,7 +307,9 @@ def _first_line(exc: BaseException) -> str:
 
 # -- errors ------------------------------------------------------------------------------------------
 _CREDENTIAL_WORDS = ("credential", "accessdenied", "access denied", "forbidden", "invalidaccesskeyid",
-                     "signaturedoesnotmatch", "unauthorized", "401", "403")
+                     "signaturedoesnotmatch", "unauthorized")
+# an HTTP status as a word of the message ("(403)"), never digits of a port or a key ("127.0.0.1:34011")
+_STATUS = {code: re.compile(rf"(?:^|[\s(\[=]){code}(?=$|[\s)\],:;.])") for code in ("401", "403", "404")}
 _UNREACHABLE_WORDS = ("connect", "timeout", "timed out", "name or service not known", "unreachable",
                       "connection refused", "could not resolve", "nodename nor servname")
 
@@ -322,7 +325,7 @@ def describe_error(loc: str, exc: BaseException, write: bool = False) -> str:
     ``loc`` is (in) an output."""
     text = _first_line(exc)
     low = f"{type(exc).__name__} {text}".lower()
-    if isinstance(exc, FileNotFoundError) or "nosuchbucket" in low or "nosuchkey" in low or "404" in low:
+    if isinstance(exc, FileNotFoundError) or "nosuchbucket" in low or "nosuchkey" in low or _STATUS["404"].search(low):
         what = "bucket" if "nosuchbucket" in low or "bucket" in low and "not exist" in low else "object"
         return f"cannot write {loc}: no such {what}" if write else f"{loc} does not exist (no such {what})"
     if "profilenotfound" in low:
@@ -330,7 +333,8 @@ def describe_error(loc: str, exc: BaseException, write: bool = False) -> str:
     if "nocredentials" in low or "unable to locate credentials" in low:
         return (f"no credentials for {loc}: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or the store's own "
                 "variables), or pass --storage-option")
-    if isinstance(exc, PermissionError) or any(w in low for w in _CREDENTIAL_WORDS):
+    if isinstance(exc, PermissionError) or any(w in low for w in _CREDENTIAL_WORDS) or \
+            _STATUS["401"].search(low) or _STATUS["403"].search(low):
         return f"access to {loc} was denied (check the credentials and permissions): {text}"
     kind = _timeout_kind(exc, low)
     if kind:

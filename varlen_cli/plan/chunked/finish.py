@@ -260,8 +260,8 @@ def _step_columns(c, epochs: list[EpochRows], tallies: list[Tally], slots: int, 
     step_tokens = np.concatenate([t.tokens for t in tallies])
     step_targets = step_tokens - np.concatenate([t.lost for t in tallies])
     # target_length (analyze --target-length): "tokens" are those that carry loss
-    scales, base = lr.lr_scales(step_samples, step_targets if trained_only else step_tokens, c.lr_scaling,
-                                c.lr_scale_by, c.base_batch_size)
+    scales, base = lr.lr_scales(step_samples, step_targets if trained_only else step_tokens, step_targets,
+                                c.lr_scaling, c.lr_scale_by, c.base_batch_size)
     if not np.all(np.isfinite(scales)):
         raise UsageError(f"--base-batch-size {c.base_batch_size} gives a non-finite lr_scale; give a larger base "
                          "batch size")

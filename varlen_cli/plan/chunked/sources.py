@@ -31,7 +31,7 @@ import numpy as np
 from ... import format
 from ...errors import InputError, OutputError
 from ...runtime import artifacts
-from ..writer import location_record
+from ..writer import input_location, location_record
 from .chunks import TARGET_COLUMN, ChunkData, ChunkSource, ChunkSpec, InputRows, Scatter
 
 DIFFICULTY = "difficulty"
@@ -155,7 +155,7 @@ class DirectoryInput:
     def record(self, c) -> dict:
         """The metadata's ``input``."""
         manifest = self.manifest
-        return {**location_record(c.input, c.output), "kind": manifest.get("kind"),
+        return {**input_location(c), "kind": manifest.get("kind"),
                 "artifact_id": manifest.get("artifact_id"), "num_rows": int(self.num_rows),
                 "dataset_digest": (manifest.get("dataset") or {}).get("digest")}
 

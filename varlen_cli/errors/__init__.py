@@ -14,6 +14,9 @@ code  meaning
 6     ``varlen validate`` found violations (:data:`VALIDATION_FAILED`), or a plan does not fit the
       dataset, world size or trainer, or the trainer left the plan (:class:`PlanError`)
 ====  =====================================================================
+
+An uncaught varlen error in a training script is one line too, also under torchrun
+(:mod:`.entry`, installed when ``varlen_cli`` is imported).
 """
 
 from __future__ import annotations
