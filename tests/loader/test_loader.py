@@ -131,6 +131,38 @@ def test_dataloader_workers_state_after_batch(tmp_path):
     assert len(again.batch_sampler) == len(seen)  # the epoch is over: the next iteration starts from its beginning
 
 
+def test_loader_view_is_the_plan_loader_but_its_iteration(tmp_path):
+    """An adapter's loader (LoaderView) has the plan loader's length, epochs, guard, sampler and state, and
+    its own batches: a resume through the view continues the plan loader's stream."""
+    from varlen_cli.loader.view import LoaderView
+
+    class Ids(LoaderView):
+        def __iter__(self):
+            for batch in self.loader:
+                yield batch["sample_ids"][: batch["num_samples"]].tolist()
+
+    path = str(tmp_path / "p.parquet")
+    write_plan(path, LENGTHS, dp=2, grad_accum=2, epochs=2, max_tokens=256)
+    data = SyntheticTokens(LENGTHS)
+    base = dataloader_for_plan(data, path, rank=0, world_size=2, lr_scale="ignore")
+    view = Ids(base)
+    assert view.plan is base.plan and view.guard is base.guard and view.batch_sampler is base.batch_sampler
+    assert len(view) == len(base) and view.epoch == base.epoch == 0
+    seen = []
+    for i, ids in enumerate(view):
+        seen.append(ids)
+        if i == 2:
+            state = view.state_dict()
+            assert state == base.state_dict()
+            break
+    again = Ids(dataloader_for_plan(data, path, rank=0, world_size=2, lr_scale="ignore"))
+    again.load_state_dict(state)
+    full = list(Ids(dataloader_for_plan(data, path, rank=0, world_size=2, lr_scale="ignore")))
+    assert seen + list(again) == full
+    again.set_epoch(1)
+    assert again.epoch == again.loader.epoch == 1
+
+
 def test_loader_imports_only_torch_numpy_pyarrow():
     # varlen_cli.format (the plan format's one definition) imports only pyarrow, numpy, json and storage.files
     code = ("import sys, varlen_cli.loader; bad = sorted(m for m in sys.modules if m.split('.')[0] in "

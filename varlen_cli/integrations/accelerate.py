@@ -22,15 +22,16 @@ from __future__ import annotations
 from typing import Any
 
 from ..loader.plan_file import PlanError
+from ..loader.view import LoaderView
 
 
-class PlanLoader:
-    """The plan's loader as accelerate sees it after :func:`prepare_plan_dataloader`."""
+class PlanLoader(LoaderView):
+    """The plan's loader as accelerate sees it after :func:`prepare_plan_dataloader`: its batches on
+    the accelerator's device, the rest the plan loader's (:class:`~varlen_cli.loader.view.LoaderView`)."""
 
     def __init__(self, loader: Any, accelerator: Any):
-        self.loader = loader
+        super().__init__(loader)
         self.accelerator = accelerator
-        self.plan = loader.plan
 
     def __iter__(self):
         from accelerate.utils import send_to_device
@@ -38,29 +39,6 @@ class PlanLoader:
         device = self.accelerator.device
         for batch in self.loader:
             yield send_to_device(batch, device)
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def set_epoch(self, epoch: int) -> None:
-        self.loader.set_epoch(epoch)
-
-    def end_epoch(self) -> None:
-        self.loader.end_epoch()
-
-    @property
-    def epoch(self) -> int:
-        return self.loader.epoch
-
-    @property
-    def guard(self):
-        return self.loader.guard
-
-    def state_dict(self) -> dict:
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.loader.load_state_dict(state)
 
 
 def prepare_plan_dataloader(accelerator: Any, loader: Any, *, register: bool = True) -> PlanLoader:

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ...loader.plan_file import Plan, PlanError
+from ...loader.view import LoaderView
 from .binding import check_position, sync_lr, write_step_figures
 from .config import plan_columns
 
@@ -76,17 +77,17 @@ class PipeBatch(tuple):
         return (PipeBatch, (self[0], self[1], self.info))
 
 
-class PipeLoader:
+class PipeLoader(LoaderView):
     """The plan's loader for ``engine.train_batch(data_iter=iter(loader))`` (module docstring).
 
-    It has the plan loader's ``set_epoch``, ``epoch``, ``end_epoch``, ``state_dict``/``load_state_dict``,
-    ``guard``, ``plan`` and ``len()`` (microbatches); ``loader.loader`` is the plan loader itself.
-    ``inputs``: the batch keys the first stage gets (one: a tensor; several: a tuple).
+    It has the plan loader's interface (:class:`~varlen_cli.loader.view.LoaderView`: ``set_epoch``,
+    ``epoch``, ``end_epoch``, ``state_dict``/``load_state_dict``, ``guard``, ``plan``, ``len()``);
+    ``loader.loader`` is the plan loader itself. ``inputs``: the batch keys the first stage gets (one:
+    a tensor; several: a tuple).
     """
 
     def __init__(self, loader: Any, engine: Any, binding: Any, inputs: tuple[str, ...] = ("input_ids",)):
-        self.loader = loader
-        self.plan = loader.plan
+        super().__init__(loader)
         self.inputs = tuple(inputs)
         self._engine = engine
         self._binding = binding
@@ -121,31 +122,6 @@ class PipeLoader:
         if engine.is_last_stage() and micro == self.plan.grad_accum - 1 and step + 1 < self.plan.num_steps \
                 and tuple(self._shapes[step + 1]) != shape:
             engine.reset_activation_shape()  # after this step's last receive
-
-    # -- the plan loader's interface ---------------------------------------------------------------
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def set_epoch(self, epoch: int) -> None:
-        self.loader.set_epoch(epoch)
-
-    def end_epoch(self) -> None:
-        self.loader.end_epoch()
-
-    @property
-    def epoch(self) -> int:
-        return self.loader.epoch
-
-    @property
-    def guard(self):
-        return self.loader.guard
-
-    @property
-    def batch_sampler(self):
-        return self.loader.batch_sampler
-
-    def state_dict(self) -> dict:
-        return self.loader.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at ``state`` (every stage, between steps: the engine's p2p buffers are sized afresh)."""
