@@ -148,9 +148,9 @@ def test_byte_range_chunks_give_identical_output(tmp_path, fmt):
 
 
 def test_big_parquet_row_group_cut_into_units(tmp_path, monkeypatch):
-    from varlen_cli.analyze import sources
+    from varlen_cli.analyze.formats import ranges
 
-    monkeypatch.setattr(sources, "MAX_UNIT_ROWS", 64)
+    monkeypatch.setattr(ranges, "MAX_UNIT_ROWS", 64)
     table = pa.table({"n": pa.array(np.arange(1000) % 17, pa.int32())})
     src = write_parquet(table, tmp_path / "one.parquet", row_group_size=1000)
     units = make_units(discover([src]))
@@ -176,3 +176,27 @@ def test_sample_data_sources_agree(sample_dir, tmp_path):
     _, b = run(tmp_path / "b", os.path.join(sample_dir, "text.parquet"), length="chars:text", difficulty="value:id")
     assert ipc_bytes(a) == ipc_bytes(b)
     shutil.rmtree(tmp_path / "a")
+
+
+@given(rows=st.integers(0, 5000), step=st.integers(-1, 700), part=st.integers(0, 9))
+def test_row_ranges_tile_the_container(rows, step, part):
+    """The one unit rule (formats/ranges.py): units tile rows [0, rows) in order, each at most max(step, 1)
+    rows and only the last shorter; an empty container is one empty unit."""
+    from varlen_cli.analyze.formats import ranges
+
+    units = ranges.row_ranges(part, rows, step)
+    assert [u[0] for u in units] == [part] * len(units)
+    assert units[0][1] == 0 and units[-1][2] == rows
+    assert all(a[2] == b[1] for a, b in zip(units, units[1:]))
+    assert all(u[3] == u[4] == u[2] - u[1] <= max(step, 1) for u in units)
+    assert all(u[3] == max(step, 1) for u in units[:-1]) and (rows > 0) == (units[-1][3] > 0)
+
+
+def test_unit_rows_is_about_chunk_bytes_within_bounds(monkeypatch):
+    from varlen_cli.analyze.formats import ranges
+
+    assert ranges.unit_rows(1000, 10_000, 100) == 10  # 100 bytes of 10-byte rows
+    assert ranges.unit_rows(1000, 10_000, 1) == 1 and ranges.unit_rows(0, 0, 1 << 30) == 1
+    assert ranges.unit_rows(10**12, 10**12, 1 << 40) == ranges.MAX_UNIT_ROWS
+    monkeypatch.setattr(ranges, "MAX_UNIT_ROWS", 7)
+    assert ranges.unit_rows(1000, 1000, 1000) == 7

@@ -300,9 +300,9 @@ def test_row_groups_larger_than_a_slice(tmp_path, monkeypatch):
     unnoticed. With the slice patched down to 7 rows: every item of row groups of 50 and 30 rows (several
     boundaries each, a last slice shorter) is compared with its row, and analyze's lengths of them and of
     an Arrow file (cut in slices too) with the rows'."""
-    from varlen_cli.analyze import sources
+    from varlen_cli.analyze.formats import ranges
 
-    monkeypatch.setattr(sources, "MAX_UNIT_ROWS", 7)
+    monkeypatch.setattr(ranges, "MAX_UNIT_ROWS", 7)
     table = _token_table(230, seed=9)
     write_parquet(table.slice(0, 130), tmp_path / "a.parquet", row_group_size=50)
     write_arrow_file(table.slice(130), tmp_path / "b.arrow")

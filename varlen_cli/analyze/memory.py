@@ -73,11 +73,6 @@ def lookup(path: str) -> DatasetSource:
     return found
 
 
-def unit_rows(rows: int, nbytes: int, chunk_bytes: int, most: int) -> int:
-    """Rows per work unit: about ``chunk_bytes`` of the table, at most ``most``."""
-    return max(1, min(most, chunk_bytes * rows // max(nbytes, 1)))
-
-
 def read(path: str, start: int, stop: int, columns):
     """Rows ``[start, stop)`` of the dataset (its indices mapping applied) as an Arrow table of ``columns``."""
     dataset = lookup(path).dataset

@@ -35,6 +35,7 @@ from ..errors import InputError
 from ..runtime import freshness
 from ..storage.files import check_regular, open_regular
 from . import corpora, discovery, formats, memory, remote
+from .formats import ranges
 
 PARQUET_EXT = (".parquet", ".pq")
 ARROW_EXT = (".arrow", ".feather", ".ipc")
@@ -42,7 +43,6 @@ JSONL_EXT = (".jsonl", ".ndjson", ".json")
 TEXT_EXT = (".txt", ".text")
 TEXT_COLUMN = "text"
 DEFAULT_CHUNK_BYTES = 32 << 20
-MAX_UNIT_ROWS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -315,9 +315,8 @@ def make_units(files: Sequence[SourceFile], chunk_bytes: int = DEFAULT_CHUNK_BYT
         elif f.format in formats.NAMES:
             units.extend(Unit(i, *u) for u in formats.units(f.path, f.format, f.size, chunk_bytes))
         elif f.format == memory.FORMAT:
-            step = memory.unit_rows(f.rows, f.size, chunk_bytes, MAX_UNIT_ROWS)
-            units.extend(Unit(i, -1, a, min(a + step, f.rows), min(step, f.rows - a), min(step, f.rows - a))
-                         for a in range(0, max(f.rows, 1), step))
+            step = ranges.unit_rows(f.rows, f.size, chunk_bytes)
+            units.extend(Unit(i, -1, *u[1:]) for u in ranges.row_ranges(0, f.rows, step))
         elif f.compression is not None:
             units.append(Unit(i, -1, 0, f.size, -1, max(1, _estimate_rows(f.path, f.size, compressed=True))))
         else:
@@ -329,12 +328,8 @@ def make_units(files: Sequence[SourceFile], chunk_bytes: int = DEFAULT_CHUNK_BYT
 
 
 def _row_units(file_index: int, part_rows: Sequence[int], whole_file: bool = False) -> list[Unit]:
-    out = []
-    for part, n in enumerate(part_rows):
-        for a in range(0, max(n, 1), MAX_UNIT_ROWS):
-            b = min(n, a + MAX_UNIT_ROWS)
-            out.append(Unit(file_index, -1 if whole_file else part, a, b, b - a, b - a))
-    return out
+    return [Unit(file_index, -1 if whole_file else part, *u[1:])
+            for part, n in enumerate(part_rows) for u in ranges.row_ranges(part, n, ranges.MAX_UNIT_ROWS)]
 
 
 def _rows_per_byte(path: str, probe: int = 1 << 20) -> float:

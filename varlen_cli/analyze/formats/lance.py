@@ -23,11 +23,11 @@ from dataclasses import dataclass
 
 from ... import storage
 from ...errors import InputError, UsageError
+from . import ranges
 
 VERSIONS = "_versions"
 SUFFIX = ".manifest"
 V2_BASE = (1 << 64) - 1  # Lance's v2 manifest names: u64::MAX - version
-MAX_UNIT_ROWS = 1 << 20
 
 
 def is_manifest(path: str) -> bool:
@@ -112,15 +112,8 @@ def _first_line(exc: BaseException) -> str:
 
 def units(version: Version, chunk_bytes: int) -> list[tuple[int, int, int, int, int]]:
     """(part, start, stop, rows, weight): row ranges of about ``chunk_bytes`` per fragment."""
-    total_bytes = sum(d.size for d in version.data) or 1
-    total_rows = sum(version.rows) or 1
-    step = max(1, min(MAX_UNIT_ROWS, chunk_bytes * total_rows // total_bytes))
-    out = []
-    for k, n in enumerate(version.rows):
-        for a in range(0, max(n, 1), step):
-            b = min(n, a + step)
-            out.append((k, a, b, b - a, b - a))
-    return out
+    step = ranges.unit_rows(sum(version.rows) or 1, sum(d.size for d in version.data) or 1, chunk_bytes)
+    return [unit for k, n in enumerate(version.rows) for unit in ranges.row_ranges(k, n, step)]
 
 
 def read(version: Version, part: int, start: int, stop: int, columns):

@@ -37,10 +37,10 @@ import numpy as np
 
 from ... import storage
 from ...errors import InputError
+from . import ranges
 
 INDEX_NAME = "index.json"
 FOOTER_MAGIC = b"LDARW01\0"
-MAX_UNIT_ROWS = 1 << 20
 NUMPY_DTYPES = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32",
                 "float64"]  # litdata's _NUMPY_DTYPES_MAPPING, indexes 0..10
 TORCH_DTYPES = {0: "float32", 1: "float32", 2: "float64", 3: "float64", 8: "float16", 9: "float16", 11: "uint8",
@@ -183,14 +183,8 @@ def _walk(node: dict, prefix: tuple) -> list[tuple]:
 def units(index: Index, chunk_bytes: int) -> list[tuple[int, int, int, int, int]]:
     """(part, start, stop, rows, weight): item ranges of about ``chunk_bytes`` per chunk (a compressed
     chunk is one unit: it is decompressed whole)."""
-    out = []
-    for k, c in enumerate(index.chunks):
-        by_bytes = c.items * chunk_bytes // max(c.nbytes, 1)
-        step = c.items if index.compression else max(1, min(MAX_UNIT_ROWS, by_bytes))
-        for a in range(0, max(c.items, 1), max(step, 1)):
-            b = min(c.items, a + step)
-            out.append((k, a, b, b - a, b - a))
-    return out
+    return [unit for k, c in enumerate(index.chunks) for unit in ranges.row_ranges(
+        k, c.items, c.items if index.compression else ranges.unit_rows(c.items, c.nbytes, chunk_bytes))]
 
 
 def leaf_type(data_format: str):

@@ -32,6 +32,7 @@ import numpy as np
 from ... import storage
 from ...errors import InputError
 from ...storage.files import check_regular
+from . import ranges
 
 INDEX_NAME = "index.json"
 SCALARS = {"uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32, "uint64": np.uint64, "int8": np.int8,
@@ -41,7 +42,6 @@ NDARRAY_DTYPES = {8: "uint8", 9: "int8", 16: "uint16", 17: "int16", 18: "float16
                   34: "float32", 64: "uint64", 65: "int64", 66: "float64"}
 SHAPE_DTYPES = {0: np.uint8, 1: np.uint16, 2: np.uint32, 3: np.uint64}
 CODECS = ("zstd", "gz", "bz2", "br", "snappy")
-MAX_UNIT_ROWS = 1 << 20
 GATHER_BYTES = 8 << 20  # bytes gathered per numpy pass (bounds the index array's memory)
 
 
@@ -139,14 +139,8 @@ def _count(value, where: str, what: str) -> int:
 
 def units(shards: list[Shard], chunk_bytes: int) -> list[tuple[int, int, int, int, int]]:
     """(part, start, stop, rows, weight): sample ranges of about ``chunk_bytes`` per shard."""
-    out = []
-    for k, s in enumerate(shards):
-        by_bytes = s.samples * chunk_bytes // max(s.raw_bytes, 1)
-        step = s.samples if s.compression else max(1, min(MAX_UNIT_ROWS, by_bytes))
-        for a in range(0, max(s.samples, 1), max(step, 1)):
-            b = min(s.samples, a + step)
-            out.append((k, a, b, b - a, b - a))
-    return out
+    return [unit for k, s in enumerate(shards) for unit in ranges.row_ranges(
+        k, s.samples, s.samples if s.compression else ranges.unit_rows(s.samples, s.raw_bytes, chunk_bytes))]
 
 
 def schema(shards: list[Shard]):
