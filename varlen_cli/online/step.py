@@ -129,8 +129,8 @@ def _step_plan(spec: StepSpec, lengths: np.ndarray, slots: Slots) -> StepPlan:
 
     samples, tokens = len(lengths), int(lengths.sum())
     loss_tokens = tokens - int(np.count_nonzero(lengths))
-    by = {"samples": samples, "tokens": tokens, "loss-tokens": loss_tokens}[spec.lr_scale_by]
-    scale = lr_scales(np.array([by]), np.array([by]), spec.lr_scaling, "samples", spec.base_batch_size)[0]
+    scale = lr_scales(np.array([samples]), np.array([tokens]), np.array([loss_tokens]), spec.lr_scaling,
+                      spec.lr_scale_by, spec.base_batch_size)[0]
     rank_cost = slots.cost.reshape(dp, g).sum(axis=1) if g else np.zeros(dp)
     return StepPlan(nested(slots.entries), slots.seqlen.reshape(dp, g), slots.batch.reshape(dp, g),
                     slots.tokens.reshape(dp, g), rank_cost, loss_tokens, float(scale[0]), g, slots.empty, samples,
