@@ -133,7 +133,7 @@ def _read_state(path: str) -> dict:
             state = json.load(f)
     except FileNotFoundError:
         raise InputError(f"sampler state {path} does not exist") from None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: nested past Python's limit
         raise InputError(f"cannot read sampler state {path}: {exc}") from None
     if not isinstance(state, dict):
         raise InputError(f"sampler state {path} is not a JSON object")

@@ -27,10 +27,10 @@ one line, never read in part):
    zero blocks of end-of-archive, followed by zeros only (``tarfile`` itself takes a damaged header
    for the end); an MDS shard's first 4 bytes hold the index's sample count and its last sample ends
    at its last byte; a Megatron ``.bin`` ends where the last sequence does (the first starts at 0).
-3. What is read is checked on the way: MDS offsets non-decreasing; Megatron pointers at each
-   unit's ends spanning exactly its sequences' tokens (so the lengths add up to the ``.bin``'s
-   contents; inner pointers are checked where tokens are read), document boundaries
-   non-decreasing within 0..sequences.
+3. What is read is checked on the way: MDS offsets non-decreasing, each sample exactly its
+   columns, each shard's own header (its column names, encodings, sizes) the index's; Megatron
+   pointers each where the previous sequence ends (so the lengths are exactly the ``.bin``'s
+   layout), document boundaries non-decreasing within 0..sequences.
 4. :func:`companions` names the files beside the one discovered that the samples come from (a
    Megatron ``.bin``, MDS shards): the dataset fingerprint records them, so a rewritten one makes
    the metrics stale (:mod:`varlen_cli.runtime.freshness`).
