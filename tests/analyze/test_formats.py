@@ -275,6 +275,11 @@ def test_webdataset_members_as_columns(tmp_path):
     items = SourceDataset(str(tmp_path / "o0"), columns=["__key__", "json.num_tokens"])
     for i in (33, 30, 0, len(samples) - 1):
         assert items[i] == {"__key__": samples[i]["__key__"], "json.num_tokens": samples[i]["json"]["num_tokens"]}
+    everything = SourceDataset(str(tmp_path / "o0"))  # every member, typed as its named column: txt was bytes
+    for i in (33, 0):
+        item = everything[i]
+        assert item["txt"] == samples[i]["txt"] and item["npy"].tolist() == samples[i]["npy"].reshape(-1).tolist()
+        assert json.loads(item["json"]) == samples[i]["json"]
 
 
 @pytest.mark.slow

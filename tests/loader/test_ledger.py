@@ -329,6 +329,44 @@ def test_a_malformed_state_is_one_plan_error(tmp_path, case, stateful):
         loader.load_state_dict(state)
 
 
+def test_a_torchdata_state_whose_loader_part_is_not_a_dict_is_refused(tmp_path):
+    """{"varlen": None} (a checkpoint that lost the loader's part) started the job afresh, silently."""
+    plan = _plan(tmp_path)
+    loader = dataloader_for_plan(SyntheticTokens(LENGTHS), plan, rank=0, world_size=1, stateful=True)
+    for part in (None, []):
+        with pytest.raises(PlanError, match="^" + re.escape(
+                f"invalid loader state: its 'varlen' entry is {part!r}, not the loader's state (pass what "
+                "loader.state_dict() returned)") + "$"):
+            loader.load_state_dict({"varlen": part})
+
+
+LR_MALFORMED = {  # VariableBatchSizeLR state -> the message after "invalid VariableBatchSizeLR state: "
+    "None": (lambda s: None, "it is a NoneType, not a dict (pass what VariableBatchSizeLR.state_dict() returned)"),
+    "no step": (lambda s: {k: v for k, v in s.items() if k != "step"}, "its 'step' is None, not an integer >= 0"),
+    "step -1": (lambda s: {**s, "step": -1}, "its 'step' is -1, not an integer >= 0"),
+    "step 1.5": (lambda s: {**s, "step": 1.5}, "its 'step' is 1.5, not an integer >= 0"),
+    "unscaled 'x'": (lambda s: {**s, "unscaled": "x"},
+                     "its 'unscaled' is 'x', not 1 finite learning rate(s) (one per param group)"),
+    "unscaled for 2 groups": (lambda s: {**s, "unscaled": [0.1, 0.2]},
+                              "its 'unscaled' is [0.1, 0.2], not 1 finite learning rate(s) (one per param group)"),
+    "unscaled NaN": (lambda s: {**s, "unscaled": [float("nan")]},
+                     "its 'unscaled' is [nan], not 1 finite learning rate(s) (one per param group)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LR_MALFORMED))
+def test_a_malformed_lr_state_is_one_plan_error(tmp_path, case):
+    """step None, 'x', [] or NaN, unscaled None or ['a'], a state that is no dict: raw TypeError,
+    ValueError, KeyError or AttributeError before; step -1 and 1.5 were accepted (step_index -1, 1)."""
+    plan = _plan(tmp_path)
+    make, message = LR_MALFORMED[case]
+    sched = VariableBatchSizeLR(_optimizer(), plan)
+    good = sched.state_dict()
+    with pytest.raises(PlanError, match="^" + re.escape(f"invalid VariableBatchSizeLR state: {message}") + "$"):
+        sched.load_state_dict(make(good))
+    assert sched.step_index == 0
+
+
 def test_a_ledger_with_a_gap_is_refused(tmp_path):
     """A ledger [[0,2],[4,8]] was accepted and the job trained to the end without positions 2-3."""
     plan = _plan(tmp_path)

@@ -244,6 +244,9 @@ def stateful_loader_class():
                 if not isinstance(state, dict):
                     raise PlanError(f"invalid loader state: {loader_state_problem(state)}")
                 state = dict(state)
+                if STATE_KEY in state and not isinstance(state[STATE_KEY], dict):  # else a silent fresh start
+                    raise PlanError(f"invalid loader state: its '{STATE_KEY}' entry is {state[STATE_KEY]!r}, not the "
+                                    "loader's state (pass what loader.state_dict() returned)")
                 ours = state.pop(STATE_KEY, None) or _legacy_position(state)
                 if ours is not None:
                     self.batch_sampler.ledger_in_state = True
