@@ -131,6 +131,10 @@ CASES = {
     "output holding an input's glob folder": (
         "analyze s3://B/d/sub/*.parquet -o s3://B/d --overwrite", 4,
         "output s3://B/d contains the input s3://B/d/sub/*.parquet; write the output elsewhere", {}),
+    "an empty segment in the output's key": (  # it left a temporary under "/d/..." and ended in an internal error
+        "analyze L/src -o s3://B//d/m", 4,
+        "output s3://B//d/m has an empty segment ('//') in its key, which object-storage listings do not keep "
+        "(varlen could not find what it wrote); give s3://B/d/m", {}),
     "directory output is an object": (
         "analyze L/src -o s3://B/keep/README.md --overwrite", 4,
         "output s3://B/keep/README.md exists and is not a directory", {}),

@@ -361,6 +361,12 @@ def check_remote_place(path: str, kind: str) -> None:
     from .. import storage
 
     root = path.rstrip("/")
+    scheme, _, rest = root.partition("://")
+    bucket, _, key = rest.partition("/")
+    if "//" in key or key.startswith("/"):
+        tidy = f"{scheme}://{bucket}/" + "/".join(part for part in key.split("/") if part)
+        raise OutputError(f"output {path} has an empty segment ('//') in its key, which object-storage listings do not "
+                          f"keep (varlen could not find what it wrote); give {tidy}")
     if storage.parent(root) == root:
         example = "a prefix such as {}/metrics" if kind == "dir" else "a key such as {}/plan.parquet"
         raise OutputError(f"output {path} is a whole bucket: varlen writes an output beside its temporary, inside "
