@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import tarfile
 
 import numpy as np
 import pyarrow as pa
@@ -485,6 +486,34 @@ def test_damaged_webdataset_shard_is_refused(tmp_path, case):
     path.write_bytes(data)  # nothing lost when intact: every sample, also read in many units by 2 workers
     _, got = run(tmp_path / "out", str(folder), length="value:json.num_tokens", chunk_bytes=4096)
     assert got.column("length").to_pylist() == [s["json"]["num_tokens"] for s in samples]
+
+
+def test_a_sparse_member_is_refused(tmp_path):
+    """A member GNU tar stored sparse (-S) keeps only its data blocks: read at its offset for its size, it
+    ran into the next members (wrong bytes) or past the end ("truncated")."""
+    import subprocess
+
+    if shutil.which("tar") is None:
+        pytest.skip("GNU tar is needed to write a sparse member")
+    src = tmp_path / "files"
+    src.mkdir()
+    (src / "a.json").write_text('{"n": 1}')
+    with open(src / "a.txt", "wb") as fh:  # 128 KiB: a hole between two bytes
+        fh.write(b"x")
+        fh.seek(131071)
+        fh.write(b"y")
+    (src / "b.json").write_text('{"n": 2}')
+    (src / "b.txt").write_text("zz")
+    shard = tmp_path / "s.tar"
+    subprocess.run(["tar", "--format=gnu", "-S", "-cf", str(shard), "-C", str(src), "a.json", "a.txt", "b.json",
+                    "b.txt"], check=True)
+    with tarfile.open(shard) as tar:
+        if not tar.getmember("a.txt").issparse():
+            pytest.skip("this file system keeps no holes: tar -S stored the member whole")
+    result = CliRunner().invoke(app, ["analyze", str(shard), "-o", str(tmp_path / "out"), "--length", "bytes:txt",
+                                      "--no-progress"])
+    assert_user_error(result, 3, f"{shard}: member a.txt is a sparse file (packed with GNU tar -S), which varlen does "
+                                 "not read; pack the shard without -S (webdataset's TarWriter never writes one)")
 
 
 @pytest.mark.slow

@@ -103,6 +103,10 @@ class Walker:
             self._tar.members = []  # no list of every member kept
             if not info.isreg():
                 continue
+            if info.issparse():  # its data is stored without the holes: read at its offset it would be wrong
+                raise InputError(f"{self.path}: member {info.name} is a sparse file (packed with GNU tar -S), which "
+                                 "varlen does not read; pack the shard without -S (webdataset's TarWriter never "
+                                 "writes one)")
             key, ext = key_and_ext(info.name)
             if key is not None:
                 return info.offset, _Member(key, ext, info.offset_data, info.size)
