@@ -122,7 +122,26 @@ def _state_step(path: str, parent: Parent) -> int:
     if not (epoch + 1 < len(starts) and starts[epoch] <= step < starts[epoch + 1]):
         raise InputError(f"the sampler state {path} says epoch {epoch} at step {step}, but step {step} of "
                          f"{parent.path} is in epoch {bisect.bisect_right(starts, step) - 1}")
+    _check_history(state, path, parent, step * parent.grad_accum + micro)
     return step
+
+
+def _check_history(state: dict, path: str, parent: Parent, position: int) -> None:
+    """The state's ledger must be a history of the parent, as the loader checks it (a gap would be
+    replanned away, never trained)."""
+    ledger = state.get("ledger")
+    if ledger is None:
+        return
+    ga = parent.grad_accum
+
+    def describe(k: int) -> str:
+        return f"(step {k // ga}, micro {k % ga})"
+
+    problem = format.ledger_history_problem([[int(a), int(b)] for a, b in ledger.get("consumed", [])],
+                                            {int(e) for e in ledger.get("ended", [])}, position, ga,
+                                            list(parent.meta["steps_per_epoch"]), describe)
+    if problem is not None:
+        raise InputError(f"the sampler state {path} is not a loader state of {parent.path}: {problem}")
 
 
 def _read_state(path: str) -> dict:
