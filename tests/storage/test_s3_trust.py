@@ -172,6 +172,10 @@ CASES = {
         "sort s3://B/m -o s3://B/sorted2 --storage-option bogus=1", 2,
         "unknown --storage-option bogus for s3:// (the keywords of s3fs.S3FileSystem: endpoint_url, anon, key, "
         "secret, token, profile, client_kwargs, config_kwargs...)", {}),
+    "asynchronous true": (  # "cannot write ...: Loop is not running", exit 4
+        "analyze L/src -o s3://B/new --storage-option asynchronous=true", 2,
+        "--storage-option asynchronous is not for varlen: it calls the store synchronously, with s3fs's own event loop",
+        {}),
     "anon not a boolean": (
         "analyze s3://B/d -o L/out --storage-option anon=5", 2, "--storage-option anon must be true or false, got 5",
         {}),
