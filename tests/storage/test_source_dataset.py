@@ -186,11 +186,14 @@ def _rewrite_same_size_and_mtime(path) -> None:
                 r"re-run `varlen analyze`"),
     ("rewritten, size and mtime kept", r"cannot read {p}: .+ \(did it change since `varlen analyze`\?\)"),
 ])
-def test_a_source_changed_while_reading_is_refused(tmp_path, change, message):
+def test_a_source_changed_while_reading_is_refused(tmp_path, monkeypatch, change, message):
     """A source changed after SourceDataset was made: a truncated or rewritten Parquet file gave a raw
     OSError ("File too short", "Couldn't deserialize thrift"); a JSONL file edited in place gave rows
     without their column. Each block read re-checks the file's size and mtime; what else goes wrong
     reading it is an InputError too."""
+    from varlen_cli.loader import source_dataset
+
+    monkeypatch.setattr(source_dataset, "RECHECK_S", 0.0)  # re-checked before every block, not once a second
     table = _token_table(60)
     path = write_parquet(table, tmp_path / "a.parquet", row_group_size=10)
     run(tmp_path / "m", path)

@@ -48,6 +48,7 @@ from .item_tokens import ItemTokenizer
 
 DEFAULT_CACHE_BYTES = 1 << 30
 DEFAULT_THREADS = 4
+RECHECK_S = 1.0  # a file's size and mtime are re-checked before a block is read, at most this often
 
 
 @dataclass(frozen=True)
@@ -250,10 +251,11 @@ class SourceDataset:
         self._inflight: dict[int, Future] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._pid = os.getpid()
+        self._checked: dict[int, float] = {}  # file -> when its records were last re-checked
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        for key in ("_lock", "_cache", "_cached_bytes", "_inflight", "_pool", "_pid"):
+        for key in ("_lock", "_cache", "_cached_bytes", "_inflight", "_pool", "_pid", "_checked"):
             state.pop(key, None)
         return state
 
@@ -382,10 +384,17 @@ class SourceDataset:
 
 
     def _check_unchanged(self, file: int) -> None:
-        """Refuse to read a file that changed since analyze (size or mtime: one ``stat`` per block)."""
+        """Refuse to read a file that changed since analyze (size or mtime: a ``stat`` of it and of the
+        files its samples come from, at most once a second per file: an MDS index has a shard each)."""
+        import time
+
         from ..runtime import freshness
 
-        for path, record in self._records[file] if self._records else ():
+        now = time.monotonic()
+        if not self._records or now - self._checked.get(file, -1.0) < RECHECK_S:
+            return
+        self._checked[file] = now
+        for path, record in self._records[file]:
             why = freshness.quick_difference(path, record)
             if why is not None:
                 raise InputError(f"{self.metrics_dir} is stale: source {path} {why} since `varlen analyze` read it "
