@@ -148,6 +148,28 @@ def test_half_an_epoch_then_the_next_needs_end_epoch(tmp_path):
     assert loader.state_dict()["ledger"]["ended"] == [0]
 
 
+@pytest.mark.parametrize("stateful", [False, True])
+def test_a_state_saved_after_end_epoch_resumes_at_the_next_epoch(tmp_path, stateful):
+    """A checkpoint taken right after loader.end_epoch() (its position still in the ended epoch) could not
+    be resumed: the documented loop started at that epoch and the ledger refused its next microbatch."""
+    plan = _plan(tmp_path)
+    data = SyntheticTokens(LENGTHS)
+    loader = dataloader_for_plan(data, plan, rank=0, world_size=1, lr_scale="ignore", stateful=stateful)
+    for i, _ in enumerate(loader):
+        if i == 2:
+            break
+    loader.end_epoch()
+    state = copy.deepcopy(loader.state_dict())
+    resumed = dataloader_for_plan(data, plan, rank=0, world_size=1, lr_scale="ignore", stateful=stateful)
+    resumed.load_state_dict(state)
+    assert resumed.epoch == 1
+    rest = []
+    for epoch in range(resumed.epoch, plan.epochs):  # the documented loop
+        resumed.set_epoch(epoch)
+        rest += [_pos(batch) for batch in resumed]
+    assert rest == [(1, s, 0, m) for s in range(plan.epoch_start(1), plan.num_steps) for m in range(plan.grad_accum)]
+
+
 def test_lr_coverage_refuses_the_first_optimizer_step_without_the_plans_scheduler(tmp_path):
     """Issue 37: a loop with a plain LR scheduler trained 2 optimizer steps at the wrong LR before the
     check stopped it, and merely iterating a loader needed lr_scale="ignore". Now: iterating is free,

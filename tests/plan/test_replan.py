@@ -221,6 +221,10 @@ def test_bad_states(dirs, tmp_path):
          "micro 1) is position 7: the ledger and the position come from different points"),
         (f"[{'[' * 100_000}", "cannot read sampler state {path}: maximum recursion depth exceeded while decoding a "
                               "JSON array from a unicode string"),
+        # saved after loader.end_epoch(): replanning from it trained the rest of the ended epoch
+        ({**good, "ledger": {"consumed": [[0, 7]], "ended": [0]}},
+         f"is in epoch 0, which its ledger says was ended early (loader.end_epoch()): its loader resumes at the next "
+         f"epoch, step {e1}; replan from there with --from-step {e1}"),
     ]
     path = tmp_path / "state.json"
     for state, message in cases:

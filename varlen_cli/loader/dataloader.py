@@ -254,8 +254,8 @@ def stateful_loader_class():
                         self._restore_position(ours)
                     finally:
                         self.batch_sampler.ledger_in_state = False
-                    if ours.get("plan") != self.plan.fingerprint:
-                        state = {}  # a state of the plan's parent: torchdata's part indexes the parent
+                    if ours.get("plan") != self.plan.fingerprint or self.batch_sampler.moved_on:
+                        state = {}  # a parent's state, or one moved past an ended epoch: torchdata's part is stale
                 StatefulDataLoader.load_state_dict(self, state)
 
         _STATEFUL = PlanStatefulDataLoader

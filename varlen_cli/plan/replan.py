@@ -123,6 +123,12 @@ def _state_step(path: str, parent: Parent) -> int:
         raise InputError(f"the sampler state {path} says epoch {epoch} at step {step}, but step {step} of "
                          f"{parent.path} is in epoch {bisect.bisect_right(starts, step) - 1}")
     _check_history(state, path, parent, step * parent.grad_accum + micro)
+    if epoch in (state.get("ledger") or {}).get("ended", []):  # saved after loader.end_epoch()
+        nxt = starts[epoch + 1]
+        then = (f"replan from there with --from-step {nxt}" if nxt < parent.num_steps else
+                f"nothing is left to replan ({parent.path} has {parent.num_steps} steps)")
+        raise InputError(f"the sampler state {path} is in epoch {epoch}, which its ledger says was ended early "
+                         f"(loader.end_epoch()): its loader resumes at the next epoch, step {nxt}; {then}")
     return step
 
 
