@@ -110,8 +110,9 @@ def _is_glob(source: str) -> bool:
     """A SOURCE with wildcards (``*``, ``?``, ``[``) is a glob, unless it names an existing path as written
     (a folder ``d[1]``): then it is that path, and refused if its glob would match other paths too
     (``d1``: which was meant cannot be told)."""
-    if not any(ch in source for ch in discovery.GLOB_CHARS) or not storage.exists(source):
-        return any(ch in source for ch in discovery.GLOB_CHARS)
+    wildcards = any(ch in source for ch in discovery.GLOB_CHARS)
+    if not wildcards or storage.scheme(source) in ("http", "https") or not storage.exists(source):
+        return wildcards  # (an http(s) URL's ? starts its query: as before)
     import glob
 
     matches = storage.glob(source) if storage.is_remote(source) else glob.glob(source, recursive=True)
