@@ -43,7 +43,7 @@ def _source_root(source: str) -> str:
     storage; the source itself if it has none."""
     from .. import storage
 
-    if any(ch in source for ch in "*?[") and storage.exists(source):
+    if any(ch in source for ch in "*?[") and storage.scheme(source) not in ("http", "https") and storage.exists(source):
         return source  # a path with wildcards in its name, read as named (analyze's discovery)
     for i, ch in enumerate(source):
         if ch in "*?[":
