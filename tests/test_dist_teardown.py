@@ -83,3 +83,32 @@ def test_a_failed_peer_does_not_hold_the_others_at_teardown():
     assert code1 == 7, out1
     assert code0 == 0, out0
     assert time.monotonic() - t0 < 60, (out0, out1)
+
+
+@pytest.mark.slow
+def test_a_rank_whose_peers_never_come_stops_in_one_line():
+    """RANK=1 WORLD_SIZE=2 left over from another job: varlen waited 30 minutes for rank 0 (torch retries
+    the store's connection in C++), deaf to SIGTERM and Ctrl-C. Now the join ends after
+    VARLEN_JOIN_TIMEOUT with one line (exit 5), and a signal stops it at once (exit 143)."""
+    port = str(_free_port())
+    env = dict(os.environ, RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PYTHONPATH=ROOT,
+               VARLEN_JOIN_TIMEOUT="2", OMP_NUM_THREADS="1")
+    source = os.path.join(ROOT, "sample_data", "tokenized.parquet")
+    command = [sys.executable, "-m", "varlen_cli", "analyze", source, "-o", os.devnull + "-varlen-never-written"]
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 5, done.stderr
+    assert [line for line in done.stderr.splitlines() if line.startswith("varlen:")] == [
+        f"varlen: error: [rank 1] could not join the process group (gloo): rank 1 of 2 waited 2 s at 127.0.0.1:{port} "
+        "for the other ranks (VARLEN_JOIN_TIMEOUT); are RANK and WORLD_SIZE left over from another job?"]
+    env["VARLEN_JOIN_TIMEOUT"] = "100"
+    proc = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(4)  # torch imported, the join under way
+        t0 = time.monotonic()
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143 and time.monotonic() - t0 < 10, err
+    assert "varlen: terminated" in err

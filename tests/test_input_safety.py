@@ -143,6 +143,15 @@ def _mixed(t):
             f"pass a glob such as '{d}/**/*.jsonl' to choose the files")
 
 
+def _bracket_folder_beside_its_match(t):
+    """A folder data[1] beside data1, which the glob data[1] matches: data1 was read, silently."""
+    make_data(t, "data[1]")
+    make_data(t, "data1")
+    d = t / "data[1]"
+    return (["analyze", d], 3, f"source {d} names an existing path, but as a glob it matches {t / 'data1'} too; to "
+            f"read the path, escape its wildcards ({t / 'data[[]1]'}), or rename it")
+
+
 def _metrics_as_source(t):
     m = analyzed(t)
     return ["analyze", m], 3, f"{m} is {NOT_DATA}"
@@ -426,6 +435,7 @@ def _manifest_for_validate(t):
 BAD_INPUTS = {
     # 4/5/6: discovery
     "mixed formats in a directory": _mixed,
+    "a folder named like a glob, beside what the glob matches": _bracket_folder_beside_its_match,
     "metrics directory as a source": _metrics_as_source,
     "sorted directory as a source": _sorted_as_source,
     "part of a metrics directory as a source": _part_as_source,
@@ -586,6 +596,14 @@ def test_symlinked_directories_are_followed_by_directory_and_glob(tmp_path):
     by_glob = read_metrics(analyzed(tmp_path, f"{d}/**/*.jsonl", "m2"))
     assert ipc_bytes(by_dir) == ipc_bytes(by_glob)
     assert by_dir.num_rows == 30 + 20 + 7
+
+
+def test_a_path_with_wildcards_is_read_as_named(tmp_path):
+    """data[1] alone (no data1): the folder itself (it was "no data files match"); data[[]1] reads it too."""
+    (tmp_path / "src").mkdir()  # outputs beside it: not inside the glob's folder
+    make_data(tmp_path / "src", "data[1]")
+    assert read_metrics(analyzed(tmp_path, tmp_path / "src" / "data[1]", "m1")).num_rows == 50
+    assert read_metrics(analyzed(tmp_path, str(tmp_path / "src" / "data[[]1]"), "m2")).num_rows == 50
 
 
 def test_a_glob_may_pick_one_format_of_a_mixed_directory(tmp_path):

@@ -532,3 +532,38 @@ def loader_state_problem(state) -> str | None:
     if not isinstance(ended, list) or not all(_state_int(e) and e >= 0 for e in ended):
         return f"its ledger's 'ended' is {_shown(ended)}, not a list of epoch numbers"
     return None
+
+
+def ledger_history_problem(spans: list[list[int]], ended: set[int], position: int, grad_accum: int,
+                           steps_per_epoch: list[int], describe) -> str | None:
+    """Why a ledger (consumed ``spans`` of positions ``step * grad_accum + micro``, the epochs ``ended``
+    early) cannot be the history of a job at ``position`` of a plan with these ``steps_per_epoch``
+    (None if it can): spans past the position or out of order, an ended epoch the plan does not have
+    or that lies ahead, or untrained positions outside the epochs ended early. ``describe(k)`` names
+    position k in messages. One rule for the loader (``Ledger.restore``) and ``varlen replan --state``."""
+    starts = np.cumsum([0, *steps_per_epoch])
+    epochs, num_steps = len(steps_per_epoch), int(starts[-1])
+
+    def epoch_of(step: int) -> int:
+        return int(np.searchsorted(starts[1:], min(step, num_steps - 1), side="right"))
+
+    for a, b in spans:
+        if b > position:
+            return (f"its ledger holds positions [{a}, {b}) but its position {describe(position)} is "
+                    f"position {position}: the ledger and the position come from different points")
+    if any(spans[i][1] > spans[i + 1][0] for i in range(len(spans) - 1)):
+        return f"its ledger's spans {spans[:4]} overlap or are out of order"
+    last = epoch_of(position // grad_accum)
+    for e in sorted(ended):
+        if e >= epochs or e > last:
+            return f"its ledger says epoch {e} was ended early, but the plan has {epochs} epoch(s) and the state is " \
+                   f"at epoch {last}"
+    for lo, hi in zip([0] + [b for _, b in spans], [a for a, _ in spans] + [position]):
+        if lo < hi:
+            open_epochs = [e for e in range(epoch_of(lo // grad_accum), epoch_of((hi - 1) // grad_accum) + 1)
+                           if e not in ended]
+            if open_epochs:
+                return (f"its ledger leaves {describe(lo)} to {describe(hi - 1)} untrained, in epoch {open_epochs[0]}, "
+                        "which was not ended with end_epoch(): those positions would never be trained (was the state "
+                        "edited, or put together from two jobs?)")
+    return None

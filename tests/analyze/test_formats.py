@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import tarfile
 
 import numpy as np
 import pyarrow as pa
@@ -275,6 +276,11 @@ def test_webdataset_members_as_columns(tmp_path):
     items = SourceDataset(str(tmp_path / "o0"), columns=["__key__", "json.num_tokens"])
     for i in (33, 30, 0, len(samples) - 1):
         assert items[i] == {"__key__": samples[i]["__key__"], "json.num_tokens": samples[i]["json"]["num_tokens"]}
+    everything = SourceDataset(str(tmp_path / "o0"))  # every member, typed as its named column: txt was bytes
+    for i in (33, 0):
+        item = everything[i]
+        assert item["txt"] == samples[i]["txt"] and item["npy"].tolist() == samples[i]["npy"].reshape(-1).tolist()
+        assert json.loads(item["json"]) == samples[i]["json"]
 
 
 @pytest.mark.slow
@@ -484,6 +490,34 @@ def test_damaged_webdataset_shard_is_refused(tmp_path, case):
     assert got.column("length").to_pylist() == [s["json"]["num_tokens"] for s in samples]
 
 
+def test_a_sparse_member_is_refused(tmp_path):
+    """A member GNU tar stored sparse (-S) keeps only its data blocks: read at its offset for its size, it
+    ran into the next members (wrong bytes) or past the end ("truncated")."""
+    import subprocess
+
+    if shutil.which("tar") is None:
+        pytest.skip("GNU tar is needed to write a sparse member")
+    src = tmp_path / "files"
+    src.mkdir()
+    (src / "a.json").write_text('{"n": 1}')
+    with open(src / "a.txt", "wb") as fh:  # 128 KiB: a hole between two bytes
+        fh.write(b"x")
+        fh.seek(131071)
+        fh.write(b"y")
+    (src / "b.json").write_text('{"n": 2}')
+    (src / "b.txt").write_text("zz")
+    shard = tmp_path / "s.tar"
+    subprocess.run(["tar", "--format=gnu", "-S", "-cf", str(shard), "-C", str(src), "a.json", "a.txt", "b.json",
+                    "b.txt"], check=True)
+    with tarfile.open(shard) as tar:
+        if not tar.getmember("a.txt").issparse():
+            pytest.skip("this file system keeps no holes: tar -S stored the member whole")
+    result = CliRunner().invoke(app, ["analyze", str(shard), "-o", str(tmp_path / "out"), "--length", "bytes:txt",
+                                      "--no-progress"])
+    assert_user_error(result, 3, f"{shard}: member a.txt is a sparse file (packed with GNU tar -S), which varlen does "
+                                 "not read; pack the shard without -S (webdataset's TarWriter never writes one)")
+
+
 @pytest.mark.slow
 def test_damage_in_any_unit_is_refused_by_whichever_unit_walks_past_it(tmp_path):
     """Byte-range units: damage far before a shard's last unit is found by the units after it (each
@@ -544,6 +578,28 @@ MDS_DAMAGE = {
                         "(truncated or replaced)"),
     "shard outside the folder": ("raw", lambda x: x["shards"][0]["raw_data"].update(basename="../x.mds"),
                                  "{i}: shard 0 names the shard file '../x.mds'; it must lie in the index's folder"),
+    # the index edited against its shards: the shards' own headers (MDSWriter's config JSON) disagree
+    "index says ndarray:float16": ("raw", lambda x: [s["column_encodings"].__setitem__(8, "ndarray:float16")
+                                                     for s in x["shards"]],
+                                   "MDS shard {d}/shard.00000.mds does not match its index: its header gives column 8 "
+                                   '(tokens) the encoding "ndarray:int32", index.json "ndarray:float16"'),
+    "compressed, index says uint16": ("zstd", lambda x: [s.update(column_encodings=s["column_encodings"][:3] +
+                                                                  ["uint16"] + s["column_encodings"][4:],
+                                                                  column_sizes=s["column_sizes"][:3] + [2] +
+                                                                  s["column_sizes"][4:]) for s in x["shards"]],
+                                      "MDS shard {d}/shard.00000.mds.zstd does not match its index: its header gives "
+                                      'column 3 (n) the encoding "int32", index.json "uint16"'),
+    "index nested 100,000 deep": ("raw", lambda x: "[" * 100_000, "{i} is not an MDS index: maximum recursion depth "
+                                  "exceeded while decoding a JSON array from a unicode string"),
+    "int64 column of size 4": ("raw", lambda x: x["shards"][0]["column_encodings"].__setitem__(3, "int64"),
+                               "{i}: shard 0 is not a valid MDS shard entry (column 'n' is int64, 8 bytes a sample, "
+                               "but its size is 4)"),
+    "sizes ['x', ...]": ("raw", lambda x: x["shards"][0].update(column_sizes=["x"] * 9),
+                         "{i}: shard 0 is not a valid MDS shard entry (column 'blob': encoding \"bytes\", size \"x\")"),
+    "a size 4 bytes short": ("raw", lambda x: [s["column_sizes"].__setitem__(5, 4) or
+                                               s["column_encodings"].__setitem__(5, "bytes") for s in x["shards"]],
+                             "MDS shard {d}/shard.00000.mds does not match its index: its header gives column 5 "
+                             '(score) the encoding "float64", index.json "bytes"'),
 }
 
 
@@ -594,8 +650,11 @@ MEGATRON_DAMAGE = {
                               "corrupt Megatron index {i}: document boundaries must not decrease and must lie in 0..4 "
                               "(the sequence count)"),
     "a length changed": (lambda i, b, x: _poke(i, 34 + 4, 5, 4),  # sequence 1: 1 -> 5 tokens
-                         "corrupt Megatron index {i}: sequences 0-4 have 11 tokens, but their pointers span 14 bytes "
-                         "of {b}"),
+                         "corrupt Megatron index {i}: sequence 1 has length 5 (10 bytes), but its pointer and the "
+                         "next are 2 bytes apart in {b}"),
+    "two lengths swapped": (lambda i, b, x: (_poke(i, 34, 1, 4), _poke(i, 34 + 4, 3, 4)),  # same total, same unit
+                            "corrupt Megatron index {i}: sequence 0 has length 1 (2 bytes), but its pointer and the "
+                            "next are 6 bytes apart in {b}"),
     "a negative length": (lambda i, b, x: _poke(i, 34 + 4, -1, 4),
                           "corrupt Megatron index {i}: negative sequence lengths (sequences 0-4)"),
     ".bin truncated": (lambda i, b, x: b.write_bytes(b.read_bytes()[:10]),
@@ -607,9 +666,11 @@ MEGATRON_DAMAGE = {
 
 
 @pytest.mark.parametrize("case", sorted(MEGATRON_DAMAGE))
-def test_megatron_index_and_data_checked_against_each_other(tmp_path, case):
+def test_megatron_index_and_data_checked_against_each_other(tmp_path, monkeypatch, case):
     """The index's counts against the .bin's size and its pointers: boundaries [0,-1,2,4] gave documents
-    [1,1,2,2] with exit 0; a changed length or a truncated .bin was read as if whole."""
+    [1,1,2,2] with exit 0; a changed length or a truncated .bin was read as if whole; two swapped
+    lengths (the same total) were read as if right. Pointers are compared 2 at a time here (blocks)."""
+    monkeypatch.setattr(megatron, "CHECK_BLOCK", 2)
     damage, message = MEGATRON_DAMAGE[case]
     idx, data, layout = _megatron_pair(tmp_path)
     damage(idx, data, layout)
@@ -618,7 +679,8 @@ def test_megatron_index_and_data_checked_against_each_other(tmp_path, case):
     assert leftovers(tmp_path) == []
 
 
-def test_intact_megatron_pair_loses_nothing(tmp_path):
+def test_intact_megatron_pair_loses_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(megatron, "CHECK_BLOCK", 2)  # the pointers of one unit compared in several blocks
     idx, _, _ = _megatron_pair(tmp_path)
     _, got = run(tmp_path / "out", str(idx), chunk_bytes=4)  # a unit a sequence: every unit's pointers checked
     assert got.column("length").to_pylist() == [3, 1, 2, 1] and got.column("document").to_pylist() == [0, 1, 2, 2]

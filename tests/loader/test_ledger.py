@@ -148,6 +148,28 @@ def test_half_an_epoch_then_the_next_needs_end_epoch(tmp_path):
     assert loader.state_dict()["ledger"]["ended"] == [0]
 
 
+@pytest.mark.parametrize("stateful", [False, True])
+def test_a_state_saved_after_end_epoch_resumes_at_the_next_epoch(tmp_path, stateful):
+    """A checkpoint taken right after loader.end_epoch() (its position still in the ended epoch) could not
+    be resumed: the documented loop started at that epoch and the ledger refused its next microbatch."""
+    plan = _plan(tmp_path)
+    data = SyntheticTokens(LENGTHS)
+    loader = dataloader_for_plan(data, plan, rank=0, world_size=1, lr_scale="ignore", stateful=stateful)
+    for i, _ in enumerate(loader):
+        if i == 2:
+            break
+    loader.end_epoch()
+    state = copy.deepcopy(loader.state_dict())
+    resumed = dataloader_for_plan(data, plan, rank=0, world_size=1, lr_scale="ignore", stateful=stateful)
+    resumed.load_state_dict(state)
+    assert resumed.epoch == 1
+    rest = []
+    for epoch in range(resumed.epoch, plan.epochs):  # the documented loop
+        resumed.set_epoch(epoch)
+        rest += [_pos(batch) for batch in resumed]
+    assert rest == [(1, s, 0, m) for s in range(plan.epoch_start(1), plan.num_steps) for m in range(plan.grad_accum)]
+
+
 def test_lr_coverage_refuses_the_first_optimizer_step_without_the_plans_scheduler(tmp_path):
     """Issue 37: a loop with a plain LR scheduler trained 2 optimizer steps at the wrong LR before the
     check stopped it, and merely iterating a loader needed lr_scale="ignore". Now: iterating is free,
@@ -327,6 +349,44 @@ def test_a_malformed_state_is_one_plan_error(tmp_path, case, stateful):
         state = {"varlen": state}
     with pytest.raises(PlanError, match="^" + re.escape(f"invalid loader state: {message}") + "$"):
         loader.load_state_dict(state)
+
+
+def test_a_torchdata_state_whose_loader_part_is_not_a_dict_is_refused(tmp_path):
+    """{"varlen": None} (a checkpoint that lost the loader's part) started the job afresh, silently."""
+    plan = _plan(tmp_path)
+    loader = dataloader_for_plan(SyntheticTokens(LENGTHS), plan, rank=0, world_size=1, stateful=True)
+    for part in (None, []):
+        with pytest.raises(PlanError, match="^" + re.escape(
+                f"invalid loader state: its 'varlen' entry is {part!r}, not the loader's state (pass what "
+                "loader.state_dict() returned)") + "$"):
+            loader.load_state_dict({"varlen": part})
+
+
+LR_MALFORMED = {  # VariableBatchSizeLR state -> the message after "invalid VariableBatchSizeLR state: "
+    "None": (lambda s: None, "it is a NoneType, not a dict (pass what VariableBatchSizeLR.state_dict() returned)"),
+    "no step": (lambda s: {k: v for k, v in s.items() if k != "step"}, "its 'step' is None, not an integer >= 0"),
+    "step -1": (lambda s: {**s, "step": -1}, "its 'step' is -1, not an integer >= 0"),
+    "step 1.5": (lambda s: {**s, "step": 1.5}, "its 'step' is 1.5, not an integer >= 0"),
+    "unscaled 'x'": (lambda s: {**s, "unscaled": "x"},
+                     "its 'unscaled' is 'x', not 1 finite learning rate(s) (one per param group)"),
+    "unscaled for 2 groups": (lambda s: {**s, "unscaled": [0.1, 0.2]},
+                              "its 'unscaled' is [0.1, 0.2], not 1 finite learning rate(s) (one per param group)"),
+    "unscaled NaN": (lambda s: {**s, "unscaled": [float("nan")]},
+                     "its 'unscaled' is [nan], not 1 finite learning rate(s) (one per param group)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LR_MALFORMED))
+def test_a_malformed_lr_state_is_one_plan_error(tmp_path, case):
+    """step None, 'x', [] or NaN, unscaled None or ['a'], a state that is no dict: raw TypeError,
+    ValueError, KeyError or AttributeError before; step -1 and 1.5 were accepted (step_index -1, 1)."""
+    plan = _plan(tmp_path)
+    make, message = LR_MALFORMED[case]
+    sched = VariableBatchSizeLR(_optimizer(), plan)
+    good = sched.state_dict()
+    with pytest.raises(PlanError, match="^" + re.escape(f"invalid VariableBatchSizeLR state: {message}") + "$"):
+        sched.load_state_dict(make(good))
+    assert sched.step_index == 0
 
 
 def test_a_ledger_with_a_gap_is_refused(tmp_path):

@@ -213,13 +213,28 @@ def test_bad_states(dirs, tmp_path):
         ({**good, "step": "3"}, "is not a loader state: its 'step' is '3', not an integer >= 0"),
         ({**good, "ledger": {"consumed": [[0, 1, 2]]}}, "is not a loader state: its ledger's 'consumed' holds "
                                                          "[0, 1, 2], not a [start, stop] pair with 0 <= start < stop"),
+        # a gap the loader refuses was replanned away: positions 2-3 never trained (issue 31 adversarial round)
+        ({**good, "ledger": {"consumed": [[0, 2], [4, 7]]}},
+         f"is not a loader state of {dirs['parent']}: its ledger leaves (step 1, micro 0) to (step 1, micro 1) "
+         "untrained, in epoch 0, which was not ended with end_epoch(): those positions would never be trained (was the "
+         "state edited, or put together from two jobs?)"),
+        ({**good, "ledger": {"consumed": [[0, 9]]}},
+         f"is not a loader state of {dirs['parent']}: its ledger holds positions [0, 9) but its position (step 3, "
+         "micro 1) is position 7: the ledger and the position come from different points"),
+        (f"[{'[' * 100_000}", "cannot read sampler state {path}: maximum recursion depth exceeded while decoding a "
+                              "JSON array from a unicode string"),
+        # saved after loader.end_epoch(): replanning from it trained the rest of the ended epoch
+        ({**good, "ledger": {"consumed": [[0, 7]], "ended": [0]}},
+         f"is in epoch 0, which its ledger says was ended early (loader.end_epoch()): its loader resumes at the next "
+         f"epoch, step {e1}; replan from there with --from-step {e1}"),
     ]
     path = tmp_path / "state.json"
     for state, message in cases:
-        path.write_text(json.dumps(state))
+        path.write_text(state if isinstance(state, str) else json.dumps(state))
         res = runner.invoke(app, ["replan", dirs["parent"], "--state", str(path), "--dp", "3", "-o",
                                   str(tmp_path / "x.parquet")])
-        assert_user_error(res, 3, f"the sampler state {path} {message}")
+        assert_user_error(res, 3, message.format(path=path) if isinstance(state, str) else
+                          f"the sampler state {path} {message}")
     path.write_text(json.dumps([good]))
     res = runner.invoke(app, ["replan", dirs["parent"], "--state", str(path), "--dp", "3", "-o", str(tmp_path / "x")])
     assert_user_error(res, 3, f"sampler state {path} is not a JSON object")

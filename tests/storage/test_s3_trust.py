@@ -131,6 +131,10 @@ CASES = {
     "output holding an input's glob folder": (
         "analyze s3://B/d/sub/*.parquet -o s3://B/d --overwrite", 4,
         "output s3://B/d contains the input s3://B/d/sub/*.parquet; write the output elsewhere", {}),
+    "an empty segment in the output's key": (  # it left a temporary under "/d/..." and ended in an internal error
+        "analyze L/src -o s3://B//d/m", 4,
+        "output s3://B//d/m has an empty segment ('//') in its key, which object-storage listings do not keep "
+        "(varlen could not find what it wrote); give s3://B/d/m", {}),
     "directory output is an object": (
         "analyze L/src -o s3://B/keep/README.md --overwrite", 4,
         "output s3://B/keep/README.md exists and is not a directory", {}),
@@ -168,6 +172,10 @@ CASES = {
         "sort s3://B/m -o s3://B/sorted2 --storage-option bogus=1", 2,
         "unknown --storage-option bogus for s3:// (the keywords of s3fs.S3FileSystem: endpoint_url, anon, key, "
         "secret, token, profile, client_kwargs, config_kwargs...)", {}),
+    "asynchronous true": (  # "cannot write ...: Loop is not running", exit 4
+        "analyze L/src -o s3://B/new --storage-option asynchronous=true", 2,
+        "--storage-option asynchronous is not for varlen: it calls the store synchronously, with s3fs's own event loop",
+        {}),
     "anon not a boolean": (
         "analyze s3://B/d -o L/out --storage-option anon=5", 2, "--storage-option anon must be true or false, got 5",
         {}),

@@ -171,6 +171,55 @@ def test_changed_source_is_refused(tmp_path):
     assert len(SourceDataset(tmp_path / "m", allow_stale=True)) == 50
 
 
+def _rewrite_same_size_and_mtime(path) -> None:
+    st = os.stat(path)
+    data = bytearray(open(path, "rb").read())
+    data[4:len(data) // 2] = bytes(len(data) // 2 - 4)  # the first row groups' pages zeroed (footer kept)
+    open(path, "wb").write(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@pytest.mark.parametrize("change,message", [
+    ("truncated", r"{m} is stale: source {p} changed size \(\d+ -> \d+ bytes\) since `varlen analyze` read it \(while "
+                  r"SourceDataset reads it\); re-run `varlen analyze`"),
+    ("deleted", r"{m} is stale: source {p} is missing since `varlen analyze` read it \(while SourceDataset reads it\); "
+                r"re-run `varlen analyze`"),
+    ("rewritten, size and mtime kept", r"cannot read {p}: .+ \(did it change since `varlen analyze`\?\)"),
+])
+def test_a_source_changed_while_reading_is_refused(tmp_path, monkeypatch, change, message):
+    """A source changed after SourceDataset was made: a truncated or rewritten Parquet file gave a raw
+    OSError ("File too short", "Couldn't deserialize thrift"); a JSONL file edited in place gave rows
+    without their column. Each block read re-checks the file's size and mtime; what else goes wrong
+    reading it is an InputError too."""
+    from varlen_cli.loader import source_dataset
+
+    monkeypatch.setattr(source_dataset, "RECHECK_S", 0.0)  # re-checked before every block, not once a second
+    table = _token_table(60)
+    path = write_parquet(table, tmp_path / "a.parquet", row_group_size=10)
+    run(tmp_path / "m", path)
+    ds = SourceDataset(tmp_path / "m", cache_bytes=0)
+    assert _plain(ds[1]) == table.slice(1, 1).to_pylist()[0]
+    if change == "truncated":
+        open(path, "r+b").truncate(os.path.getsize(path) // 2)
+    elif change == "deleted":
+        os.remove(path)
+    else:
+        _rewrite_same_size_and_mtime(path)
+    with pytest.raises(InputError, match="^" + message.format(m=re.escape(str(tmp_path / "m")),
+                                                              p=re.escape(path)) + "$"):
+        [ds[i] for i in range(len(ds))]
+
+
+@pytest.mark.parametrize("option,value", [("cache_bytes", "x"), ("cache_bytes", -1), ("threads", 0), ("threads", 1.5)])
+def test_bad_constructor_arguments_are_one_usage_error(tmp_path, option, value):
+    write_parquet(_token_table(10), tmp_path / "a.parquet")
+    run(tmp_path / "m", tmp_path / "a.parquet")
+    least = 0 if option == "cache_bytes" else 1
+    with pytest.raises(UsageError, match="^" + re.escape(f"SourceDataset({option}=...) must be an integer >= {least}, "
+                                                         f"not {value!r}") + "$"):
+        SourceDataset(tmp_path / "m", **{option: value})
+
+
 def test_changed_object_is_refused(tmp_path, s3):
     bucket = s3.bucket()
     write_jsonl(_token_table(30), tmp_path / "a.jsonl")

@@ -79,9 +79,12 @@ def _glob_base(pattern: str) -> str:
 
 
 def expand(source: str, is_candidate: Callable[[str], bool],
-           format_of: Callable[[str], str | None]) -> list[tuple[str, bool]]:
-    """The data-file candidates of one remote SOURCE, each with whether it was named explicitly."""
-    if any(ch in source.split("://", 1)[1] for ch in discovery.GLOB_CHARS):
+           format_of: Callable[[str], str | None], is_glob: bool | None = None) -> list[tuple[str, bool]]:
+    """The data-file candidates of one remote SOURCE, each with whether it was named explicitly
+    (``is_glob``: whether its wildcards are a glob's; by default, whether it has any)."""
+    if is_glob is None:
+        is_glob = any(ch in source.split("://", 1)[1] for ch in discovery.GLOB_CHARS)
+    if is_glob:
         base = _glob_base(source)
         matches = [m for m in storage.glob(source) if m != base]
         files = []

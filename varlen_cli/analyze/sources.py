@@ -110,19 +110,38 @@ def _is_data_file_name(name: str) -> bool:
     return file_format(name)[0] is not None
 
 
+def _is_glob(source: str) -> bool:
+    """A SOURCE with wildcards (``*``, ``?``, ``[``) is a glob, unless it names an existing path as written
+    (a folder ``d[1]``): then it is that path, and refused if its glob would match other paths too
+    (``d1``: which was meant cannot be told)."""
+    wildcards = any(ch in source for ch in discovery.GLOB_CHARS)
+    if not wildcards or storage.scheme(source) in ("http", "https") or not storage.exists(source):
+        return wildcards  # (an http(s) URL's ? starts its query: as before)
+    import glob
+
+    matches = storage.glob(source) if storage.is_remote(source) else glob.glob(source, recursive=True)
+    others = sorted(m for m in matches if m.rstrip("/") != source.rstrip("/"))
+    if others:
+        more = f" and {len(others) - 1} more" if len(others) > 1 else ""
+        raise InputError(f"source {source} names an existing path, but as a glob it matches {others[0]}{more} too; "
+                         f"to read the path, escape its wildcards ({glob.escape(source)}), or rename it")
+    return False
+
+
 def _expand(source: str) -> list[tuple[str, bool]]:
     """The data-file candidates of one SOURCE, each with whether the user named it explicitly
     (see :mod:`varlen_cli.analyze.discovery` for what a directory or glob takes; :mod:`.corpora` for
     NeMo shard ranges and Lhotse Shar directories)."""
     if corpora.is_nemo_range(source):
         return [(p, True) for p in corpora.expand_nemo(source)]
-    if not any(ch in source for ch in discovery.GLOB_CHARS) and not storage.exists(source):
+    is_glob = _is_glob(source)
+    if not is_glob and not storage.exists(source):
         idx = formats.megatron_prefix(source)  # PREFIX of PREFIX.idx + PREFIX.bin
         if idx is not None:
             return [(idx, True)]
     if storage.is_remote(source):
-        return remote.expand(source, _is_data_file_name, lambda p: file_format(p)[0])
-    if any(ch in source for ch in discovery.GLOB_CHARS):
+        return remote.expand(source, _is_data_file_name, lambda p: file_format(p)[0], is_glob)
+    if is_glob:
         out = discovery.expand_glob(source, _is_data_file_name)
         if not out:
             raise InputError(f"no data files (Parquet, Arrow, JSONL, text) match {source}")

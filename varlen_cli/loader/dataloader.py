@@ -253,6 +253,9 @@ def stateful_loader_class():
                 if not isinstance(state, dict):
                     raise PlanError(f"invalid loader state: {loader_state_problem(state)}")
                 state = dict(state)
+                if STATE_KEY in state and not isinstance(state[STATE_KEY], dict):  # else a silent fresh start
+                    raise PlanError(f"invalid loader state: its '{STATE_KEY}' entry is {state[STATE_KEY]!r}, not the "
+                                    "loader's state (pass what loader.state_dict() returned)")
                 ours = state.pop(STATE_KEY, None) or _legacy_position(state)
                 if ours is not None:
                     self.batch_sampler.ledger_in_state = True
@@ -261,10 +264,11 @@ def stateful_loader_class():
                     finally:
                         self.batch_sampler.ledger_in_state = False
                     other_workers = saved_workers(state) not in (None, self.num_workers)
-                    if ours.get("plan") != self.plan.fingerprint or other_workers:
-                        # a state of the plan's parent (torchdata's part indexes the parent), or of another number
+                    if ours.get("plan") != self.plan.fingerprint or other_workers or self.batch_sampler.moved_on:
+                        # a state of the plan's parent (torchdata's part indexes the parent), of another number
                         # of worker processes (torchdata's part cannot be restored: an AssertionError at the next
-                        # iteration): the loader's own position is exact, the sampler seeks to it
+                        # iteration), or one moved past an ended epoch: torchdata's part is stale; the loader's
+                        # own position is exact, the sampler seeks to it
                         state = {}
                 StatefulDataLoader.load_state_dict(self, state)
 

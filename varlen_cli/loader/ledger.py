@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 
+from .. import format
 from ..errors import PlanError
 from .plan_file import Plan
 from .replan import first_step, lineage
@@ -188,27 +189,7 @@ class Ledger:
         self.restored_at = int(position)
 
     def _history_problem(self, spans: list[list[int]], ended: set[int], position: int) -> str | None:
-        """Why ``spans`` and ``ended`` cannot be the ledger of a job at ``position`` (None if they can)."""
-        for a, b in spans:
-            if b > position:
-                return (f"its ledger holds positions [{a}, {b}) but its position {self.describe(position)} is "
-                        f"position {position}: the ledger and the position come from different points")
-        if any(spans[i][1] > spans[i + 1][0] for i in range(len(spans) - 1)):
-            return f"its ledger's spans {spans[:4]} overlap or are out of order"
-        last = self.plan.epoch_of(min(position // self.plan.grad_accum, self.plan.num_steps - 1))
-        for e in sorted(ended):
-            if e >= self.plan.epochs or e > last:
-                return (f"its ledger says epoch {e} was ended early, but the plan has {self.plan.epochs} epoch(s) and "
-                        f"the state is at epoch {last}")
-        starts = [0] + [b for _, b in spans]
-        stops = [a for a, _ in spans] + [position]
-        for lo, hi in zip(starts, stops):
-            if lo < hi:
-                first, final = self.plan.epoch_of(lo // self.plan.grad_accum), \
-                    self.plan.epoch_of((hi - 1) // self.plan.grad_accum)
-                open_epochs = [e for e in range(first, final + 1) if e not in ended]
-                if open_epochs:
-                    return (f"its ledger leaves {self.describe(lo)} to {self.describe(hi - 1)} untrained, in epoch "
-                            f"{open_epochs[0]}, which was not ended with end_epoch(): those positions would never be "
-                            f"trained (was the state edited, or put together from two jobs?)")
-        return None
+        """Why ``spans`` and ``ended`` cannot be the ledger of a job at ``position`` (None if they can):
+        :func:`varlen_cli.format.ledger_history_problem`, the rule ``varlen replan --state`` keeps too."""
+        return format.ledger_history_problem(spans, ended, position, self.plan.grad_accum,
+                                             list(self.plan.steps_per_epoch), self.describe)

@@ -124,12 +124,22 @@ class VariableBatchSizeLR(torch.optim.lr_scheduler.LRScheduler):
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume at ``state`` (what :meth:`state_dict` returned, on this plan or its parent); a
+        malformed one is refused with one line (:class:`PlanError`) before anything changes."""
+        problem = _state_problem(state, len(self.optimizer.param_groups))
+        if problem is not None:
+            raise PlanError(f"invalid VariableBatchSizeLR state: {problem}")
         saved_with = state.get("plan")
         if self.plan is not None and saved_with not in (None, self.plan.fingerprint):
             if saved_with != lineage(self.plan).get("parent"):
                 raise PlanError("the VariableBatchSizeLR state was saved with another plan; resume with the same plan "
                                 "(or one made from it by `varlen replan` / `varlen plan --extend`)")
+            saved_at = int(state["step"])
             state = lr_state_from_parent(self.plan, state)  # the step index counts from this plan's step 0
+            if int(state["step"]) < 0:
+                raise PlanError(f"the VariableBatchSizeLR state is at step {saved_at} of the parent plan, before the "
+                                f"step this plan was replanned from ({saved_at - int(state['step'])}): resume from "
+                                "the checkpoint the plan was made from")
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.step_index = int(state["step"])
@@ -137,3 +147,19 @@ class VariableBatchSizeLR(torch.optim.lr_scheduler.LRScheduler):
         if self._guard is not None:
             self._guard.pending = []
         self._apply()
+
+
+def _state_problem(state: Any, groups: int) -> str | None:
+    """What is wrong with the shape of a :meth:`VariableBatchSizeLR.state_dict`, or None: a dict whose
+    ``step`` is an integer >= 0 and whose ``unscaled`` holds one finite LR per param group."""
+    if not isinstance(state, dict):
+        return f"it is a {type(state).__name__}, not a dict (pass what VariableBatchSizeLR.state_dict() returned)"
+    step, unscaled = state.get("step"), state.get("unscaled")
+    if not isinstance(step, (int, np.integer)) or isinstance(step, (bool, np.bool_)) or step < 0:
+        return f"its 'step' is {step!r}, not an integer >= 0"
+    if not isinstance(unscaled, (list, tuple)) or len(unscaled) != groups or not all(
+            isinstance(x, (int, float, np.number)) and not isinstance(x, (bool, np.bool_)) and np.isfinite(x)
+            for x in unscaled):
+        shown = repr(unscaled) if len(repr(unscaled)) <= 40 else repr(unscaled)[:37] + "..."
+        return f"its 'unscaled' is {shown}, not {groups} finite learning rate(s) (one per param group)"
+    return None

@@ -142,6 +142,7 @@ class PlanBatchSampler:
         self._next: tuple[int, int, int] | None = None  # position after the last yielded microbatch
         self.ledger: Ledger | None = None  # the consumption ledger of the loader this sampler feeds
         self.ledger_in_state = True  # False: the loader keeps the ledger in its own state (torchdata)
+        self.moved_on = False  # the last state loaded was in an epoch ended early: resumed at the next one
         self.sampler = _EpochSetter(self)
         self.set_epoch(epoch)
 
@@ -222,14 +223,22 @@ class PlanBatchSampler:
         if state.get("plan") != self.plan.fingerprint:
             raise PlanError("the sampler state was saved with a different plan file; resume with the same plan")
         epoch, step, micro = int(state["epoch"]), int(state["step"]), int(state["micro"])
-        if epoch == self.plan.epochs and micro == 0 and step == self.plan.num_steps:
-            self.epoch, self._resume, self._next = epoch - 1, (step, 0), None  # the plan is finished
-        else:
+        finished = epoch == self.plan.epochs and micro == 0 and step == self.plan.num_steps
+        self.moved_on = False
+        if not finished:
             self.plan.check_epoch(epoch)
             start = self.plan.epoch_start(epoch)
             if not (start <= step < start + self.plan.steps_per_epoch[epoch]) or not 0 <= micro < self.plan.grad_accum:
                 raise PlanError(f"invalid sampler state: (epoch {epoch}, step {step}, micro {micro}) is not in the "
                                 f"plan")
+            ledger = state.get("ledger") if self.ledger_in_state else None
+            self.moved_on = isinstance(ledger, dict) and epoch in ledger.get("ended", [])
+            if self.moved_on:  # saved after loader.end_epoch(): the next epoch
+                epoch, step, micro = epoch + 1, sum(self.plan.steps_per_epoch[:epoch + 1]), 0
+                finished = epoch == self.plan.epochs
+        if finished:
+            self.epoch, self._resume, self._next = self.plan.epochs - 1, (step, 0), None  # the plan is finished
+        else:
             self.epoch = epoch
             self._resume = (step, micro)
             self._next = None

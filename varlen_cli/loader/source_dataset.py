@@ -48,6 +48,7 @@ from .item_tokens import ItemTokenizer
 
 DEFAULT_CACHE_BYTES = 1 << 30
 DEFAULT_THREADS = 4
+RECHECK_S = 1.0  # a file's size and mtime are re-checked before a block is read, at most this often
 
 
 @dataclass(frozen=True)
@@ -145,10 +146,15 @@ def _any_blocks(file, entry):
 
 def _shard_read(file, unit, columns):
     """Megatron, MDS and WebDataset units through analyze's reader; an item's default columns are
-    the format's (a Megatron item holds its tokens, ``input_ids``, read from the ``.bin``)."""
-    from ..analyze.formats import ITEM_COLUMNS
+    the format's (a Megatron item holds its tokens, ``input_ids``, read from the ``.bin``; a
+    WebDataset item every member, typed as a named column is: text as ``str``, ``.npy`` as its
+    elements, anything else as bytes)."""
+    from ..analyze.formats import ITEM_COLUMNS, webdataset
 
-    return _reader_read(file, unit, columns if columns is not None else ITEM_COLUMNS.get(file.format))
+    table = _reader_read(file, unit, columns if columns is not None else ITEM_COLUMNS.get(file.format))
+    if columns is None and file.format == "webdataset":
+        table = webdataset.typed_members(table, file.path)
+    return table
 
 
 register_format("parquet", _parquet_blocks, _parquet_read)
@@ -233,6 +239,7 @@ class SourceDataset:
         from .. import storage
 
         self.metrics_dir = str(metrics_dir)
+        _check_arguments(cache_bytes, threads)
         self.storage_options = storage.parse_options(storage_options) if storage_options is not None else None
         if self.storage_options is not None:
             storage.configure(self.storage_options)
@@ -241,6 +248,10 @@ class SourceDataset:
             _check_fresh(manifest, self.metrics_dir)
         self.files, self._entries = _source_files(manifest, self.metrics_dir)
         self._in_memory = _in_memory(dataset, self._entries, self.metrics_dir)
+        # what each file (and the files its samples come from) was when analyze read it: re-checked
+        # (size and mtime, local files) before each block is read, so a file changed while training
+        # is refused rather than read (object storage: checked once, here)
+        self._records = [] if allow_stale else _watched(manifest)
         self.columns = list(columns) if columns is not None else None
         self._selection = _Selection(self.columns, self.files) if self.columns is not None else None
         self.cache_bytes = int(cache_bytes)
@@ -264,10 +275,11 @@ class SourceDataset:
         self._inflight: dict[int, Future] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._pid = os.getpid()
+        self._checked: dict[int, float] = {}  # file -> when its records were last re-checked
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        for key in ("_lock", "_cache", "_cached_bytes", "_inflight", "_pool", "_pid"):
+        for key in ("_lock", "_cache", "_cached_bytes", "_inflight", "_pool", "_pid", "_checked"):
             state.pop(key, None)
         return state
 
@@ -325,7 +337,7 @@ class SourceDataset:
         """Start reading, in the background, the blocks that ``sample_ids`` need (what is cached or
         in flight is skipped). Called by :class:`~varlen_cli.loader.PlanDataset` with the ids of the
         microbatches this process fetches next."""
-        ids = np.asarray(sample_ids if isinstance(sample_ids, np.ndarray) else list(sample_ids), dtype=np.int64)
+        ids = _sample_ids(sample_ids if isinstance(sample_ids, np.ndarray) else list(sample_ids))
         ids = ids[(ids >= 0) & (ids < self._num_rows)]
         if not len(ids):
             return
@@ -374,11 +386,19 @@ class SourceDataset:
         try:
             b = self._blocks[block]
             f = self.files[b.file]
+            self._check_unchanged(b.file)
             read = _FORMATS.get(f.format, (None, _reader_read))[1]
-            if self._selection is None:
-                table = read(f, b.unit, None)
-            else:
-                table = self._selection.table(read(f, b.unit, self._selection.read), f.path)
+            try:
+                if self._selection is None:
+                    table = read(f, b.unit, None)
+                else:
+                    table = self._selection.table(read(f, b.unit, self._selection.read), f.path)
+            except (InputError, UsageError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - pyarrow and the stores raise many types for a bad file
+                text = str(exc).strip()
+                raise InputError(f"cannot read {f.path}: {text.splitlines()[0] if text else type(exc).__name__} "
+                                 "(did it change since `varlen analyze`?)") from None
             if table.num_rows != b.rows:
                 raise InputError(f"{f.path} changed since analyze (a block holds {table.num_rows} rows, not "
                                  f"{b.rows}); re-run `varlen analyze`")
@@ -393,6 +413,25 @@ class SourceDataset:
         finally:
             with self._lock:
                 self._inflight.pop(block, None)
+
+
+    def _check_unchanged(self, file: int) -> None:
+        """Refuse to read a file that changed since analyze (size or mtime: a ``stat`` of it and of the
+        files its samples come from, at most once a second per file: an MDS index has a shard each)."""
+        import time
+
+        from ..runtime import freshness
+
+        now = time.monotonic()
+        if not self._records or now - self._checked.get(file, -1.0) < RECHECK_S:
+            return
+        self._checked[file] = now
+        for path, record in self._records[file]:
+            why = freshness.quick_difference(path, record)
+            if why is not None:
+                raise InputError(f"{self.metrics_dir} is stale: source {path} {why} since `varlen analyze` read it "
+                                 "(while SourceDataset reads it); re-run `varlen analyze`")
+
 
 
 class _Selection:
@@ -421,6 +460,27 @@ class _Selection:
             return table
         return pa.table({key: extract(table.column(column), steps, key, where) if steps and table.num_rows
                          else table.column(column) for key, (column, steps) in zip(self.keys, self.at)})
+
+
+def _watched(manifest: dict) -> list[list[tuple[str, dict]]]:
+    """Per source file, the (path, record) of it and of its companions that can be re-checked cheaply."""
+    from .. import storage
+
+    dataset = manifest.get("dataset") or {}
+    root = dataset.get("root") or ""
+    out = []
+    for entry in dataset.get("files") or []:
+        entry = entry if isinstance(entry, dict) else {}
+        records = [entry, *(c for c in entry.get("companions") or [] if isinstance(c, dict))]
+        out.append([(storage.under(str(r.get("path")), root), r) for r in records
+                    if "mtime_ns" in r and not storage.is_remote(storage.under(str(r.get("path")), root))])
+    return out
+
+
+def _check_arguments(cache_bytes: Any, threads: Any) -> None:
+    for name, value, least in (("cache_bytes", cache_bytes, 0), ("threads", threads, 1)):
+        if not _is_index(value) or value < least:
+            raise UsageError(f"SourceDataset({name}=...) must be an integer >= {least}, not {value!r}")
 
 
 class _Decoded:

@@ -121,7 +121,32 @@ def _state_step(path: str, parent: Parent) -> int:
     if not (epoch + 1 < len(starts) and starts[epoch] <= step < starts[epoch + 1]):
         raise InputError(f"the sampler state {path} says epoch {epoch} at step {step}, but step {step} of "
                          f"{parent.path} is in epoch {bisect.bisect_right(starts, step) - 1}")
+    _check_history(state, path, parent, step * parent.grad_accum + micro)
+    if epoch in (state.get("ledger") or {}).get("ended", []):  # saved after loader.end_epoch()
+        nxt = starts[epoch + 1]
+        then = (f"replan from there with --from-step {nxt}" if nxt < parent.num_steps else
+                f"nothing is left to replan ({parent.path} has {parent.num_steps} steps)")
+        raise InputError(f"the sampler state {path} is in epoch {epoch}, which its ledger says was ended early "
+                         f"(loader.end_epoch()): its loader resumes at the next epoch, step {nxt}; {then}")
     return step
+
+
+def _check_history(state: dict, path: str, parent: Parent, position: int) -> None:
+    """The state's ledger must be a history of the parent, as the loader checks it (a gap would be
+    replanned away, never trained)."""
+    ledger = state.get("ledger")
+    if ledger is None:
+        return
+    ga = parent.grad_accum
+
+    def describe(k: int) -> str:
+        return f"(step {k // ga}, micro {k % ga})"
+
+    problem = format.ledger_history_problem([[int(a), int(b)] for a, b in ledger.get("consumed", [])],
+                                            {int(e) for e in ledger.get("ended", [])}, position, ga,
+                                            list(parent.meta["steps_per_epoch"]), describe)
+    if problem is not None:
+        raise InputError(f"the sampler state {path} is not a loader state of {parent.path}: {problem}")
 
 
 def _read_state(path: str) -> dict:
@@ -132,7 +157,7 @@ def _read_state(path: str) -> dict:
             state = json.load(f)
     except FileNotFoundError:
         raise InputError(f"sampler state {path} does not exist") from None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: nested past Python's limit
         raise InputError(f"cannot read sampler state {path}: {exc}") from None
     if not isinstance(state, dict):
         raise InputError(f"sampler state {path} is not a JSON object")

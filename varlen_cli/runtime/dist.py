@@ -11,7 +11,11 @@ A stage runs in one of three ways, and calls :func:`session` to get a :class:`Di
 
 A worker that fails makes the whole job fail: the elastic agent stops the other workers, and
 :func:`launch` re-raises the failing worker's own error (a user error keeps its one-line message).
-Collectives also carry a timeout (``VARLEN_TIMEOUT`` seconds, default 1800) as a backstop.
+Collectives also carry a timeout (``VARLEN_TIMEOUT`` seconds, default 1800) as a backstop. Joining
+the group waits at most ``VARLEN_JOIN_TIMEOUT`` seconds (default 120) for the other ranks, and a
+signal (Ctrl-C, SIGTERM) stops the wait: a process started with ``RANK``/``WORLD_SIZE`` whose peers
+never come (variables left over from another job) fails in one line instead of waiting half an hour,
+deaf to signals (torch retries the store's connection in C++).
 """
 
 from __future__ import annotations
@@ -44,6 +48,42 @@ _PROGRESS_KEY = "varlen/progress"
 def collective_timeout() -> float:
     """Seconds a collective may wait for a peer before the job fails (``VARLEN_TIMEOUT``)."""
     return float(os.environ.get("VARLEN_TIMEOUT", DEFAULT_TIMEOUT_S))
+
+
+DEFAULT_JOIN_TIMEOUT_S = 120.0  # torchrun's agent has met its peers before workers start: they join at once
+
+
+def join_timeout() -> float:
+    """Seconds a rank waits for the others to join the process group (``VARLEN_JOIN_TIMEOUT``)."""
+    return float(os.environ.get("VARLEN_JOIN_TIMEOUT", min(DEFAULT_JOIN_TIMEOUT_S, collective_timeout())))
+
+
+def _join_group(tdist, backend: str, timeout) -> None:
+    """``init_process_group`` in a helper thread while this one waits in Python: a signal handler runs
+    (torch's connection retries in C++ would hold it off for the whole timeout) and the wait for the
+    other ranks ends after :func:`join_timeout` (a stuck helper thread dies with the process)."""
+    import threading
+
+    failed: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            tdist.init_process_group(backend=backend, timeout=timeout)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the waiting thread
+            failed.append(exc)
+
+    helper = threading.Thread(target=join, name="varlen-join", daemon=True)
+    helper.start()
+    deadline = time.monotonic() + join_timeout()
+    while helper.is_alive():
+        helper.join(0.2)
+        if helper.is_alive() and time.monotonic() > deadline:
+            where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+            raise WorkerError(f"could not join the process group ({backend}): rank {os.environ.get('RANK')} of "
+                              f"{os.environ.get('WORLD_SIZE')} waited {join_timeout():.0f} s at {where} for the other "
+                              "ranks (VARLEN_JOIN_TIMEOUT); are RANK and WORLD_SIZE left over from another job?")
+    if failed:
+        raise failed[0]
 
 
 def in_launched_worker() -> bool:
@@ -274,7 +314,9 @@ def session(device: str = "cpu") -> Iterator[Dist]:
     backend = "nccl" if device == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=collective_timeout())
     try:
-        tdist.init_process_group(backend=backend, timeout=timeout)
+        _join_group(tdist, backend, timeout)
+    except WorkerError:
+        raise
     except Exception as exc:
         raise WorkerError(f"could not join the process group ({backend}): {exc}") from exc
     succeeded = False

@@ -83,6 +83,20 @@ def stale_source(manifest: dict) -> tuple[str, str] | None:
     return None
 
 
+def quick_difference(source: str, entry: dict) -> str | None:
+    """What changed in the local file ``source`` since analyze recorded ``entry``, by its size and
+    ``mtime_ns`` alone (one ``stat``: cheap enough to ask before every read); None if neither did."""
+    try:
+        st = os.stat(source)
+    except OSError:
+        return "is missing"
+    if st.st_size != entry.get("size"):
+        return f"changed size ({entry.get('size')} -> {st.st_size} bytes)"
+    if st.st_mtime_ns != entry.get("mtime_ns"):
+        return "was modified"
+    return None
+
+
 def record(info: storage.FileInfo, kind: str) -> dict:
     """What ``varlen analyze`` records for one file ``info`` (its :func:`varlen_cli.storage.stat` when
     discovered) of a source of ``kind`` (``parquet``, or any other: ``data``): see the module doc. A
@@ -114,18 +128,13 @@ def _remote_difference(source: str, entry: dict) -> str | None:
 
 
 def _difference(source: str, entry: dict, kind: str) -> str | None:
-    try:
-        st = os.stat(source)
-    except OSError:
-        return "is missing"
-    if st.st_size != entry.get("size"):
-        return f"changed size ({entry.get('size')} -> {st.st_size} bytes)"
-    if st.st_mtime_ns != entry.get("mtime_ns"):
-        return "was modified"
+    quick = quick_difference(source, entry)
+    if quick is not None:
+        return quick
     if entry.get("footer") is None and entry.get("sample") is None:
         return None
     try:
-        now = content_fields(source, st.st_size, kind)
+        now = content_fields(source, int(entry["size"]), kind)
     except (OSError, InputError):
         return "is no longer readable"
     if entry.get("footer") is not None and now.get("footer") != entry["footer"]:

@@ -43,6 +43,8 @@ def _source_root(source: str) -> str:
     storage; the source itself if it has none."""
     from .. import storage
 
+    if any(ch in source for ch in "*?[") and storage.scheme(source) not in ("http", "https") and storage.exists(source):
+        return source  # a path with wildcards in its name, read as named (analyze's discovery)
     for i, ch in enumerate(source):
         if ch in "*?[":
             head = source[:i]
@@ -391,6 +393,12 @@ def check_remote_place(path: str, kind: str) -> None:
     from .. import storage
 
     root = path.rstrip("/")
+    scheme, _, rest = root.partition("://")
+    bucket, _, key = rest.partition("/")
+    if "//" in key or key.startswith("/"):
+        tidy = f"{scheme}://{bucket}/" + "/".join(part for part in key.split("/") if part)
+        raise OutputError(f"output {path} has an empty segment ('//') in its key, which object-storage listings do not "
+                          f"keep (varlen could not find what it wrote); give {tidy}")
     if storage.parent(root) == root:
         example = "a prefix such as {}/metrics" if kind == "dir" else "a key such as {}/plan.parquet"
         raise OutputError(f"output {path} is a whole bucket: varlen writes an output beside its temporary, inside "

@@ -84,6 +84,9 @@ def s3_kwargs(opts: dict, timeouts: dict[str, float]) -> dict:
             raise bad(key, "an integer >= 1", value)
         if key == "session" and not isinstance(value, AioSession):
             raise bad(key, "an aiobotocore AioSession (given from Python)", value)
+        if key == "asynchronous" and value or key == "loop":  # varlen calls the store synchronously
+            raise UsageError(f"--storage-option {key} is not for varlen: it calls the store synchronously, with "
+                             "s3fs's own event loop")
     config = dict(opts.get("config_kwargs") or {})
     _check_config(config)
     config = {**timeouts, "retries": dict(S3_ATTEMPTS), **config}  # the user's config_kwargs win

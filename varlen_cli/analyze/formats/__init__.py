@@ -37,10 +37,10 @@ one line, never read in part):
    its Arrow footer starts, which fills the rest exactly); a Lance unit returns the rows its manifest
    counts.
 3. What is read is checked on the way: MDS and LitData offsets non-decreasing (LitData items hold
-   their leaves' sizes); Megatron pointers at each
-   unit's ends spanning exactly its sequences' tokens (so the lengths add up to the ``.bin``'s
-   contents; inner pointers are checked where tokens are read), document boundaries
-   non-decreasing within 0..sequences.
+   their leaves' sizes), each MDS sample exactly its columns, each MDS shard's own header (its column
+   names, encodings, sizes) the index's; Megatron pointers each where the previous sequence ends (so
+   the lengths are exactly the ``.bin``'s layout), document boundaries non-decreasing within
+   0..sequences.
 4. :func:`companions` names the files beside the one discovered that the samples come from (a
    Megatron ``.bin``, MDS shards, LitData chunks, a Lance version's data files): the dataset
    fingerprint records them, so a rewritten one makes

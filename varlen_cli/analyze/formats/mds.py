@@ -82,7 +82,7 @@ def clear_cache() -> None:
 def _read_index(index_path: str) -> list[Shard]:
     try:
         obj = json.loads(storage.read_bytes(index_path))
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: nested past Python's limit
         raise InputError(f"{index_path} is not an MDS index: {exc}") from None
     if not isinstance(obj, dict) or "shards" not in obj:
         raise InputError(f"{index_path} is not an MDS index: 'shards'")
@@ -113,6 +113,7 @@ def _shard(index_path: str, folder: str, k: int, s) -> Shard:
         raise InputError(f"{where} is not a valid MDS shard entry ({exc})") from None
     if not len(names) == len(encodings) == len(sizes) or not all(isinstance(n, str) for n in names):
         raise InputError(f"{where} is not a valid MDS shard entry (column names, encodings and sizes differ in number)")
+    _check_columns(names, encodings, sizes, where)
     if not isinstance(basename, str) or not basename or basename.startswith("/") or ".." in basename.split("/"):
         raise InputError(f"{where} names the shard file {basename!r}; it must lie in the index's folder")
     if raw_bytes > MAX_RAW_BYTES or 4 * (samples + 2) > raw_bytes:
@@ -128,6 +129,20 @@ def _shard(index_path: str, folder: str, k: int, s) -> Shard:
                          "replaced)")
     return Shard(path, samples, raw_bytes, names, encodings, sizes, compression.split(":")[0] if compression else None,
                  info)
+
+
+def _check_columns(names: tuple, encodings: tuple, sizes: tuple, where: str) -> None:
+    """Column encodings are names, sizes are None (stored per sample) or byte counts, and a number
+    column's size is its type's (an index whose ``int64`` column has size 4 would read its neighbour)."""
+    for name, encoding, size in zip(names, encodings, sizes):
+        if not isinstance(encoding, str) or size is not None and (isinstance(size, bool) or not isinstance(size, int)
+                                                                  or size < 0):
+            raise InputError(f"{where} is not a valid MDS shard entry (column {name!r}: encoding "
+                             f"{json.dumps(encoding)[:40]}, size {json.dumps(size)[:40]})")
+        scalar = SCALARS.get(encoding)
+        if scalar is not None and size != np.dtype(scalar).itemsize:
+            raise InputError(f"{where} is not a valid MDS shard entry (column {name!r} is {encoding}, "
+                             f"{np.dtype(scalar).itemsize} bytes a sample, but its size is {json.dumps(size)})")
 
 
 def _count(value, where: str, what: str) -> int:
@@ -190,16 +205,18 @@ class ShardReader:
             buf = self._whole(shard)
             offsets = _offsets(buf[4 * (start + 1): 4 * (stop + 2)], shard, start, stop)
             base = 0
-        else:  # the first unit also reads the shard's own sample count (its first 4 bytes)
+        else:  # the first unit also reads the shard's own sample count (its first 4 bytes) and header
             head = storage.read_range(shard.path, 4 * (start + 1) if start else 0, 4 * (stop + 2))
             if not start:
                 _check_count(head[:4], shard)
                 head = head[4:]
             offsets = _offsets(head, shard, start, stop)
-            base = int(offsets[0])
+            base = 4 * (shard.samples + 2) if not start else int(offsets[0])
             buf = storage.read_range(shard.path, base, int(offsets[-1]))
             if len(buf) != int(offsets[-1]) - base:
                 raise InputError(f"MDS shard {shard.path} is truncated")
+            if not start:
+                check_header(buf[:int(offsets[0]) - base], shard)
         view = np.frombuffer(buf, np.uint8)
         return decode(view, offsets.astype(np.int64) - base, shard, columns)
 
@@ -208,6 +225,8 @@ class ShardReader:
             self._decompressed = None
             buf = decompress(storage.read_bytes(shard.path), shard)
             _check_count(buf[:4], shard)
+            first = _offsets(buf[4:8], shard, 0, 0)[0] if len(buf) >= 8 else 0
+            check_header(buf[4 * (shard.samples + 2):first], shard)
             self._decompressed = (shard.path, buf)
         return self._decompressed[1]
 
@@ -269,6 +288,36 @@ def _check_count(head: bytes, shard: Shard) -> None:
                          "or the shard is corrupt)" if n >= 0 else f"MDS shard {shard.path} is truncated")
 
 
+HEADER_KEYS = ("column_names", "column_encodings", "column_sizes")
+
+
+def check_header(data: bytes, shard: Shard) -> None:
+    """The shard's own header (the config JSON ``MDSWriter`` writes between the offsets and the
+    samples) must give the columns ``index.json`` gives it: an index edited or taken from another
+    dataset would decode the samples with the wrong encodings. A shard without a header (0 bytes)
+    has nothing to compare."""
+    if not data:
+        return
+    try:
+        own = json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        own = None
+    if not isinstance(own, dict):
+        raise InputError(f"MDS shard {shard.path} is corrupt: its header (between its offsets and its samples) is no "
+                         "JSON object")
+    for key, what, listed in zip(HEADER_KEYS, ("name", "encoding", "size"), (shard.names, shard.encodings,
+                                                                             shard.sizes)):
+        theirs = own.get(key)
+        if not isinstance(theirs, list) or len(theirs) != len(listed):
+            raise InputError(f"MDS shard {shard.path} does not match its index: its header gives {key} "
+                             f"{json.dumps(theirs)[:60]}, index.json {len(listed)} columns")
+        for j, (mine, given) in enumerate(zip(theirs, listed)):
+            if mine != given:
+                raise InputError(f"MDS shard {shard.path} does not match its index: its header gives column {j} "
+                                 f"({shard.names[j]}) the {what} {json.dumps(mine)[:40]}, index.json "
+                                 f"{json.dumps(given)[:40]}")
+
+
 def _offsets(data: bytes, shard: Shard, start: int, stop: int) -> np.ndarray:
     """Sample offsets ``start..stop`` (inclusive), checked: non-decreasing, after the offsets table,
     within the shard, and the last sample's end at the shard's end (its own end marker)."""
@@ -325,8 +374,9 @@ def decode(buf: np.ndarray, offsets: np.ndarray, shard: Shard, columns):
     wanted = list(shard.names) if columns is None else list(columns)
     starts = offsets[:-1]
     col_start, sizes = column_spans(buf, starts, shard)
-    if len(starts) and np.any(col_start[:, -1] + sizes[:, -1] > offsets[1:]):
-        raise InputError(f"MDS shard {shard.path} is corrupt: column sizes run past their samples")
+    ends = col_start[:, -1] + sizes[:, -1] if shard.names else starts
+    if len(starts) and np.any(ends != offsets[1:]):  # a sample is its columns, nothing more
+        raise InputError(f"MDS shard {shard.path} is corrupt: column sizes do not add up to their samples' sizes")
     out = {}
     for name in wanted:
         if name not in shard.names:

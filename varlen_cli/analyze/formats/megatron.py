@@ -264,32 +264,59 @@ def tokens(index: Index, start: int, stop: int, lens: np.ndarray | None = None):
     return pa.LargeListArray.from_arrays(pa.array(offsets), values)
 
 
+CHECK_BLOCK = 1 << 16  # pointers compared at a time: the buffers stay in the CPU cache
+
+
+def _pointer_blocks(index: Index, start: int, count: int):
+    """``(a, pointers[start + a : start + a + CHECK_BLOCK + 1])`` for a = 0, CHECK_BLOCK, ... below
+    ``count - 1`` (consecutive blocks share a pointer): one reused buffer for a local index (no fresh
+    array of the unit's pointers to page in), one range read in object storage."""
+    at = index.pointers_at + 8 * start
+    if storage.is_remote(index.path):
+        ptr = np.frombuffer(_read(index.path, at, at + 8 * count), np.int64)
+        for a in range(0, count - 1, CHECK_BLOCK):
+            yield a, ptr[a:a + CHECK_BLOCK + 1]
+        return
+    buf = np.empty(min(count, CHECK_BLOCK + 1), np.int64)
+    try:
+        with open_regular(storage.local_path(index.path), "rb", what="Megatron index", buffering=0) as fh:
+            for a in range(0, count - 1, CHECK_BLOCK):
+                view = buf[:min(CHECK_BLOCK + 1, count - a)]
+                fh.seek(at + 8 * a)
+                if fh.readinto(memoryview(view).cast("B")) != 8 * len(view):
+                    raise InputError(f"corrupt Megatron index {index.path}: truncated (wanted {len(view)} pointers "
+                                     f"at byte {at + 8 * a})")
+                yield a, view
+    except OSError as exc:
+        raise InputError(f"{index.path} is not readable: {exc.strerror}") from None
+
+
 def check_sequences(index: Index, start: int, stop: int, lens: np.ndarray) -> None:
-    """Sequences [start, stop) fill the ``.bin`` bytes their pointers say: the pointer of ``stop``
-    (the next unit's first; the ``.bin``'s end for the last unit) is the pointer of ``start`` plus
-    the unit's bytes. With :func:`check_bin` (the first pointer 0, the last sequence ending at the
-    file's end) every unit of a file checked means the lengths add up to exactly the ``.bin``'s
-    contents, unit by unit: a changed or negative length, a count that does not match the data, a
-    pointer out of order at a unit's end are refused. Two reads of 8 bytes a unit (reading every
-    pointer would cost 8x the lengths' read); pointers inside a unit are checked where tokens are
-    read (:func:`tokens`)."""
+    """Sequences [start, stop) lie back to back in the ``.bin`` exactly as their lengths say: each
+    pointer is the previous one plus that sequence's bytes, up to the pointer of ``stop`` (the next
+    unit's first; for the last unit :func:`check_bin` checked that its last sequence ends at the
+    ``.bin``'s end, and that the first starts at byte 0). Every unit of a file checked means the lengths
+    are exactly the ``.bin``'s layout: a changed, swapped or negative length, a count that does not
+    match the data, a pointer out of order are refused. One read of the unit's pointers (8 bytes a
+    sequence, beside the lengths' 4: the lengths' sum alone cannot tell two swapped lengths apart),
+    compared in cache-sized blocks (speed: benchmarks/README.md)."""
     if stop <= start:
         return
     item = np.dtype(index.dtype).itemsize
-    first = int(_array(index.path, index.pointers_at + 8 * start, 1, np.int64)[0])
-    if stop < index.sequences:
-        end = int(_array(index.path, index.pointers_at + 8 * stop, 1, np.int64)[0])
-    else:  # check_bin: the last sequence ends at the .bin's end
-        end = int(_array(index.path, index.pointers_at + 8 * (stop - 1), 1, np.int64)[0]) + int(lens[-1]) * item
-    # an int32 sum (wrapping) is 4x faster than an int64 one: equal modulo 2**32 tokens
-    span, rest = divmod(end - first, item)
-    if rest or (span - int(lens.sum(dtype=np.int32))) % (1 << 32) or span < 0:
-        if np.any(lens < 0):
-            raise InputError(f"corrupt Megatron index {index.path}: negative sequence lengths (sequences "
-                             f"{start}-{stop})")
-        raise InputError(f"corrupt Megatron index {index.path}: sequences {start}-{stop} have "
-                         f"{int(lens.sum(dtype=np.int64)):,} tokens, but their pointers span {end - first:,} bytes of "
-                         f"{bin_path(index.path)}")
+    count = stop - start + (stop < index.sequences)  # the unit's pointers, and the next unit's first
+    gaps, sizes = np.empty(min(count, CHECK_BLOCK), np.int64), np.empty(min(count, CHECK_BLOCK), np.int64)
+    for a, ptr in _pointer_blocks(index, start, count):
+        k = len(ptr) - 1
+        np.subtract(ptr[1:], ptr[:-1], out=gaps[:k])
+        np.multiply(lens[a:a + k], item, out=sizes[:k], dtype=np.int64)
+        if not np.array_equal(gaps[:k], sizes[:k]):
+            if np.any(lens < 0):
+                raise InputError(f"corrupt Megatron index {index.path}: negative sequence lengths (sequences "
+                                 f"{start}-{stop})")
+            j = int(np.flatnonzero(gaps[:k] != sizes[:k])[0])
+            raise InputError(f"corrupt Megatron index {index.path}: sequence {start + a + j} has length "
+                             f"{int(lens[a + j]):,} ({int(sizes[j]):,} bytes), but its pointer and the next are "
+                             f"{int(gaps[j]):,} bytes apart in {bin_path(index.path)}")
 
 
 def table(index: Index, start: int, stop: int, columns) -> object:

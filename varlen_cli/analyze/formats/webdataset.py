@@ -103,6 +103,10 @@ class Walker:
             self._tar.members = []  # no list of every member kept
             if not info.isreg():
                 continue
+            if info.issparse():  # its data is stored without the holes: read at its offset it would be wrong
+                raise InputError(f"{self.path}: member {info.name} is a sparse file (packed with GNU tar -S), which "
+                                 "varlen does not read; pack the shard without -S (webdataset's TarWriter never "
+                                 "writes one)")
             key, ext = key_and_ext(info.name)
             if key is not None:
                 return info.offset, _Member(key, ext, info.offset_data, info.size)
@@ -285,22 +289,53 @@ def _text_array(w: Walker, members: list[_Member]):
         raise InputError(f"a text member in {w.path} is not valid UTF-8") from None
 
 
-def _npy_array(w: Walker, members: list[_Member]):
-    """Each ``.npy`` member's elements, flattened, as a large_list column."""
+def _npy_values(data: bytes, name: str, path: str) -> np.ndarray:
+    """A ``.npy`` member's elements, flattened."""
     import io
 
+    try:
+        return np.load(io.BytesIO(data), allow_pickle=False).reshape(-1)
+    except (ValueError, OSError) as exc:
+        raise InputError(f"invalid .npy member {name} in {path}: {exc}") from None
+
+
+def _list_column(arrays: list):
+    """Arrays (None: no member) as a large_list column of their elements."""
     import pyarrow as pa
 
-    arrays = []
-    for m in members:
-        try:
-            arrays.append(np.load(io.BytesIO(w.read(m)), allow_pickle=False).reshape(-1))
-        except (ValueError, OSError) as exc:
-            raise InputError(f"invalid .npy member {m.key}.{m.ext} in {w.path}: {exc}") from None
+    present = [a for a in arrays if a is not None]
     offsets = np.zeros(len(arrays) + 1, np.int64)
-    np.cumsum([len(a) for a in arrays], out=offsets[1:])
-    values = np.concatenate(arrays) if arrays else np.zeros(0, np.float32)
-    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))
+    np.cumsum([0 if a is None else len(a) for a in arrays], out=offsets[1:])
+    values = np.concatenate(present) if present else np.zeros(0, np.float32)
+    mask = pa.array([a is None for a in arrays]) if len(present) < len(arrays) else None
+    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values), mask=mask)
+
+
+def _npy_array(w: Walker, members: list[_Member]):
+    """Each ``.npy`` member's elements, flattened, as a large_list column."""
+    return _list_column([_npy_values(w.read(m), f"{m.key}.{m.ext}", w.path) for m in members])
+
+
+def typed_members(table, path: str):
+    """A unit read with every member as binary (``columns`` None), each member typed as the column of
+    its name is: text (``txt``...) as strings, ``.npy`` as the array's elements, anything else binary
+    (what ``SourceDataset`` items hold; a member a key group lacks stays null)."""
+    import pyarrow as pa
+
+    for i, name in enumerate(table.column_names):
+        column = table.column(i)
+        if name in TEXT_EXTS or name.endswith(".txt"):
+            try:
+                column = column.cast(pa.large_string())
+            except pa.ArrowInvalid:
+                raise InputError(f"a text member in {path} is not valid UTF-8") from None
+        elif name.endswith("npy"):
+            column = _list_column([None if v is None else _npy_values(v, f"{key}.{name}", path)
+                                   for key, v in zip(table.column(KEY_COLUMN).to_pylist(), column.to_pylist())])
+        else:
+            continue
+        table = table.set_column(i, name, column)
+    return table
 
 
 def schema(path: str, size: int):
