@@ -71,7 +71,7 @@ def is_index(path: str) -> bool:
     """Whether ``path`` (an ``index.json``) is LitData's (MDS's has ``shards``)."""
     try:
         obj = json.loads(storage.read_bytes(path))
-    except (ValueError, OSError, InputError):
+    except (ValueError, OSError, InputError, RecursionError):  # not LitData's: the MDS reader says what is wrong
         return False
     return isinstance(obj, dict) and "chunks" in obj and "config" in obj
 
@@ -99,7 +99,7 @@ def _parse_index(path: str) -> Index:
         config, entries = obj["config"], obj["chunks"]
         if not isinstance(config, dict) or not isinstance(entries, list):
             raise TypeError("'config' must be an object and 'chunks' a list")
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:  # RecursionError: nested past Python's limit
         raise InputError(f"{path} is not a LitData index: {exc}") from None
     compression = _check_config(config, path)
     leaves = _leaves(config, path)
