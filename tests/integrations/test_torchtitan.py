@@ -216,6 +216,15 @@ def test_refusals(setup):
         optimizers[0].step()
     loader.close()
     optimizers[0].step()  # the hook went with close()
+    fresh = build(plan.path, metrics)
+    fresh.load_state_dict({})  # torchtitan's checkpoint without a loader state: nothing to load
+    fresh.load_state_dict({"varlen": "{}"})  # a loader that had handed out nothing
+    for bad in ({"varlen": "not json"}, {"varlen": "[]"}, {"varlen": "0"}, {"other": 1}, ["varlen"], {"varlen": 3}):
+        with pytest.raises(PlanError, match=r"^invalid loader state: torchtitan's data loader state must be "
+                                            r"\{'varlen': the JSON text PlanDataLoader.state_dict\(\) wrote\}, not "):
+            fresh.load_state_dict(bad)
+    with pytest.raises(PlanError, match=r"^invalid loader state: "):
+        fresh.load_state_dict({"varlen": json.dumps({"epoch": "x"})})  # the loader's own schema check
 
 
 def test_replanned_plan_without_its_checkpoint_is_refused(setup):

@@ -172,10 +172,12 @@ class PlanDataLoader(BaseDataLoader):
         return {STATE_KEY: json.dumps(self.stream.state_dict())}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state = json.loads((state_dict or {}).get(STATE_KEY) or "{}")
-        if not state:  # a checkpoint without the loader's position (torchtitan allows an empty state)
+        if not state_dict:  # a checkpoint without the loader (torchtitan allows an empty state)
             return
-        self.stream.load_state_dict(state)
+        state = _parse_state(state_dict)
+        if not state:  # the state of a loader that had handed out nothing: no position
+            return
+        self.stream.load_state_dict(state)  # checked there (format.loader_state_problem)
         self._since, self._stepped_at = 0, None
 
     def close(self) -> None:
@@ -183,6 +185,19 @@ class PlanDataLoader(BaseDataLoader):
         global _ACTIVE
         if _ACTIVE is not None and _ACTIVE() is self:
             _ACTIVE = None
+
+
+def _parse_state(state_dict: Any) -> dict:
+    """The loader state inside torchtitan's ``{"varlen": JSON text}``, or one PlanError line."""
+    text = state_dict.get(STATE_KEY) if isinstance(state_dict, dict) else None
+    try:
+        state = json.loads(text) if isinstance(text, str) else None
+    except (ValueError, RecursionError):
+        state = None
+    if not isinstance(state, dict):
+        raise PlanError(f"invalid loader state: torchtitan's data loader state must be {{{STATE_KEY!r}: the JSON "
+                        f"text PlanDataLoader.state_dict() wrote}}, not {str(state_dict)[:80]}")
+    return state
 
 
 _ACTIVE: weakref.ref | None = None  # the PlanDataLoader that handed out the latest batch in this process
