@@ -148,6 +148,35 @@ def test_half_an_epoch_then_the_next_needs_end_epoch(tmp_path):
     assert loader.state_dict()["ledger"]["ended"] == [0]
 
 
+@pytest.mark.parametrize("mid_step", [False, True])
+def test_end_epoch_with_variable_batch_size_lr(tmp_path, mid_step):
+    """The documented loop with VariableBatchSizeLR: an epoch ended early with loader.end_epoch() (after a
+    step, or in the middle of one) moves the plan's LR scale on to the next epoch's first step, whose
+    LR is the base LR x that step's lr_scale; skipping steps without end_epoch stays refused."""
+    plan = _plan(tmp_path, lr_scaling="linear")
+    scales = plan.lr_scales()
+    assert len(set(scales.tolist())) > 1
+    stop = plan.steps_per_epoch[0] // 2
+    loader = dataloader_for_plan(SyntheticTokens(LENGTHS), plan, rank=0, world_size=1)
+    optimizer = _optimizer()
+    lr = VariableBatchSizeLR(optimizer, plan)
+    taken = []
+    for epoch in range(plan.epochs):
+        loader.set_epoch(epoch)
+        for batch in loader:
+            info = batch["info"]
+            if epoch == 0 and info.step == stop and (mid_step or info.micro == plan.grad_accum - 1):
+                loader.end_epoch()
+                break
+            if info.micro == plan.grad_accum - 1:
+                taken.append((info.step, optimizer.param_groups[0]["lr"]))
+                optimizer.step()
+                lr.step()
+    trained = [s for s, _ in taken]
+    assert trained == list(range(stop)) + list(range(plan.epoch_start(1), plan.num_steps))
+    assert np.allclose([v for _, v in taken], [0.1 * scales[s] for s in trained])
+
+
 @pytest.mark.parametrize("stateful", [False, True])
 def test_a_state_saved_after_end_epoch_resumes_at_the_next_epoch(tmp_path, stateful):
     """A checkpoint taken right after loader.end_epoch() (its position still in the ended epoch) could not

@@ -128,6 +128,10 @@ class ConsumptionGuard:
                             f"loader's and the scheduler's states come from different checkpoints")
         ahead_ok = step == s + 1 and micro == 0 and self.last is not None and self.last[1] == s \
             and self.last[3] == self.plan.grad_accum - 1
+        if step > s and not ahead_ok and self._ended_before(s, pos):
+            lr.skip_to(step)  # the rest of an epoch ended on purpose (loader.end_epoch()) is never trained
+            self.pending = []
+            return
         if step > s and not ahead_ok:
             if self.last is None:
                 raise PlanError(f"desync: the loader resumes at {describe(pos)} but VariableBatchSizeLR at optimizer "
@@ -140,6 +144,15 @@ class ConsumptionGuard:
                             f"and their gradient is lost: the loader's state was saved in the middle of a step (a "
                             f"framework that reads ahead, such as Lightning, saves it early: use PlanDataModule, or "
                             f"report trained batches with loader.mark_consumed(batch))")
+
+    def _ended_before(self, s: int, pos) -> bool:
+        """Whether the data moved from optimizer step ``s`` to ``pos``, an epoch's first microbatch, over
+        the rest of epochs ended on purpose (``loader.end_epoch()``): every epoch from ``s``'s to the one
+        before ``pos``'s was ended early."""
+        epoch, step, _, micro = pos
+        if micro != 0 or not 0 <= s < self.plan.num_steps or step != self.plan.epoch_start(epoch):
+            return False
+        return all(e in self.ledger.ended for e in range(self.plan.epoch_of(s), epoch))
 
     def _unfinished_step_message(self, pos, s: int) -> str:
         """The data moved past optimizer step ``s`` that VariableBatchSizeLR never finished: name what

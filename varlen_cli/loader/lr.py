@@ -108,6 +108,13 @@ class VariableBatchSizeLR(torch.optim.lr_scheduler.LRScheduler):
         self.step_index += 1
         self._apply()
 
+    def skip_to(self, step: int) -> None:
+        """Move to plan step ``step`` without stepping the base schedule: the steps between were skipped
+        on purpose (the rest of an epoch ended with ``loader.end_epoch()``), so they take no optimizer
+        step; the LR from now on is the base schedule's x the scale of ``step``."""
+        self.step_index = int(step)
+        self._apply()
+
     def get_last_lr(self) -> list[float]:
         """The LRs in use now (scaled)."""
         return list(self._last_lr)
