@@ -166,6 +166,18 @@ def test_groups_never_split_and_empty_only_when_unavoidable():
                for r in range(3) for m in range(2) if len(plan.ranks[r][m]) == 0)  # one padding row
 
 
+def test_refine_never_overfills_the_row_that_takes_a_cheaper_but_longer_group():
+    """With attention, a costlier group can hold fewer tokens: rank 0's group {60} (cost 96) is
+    costlier than rank 1's {30, 35} (65 tokens, cost 86.25), but swapping them would put 102 tokens
+    in rank 0's row (60 + 37 formed). The swap needs room in both rows, so none happens here (CI's
+    hypothesis run found the row of 533 > 531 tokens this was)."""
+    lengths, groups = np.array([60, 37, 30, 35], np.int64), np.array([0, 1, 2, 2])
+    plan = plan_step(lengths, groups=groups, dp=2, seq_len=100, attention_cost=0.01)
+    check_budget(plan, lengths, seq_len=100, attention_cost=0.01)
+    check_groups(plan, groups)
+    assert [sorted(plan.ranks[r][0].tolist()) for r in range(2)] == [[0, 1], [2, 3]]  # as formed
+
+
 def test_sample_over_the_budget_is_one_line_or_split():
     with pytest.raises(InputError, match=r"^sample 1 \(900 tokens\) does not fit max_tokens 512; raise max_tokens or "
                                          r"leave it out of the step$"):

@@ -4,8 +4,9 @@ The formers deal whole rows to ranks, so a step's ranks differ by about a row's 
 the rows are few. Here, round after round, the costliest rank ``a`` and the cheapest ``b`` (or, when
 no swap of theirs narrows the gap, the next cheapest, up to :data:`PARTNERS`) swap one block each (a
 sample or a split chunk; with ``groups``, a group's members in their row): the pair whose cost
-difference is nearest half their gap, among those where ``b``'s row has room for the longer block.
-Rows keep their entry counts and stay within ``seq_len``; microbatches keep their rows, so counts,
+difference is nearest half their gap, among those where each row has room for the block it takes (a
+costlier group may hold fewer tokens: the attention term counts squares). Rows stay within
+``seq_len`` (without groups they keep their entry counts); microbatches keep their rows, so counts,
 budget and ``max_per_row`` hold as formed. Each round is one vectorised search (a binary search of
 ``a``'s blocks among ``b``'s by cost); rounds stop when the gap is below :data:`TOLERANCE` of the
 mean rank cost or one token's, no swap narrows it, or after :data:`ROUNDS_PER_RANK` x dp rounds. Deterministic
@@ -94,7 +95,9 @@ def _best_swap(rank, cost, length, block_row, row_load, rank_load, seq_len, by_c
         e = np.broadcast_to(mine[:, None], cand.shape).reshape(-1)
         f = theirs[cand.reshape(-1)]
         delta = cost[e] - cost[f]
-        room = seq_len - row_load[block_row[f]] >= length[e] - length[f]  # b's row takes the longer block
+        grow = length[e] - length[f]  # a costlier block may hold fewer tokens (attention: squares)
+        room = np.where(grow >= 0, seq_len - row_load[block_row[f]] >= grow,  # b's row takes e
+                        seq_len - row_load[block_row[e]] >= -grow)  # a's row takes f
         ok = (delta > 0) & (delta < gap) & room
         if ok.any():
             k = int(np.argmin(np.where(ok, np.abs(delta - gap / 2), np.inf)))
