@@ -192,6 +192,14 @@ def test_sample_over_the_budget_is_one_line_or_split():
     check_exactly_once(plan, np.array([10, 300, 700]))  # 700 -> 256 + 256 + 188, 300 -> 256 + 44
 
 
+def test_group_over_max_samples_names_max_samples():
+    """A group of more samples than max_samples fits no microbatch whatever max_tokens is: the remedy
+    names max_samples (raising max_tokens would not help)."""
+    with pytest.raises(InputError, match=r"^group 0 \(8 samples, 80 tokens, the longest 10\) does not fit max_tokens "
+                                         r"100,000, max_samples 4; raise max_samples or leave it out of the step$"):
+        plan_step(np.full(8, 10), dp=2, max_tokens=100_000, max_samples=4, groups=np.zeros(8, np.int64))
+
+
 def test_num_microbatches_too_few_is_one_line():
     with pytest.raises(InputError, match=r"^the step's 40 samples need 10 microbatches under max_tokens 400, more "
                                          r"than dp 2 x num_microbatches 2; raise num_microbatches or plan fewer "

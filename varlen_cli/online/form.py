@@ -100,8 +100,12 @@ def form_padded(spec: StepSpec, lengths: np.ndarray, units: Units) -> Slots:
     weight = units.expand_counts(order)
     cap = spec.budget.cap(t_sorted)
     bad = np.flatnonzero(weight > cap)
-    if len(bad):  # the longest unit that fits no microbatch, named
-        raise _too_long(spec, units, lengths, order[bad[::-1]], "raise max_tokens or leave it out of the step")
+    if len(bad):  # the longest unit that fits no microbatch, named, with the bound(s) it passes
+        w, ms = int(weight[bad[-1]]), spec.budget.max_samples
+        tokens = int(dataclasses.replace(spec.budget, max_samples=None).cap(t_sorted[bad[-1:]])[0]) < w
+        knob = " and ".join(k for k, over in (("max_tokens", tokens), ("max_samples", ms is not None and w > ms))
+                            if over)
+        raise _too_long(spec, units, lengths, order[bad[::-1]], f"raise {knob} or leave it out of the step")
     grouped = units.ids is not None
     off = _greedy(t_sorted, weight, cap, grouped)
     per_rank = microbatches_per_rank(spec, len(off) - 1, int(weight.sum()))
