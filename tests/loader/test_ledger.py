@@ -177,6 +177,34 @@ def test_end_epoch_with_variable_batch_size_lr(tmp_path, mid_step):
     assert np.allclose([v for _, v in taken], [0.1 * scales[s] for s in trained])
 
 
+def test_end_epoch_moves_the_lr_scale_on_with_checks_off(tmp_path):
+    """VariableBatchSizeLR(check=False) turns the desync checks off, not the plan's LR scale: after
+    loader.end_epoch() the next epoch's steps still train at the base LR x their own lr_scale (the scale
+    stayed behind by the skipped steps, silently, for the rest of the job)."""
+    plan = _plan(tmp_path, lr_scaling="linear")
+    scales = plan.lr_scales()
+    stop = plan.steps_per_epoch[0] // 2
+    loader = dataloader_for_plan(SyntheticTokens(LENGTHS), plan, rank=0, world_size=1)
+    optimizer = _optimizer()
+    lr = VariableBatchSizeLR(optimizer, plan, guard=loader, check=False)
+    taken = []
+    for epoch in range(plan.epochs):
+        loader.set_epoch(epoch)
+        for batch in loader:
+            info = batch["info"]
+            if epoch == 0 and info.step == stop:
+                loader.end_epoch()
+                break
+            if info.micro == plan.grad_accum - 1:
+                taken.append((info.step, optimizer.param_groups[0]["lr"]))
+                optimizer.step()
+                lr.step()
+    trained = [s for s, _ in taken]
+    assert trained == list(range(stop)) + list(range(plan.epoch_start(1), plan.num_steps))
+    assert np.allclose([v for _, v in taken], [0.1 * scales[s] for s in trained])
+    assert lr.step_index == plan.num_steps
+
+
 @pytest.mark.parametrize("stateful", [False, True])
 def test_a_state_saved_after_end_epoch_resumes_at_the_next_epoch(tmp_path, stateful):
     """A checkpoint taken right after loader.end_epoch() (its position still in the ended epoch) could not

@@ -119,19 +119,21 @@ class ConsumptionGuard:
         """The data may lead the plan's VariableBatchSizeLR by one step (read-ahead), never lag it."""
         epoch, step, _, micro = pos
         lr = self.lr()
-        if lr is None or not lr.check:
+        if lr is None:
             return  # without one, LR coverage is checked at the optimizer step (_before_optimizer_step)
         s = lr.step_index
-        if step < s:
-            raise PlanError(f"desync: the microbatch at {describe(pos)} is consumed but VariableBatchSizeLR is already "
-                            f"at optimizer step {s}: the scheduler was stepped more often than the optimizer, or the "
-                            f"loader's and the scheduler's states come from different checkpoints")
         ahead_ok = step == s + 1 and micro == 0 and self.last is not None and self.last[1] == s \
             and self.last[3] == self.plan.grad_accum - 1
         if step > s and not ahead_ok and self._ended_before(s, pos):
             lr.skip_to(step)  # the rest of an epoch ended on purpose (loader.end_epoch()) is never trained
             self.pending = []
+            return  # (with check=False too: it turns the checks off, not the plan's LR scale)
+        if not lr.check:
             return
+        if step < s:
+            raise PlanError(f"desync: the microbatch at {describe(pos)} is consumed but VariableBatchSizeLR is already "
+                            f"at optimizer step {s}: the scheduler was stepped more often than the optimizer, or the "
+                            f"loader's and the scheduler's states come from different checkpoints")
         if step > s and not ahead_ok:
             if self.last is None:
                 raise PlanError(f"desync: the loader resumes at {describe(pos)} but VariableBatchSizeLR at optimizer "
