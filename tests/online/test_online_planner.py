@@ -40,7 +40,20 @@ def stream_case(draw):
         kw["step_tokens"] = draw(st.integers(1, 20000))
     else:
         kw["step_samples"] = draw(st.integers(1, 64))
+    bound = draw(st.sampled_from([None, None, "buffer_tokens", "buffer_samples"]))
+    if bound is not None:  # a buffer bound: at least a target of its kind, or the only target
+        target = kw.get("step_tokens" if bound == "buffer_tokens" else "step_samples")
+        kw[bound] = draw(st.integers(target or 1, 4 * (target or (20000 if bound == "buffer_tokens" else 64))))
+        if draw(st.booleans()):
+            kw.pop("step_tokens", None), kw.pop("step_samples", None)
     return lengths, groups, kw
+
+
+def _within_bound(planner, kw) -> bool:
+    """After the ready steps are taken, the buffer is within its bounds."""
+    state = planner.state_dict()
+    return (len(state["ids"]) <= kw.get("buffer_samples", len(state["ids"]))
+            and sum(state["lengths"]) <= kw.get("buffer_tokens", sum(state["lengths"])))
 
 
 def _run(planner, lengths, groups, start=0):
@@ -58,7 +71,7 @@ def _check_steps(steps, lengths, groups, kw):
     for s in steps[:-1]:  # all steps but the last (the flush) meet the target
         size = int(s.lengths.sum()) if "step_tokens" in kw else len(s.ids)
         target = kw.get("step_tokens", kw.get("step_samples"))
-        if kw.get("num_microbatches") is None:
+        if kw.get("num_microbatches") is None and target is not None:
             assert size <= target or len(s.ids) == 1 or (groups is not None and len({groups[i] for i in s.ids}) == 1)
     for s in steps:
         check_exactly_once(s.plan, s.lengths)
@@ -87,6 +100,7 @@ def test_stream_steps_and_exact_resume(case, data):
         first.add(int(lengths[i]), None if groups is None else groups[i])
         while (step := first.next_step()) is not None:
             before.append(step)
+        assert _within_bound(first, kw)
     state = json.loads(json.dumps(first.state_dict()))
     second = OnlinePlanner(**kw)
     second.load_state_dict(state)
@@ -112,6 +126,29 @@ def test_target_and_group_runs():
     assert [s.ids.tolist() for s in planner.flush()] == [[3]]
 
 
+def test_a_buffer_bound_alone_forms_steps_as_the_buffer_fills():
+    """Without a step target the bound is the target: the sample that would pass it completes a step
+    of what is held (lengths that never add up to the bound exactly still form steps)."""
+    steps = list(OnlinePlanner(dp=2, max_tokens=100, buffer_tokens=100).steps([30] * 10))
+    assert [s.ids.tolist() for s in steps] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]  # 90 tokens: the 4th passes 100
+    steps = list(OnlinePlanner(dp=1, max_tokens=100, buffer_samples=4).steps([10] * 5, groups="aabbc"))
+    assert [s.ids.tolist() for s in steps] == [[0, 1, 2, 3], [4]]  # the run "b" completes when "c" comes
+    # by hand: a step that is ready must be taken before the next add
+    planner = OnlinePlanner(dp=1, max_tokens=100, buffer_tokens=100)
+    for _ in range(4):
+        planner.add(30)
+    with pytest.raises(InputError, match=r"^sample 4 would bring the buffer past buffer_tokens 100 and its step was "
+                                         r"not taken: call next_step\(\) until it returns None before add\(\)$"):
+        planner.add(30)
+    assert planner.next_step().ids.tolist() == [0, 1, 2] and planner.next_step() is None
+    planner.add(30)
+    # a run longer than the bound: nothing held is complete
+    planner = OnlinePlanner(dp=1, max_tokens=100, buffer_tokens=50)
+    planner.add(30, "x")
+    with pytest.raises(InputError, match=r"^sample 1 would bring the buffer past buffer_tokens 50 and no step is "):
+        planner.add(30, "x")
+
+
 def test_steps_over_items_carry_them():
     items = [{"input_ids": [1] * n, "g": i // 2} for i, n in enumerate([5, 7, 3, 9, 4, 4, 8])]
     steps = list(OnlinePlanner(dp=2, max_tokens=64, step_tokens=20).steps(iter(items), group=lambda x: x["g"]))
@@ -127,10 +164,13 @@ def test_planner_refusals():
         OnlinePlanner(dp=1, max_tokens=10, step_tokens=5, step_samples=5)
     assert OnlinePlanner(dp=2, max_tokens=10, num_microbatches=3).target == 60  # every microbatch full
     assert OnlinePlanner(dp=2, max_tokens=10, buffer_tokens=50).target == 50
-    planner = OnlinePlanner(dp=1, max_tokens=100, step_samples=10, buffer_samples=2)
+    with pytest.raises(UsageError, match=r"^step_tokens 200 is more than buffer_tokens 100: the buffer could never "):
+        OnlinePlanner(dp=1, max_tokens=10, step_tokens=200, buffer_tokens=100)
+    planner = OnlinePlanner(dp=1, max_tokens=100, step_samples=2, buffer_samples=2)
     planner.add(5, 1)
     planner.add(5, 1)
-    with pytest.raises(InputError, match="^the buffer holds buffer_samples 2 samples and no step is complete"):
+    with pytest.raises(InputError, match=r"^sample 2 would bring the buffer past buffer_samples 2 and no step is "
+                                         r"complete \(a sample or group run is longer\): raise the bound$"):
         planner.add(5, 1)
     with pytest.raises(InputError, match="every sample of a grouped stream needs a group id"):
         planner.add(5)

@@ -72,8 +72,9 @@ class OnlinePlanner:
     """Plan steps from a stream (see the module docstring). The planning options are
     :func:`~varlen_cli.online.plan_step`'s; a step holds at most ``step_tokens`` tokens (or
     ``step_samples`` samples), and at least that minus one unit once the stream has that many.
-    ``buffer_samples`` / ``buffer_tokens`` bound what is held (one group run longer than the bound
-    is refused in one line)."""
+    ``buffer_samples`` / ``buffer_tokens`` bound what is held: the sample that would pass the bound
+    completes a step of what is held (the buffer holds at most the bound plus that sample until the
+    step is taken); one group run longer than the bound is refused in one line."""
 
     def __init__(self, *, dp, max_tokens=None, seq_len=None, num_microbatches=None, attention_cost=0.0,
                  max_samples=None, pad_multiple=1, lr_scaling="none", base_batch_size=None, lr_scale_by="loss-tokens",
@@ -91,6 +92,10 @@ class OnlinePlanner:
                             ("buffer_samples", buffer_samples), ("buffer_tokens", buffer_tokens)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
                 raise UsageError(f"{name} must be an integer >= 1 (got {value!r})")
+        for target, bound, noun in ((step_tokens, buffer_tokens, "tokens"), (step_samples, buffer_samples, "samples")):
+            if target is not None and bound is not None and target > bound:
+                raise UsageError(f"step_{noun} {target:,} is more than buffer_{noun} {bound:,}: the buffer could never "
+                                 f"hold a step; raise buffer_{noun} or lower step_{noun}")
         self.by_tokens = step_tokens is not None
         self.target = int(step_tokens if self.by_tokens else step_samples)
         self.buffer_samples = None if buffer_samples is None else int(buffer_samples)
@@ -131,14 +136,10 @@ class OnlinePlanner:
             self._grouped = group is not None
         elif self._grouped != (group is not None):
             raise InputError(f"sample {self.next_id}: every sample of a grouped stream needs a group id (or none does)")
-        if self.buffer_samples is not None and len(self._ids) >= self.buffer_samples:
-            raise InputError(f"the buffer holds buffer_samples {self.buffer_samples:,} samples and no step is complete "
-                             "(one group run is longer): raise buffer_samples")
-        if self.buffer_tokens is not None and self._tokens + length > self.buffer_tokens:
-            raise InputError(f"sample {self.next_id} would bring the buffer past buffer_tokens {self.buffer_tokens:,} "
-                             "with no step complete: raise buffer_tokens")
         if group is not None:
             group = group.item() if isinstance(group, np.generic) else group
+        self._check_bound(length, group)
+        if group is not None:
             if self._groups and self._groups[-1] == group:  # the open run goes on
                 self._open, self._open_tokens = self._open + 1, self._open_tokens + length
             else:  # a new run: the one before is complete
@@ -150,15 +151,37 @@ class OnlinePlanner:
         self.next_id += 1
         return self.next_id - 1
 
+    def _over_bound(self, samples: int, tokens: int) -> bool:
+        """Whether holding ``samples`` samples of ``tokens`` tokens passes a buffer bound."""
+        return ((self.buffer_samples is not None and samples > self.buffer_samples)
+                or (self.buffer_tokens is not None and tokens > self.buffer_tokens))
+
+    def _check_bound(self, length: int, group) -> None:
+        """The sample that would pass a buffer bound is taken when it completes a step of what is held
+        (the complete runs before it, :meth:`ready`); refused when nothing held is complete (one run
+        longer than the bound) or when the buffer is already past its bound (its step not taken)."""
+        held, tokens = len(self._ids), self._tokens
+        if not self._over_bound(held + 1, tokens + length):
+            return
+        ends_run = self._grouped and bool(self._groups) and self._groups[-1] != group
+        complete = held - (0 if ends_run else self._open)  # held samples complete once this one is added
+        if self._over_bound(held, tokens) or not complete:
+            bound = (f"buffer_samples {self.buffer_samples:,}" if self.buffer_samples is not None
+                     and held + 1 > self.buffer_samples else f"buffer_tokens {self.buffer_tokens:,}")
+            why = ("its step was not taken: call next_step() until it returns None before add()" if complete
+                   else "no step is complete (a sample or group run is longer): raise the bound")
+            raise InputError(f"sample {self.next_id} would bring the buffer past {bound} and {why}")
+
     def _complete(self) -> int:
         """Buffered samples whose group run is complete (all of them without groups)."""
         return len(self._ids) - self._open
 
     def ready(self) -> bool:
-        """Whether the buffer holds a whole step (the target met by complete samples)."""
+        """Whether the buffer holds a whole step: the target met by complete samples, or a buffer bound
+        passed (by the sample that completes the step of what is held)."""
         k = self._complete()
         held = self._tokens - self._open_tokens if self.by_tokens else k
-        return k > 0 and held >= self.target
+        return k > 0 and (held >= self.target or self._over_bound(len(self._ids), self._tokens))
 
     # -- planning -------------------------------------------------------------------------------------
     def _runs(self, k: int) -> np.ndarray | None:
@@ -289,4 +312,5 @@ class OnlinePlanner:
                 "seq_len": s.seq_len, "rows_per_microbatch": s.rows_per_mb, "num_microbatches": s.num_microbatches,
                 "max_per_row": s.max_per_row, "split": s.split, "lr_scaling": s.lr_scaling,
                 "lr_scale_by": s.lr_scale_by, "base_batch_size": s.base_batch_size,
-                "target": [("tokens" if self.by_tokens else "samples"), self.target]}
+                "target": [("tokens" if self.by_tokens else "samples"), self.target],
+                "buffer": [self.buffer_samples, self.buffer_tokens]}  # a bound passed completes a step
