@@ -71,7 +71,7 @@ def check_no_overlap(output: str, inputs: Iterable[str]) -> None:
     for given in inputs:
         if not given or storage.is_remote(str(given)) != remote:
             continue  # a local path and an object cannot overlap
-        root = _source_root(str(given))
+        root = _source_root(str(given) if remote else storage.local_path(str(given)))  # file:///x is /x
         inp = root.rstrip("/") if remote else os.path.realpath(root)
         if out == inp:
             how = "is"
