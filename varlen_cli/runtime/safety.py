@@ -65,6 +65,9 @@ def check_no_overlap(output: str, inputs: Iterable[str]) -> None:
     same rules (an input's glob counts from its folder)."""
     from .. import storage
 
+    if storage.scheme(output) in ("file", "local"):  # else written below the current directory, in ./file:/
+        raise OutputError(f"output {output} is a URL; varlen writes a local output by its path: give "
+                          f"{storage.local_path(output)}")
     remote = storage.is_remote(output)
     sep = "/" if remote else os.sep
     out = output.rstrip("/") if remote else os.path.realpath(output)
