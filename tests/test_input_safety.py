@@ -743,3 +743,28 @@ def test_parquet_without_statistics_rewritten_at_the_same_size_and_mtime(tmp_pat
         SourceDataset(str(m))
     keep_stat(path, lambda: path.write_bytes(raw))  # the old bytes back: fresh again
     ok("sort", m, "-o", tmp_path / "s", "--no-progress")
+
+
+def test_an_object_without_etag_or_version_is_checked_by_its_size(tmp_path):
+    """A store that keeps no ETag or version (a plain https:// server; memory:// here) records the size
+    alone, and the size is still compared: an object rewritten with another size is stale."""
+    import fsspec
+
+    from varlen_cli import storage
+    from varlen_cli.runtime import freshness
+
+    loc = f"memory://varlen-test-{os.getpid()}/d/x.jsonl"
+    fs = fsspec.filesystem("memory")
+    fs.pipe_file(loc, b'{"text": "a"}\n')
+    try:
+        entry = {"path": loc, "format": "jsonl", **freshness.record(storage.stat(loc), "jsonl")}
+        assert set(entry) == {"path", "format", "size"}  # nothing but the size to compare
+        manifest = {"dataset": {"root": "", "files": [entry]}}
+        assert freshness.stale_source(manifest) is None
+        fs.pipe_file(loc, b'{"text": "a much longer text"}\n')
+        assert freshness.stale_source(manifest) == (loc, "changed size (14 -> 31 bytes)")
+        fs.rm_file(loc)
+        assert freshness.stale_source(manifest) == (loc, "is missing")
+    finally:
+        if fs.exists(loc):
+            fs.rm_file(loc)

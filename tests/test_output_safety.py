@@ -140,6 +140,19 @@ def _analyze_glob_inside_source(ws):
             "output src/metrics lies inside the input src/*.jsonl; write the output elsewhere", ["src"])
 
 
+def _analyze_inside_file_url_source(ws):
+    src = f"file://{ws}/src"  # a file:// URL is the local path: the same overlap rules
+    return (["analyze", src, "-o", "src/metrics"], 4,
+            f"output src/metrics lies inside the input {src}; write the output elsewhere", ["src"])
+
+
+def _plan_output_as_file_url(ws):
+    out = f"file://{ws}/p2.parquet"  # was written to ./file:/.../p2.parquet, reported as a success
+    return (["plan", "m", "-o", out, "--max-tokens", "256"], 4,
+            f"output {out} is a URL; varlen writes a local output by its path: give {ws}/p2.parquet",
+            ["file:", "p2.parquet"])
+
+
 def _analyze_contains_source(ws):
     os.makedirs("outer/data")
     shutil.copy("src/a.jsonl", "outer/data/a.jsonl")
@@ -372,6 +385,8 @@ CASES = [
     ("analyze onto its source", _analyze_onto_source),
     ("analyze into its source", _analyze_inside_source),
     ("analyze glob into its source", _analyze_glob_inside_source),
+    ("analyze inside a file:// source", _analyze_inside_file_url_source),
+    ("plan output given as a file:// URL", _plan_output_as_file_url),
     ("analyze onto a directory holding its source", _analyze_contains_source),
     ("plan into its metrics", _plan_into_metrics),
     ("sort onto its input", _sort_onto_input),

@@ -73,10 +73,14 @@ def stale_source(manifest: dict) -> tuple[str, str] | None:
             continue
         kind = str(entry.get("format"))
         for record_, what in [(entry, kind), *((c, "data") for c in entry.get("companions") or [])]:
-            if not isinstance(record_, dict) or not ({"mtime_ns", "etag", "version"} & record_.keys()):
-                continue  # recorded before varlen kept mtimes (or a hand-made manifest): cannot tell
+            if not isinstance(record_, dict):
+                continue
             source = storage.under(str(record_.get("path")), root)
-            why = (_remote_difference(source, record_) if storage.is_remote(source)
+            # an object of a store without ETag or version (https://) is recorded by its size alone
+            remote = storage.is_remote(source)
+            if not ({"mtime_ns", "etag", "version"} & record_.keys() or remote and "size" in record_):
+                continue  # recorded before varlen kept mtimes (or a hand-made manifest): cannot tell
+            why = (_remote_difference(source, record_) if remote
                    else _difference(source, record_, what))
             if why is not None:
                 return source, why

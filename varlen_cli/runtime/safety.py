@@ -65,13 +65,16 @@ def check_no_overlap(output: str, inputs: Iterable[str]) -> None:
     same rules (an input's glob counts from its folder)."""
     from .. import storage
 
+    if storage.scheme(output) in ("file", "local"):  # else written below the current directory, in ./file:/
+        raise OutputError(f"output {output} is a URL; varlen writes a local output by its path: give "
+                          f"{storage.local_path(output)}")
     remote = storage.is_remote(output)
     sep = "/" if remote else os.sep
     out = output.rstrip("/") if remote else os.path.realpath(output)
     for given in inputs:
         if not given or storage.is_remote(str(given)) != remote:
             continue  # a local path and an object cannot overlap
-        root = _source_root(str(given))
+        root = _source_root(str(given) if remote else storage.local_path(str(given)))  # file:///x is /x
         inp = root.rstrip("/") if remote else os.path.realpath(root)
         if out == inp:
             how = "is"
