@@ -112,3 +112,21 @@ def test_a_rank_whose_peers_never_come_stops_in_one_line():
             proc.kill()
     assert proc.returncode == 143 and time.monotonic() - t0 < 10, err
     assert "varlen: terminated" in err
+
+
+@pytest.mark.parametrize("name,value", [("VARLEN_TIMEOUT", "abc"), ("VARLEN_TIMEOUT", "0"),
+                                        ("VARLEN_JOIN_TIMEOUT", "-1"), ("VARLEN_JOIN_TIMEOUT", "inf")])
+def test_a_bad_timeout_in_the_environment_is_one_usage_line(tmp_path, name, value):
+    """A timeout that is no positive number of seconds: exit 2 and one line naming it, nothing written
+    (it was a ValueError traceback, or a join failure of exit 5)."""
+    port = str(_free_port())
+    env = dict(os.environ, RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PYTHONPATH=ROOT,
+               OMP_NUM_THREADS="1", **{name: value})
+    out = tmp_path / "metrics"
+    command = [sys.executable, "-m", "varlen_cli", "analyze", os.path.join(ROOT, "sample_data", "tokenized.parquet"),
+               "-o", str(out)]
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"varlen: error: [rank 0] {name} must be a positive number of seconds, got {value!r}"]
+    assert not out.exists()

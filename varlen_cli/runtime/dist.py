@@ -45,9 +45,24 @@ DEFAULT_TIMEOUT_S = 1800.0
 _PROGRESS_KEY = "varlen/progress"
 
 
+def _seconds_from_env(name: str, default: float) -> float:
+    """A positive number of seconds from the environment variable ``name`` (``default`` when unset);
+    anything else is one UsageError line."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise UsageError(f"{name} must be a positive number of seconds, got {raw!r}")
+    return value
+
+
 def collective_timeout() -> float:
     """Seconds a collective may wait for a peer before the job fails (``VARLEN_TIMEOUT``)."""
-    return float(os.environ.get("VARLEN_TIMEOUT", DEFAULT_TIMEOUT_S))
+    return _seconds_from_env("VARLEN_TIMEOUT", DEFAULT_TIMEOUT_S)
 
 
 DEFAULT_JOIN_TIMEOUT_S = 120.0  # torchrun's agent has met its peers before workers start: they join at once
@@ -55,7 +70,7 @@ DEFAULT_JOIN_TIMEOUT_S = 120.0  # torchrun's agent has met its peers before work
 
 def join_timeout() -> float:
     """Seconds a rank waits for the others to join the process group (``VARLEN_JOIN_TIMEOUT``)."""
-    return float(os.environ.get("VARLEN_JOIN_TIMEOUT", min(DEFAULT_JOIN_TIMEOUT_S, collective_timeout())))
+    return _seconds_from_env("VARLEN_JOIN_TIMEOUT", min(DEFAULT_JOIN_TIMEOUT_S, collective_timeout()))
 
 
 def _join_group(tdist, backend: str, timeout) -> None:
@@ -313,6 +328,7 @@ def session(device: str = "cpu") -> Iterator[Dist]:
         _set_cuda_device(local)
     backend = "nccl" if device == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=collective_timeout())
+    join_timeout()  # a bad VARLEN_JOIN_TIMEOUT is a usage error, before the join
     try:
         _join_group(tdist, backend, timeout)
     except WorkerError:
