@@ -1,7 +1,7 @@
 """Two budgets (``varlen plan --max-target-tokens``, issue 36): every microbatch's padded source B x T and
-padded target B x T_target within their budgets, the plan's ``target_seqlen`` column, ``varlen validate``
-checking both, the cost over both sides, the options that refuse in one line, the same plan for 1 and 2
-workers (a plan, a mixture, a replan, an extension), and the issue's Lhotse manifest end to end."""
+padded target B x T_target within their budgets, the plan's ``target_seqlen`` and ``target_tokens`` columns,
+``varlen validate`` checking both, the cost over both sides, the options that refuse in one line, the same plan
+for 1 and 2 workers (a plan, a mixture, a replan, an extension), and the issue's Lhotse manifest end to end."""
 
 from __future__ import annotations
 
