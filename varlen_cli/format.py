@@ -73,11 +73,14 @@ PACKED_PLAN_COLUMNS = (
 #: Extra column of mixture plans (metadata ``mixture`` is not null, ``varlen plan --mix``): the source of each
 #: entry of ``sample_ids``, an index into the metadata's ``mixture.sources``.
 MIXTURE_PLAN_COLUMNS = (("source", pa.list_(pa.int32())),)
-#: Extra column of two-budget plans (metadata ``budget.max_target_tokens`` is not null, ``varlen plan
+#: Extra columns of two-budget plans (metadata ``budget.max_target_tokens`` is not null, ``varlen plan
 #: --max-target-tokens``): each microbatch's padded target length T_target, the length its decoder inputs
-#: and labels are padded to (``B x target_seqlen`` is within ``max_target_tokens``).
+#: and labels are padded to (``B x target_seqlen`` is within ``max_target_tokens``), and its real target
+#: tokens, the sum of its samples' ``target_length`` (a step's sum is its ``step_loss_tokens``; the loader
+#: checks the dataset's targets against it).
 TARGET_SEQLEN_COLUMN = "target_seqlen"
-TARGET_PLAN_COLUMNS = ((TARGET_SEQLEN_COLUMN, pa.int32()),)
+TARGET_TOKENS_COLUMN = "target_tokens"
+TARGET_PLAN_COLUMNS = ((TARGET_SEQLEN_COLUMN, pa.int32()), (TARGET_TOKENS_COLUMN, pa.int64()))
 #: Columns new plans write after those above, which readers use when present (older plans lack them):
 #: ``step_loss_tokens``, the loss targets of the whole step with shifted labels, counted from the
 #: lengths: ``max(l - 1, 0)`` per sample, ``l`` for a non-final chunk of a split sample.
@@ -98,13 +101,14 @@ class FormatError(ValueError):
 
 def plan_columns(packed: bool, mixture: bool = False, target: bool = False) -> tuple:
     """``(name, type)`` of every column a plan has (packed or padded; a mixture plan adds ``source``, a
-    two-budget plan ``target_seqlen``)."""
+    two-budget plan ``target_seqlen`` and ``target_tokens``)."""
     return (PLAN_COLUMNS + (PACKED_PLAN_COLUMNS if packed else ()) + (MIXTURE_PLAN_COLUMNS if mixture else ())
             + (TARGET_PLAN_COLUMNS if target else ()))
 
 
 def has_target_budget(meta: dict) -> bool:
-    """Whether a plan's metadata says it has two budgets (``budget.max_target_tokens``: ``target_seqlen``)."""
+    """Whether a plan's metadata says it has two budgets (``budget.max_target_tokens``: ``target_seqlen``,
+    ``target_tokens``)."""
     budget = meta.get("budget")
     return isinstance(budget, dict) and budget.get("max_target_tokens") is not None
 

@@ -63,7 +63,8 @@ def test_the_default_collate_pads_targets_to_target_seqlen(plans):
                 want = [0] + tgt[:-1].tolist() if len(tgt) else []  # the start token (pad_id 0), then shifted right
                 assert batch["decoder_input_ids"][row, :len(tgt)].tolist() == want
                 assert batch["decoder_attention_mask"][row].sum() == len(tgt)
-            assert batch["loss_tokens"] == int(TGT[info.sample_ids].sum()) == int(batch["loss_mask"].sum())
+            assert batch["loss_tokens"] == int(TGT[info.sample_ids].sum()) == int(batch["loss_mask"].sum()) \
+                == info.target_tokens
             assert batch["num_items_in_batch"] == batch["step_loss_tokens"] == info.step_loss_tokens
             assert batch["label_convention"] == "seq2seq"
             inputs = to_model_inputs(batch)
@@ -93,6 +94,28 @@ def test_what_the_collate_cannot_collate_is_refused_in_one_line(plans):
             "step 0: PadCollate(seq2seq=True) pads targets to the plan's target_seqlen, but the plan has none: make "
             "it with `varlen plan --max-target-tokens M` (docs/plan.md, \"Two budgets\")") + "$"):
         PadCollate(seq2seq=True)(Samples([Pairs().items[i] for i in plain.sample_ids], plain))
+
+
+def test_targets_other_than_the_plan_counted_are_refused_in_one_line(plans):
+    """Every target one token short (no EOS, say): the source side and target_seqlen fit, but the loss tokens
+    would not be the step_loss_tokens the plan counted; the exact targets pass."""
+    two = Plan.open(plans["two"])
+    info = next(two.microbatch(s, 0, m) for s in range(two.num_steps) for m in range(2)
+                if (TGT[two.microbatch(s, 0, m).sample_ids] > 0).sum() > 1)
+    items = [Pairs().items[i] for i in info.sample_ids]
+    assert info.target_tokens == int(TGT[info.sample_ids].sum()) == PadCollate()(Samples(items, info))["loss_tokens"]
+    short = [dict(item, labels=item["labels"][:-1]) for item in items]
+    found = info.target_tokens - int((TGT[info.sample_ids] > 0).sum())
+    with pytest.raises(PlanError, match="^" + re.escape(
+            f"step {info.step} micro {info.micro}: the targets of the microbatch's samples hold {found} tokens but "
+            f"the plan counted {info.target_tokens} (target_tokens): the dataset's targets differ from what `varlen "
+            "analyze --target-length` counted; tokenize them with the same tokenizer and special tokens (EOS), or "
+            "re-run `varlen analyze --target-length` and `varlen plan` on this dataset") + "$"):
+        PadCollate()(Samples(short, info))
+    with pytest.raises(PlanError, match=r"^step \d+ micro \d+: the targets of the microbatch's samples hold \d+ "
+                       r"tokens but the plan counted \d+ \(target_tokens\)"):  # through the plan's dataloader
+        for _ in dataloader_for_plan(Pairs(tgt=np.maximum(TGT - 1, 0)), two, rank=0, world_size=2):
+            pass
 
 
 def test_without_a_plan_seq2seq_pads_to_the_longest_target():

@@ -1,7 +1,7 @@
 """Two budgets (``varlen plan --max-target-tokens``, issue 36): every microbatch's padded source B x T and
-padded target B x T_target within their budgets, the plan's ``target_seqlen`` column, ``varlen validate``
-checking both, the cost over both sides, the options that refuse in one line, the same plan for 1 and 2
-workers (a plan, a mixture, a replan, an extension), and the issue's Lhotse manifest end to end."""
+padded target B x T_target within their budgets, the plan's ``target_seqlen`` and ``target_tokens`` columns,
+``varlen validate`` checking both, the cost over both sides, the options that refuse in one line, the same plan
+for 1 and 2 workers (a plan, a mixture, a replan, an extension), and the issue's Lhotse manifest end to end."""
 
 from __future__ import annotations
 
@@ -50,7 +50,20 @@ def _checked(path: str, src: np.ndarray, tgt: np.ndarray, m: int = M, mt: int = 
     assert (b * t + a * b * t * t <= m).all() and (b * u + a * b * u * u <= mt).all()
     for ids, seqlen, target_seqlen in zip(table.column("sample_ids").to_pylist(), t, u):
         assert _pad(src[ids], pad).max() <= seqlen and _pad(tgt[ids], pad).max() <= target_seqlen
+    _target_tokens(table, tgt)
     return table, meta
+
+
+def _target_tokens(table: pa.Table, tgt: np.ndarray) -> None:
+    """The plan's ``target_tokens`` (int64): each microbatch's targets' ``target_length`` summed; a step's sum is
+    its ``step_loss_tokens``."""
+    assert table.schema.field("target_tokens").type == pa.int64()
+    got = table.column("target_tokens").to_numpy()
+    want = [int(tgt[ids].sum()) for ids in table.column("sample_ids").to_pylist()]
+    assert got.tolist() == want
+    step, loss = table.column("step").to_numpy(), table.column("step_loss_tokens").to_numpy()
+    for s in np.unique(step):
+        assert int(got[step == s].sum()) == int(loss[step == s][0])
 
 
 def _once(table: pa.Table, n: int, epoch: int = 0, dropped=()) -> None:
@@ -212,6 +225,7 @@ def test_validate_checks_both_budgets_and_the_targets_against_target_seqlen(corp
     low[0] = 0  # its targets do not fit
     high[1] = MT // b[1] + 1  # over the target budget
     for values, message in ((low, "budget: 1 microbatches have a sample whose target is longer than their "
+                                  "target_seqlen; 1 microbatches whose target_tokens is not within 0..batch_size x "
                                   "target_seqlen"),
                             (high, "budget: 1 microbatches over the budget --max-tokens 2,000 and --max-target-tokens "
                                    "1,200 (e.g. rows 1)")):
@@ -224,6 +238,53 @@ def test_validate_checks_both_budgets_and_the_targets_against_target_seqlen(corp
     pq.write_table(table.drop_columns(["target_seqlen"]), bad)
     report = validate(ValidateConfig(plan=bad))
     assert [f"{c.name}: {c.detail}" for c in report.violations] == ["columns: lacks plan columns: target_seqlen"]
+
+
+def test_target_tokens_is_checked_and_a_plan_without_it_is_refused(corpus, tmp_path):
+    out = str(tmp_path / "p.parquet")
+    plan(PlanConfig(input=corpus["metrics"], output=out, max_tokens=M, max_target_tokens=MT, dp=2, drop_long=True,
+                    progress=False))
+    table = pq.read_table(out)
+    tokens = table.column("target_tokens").to_numpy()
+    b, u = table.column("batch_size").to_numpy(), table.column("target_seqlen").to_numpy()
+    one_more, over = tokens.copy(), tokens.copy()
+    one_more[0] += 1  # a target token the samples do not have
+    over[1] = int(b[1]) * int(u[1]) + 1  # more than B x T_target holds
+    bad = str(tmp_path / "bad.parquet")
+    i = table.schema.get_field_index("target_tokens")
+    for values, metrics, want in (
+            (one_more, None, ["budget: 1 steps whose target_tokens do not sum to their step_loss_tokens"]),
+            (one_more, corpus["metrics"], ["budget: 1 microbatches whose target_tokens differs from the sum of their "
+                                           "samples' target_length; 1 steps whose target_tokens do not sum to their "
+                                           "step_loss_tokens"]),
+            (over, None, ["budget: 1 microbatches whose target_tokens is not within 0..batch_size x target_seqlen; "
+                          "1 steps whose target_tokens do not sum to their step_loss_tokens"])):
+        pq.write_table(table.set_column(i, "target_tokens", pa.array(values, pa.int64())), bad)  # metadata kept
+        report = validate(ValidateConfig(plan=bad, metrics=metrics))
+        assert [f"{c.name}: {c.detail}" for c in report.violations] == want
+        assert runner.invoke(app, ["validate", bad]).exit_code != 0
+    pq.write_table(table.drop_columns(["target_tokens"]), bad)
+    report = validate(ValidateConfig(plan=bad))
+    assert [f"{c.name}: {c.detail}" for c in report.violations] == ["columns: lacks plan columns: target_tokens"]
+
+
+def test_target_tokens_of_a_plan_a_replan_and_an_extension_and_none_in_one_budget_plans(corpus, tmp_path):
+    from varlen_cli.plan.replan import ExtendConfig, ReplanConfig, extend, replan
+
+    src, tgt = corpus["src"], corpus["tgt"]
+    o = {k: str(tmp_path / f"{k}.parquet") for k in ("plan", "replan", "extend", "one", "one_extend")}
+    plan(PlanConfig(input=corpus["metrics"], output=o["plan"], max_tokens=M, max_target_tokens=MT, dp=2, epochs=2,
+                    drop_long=True, progress=False))
+    replan(ReplanConfig(plan=o["plan"], output=o["replan"], dp=3, from_step=2, progress=False))
+    extend(ExtendConfig(plan=o["plan"], output=o["extend"], epochs=3, progress=False))
+    for key in ("plan", "replan", "extend"):
+        _checked(o[key], src, tgt)  # target_tokens: the samples' target_length summed, per microbatch and step
+        assert validate(ValidateConfig(plan=o[key], metrics=corpus["metrics"])).ok
+    plan(PlanConfig(input=corpus["metrics"], output=o["one"], max_tokens=3000, dp=2, progress=False))
+    extend(ExtendConfig(plan=o["one"], output=o["one_extend"], epochs=2, progress=False))
+    for key in ("one", "one_extend"):
+        names = pq.read_schema(o[key]).names
+        assert "target_seqlen" not in names and "target_tokens" not in names
 
 
 def test_simulate_and_inspect_use_the_cost_over_both_sides(corpus, tmp_path):

@@ -14,6 +14,7 @@ from .arrays import Check, Examples, PlanArrays, segment_reduce
 class BudgetCheck:
     def __init__(self, meta: dict, budget: Budget):
         self.packing, self.budget = meta.get("packing"), budget
+        self.trained_only = meta.get("loss_tokens") == format.TARGET_LENGTH_COLUMN  # step_loss_tokens: target_length
         self.over, self.over_rows = 0, Examples()
         self.problems: dict = {}  # message -> count (summed over windows)
         self.met: dict = {}  # message -> (first row, order in its window): the order met
@@ -33,9 +34,10 @@ class BudgetCheck:
         b, t = c["batch_size"].astype(np.int64), c["seqlen"].astype(np.int64)
         target = c.get(format.TARGET_SEQLEN_COLUMN)
         target = target.astype(np.int64) if target is not None else None
-        if budget.two_sided and target is None:
-            self._count(f"microbatches without {format.TARGET_SEQLEN_COLUMN}, which a plan with two budgets has",
-                        a.count, (a.first_row, -1))
+        for name in (format.TARGET_SEQLEN_COLUMN, format.TARGET_TOKENS_COLUMN):
+            if budget.two_sided and name not in c:
+                self._count(f"microbatches without {name}, which a plan with two budgets has", a.count,
+                            (a.first_row, -1))
         if budget.max_tokens is not None or budget.max_samples is not None:
             over = ~budget.fits(b, t, target)
             if not self.packing and budget.max_samples is not None:
@@ -56,6 +58,8 @@ class BudgetCheck:
             if (longest > target).any():
                 found.append(("microbatches have a sample whose target is longer than their target_seqlen",
                               int((longest > target).sum())))
+        if target is not None and format.TARGET_TOKENS_COLUMN in c:
+            found += _target_token_problems(a, b, target, self.trained_only)
         for i, (message, n) in enumerate(found):
             self._count(message, n, (a.first_row, i))
 
@@ -78,6 +82,33 @@ class BudgetCheck:
                          f"{quadratic.replace('T^2', 'T_target^2')} <= {self.budget.max_target_tokens} in every "
                          "microbatch")
         return Check("budget", True, f"B x T{quadratic} <= {self.budget.max_tokens} in every microbatch")
+
+
+def _target_token_problems(a: PlanArrays, b: np.ndarray, target: np.ndarray, trained_only: bool) -> list:
+    """Two budgets: each microbatch's ``target_tokens`` within ``0..batch_size x target_seqlen``, the sum of
+    its samples' ``target_length`` (when known), and a step's sum its ``step_loss_tokens`` (when the plan
+    counts the metrics' ``target_length`` as its loss tokens)."""
+    c = a.cols
+    tokens = c[format.TARGET_TOKENS_COLUMN].astype(np.int64)
+    problems = []
+    outside = (tokens < 0) | (tokens > b * target)
+    if outside.any():
+        problems.append(("microbatches whose target_tokens is not within 0..batch_size x target_seqlen",
+                         int(outside.sum())))
+    if a.sample_target is not None:
+        differs = segment_reduce(np.add, a.sample_target, a.offsets) != tokens
+        if differs.any():
+            problems.append(("microbatches whose target_tokens differs from the sum of their samples' "
+                             "target_length", int(differs.sum())))
+    if trained_only and "step_loss_tokens" in c and len(tokens):
+        step = c["step"].astype(np.int64)
+        steps, local = np.unique(step, return_inverse=True)
+        sums = np.bincount(local, weights=tokens, minlength=len(steps))[local].astype(np.int64)  # whole steps
+        bad = sums != c["step_loss_tokens"].astype(np.int64)
+        if bad.any():
+            problems.append(("steps whose target_tokens do not sum to their step_loss_tokens",
+                             len(np.unique(step[bad]))))
+    return problems
 
 
 def _packed_row_problems(a: PlanArrays, b: np.ndarray, seq: int, cap) -> list[tuple[str, int]]:

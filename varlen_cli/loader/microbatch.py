@@ -31,6 +31,7 @@ class Microbatch:
     source: np.ndarray | None = None  # mixture plans: index of each sample's source (plan.meta["mixture"])
     step_loss_tokens: int | None = None  # loss targets of the whole step (plans written since the column exists)
     target_seqlen: int | None = None  # two-budget plans: the padded target length T_target (decoder side)
+    target_tokens: int | None = None  # two-budget plans: real target tokens (the samples' target_length summed)
     # the step's figures over all ranks (loader/step_figures.py: StepFigures), for the trackers
     figures: Any = field(default=None, compare=False, repr=False)
 

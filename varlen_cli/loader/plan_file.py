@@ -64,6 +64,7 @@ class _Group:
             sample_rows=lists.get("sample_rows"), sample_starts=lists.get("sample_starts"), source=lists.get("source"),
             step_loss_tokens=int(s["step_loss_tokens"][i]) if "step_loss_tokens" in s else None, figures=figures,
             target_seqlen=int(s["target_seqlen"][i]) if "target_seqlen" in s else None,
+            target_tokens=int(s["target_tokens"][i]) if "target_tokens" in s else None,
         )
 
 

@@ -3,7 +3,8 @@
 
 Each dataset item is a dict holding the source sequence under ``key`` (``input_ids``) and the target
 sequence under ``target_key`` (``labels``: what ``tokenizer(source, text_target=target)`` returns),
-the target holding exactly the tokens the metrics counted as its ``target_length``. The source is
+the target holding exactly the tokens the metrics counted as its ``target_length`` (a microbatch whose
+targets hold other than the plan row's ``target_tokens`` is refused in one line). The source is
 padded to the plan's ``seqlen`` T (the encoder), the target to its ``target_seqlen`` T_target (the
 decoder), the batch to its ``batch_size`` B:
 
@@ -41,7 +42,8 @@ def pad_rows(arrays: list, lengths: np.ndarray, batch: int, seqlen: int, fill: i
 
 
 def target_seqlen(info: Microbatch | None, lengths: np.ndarray, pad_multiple: int, required: bool) -> int:
-    """The decoder side's T: the plan row's ``target_seqlen`` (the targets checked against it), or without a
+    """The decoder side's T: the plan row's ``target_seqlen`` (the targets checked against it and their
+    tokens against its ``target_tokens``, which ``step_loss_tokens`` sums per step), or without a
     plan row the longest target rounded up to ``pad_multiple``. ``required``: the collate was asked for
     encoder-decoder batches, which a plan made without ``--max-target-tokens`` cannot give."""
     longest = int(lengths.max()) if len(lengths) else 0
@@ -58,6 +60,13 @@ def target_seqlen(info: Microbatch | None, lengths: np.ndarray, pad_multiple: in
         raise PlanError(f"sample {int(info.sample_ids[i])} has a target of {longest} tokens but its microbatch (step "
                         f"{info.step}) is planned at target_seqlen {info.target_seqlen}: the plan was made for "
                         "different target lengths (another dataset, target column or tokenizer)")
+    found = int(lengths.sum())
+    if info.target_tokens is not None and found != info.target_tokens:  # else a wrong step_loss_tokens
+        raise PlanError(f"step {info.step} micro {info.micro}: the targets of the microbatch's samples hold {found} "
+                        f"tokens but the plan counted {info.target_tokens} (target_tokens): the dataset's targets "
+                        "differ from what `varlen analyze --target-length` counted; tokenize them with the same "
+                        "tokenizer and special tokens (EOS), or re-run `varlen analyze --target-length` and "
+                        "`varlen plan` on this dataset")
     return int(info.target_seqlen)
 
 

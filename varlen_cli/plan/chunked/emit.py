@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ... import format
-from ...checks import PlanArrays, PlanChecks
+from ...checks import PlanArrays, PlanChecks, segment_reduce
 from ...errors import InternalConsistencyError, OutputError
 from .. import batching, writer
 from .epoch import EpochRows
@@ -165,8 +165,8 @@ class RowGroups:
 
 def row_groups_of(epochs: list[EpochRows], fin: Finished, dp: int, grad_accum: int, packed: bool) -> RowGroups:
     names = ("ids", "sample_length", "item_length", "item_start") if packed else ("ids", "sample_length")
-    if fin.metadata.get("loss_tokens") == format.TARGET_LENGTH_COLUMN:  # the check counts the metrics' targets
-        names += ("sample_target",)
+    if fin.metadata.get("loss_tokens") == format.TARGET_LENGTH_COLUMN or format.has_target_budget(fin.metadata):
+        names += ("sample_target",)  # the check counts the metrics' targets; two budgets: target_tokens sums them
     if "mixture" in fin.metadata:  # each entry's source
         names += ("source",)
     return RowGroups(fin, names, packed, [bool(ep.item_rows) for ep in epochs], dp, grad_accum,
@@ -262,6 +262,8 @@ def _group(rg: RowGroups, readers, specs: list[RowSpec]):
         items = {"sample_ids": got["ids"], "sample_length": got["sample_length"].astype(np.int64)}
         if "sample_target" in got:
             items["sample_target"] = got["sample_target"].astype(np.int64)
+        if spec.target_seqlen is not None:  # two budgets: each row's real target tokens
+            cols[format.TARGET_TOKENS_COLUMN] = segment_reduce(np.add, items["sample_target"], offsets)
         if "source" in got:
             items["source"] = got["source"]
         if rg.packed:
