@@ -114,19 +114,31 @@ def test_a_rank_whose_peers_never_come_stops_in_one_line():
     assert "varlen: terminated" in err
 
 
-@pytest.mark.parametrize("name,value", [("VARLEN_TIMEOUT", "abc"), ("VARLEN_TIMEOUT", "0"),
+
+@pytest.mark.parametrize("name,value", [("VARLEN_TIMEOUT", "abc"), ("VARLEN_TIMEOUT", "0"), ("VARLEN_TIMEOUT", "nan"),
                                         ("VARLEN_JOIN_TIMEOUT", "-1"), ("VARLEN_JOIN_TIMEOUT", "inf")])
-def test_a_bad_timeout_in_the_environment_is_one_usage_line(tmp_path, name, value):
-    """A timeout that is no positive number of seconds: exit 2 and one line naming it, nothing written
-    (it was a ValueError traceback, or a join failure of exit 5)."""
+def test_a_timeout_that_is_no_positive_number_of_seconds_is_a_usage_error(monkeypatch, name, value):
+    from varlen_cli.errors import UsageError
+    from varlen_cli.runtime import dist
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(UsageError, match=rf"^{name} must be a positive number of seconds, got {value!r}$"):
+        dist.join_timeout()  # reads VARLEN_TIMEOUT too (its default)
+    monkeypatch.setenv(name, "2.5")
+    assert (dist.join_timeout() if name == "VARLEN_JOIN_TIMEOUT" else dist.collective_timeout()) == 2.5
+
+
+def test_a_bad_join_timeout_is_one_usage_line_before_the_join(tmp_path):
+    """Under a launcher's environment: exit 2 and one line naming it, nothing written (it was a join
+    failure of exit 5 after the join started; VARLEN_TIMEOUT's value was a ValueError traceback)."""
     port = str(_free_port())
     env = dict(os.environ, RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PYTHONPATH=ROOT,
-               OMP_NUM_THREADS="1", **{name: value})
+               OMP_NUM_THREADS="1", VARLEN_JOIN_TIMEOUT="-1")
     out = tmp_path / "metrics"
     command = [sys.executable, "-m", "varlen_cli", "analyze", os.path.join(ROOT, "sample_data", "tokenized.parquet"),
                "-o", str(out)]
     done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [
-        f"varlen: error: [rank 0] {name} must be a positive number of seconds, got {value!r}"]
+        "varlen: error: [rank 0] VARLEN_JOIN_TIMEOUT must be a positive number of seconds, got '-1'"]
     assert not out.exists()
