@@ -51,8 +51,12 @@ MEMORY_PROFILE_FORMAT_VERSION = 1
 # -- plan files --------------------------------------------------------------------------------------
 REPORT_GENERATOR = "varlen report"  # the generator mark of `varlen report`'s pages and images (--overwrite)
 TRACE_FORMAT = "varlen-trace"  # the "format" of a `varlen simulate --trace` file (Chrome trace events), its first key
-#: what ``--overwrite`` looks for in the first 4 KiB of an output before replacing it (runtime/safety.py)
-OUTPUT_MARKS = {"report": REPORT_GENERATOR, "trace": f'{{"format": "{TRACE_FORMAT}"'}
+#: what ``--overwrite`` looks for in the first 4 KiB of an output before replacing it, any one of (runtime/safety.py):
+#: a report's generator as its page's ``<meta name="generator">`` or its image's PNG ``Software`` text (not the words
+#: alone: a page of the user's may mention ``varlen report``), a trace's first key
+OUTPUT_MARKS = {"report": (f'<meta name="generator" content="{REPORT_GENERATOR} ',
+                           f"tEXtSoftware\0{REPORT_GENERATOR} "),
+                "trace": (f'{{"format": "{TRACE_FORMAT}"',)}
 
 PLAN_FORMAT = "varlen-plan"
 PLAN_FORMAT_VERSION = 1

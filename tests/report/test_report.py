@@ -366,3 +366,19 @@ def test_bad_inputs_are_one_line(plans, tmp_path, monkeypatch):
                       "--format png needs Pillow: pip install 'varlen-cli[report]' (the HTML report needs nothing "
                       "more)")
     assert not [p for p in os.listdir(tmp_path) if p.startswith("r.") or "varlen-tmp" in p]
+
+
+def test_overwrite_replaces_only_a_varlen_report(plans, tmp_path):
+    """``--overwrite`` replaces a page or image varlen report wrote, not a file of the user's that only
+    mentions ``varlen report`` (the generator mark, not the words, makes a report)."""
+    padded = plans["plans"]["padded"]
+    notes = tmp_path / "notes.html"
+    mine = "<html><body><h1>Notes: comparing varlen report pages</h1><p>keep this</p></body></html>"
+    notes.write_text(mine)
+    assert_user_error(runner.invoke(app, ["report", padded, "-o", str(notes), "--overwrite"]), 4,
+                      f"output {notes} is not a varlen report; --overwrite replaces only varlen outputs")
+    assert notes.read_text() == mine
+    page = tmp_path / "r.html"
+    for args in ([], ["--overwrite"]):  # its own page: replaced
+        res = runner.invoke(app, ["report", padded, "-o", str(page), *args])
+        assert res.exit_code == 0, res.output

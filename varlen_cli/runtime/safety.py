@@ -330,7 +330,7 @@ def made_by_varlen_mark(path: str, kind: str) -> bool:
             head = fh.read(4096)
     except (OSError, InputError):
         return False
-    return format.OUTPUT_MARKS[kind].encode() in head
+    return any(mark.encode() in head for mark in format.OUTPUT_MARKS[kind])
 
 
 def _regular_file(path: str) -> bool:
