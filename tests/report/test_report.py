@@ -382,3 +382,27 @@ def test_overwrite_replaces_only_a_varlen_report(plans, tmp_path):
     for args in ([], ["--overwrite"]):  # its own page: replaced
         res = runner.invoke(app, ["report", padded, "-o", str(page), *args])
         assert res.exit_code == 0, res.output
+
+
+DATA_CHECK = """<!DOCTYPE html><html><body><iframe id="f" src="file://{page}"></iframe><pre id="result">pending</pre>
+<script>window.addEventListener("load", function () {{
+  var d = document.getElementById("f").contentDocument, out;
+  try {{ out = JSON.parse(d.getElementById("varlen-inspect").textContent).path; }} catch (e) {{ out = "broken: " + e; }}
+  document.getElementById("result").textContent = out + " scripts=" + d.scripts.length;
+}});</script></body></html>"""
+
+
+def test_data_block_holds_any_plan_path(plans, tmp_path):
+    """A plan named ``<!--<script>.parquet``: the page's inline JSON is still the inspect data, read
+    back whole by a browser (no ``<`` in it can change where the block ends), and no script runs."""
+    import shutil
+
+    path = tmp_path / "<!--<script>.parquet"
+    shutil.copy(plans["plans"]["padded"], path)
+    page = report(ReportConfig(plan=str(path), output=str(tmp_path / "r.html"))).output
+    check = tmp_path / "check.html"
+    check.write_text(DATA_CHECK.format(page=page))
+    dom = browser.dump_dom(f"file://{check}")
+    assert html.unescape(re.search(r'<pre id="result">(.*?)</pre>', dom, re.S).group(1)) == \
+        f"{path} scripts=1"  # the data block, which runs nothing
+    assert _page_data(page)["path"] == str(path)

@@ -42,9 +42,10 @@ def clean(value):
 
 
 def data_block(info: dict) -> str:
-    """``info`` as the page's inline JSON (``</`` escaped so no string can end the block)."""
+    """``info`` as the page's inline JSON, every ``<`` written ``\\u003c`` (still the same JSON): no string
+    can end the block, nor change where it ends (``<!--<script>`` would, with only ``</`` escaped)."""
     text = json.dumps(clean(info), default=str, allow_nan=False, separators=(",", ":"))
-    return text.replace("</", "<\\/")
+    return text.replace("<", "\\u003c")
 
 
 def _cell(value, numbers_right: bool) -> str:
