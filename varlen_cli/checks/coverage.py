@@ -99,6 +99,7 @@ class Coverage:
         self.edges: list = []  # (first row, first epoch, last epoch) of each window
         self.keep = False  # mergeable: every epoch's state kept until results() (see PlanChecks.merge)
         self.held: dict = {}  # epoch -> _Seen of the epochs not current (keep only)
+        self.closed: set = set()  # epochs checked: an epoch of the metadata without rows is checked empty
         self.current: int | None = None
         self.seen: _Seen | None = None  # the current epoch's
         self.problems: list = []
@@ -202,6 +203,7 @@ class Coverage:
     def _close_epoch(self, e: int, seen: _Seen) -> None:
         if not 0 <= e < self.epochs:
             return  # the layout check reports epochs outside the plan's
+        self.closed.add(e)
         dropped = np.concatenate([self.long_keys, self.tail_keys[e]])
         partial = e == 0 and self.partial_first
         consumed = self.consumed if partial else None
@@ -262,6 +264,8 @@ class Coverage:
             problems.append(f"epoch {e}: {missing} samples are missing from an epoch and not listed as dropped{shown}"
                             + (f"; {missing} missing, the lineage says {consumed} were consumed"
                                if consumed is not None else ""))
+        elif consumed and missing <= 0:
+            problems.append(f"epoch {e}: no sample of epoch {e} is missing, the lineage says {consumed} were consumed")
         return problems
 
     def result(self) -> Check:
@@ -272,6 +276,8 @@ class Coverage:
         states, self.held, self.current, self.seen = self._states(), {}, None, None
         for e in sorted(states):
             self._close_epoch(e, states[e])
+        for e in sorted(set(range(self.epochs)) - self.closed):  # no rows: each of its samples missing
+            self._close_epoch(e, _Seen.empty(self.keys))
         problems = self.problems + self._tiling()
         if problems:
             return Check("coverage", False, "; ".join(problems[:4]) + (f" (+{len(problems) - 4} more)"
@@ -331,6 +337,8 @@ def _count_problems(keys: Keys, occ: np.ndarray, dropped: np.ndarray, e: int, co
                         f"(e.g. {_key_names(keys, cand[miss])})"
                         + (f"; {missing} missing, the lineage says {consumed} were consumed" if consumed is not None
                            else ""))
+    elif consumed and not miss.any():
+        problems.append(f"epoch {e}: no sample of epoch {e} is missing, the lineage says {consumed} were consumed")
     return problems
 
 
