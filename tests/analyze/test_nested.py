@@ -95,6 +95,12 @@ BAD_PATHS = {
     "target fps without value": (["--target-length", "chars:text", "--target-frames-per-second", "10"],
                                  "--target-frames-per-second needs --target-length value:PATH (seconds to turn into "
                                  "frames)", 2),
+    "fps without value": (["--length", "chars:text", "--frames-per-second", "100"],
+                          "--frames-per-second needs --length value:PATH (seconds to turn into frames); the length "
+                          "is chars:text", 2),
+    "fps with an auto length of text": (["--length", "auto", "--frames-per-second", "100"],
+                                        "--frames-per-second needs --length value:PATH (seconds to turn into frames); "
+                                        "the length is chars:text", 2),
 }
 
 
