@@ -239,6 +239,18 @@ def test_nemo_manifest_range_sample_ids_follow_the_range(tmp_path):
                                      f"({tmp_path}/manifest_{{0..12}}.json)")
 
 
+@pytest.mark.parametrize("form", ["manifest_[0..11].json", "manifest_(0..11).json", "manifest_<0..11>.json"])
+def test_nemo_bracket_forms_are_ranges_not_globs(tmp_path, form):
+    """NeMo's ``[0..11]``, ``(0..11)`` and ``<0..11>`` name the 12 shards as ``_OP_0..11_CL_`` does: ``[0..11]``
+    is no glob (whose class ``[0.1]`` read 2 of the 12 shards), the others no missing path."""
+    (tmp_path / "d").mkdir()
+    for k in range(12):
+        write_jsonl(pa.Table.from_pylist([{"duration": k + 0.5, "text": "w"}]), tmp_path / "d" / f"manifest_{k}.json")
+    res, got = run(tmp_path / "m", tmp_path / "d" / form, length="value:duration", frames_per_second=10)
+    assert [f["path"] for f in res.manifest["dataset"]["files"]] == [f"manifest_{k}.json" for k in range(12)]
+    assert got.column("length").to_pylist() == [10 * k + 5 for k in range(12)]
+
+
 def test_targets_longer_than_their_samples_plan_and_validate(tmp_path):
     """A seq2seq target_length is counted apart from the source: a microbatch's targets may outnumber its
     tokens (translation into a longer language). Padded and packed plans count them as the loss tokens and
