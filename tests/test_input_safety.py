@@ -28,6 +28,7 @@ from typer.testing import CliRunner
 from tests.analyze_helpers import ipc_bytes, read_metrics, text_table, write_jsonl, write_parquet
 from tests.conftest import assert_user_error
 from varlen_cli.cli import app
+from varlen_cli.errors import InputError
 
 NOT_DATA = "a varlen metrics or sorted directory, not a dataset; pass the data it was made from"
 STALE_HINT = "re-run `varlen analyze`, or pass --allow-stale if the data was moved or copied on purpose"
@@ -359,6 +360,19 @@ def _fps_length(t):
     return (["analyze", p, "--length", "value:n", "--frames-per-second", "1000"], 3,
             f"length column 'n' has 1 values above 2**63-1 after --frames-per-second 1000 in {p} "
             "(first: 100000000000000000000); lengths must fit int64")
+
+
+def test_seconds_times_fps_past_float_range_is_one_line():
+    """1e300 seconds x 1e10 frames a second is inf: refused in the one line, no numpy overflow warning above it."""
+    import warnings
+
+    from varlen_cli.analyze.lengths import value_lengths
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(InputError, match=r"has 1 values above 2\*\*63-1 after --frames-per-second 1e\+10 in f "
+                                             r"\(first: inf\)"):
+            value_lengths(pa.array([1.5, 1e300]), "n", "f", 1e10)
 
 
 def _function(t, name, body, message, code=3):

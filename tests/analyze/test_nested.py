@@ -95,6 +95,12 @@ BAD_PATHS = {
     "target fps without value": (["--target-length", "chars:text", "--target-frames-per-second", "10"],
                                  "--target-frames-per-second needs --target-length value:PATH (seconds to turn into "
                                  "frames)", 2),
+    "fps without value": (["--length", "chars:text", "--frames-per-second", "100"],
+                          "--frames-per-second needs --length value:PATH (seconds to turn into frames); the length "
+                          "is chars:text", 2),
+    "fps with an auto length of text": (["--length", "auto", "--frames-per-second", "100"],
+                                        "--frames-per-second needs --length value:PATH (seconds to turn into frames); "
+                                        "the length is chars:text", 2),
 }
 
 
@@ -231,6 +237,18 @@ def test_nemo_manifest_range_sample_ids_follow_the_range(tmp_path):
     assert result.stderr.strip() == (f"varlen: error: {tmp_path}/manifest_12.json does not exist: file 13 of the 13 "
                                      f"that the shard range {tmp_path}/manifest__OP_0..12_CL_.json names "
                                      f"({tmp_path}/manifest_{{0..12}}.json)")
+
+
+@pytest.mark.parametrize("form", ["manifest_[0..11].json", "manifest_(0..11).json", "manifest_<0..11>.json"])
+def test_nemo_bracket_forms_are_ranges_not_globs(tmp_path, form):
+    """NeMo's ``[0..11]``, ``(0..11)`` and ``<0..11>`` name the 12 shards as ``_OP_0..11_CL_`` does: ``[0..11]``
+    is no glob (whose class ``[0.1]`` read 2 of the 12 shards), the others no missing path."""
+    (tmp_path / "d").mkdir()
+    for k in range(12):
+        write_jsonl(pa.Table.from_pylist([{"duration": k + 0.5, "text": "w"}]), tmp_path / "d" / f"manifest_{k}.json")
+    res, got = run(tmp_path / "m", tmp_path / "d" / form, length="value:duration", frames_per_second=10)
+    assert [f["path"] for f in res.manifest["dataset"]["files"]] == [f"manifest_{k}.json" for k in range(12)]
+    assert got.column("length").to_pylist() == [10 * k + 5 for k in range(12)]
 
 
 def test_targets_longer_than_their_samples_plan_and_validate(tmp_path):

@@ -199,6 +199,9 @@ class _Work:
             self.length = self._auto_length()
         if self.length.kind == "tokens" and self.tokenizer is None:
             raise UsageError(f"--length {self.length} needs --tokenizer FILE")
+        if config.frames_per_second is not None and self.length.kind != "value":  # auto may pick text
+            raise UsageError(f"--frames-per-second needs --length value:PATH (seconds to turn into frames); the length "
+                             f"is {self.length}")
         self.chat_target = is_chat_target(config.target_length)
         self.target = parse_target(config.target_length) if config.target_length and not self.chat_target else None
         if self.target is not None and self.target.kind == "tokens" and self.tokenizer is None:

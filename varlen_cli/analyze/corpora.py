@@ -8,7 +8,8 @@ files a SOURCE names, in the order the library reads them (that order is ``sampl
   (``expand_sharded_filepaths``): ``(``, ``[``, ``<`` and ``_OP_`` become ``{``; ``)``, ``]``, ``>``
   and ``_CL_`` become ``}``; then ``braceexpand`` (without backslash escapes). The files keep the
   expansion's order (``_0..511_`` is numeric: 0, 1, 2, ..., not 0, 1, 10, 100), every one must exist.
-  A SOURCE is a range when it does not exist as a path and holds ``_OP_`` or ``{``.
+  A SOURCE is a range when it does not exist as a path and holds ``_OP_``, ``{``, or a ``(A..B)``,
+  ``[A..B]`` or ``<A..B>`` group (``[0..7]`` is NeMo's range, never a glob's class).
 * **Lhotse Shar** (a directory of ``cuts.000000.jsonl.gz``, ``recording.000000.tar``, ...): the cut
   shards (``cuts.*.jsonl*``), in sorted path order as ``CutSet.from_shar(in_dir=...)`` reads them;
   the fields' shards (audio, features) hold no samples of their own and are not read. A Lhotse CutSet
@@ -18,6 +19,7 @@ files a SOURCE names, in the order the library reads them (that order is ``sampl
 from __future__ import annotations
 
 import os
+import re
 
 from .. import storage
 from ..errors import InputError, UsageError
@@ -25,11 +27,14 @@ from ..errors import InputError, UsageError
 NEMO_OPEN = ("(", "[", "<", "_OP_")
 NEMO_CLOSE = (")", "]", ">", "_CL_")
 SHAR_CUTS = "cuts"
+# NeMo's (0..7), [0..7] and <0..7>: a range, not a glob's class [0.7] nor a missing path
+NEMO_BRACKET_RANGE = re.compile(r"[(\[<][^()\[\]<>/]*\.\.[^()\[\]<>/]*[)\]>]")
 
 
 def is_nemo_range(source: str) -> bool:
     """Whether SOURCE is a brace-expanded shard range (see the module doc)."""
-    return ("_OP_" in source or "{" in source) and not storage.exists(source)
+    return ("_OP_" in source or "{" in source or NEMO_BRACKET_RANGE.search(source) is not None) \
+        and not storage.exists(source)
 
 
 def expand_nemo(source: str) -> list[str]:

@@ -232,7 +232,8 @@ def value_lengths(column, name: str, where: str, frames_per_second: float | None
                   fps_option: str = "--frames-per-second") -> np.ndarray:
     values = numeric_values(column, name, where, "length column", as_float=False)
     if frames_per_second is not None:
-        values = np.ceil(values * frames_per_second - 1e-9)
+        with np.errstate(over="ignore", invalid="ignore"):  # inf is refused just below, in one line
+            values = np.ceil(values * frames_per_second - 1e-9)
         _check_fits_int64(values, name, where, f" after {fps_option} {frames_per_second:g}")
         return values.astype(np.int64)
     _check_fits_int64(values, name, where)
