@@ -327,14 +327,20 @@ def test_extend_is_bounded_by_the_new_epochs_and_a_chunk(dirs, tmp_path, monkeyp
     assert not os.path.exists(out)
 
 
-@pytest.mark.xfail(strict=True, reason="open: too_long_ids hold for every epoch, so a --drop-long replan whose smaller "
-                   "budget drops samples the parent already trained in the epoch in progress lists them as dropped "
-                   "too; its first epoch then lacks fewer samples than lineage.consumed_samples and the planner's "
-                   "own check fails (InternalConsistencyError, exit 1)")
-def test_replan_to_a_smaller_budget_of_a_drop_long_plan(dirs, tmp_path):
+@pytest.mark.parametrize("budget", ["200", "8192"])
+def test_replan_of_a_drop_long_plan_to_another_budget_is_refused_in_one_line(dirs, tmp_path, budget):
+    """A smaller budget drops samples the epoch in progress may already have trained, a larger one lets in
+    samples the parent dropped from it: which were trained is not in the plan file, so the planner's own
+    check failed (an internal error, exit 1). Refused before planning; the plan's own budget still replans."""
     parent = str(tmp_path / "long.parquet")
     plan(PlanConfig(input=dirs["metrics"], output=parent, max_tokens=2048, dp=2, epochs=2, seed=3, drop_long=True))
     out = str(tmp_path / "small.parquet")
-    res = runner.invoke(app, ["replan", parent, "--from-step", "3", "--dp", "3", "--max-tokens", "200", "-o", out])
-    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["replan", parent, "--from-step", "3", "--dp", "3", "--max-tokens", budget, "-o", out])
+    assert_user_error(res, 2, f"{parent} drops the samples that fit no microbatch (--drop-long), and replan cannot "
+                      "move it to another budget: the samples a new budget drops or lets in cannot be told apart from "
+                      "those the epoch in progress already trained; replan with the plan's budget, or plan the rest "
+                      "afresh (`varlen plan --drop-long` with the new budget)")
+    assert not os.path.exists(out)
+    same = runner.invoke(app, ["replan", parent, "--from-step", "3", "--dp", "3", "--max-tokens", "2048", "-o", out])
+    assert same.exit_code == 0, same.output
     assert validate(ValidateConfig(out, metrics=dirs["metrics"])).ok

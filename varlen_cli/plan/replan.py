@@ -179,6 +179,11 @@ def replan(config: ReplanConfig) -> PlanResult:
     budget = rebudget(parent.budget, max_tokens=config.max_tokens, max_memory=config.max_memory,
                       memory_profile=config.memory_profile,
                       allow_memory_extrapolation=config.allow_memory_extrapolation)
+    if c.drop_long and budget != parent.budget:
+        raise UsageError(f"{config.plan} drops the samples that fit no microbatch (--drop-long), and replan cannot "
+                         "move it to another budget: the samples a new budget drops or lets in cannot be told apart "
+                         "from those the epoch in progress already trained; replan with the plan's budget, or plan "
+                         "the rest afresh (`varlen plan --drop-long` with the new budget)")
     if config.allow_memory_extrapolation:  # recorded with the new limit (config_record), for --extend
         c = dataclasses.replace(c, allow_memory_extrapolation=True)
     inputs = [c.input] if not parent.mixture else [s["path"] for s in parent.mixture["sources"] if s.get("path")]
