@@ -13,8 +13,7 @@ import os
 import re
 from functools import cache
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGE = "varlen_cli"
+from tests.doc_cites import PACKAGE, ROOT, modules  # {module name: path} of every module of the package
 
 # The floors, lowest first. A module's floor is that of its top-level module or package under
 # varlen_cli ("": the package's own __init__); it imports only from its own floor or below. A new
@@ -37,18 +36,6 @@ MAX_FUNCTION_LINES = 80
 ALLOWED_PRIVATE_IMPORTS: set = set()
 ALLOWED_LONG_FUNCTIONS: set = set()
 
-
-@cache
-def modules() -> dict[str, str]:
-    """{module name: path} of every module of the package."""
-    out = {}
-    for folder, _, files in os.walk(os.path.join(ROOT, PACKAGE)):
-        for name in files:
-            if name.endswith(".py"):
-                path = os.path.join(folder, name)
-                dotted = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
-                out[dotted.removesuffix(".__init__")] = path
-    return out
 
 
 def _targets(module: str, node: ast.Import | ast.ImportFrom) -> list[str]:
