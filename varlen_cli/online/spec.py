@@ -10,22 +10,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import format
 from ..budget import Budget, attention_number
 from ..errors import UsageError
 from ..plan import cost_model
 from ..plan.config import MAX_TOKENS_LIMIT, PlanConfig
-from ..plan.lr import SCALINGS
+from ..plan.lr import SCALE_BY, SCALINGS
 from ..plan.shapes import ShapeMap
-
-LR_SCALE_BY = ("samples", "tokens", "loss-tokens")
-INT32_MAX = 2**31 - 1
 
 
 def _count(name: str, value, allow_none: bool = True) -> None:
     if value is None and allow_none:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 1 <= value <= INT32_MAX:
-        raise UsageError(f"{name} must be an integer between 1 and {INT32_MAX:,} (got {value!r})")
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 1 <= value <= format.INT32_MAX:
+        raise UsageError(f"{name} must be an integer between 1 and {format.INT32_MAX:,} (got {value!r})")
 
 
 @dataclass(frozen=True)
@@ -90,8 +88,8 @@ def make_spec(*, dp, max_tokens=None, seq_len=None, num_microbatches=None, atten
         raise UsageError(f"attention_cost must be a finite number >= 0 (got {attention_cost!r})")
     if lr_scaling not in SCALINGS:
         raise UsageError(f"lr_scaling must be one of {', '.join(SCALINGS)} (got {lr_scaling!r})")
-    if lr_scale_by not in LR_SCALE_BY:
-        raise UsageError(f"lr_scale_by must be one of {', '.join(LR_SCALE_BY)} (got {lr_scale_by!r})")
+    if lr_scale_by not in SCALE_BY:
+        raise UsageError(f"lr_scale_by must be one of {', '.join(SCALE_BY)} (got {lr_scale_by!r})")
     if lr_scaling != "none" and base_batch_size is None:
         raise UsageError(f"lr_scaling {lr_scaling!r} needs base_batch_size (the step size at which lr_scale is 1)")
     if base_batch_size is not None and not (isinstance(base_batch_size, (int, float, np.number))

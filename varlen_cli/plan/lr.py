@@ -14,9 +14,10 @@ from __future__ import annotations
 import numpy as np
 
 from .. import format
+from ..runtime.choices import LrScaleBy, LrScaling, values
 
-SCALINGS = ("linear", "sqrt", "none")
-SCALE_BY = ("loss-tokens", "tokens", "samples")
+SCALINGS = values(LrScaling)  # the options' own choices (varlen plan --lr-scaling / --lr-scale-by)
+SCALE_BY = values(LrScaleBy)
 
 
 def lr_scales(step_samples: np.ndarray, step_tokens: np.ndarray, step_loss_tokens: np.ndarray, scaling: str,
