@@ -164,11 +164,8 @@ def _deal(spec: StepSpec, samples, offsets, seqlen, batch, tokens, per_rank: int
     cost = np.asarray(spec.budget.cost(batch, seqlen), np.float64)
     rank = layout.assign_ranks(cost[None, :], spec.dp, per_rank)[0] if slots else np.zeros(0, np.int64)
     where = np.lexsort((np.arange(slots), rank))  # (rank, position) order
-    counts = np.diff(offsets)[where]
-    new_off = np.zeros(slots + 1, np.int64)
-    np.cumsum(counts, out=new_off[1:])
-    entries = samples[batching.segment_gather(offsets[:-1][where], counts, new_off)]
-    return Slots(entries, new_off, seqlen[where], batch[where], tokens[where], cost[where], per_rank)
+    mb = batching.Microbatches(samples, offsets, seqlen, batch, tokens).take(where)
+    return Slots(mb.samples, mb.offsets, mb.seqlen, mb.batch_size, mb.tokens, cost[where], per_rank)
 
 
 # -- packed ----------------------------------------------------------------------------------------

@@ -17,9 +17,7 @@ the metadata's ``lineage`` (docs/plan.md, "Re-planning a running job").
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
-import itertools
 import json
 import os
 import time
@@ -116,14 +114,13 @@ def _state_step(path: str, parent: Parent) -> int:
         where = "the end" if step == parent.num_steps else "beyond the end"
         raise InputError(f"the sampler state {path} is at step {step}, {where} of {parent.path} "
                          f"({parent.num_steps} steps): nothing is left to replan")
-    starts = list(itertools.accumulate(parent.meta["steps_per_epoch"], initial=0))
     epoch = int(state["epoch"])
-    if not (epoch + 1 < len(starts) and starts[epoch] <= step < starts[epoch + 1]):
+    if epoch != parent.epoch_of(step):
         raise InputError(f"the sampler state {path} says epoch {epoch} at step {step}, but step {step} of "
-                         f"{parent.path} is in epoch {bisect.bisect_right(starts, step) - 1}")
+                         f"{parent.path} is in epoch {parent.epoch_of(step)}")
     _check_history(state, path, parent, step * parent.grad_accum + micro)
     if epoch in (state.get("ledger") or {}).get("ended", []):  # saved after loader.end_epoch()
-        nxt = starts[epoch + 1]
+        nxt = sum(parent.steps_per_epoch[:epoch + 1])  # the next epoch's first step
         then = (f"replan from there with --from-step {nxt}" if nxt < parent.num_steps else
                 f"nothing is left to replan ({parent.path} has {parent.num_steps} steps)")
         raise InputError(f"the sampler state {path} is in epoch {epoch}, which its ledger says was ended early "
