@@ -91,9 +91,10 @@ class PipeLoader(LoaderView):
         self.inputs = tuple(inputs)
         self._engine = engine
         self._binding = binding
-        self._shapes = _shapes(self.plan)[:, binding.rank, 0]  # this rank's (B, T) per step
-        self._sent: tuple | None = None  # the shape of the last step whose first microbatch this stage loaded
         self._dynamic = bool(getattr(engine, "dynamic_shape", False)) or engine.num_stages == 1
+        # this rank's (B, T) per step: only fixed p2p buffers need them (a read of the plan file)
+        self._shapes = None if self._dynamic else _shapes(self.plan)[:, binding.rank, 0]
+        self._sent: tuple | None = None  # the shape of the last step whose first microbatch this stage loaded
 
     def __iter__(self):
         for batch in self.loader:
