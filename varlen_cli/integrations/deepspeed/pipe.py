@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ...loader.batch import IGNORE_INDEX
 from ...loader.plan_file import Plan, PlanError
 from ...loader.view import LoaderView
 from .binding import check_position, sync_lr, write_step_figures
@@ -136,5 +137,5 @@ def pipe_loss(logits: torch.Tensor, labels: tuple) -> torch.Tensor:
     the normaliser :class:`PipeLoader` put in its labels (the exact step mean, see the module docstring)."""
     targets, scale = labels
     loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1).to(logits.device),
-                           ignore_index=-100, reduction="sum")
+                           ignore_index=IGNORE_INDEX, reduction="sum")
     return loss * scale.to(loss.device)
