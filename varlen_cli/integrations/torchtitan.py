@@ -110,10 +110,10 @@ class PlanDataLoader(BaseDataLoader):
                             "a path: a Megatron PREFIX or a varlen analyze metrics directory)")
         plan = open_plan(config.plan)
         context = max_context_length if max_context_length is not None else seq_len
-        if context is not None and longest_row(plan) > context:
-            raise PlanError(f"the plan has rows of {longest_row(plan)} tokens but torchtitan's context length is "
-                            f"{context}: set training.seq_len (max_context_length on torchtitan main) to at least "
-                            f"{longest_row(plan)}")
+        longest = longest_row(plan)
+        if context is not None and longest > context:
+            raise PlanError(f"the plan has rows of {longest} tokens but torchtitan's context length is {context}: set "
+                            f"training.seq_len (max_context_length on torchtitan main) to at least {longest}")
         self.num_tokens_per_batch = num_tokens_per_batch  # torchtitan main: fold to 1-D, pad to this
         self.pad_id = int(config.pad_id)
         collate = PackedCollate(pad_id=self.pad_id) if plan.packing else PadCollate(pad_id=self.pad_id)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ...loader.batch import IGNORE_INDEX
 from ...loader.plan_file import Plan, PlanError
 from ...loader.view import LoaderView
 from .binding import check_position, sync_lr, write_step_figures
@@ -91,9 +92,10 @@ class PipeLoader(LoaderView):
         self.inputs = tuple(inputs)
         self._engine = engine
         self._binding = binding
-        self._shapes = _shapes(self.plan)[:, binding.rank, 0]  # this rank's (B, T) per step
-        self._sent: tuple | None = None  # the shape of the last step whose first microbatch this stage loaded
         self._dynamic = bool(getattr(engine, "dynamic_shape", False)) or engine.num_stages == 1
+        # this rank's (B, T) per step: only fixed p2p buffers need them (a read of the plan file)
+        self._shapes = None if self._dynamic else _shapes(self.plan)[:, binding.rank, 0]
+        self._sent: tuple | None = None  # the shape of the last step whose first microbatch this stage loaded
 
     def __iter__(self):
         for batch in self.loader:
@@ -135,5 +137,5 @@ def pipe_loss(logits: torch.Tensor, labels: tuple) -> torch.Tensor:
     the normaliser :class:`PipeLoader` put in its labels (the exact step mean, see the module docstring)."""
     targets, scale = labels
     loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1).to(logits.device),
-                           ignore_index=-100, reduction="sum")
+                           ignore_index=IGNORE_INDEX, reduction="sum")
     return loss * scale.to(loss.device)
