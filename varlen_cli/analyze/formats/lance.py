@@ -94,14 +94,14 @@ def _data_files(folder: str, fragments: list) -> list:
         for data in fragment.data_files():
             path = os.path.join(folder, "data", data.path)
             try:
-                size = os.stat(path).st_size
+                st = os.stat(path)
             except OSError:
                 raise InputError(f"Lance data file {path} (fragment {fragment.fragment_id}) is missing") from None
             want = getattr(data, "file_size_bytes", None)
-            if want is not None and size != want:
-                raise InputError(f"Lance data file {path} has {size} bytes where the manifest records {want} "
+            if want is not None and st.st_size != want:
+                raise InputError(f"Lance data file {path} has {st.st_size} bytes where the manifest records {want} "
                                  "(truncated or replaced)")
-            out.append(storage.FileInfo(path, size, mtime_ns=os.stat(path).st_mtime_ns))
+            out.append(storage.FileInfo(path, st.st_size, mtime_ns=st.st_mtime_ns))
     return out
 
 
