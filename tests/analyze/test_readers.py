@@ -136,6 +136,21 @@ def test_litdata_damaged_input_is_refused_in_one_line(tmp_path, kind):
     assert not (tmp_path / "m").exists()
 
 
+def test_litdata_indexes_of_several_sources_are_read_once_each(tmp_path, monkeypatch):
+    """Each LitData index (and the stat of each of its chunks) is read once per run, however many
+    LitData sources the run has: one source's index does not evict another's."""
+    from varlen_cli.analyze.formats import litdata
+
+    parsed = []
+    parse = litdata._parse_index
+    monkeypatch.setattr(litdata, "_parse_index", lambda path: (parsed.append(path), parse(path))[1])
+    sources = [_litdata_write(tmp_path / name, [{"tokens": np.arange(i % 9, dtype=np.int64)} for i in range(20)],
+                              chunk_bytes=300) + "/index.json" for name in ("a", "b", "c")]
+    _, got = run(tmp_path / "m", *sources, length="list:tokens")
+    assert got.column("length").to_pylist() == [i % 9 for i in range(20)] * 3
+    assert sorted(parsed) == sorted(sources)
+
+
 # -- Lance --------------------------------------------------------------------------------------------------
 def _lance_dataset(folder):
     lance = pytest.importorskip("lance")

@@ -242,15 +242,10 @@ class _Work:
                                target=True)
 
     def _auto_length(self) -> LengthSpec:
-        # The first file that has columns tells (empty JSONL files have none).
-        for f in self.files:
-            if f.format == "text":
-                return auto_length([TEXT_COLUMN], {}, self.tokenizer is not None)
-            schema = schema_of(f)
-            if schema.names:
-                return auto_length(schema.names, {n: schema.field(n).type for n in schema.names},
-                                   self.tokenizer is not None)
-        raise InputError("the sources hold no samples (empty dataset)")
+        names, types = first_columns(self.files)
+        if not names:
+            raise InputError("the sources hold no samples (empty dataset)")
+        return auto_length(names, types, self.tokenizer is not None)
 
     def where(self, unit: Unit) -> str:
         return self.files[unit.file].path
@@ -339,13 +334,19 @@ def split_path(text: str, files: list[SourceFile]) -> tuple[str, tuple]:
 
 def column_names(files: list[SourceFile]) -> list[str]:
     """The columns of the first file that has any (what a dotted PATH is split against: :func:`.paths.split`)."""
+    return first_columns(files)[0]
+
+
+def first_columns(files: list[SourceFile]) -> tuple[list[str], dict]:
+    """(names, {name: Arrow type}) of the columns of the first file that has any (empty JSONL files
+    have none; a text file's one column, without a type); ``([], {})`` when none has."""
     for f in files:
         if f.format == "text":
-            return [TEXT_COLUMN]
-        names = schema_of(f).names
-        if names:
-            return names
-    return []
+            return [TEXT_COLUMN], {}
+        schema = schema_of(f)
+        if schema.names:
+            return schema.names, {n: schema.field(n).type for n in schema.names}
+    return [], {}
 
 
 def schema_of(f: SourceFile):

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import format, storage
-from ..errors import InputError
+from ..errors import InputError, first_line
 from ..runtime import freshness
 from ..storage.files import check_regular, open_regular
 from . import corpora, discovery, formats, memory, remote
@@ -460,7 +460,7 @@ class Reader:
         except InputError:
             raise
         except Exception as exc:
-            raise InputError(f"cannot read {f.path}: {_first_line(exc)}") from None
+            raise InputError(f"cannot read {f.path}: {first_line(exc)}") from None
         if columns is None:
             return table
         missing = [c for c in columns if c not in table.column_names]
@@ -475,18 +475,13 @@ class Reader:
         return table.select(list(columns))
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def _read_arrow_table(path: str):
     """The whole Arrow IPC file or stream as a table backed by the memory map (no copy)."""
     reader, _ = open_arrow(path)
     try:
         return reader.read_all()
     except Exception as exc:
-        raise InputError(f"cannot read Arrow file {path}: {_first_line(exc)}") from None
+        raise InputError(f"cannot read Arrow file {path}: {first_line(exc)}") from None
 
 
 def _read_bytes(f: SourceFile, unit: Unit) -> bytes:

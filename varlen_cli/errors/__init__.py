@@ -87,5 +87,12 @@ class PlanError(VarlenError, ValueError):
         super().__init__(message)
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none): what a one-line
+    refusal quotes of a library's error."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 ERROR_CLASSES = {cls.__name__: cls for cls in (VarlenError, UsageError, InputError, OutputError, WorkerError,
                                                PlanError)}

@@ -108,7 +108,7 @@ def record(info: storage.FileInfo, kind: str) -> dict:
     out = {"size": int(info.size), **storage.fingerprint_fields(info)}
     if storage.is_remote(info.path):
         return out
-    why = _difference(info.path, out, kind)
+    why = quick_difference(info.path, out)
     if why is not None:
         raise InputError(f"source {info.path} {why} while `varlen analyze` read it; run analyze again")
     out.update(content_fields(info.path, int(info.size), kind))

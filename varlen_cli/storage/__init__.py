@@ -81,7 +81,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import InputError, OutputError, UsageError, VarlenError
+from ..errors import InputError, OutputError, UsageError, VarlenError, first_line
 from .files import check_regular, open_regular
 
 # URL scheme -> (module to import, extra that installs it).
@@ -280,9 +280,9 @@ def _make_fs(loc: str, s: str, opts: dict) -> Any:
     except ImportError as exc:
         extra = EXTRAS.get(s, (None, None))[1]
         hint = f': pip install "varlen-cli[{extra}]"' if extra else ""
-        raise InputError(f"reading {loc} needs a package that is not installed ({_first_line(exc)}){hint}") from None
+        raise InputError(f"reading {loc} needs a package that is not installed ({first_line(exc)}){hint}") from None
     except (TypeError, ValueError) as exc:
-        raise UsageError(f"bad --storage-option for {s}://: {_first_line(exc)}") from None
+        raise UsageError(f"bad --storage-option for {s}://: {first_line(exc)}") from None
     return fs
 
 
@@ -294,15 +294,10 @@ def _arrow_fs_wrapper(loc: str, opts: dict) -> Any:
     try:
         fs, _ = pafs.FileSystem.from_uri(loc)
     except Exception as exc:  # noqa: BLE001 - pyarrow raises ArrowInvalid / OSError / NotImplementedError
-        raise InputError(f"unsupported location {loc}: no fsspec or pyarrow filesystem ({_first_line(exc)})") from None
+        raise InputError(f"unsupported location {loc}: no fsspec or pyarrow filesystem ({first_line(exc)})") from None
     if opts:
         raise UsageError(f"--storage-option is not supported for {scheme(loc)}:// (a pyarrow.fs URI)")
     return ArrowFSWrapper(fs)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 # -- errors ------------------------------------------------------------------------------------------
@@ -323,7 +318,7 @@ _OUTPUT_SIDE: ContextVar[bool] = ContextVar("varlen_storage_output_side", defaul
 def describe_error(loc: str, exc: BaseException, write: bool = False) -> str:
     """One line saying what went wrong reaching ``loc`` (missing, denied, unreachable...); ``write``:
     ``loc`` is (in) an output."""
-    text = _first_line(exc)
+    text = first_line(exc)
     low = f"{type(exc).__name__} {text}".lower()
     if isinstance(exc, FileNotFoundError) or "nosuchbucket" in low or "nosuchkey" in low or _STATUS["404"].search(low):
         what = "bucket" if "nosuchbucket" in low or "bucket" in low and "not exist" in low else "object"
@@ -617,7 +612,7 @@ def parquet_footer(loc: str, size: int, options: Options = None) -> tuple[bytes,
     try:  # the footer alone, framed as a file: pyarrow parses the metadata without the data pages
         metadata = pq.read_metadata(pa.BufferReader(b"PAR1" + footer + tail[-8:]))
     except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a damaged footer
-        raise InputError(f"cannot read Parquet file {loc}: {_first_line(exc)}") from None
+        raise InputError(f"cannot read Parquet file {loc}: {first_line(exc)}") from None
     return footer, metadata
 
 

@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass
 
 from ... import storage
-from ...errors import InputError, UsageError
+from ...errors import InputError, UsageError, first_line
 from . import ranges
 
 VERSIONS = "_versions"
@@ -83,7 +83,7 @@ def open_version(manifest: str) -> Version:
         rows = [f.count_rows() for f in fragments]
     except Exception as exc:  # lance's errors (OSError, ValueError, its own)
         raise InputError(f"cannot read the Lance dataset {folder} (version {version_of(manifest)}): "
-                         f"{_first_line(exc)}") from None
+                         f"{first_line(exc)}") from None
     return Version(manifest, dataset, fragments, rows, _data_files(folder, fragments))
 
 
@@ -94,20 +94,15 @@ def _data_files(folder: str, fragments: list) -> list:
         for data in fragment.data_files():
             path = os.path.join(folder, "data", data.path)
             try:
-                size = os.stat(path).st_size
+                st = os.stat(path)
             except OSError:
                 raise InputError(f"Lance data file {path} (fragment {fragment.fragment_id}) is missing") from None
             want = getattr(data, "file_size_bytes", None)
-            if want is not None and size != want:
-                raise InputError(f"Lance data file {path} has {size} bytes where the manifest records {want} "
+            if want is not None and st.st_size != want:
+                raise InputError(f"Lance data file {path} has {st.st_size} bytes where the manifest records {want} "
                                  "(truncated or replaced)")
-            out.append(storage.FileInfo(path, size, mtime_ns=os.stat(path).st_mtime_ns))
+            out.append(storage.FileInfo(path, st.st_size, mtime_ns=st.st_mtime_ns))
     return out
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def units(version: Version, chunk_bytes: int) -> list[tuple[int, int, int, int, int]]:
@@ -126,7 +121,7 @@ def read(version: Version, part: int, start: int, stop: int, columns):
         table = version.fragments[part].to_table(columns=list(columns) if columns is not None else None,
                                                  offset=start, limit=stop - start)
     except Exception as exc:
-        raise InputError(f"cannot read the Lance dataset of {version.manifest}: {_first_line(exc)}") from None
+        raise InputError(f"cannot read the Lance dataset of {version.manifest}: {first_line(exc)}") from None
     if table.num_rows != stop - start:
         raise InputError(f"Lance fragment {part} of {version.manifest} returned {table.num_rows} rows where its "
                          f"manifest counts {stop - start} (damaged or changed)")

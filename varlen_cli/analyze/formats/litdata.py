@@ -84,11 +84,13 @@ def clear_cache() -> None:
 
 
 def read_index(path: str) -> Index:
-    """The index (checked against its chunk files), read once per version of the file."""
+    """The index (checked against its chunk files), read once per version of the file (the last
+    version read of each index kept: several LitData sources do not evict each other)."""
     st = os.stat(path) if not storage.is_remote(path) else None
     key = (path, st.st_size, st.st_mtime_ns) if st is not None else (path,)
     if key not in _INDEXES:
-        _INDEXES.clear()
+        for old in [k for k in _INDEXES if k[0] == path]:
+            del _INDEXES[old]
         _INDEXES[key] = _parse_index(path)
     return _INDEXES[key]
 
